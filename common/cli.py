@@ -1,0 +1,3 @@
+"""Placeholder."""
+def main() -> None:
+    pass

@@ -1,0 +1,93 @@
+"""The state of one request inside the engine.
+
+A request advances `num_computed_tokens` towards `num_tokens` (prompt plus output so far);
+prefill, chunked prefill, decode and recompute after preemption are all that one motion.
+This module holds state only: scheduling, KV allocation and sampling live elsewhere.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop token
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclass
+class RequestTimes:
+    """Wall-clock timestamps (time.monotonic) for metrics."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    times: RequestTimes = field(default_factory=lambda: RequestTimes(arrival=time.monotonic()))
+
+    output_token_ids: list[int] = field(default_factory=list)
+    # Logprob records for output tokens, when sampling_params.logprobs is set:
+    # (chosen token logprob, [(token id, logprob) of the top alternatives]).
+    output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # prompt + output, kept as one list so the hot path never concatenates.
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    # Tokens whose KV came from the prefix cache when the request was last admitted.
+    num_cached_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # KV cache: physical block ids in logical order, and the chained hashes of its full blocks.
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_preemptions: int = 0
+    # Per-request generator when sampling_params.seed is set: its draws do not depend on
+    # what else is in the batch.
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(self.sampling_params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
