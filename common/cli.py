@@ -1,3 +1,87 @@
-"""Placeholder."""
-def main() -> None:
-    pass
+"""The `folio` command line: one subcommand per job, each a thin call into a library.
+
+Argument parsing only; never business logic. Heavy imports (torch, the engine) happen inside
+the subcommand that needs them so `folio --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from common.config import add_engine_args, engine_config_from_args
+
+
+def _prepare_model(args: argparse.Namespace) -> int:
+    from common.default_model import prepare_default_model
+
+    print(prepare_default_model(force=args.force))
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    config = engine_config_from_args(args)
+    llm = LLM(**vars(config))
+    messages = [{"role": "user", "content": args.message}]
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.sampling_seed
+    )
+    prompt = llm.tokenizer.encode_chat(messages)
+    for delta in llm.generate_stream([prompt], params):
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _bench_offline(args: argparse.Namespace) -> int:
+    from bench.offline import run_offline_benchmark
+
+    run_offline_benchmark(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="folio", description="Folio LLM inference server")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    prep = sub.add_parser("prepare-model", help="convert the default model once; print its directory")
+    prep.add_argument("--force", action="store_true", help="convert again even if cached")
+    prep.set_defaults(func=_prepare_model)
+
+    chat = sub.add_parser("chat", help="stream one chat answer from the offline engine")
+    chat.add_argument("message", help="the user's message")
+    chat.add_argument("--max-tokens", type=int, default=128)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--top-p", type=float, default=0.9)
+    chat.add_argument("--sampling-seed", type=int, default=None)
+    add_engine_args(chat)
+    chat.set_defaults(func=_chat)
+
+    bench = sub.add_parser("bench", help="benchmarks that print figures")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    offline = bench_sub.add_parser("offline", help="engine vs transformers generate, same workload")
+    from bench.offline import add_offline_args
+
+    add_offline_args(offline)
+    add_engine_args(offline)
+    offline.set_defaults(func=_bench_offline)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"folio: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

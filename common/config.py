@@ -6,13 +6,19 @@ validates it; it must never import torch or touch a device.
 
 from __future__ import annotations
 
+import argparse
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _arg(default, type_, help_, choices=None):
+    """A config field that also describes its command-line flag."""
+    return field(default=default, metadata={"type": type_, "help": help_, "choices": choices})
 
 
 def cache_dir() -> Path:
@@ -27,28 +33,21 @@ def cache_dir() -> Path:
 class EngineConfig:
     """Everything that shapes one engine instance."""
 
-    # A local Hugging Face directory; None means the default model (prepared on first use).
-    model: str | None = None
-    # "auto" is bfloat16 on CPU (bf16 matmul is ~5x fp32 there) and on GPU.
-    dtype: str = "auto"
-    device: str = "cpu"
-    block_size: int = 16
-    # The KV pool is sized from this budget unless num_kv_blocks is given.
-    kv_cache_memory_bytes: int = 2 * 1024**3
-    num_kv_blocks: int | None = None
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    max_waiting_requests: int = 1024
-    # None: the model's own context length.
-    max_model_len: int | None = None
-    scheduling_policy: str = "fcfs"
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
-    # CPU threads for torch; None leaves torch's default.
-    num_threads: int | None = None
-    # Seeds the generator that unseeded sampled requests share.
-    seed: int = 0
-    extra: dict = field(default_factory=dict)
+    model: str | None = _arg(None, str, "a local Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    dtype: str = _arg("auto", str, "weights and activations; auto = bfloat16", choices=DTYPES)
+    device: str = _arg("cpu", str, "torch device")
+    block_size: int = _arg(16, int, "tokens per KV cache block (a power of two)")
+    kv_cache_memory_bytes: int = _arg(2 * 1024**3, int, "memory budget of the KV cache pool")
+    num_kv_blocks: int | None = _arg(None, int, "KV pool size in blocks (overrides the memory budget)")
+    max_num_batched_tokens: int = _arg(2048, int, "token budget of one engine step")
+    max_num_seqs: int = _arg(128, int, "most requests running at once")
+    max_waiting_requests: int = _arg(1024, int, "bound of the waiting queue; beyond it requests are refused")
+    max_model_len: int | None = _arg(None, int, "context length (default: the model's, capped by the KV pool)")
+    scheduling_policy: str = _arg("fcfs", str, "which waiting request runs first", choices=SCHEDULING_POLICIES)
+    enable_prefix_caching: bool = _arg(True, bool, "reuse KV blocks of identical prompt prefixes")
+    attention_backend: str = _arg("auto", str, "auto = triton on CUDA, torch otherwise", choices=ATTENTION_BACKENDS)
+    num_threads: int | None = _arg(None, int, "CPU threads for torch (default: torch's choice)")
+    seed: int = _arg(0, int, "seed of the generator shared by unseeded sampled requests")
 
     def __post_init__(self) -> None:
         def require(ok: bool, message: str) -> None:
@@ -85,3 +84,19 @@ class EngineConfig:
             self.kv_cache_memory_bytes > 0,
             f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}",
         )
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (--max-num-seqs ...); booleans get --no-... too."""
+    group = parser.add_argument_group("engine")
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        meta = f.metadata
+        if meta["type"] is bool:
+            group.add_argument(flag, default=f.default, action=argparse.BooleanOptionalAction, help=meta["help"])
+        else:
+            group.add_argument(flag, default=f.default, type=meta["type"], choices=meta["choices"], help=meta["help"])
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})

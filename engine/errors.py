@@ -1,0 +1,17 @@
+"""Errors the engine raises to its callers; the services map them to gRPC status codes.
+
+Each message names the offending parameter. Raising one of these must leave the engine
+exactly as it was.
+"""
+
+
+class EngineError(Exception):
+    """Base class of the errors a caller can act on."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """The request itself is wrong (INVALID_ARGUMENT / HTTP 400)."""
+
+
+class QueueFullError(EngineError):
+    """The bounded waiting queue is full (RESOURCE_EXHAUSTED / HTTP 429)."""

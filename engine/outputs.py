@@ -1,0 +1,51 @@
+"""What the engine hands back after each step: per request, the tokens it gained.
+
+Plain data; the offline API turns it into text and the engine service into protobuf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import FinishReason
+
+
+@dataclass
+class RequestOutput:
+    """One request's progress in one step (or its end)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    # Per new token: (chosen token logprob, top alternatives) when logprobs were asked.
+    new_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class StepTimings:
+    """Seconds spent in each phase of the engine step, accumulated over steps."""
+
+    schedule: float = 0.0
+    prepare_inputs: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    update: float = 0.0
+    steps: int = 0
+
+    PHASES = ("schedule", "prepare_inputs", "forward", "sample", "update")
+
+    def add(self, *durations: float) -> None:
+        for name, seconds in zip(self.PHASES, durations):
+            setattr(self, name, getattr(self, name) + seconds)
+        self.steps += 1
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, name) for name in self.PHASES)
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in self.PHASES}
