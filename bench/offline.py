@@ -1,0 +1,178 @@
+"""`folio bench offline`: Folio's engine against transformers `generate` on one workload.
+
+Prints figures measured in this run: output tokens/s of both and their ratio, batch-1 decode
+tokens/s of both, and the engine's per-phase step time at two batch sizes. A benchmark, not a
+test: it asserts nothing and never runs in the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from dataclasses import dataclass
+
+
+def add_offline_args(parser: argparse.ArgumentParser) -> None:
+    w = parser.add_argument_group("workload")
+    w.add_argument("--num-requests", type=int, default=128)
+    w.add_argument("--min-prompt", type=int, default=32)
+    w.add_argument("--max-prompt", type=int, default=512)
+    w.add_argument("--min-output", type=int, default=32)
+    w.add_argument("--max-output", type=int, default=256)
+    w.add_argument("--workload-seed", type=int, default=1234)
+    w.add_argument("--hf-batch-size", type=int, default=16, help="static batch of the baseline")
+    w.add_argument("--hf-dtype", default="float32", help="dtype of the transformers baseline")
+    w.add_argument("--skip-hf", action="store_true", help="measure Folio only")
+    w.add_argument("--phase-batches", default="8,64", help="batch sizes for the phase breakdown")
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int, num_special: int = 32) -> Workload:
+    rng = random.Random(args.workload_seed)
+    prompts, outputs = [], []
+    for _ in range(args.num_requests):
+        length = rng.randint(args.min_prompt, args.max_prompt)
+        prompts.append([rng.randrange(num_special, vocab_size) for _ in range(length)])
+        outputs.append(rng.randint(args.min_output, args.max_output))
+    return Workload(prompts, outputs)
+
+
+def _greedy(max_tokens: int):
+    from engine.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def run_folio(llm, workload: Workload) -> float:
+    """Seconds to serve the whole workload with continuous batching."""
+    params = [_greedy(n) for n in workload.output_lens]
+    start = time.perf_counter()
+    results = llm.generate(workload.prompts, params)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(r.token_ids) for r in results)
+    assert produced == workload.output_tokens, (produced, workload.output_tokens)
+    return elapsed
+
+
+def folio_decode_rate(llm, prompt: list[int], num_tokens: int) -> float:
+    """Batch-1 decode tokens/s: tokens after the first over the time after the first."""
+    first = None
+    count = 0
+    for delta in llm.generate_stream([prompt], _greedy(num_tokens)):
+        count += len(delta.token_ids)
+        if first is None:
+            first = time.perf_counter()
+    return (count - 1) / (time.perf_counter() - first)
+
+
+def folio_phases(llm, batch: int, prompt_len: int, decode_steps: int, vocab_size: int) -> dict:
+    """Per-phase ms of decode steps with `batch` requests running."""
+    engine = llm.engine
+    rng = random.Random(batch)
+    for i in range(batch):
+        prompt = [rng.randrange(32, vocab_size) for _ in range(prompt_len)]
+        engine.add_request(f"phase-{batch}-{i}", prompt, _greedy(decode_steps + 1))
+    while any(r.num_output_tokens == 0 for r in engine.requests.values()):
+        engine.step()
+    engine.timings.__init__()
+    while engine.has_unfinished:
+        engine.step()
+    t = engine.timings
+    per_step = {name: 1000 * value / t.steps for name, value in t.as_dict().items()}
+    per_step["steps"] = t.steps
+    return per_step
+
+
+def run_hf(model_dir: str, dtype: str, workload: Workload, batch_size: int) -> float:
+    """Seconds for transformers generate over padded static batches, greedy, no EOS stop."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    start = time.perf_counter()
+    for i in range(0, len(workload.prompts), batch_size):
+        prompts = workload.prompts[i : i + batch_size]
+        max_new = max(workload.output_lens[i : i + batch_size])
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                do_sample=False, pad_token_id=pad,
+            )
+    return time.perf_counter() - start
+
+
+def hf_decode_rate(model_dir: str, dtype: str, prompt: list[int], num_tokens: int) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    ids = torch.tensor([prompt])
+
+    def timed(n: int) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return time.perf_counter() - start
+
+    timed(4)  # warm-up
+    return (num_tokens - 1) / (timed(num_tokens) - timed(1))
+
+
+def run_offline_benchmark(args: argparse.Namespace) -> None:
+    from common.config import engine_config_from_args
+    from engine.llm import LLM
+
+    config = engine_config_from_args(args)
+    llm = LLM(**vars(config))
+    vocab = llm.engine.vocab_size
+    workload = make_workload(args, vocab)
+    model_dir = str(llm.engine.model_path)
+    print(f"model {model_dir}  dtype {llm.engine.runner.dtype}  threads {__import__('torch').get_num_threads()}")
+    print(
+        f"workload: {len(workload.prompts)} requests, prompts {args.min_prompt}-{args.max_prompt}, "
+        f"outputs {args.min_output}-{args.max_output} ({workload.output_tokens} output tokens), "
+        f"greedy, ignore_eos"
+    )
+    decode_prompt = workload.prompts[0][:32]
+    folio_generate_warmup = llm.generate([decode_prompt], _greedy(4))
+    del folio_generate_warmup
+
+    folio_s = run_folio(llm, workload)
+    folio_tps = workload.output_tokens / folio_s
+    print(f"folio        throughput {folio_tps:8.1f} output tok/s  ({folio_s:.1f} s)")
+    folio_b1 = folio_decode_rate(llm, decode_prompt, 128)
+    print(f"folio        batch-1 decode {folio_b1:6.1f} tok/s")
+
+    for batch in (int(b) for b in args.phase_batches.split(",")):
+        phases = folio_phases(llm, batch, prompt_len=256, decode_steps=32, vocab_size=vocab)
+        total = sum(phases[name] for name in ("schedule", "prepare_inputs", "forward", "sample", "update"))
+        outside = 100 * (total - phases["forward"]) / total
+        print(
+            f"step phases at batch {batch:3d} (ms/step): "
+            + "  ".join(f"{k} {phases[k]:.2f}" for k in ("schedule", "prepare_inputs", "forward", "sample", "update"))
+            + f"  total {total:.2f}  outside forward {outside:.1f}%"
+        )
+
+    if args.skip_hf:
+        return
+    hf_s = run_hf(model_dir, args.hf_dtype, workload, args.hf_batch_size)
+    hf_tps = workload.output_tokens / hf_s
+    print(f"transformers throughput {hf_tps:8.1f} output tok/s  ({hf_s:.1f} s, static batches of {args.hf_batch_size}, {args.hf_dtype})")
+    hf_b1 = hf_decode_rate(model_dir, args.hf_dtype, decode_prompt, 128)
+    print(f"transformers batch-1 decode {hf_b1:6.1f} tok/s ({args.hf_dtype})")
+    print(f"ratio throughput  folio/transformers = {folio_tps / hf_tps:.2f}x")
+    print(f"ratio batch-1     folio/transformers = {folio_b1 / hf_b1:.2f}x")

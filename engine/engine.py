@@ -1,0 +1,206 @@
+"""The engine loop: validate and admit requests, then `step()` = schedule, prepare inputs,
+forward, sample, update.
+
+Token ids in, token ids out: this module never sees text, HTTP or gRPC. It is not
+thread-safe; one caller drives it (the offline API or the engine service's loop thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.config import EngineConfig
+from common.default_model import resolve_model_path
+from engine.errors import InvalidRequestError
+from engine.kv_cache_manager import KVCacheManager, num_blocks_for_budget
+from engine.model_runner import ModelRunner, resolve_dtype
+from engine.models.config import ModelConfig
+from engine.outputs import RequestOutput, StepTimings
+from engine.request import Request, RequestStatus
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.stopping import check_stop
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_kv_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path: Path = resolve_model_path(config.model)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        model_config = ModelConfig.from_dir(self.model_path)
+        self.model_config = model_config
+        dtype = resolve_dtype(config.dtype, config.device)
+        num_blocks = config.num_kv_blocks or num_blocks_for_budget(
+            config.kv_cache_memory_bytes,
+            model_config.num_hidden_layers,
+            model_config.num_key_value_heads,
+            model_config.head_dim,
+            config.block_size,
+            torch.empty((), dtype=dtype).element_size(),
+        )
+        self.max_model_len = self._max_model_len(config, model_config, num_blocks)
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv_cache)
+        self.runner = ModelRunner(config, str(self.model_path), num_blocks, self.max_model_len)
+        self.vocab_size = model_config.vocab_size
+        self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self.sampler = Sampler(
+            model_config.vocab_size, sorted(self.eos_token_ids), config.device, config.seed
+        )
+        self.requests: dict[str, Request] = {}
+        self.timings = StepTimings()
+
+    @staticmethod
+    def _max_model_len(config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> int:
+        pool_tokens = num_blocks * config.block_size
+        if config.max_model_len is not None:
+            if config.max_model_len > pool_tokens:
+                raise ValueError(
+                    f"max_model_len ({config.max_model_len}) exceeds the KV cache capacity "
+                    f"({pool_tokens} tokens = {num_blocks} blocks of {config.block_size}); "
+                    "raise kv_cache_memory_bytes / num_kv_blocks or lower max_model_len"
+                )
+            return config.max_model_len
+        limit = min(model_config.max_position_embeddings, pool_tokens)
+        if limit < model_config.max_position_embeddings:
+            logger.warning(
+                "max_model_len capped at %d tokens by the KV cache size (model allows %d)",
+                limit, model_config.max_position_embeddings,
+            )
+        return limit
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> Request:
+        """Validate and queue a request; raises InvalidRequestError or QueueFullError."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
+        self._validate_prompt(prompt_token_ids)
+        try:
+            params.validate(self.vocab_size)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        request = Request(request_id, list(prompt_token_ids), params, priority=priority)
+        self.scheduler.add_request(request)
+        self.requests[request_id] = request
+        return request
+
+    def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if len(prompt_token_ids) == 0:
+            raise InvalidRequestError("prompt_token_ids must not be empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens, but the model's context "
+                f"(max_model_len) is {self.max_model_len} tokens including at least one "
+                "generated token"
+            )
+        for token_id in prompt_token_ids:
+            if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
+                raise InvalidRequestError(
+                    f"prompt_token_ids contains {token_id!r}, outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks; False if it is unknown or already done."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.finish(request)
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv_cache.usage,
+            num_kv_blocks=self.kv_cache.num_blocks,
+            prefix_cache_queries=self.kv_cache.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if sched.is_empty:
+            return []
+        model_input = self.runner.prepare(sched)
+        t2 = time.perf_counter()
+        logits = self.runner.forward(model_input)
+        t3 = time.perf_counter()
+        sampled = self.sampler.sample(logits, model_input.sampling_requests)
+        t4 = time.perf_counter()
+        outputs = self._update(sched.requests, sched.num_new_tokens, model_input.sampling_requests, sampled)
+        t5 = time.perf_counter()
+        self.timings.add(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)
+        return outputs
+
+    def _update(self, scheduled, num_new_tokens, sampling_requests, sampled) -> list[RequestOutput]:
+        for request, num_new in zip(scheduled, num_new_tokens):
+            request.num_computed_tokens += num_new
+            self.kv_cache.cache_blocks(request, request.num_computed_tokens)
+        now = time.monotonic()
+        outputs = []
+        for row, request in enumerate(sampling_requests):
+            token_id = sampled.token_ids[row]
+            request.append_output(token_id)
+            logprobs = sampled.logprobs[row]
+            if logprobs is not None:
+                request.output_logprobs.append(logprobs)
+            if request.times.first_token is None:
+                request.times.first_token = now
+            reason = check_stop(request, self.eos_token_ids, self.max_model_len)
+            if reason is not None:
+                request.finish_reason = reason
+                request.times.finished = now
+                self.scheduler.finish(request)
+                del self.requests[request.request_id]
+            outputs.append(
+                RequestOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[token_id],
+                    new_logprobs=[logprobs] if logprobs is not None else [],
+                    finished=reason is not None,
+                    finish_reason=reason,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_output_tokens=request.num_output_tokens,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+        return outputs

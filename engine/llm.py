@@ -1,0 +1,157 @@
+"""The offline Python API: `LLM(...).generate(prompts, params)` over the engine loop.
+
+Text in and out through the tokenizer library; the engine itself only sees token ids.
+Drives the engine synchronously in the caller's thread; never starts servers or threads.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from common.config import EngineConfig
+from common.detokenizer import IncrementalDetokenizer
+from common.tokenizer import Tokenizer
+from engine.engine import LLMEngine
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+
+PromptInput = str | Sequence[int]
+
+
+@dataclass
+class CompletionOutput:
+    """The whole result for one prompt."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    # Per output token: (chosen token logprob, top alternatives), when logprobs were asked.
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class StreamDelta:
+    """What one prompt gained in one engine step."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = "auto", **engine_args) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **engine_args))
+        self.tokenizer = Tokenizer.from_dir(self.engine.model_path)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
+        """Run every prompt to completion; results in prompt order."""
+        prompt_list = _as_prompt_list(prompts)
+        results = [
+            CompletionOutput(prompt=p if isinstance(p, str) else None, prompt_token_ids=ids)
+            for p, ids in zip(prompt_list, self._encode_all(prompt_list))
+        ]
+        for index, out in self._run([r.prompt_token_ids for r in results], params):
+            result = results[index]
+            result.token_ids.extend(out.new_token_ids)
+            result.logprobs.extend(out.new_logprobs)
+            result.num_cached_tokens = out.num_cached_tokens
+            if out.finished:
+                result.finish_reason = out.finish_reason.value
+        for result in results:
+            result.text = self.tokenizer.decode(result.token_ids)
+        return results
+
+    def generate_stream(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[StreamDelta]:
+        """Yield text deltas as the engine produces tokens, across all prompts."""
+        prompt_list = _as_prompt_list(prompts)
+        token_lists = self._encode_all(prompt_list)
+        detokenizers = [IncrementalDetokenizer(self.tokenizer, ids) for ids in token_lists]
+        for index, out in self._run(token_lists, params):
+            delta = detokenizers[index].push(out.new_token_ids)
+            text = delta.text
+            if out.finished:
+                text += detokenizers[index].finish().text
+            yield StreamDelta(
+                index=index,
+                text=text,
+                token_ids=list(out.new_token_ids),
+                finished=out.finished,
+                finish_reason=out.finish_reason.value if out.finished else None,
+            )
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
+        """Generate replies to one conversation or a list of them, through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate([self.tokenizer.encode_chat(c) for c in conversations], params)
+
+    def _encode_all(self, prompts: list[PromptInput]) -> list[list[int]]:
+        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+
+    def _run(self, token_lists: list[list[int]], params) -> Iterator[tuple[int, object]]:
+        """Feed requests as the waiting queue allows and yield (prompt index, RequestOutput)."""
+        param_list = _as_param_list(params, len(token_lists))
+        for p in param_list:
+            p.validate(self.engine.vocab_size)
+        pending = deque(range(len(token_lists)))
+        index_of: dict[str, int] = {}
+        capacity = self.engine.config.max_waiting_requests
+        try:
+            while pending or index_of:
+                while pending and len(self.engine.scheduler.waiting) < capacity:
+                    index = pending.popleft()
+                    request_id = f"offline-{next(self._ids)}"
+                    self.engine.add_request(request_id, token_lists[index], param_list[index])
+                    index_of[request_id] = index
+                for out in self.engine.step():
+                    index = index_of[out.request_id]
+                    if out.finished:
+                        del index_of[out.request_id]
+                    yield index, out
+        finally:
+            for request_id in index_of:
+                self.engine.abort(request_id)
+
+
+def _as_prompt_list(prompts) -> list[PromptInput]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise InvalidRequestError("prompts must not be empty")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]
+    return prompts
+
+
+def _as_param_list(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise InvalidRequestError(
+            f"got {len(params)} SamplingParams for {count} prompts; pass one or one per prompt"
+        )
+    return params
