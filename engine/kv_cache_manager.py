@@ -1,0 +1,177 @@
+"""Bookkeeping for the paged KV cache: which physical blocks each request owns.
+
+The pool holds `num_blocks` blocks of `block_size` token slots. Every block is in exactly one
+state: free (never used, or content no longer worth keeping), evictable (refcount 0 but its
+full content is registered in the prefix cache under a chained hash, reusable until evicted in
+LRU order), or referenced by live requests' block tables (refcount > 0).
+
+This module only moves block ids around: it never touches KV tensors (the executor owns them)
+and never decides which request runs or gets preempted (the scheduler does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+from engine.request import Request
+
+
+def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """Chained hash of one full block: it identifies the whole prefix ending at this block."""
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+
+
+def num_blocks_for_budget(
+    memory_bytes: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype_bytes: int,
+) -> int:
+    """How many blocks (K and V, all layers) fit in `memory_bytes`."""
+    for name, value in (
+        ("num_layers", num_layers),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+        ("block_size", block_size),
+        ("dtype_bytes", dtype_bytes),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    bytes_per_block = 2 * num_layers * num_kv_heads * head_dim * block_size * dtype_bytes
+    num_blocks = memory_bytes // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV cache budget of {memory_bytes} bytes cannot hold one block "
+            f"({bytes_per_block} bytes); raise the budget or lower block_size"
+        )
+    return num_blocks
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        # Refcount-0 blocks still registered in the cache; the first entry is evicted first.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._cached: dict[bytes, int] = {}  # chained hash -> the block registered under it
+        self._block_hash: list[bytes | None] = [None] * num_blocks
+        # Cumulative, in tokens.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_prefix(self, request: Request) -> tuple[list[int], int]:
+        """The cached blocks holding the longest prefix of request.token_ids, and its length.
+
+        At least one token is left out so that the step computes the last token's logits.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        tokens = request.token_ids
+        size = self.block_size
+        blocks: list[int] = []
+        parent = b""
+        for i in range((len(tokens) - 1) // size):
+            parent = hash_block(parent, tokens[i * size : (i + 1) * size])
+            block = self._cached.get(parent)
+            if block is None:
+                break
+            blocks.append(block)
+        self.prefix_cache_queries += len(tokens)
+        self.prefix_cache_hits += len(blocks) * size
+        return blocks, len(blocks) * size
+
+    def allocate(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+        """Grow request.block_table to cover `num_new_tokens` more tokens; all or nothing.
+
+        `cached_blocks` (from get_cached_prefix just before) may only be given while the
+        request holds no blocks; they then count as its computed tokens.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if cached_blocks and request.block_table:
+            raise ValueError(f"request {request.request_id} already holds blocks; cannot take cached ones")
+        num_computed = len(cached_blocks) * self.block_size if cached_blocks else request.num_computed_tokens
+        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_fresh = max(0, num_needed - len(request.block_table) - len(cached_blocks))
+        # Taking an evictable cached block removes it from what fresh blocks can come from.
+        num_revived = sum(1 for block in cached_blocks if self._ref_counts[block] == 0)
+        if num_fresh > self.num_free_blocks - num_revived:
+            return False
+
+        for block in cached_blocks:
+            if self._ref_counts[block] == 0:
+                del self._evictable[block]
+            self._ref_counts[block] += 1
+            request.block_table.append(block)
+            request.block_hashes.append(self._block_hash[block])
+        for _ in range(num_fresh):
+            block = self._free.popleft() if self._free else self._evict()
+            self._ref_counts[block] = 1
+            request.block_table.append(block)
+        return True
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's blocks that became full once `num_computed_tokens` are computed."""
+        if not self.enable_prefix_caching:
+            return
+        size = self.block_size
+        tokens = request.token_ids
+        hashes = request.block_hashes
+        num_full = min(num_computed_tokens // size, len(request.block_table))
+        for i in range(len(hashes), num_full):
+            block_hash = hash_block(hashes[-1] if hashes else b"", tokens[i * size : (i + 1) * size])
+            hashes.append(block_hash)
+            # Another block may already hold this content; keep that one as the cached copy.
+            if block_hash not in self._cached:
+                block = request.block_table[i]
+                self._cached[block_hash] = block
+                self._block_hash[block] = block_hash
+
+    def free(self, request: Request) -> None:
+        """Release all of the request's blocks, tail first so that eviction drops tails first."""
+        for block in reversed(request.block_table):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                if self._block_hash[block] is None:
+                    self._free.append(block)
+                else:
+                    self._evictable[block] = None
+        request.block_table.clear()
+        request.block_hashes.clear()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every unreferenced cached block; False if there was none."""
+        if not self._evictable:
+            return False
+        for block in self._evictable:
+            del self._cached[self._block_hash[block]]
+            self._block_hash[block] = None
+            self._free.append(block)
+        self._evictable.clear()
+        return True
+
+    def _evict(self) -> int:
+        block, _ = self._evictable.popitem(last=False)
+        del self._cached[self._block_hash[block]]
+        self._block_hash[block] = None
+        return block
