@@ -82,7 +82,7 @@ class LLM:
         """Yield text deltas as the engine produces tokens, across all prompts."""
         prompt_list = _as_prompt_list(prompts)
         token_lists = self._encode_all(prompt_list)
-        detokenizers = [IncrementalDetokenizer(self.tokenizer, ids) for ids in token_lists]
+        detokenizers = [IncrementalDetokenizer(self.tokenizer) for _ in token_lists]
         for index, out in self._run(token_lists, params):
             delta = detokenizers[index].push(out.new_token_ids)
             text = delta.text

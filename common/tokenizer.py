@@ -1,0 +1,203 @@
+"""Text <-> token ids for one model directory: encode, decode, chat templates.
+
+Built on the `tokenizers` library (tokenizer.json) and jinja2 so that the serving processes never
+import transformers, yet every result equals what transformers' AutoTokenizer gives for the same
+directory. This module must never download anything or touch a device.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as FastTokenizer
+
+# The named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
+SPECIAL_TOKEN_NAMES = (
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"
+)
+# config.json keys that hold the context length, most specific first.
+CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json writes special tokens either as strings or as AddedToken dicts.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _load_chat_template(path: Path, tokenizer_config: dict) -> str | None:
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):
+        # Named templates: transformers uses the one called "default".
+        named = {entry["name"]: entry["template"] for entry in template}
+        template = named.get("default")
+    return template
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; render its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+def _compile_chat_template(source: str) -> jinja2.Template:
+    # Same environment as transformers: chat templates are untrusted code, hence the sandbox.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def validate_messages(messages: Any) -> list[dict]:
+    """Check a chat conversation; return it with None-valued keys dropped (as transformers does)."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    cleaned = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be a dict, got {type(message).__name__}")
+        message = {k: v for k, v in message.items() if v is not None}
+        for key in ("role", "content"):
+            if key not in message:
+                raise ValueError(f"messages[{i}] has no '{key}'")
+            if not isinstance(message[key], str):
+                raise ValueError(
+                    f"messages[{i}]['{key}'] must be a string, got {type(message[key]).__name__}"
+                )
+        cleaned.append(message)
+    return cleaned
+
+
+class Tokenizer:
+    """One model's tokenizer: a fast tokenizer, its special tokens and its chat template."""
+
+    def __init__(self, fast: FastTokenizer, tokenizer_config: dict, model_config: dict,
+                 generation_config: dict, chat_template: str | None) -> None:
+        self._fast = fast
+        self.special_tokens = {
+            name: text for name in SPECIAL_TOKEN_NAMES
+            if (text := _token_text(tokenizer_config.get(name))) is not None
+        }
+        self.chat_template = chat_template
+        self._template = _compile_chat_template(chat_template) if chat_template else None
+
+        bos_text = self.special_tokens.get("bos_token")
+        self.bos_token_id: int | None = (
+            fast.token_to_id(bos_text) if bos_text is not None else model_config.get("bos_token_id")
+        )
+        eos_ids = _as_id_list(generation_config.get("eos_token_id"))
+        eos_ids += _as_id_list(model_config.get("eos_token_id"))
+        if (eos_text := self.special_tokens.get("eos_token")) is not None:
+            eos_ids += _as_id_list(fast.token_to_id(eos_text))
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_ids))
+        self.special_token_ids: frozenset[int] = frozenset(
+            token_id for token_id, added in fast.get_added_tokens_decoder().items() if added.special
+        )
+        self.byte_fallback_ids = self._find_byte_fallback_ids()
+        self.max_model_len: int | None = next(
+            (model_config[key] for key in CONTEXT_LENGTH_KEYS if key in model_config), None
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"{str(path)!r} has no tokenizer.json")
+        tokenizer_config = _read_json(path / "tokenizer_config.json")
+        return cls(
+            FastTokenizer.from_file(str(path / "tokenizer.json")),
+            tokenizer_config,
+            _read_json(path / "config.json"),
+            _read_json(path / "generation_config.json"),
+            _load_chat_template(path, tokenizer_config),
+        )
+
+    def _find_byte_fallback_ids(self) -> frozenset[int]:
+        # A ByteFallback decoder turns a run of <0xXX> tokens into the characters of their bytes,
+        # or into one U+FFFD per token when the run is not valid UTF-8 as a whole.
+        decoder = self._fast.decoder
+        if decoder is None or b'"ByteFallback"' not in decoder.__getstate__():
+            return frozenset()
+        ids = (self._fast.token_to_id(f"<0x{b:02X}>") for b in range(256))
+        return frozenset(i for i in ids if i is not None)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows, added tokens included."""
+        return self._fast.get_vocab_size(with_added_tokens=True)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The token's string in the vocabulary (byte-level or SentencePiece form), None if unknown."""
+        return self._fast.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._fast.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        messages = validate_messages(messages)
+        try:
+            return self._template.render(
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except jinja2.exceptions.TemplateError as error:
+            # Templates reject conversations they cannot format (e.g. roles out of order).
+            raise ValueError(f"the chat template rejected the messages: {error}") from error
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        # The template writes its own BOS and control tokens; adding special tokens would double them.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt),
+                           add_special_tokens=False)

@@ -1,0 +1,51 @@
+"""Fixtures shared across the test suite."""
+
+from pathlib import Path
+
+import pytest
+
+from common.default_model import prepare_default_model
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The prepared default model (converted once into the Folio cache, reused afterwards)."""
+    return prepare_default_model()
+
+
+@pytest.fixture(scope="session")
+def sentencepiece_style_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama-2-style tokenizer (▁ for spaces, byte fallback, leading-space strip on decode).
+
+    The default model's tokenizer is byte-level BPE; this one covers the other common family.
+    """
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, trainers
+
+    corpus = ["Hello world, this is a tiny corpus.", "Streaming text token by token.",
+              "héllo wörld", "The quick brown fox jumps over the lazy dog."]
+    normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    trainer_tokenizer = Tokenizer(models.BPE())
+    trainer_tokenizer.normalizer = normalizer
+    trainer_tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, show_progress=False))
+    trained = json.loads(trainer_tokenizer.to_str())["model"]
+
+    special = ["<unk>", "<s>", "</s>"]
+    vocab = {token: i for i, token in enumerate(special + [f"<0x{b:02X}>" for b in range(256)])}
+    for token in trained["vocab"]:
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>",
+                                     byte_fallback=True, fuse_unk=True))
+    tokenizer.normalizer = normalizer
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                           decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+
+    path = tmp_path_factory.mktemp("sentencepiece_style")
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+    )
+    return path
