@@ -67,7 +67,7 @@ class KVCacheManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[bytes, int] = {}  # chained hash -> the block registered under it
         self._block_hash: list[bytes | None] = [None] * num_blocks
-        # Cumulative, in tokens.
+        # Cumulative, in tokens, counted on each admission (a request's first allocate).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -83,6 +83,8 @@ class KVCacheManager:
         """The cached blocks holding the longest prefix of request.token_ids, and its length.
 
         At least one token is left out so that the step computes the last token's logits.
+        Statistics are counted when the request is admitted (its first allocate), so a request
+        that waits and is looked up again every step counts once.
         """
         if not self.enable_prefix_caching:
             return [], 0
@@ -96,8 +98,6 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        self.prefix_cache_queries += len(tokens)
-        self.prefix_cache_hits += len(blocks) * size
         return blocks, len(blocks) * size
 
     def allocate(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
@@ -118,6 +118,9 @@ class KVCacheManager:
         if num_fresh > self.num_free_blocks - num_revived:
             return False
 
+        if self.enable_prefix_caching and not request.block_table:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(cached_blocks) * self.block_size
         for block in cached_blocks:
             if self._ref_counts[block] == 0:
                 del self._evictable[block]

@@ -131,10 +131,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.next_id += 1
         queries, hits = self.manager.prefix_cache_queries, self.manager.prefix_cache_hits
         blocks, num_cached = self.manager.get_cached_prefix(request)
-
-        if self.prefix_caching:
-            assert self.manager.prefix_cache_queries == queries + len(prompt)
-            assert self.manager.prefix_cache_hits == hits + num_cached
+        # Looking up alone counts nothing: a request is counted when admitted.
+        assert (self.manager.prefix_cache_queries, self.manager.prefix_cache_hits) == (queries, hits)
         assert num_cached == len(blocks) * BLOCK_SIZE
         assert len(blocks) <= (len(prompt) - 1) // BLOCK_SIZE
         for i, block in enumerate(blocks):
@@ -146,6 +144,9 @@ class KVCacheMachine(RuleBasedStateMachine):
 
         num_new = min(len(prompt) - num_cached, chunk)
         if self.allocate_checked(request, num_new, blocks):
+            if self.prefix_caching:
+                assert self.manager.prefix_cache_queries == queries + len(prompt)
+                assert self.manager.prefix_cache_hits == hits + num_cached
             request.num_computed_tokens = num_cached
             self.live.append(request)
             self.compute(request, num_new)
@@ -246,8 +247,8 @@ def test_prefix_hit_after_free_reuses_blocks() -> None:
     second = make_request(list(range(8)) + [99, 98, 97], "b")
     blocks, num_cached = manager.get_cached_prefix(second)
     assert (blocks, num_cached) == (full_blocks, 8)
-    assert manager.prefix_cache_queries == 10 + 11 and manager.prefix_cache_hits == 8
     assert manager.allocate(second, second.num_tokens - num_cached, blocks)
+    assert manager.prefix_cache_queries == 10 + 11 and manager.prefix_cache_hits == 8
     assert second.block_table[:2] == full_blocks and len(second.block_table) == 3
     assert second.block_hashes == full_hashes
     assert manager.usage == pytest.approx(3 / 8)
