@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """How one request's tokens are chosen and when it stops.
 
-    temperature 0 is greedy (exact argmax). top_k <= 0 disables top-k. max_tokens None means
+    temperature 0 (or below 1e-5) is greedy (exact argmax). top_k <= 0 disables top-k. max_tokens None means
     "until the context is full". logprobs None returns none; k >= 0 returns the chosen token's
     logprob and the top k alternatives.
     """
@@ -35,10 +35,12 @@ class SamplingParams:
     logprobs: int | None = None
 
     MAX_LOGPROBS = 20
+    # Below this a temperature only overflows the division; such rows are greedy.
+    MIN_TEMPERATURE = 1e-5
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < self.MIN_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:

@@ -1,0 +1,253 @@
+"""Chooses one token per request from the last-position logits, vectorized over the batch.
+
+Row i of the logits belongs to requests[i] and follows that request's SamplingParams. Columns
+at or past `vocab_size` (padding some models add) are ignored. Per row, in this order:
+
+1. logit_bias is added.
+2. min_tokens: while the request has fewer than min_tokens output tokens, its stop_token_ids
+   and the EOS ids (unless ignore_eos) get -inf.
+3. repetition_penalty (Hugging Face style) on every token in the prompt or output: a positive
+   logit is divided by the penalty, a negative one multiplied by it.
+4. presence / frequency penalties (OpenAI style) on output tokens only:
+   logit -= presence * (count > 0) + frequency * count.
+5. temperature 0 (greedy): exact argmax, ties to the lowest token id like torch.argmax.
+   Otherwise divide by the temperature, then
+   - top-k keeps the tokens whose logit is >= the k-th largest (ties at the edge stay);
+   - top-p keeps the smallest set of most likely tokens whose cumulative probability (after
+     top-k) reaches top_p, plus any token exactly as likely as the least likely of them; the
+     top token always stays;
+   - min-p drops the tokens whose probability is < min_p * the top token's probability;
+   - the token is argmax(probs / q), q ~ Exp(1) i.i.d. (the exponential race, equivalent to
+     Gumbel-max). A seeded request draws its q, one vocab-sized draw per step, only from its
+     own generator, so its tokens do not depend on the rest of the batch or its row in it;
+     unseeded rows share the sampler's generator.
+
+Logprobs are log_softmax of the raw model logits, before any of the steps above.
+
+This module never mutates the caller's logits and never advances a seeded request's
+generator by an amount that depends on anything but that request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+Logprobs = tuple[float, list[tuple[int, float]]]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: None unless the request asked for logprobs; then (logprob of the chosen token,
+    # [(token id, logprob)] of the top k alternatives, most likely first).
+    logprobs: list[Logprobs | None]
+
+
+class Sampler:
+    def __init__(
+        self,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        # Reused every step: a fresh batch-by-vocab tensor costs page faults on every call.
+        self._noise = torch.empty(0, vocab_size, device=self.device)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        logits = logits[:, : self.vocab_size].float()
+        params = [r.sampling_params for r in requests]
+        adjusted = self._adjust_logits(logits, requests)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if len(sampled) == len(requests):
+            tokens = self._draw(self._probs(adjusted, params), requests)
+        else:
+            tokens = adjusted.argmax(-1)
+            if sampled:
+                rows = self._index(sampled)
+                probs = self._probs(adjusted[rows], [params[i] for i in sampled])
+                tokens[rows] = self._draw(probs, [requests[i] for i in sampled])
+        token_ids = tokens.tolist()
+        return SamplerOutput(token_ids, self._logprobs(logits, token_ids, params))
+
+    @torch.inference_mode()
+    def processed_probs(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """[B, vocab_size]: the distribution each row's token is drawn from (one-hot if greedy)."""
+        logits = logits[:, : self.vocab_size].float()
+        params = [r.sampling_params for r in requests]
+        adjusted = self._adjust_logits(logits, requests)
+        probs = torch.zeros_like(adjusted).scatter_(1, adjusted.argmax(-1, keepdim=True), 1.0)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled:
+            rows = self._index(sampled)
+            probs[rows] = self._probs(adjusted[rows], [params[i] for i in sampled])
+        return probs
+
+    def _index(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _scatter_index(
+        self, id_lists: Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, token id) index pairs putting id_lists[j] on row j, without a vocab loop."""
+        lengths = self._index([len(ids) for ids in id_lists])
+        rows = torch.repeat_interleave(torch.arange(len(id_lists), device=self.device), lengths)
+        return rows, self._index(list(itertools.chain.from_iterable(id_lists)))
+
+    def _banned_ids(self, request: Request) -> list[int]:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            return []
+        eos = [] if params.ignore_eos else self.eos_token_ids
+        return [*params.stop_token_ids, *eos]
+
+    def _adjust_logits(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """Steps 1-4 of the module docstring; returns `logits` itself when no row needs them."""
+        params = [r.sampling_params for r in requests]
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        banned = {i: ids for i, r in enumerate(requests) if (ids := self._banned_ids(r))}
+        repeated = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        counted = [
+            i for i, r in enumerate(requests)
+            if r.output_token_ids and (params[i].presence_penalty or params[i].frequency_penalty)
+        ]
+        if not (biased or banned or repeated or counted):
+            return logits
+        logits = logits.clone()
+
+        if biased:
+            rows, ids = self._scatter_index([list(params[i].logit_bias) for i in biased])
+            values = [v for i in biased for v in params[i].logit_bias.values()]
+            bias = torch.tensor(values, dtype=logits.dtype, device=self.device)
+            logits[self._index(biased)[rows], ids] += bias
+
+        if banned:
+            rows, ids = self._scatter_index(list(banned.values()))
+            logits[self._index(list(banned))[rows], ids] = -math.inf
+
+        # The penalties touch only the (row, token) pairs that occur, never whole rows.
+        if repeated:
+            local, ids = self._scatter_index([requests[i].token_ids for i in repeated])
+            rows = self._index(repeated)[local]
+            penalty = torch.tensor(
+                [params[i].repetition_penalty for i in repeated], device=self.device
+            )[local]
+            values = logits[rows, ids]
+            # A token seen twice is written twice with the same value, so duplicates are safe.
+            logits[rows, ids] = torch.where(values > 0, values / penalty, values * penalty)
+
+        if counted:
+            local, ids = self._scatter_index([requests[i].output_token_ids for i in counted])
+            pairs, counts = torch.unique(local * self.vocab_size + ids, return_counts=True)
+            local, ids = pairs // self.vocab_size, pairs % self.vocab_size
+            presence = torch.tensor(
+                [params[i].presence_penalty for i in counted], device=self.device
+            )
+            frequency = torch.tensor(
+                [params[i].frequency_penalty for i in counted], device=self.device
+            )
+            logits[self._index(counted)[local], ids] -= presence[local] + frequency[local] * counts
+        return logits
+
+    def _probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Temperature, top-k, top-p and min-p for sampled rows; returns probabilities."""
+        temperature = torch.tensor([p.temperature for p in params], device=self.device)
+        logits = logits / temperature[:, None]  # a new tensor: the masks below may write in place
+
+        top_k = [p.top_k if 0 < p.top_k < self.vocab_size else 0 for p in params]
+        if any(top_k):
+            k = self._index(top_k)
+            largest = logits.topk(max(top_k), dim=-1).values
+            kth = largest.gather(1, (k.clamp(min=1) - 1)[:, None])
+            kth.masked_fill_((k == 0)[:, None], -math.inf)
+            logits.masked_fill_(logits < kth, -math.inf)
+
+        nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
+        if nucleus:
+            top_p = torch.tensor([params[i].top_p for i in nucleus], device=self.device)
+            if len(nucleus) == len(params):
+                self._apply_top_p(logits, top_p)
+            else:
+                index = self._index(nucleus)
+                rows = logits[index]
+                self._apply_top_p(rows, top_p)
+                logits[index] = rows
+
+        if any(p.min_p > 0 for p in params):
+            # p < min_p * p_max  <=>  logit < max_logit + log(min_p); log(0) = -inf keeps all.
+            min_p = torch.tensor([p.min_p for p in params], device=self.device)
+            floor = logits.max(-1, keepdim=True).values + min_p.log()[:, None]
+            logits.masked_fill_(logits < floor, -math.inf)
+
+        return logits.softmax(-1)
+
+    def _apply_top_p(self, logits: torch.Tensor, top_p: torch.Tensor) -> None:
+        probs = logits.softmax(-1)
+        ranked = _sorted_descending(probs)
+        cumulative = ranked.cumsum(-1)
+        # The token at rank j is in the nucleus while the mass before it, cumulative[j - 1], is
+        # still short of top_p; rank 0 always is.
+        last = torch.searchsorted(cumulative, top_p[:, None]).clamp_(max=self.vocab_size - 1)
+        # Compare by value, so tokens tied with the last one stay whatever the sort order.
+        logits.masked_fill_(probs < ranked.gather(1, last), -math.inf)
+
+    def _draw(self, probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """argmax(probs / q), q ~ Exp(1) drawn as -log(U): ~6x faster than exponential_ on CPU."""
+        seeded = [j for j, r in enumerate(requests) if r.generator is not None]
+        if len(self._noise) < len(requests):
+            self._noise = torch.empty(len(requests), self.vocab_size, device=self.device)
+        uniform = self._noise[: len(requests)]
+        if not seeded:
+            uniform.uniform_(generator=self.generator)
+        else:
+            unseeded = [j for j, r in enumerate(requests) if r.generator is None]
+            if unseeded:
+                uniform[self._index(unseeded)] = torch.rand(
+                    len(unseeded), probs.shape[1], generator=self.generator, device=self.device
+                )
+            for j in seeded:
+                # Request generators live on the CPU.
+                uniform[j] = torch.rand(probs.shape[1], generator=requests[j].generator)
+        # U = 0 gives q = inf, so that token just loses; never 0/0.
+        return probs.div_(uniform.log_().neg_()).argmax(-1)
+
+    def _logprobs(
+        self, logits: torch.Tensor, token_ids: list[int], params: Sequence[SamplingParams]
+    ) -> list[Logprobs | None]:
+        out: list[Logprobs | None] = [None] * len(params)
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not rows:
+            return out
+        logprobs = logits[self._index(rows)].log_softmax(-1)
+        chosen = logprobs.gather(1, self._index([token_ids[i] for i in rows])[:, None])
+        top = logprobs.topk(max(params[i].logprobs for i in rows), dim=-1)
+        for i, value, top_values, top_ids in zip(
+            rows, chosen[:, 0].tolist(), top.values.tolist(), top.indices.tolist()
+        ):
+            k = params[i].logprobs
+            out[i] = (value, list(zip(top_ids[:k], top_values[:k])))
+        return out
+
+
+def _sorted_descending(values: torch.Tensor) -> torch.Tensor:
+    """Each row's values, largest first (values only: top-p needs no indices)."""
+    if values.device.type == "cpu":
+        # numpy's SIMD sort is tens of times faster than torch.sort on CPU.
+        ascending = np.sort(values.numpy(), axis=-1)
+        return torch.from_numpy(np.ascontiguousarray(ascending[:, ::-1]))
+    return values.sort(dim=-1, descending=True).values
