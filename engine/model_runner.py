@@ -40,7 +40,7 @@ class ModelInput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: str, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, model_path: str, num_blocks: int, max_model_len: int) -> None:
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, config.device)
         self.block_size = config.block_size
@@ -58,7 +58,7 @@ class ModelRunner:
         ]
         max_tokens = config.max_num_batched_tokens
         max_seqs = config.max_num_seqs
-        self.max_blocks_per_seq = num_blocks
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self._input_ids = torch.zeros(max_tokens, dtype=torch.int64)
         self._positions = torch.zeros(max_tokens, dtype=torch.int64)
         self._slot_mapping = torch.zeros(max_tokens, dtype=torch.int64)
@@ -74,7 +74,7 @@ class ModelRunner:
         self._seq_lens_np = self._seq_lens.numpy()
         self._block_tables_np = self._block_tables.numpy()
         self._logits_indices_np = self._logits_indices.numpy()
-        self._arange = np.arange(max(max_tokens, 1) + num_blocks * self.block_size, dtype=np.int64)
+        self._arange = np.arange(max_model_len, dtype=np.int64)
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
         bs = self.block_size

@@ -1,0 +1,197 @@
+"""Attention over the paged KV cache in plain torch: the CPU backend.
+
+Decodes (the first meta.num_decodes requests, one query token each) run together: their blocks
+are gathered into one workspace and all of them go through two batched matmuls. Prefills and
+extends run one request at a time through scaled_dot_product_attention. It must never keep
+per-request K/V between steps; the gather workspace is scratch, overwritten every layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class _DecodePlan:
+    num_reqs: int
+    # [num_reqs * blocks_per_req] block ids: each request's table cut at the longest context.
+    block_ids: torch.Tensor
+    # [num_reqs, 1, blocks_per_req * block_size] additive mask, -inf past each context length.
+    mask: torch.Tensor
+    # [num_reqs, H, KVH * D], zero except each head's own KV-head slot; see _decode.
+    q_blockdiag: torch.Tensor
+
+
+@dataclass
+class _PrefillPlan:
+    start: int
+    end: int
+    # None when the request has no cached prefix: its new K/V are its whole context.
+    block_ids: torch.Tensor | None
+    seq_len: int
+    # [query_len, seq_len] additive causal mask aligned bottom-right (only with block_ids).
+    mask: torch.Tensor | None
+
+
+@dataclass
+class _Plan:
+    meta: AttentionMetadata
+    decode: _DecodePlan | None
+    prefills: list[_PrefillPlan]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def __init__(self) -> None:
+        self._plan: _Plan | None = None
+        self._workspace = torch.empty(0)
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        # The runner may refill the same metadata object in place: never trust an old plan.
+        self._plan = None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
+        slots = kv_cache.view(2, -1, k.shape[1], head_dim)
+        slots[0].index_copy_(0, meta.slot_mapping, k)
+        slots[1].index_copy_(0, meta.slot_mapping, v)
+
+        plan = self._plan
+        if plan is None or plan.meta is not meta:
+            plan = self._plan = _make_plan(meta, q, k.shape[1])
+
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        if plan.decode is not None:
+            n = plan.decode.num_reqs
+            self._decode(q[:n], kv_cache, plan.decode, scale, out[:n])
+        for p in plan.prefills:
+            rows = slice(p.start, p.end)
+            _prefill(q[rows], k[rows], v[rows], kv_cache, p, scale, out[rows])
+        return out
+
+    def _decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float, out: torch.Tensor
+    ) -> None:
+        # One query per request. Gathered K of request b is a contiguous [L, KVH*D] matrix;
+        # multiplying it by a block-diagonal query [H, KVH*D] (head h only in its KV head's
+        # slot) scores all heads in one batched matmul that reads K where it lies; a matmul per
+        # KV head would see strided K, which bf16 matmuls on CPU copy first. This spends KVH x
+        # the (small) attention FLOPs and was measured 2-3x faster than per-head matmuls or SDPA.
+        batch, num_heads, head_dim = q.shape
+        num_kv_heads = kv_cache.shape[3]
+        group = num_heads // num_kv_heads
+        ctx = plan.mask.shape[-1]
+        size = 2 * batch * ctx * num_kv_heads * head_dim
+        workspace = self._workspace
+        if workspace.numel() < size or (workspace.dtype, workspace.device) != (kv_cache.dtype, kv_cache.device):
+            workspace = self._workspace = torch.empty(size, dtype=kv_cache.dtype, device=kv_cache.device)
+        kv = _gather_blocks(kv_cache, plan.block_ids, workspace[:size])
+        kv = kv.view(2, batch, ctx, num_kv_heads * head_dim)
+
+        q_bd = plan.q_blockdiag
+        _diagonal_blocks(q_bd, num_kv_heads, group, head_dim).copy_(
+            q.view(batch, num_kv_heads, group, head_dim).permute(0, 2, 3, 1)
+        )
+        scores = torch.baddbmm(plan.mask, q_bd, kv[0].transpose(1, 2), alpha=scale)
+        probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
+        mixed = torch.bmm(probs, kv[1])  # [B, H, KVH*D]; head h's answer sits in its own slot
+        out.view(batch, num_kv_heads, group, head_dim).copy_(
+            _diagonal_blocks(mixed, num_kv_heads, group, head_dim).permute(0, 3, 1, 2)
+        )
+
+
+def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """K and V of the listed blocks, in order: [2, len(block_ids), block_size * KVH * D]."""
+    pool = kv_cache.view(2, kv_cache.shape[1], -1)
+    shape = (2, block_ids.numel(), pool.shape[2])
+    out = torch.empty(shape, dtype=pool.dtype, device=pool.device) if out is None else out.view(shape)
+    # Two gathers along the first dimension copy about twice as fast as one along dim 1.
+    torch.index_select(pool[0], 0, block_ids, out=out[0])
+    torch.index_select(pool[1], 0, block_ids, out=out[1])
+    return out
+
+
+def _diagonal_blocks(t: torch.Tensor, num_kv_heads: int, group: int, head_dim: int) -> torch.Tensor:
+    """View of [B, H, KVH*D] at each head's own KV-head slot, as [B, group, D, KVH]."""
+    batch = t.shape[0]
+    return torch.diagonal(t.view(batch, num_kv_heads, group, num_kv_heads, head_dim), dim1=1, dim2=3)
+
+
+def _prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    plan: _PrefillPlan,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    q4 = q.transpose(0, 1).unsqueeze(0)
+    if plan.block_ids is None:
+        # The whole context is new: causal from the top-left is causal from the bottom-right.
+        result = F.scaled_dot_product_attention(
+            q4, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+            is_causal=True, scale=scale, enable_gqa=True,
+        )
+    else:
+        num_kv_heads, head_dim = kv_cache.shape[3:]
+        ctx = _gather_blocks(kv_cache, plan.block_ids)
+        ctx = ctx.view(2, -1, num_kv_heads, head_dim)[:, : plan.seq_len].transpose(1, 2)
+        result = F.scaled_dot_product_attention(
+            q4, ctx[0].unsqueeze(0), ctx[1].unsqueeze(0), attn_mask=plan.mask, scale=scale, enable_gqa=True
+        )
+    out.copy_(result[0].transpose(0, 1))
+
+
+def _make_plan(meta: AttentionMetadata, q: torch.Tensor, num_kv_heads: int) -> _Plan:
+    """Everything about this step that does not depend on the layer, built once per step."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    dtype, device = q.dtype, q.device
+    block_size = meta.block_size
+
+    decode = None
+    n = meta.num_decodes
+    if n > 0:
+        max_len = max(meta.seq_lens_cpu[:n])
+        blocks = math.ceil(max_len / block_size)
+        positions = torch.arange(blocks * block_size, device=device)
+        visible = positions[None, None, :] < meta.seq_lens[:n, None, None]
+        decode = _DecodePlan(
+            num_reqs=n,
+            block_ids=meta.block_tables[:n, :blocks].reshape(-1),
+            mask=_additive_mask(visible, dtype),
+            q_blockdiag=torch.zeros((n, num_heads, num_kv_heads * head_dim), dtype=dtype, device=device),
+        )
+
+    prefills = []
+    start = sum(meta.query_lens_cpu[:n])
+    for i in range(n, meta.num_reqs):
+        query_len, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
+        block_ids = mask = None
+        if seq_len > query_len:
+            block_ids = meta.block_tables[i, : math.ceil(seq_len / block_size)]
+            rows = torch.arange(seq_len - query_len, seq_len, device=device)
+            visible = torch.arange(seq_len, device=device)[None, :] <= rows[:, None]
+            mask = _additive_mask(visible, dtype)
+        prefills.append(_PrefillPlan(start, start + query_len, block_ids, seq_len, mask))
+        start += query_len
+    return _Plan(meta, decode, prefills)
+
+
+def _additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill_(~visible, float("-inf"))

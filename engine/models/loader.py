@@ -1,0 +1,110 @@
+"""Builds a model from a Hugging Face safetensors directory (one file or an indexed shard set).
+
+Maps checkpoint names onto our fused layout and fails loudly, naming the weights, when the
+checkpoint and the model disagree. It must never download anything: the directory is local.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.attention.backend import get_attention_backend
+from engine.models.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
+
+# Architecture name (config.json "architectures") -> model class.
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+# Checkpoint entries that carry no weights we need (old files saved RoPE's inverse frequencies).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    attention_backend: str = "auto",
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    path = Path(path)
+    config = ModelConfig.from_dir(path)
+    model_class = MODEL_REGISTRY.get(config.architecture)
+    if model_class is None:
+        registered = ", ".join(MODEL_REGISTRY)
+        raise ValueError(f"no model class for architecture {config.architecture!r}; registered: {registered}")
+    model = model_class(config, get_attention_backend(attention_backend, device), dtype, device)
+    load_weights(model, _checkpoint_files(path))
+    model.finalize_weights()
+    return model, config
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
+    """Copies every checkpoint tensor into its (possibly fused) parameter, converting dtype."""
+    params = dict(model.named_parameters())  # a tied lm_head appears only as embed_tokens
+    tied = model.config.tie_word_embeddings
+    expected = set()
+    for name in params:
+        module = model.get_submodule(name.rpartition(".")[0])
+        sizes = getattr(module, "output_sizes", [None])
+        expected.update((name, shard) for shard in (range(len(sizes)) if len(sizes) > 1 else [None]))
+
+    loaded, unexpected = set(), []
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key.endswith(_IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
+                    continue
+                name, shard = _our_name(key, model.packed_modules)
+                if name not in params:
+                    unexpected.append(key)
+                    continue
+                target = params[name].data
+                if shard is not None:
+                    sizes = model.get_submodule(name.rpartition(".")[0]).output_sizes
+                    target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
+                tensor = f.get_tensor(key)
+                if tensor.shape != target.shape:
+                    raise ValueError(
+                        f"weight {key!r} has shape {tuple(tensor.shape)}, "
+                        f"the model expects {tuple(target.shape)}"
+                    )
+                target.copy_(tensor)
+                loaded.add((name, shard))
+
+    problems = []
+    missing = expected - loaded
+    if missing:
+        problems.append("missing " + ", ".join(sorted(n if s is None else f"{n} (shard {s})" for n, s in missing)))
+    if unexpected:
+        problems.append("unexpected " + ", ".join(sorted(unexpected)))
+    if problems:
+        raise ValueError("checkpoint does not match the model: " + "; ".join(problems))
+
+
+def _our_name(key: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
+    """model.layers.3.self_attn.k_proj.weight -> (model.layers.3.self_attn.qkv_proj.weight, 1)."""
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if part in packed:
+            fused, shard = packed[part]
+            return ".".join(parts[:i] + [fused] + parts[i + 1 :]), shard
+    return key, None

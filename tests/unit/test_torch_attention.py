@@ -1,0 +1,133 @@
+"""The torch attention backend against a plain per-request reference on random data."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.attention.backend import get_attention_backend
+from engine.attention.torch_backend import TorchAttentionBackend
+from paged import BlockPool, build_metadata
+
+
+def reference_attention(q, keys, values, query_lens, seq_lens, scale):
+    """Per request, per query token, per head: an explicit softmax over contiguous K/V."""
+    num_heads = q.shape[1]
+    group = num_heads // keys[0].shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    token = 0
+    for k, v, q_len, s_len in zip(keys, values, query_lens, seq_lens):
+        for j in range(q_len):
+            last = s_len - q_len + j  # the newest position this token may see
+            for h in range(num_heads):
+                scores = [scale * float(q[token, h].double() @ k[p, h // group].double()) for p in range(last + 1)]
+                top = max(scores)
+                weights = torch.tensor([math.exp(s - top) for s in scores], dtype=torch.float64)
+                weights /= weights.sum()
+                out[token, h] = weights @ v[: last + 1, h // group].double()
+            token += 1
+    return out
+
+
+def run_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32, seed=0):
+    """Builds a pool with prefixes already cached, runs two layers through one backend, checks both."""
+    torch.manual_seed(seed)
+    num_blocks = sum(math.ceil(s / block_size) for s in seq_lens) + 7
+    pool = BlockPool(num_blocks, seed=seed)
+    tables = [pool.grow([], s, block_size) for s in seq_lens]
+    meta = build_metadata(query_lens, seq_lens, tables, block_size)
+    scale = head_dim**-0.5
+    backend = TorchAttentionBackend()
+    backend.prepare(meta)
+
+    for _layer in range(2):
+        # Finite garbage everywhere, so padded and stale slots must really be masked.
+        cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+        keys = [torch.randn(s, num_kv_heads, head_dim).to(dtype) for s in seq_lens]
+        values = [torch.randn(s, num_kv_heads, head_dim).to(dtype) for s in seq_lens]
+        for k, v, q_len, s_len, table in zip(keys, values, query_lens, seq_lens, tables):
+            for pos in range(s_len - q_len):  # the cached prefix
+                cache[0, table[pos // block_size], pos % block_size] = k[pos]
+                cache[1, table[pos // block_size], pos % block_size] = v[pos]
+        before = cache.clone()
+        new_k = torch.cat([k[s - q :] for k, q, s in zip(keys, query_lens, seq_lens)])
+        new_v = torch.cat([v[s - q :] for v, q, s in zip(values, query_lens, seq_lens)])
+        q = torch.randn(sum(query_lens), num_heads, head_dim).to(dtype)
+
+        out = backend.forward(q, new_k, new_v, cache, meta, scale)
+
+        flat = cache.view(2, -1, num_kv_heads, head_dim)
+        assert torch.equal(flat[0, meta.slot_mapping], new_k)
+        assert torch.equal(flat[1, meta.slot_mapping], new_v)
+        untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+        untouched[meta.slot_mapping] = False
+        assert torch.equal(flat[:, untouched], before.view(2, -1, num_kv_heads, head_dim)[:, untouched])
+
+        expected = reference_attention(q, keys, values, query_lens, seq_lens, scale)
+        assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+# Decodes first (contexts: 1, a block multiple, not multiples), then a fresh prefill, an extend
+# whose cached prefix is longer than its new tokens, and one whose prefix is shorter.
+MIXED = dict(query_lens=[1, 1, 1, 1, 7, 3, 9], seq_lens=[1, 16, 5, 37, 7, 29, 13])
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_mixed_batch_matches_reference(num_heads, num_kv_heads, head_dim, block_size):
+    run_case(**MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+
+
+def test_decode_only_gqa_like_smollm2():
+    run_case([1] * 5, [300, 1, 77, 16, 129], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+
+
+def test_prefill_only():
+    run_case([5, 12, 1], [5, 20, 9], num_heads=4, num_kv_heads=2, head_dim=64, block_size=4)
+
+
+def test_single_token_prefill_counts_as_decode():
+    # A one-token prompt and a one-token extend are decodes by the metadata's rule.
+    run_case([1, 1, 4], [1, 6, 4], num_heads=6, num_kv_heads=2, head_dim=64, block_size=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(dtype):
+    run_case(**MIXED, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
+
+
+def test_prepare_invalidates_plan_for_reused_metadata():
+    """A runner may refill one metadata object in place; prepare must drop the old plan."""
+    block_size, heads, kv_heads, dim = 4, 4, 2, 64
+    pool = BlockPool(32)
+    table = pool.grow([], 9, block_size)
+    meta = build_metadata([1], [5], [table], block_size)
+    backend = TorchAttentionBackend()
+    cache = torch.randn(2, 32, block_size, kv_heads, dim)
+    backend.prepare(meta)
+    backend.forward(torch.randn(1, heads, dim), torch.randn(1, kv_heads, dim), torch.randn(1, kv_heads, dim), cache, meta, 0.125)
+
+    refilled = build_metadata([1], [9], [table], block_size)
+    for name in ("slot_mapping", "seq_lens", "seq_lens_cpu", "block_tables", "max_seq_len"):
+        setattr(meta, name, getattr(refilled, name))
+    backend.prepare(meta)
+    q, k, v = torch.randn(1, heads, dim), torch.randn(1, kv_heads, dim), torch.randn(1, kv_heads, dim)
+    out = backend.forward(q, k, v, cache, meta, 0.125)
+    flat = cache.view(2, -1, kv_heads, dim)
+    ctx_slots = [table[p // block_size] * block_size + p % block_size for p in range(9)]
+    expected = reference_attention(q, [flat[0, ctx_slots]], [flat[1, ctx_slots]], [1], [9], 0.125)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_backend_selection():
+    assert isinstance(get_attention_backend("torch", "cpu"), TorchAttentionBackend)
+    assert isinstance(get_attention_backend("auto", "cpu"), TorchAttentionBackend)
+    with pytest.raises(ValueError, match="triton"):
+        get_attention_backend("triton", "cpu")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_attention_backend("flash", "cpu")
