@@ -171,6 +171,25 @@ def test_half_precision_tracks_transformers(tmp_path, dtype):
         assert ours <= 2 * theirs + 1e-2, (ours, theirs)
 
 
+def test_prepacked_bf16_linears_match_plain_ones(tmp_path, monkeypatch):
+    """The oneDNN-packed bf16 path (CPU) gives the logits of plain F.linear in bf16."""
+    import engine.models.llama as llama
+
+    make_checkpoint(tmp_path, *VARIANTS["qwen2-bias-tied"])
+    prompts = [random_tokens(9, 7), random_tokens(4, 8)]
+    packed_model, config = load_model(tmp_path, torch.bfloat16, "cpu")
+    if not llama.can_prepack(packed_model.model.embed_tokens.weight):
+        pytest.skip("this torch build has no oneDNN bf16 prepacking")
+    assert packed_model.model.layers[0].mlp.down_proj.packed is not None
+    packed = Runner(packed_model, config).step([(str(i), p) for i, p in enumerate(prompts)])
+    monkeypatch.setattr(llama, "prepack", lambda weight: None)
+    plain_model, _ = load_model(tmp_path, torch.bfloat16, "cpu")
+    assert plain_model.model.layers[0].mlp.down_proj.packed is None
+    plain = Runner(plain_model, config).step([(str(i), p) for i, p in enumerate(prompts)])
+    for a, b in zip(packed, plain):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
 def test_sharded_checkpoint(tmp_path):
     reference = make_checkpoint(tmp_path, *VARIANTS["qwen3-qknorm"])
     reference.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="40KB")
