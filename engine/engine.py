@@ -21,7 +21,7 @@ from engine.kv_cache_manager import KVCacheManager, num_blocks_for_budget
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.models.config import ModelConfig
 from engine.outputs import RequestOutput, StepTimings
-from engine.request import Request, RequestStatus
+from engine.request import Request
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -118,9 +118,9 @@ class LLMEngine:
             raise InvalidRequestError("prompt_token_ids must not be empty")
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(
-                f"the prompt has {len(prompt_token_ids)} tokens, but the model's context "
-                f"(max_model_len) is {self.max_model_len} tokens including at least one "
-                "generated token"
+                f"prompt_token_ids has {len(prompt_token_ids)} tokens, but the model's context "
+                f"(max_model_len) is {self.max_model_len} tokens, which must include at least "
+                "one generated token"
             )
         for token_id in prompt_token_ids:
             if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
