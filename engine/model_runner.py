@@ -86,7 +86,12 @@ class ModelRunner:
         offset = 0
         qsl = self._query_start_loc_np
         qsl[0] = 0
-        for i, (request, num_new) in enumerate(zip(sched.requests, sched.num_new_tokens)):
+        # Decodes sorted by context length let the attention backend group them with little padding.
+        nd = sched.num_decodes
+        order = sorted(range(nd), key=lambda i: sched.requests[i].num_computed_tokens)
+        order.extend(range(nd, num_reqs))
+        for i, j in enumerate(order):
+            request, num_new = sched.requests[j], sched.num_new_tokens[j]
             start = request.num_computed_tokens
             end = start + num_new
             table = request.block_table

@@ -1,7 +1,8 @@
 """Attention over the paged KV cache in plain torch: the CPU backend.
 
-Decodes (the first meta.num_decodes requests, one query token each) run together: their blocks
-are gathered into one workspace and all of them go through two batched matmuls. Prefills and
+Decodes (the first meta.num_decodes requests, one query token each) run together, in a few
+groups of similar context length to limit padding: each group's blocks are gathered into one
+workspace and go through two batched matmuls. Prefills and
 extends run one request at a time through scaled_dot_product_attention. It must never keep
 per-request K/V between steps; the gather workspace is scratch, overwritten every layer.
 """
@@ -20,7 +21,9 @@ from engine.attention.metadata import AttentionMetadata
 
 @dataclass
 class _DecodePlan:
-    num_reqs: int
+    # Rows start:end of the batch; decodes are attended in groups of similar context length.
+    start: int
+    end: int
     # [num_reqs * blocks_per_req] block ids: each request's table cut at the longest context.
     block_ids: torch.Tensor
     # [num_reqs, 1, blocks_per_req * block_size] additive mask, -inf past each context length.
@@ -43,7 +46,7 @@ class _PrefillPlan:
 @dataclass
 class _Plan:
     meta: AttentionMetadata
-    decode: _DecodePlan | None
+    decodes: list[_DecodePlan]
     prefills: list[_PrefillPlan]
 
 
@@ -75,9 +78,8 @@ class TorchAttentionBackend(AttentionBackend):
             plan = self._plan = _make_plan(meta, q, k.shape[1])
 
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-        if plan.decode is not None:
-            n = plan.decode.num_reqs
-            self._decode(q[:n], kv_cache, plan.decode, scale, out[:n])
+        for d in plan.decodes:
+            self._decode(q[d.start : d.end], kv_cache, d, scale, out[d.start : d.end])
         for p in plan.prefills:
             rows = slice(p.start, p.end)
             _prefill(q[rows], k[rows], v[rows], kv_cache, p, scale, out[rows])
@@ -163,18 +165,21 @@ def _make_plan(meta: AttentionMetadata, q: torch.Tensor, num_kv_heads: int) -> _
     dtype, device = q.dtype, q.device
     block_size = meta.block_size
 
-    decode = None
+    decodes = []
     n = meta.num_decodes
-    if n > 0:
-        max_len = max(meta.seq_lens_cpu[:n])
+    for lo, hi in split_by_length(meta.seq_lens_cpu[:n]):
+        max_len = max(meta.seq_lens_cpu[lo:hi])
         blocks = math.ceil(max_len / block_size)
         positions = torch.arange(blocks * block_size, device=device)
-        visible = positions[None, None, :] < meta.seq_lens[:n, None, None]
-        decode = _DecodePlan(
-            num_reqs=n,
-            block_ids=meta.block_tables[:n, :blocks].reshape(-1),
-            mask=_additive_mask(visible, dtype),
-            q_blockdiag=torch.zeros((n, num_heads, num_kv_heads * head_dim), dtype=dtype, device=device),
+        visible = positions[None, None, :] < meta.seq_lens[lo:hi, None, None]
+        decodes.append(
+            _DecodePlan(
+                start=lo,
+                end=hi,
+                block_ids=meta.block_tables[lo:hi, :blocks].reshape(-1),
+                mask=_additive_mask(visible, dtype),
+                q_blockdiag=torch.zeros((hi - lo, num_heads, num_kv_heads * head_dim), dtype=dtype, device=device),
+            )
         )
 
     prefills = []
@@ -189,7 +194,37 @@ def _make_plan(meta: AttentionMetadata, q: torch.Tensor, num_kv_heads: int) -> _
             mask = _additive_mask(visible, dtype)
         prefills.append(_PrefillPlan(start, start + query_len, block_ids, seq_len, mask))
         start += query_len
-    return _Plan(meta, decode, prefills)
+    return _Plan(meta, decodes, prefills)
+
+
+def split_by_length(lengths: list[int], depth: int = 2, min_rows: int = 8) -> list[tuple[int, int]]:
+    """Contiguous row ranges whose padded area (rows x longest context) is much smaller than
+    padding the whole batch to its longest context; at most 2**depth ranges.
+
+    Each extra range costs a handful of ops per layer, so a split must save a fifth of the
+    area. Decodes arrive sorted by length (the runner orders them), where this works best;
+    any order stays correct.
+    """
+    n = len(lengths)
+    if n == 0:
+        return []
+    whole = n * max(lengths)
+    if depth == 0 or n < 2 * min_rows:
+        return [(0, n)]
+    prefix_max, suffix_max = list(lengths), list(lengths)
+    for i in range(1, n):
+        prefix_max[i] = max(prefix_max[i - 1], lengths[i])
+        suffix_max[n - 1 - i] = max(suffix_max[n - i], lengths[n - 1 - i])
+    best_cost, best_k = whole, 0
+    for k in range(min_rows, n - min_rows + 1):
+        cost = k * prefix_max[k - 1] + (n - k) * suffix_max[k]
+        if cost < best_cost:
+            best_cost, best_k = cost, k
+    if best_cost > 0.8 * whole:
+        return [(0, n)]
+    left = split_by_length(lengths[:best_k], depth - 1, min_rows)
+    right = split_by_length(lengths[best_k:], depth - 1, min_rows)
+    return left + [(lo + best_k, hi + best_k) for lo, hi in right]
 
 
 def _additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
