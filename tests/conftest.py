@@ -1,6 +1,12 @@
 """Fixtures shared across the test suite."""
 
+import os
 from pathlib import Path
+
+# Triton kernels run under the interpreter on CPU unless FOLIO_KERNEL_DEVICE=cuda. triton.jit
+# binds a kernel when its module is imported, so this must happen before any test imports one.
+if os.environ.get("FOLIO_KERNEL_DEVICE", "cpu") == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 

@@ -40,13 +40,16 @@ class AttentionBackend(ABC):
 
 
 def get_attention_backend(name: str, device: str | torch.device) -> AttentionBackend:
-    """"torch" or "auto" give the torch backend (Triton kernels will take "auto" on CUDA)."""
-    if name in ("torch", "auto"):
+    """"auto" is "triton" on CUDA devices and "torch" elsewhere; "triton" off CUDA needs the
+    Triton interpreter (TRITON_INTERPRET=1, tests only)."""
+    if name == "auto":
+        name = "triton" if torch.device(device).type == "cuda" else "torch"
+    if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
     if name == "triton":
-        raise ValueError(
-            f"attention backend 'triton' is not available yet (device {device}); use 'torch' or 'auto'"
-        )
+        from engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(device)
     raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'torch' or 'triton'")

