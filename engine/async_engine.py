@@ -1,0 +1,182 @@
+"""Runs an LLMEngine in a thread of its own, so that asyncio callers (the engine service) never
+stall a step and a step never waits on them.
+
+Callers post commands to a thread-safe inbox; the loop thread runs them between steps, steps
+while requests remain, and hands each step's outputs to the asyncio queue registered for each
+request, through loop.call_soon_threadsafe: one list of events per queue per step. Requests may
+share a queue (one gRPC stream multiplexes many). Only the loop thread touches the LLMEngine.
+This module never imports grpc and never blocks on a consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.engine import EngineStats, LLMEngine
+from engine.errors import EngineError
+from engine.outputs import RequestOutput, StepTimings
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestFailed:
+    """A request that could not start (validation, full queue) or died with a failed step."""
+
+    request_id: str
+    error: Exception
+
+
+Event = RequestOutput | RequestFailed
+
+
+@dataclass(eq=False)
+class _Sink:
+    """Where one request's events go: an asyncio queue and the loop that owns it."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}  # live request id -> its sink; loop thread only
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="folio-engine-loop", daemon=True)
+
+    # -- called from asyncio code ---------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    events: asyncio.Queue, priority: int = 0) -> None:
+        """Queue a request. Its outputs, or one RequestFailed, arrive in `events` as lists."""
+        sink = _Sink(asyncio.get_running_loop(), events)
+        self._inbox.put(lambda: self._add(request_id, list(prompt_token_ids), params, priority, sink))
+
+    def abort(self, request_ids: Sequence[str]) -> concurrent.futures.Future[list[str]]:
+        """Abort requests and free their KV blocks; resolves to the ids that were live.
+
+        Each aborted request's queue gets a last output with FinishReason.ABORT. Callers that do
+        not need the answer (a cancelled stream) may drop the future.
+        """
+        return self._call(self._abort, list(request_ids))
+
+    async def stats(self) -> tuple[EngineStats, StepTimings]:
+        """Counters read between steps, so they are consistent with each other."""
+        return await asyncio.wrap_future(
+            self._call(lambda: (self.engine.stats(), dataclasses.replace(self.engine.timings)))
+        )
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the loop: requests still live are aborted (their queues are told), KV freed."""
+        self._inbox.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def command() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except Exception as exc:
+                    future.set_exception(exc)
+
+        self._inbox.put(command)
+        return future
+
+    # -- the loop thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain_inbox(wait=not self.engine.has_unfinished)
+            if self.engine.has_unfinished and not self._stopping:
+                self._step()
+        # Commands posted before the stop still run; the requests they add are aborted just below.
+        self._drain_inbox(wait=False)
+        self._abort(list(self._sinks))
+
+    def _drain_inbox(self, wait: bool) -> None:
+        try:
+            command = self._inbox.get(block=wait)
+            while True:
+                if command is None:
+                    self._stopping = True
+                else:
+                    command()
+                command = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+             priority: int, sink: _Sink) -> None:
+        try:
+            self.engine.add_request(request_id, prompt_token_ids, params, priority)
+        except Exception as exc:
+            # EngineError is the caller's fault or a full queue; anything else is logged as a bug.
+            if not isinstance(exc, EngineError):
+                logger.exception("add_request(%r) failed", request_id)
+            self._deliver([(sink, RequestFailed(request_id, exc))])
+            return
+        self._sinks[request_id] = sink
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            # Fail this step's requests, not the process: the next requests may well succeed.
+            logger.exception("engine step failed; failing every live request")
+            failed = list(self._sinks)
+            for request_id in failed:
+                self.engine.abort(request_id)
+            self._deliver([(self._sinks.pop(r), RequestFailed(r, exc)) for r in failed])
+            return
+        self._deliver([
+            (self._sinks.pop(out.request_id) if out.finished else self._sinks[out.request_id], out)
+            for out in outputs
+        ])
+
+    def _abort(self, request_ids: list[str]) -> list[str]:
+        aborted = []
+        for request_id in request_ids:
+            request = self.engine.requests.get(request_id)
+            if request is None or not self.engine.abort(request_id):
+                continue
+            aborted.append((self._sinks.pop(request_id), RequestOutput(
+                request_id=request_id,
+                new_token_ids=[],
+                finished=True,
+                finish_reason=FinishReason.ABORT,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_output_tokens=request.num_output_tokens,
+                num_cached_tokens=request.num_cached_tokens,
+            )))
+        self._deliver(aborted)
+        return [out.request_id for _, out in aborted]
+
+    @staticmethod
+    def _deliver(events: list[tuple[_Sink, Event]]) -> None:
+        """One list per queue, in order; never waits for the consumer."""
+        grouped: dict[int, tuple[_Sink, list[Event]]] = {}
+        for sink, event in events:
+            grouped.setdefault(id(sink.queue), (sink, []))[1].append(event)
+        for sink, batch in grouped.values():
+            try:
+                sink.loop.call_soon_threadsafe(sink.queue.put_nowait, batch)
+            except RuntimeError:
+                pass  # the consumer's event loop is closed: nobody is listening any more

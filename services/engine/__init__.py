@@ -1,0 +1,1 @@
+"""The engine service (EngineService over gRPC): `folio engine`."""

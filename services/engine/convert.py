@@ -1,0 +1,76 @@
+"""Protobuf <-> engine library data for the engine service: sampling parameters in, outputs out.
+
+Pure translation. Proto field names equal the library's, so the mapping is by name; defaults
+and validation stay in SamplingParams (an unset `optional` field takes the library default).
+Never validates or computes anything itself.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from common.errors import status_code_for
+from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
+from engine.async_engine import Event, RequestFailed
+from engine.outputs import RequestOutput
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+
+FINISH_REASONS = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
+    kwargs = {}
+    for field in message.DESCRIPTOR.fields:
+        if field.has_presence and not message.HasField(field.name):
+            continue  # unset: the library's default
+        value = getattr(message, field.name)
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            value = dict(value) or None
+        elif field.is_repeated:
+            value = list(value)
+        kwargs[field.name] = value
+    return SamplingParams(**kwargs)
+
+
+def error_output(request_id: str, error: Exception) -> engine_pb2.RequestOutput:
+    code: grpc.StatusCode = status_code_for(error)
+    return engine_pb2.RequestOutput(
+        request_id=request_id,
+        finished=True,
+        error=engine_pb2.RequestError(code=code.value[0], message=str(error)),
+    )
+
+
+def event_to_proto(event: Event) -> engine_pb2.RequestOutput:
+    if isinstance(event, RequestFailed):
+        return error_output(event.request_id, event.error)
+    return _output_to_proto(event)
+
+
+def _output_to_proto(out: RequestOutput) -> engine_pb2.RequestOutput:
+    message = engine_pb2.RequestOutput(
+        request_id=out.request_id,
+        token_ids=out.new_token_ids,
+        logprobs=[
+            common_pb2.TokenLogprob(
+                token_id=token_id,
+                logprob=logprob,
+                top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
+            )
+            for token_id, (logprob, top) in zip(out.new_token_ids, out.new_logprobs)
+        ],
+        finished=out.finished,
+    )
+    if out.finished:
+        message.finish_reason = FINISH_REASONS[out.finish_reason]
+        message.usage.CopyFrom(common_pb2.Usage(
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=out.num_output_tokens,
+            cached_tokens=out.num_cached_tokens,
+        ))
+    return message

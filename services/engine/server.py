@@ -1,0 +1,174 @@
+"""The engine service: EngineService over gRPC, a thin adapter on engine.async_engine.
+
+Token ids in, token ids out: it never sees text or HTTP. The engine loop runs in its own thread
+(AsyncEngine), so gRPC I/O never stalls a step. A stream's requests are tracked only to abort
+them when the stream goes away; everything else is the library's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from common.config import EngineConfig
+from common.errors import UnavailableError, status_code_for
+from common.grpc_stubs.folio.v1 import engine_pb2 as pb
+from common.grpc_stubs.folio.v1 import engine_pb2_grpc
+from engine.async_engine import AsyncEngine, RequestFailed
+from engine.engine import LLMEngine
+from engine.errors import InvalidRequestError
+from services.engine.convert import error_output, event_to_proto, sampling_params_from_proto
+from services.grpc_server import GrpcService
+
+
+@dataclass
+class _EndOfInput:
+    """The client half-closed its side of the stream, or sent something malformed (error)."""
+
+    error: str | None = None
+
+
+class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
+    def __init__(self, service: EngineService) -> None:
+        self._service = service
+
+    async def _engine(self, context: grpc.aio.ServicerContext) -> AsyncEngine:
+        try:
+            self._service.check_available()
+        except UnavailableError as exc:
+            await context.abort(status_code_for(exc), str(exc))
+        return self._service.engine
+
+    async def Generate(
+        self, request_iterator: AsyncIterator[pb.GenerateRequest], context
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        engine = await self._engine(context)
+        # Per step: list[Event] from the engine; a rejection the reader answered itself; the end.
+        inbox: asyncio.Queue = asyncio.Queue()
+        live: set[str] = set()
+        reader = asyncio.create_task(self._read(request_iterator, engine, inbox, live))
+        input_done = False
+        try:
+            while not (input_done and not live):
+                item = await inbox.get()
+                if isinstance(item, _EndOfInput):
+                    if item.error is not None:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, item.error)
+                    input_done = True
+                elif isinstance(item, pb.GenerateResponse):
+                    yield item
+                else:
+                    for event in item:
+                        if isinstance(event, RequestFailed) or event.finished:
+                            live.discard(event.request_id)
+                    yield pb.GenerateResponse(outputs=[event_to_proto(e) for e in item])
+        finally:
+            # Cancelled, failed or done: nothing of this stream may keep holding KV blocks.
+            reader.cancel()
+            if live:
+                engine.abort(list(live))
+
+    async def _read(self, request_iterator, engine: AsyncEngine, inbox: asyncio.Queue,
+                    live: set[str]) -> None:
+        try:
+            async for message in request_iterator:
+                if not self._handle(message, engine, inbox, live):
+                    inbox.put_nowait(_EndOfInput("GenerateRequest must set add or abort"))
+                    return
+        except Exception as exc:  # e.g. a message that does not parse
+            inbox.put_nowait(_EndOfInput(f"reading the request stream failed: {exc}"))
+            return
+        inbox.put_nowait(_EndOfInput())
+
+    def _handle(self, message: pb.GenerateRequest, engine: AsyncEngine, inbox: asyncio.Queue,
+                live: set[str]) -> bool:
+        """Act on one client message; False if it is malformed."""
+
+        def reject(request_id: str, error: Exception) -> None:
+            inbox.put_nowait(pb.GenerateResponse(outputs=[error_output(request_id, error)]))
+
+        action = message.WhichOneof("action")
+        if action == "abort":
+            # Only this stream's requests; the unary Abort reaches any.
+            engine.abort([r for r in message.abort.request_ids if r in live])
+        elif action == "add":
+            request = message.add
+            if not request.request_id:
+                reject("", InvalidRequestError("request_id must not be empty"))
+            elif request.request_id in live:
+                reject(request.request_id, InvalidRequestError(
+                    f"request_id {request.request_id!r} is already in use on this stream"))
+            else:
+                try:
+                    self._service.check_available()  # draining refuses new requests
+                except UnavailableError as exc:
+                    reject(request.request_id, exc)
+                    return True
+                live.add(request.request_id)
+                engine.add_request(
+                    request.request_id, request.prompt_token_ids,
+                    sampling_params_from_proto(request.sampling_params), inbox, request.priority,
+                )
+        else:
+            return False
+        return True
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        engine = await self._engine(context)
+        aborted = await asyncio.wrap_future(engine.abort(list(request.request_ids)))
+        return pb.AbortResponse(aborted_request_ids=aborted)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
+        llm = (await self._engine(context)).engine
+        config = llm.config
+        return pb.GetModelInfoResponse(
+            model=llm.model_path.name,
+            model_path=str(llm.model_path),
+            vocab_size=llm.vocab_size,
+            max_model_len=llm.max_model_len,
+            eos_token_ids=sorted(llm.eos_token_ids),
+            dtype=str(llm.runner.dtype).removeprefix("torch."),
+            device=config.device,
+            block_size=config.block_size,
+            num_kv_blocks=llm.kv_cache.num_blocks,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+
+    async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
+        stats, timings = await (await self._engine(context)).stats()
+        return pb.GetStatsResponse(
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            kv_cache_usage=stats.kv_cache_usage,
+            num_kv_blocks=stats.num_kv_blocks,
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
+            num_preemptions=stats.num_preemptions,
+            num_steps=timings.steps,
+            step_seconds=timings.as_dict(),
+        )
+
+
+class EngineService(GrpcService):
+    service_names = (pb.DESCRIPTOR.services_by_name["EngineService"].full_name,)
+
+    def __init__(self, config: EngineConfig, host: str, port: int) -> None:
+        super().__init__(host, port)
+        self.config = config
+        self.engine: AsyncEngine | None = None
+
+    def add_servicers(self, server: grpc.aio.Server) -> None:
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(self), server)
+
+    async def warm_up(self) -> None:
+        # Loading the model takes seconds: off the event loop, so health checks get answers.
+        self.engine = AsyncEngine(await asyncio.to_thread(LLMEngine, self.config))
+        self.engine.start()
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)

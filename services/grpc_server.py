@@ -1,0 +1,129 @@
+"""What every Folio gRPC server shares: health, reflection, the warming -> serving -> draining
+life cycle and a graceful stop on SIGTERM / SIGINT.
+
+The server listens before the model is loaded so that orchestration can watch it warm up:
+grpc.health.v1 says NOT_SERVING and RPCs answer UNAVAILABLE until `warm_up` returns, and again
+once draining starts. This module holds no service logic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import signal
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.errors import UnavailableError
+
+logger = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    WARMING = "warming up"
+    SERVING = "serving"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class GrpcService:
+    """One gRPC server: subclasses register their servicers, load in `warm_up`, free in `close`."""
+
+    # Full names of the served services, e.g. "folio.v1.EngineService".
+    service_names: Sequence[str] = ()
+
+    def __init__(self, host: str, port: int) -> None:
+        self.address = f"{host}:{port}"
+        self.state = State.WARMING
+        self.port: int | None = None
+        self._health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._serving = asyncio.Event()
+        self._warm_up_task: asyncio.Task | None = None
+
+    def add_servicers(self, server: grpc.aio.Server) -> None:
+        raise NotImplementedError
+
+    async def warm_up(self) -> None:
+        """Load what the servicers need (runs after the port is open)."""
+
+    async def close(self) -> None:
+        """Free what warm_up loaded (runs after the last RPC ended)."""
+
+    def check_available(self) -> None:
+        """Raise UnavailableError unless serving; servicers call it first."""
+        if self.state is not State.SERVING:
+            raise UnavailableError(f"the service is {self.state.value}; retry later")
+
+    # -- life cycle -------------------------------------------------------------------------------
+
+    async def start(self) -> int:
+        """Listen (NOT_SERVING), start warming up in the background; return the bound port."""
+        server = grpc.aio.server()
+        self.add_servicers(server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        )
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = server.add_insecure_port(self.address)
+        await server.start()
+        self._server = server
+        self._warm_up_task = asyncio.create_task(self._warm_up())
+        return self.port
+
+    async def _warm_up(self) -> None:
+        await self.warm_up()
+        if self.state is State.WARMING:
+            self.state = State.SERVING
+            await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            self._serving.set()
+            logger.info("%s serving on port %d", type(self).__name__, self.port)
+
+    async def wait_serving(self) -> None:
+        """Return once warm; raise what warm-up raised if it failed."""
+        serving = asyncio.create_task(self._serving.wait())
+        await asyncio.wait({serving, self._warm_up_task}, return_when=asyncio.FIRST_COMPLETED)
+        serving.cancel()
+        if self._warm_up_task.done() and self._warm_up_task.exception() is not None:
+            raise self._warm_up_task.exception()
+
+    async def stop(self, grace: float | None) -> None:
+        """Drain: NOT_SERVING, refuse new work, let RPCs in flight finish for `grace` seconds."""
+        if self.state is State.STOPPED:
+            return
+        self.state = State.DRAINING
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._warm_up_task is not None and not self._warm_up_task.done():
+            self._warm_up_task.cancel()
+        if self._server is not None:
+            await self._server.stop(grace)
+        await self.close()
+        self.state = State.STOPPED
+
+    async def run(self, grace: float) -> None:
+        """Serve until SIGTERM or SIGINT, then drain for at most `grace` seconds."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        port = await self.start()
+        print(f"folio: {type(self).__name__} listening on {self.address.rsplit(':', 1)[0]}:{port}",
+              flush=True)
+        stopped = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({stopped, self._warm_up_task}, return_when=asyncio.FIRST_COMPLETED)
+            if self._warm_up_task.done():
+                self._warm_up_task.result()  # a failed warm-up ends the process with its error
+                await stopped
+        finally:
+            await self.stop(grace)
+
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        # "" is the whole server, as standard health clients (grpc_health_probe) ask by default.
+        for name in ("", *self.service_names):
+            await self._health.set(name, status)

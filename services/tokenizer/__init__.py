@@ -1,0 +1,1 @@
+"""The tokenizer service (TokenizerService over gRPC): `folio tokenizer`."""

@@ -1,0 +1,151 @@
+"""The tokenizer service: TokenizerService over gRPC, a thin adapter on common.tokenizer and
+common.detokenizer.
+
+It owns text: tokenization, chat templates, incremental detokenization with stop strings. It
+translates messages and errors only; it must never import torch or the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from common.default_model import resolve_model_path
+from common.detokenizer import IncrementalDetokenizer
+from common.errors import UnavailableError, status_code_for
+from common.grpc_stubs.folio.v1 import tokenizer_pb2 as pb
+from common.grpc_stubs.folio.v1 import tokenizer_pb2_grpc
+from common.tokenizer import Tokenizer
+from services.grpc_server import GrpcService
+
+
+def _flag(message, name: str, default: bool) -> bool:
+    """An `optional bool`: its value when set, else the library default."""
+    return getattr(message, name) if message.HasField(name) else default
+
+
+def _chat_messages(conversation: pb.Conversation) -> list[dict]:
+    return [
+        {"role": m.role, "content": m.content, **({"name": m.name} if m.HasField("name") else {})}
+        for m in conversation.messages
+    ]
+
+
+class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
+    def __init__(self, service: TokenizerService) -> None:
+        self._service = service
+
+    async def _tokenizer(self, context: grpc.aio.ServicerContext) -> Tokenizer:
+        try:
+            self._service.check_available()
+        except UnavailableError as exc:
+            await context.abort(status_code_for(exc), str(exc))
+        return self._service.tokenizer
+
+    async def _check_ids(self, ids: Sequence[int], tokenizer: Tokenizer, context) -> None:
+        # tokenizers silently decodes an unknown id to nothing; a caller's bad id must not vanish.
+        for token_id in ids:
+            if not 0 <= token_id < tokenizer.vocab_size:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"token_ids contains {token_id}, outside the vocabulary [0, {tokenizer.vocab_size})",
+                )
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        tokenizer = await self._tokenizer(context)
+        kind = request.WhichOneof("input")
+        try:
+            if kind == "chat":
+                prompt = tokenizer.apply_chat_template(
+                    _chat_messages(request.chat), _flag(request, "add_generation_prompt", True)
+                )
+                # As Tokenizer.encode_chat: the template writes its own special tokens.
+                ids = tokenizer.encode(prompt, add_special_tokens=False)
+            elif kind == "text":
+                prompt = request.text
+                ids = tokenizer.encode(prompt, _flag(request, "add_special_tokens", True))
+            else:
+                raise ValueError("set either text or chat")
+        except ValueError as exc:
+            await context.abort(status_code_for(exc), str(exc))
+        token_strs = [tokenizer.id_to_token(i) for i in ids] if request.return_token_strs else []
+        return pb.TokenizeResponse(token_ids=ids, prompt=prompt, token_strs=token_strs)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
+        tokenizer = await self._tokenizer(context)
+        await self._check_ids(request.token_ids, tokenizer, context)
+        skip = _flag(request, "skip_special_tokens", True)
+        texts = (
+            [tokenizer.decode([i], skip_special_tokens=skip) for i in request.token_ids]
+            if request.return_token_texts else []
+        )
+        return pb.DetokenizeResponse(
+            text=tokenizer.decode(request.token_ids, skip_special_tokens=skip), token_texts=texts
+        )
+
+    async def DetokenizeStream(
+        self, request_iterator: AsyncIterator[pb.DetokenizeStreamRequest], context
+    ) -> AsyncIterator[pb.DetokenizeStreamResponse]:
+        tokenizer = await self._tokenizer(context)
+        detokenizer: IncrementalDetokenizer | None = None
+        ended = False
+        async for request in request_iterator:
+            if detokenizer is None:
+                options = request.options
+                try:
+                    detokenizer = IncrementalDetokenizer(
+                        tokenizer,
+                        skip_special_tokens=_flag(options, "skip_special_tokens", True),
+                        stop=list(options.stop),
+                        include_stop_str_in_output=options.include_stop_str_in_output,
+                    )
+                except ValueError as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"options: {exc}")
+            await self._check_ids(request.token_ids, tokenizer, context)
+            if ended:
+                yield pb.DetokenizeStreamResponse(finished=True)
+                continue
+            delta = detokenizer.push(request.token_ids)
+            text, stop = delta.text, delta.stop_matched
+            if request.finish and stop is None:
+                text += detokenizer.finish().text
+            ended = request.finish or stop is not None
+            yield pb.DetokenizeStreamResponse(text=text, stop_matched=stop or "", finished=ended)
+
+    async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.GetInfoResponse:
+        tokenizer = await self._tokenizer(context)
+        named = [
+            pb.SpecialToken(name=name, text=text, token_id=ids[0])
+            for name, text in tokenizer.special_tokens.items()
+            # A special token's text encodes to exactly its own id.
+            if len(ids := tokenizer.encode(text, add_special_tokens=False)) == 1
+        ]
+        return pb.GetInfoResponse(
+            vocab_size=tokenizer.vocab_size,
+            special_tokens=named,
+            special_token_ids=sorted(tokenizer.special_token_ids),
+            eos_token_ids=tokenizer.eos_token_ids,
+            bos_token_id=tokenizer.bos_token_id,
+            max_model_len=tokenizer.max_model_len,
+            has_chat_template=tokenizer.chat_template is not None,
+        )
+
+
+class TokenizerService(GrpcService):
+    service_names = (pb.DESCRIPTOR.services_by_name["TokenizerService"].full_name,)
+
+    def __init__(self, model: str | None, host: str, port: int) -> None:
+        super().__init__(host, port)
+        self.model = model
+        self.tokenizer: Tokenizer | None = None
+
+    def add_servicers(self, server: grpc.aio.Server) -> None:
+        tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(TokenizerServicer(self), server)
+
+    async def warm_up(self) -> None:
+        # The default model may need converting first (once, minutes): off the event loop.
+        self.tokenizer = await asyncio.to_thread(
+            lambda: Tokenizer.from_dir(resolve_model_path(self.model))
+        )
