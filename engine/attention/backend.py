@@ -1,8 +1,11 @@
-"""The one interface through which models run attention over the paged KV cache.
+"""The one interface through which models run attention over the paged KV cache and the
+other hot ops of a layer (RMSNorm with fused residual add, rotary embedding, SiLU-and-mul).
 
 A backend writes a step's new K/V into the cache and computes causal attention of every query
-token against its request's whole context. It owns no cache memory and must never keep
-per-request state between steps: everything it needs comes from AttentionMetadata.
+token against its request's whole context. The hot ops have plain torch implementations here
+(the CPU path, and the exact one the float32 oracle checks); the Triton backend overrides them
+with fused kernels. A backend owns no cache memory and must never keep per-request state
+between steps: everything it needs comes from AttentionMetadata.
 """
 
 from __future__ import annotations
@@ -10,11 +13,46 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
+import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
 
 
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers does it: normalise in float32, cast back, then scale in the model dtype."""
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(var.add_(eps))).to(x.dtype)
+
+
 class AttentionBackend(ABC):
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """RMSNorm of x, or with a residual: residual += x in place, then RMSNorm of the sum."""
+        if residual is not None:
+            x = residual.add_(x)
+        return torch_rms_norm(x, weight, eps)
+
+    def rotary_(
+        self, qk: torch.Tensor, num_q_heads: int, positions: torch.Tensor, table: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """Rotates q = qk[:, :num_q_heads] and k = qk[:, num_q_heads:] ([T, heads, D]) in place.
+
+        table is [max_positions, 2, D] (cos, sin with its first half negated); cos_sin is
+        table[positions] split, gathered once per step by the model for backends that use it.
+        """
+        cos, signed_sin = cos_sin
+        half = qk.shape[-1] // 2
+        swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
+        qk.mul_(cos).addcmul_(swapped, signed_sin)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] -> silu(gate) * up, [T, I]."""
+        size = gate_up.shape[1] // 2
+        return F.silu(gate_up[:, :size]).mul_(gate_up[:, size:])
+
     def prepare(self, meta: AttentionMetadata) -> None:
         """Called once per step before the first layer: a backend may derive per-step data
         (masks, gather indices) here and reuse it in every layer's forward."""

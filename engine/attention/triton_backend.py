@@ -1,4 +1,6 @@
 """Attention over the paged KV cache with the Triton kernels of engine.kernels: the GPU backend.
+It also runs the layer's other hot ops (RMSNorm fused with the residual add, rotary embedding,
+SiLU-and-mul) as single kernels.
 
 Per layer: one launch writes the step's K/V at their slots, one runs every decode (the first
 meta.num_decodes requests) and one every prefill/extend request. The kernels read lengths and
@@ -17,7 +19,10 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
+from engine.kernels.activation import silu_and_mul
 from engine.kernels.kv_cache import write_kv_cache
+from engine.kernels.rms_norm import rms_norm
+from engine.kernels.rotary import rotary_embedding_
 from engine.kernels.paged_attention import paged_attention_kernel, paged_decode_attention, paged_prefill_attention
 
 
@@ -38,6 +43,19 @@ class TritonAttentionBackend(AttentionBackend):
                 "'torch' or 'auto' (the Triton interpreter, TRITON_INTERPRET=1, is for tests)"
             )
         self._device_meta: _DeviceMeta | None = None
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if x.dim() != 2:  # per-head norms (Qwen3's q/k norm) keep the torch path
+            return super().rms_norm(x, weight, eps, residual)
+        return rms_norm(x, weight, eps, residual)
+
+    def rotary_(self, qk, num_q_heads, positions, table, cos_sin) -> None:
+        rotary_embedding_(qk[:, :num_q_heads], qk[:, num_q_heads:], positions, table)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(gate_up)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         # The runner may refill the same metadata object in place: never trust old copies.

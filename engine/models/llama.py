@@ -8,14 +8,24 @@ module never reads files and never allocates the KV cache; attention goes throug
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.backend import AttentionBackend
+from engine.attention.backend import AttentionBackend, torch_rms_norm
 from engine.attention.metadata import AttentionMetadata
 from engine.models.config import ModelConfig
+
+
+@dataclass
+class RopeInputs:
+    """What every layer's rotary embedding reads, gathered once per step."""
+
+    positions: torch.Tensor
+    table: torch.Tensor
+    cos_sin: tuple[torch.Tensor, torch.Tensor]
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -65,20 +75,12 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    """A norm's weight and epsilon; the backend computes it (fused with the residual add)."""
+
     def __init__(self, size: int, eps: float, dtype, device) -> None:
         super().__init__()
         self.eps = eps
         self.weight = _empty(size, dtype=dtype, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As transformers does it: normalise in float32, cast back, then scale in the model dtype."""
-    xf = x.float()
-    var = xf.pow(2).mean(-1, keepdim=True)
-    return weight * (xf * torch.rsqrt(var.add_(eps))).to(x.dtype)
 
 
 def rope_table(config: ModelConfig, dtype: torch.dtype, device) -> torch.Tensor:
@@ -111,13 +113,6 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict, max_positions: int) -
     return torch.where(medium, smoothed, scaled)
 
 
-def apply_rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
-    """Rotates x [T, heads, D] in place; cos and signed_sin are [T, 1, D]."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    x.mul_(cos).addcmul_(swapped, signed_sin)
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype, device) -> None:
         super().__init__()
@@ -143,8 +138,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeInputs,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -154,8 +148,8 @@ class LlamaAttention(nn.Module):
         # q and k heads side by side, so norm and RoPE are one op each for both.
         qk = qkv[:, :split].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            qk = rms_norm(qk, self.qk_norm_weight, self.eps)
-        apply_rope_(qk, cos, sin)
+            qk = torch_rms_norm(qk, self.qk_norm_weight, self.eps)
+        self.backend.rotary_(qk, self.num_heads, rope.positions, rope.table, rope.cos_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, split:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
@@ -172,37 +166,45 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype, device) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype, device) -> None:
         super().__init__()
-        self.intermediate_size = i = config.intermediate_size
+        i = config.intermediate_size
+        self.backend = backend
         self.gate_up_proj = Linear(config.hidden_size, [i, i], config.mlp_bias, dtype, device)
         self.down_proj = Linear(i, [config.hidden_size], config.mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        act = F.silu(gate_up[:, : self.intermediate_size])
-        return self.down_proj(act.mul_(gate_up[:, self.intermediate_size :]))
+        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype, device) -> None:
         super().__init__()
+        self.backend = backend
         self.self_attn = LlamaAttention(config, backend, dtype, device)
-        self.mlp = LlamaMLP(config, dtype, device)
+        self.mlp = LlamaMLP(config, backend, dtype, device)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
     def forward(
         self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RopeInputs,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> None:
-        """Updates the residual stream `hidden` in place."""
-        hidden.add_(self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta))
-        hidden.add_(self.mlp(self.post_attention_layernorm(hidden)))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x is the previous layer's output, not yet added to the residual stream: each norm
+        adds its input to the residual first (one fused op on GPU). Returns (output, residual)."""
+        norm = self.backend.rms_norm
+        if residual is None:  # first layer: the embeddings are the residual stream
+            residual = x
+            h = norm(x, self.input_layernorm.weight, self.input_layernorm.eps)
+        else:
+            h = norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual)
+        h = self.self_attn(h, rope, kv_cache, meta)
+        h = norm(h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -259,12 +261,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """[T] tokens of a ragged batch (decodes first) -> [T, hidden] after the final norm."""
         self.backend.prepare(attn_metadata)
-        rope = self.rope[positions]
-        cos, sin = rope[:, 0:1], rope[:, 1:2]
-        hidden = F.embedding(input_ids, self.model.embed_tokens.weight)
+        table = self.rope[positions]
+        rope = RopeInputs(positions, self.rope, (table[:, 0:1], table[:, 1:2]))
+        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            layer(hidden, cos, sin, kv_cache, attn_metadata)
-        return self.model.norm(hidden)
+            x, residual = layer(x, residual, rope, kv_cache, attn_metadata)
+        norm = self.model.norm
+        return self.backend.rms_norm(x, norm.weight, norm.eps, residual)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
