@@ -46,6 +46,7 @@ class EngineConfig:
     scheduling_policy: str = _arg("fcfs", str, "which waiting request runs first", choices=SCHEDULING_POLICIES)
     enable_prefix_caching: bool = _arg(True, bool, "reuse KV blocks of identical prompt prefixes")
     attention_backend: str = _arg("auto", str, "auto = triton on CUDA, torch otherwise", choices=ATTENTION_BACKENDS)
+    enable_cuda_graphs: bool = _arg(True, bool, "replay captured CUDA graphs for decode steps (GPU, triton backend)")
     num_threads: int | None = _arg(None, int, "CPU threads for torch (default: torch's choice)")
     seed: int = _arg(0, int, "seed of the generator shared by unseeded sampled requests")
 
@@ -120,3 +121,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+
+
+def engine_args_from_config(config: EngineConfig) -> list[str]:
+    """The inverse of add_engine_args: flags that parse back into `config` (for child processes)."""
+    args: list[str] = []
+    for f in fields(EngineConfig):
+        value = getattr(config, f.name)
+        flag = f.name.replace("_", "-")
+        if f.metadata["type"] is bool:
+            args.append(f"--{flag}" if value else f"--no-{flag}")
+        elif value is not None:
+            args += [f"--{flag}", str(value)]
+    return args

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -165,6 +166,8 @@ class AsyncEngine:
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_output_tokens=request.num_output_tokens,
                 num_cached_tokens=request.num_cached_tokens,
+                queue_seconds=(request.times.first_scheduled or time.monotonic())
+                - request.times.arrival,
             )))
         self._deliver(aborted)
         return [out.request_id for _, out in aborted]

@@ -201,6 +201,8 @@ class LLMEngine:
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_output_tokens=request.num_output_tokens,
                     num_cached_tokens=request.num_cached_tokens,
+                    queue_seconds=request.times.first_scheduled - request.times.arrival
+                    if reason is not None else 0.0,
                 )
             )
         return outputs

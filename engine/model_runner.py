@@ -1,9 +1,11 @@
 """The executor: turns a scheduled step into flat tensors, runs the model, returns logits.
 
 Owns the model weights and the paged KV cache tensors. Inputs are written into persistent
-host buffers (numpy views over torch tensors, so no per-step allocation of the big arrays);
-only the rows that will be sampled are projected to logits. This module never decides what
-to run (the scheduler does) nor which token to pick (the sampler does).
+host buffers (numpy views over torch tensors, so no per-step allocation of the big arrays)
+and, on a GPU, copied once per step into persistent device buffers; decode-only steps on a
+GPU replay a captured CUDA graph. Only the rows that will be sampled are projected to logits.
+This module never decides what to run (the scheduler does) nor which token to pick (the
+sampler does).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from common.config import EngineConfig
 from engine.attention.metadata import AttentionMetadata
+from engine.cuda_graphs import DecodeGraphs
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
 from engine.request import Request
@@ -28,6 +31,25 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return torch.bfloat16 if name == "auto" else _DTYPES[name]
 
 
+class StepBuffer:
+    """One persistent input array: a host tensor with a numpy view for cheap filling, and its
+    device mirror (the same tensor when the device is the CPU)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        on_gpu = device.type != "cpu"
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=on_gpu)
+        self.np = self.host.numpy()
+        self.device = torch.zeros(shape, dtype=dtype, device=device) if on_gpu else self.host
+
+    def upload(self, rows: int, cols: int | None = None) -> torch.Tensor:
+        """The first rows (and cols) on the device; copied there when it is not the CPU."""
+        src = self.host[:rows] if cols is None else self.host[:rows, :cols]
+        if self.device is self.host:
+            return src
+        dst = self.device[:rows] if cols is None else self.device[:rows, :cols]
+        return dst.copy_(src, non_blocking=True)
+
+
 @dataclass
 class ModelInput:
     input_ids: torch.Tensor
@@ -37,6 +59,8 @@ class ModelInput:
     logits_indices: torch.Tensor
     # Requests (in batch order) whose row in the logits belongs to them.
     sampling_requests: list[Request]
+    # Set when this decode-only step replays the CUDA graph captured for that many rows.
+    graph_size: int | None = None
 
 
 class ModelRunner:
@@ -56,25 +80,19 @@ class ModelRunner:
             )
             for _ in range(cfg.num_hidden_layers)
         ]
-        max_tokens = config.max_num_batched_tokens
+        max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         max_seqs = config.max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        self._input_ids = torch.zeros(max_tokens, dtype=torch.int64)
-        self._positions = torch.zeros(max_tokens, dtype=torch.int64)
-        self._slot_mapping = torch.zeros(max_tokens, dtype=torch.int64)
-        self._query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32)
-        self._seq_lens = torch.zeros(max_seqs, dtype=torch.int32)
-        self._block_tables = torch.zeros(max_seqs, self.max_blocks_per_seq, dtype=torch.int32)
-        self._logits_indices = torch.zeros(max_seqs, dtype=torch.int64)
-        # numpy views share memory with the tensors above: filling them fills the tensors.
-        self._input_ids_np = self._input_ids.numpy()
-        self._positions_np = self._positions.numpy()
-        self._slot_mapping_np = self._slot_mapping.numpy()
-        self._query_start_loc_np = self._query_start_loc.numpy()
-        self._seq_lens_np = self._seq_lens.numpy()
-        self._block_tables_np = self._block_tables.numpy()
-        self._logits_indices_np = self._logits_indices.numpy()
+        dev = self.device
+        self.input_ids = StepBuffer((max_tokens,), torch.int64, dev)
+        self.positions = StepBuffer((max_tokens,), torch.int64, dev)
+        self.slot_mapping = StepBuffer((max_tokens,), torch.int64, dev)
+        self.query_start_loc = StepBuffer((max_seqs + 1,), torch.int32, dev)
+        self.seq_lens = StepBuffer((max_seqs,), torch.int32, dev)
+        self.block_tables = StepBuffer((max_seqs, self.max_blocks_per_seq), torch.int32, dev)
+        self.logits_indices = StepBuffer((max_seqs,), torch.int64, dev)
         self._arange = np.arange(max_model_len, dtype=np.int64)
+        self.graphs = DecodeGraphs.capture_if_enabled(self, config)
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
         bs = self.block_size
@@ -84,7 +102,8 @@ class ModelRunner:
         sampling_requests: list[Request] = []
         num_logits = 0
         offset = 0
-        qsl = self._query_start_loc_np
+        ids, pos, slots = self.input_ids.np, self.positions.np, self.slot_mapping.np
+        tables, qsl, logits_idx = self.block_tables.np, self.query_start_loc.np, self.logits_indices.np
         qsl[0] = 0
         # Decodes sorted by context length let the attention backend group them with little padding.
         nd = sched.num_decodes
@@ -95,51 +114,71 @@ class ModelRunner:
             start = request.num_computed_tokens
             end = start + num_new
             table = request.block_table
-            self._input_ids_np[offset:offset + num_new] = request.token_ids[start:end]
+            ids[offset:offset + num_new] = request.token_ids[start:end]
             positions = self._arange[start:end]
-            self._positions_np[offset:offset + num_new] = positions
-            self._block_tables_np[i, : len(table)] = table
-            row = self._block_tables_np[i]
-            self._slot_mapping_np[offset:offset + num_new] = row[positions // bs] * bs + positions % bs
+            pos[offset:offset + num_new] = positions
+            tables[i, : len(table)] = table
+            slots[offset:offset + num_new] = tables[i][positions // bs] * bs + positions % bs
             offset += num_new
             qsl[i + 1] = offset
             query_lens.append(num_new)
             seq_lens.append(end)
             if end == request.num_tokens:
-                self._logits_indices_np[num_logits] = offset - 1
+                logits_idx[num_logits] = offset - 1
                 num_logits += 1
                 sampling_requests.append(request)
-        self._seq_lens_np[:num_reqs] = seq_lens
+        self.seq_lens.np[:num_reqs] = seq_lens
         max_seq_len = max(seq_lens)
+
+        graph_size = self.graphs.size_for(num_reqs) if self.graphs and nd == num_reqs else None
+        if graph_size is not None:
+            self._pad_decode_rows(num_reqs, graph_size)
+            rows = tokens = graph_size
+            cols = self.max_blocks_per_seq  # the graph reads the full-width table it captured
+        else:
+            rows, tokens, cols = num_reqs, offset, -(-max_seq_len // bs)
         meta = AttentionMetadata(
-            slot_mapping=self._slot_mapping[:offset],
-            query_start_loc=self._query_start_loc[: num_reqs + 1],
-            seq_lens=self._seq_lens[:num_reqs],
-            block_tables=self._block_tables[:num_reqs, : (max_seq_len + bs - 1) // bs],
+            slot_mapping=self.slot_mapping.upload(tokens),
+            query_start_loc=self.query_start_loc.upload(rows + 1),
+            seq_lens=self.seq_lens.upload(rows),
+            block_tables=self.block_tables.upload(rows, cols),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
-            num_decodes=sched.num_decodes,
+            num_decodes=nd,
             max_query_len=max(query_lens),
             max_seq_len=max_seq_len,
             block_size=bs,
         )
         return ModelInput(
-            input_ids=self._input_ids[:offset],
-            positions=self._positions[:offset],
+            input_ids=self.input_ids.upload(tokens),
+            positions=self.positions.upload(tokens),
             attn_metadata=meta,
-            logits_indices=self._logits_indices[:num_logits],
+            logits_indices=self.logits_indices.upload(num_logits),
             sampling_requests=sampling_requests,
+            graph_size=graph_size,
         )
+
+    def _pad_decode_rows(self, num_reqs: int, graph_size: int) -> None:
+        """Rows num_reqs..graph_size of a graph batch: one token that writes nowhere (slot -1)
+        and attends to one position of block 0; their outputs are never read."""
+        pad = slice(num_reqs, graph_size)
+        self.input_ids.np[pad] = 0
+        self.positions.np[pad] = 0
+        self.slot_mapping.np[pad] = -1
+        self.seq_lens.np[pad] = 1
+        self.block_tables.np[pad, 0] = 0
+        self.query_start_loc.np[num_reqs + 1 : graph_size + 1] = np.arange(num_reqs + 1, graph_size + 1)
 
     @torch.inference_mode()
     def forward(self, model_input: ModelInput) -> torch.Tensor:
         """Logits [num_sampling_requests, vocab] in float32."""
-        hidden = self.model(
-            model_input.input_ids.to(self.device, non_blocking=True),
-            model_input.positions.to(self.device, non_blocking=True),
-            self.kv_caches,
-            model_input.attn_metadata,
-        )
+        if model_input.graph_size is not None:
+            hidden = self.graphs.replay(model_input.graph_size)
+        else:
+            hidden = self.run_model(model_input.input_ids, model_input.positions, model_input.attn_metadata)
         if not model_input.sampling_requests:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden[model_input.logits_indices.to(self.device)])
+        return self.model.compute_logits(hidden[model_input.logits_indices])
+
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, meta)

@@ -23,6 +23,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    # On the last output: seconds from arrival to first scheduling (to the end if never run).
+    queue_seconds: float = 0.0
 
 
 @dataclass
