@@ -84,7 +84,7 @@ def folio_phases(llm, batch: int, prompt_len: int, decode_steps: int, vocab_size
         engine.add_request(f"phase-{batch}-{i}", prompt, _greedy(decode_steps + 1))
     while any(r.num_output_tokens == 0 for r in engine.requests.values()):
         engine.step()
-    engine.timings.__init__()
+    engine.timings.reset()
     while engine.has_unfinished:
         engine.step()
     t = engine.timings

@@ -22,7 +22,7 @@ from engine.model_runner import ModelRunner, resolve_dtype
 from engine.models.config import ModelConfig
 from engine.outputs import RequestOutput, StepTimings
 from engine.request import Request
-from engine.sampler import Sampler
+from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stopping import check_stop
@@ -49,7 +49,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         model_config = ModelConfig.from_dir(self.model_path)
         self.model_config = model_config
-        dtype = resolve_dtype(config.dtype, config.device)
+        dtype = resolve_dtype(config.dtype)
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(
             config.kv_cache_memory_bytes,
             model_config.num_hidden_layers,
@@ -171,7 +171,13 @@ class LLMEngine:
         self.timings.add(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)
         return outputs
 
-    def _update(self, scheduled, num_new_tokens, sampling_requests, sampled) -> list[RequestOutput]:
+    def _update(
+        self,
+        scheduled: list[Request],
+        num_new_tokens: list[int],
+        sampling_requests: list[Request],
+        sampled: SamplerOutput,
+    ) -> list[RequestOutput]:
         for request, num_new in zip(scheduled, num_new_tokens):
             request.num_computed_tokens += num_new
             self.kv_cache.cache_blocks(request, request.num_computed_tokens)

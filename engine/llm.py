@@ -16,6 +16,7 @@ from common.detokenizer import IncrementalDetokenizer
 from common.tokenizer import Tokenizer
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 PromptInput = str | Sequence[int]
@@ -108,7 +109,7 @@ class LLM:
     def _encode_all(self, prompts: list[PromptInput]) -> list[list[int]]:
         return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
-    def _run(self, token_lists: list[list[int]], params) -> Iterator[tuple[int, object]]:
+    def _run(self, token_lists: list[list[int]], params) -> Iterator[tuple[int, RequestOutput]]:
         """Feed requests as the waiting queue allows and yield (prompt index, RequestOutput)."""
         param_list = _as_param_list(params, len(token_lists))
         for p in param_list:

@@ -40,6 +40,11 @@ class StepTimings:
 
     PHASES = ("schedule", "prepare_inputs", "forward", "sample", "update")
 
+    def reset(self) -> None:
+        for name in self.PHASES:
+            setattr(self, name, 0.0)
+        self.steps = 0
+
     def add(self, *durations: float) -> None:
         for name, seconds in zip(self.PHASES, durations):
             setattr(self, name, getattr(self, name) + seconds)
