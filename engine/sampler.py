@@ -24,6 +24,11 @@ at or past `vocab_size` (padding some models add) are ignored. Per row, in this 
 
 Logprobs are log_softmax of the raw model logits, before any of the steps above.
 
+On a GPU, step 5 runs as one Triton kernel (engine.kernels.sampling): the same filters and
+the same race, with noise from a counter-based generator keyed by a per-row seed. A seeded
+request's row seed is derived from its seed and its output length, so it still does not
+depend on the rest of the batch (the draws differ from the CPU path's for the same seed).
+
 This module never mutates the caller's logits and never advances a seeded request's
 generator by an amount that depends on anything but that request.
 """
@@ -59,7 +64,9 @@ class Sampler:
         eos_token_ids: Sequence[int],
         device: str | torch.device = "cpu",
         seed: int = 0,
+        use_kernel: bool | None = None,
     ) -> None:
+        """use_kernel: step 5 through the Triton kernel; None = on CUDA devices only."""
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.device = torch.device(device)
@@ -67,6 +74,7 @@ class Sampler:
         self.generator.manual_seed(seed)
         # Reused every step: a fresh batch-by-vocab tensor costs page faults on every call.
         self._noise = torch.empty(0, vocab_size, device=self.device)
+        self.use_kernel = self.device.type == "cuda" if use_kernel is None else use_kernel
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
@@ -74,7 +82,9 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         adjusted = self._adjust_logits(logits, requests)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if len(sampled) == len(requests):
+        if sampled and self.use_kernel:
+            tokens = self._sample_with_kernel(adjusted, requests)
+        elif len(sampled) == len(requests):
             tokens = self._draw(self._probs(adjusted, params), requests)
         else:
             tokens = adjusted.argmax(-1)
@@ -226,6 +236,26 @@ class Sampler:
         # U = 0 gives q = inf, so that token just loses; never 0/0.
         return probs.div_(uniform.log_().neg_()).argmax(-1)
 
+    def _sample_with_kernel(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        from engine.kernels.sampling import sample
+
+        params = [r.sampling_params for r in requests]
+        unseeded = iter(
+            torch.randint(2**62, (len(requests),), generator=self.generator, device=self.device).tolist()
+        )
+        seeds = [
+            _mix_seed(p.seed, r.num_output_tokens) if p.seed is not None else next(unseeded)
+            for p, r in zip(params, requests)
+        ]
+        return sample(
+            logits.contiguous(),
+            torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=self.device),
+            torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int32, device=self.device),
+            torch.tensor([p.top_p for p in params], device=self.device),
+            torch.tensor([p.min_p for p in params], device=self.device),
+            torch.tensor(seeds, dtype=torch.int64, device=self.device),
+        )
+
     def _logprobs(
         self, logits: torch.Tensor, token_ids: list[int], params: Sequence[SamplingParams]
     ) -> list[Logprobs | None]:
@@ -251,3 +281,11 @@ def _sorted_descending(values: torch.Tensor) -> torch.Tensor:
         ascending = np.sort(values.numpy(), axis=-1)
         return torch.from_numpy(np.ascontiguousarray(ascending[:, ::-1]))
     return values.sort(dim=-1, descending=True).values
+
+
+def _mix_seed(seed: int, step: int) -> int:
+    """A well-spread 62-bit row seed from a request seed and its step (splitmix64's finalizer)."""
+    x = (seed * 0x9E3779B97F4A7C15 + step + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) >> 2

@@ -86,3 +86,36 @@ def test_draws_follow_the_filtered_distribution():
     expected = probs * rows_count
     # Each count within 5 binomial standard deviations.
     assert ((counts - expected).abs() <= 5 * (expected * (1 - probs)).sqrt() + 1).all()
+
+
+def test_engine_sampler_on_the_kernel_keeps_seeds_batch_independent():
+    """Sampler(use_kernel=True), the GPU path: greedy rows are argmax, seeded rows give the same
+    tokens alone or in any batch, and every token is allowed by the row's filters."""
+    from engine.request import Request
+    from engine.sampler import Sampler
+    from engine.sampling_params import SamplingParams
+
+    generator = torch.Generator().manual_seed(1)
+    steps = [torch.randn(3, VOCAB, generator=generator) * 3 for _ in range(3)]
+    seeded_params = SamplingParams(temperature=0.9, top_p=0.8, top_k=20, seed=5)
+
+    def seeded_tokens(batched: bool) -> list[int]:
+        sampler = Sampler(VOCAB, eos_token_ids=[0], device=DEVICE, seed=7 if batched else 8, use_kernel=True)
+        seeded = Request("s", [1, 2, 3], seeded_params)
+        greedy = Request("g", [1], SamplingParams(temperature=0.0))
+        other = Request("o", [4], SamplingParams(temperature=1.0, min_p=0.1))
+        tokens = []
+        for logits in steps:
+            batch = [greedy, other, seeded] if batched else [seeded]
+            rows = logits if batched else logits[2:]
+            out = sampler.sample(rows.to(DEVICE), batch).token_ids
+            allowed = (sampler.processed_probs(rows.to(DEVICE), batch) > 0).cpu()
+            assert all(allowed[i, t] for i, t in enumerate(out))
+            if batched:
+                assert out[0] == int(logits[0].argmax())
+            for request, token in zip(batch, out):
+                request.append_output(token)
+            tokens.append(out[-1])
+        return tokens
+
+    assert seeded_tokens(batched=False) == seeded_tokens(batched=True)
