@@ -1,9 +1,5 @@
-"""Protobuf <-> engine library data for the engine service: sampling parameters in, outputs out.
-
-Pure translation. Proto field names equal the library's, so the mapping is by name; defaults
-and validation stay in SamplingParams (an unset `optional` field takes the library default).
-Never validates or computes anything itself.
-"""
+"""Engine library outputs -> protobuf for the engine service (sampling parameters come in
+through common.sampling_proto). Pure translation: never validates or computes anything."""
 
 from __future__ import annotations
 
@@ -14,27 +10,12 @@ from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
 from engine.async_engine import Event, RequestFailed
 from engine.outputs import RequestOutput
 from engine.request import FinishReason
-from engine.sampling_params import SamplingParams
 
 FINISH_REASONS = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
 }
-
-
-def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
-    kwargs = {}
-    for field in message.DESCRIPTOR.fields:
-        if field.has_presence and not message.HasField(field.name):
-            continue  # unset: the library's default
-        value = getattr(message, field.name)
-        if field.message_type is not None and field.message_type.GetOptions().map_entry:
-            value = dict(value) or None
-        elif field.is_repeated:
-            value = list(value)
-        kwargs[field.name] = value
-    return SamplingParams(**kwargs)
 
 
 def error_output(request_id: str, error: Exception) -> engine_pb2.RequestOutput:
@@ -73,4 +54,5 @@ def _output_to_proto(out: RequestOutput) -> engine_pb2.RequestOutput:
             completion_tokens=out.num_output_tokens,
             cached_tokens=out.num_cached_tokens,
         ))
+        message.queue_seconds = out.queue_seconds
     return message

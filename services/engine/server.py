@@ -20,7 +20,8 @@ from common.grpc_stubs.folio.v1 import engine_pb2_grpc
 from engine.async_engine import AsyncEngine, RequestFailed
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
-from services.engine.convert import error_output, event_to_proto, sampling_params_from_proto
+from common.sampling_proto import sampling_params_from_proto
+from services.engine.convert import error_output, event_to_proto
 from services.grpc_server import GrpcService
 
 

@@ -16,7 +16,7 @@ from common.grpc_stubs import generate
 from common.grpc_stubs.folio.v1 import common_pb2
 from engine.errors import InvalidRequestError, QueueFullError
 from engine.sampling_params import SamplingParams
-from services.engine.convert import sampling_params_from_proto
+from common.sampling_proto import sampling_params_from_proto
 
 ROOT = Path(__file__).resolve().parents[2]
 BUF = ROOT / ".tools" / "node_modules" / ".bin" / "buf"

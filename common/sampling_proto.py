@@ -1,0 +1,43 @@
+"""SamplingParams <-> folio.v1.SamplingParams, both ways, for every service that speaks the
+contract (engine service, gateway). Proto field names equal the library's, so the mapping is by
+name; an unset `optional` field takes the library default. Pure translation, torch-free: it
+never validates (SamplingParams.validate does) and never imports the engine runtime.
+"""
+
+from __future__ import annotations
+
+from common.grpc_stubs.folio.v1 import common_pb2
+from engine.sampling_params import SamplingParams
+
+
+def _is_map(field) -> bool:
+    return field.message_type is not None and field.message_type.GetOptions().map_entry
+
+
+def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    message = common_pb2.SamplingParams()
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(params, field.name)
+        if value is None:
+            continue  # unset `optional`: the engine's default, which is the library's
+        if _is_map(field):
+            getattr(message, field.name).update(value)
+        elif field.is_repeated:
+            getattr(message, field.name).extend(value)
+        else:
+            setattr(message, field.name, value)
+    return message
+
+
+def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
+    kwargs = {}
+    for field in message.DESCRIPTOR.fields:
+        if field.has_presence and not message.HasField(field.name):
+            continue  # unset: the library's default
+        value = getattr(message, field.name)
+        if _is_map(field):
+            value = dict(value) or None
+        elif field.is_repeated:
+            value = list(value)
+        kwargs[field.name] = value
+    return SamplingParams(**kwargs)

@@ -1,0 +1,211 @@
+"""The HTTP gateway's routes (Starlette): OpenAI-compatible completions, models, vLLM-style
+tokenize / detokenize, health, Prometheus metrics and the OpenAPI document.
+
+Routes stay thin: read the body, call completions.py / generation.py, write the answer. One
+table (ENDPOINTS) both routes requests and documents them, so /openapi.json cannot miss a route.
+A client that disconnects cancels its handler, which aborts its engine requests. This module
+holds no business logic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from common.errors import EngineError
+from common.grpc_stubs.folio.v1 import common_pb2
+from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
+from gateway import completions
+from gateway import protocol as api
+from gateway.generation import Gateway
+from gateway.sse import EventStreamResponse
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class ModelResponse(Response):
+    media_type = "application/json"
+
+    def __init__(self, body: BaseModel, status_code: int = 200, exclude_none: bool = False) -> None:
+        super().__init__(body.model_dump_json(exclude_none=exclude_none), status_code)
+
+
+def error_response(exc: BaseException) -> Response:
+    status, body = api.error_body(exc)
+    if status == 500:
+        logger.error("request failed", exc_info=exc)
+    return ModelResponse(body, status)
+
+
+@dataclass
+class Endpoint:
+    path: str
+    method: str
+    summary: str
+    handler: Handler | None = None
+    request: type[BaseModel] | None = None
+    response: type[BaseModel] | None = None
+    stream: type[BaseModel] | None = None  # the event shape, when it can stream
+    media_type: str = "application/json"
+
+
+async def read_body(request: Request, model: type[api.RequestBody]):
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type and media_type != "application/json" and not media_type.endswith("+json"):
+        raise api.UnsupportedMediaType(
+            f"the body must be JSON sent as Content-Type: application/json, got {media_type!r}")
+    return api.parse_request(model, await request.body())
+
+
+async def until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Run `work`, cancelling it if the client disconnects first (which aborts its requests)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if not watcher.done():
+            raise  # we are being cancelled ourselves
+        return Response(status_code=499)  # nobody is left to read it
+    finally:
+        watcher.cancel()
+
+
+def build_app(gateway: Gateway) -> Starlette:
+    async def completion(request: Request, model: type[api.RequestBody],
+                         plan: Callable[[Gateway, Any], Awaitable[completions.Plan]]) -> Response:
+        arrival = time.monotonic()
+        body = await read_body(request, model)
+
+        async def run() -> Response:
+            planned = await plan(gateway, body)
+            stream = gateway.generate_many(planned.requests, planned.id, arrival)
+            if not body.stream:
+                async with contextlib.aclosing(stream):
+                    return ModelResponse(await completions.respond(planned, stream))
+            # The first delta before the headers: an engine that refuses the request (queue
+            # full, unavailable) still gets its proper status code.
+            try:
+                first = await anext(stream)
+            except BaseException:
+                await stream.aclose()
+                raise
+            return EventStreamResponse(completions.events(planned, first, stream))
+
+        return await until_disconnect(request, run())
+
+    async def chat_completions(request: Request) -> Response:
+        return await completion(request, api.ChatCompletionRequest, completions.plan_chat)
+
+    async def text_completions(request: Request) -> Response:
+        return await completion(request, api.CompletionRequest, completions.plan_completion)
+
+    async def models(request: Request) -> Response:
+        info = await gateway.check_model(None)
+        return ModelResponse(api.ModelList(data=[api.ModelCard(
+            id=info.name, created=info.created, root=info.path,
+            max_model_len=info.max_model_len)]))
+
+    async def tokenize(request: Request) -> Response:
+        body: api.TokenizeRequest = await read_body(request, api.TokenizeRequest)
+        info = await gateway.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise api.InvalidParameter("set exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            messages = [common_pb2.ChatMessage(role=m.role, content=m.text, name=m.name)
+                        for m in body.messages]
+            result = await gateway.tokenize_chat(messages, body.add_generation_prompt,
+                                                 body.return_token_strs)
+        else:
+            result = await gateway.tokenize_text(body.prompt, body.add_special_tokens,
+                                                 body.return_token_strs)
+        return ModelResponse(api.TokenizeResponse(
+            count=len(result.token_ids), max_model_len=info.max_model_len,
+            tokens=list(result.token_ids),
+            token_strs=list(result.token_strs) if body.return_token_strs else None))
+
+    async def detokenize(request: Request) -> Response:
+        body: api.DetokenizeRequest = await read_body(request, api.DetokenizeRequest)
+        await gateway.check_model(body.model)
+        # As vLLM: the exact text of the ids, special tokens included, so tokenize round-trips.
+        result = await gateway.tokenizer.detokenize(tok_pb2.DetokenizeRequest(
+            token_ids=body.tokens, skip_special_tokens=False))
+        return ModelResponse(api.DetokenizeResponse(prompt=result.text))
+
+    async def health(request: Request) -> Response:
+        engine, tokenizer = await asyncio.gather(gateway.engine.serving(),
+                                                 gateway.tokenizer.serving())
+        down = [name for name, up in (("engine", engine), ("tokenizer", tokenizer)) if not up]
+        if gateway.draining:
+            down.append("gateway (draining)")
+        if down:
+            return ModelResponse(api.HealthResponse(
+                status="unavailable", detail="not serving: " + ", ".join(down)), 503)
+        return ModelResponse(api.HealthResponse(status="ok"), exclude_none=True)
+
+    async def metrics(request: Request) -> Response:
+        try:
+            stats = await gateway.engine.stats()
+        except EngineError:
+            stats = None  # the engine is down: the gateway's own series still count
+        return PlainTextResponse(gateway.metrics.render(stats),
+                                 media_type="text/plain; version=0.0.4")
+
+    async def openapi(request: Request) -> Response:
+        return Response(document, media_type="application/json")
+
+    endpoints = [
+        Endpoint("/v1/chat/completions", "POST", "Chat completion (OpenAI)", chat_completions,
+                 api.ChatCompletionRequest, api.ChatCompletionResponse, api.ChatCompletionChunk),
+        Endpoint("/v1/completions", "POST", "Text completion (OpenAI)", text_completions,
+                 api.CompletionRequest, api.CompletionResponse, api.CompletionResponse),
+        Endpoint("/v1/models", "GET", "The served model", models, None, api.ModelList),
+        Endpoint("/tokenize", "POST", "Text or chat messages to token ids (vLLM)", tokenize,
+                 api.TokenizeRequest, api.TokenizeResponse),
+        Endpoint("/detokenize", "POST", "Token ids to text (vLLM)", detokenize,
+                 api.DetokenizeRequest, api.DetokenizeResponse),
+        Endpoint("/health", "GET", "200 when the engine and tokenizer serve, else 503", health,
+                 None, api.HealthResponse),
+        Endpoint("/metrics", "GET", "Prometheus metrics (text format 0.0.4)", metrics,
+                 media_type="text/plain"),
+        Endpoint("/openapi.json", "GET", "This document", openapi),
+    ]
+    document = json.dumps(api.openapi_document(endpoints, "Folio", "0.1.0"))
+
+    def guarded(handler: Handler) -> Handler:
+        async def run(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except Exception as exc:
+                return error_response(exc)
+        return run
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        return ModelResponse(api.ErrorResponse(error=api.ErrorInfo(
+            message=f"{request.method} {request.url.path}: {exc.detail}", type=kind)),
+            exc.status_code)
+
+    routes = [Route(e.path, guarded(e.handler), methods=[e.method]) for e in endpoints]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})

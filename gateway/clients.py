@@ -1,0 +1,230 @@
+"""The gateway's async gRPC clients of the engine and tokenizer services.
+
+Every request of this gateway rides on one long-lived, multiplexed Engine.Generate stream
+rather than one stream per request: the engine then sends one message per step for all of
+them instead of one per request per step, and per-message cost is what limits Python gRPC at
+high concurrency. A broken stream fails the requests it carried; the next request opens a
+fresh one. Transport and translation only: this module never validates or decides anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.errors import UnavailableError, error_for
+from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
+from common.grpc_stubs.folio.v1 import tokenizer_pb2_grpc
+
+# Unary calls are quick (tokenize, stats); a stuck service must not hang an HTTP request.
+UNARY_TIMEOUT = 30.0
+HEALTH_TIMEOUT = 2.0
+# Messages of long prompts and big logprob batches exceed gRPC's 4 MiB default.
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                   ("grpc.max_send_message_length", 64 * 1024 * 1024)]
+
+
+def _error(exc: grpc.aio.AioRpcError, service: str) -> Exception:
+    return error_for(exc.code(), f"{service}: {exc.details() or exc.code().name}")
+
+
+async def _serving(channel: grpc.aio.Channel) -> bool:
+    try:
+        response = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT)
+    except grpc.aio.AioRpcError:
+        return False
+    return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+# -- engine -------------------------------------------------------------------------------------
+
+
+class EngineRequest:
+    """One request on the shared Generate stream: read its outputs, abort it, let it go."""
+
+    def __init__(self, stream: _GenerateStream, request_id: str) -> None:
+        self.request_id = request_id
+        self._stream = stream
+        self._outputs: asyncio.Queue[engine_pb2.RequestOutput | Exception] = asyncio.Queue()
+        self.done = False
+
+    async def next(self) -> engine_pb2.RequestOutput:
+        """The next output; raises the request's error (an EngineError) if it failed."""
+        item = await self._outputs.get()
+        if isinstance(item, Exception):
+            self.done = True
+            raise item
+        if item.HasField("error"):
+            self.done = True
+            raise error_for(item.error.code, item.error.message)
+        self.done = item.finished
+        return item
+
+    async def abort(self) -> engine_pb2.RequestOutput | None:
+        """Abort and wait for the engine to confirm with the last output (its blocks are freed
+        then); None if the request had already ended."""
+        if self.done:
+            return None
+        self._stream.send_abort(self.request_id)
+        while not (last := await self.next()).finished:
+            pass
+        return last
+
+    def close(self) -> None:
+        """Stop listening; a request still live is aborted without waiting."""
+        if not self.done:
+            self.done = True
+            self._stream.send_abort(self.request_id)
+        self._stream.forget(self.request_id)
+
+
+class _GenerateStream:
+    def __init__(self, stub: engine_pb2_grpc.EngineServiceStub) -> None:
+        self._outbox: asyncio.Queue[engine_pb2.GenerateRequest] = asyncio.Queue()
+        self._requests: dict[str, EngineRequest] = {}
+        self.closed = False
+        self._call = stub.Generate(self._messages())
+        self._reader = asyncio.create_task(self._read())
+
+    async def _messages(self) -> AsyncIterator[engine_pb2.GenerateRequest]:
+        while True:
+            yield await self._outbox.get()
+
+    async def _read(self) -> None:
+        error: Exception = UnavailableError("engine: the Generate stream ended")
+        try:
+            async for response in self._call:
+                for output in response.outputs:
+                    request = self._requests.get(output.request_id)
+                    if request is not None:  # else: already let go (aborted, client left)
+                        request._outputs.put_nowait(output)
+        except grpc.aio.AioRpcError as exc:
+            error = _error(exc, "engine")
+        finally:
+            self.closed = True
+            for request in self._requests.values():
+                request._outputs.put_nowait(error)
+            self._requests.clear()
+
+    def add(self, request_id: str, prompt_token_ids: Sequence[int],
+            params: common_pb2.SamplingParams, priority: int) -> EngineRequest:
+        request = EngineRequest(self, request_id)
+        self._requests[request_id] = request
+        self._outbox.put_nowait(engine_pb2.GenerateRequest(add=engine_pb2.EngineRequest(
+            request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=params,
+            priority=priority)))
+        return request
+
+    def send_abort(self, request_id: str) -> None:
+        if not self.closed:
+            self._outbox.put_nowait(engine_pb2.GenerateRequest(
+                abort=engine_pb2.AbortRequest(request_ids=[request_id])))
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    async def close(self) -> None:
+        self._call.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)  # it ends CANCELLED
+
+
+class EngineClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
+        self._stream: _GenerateStream | None = None
+
+    def generate(self, request_id: str, prompt_token_ids: Sequence[int],
+                 params: common_pb2.SamplingParams, priority: int = 0) -> EngineRequest:
+        if self._stream is None or self._stream.closed:
+            self._stream = _GenerateStream(self._stub)
+        return self._stream.add(request_id, prompt_token_ids, params, priority)
+
+    async def model_info(self) -> engine_pb2.GetModelInfoResponse:
+        return await self._unary(self._stub.GetModelInfo, engine_pb2.GetModelInfoRequest())
+
+    async def stats(self) -> engine_pb2.GetStatsResponse:
+        return await self._unary(self._stub.GetStats, engine_pb2.GetStatsRequest())
+
+    async def serving(self) -> bool:
+        return await _serving(self._channel)
+
+    async def _unary(self, method, request):
+        try:
+            return await method(request, timeout=UNARY_TIMEOUT)
+        except grpc.aio.AioRpcError as exc:
+            raise _error(exc, "engine") from None
+
+    async def close(self) -> None:
+        if self._stream is not None:
+            await self._stream.close()
+        await self._channel.close()
+
+
+# -- tokenizer ----------------------------------------------------------------------------------
+
+
+class DetokenizeSession:
+    """One generation's DetokenizeStream: token ids in, certain text out, one reply per push."""
+
+    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerServiceStub,
+                 options: tok_pb2.DetokenizeOptions) -> None:
+        self._stub = stub
+        self._options: tok_pb2.DetokenizeOptions | None = options
+        self._call = None
+
+    async def push(self, token_ids: Sequence[int], finish: bool = False
+                   ) -> tok_pb2.DetokenizeStreamResponse:
+        request = tok_pb2.DetokenizeStreamRequest(token_ids=token_ids, finish=finish)
+        if self._call is None:  # opened with the first tokens: no round trip for options alone
+            self._call = self._stub.DetokenizeStream()
+            request.options.CopyFrom(self._options)
+        try:
+            await self._call.write(request)
+            response = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise _error(exc, "tokenizer") from None
+        if response is grpc.aio.EOF:
+            raise UnavailableError("tokenizer: the DetokenizeStream ended early")
+        return response
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+
+
+class TokenizerClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = tokenizer_pb2_grpc.TokenizerServiceStub(self._channel)
+
+    async def tokenize(self, request: tok_pb2.TokenizeRequest) -> tok_pb2.TokenizeResponse:
+        return await self._unary(self._stub.Tokenize, request)
+
+    async def detokenize(self, request: tok_pb2.DetokenizeRequest) -> tok_pb2.DetokenizeResponse:
+        return await self._unary(self._stub.Detokenize, request)
+
+    async def info(self) -> tok_pb2.GetInfoResponse:
+        return await self._unary(self._stub.GetInfo, tok_pb2.GetInfoRequest())
+
+    def detokenize_stream(self, options: tok_pb2.DetokenizeOptions) -> DetokenizeSession:
+        return DetokenizeSession(self._stub, options)
+
+    async def serving(self) -> bool:
+        return await _serving(self._channel)
+
+    async def _unary(self, method, request):
+        try:
+            return await method(request, timeout=UNARY_TIMEOUT)
+        except grpc.aio.AioRpcError as exc:
+            raise _error(exc, "tokenizer") from None
+
+    async def close(self) -> None:
+        await self._channel.close()

@@ -1,0 +1,224 @@
+"""OpenAI chat and text completions over the generation pipeline: an OpenAI request becomes
+TextRequests (one per prompt and choice), the pipeline's text deltas become a response body or
+server-sent events.
+
+Translation between the OpenAI shapes and generation.py only: it never talks to a service
+itself and never touches an HTTP connection (app.py does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from common.grpc_stubs.folio.v1 import common_pb2
+from engine.sampling_params import SamplingParams
+from gateway import protocol as api
+from gateway.generation import (
+    Gateway,
+    ModelInfo,
+    TextDelta,
+    TextRequest,
+    TokenLogprob,
+    Usage,
+    new_request_id,
+)
+from gateway.sse import DONE, event
+
+
+@dataclass
+class Plan:
+    """A validated completion request: what to run and how to answer."""
+
+    chat: bool
+    id: str
+    model: str
+    requests: list[TextRequest]  # choice i of prompt p is requests[p * n + i]
+    n: int
+    logprobs: bool
+    include_usage: bool
+    created: int
+
+
+def _sampling_params(body: api.SamplingFields, max_tokens: int | None,
+                     logprobs: int | None) -> SamplingParams:
+    logit_bias = None
+    if body.logit_bias:
+        try:
+            logit_bias = {int(token): bias for token, bias in body.logit_bias.items()}
+        except ValueError:
+            raise api.InvalidParameter("logit_bias keys must be token ids", "logit_bias") from None
+    optional = dict(
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty, seed=body.seed, logit_bias=logit_bias,
+        stop_token_ids=body.stop_token_ids, logprobs=logprobs,
+    )
+    return SamplingParams(max_tokens=max_tokens, min_tokens=body.min_tokens,
+                          ignore_eos=body.ignore_eos,
+                          **{k: v for k, v in optional.items() if v is not None})
+
+
+def _choices(gateway: Gateway, info: ModelInfo, prompts: list[list[int]], body: api.SamplingFields,
+             params: SamplingParams, prompt_param: str, max_tokens_param: str) -> list[TextRequest]:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return [
+        gateway.text_request(
+            info, ids, gateway.with_seed_offset(params, i), prompt_param=prompt_param,
+            max_tokens_param=max_tokens_param, stop=stop,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens, priority=body.priority)
+        for ids in prompts for i in range(body.n)
+    ]
+
+
+async def plan_chat(gateway: Gateway, body: api.ChatCompletionRequest) -> Plan:
+    info = await gateway.check_model(body.model)
+    if body.top_logprobs and not body.logprobs:
+        raise api.InvalidParameter("top_logprobs needs logprobs set to true", "top_logprobs")
+    messages = [common_pb2.ChatMessage(role=m.role, content=m.text, name=m.name)
+                for m in body.messages]
+    prompt = await gateway.tokenize_chat(messages, body.add_generation_prompt)
+    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    params = _sampling_params(body, body.max_completion_tokens or body.max_tokens,
+                              (body.top_logprobs or 0) if body.logprobs else None)
+    requests = _choices(gateway, info, [list(prompt.token_ids)], body, params, "messages",
+                        max_tokens_param)
+    return Plan(True, new_request_id("chatcmpl"), info.name, requests, body.n, body.logprobs,
+                _include_usage(body), int(time.time()))
+
+
+async def plan_completion(gateway: Gateway, body: api.CompletionRequest) -> Plan:
+    info = await gateway.check_model(body.model)
+    prompt = body.prompt
+    if isinstance(prompt, list) and not prompt:
+        raise api.InvalidParameter("prompt must not be empty", "prompt")
+    # One prompt (text or token ids) or a batch of them.
+    prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
+    tokenized = await asyncio.gather(*(
+        gateway.tokenize_text(p) for p in prompts if isinstance(p, str)))
+    texts = iter(tokenized)
+    ids = [list(next(texts).token_ids) if isinstance(p, str) else p for p in prompts]
+    params = _sampling_params(body, body.max_tokens, body.logprobs)
+    requests = _choices(gateway, info, ids, body, params, "prompt", "max_tokens")
+    return Plan(False, new_request_id("cmpl"), info.name, requests, body.n,
+                body.logprobs is not None, _include_usage(body), int(time.time()))
+
+
+def _include_usage(body: api.SamplingFields) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+def _usage(plan: Plan, usages: list[Usage | None]) -> api.Usage:
+    # The prompt counts once per prompt, not once per choice.
+    firsts = [u for u in usages[::plan.n] if u is not None]
+    prompt = sum(u.prompt_tokens for u in firsts)
+    completion = sum(u.completion_tokens for u in usages if u is not None)
+    return api.Usage(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details=api.PromptTokensDetails(
+                         cached_tokens=sum(u.cached_tokens for u in firsts)))
+
+
+def _utf8(text: str) -> list[int] | None:
+    # A token holding part of a character decodes to U+FFFD: its own bytes are not known here.
+    return None if "\ufffd" in text else list(text.encode())
+
+
+def _chat_logprobs(logprobs: list[TokenLogprob]) -> api.ChatLogprobs:
+    return api.ChatLogprobs(content=[
+        api.ChatTokenLogprob(
+            token=lp.token, logprob=lp.logprob, bytes=_utf8(lp.token),
+            top_logprobs=[api.TopLogprob(token=text, logprob=value, bytes=_utf8(text))
+                          for _, text, value in lp.top])
+        for lp in logprobs
+    ])
+
+
+def _completion_logprobs(logprobs: list[TokenLogprob], offset: int) -> api.CompletionLogprobs:
+    out = api.CompletionLogprobs()
+    for lp in logprobs:
+        out.tokens.append(lp.token)
+        out.token_logprobs.append(lp.logprob)
+        out.top_logprobs.append({text: value for _, text, value in lp.top})
+        out.text_offset.append(offset)
+        offset += len(lp.token)
+    return out
+
+
+async def respond(plan: Plan, stream: AsyncIterator[tuple[int, TextDelta]]):
+    """Run the stream to its end; the whole response body."""
+    count = len(plan.requests)
+    texts: list[list[str]] = [[] for _ in range(count)]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(count)]
+    reasons: list[str | None] = [None] * count
+    usages: list[Usage | None] = [None] * count
+    async for index, delta in stream:
+        texts[index].append(delta.text)
+        logprobs[index] += delta.logprobs
+        if delta.finish_reason is not None:
+            reasons[index], usages[index] = delta.finish_reason, delta.usage
+    usage = _usage(plan, usages)
+    if plan.chat:
+        choices = [api.ChatChoice(
+            index=i, message=api.AssistantMessage(content="".join(texts[i])),
+            logprobs=_chat_logprobs(logprobs[i]) if plan.logprobs else None,
+            finish_reason=reasons[i]) for i in range(count)]
+        return api.ChatCompletionResponse(id=plan.id, created=plan.created, model=plan.model,
+                                          choices=choices, usage=usage)
+    choices = [api.CompletionChoice(
+        index=i, text="".join(texts[i]),
+        logprobs=_completion_logprobs(logprobs[i], 0) if plan.logprobs else None,
+        finish_reason=reasons[i]) for i in range(count)]
+    return api.CompletionResponse(id=plan.id, created=plan.created, model=plan.model,
+                                  choices=choices, usage=usage)
+
+
+async def events(plan: Plan, first: tuple[int, TextDelta],
+                 stream: AsyncIterator[tuple[int, TextDelta]]) -> AsyncIterator[bytes]:
+    """Server-sent events: one per text delta (the first already read), usage, [DONE]."""
+    count = len(plan.requests)
+    usages: list[Usage | None] = [None] * count
+    offsets = [0] * count  # completions' logprobs.text_offset
+
+    def chunk(choices: list, usage: api.Usage | None = None) -> bytes:
+        shape = api.ChatCompletionChunk if plan.chat else api.CompletionResponse
+        return event(shape(id=plan.id, created=plan.created, model=plan.model, choices=choices,
+                           usage=usage))
+
+    def choice(index: int, delta: TextDelta):
+        if plan.chat:
+            return api.ChatChunkChoice(
+                index=index, delta=api.DeltaMessage(content=delta.text),
+                logprobs=_chat_logprobs(delta.logprobs) if plan.logprobs else None,
+                finish_reason=delta.finish_reason)
+        logprobs = None
+        if plan.logprobs:
+            logprobs = _completion_logprobs(delta.logprobs, offsets[index])
+            offsets[index] += sum(len(lp.token) for lp in delta.logprobs)
+        return api.CompletionChoice(index=index, text=delta.text, logprobs=logprobs,
+                                    finish_reason=delta.finish_reason)
+
+    try:
+        if plan.chat:  # OpenAI opens each choice with the assistant's role
+            yield chunk([api.ChatChunkChoice(index=i, delta=api.DeltaMessage(role="assistant",
+                                                                              content=""))
+                         for i in range(count)])
+        index, delta = first
+        while True:
+            if delta.finish_reason is not None:
+                usages[index] = delta.usage
+            yield chunk([choice(index, delta)])
+            try:
+                index, delta = await anext(stream)
+            except StopAsyncIteration:
+                break
+        if plan.include_usage:
+            yield chunk([], _usage(plan, usages))
+    except Exception as exc:  # the response has started: the error travels as an event
+        yield event(api.error_body(exc)[1])
+    finally:
+        await stream.aclose()
+    yield DONE

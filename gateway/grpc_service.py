@@ -1,0 +1,101 @@
+"""The gateway's public gRPC text API: folio.v1.GatewayService (Generate, Chat), server-streaming
+text deltas over the same generation pipeline as the HTTP routes.
+
+A thin adapter: protobuf in, generation.py, protobuf out; errors become status codes through
+common.errors. Cancelling the call closes the pipeline, which aborts the engine request. It
+never holds business logic of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+
+from common.errors import EngineError, status_code_for
+from common.grpc_stubs.folio.v1 import common_pb2
+from common.grpc_stubs.folio.v1 import gateway_pb2 as pb
+from common.grpc_stubs.folio.v1 import gateway_pb2_grpc
+from common.sampling_proto import sampling_params_from_proto
+from gateway.generation import Gateway, TextDelta, TextRequest, new_request_id
+from services.grpc_server import GrpcService
+
+FINISH_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def _response_fields(delta: TextDelta) -> dict:
+    """The fields GatewayServiceGenerateResponse and ChatResponse share, for one delta."""
+    fields = dict(text=delta.text, logprobs=[
+        pb.TextLogprob(token=lp.token, token_id=lp.token_id, logprob=lp.logprob, top_logprobs=[
+            pb.TextTopLogprob(token=text, token_id=token_id, logprob=value)
+            for token_id, text, value in lp.top])
+        for lp in delta.logprobs
+    ])
+    if delta.usage is not None:
+        fields["finish_reason"] = FINISH_REASONS[delta.finish_reason]
+        fields["usage"] = common_pb2.Usage(prompt_tokens=delta.usage.prompt_tokens,
+                                           completion_tokens=delta.usage.completion_tokens,
+                                           cached_tokens=delta.usage.cached_tokens)
+    return fields
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    def __init__(self, service: GatewayGrpcService) -> None:
+        self._service = service
+        self._gateway = service.gateway
+
+    async def Generate(self, request: pb.GatewayServiceGenerateRequest, context
+                       ) -> AsyncIterator[pb.GatewayServiceGenerateResponse]:
+        async def plan() -> TextRequest:
+            info = await self._gateway.check_model(request.model)
+            prompt = await self._gateway.tokenize_text(request.prompt)
+            return self._text_request(info, prompt.token_ids, request, "prompt")
+
+        async for delta in self._stream(plan, context):
+            yield pb.GatewayServiceGenerateResponse(**_response_fields(delta))
+
+    async def Chat(self, request: pb.ChatRequest, context) -> AsyncIterator[pb.ChatResponse]:
+        async def plan() -> TextRequest:
+            info = await self._gateway.check_model(request.model)
+            prompt = await self._gateway.tokenize_chat(request.messages)
+            return self._text_request(info, prompt.token_ids, request, "messages")
+
+        async for delta in self._stream(plan, context):
+            yield pb.ChatResponse(**_response_fields(delta))
+
+    def _text_request(self, info, prompt_ids, request, prompt_param: str) -> TextRequest:
+        return self._gateway.text_request(
+            info, prompt_ids, sampling_params_from_proto(request.sampling_params),
+            prompt_param=prompt_param, stop=list(request.stop),
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            priority=request.priority)
+
+    async def _stream(self, plan: Callable[[], Awaitable[TextRequest]], context
+                      ) -> AsyncIterator[TextDelta]:
+        """The pipeline's deltas; an error ends the call with its status code."""
+        arrival = time.monotonic()
+        try:
+            self._service.check_available()
+            request = await plan()
+            async for delta in self._gateway.generate(request, new_request_id("grpc"), arrival):
+                yield delta
+        except (EngineError, ValueError) as exc:
+            await context.abort(status_code_for(exc), str(exc))
+
+
+class GatewayGrpcService(GrpcService):
+    """Health, reflection and drain come from GrpcService; serving needs no warm-up."""
+
+    service_names = (pb.DESCRIPTOR.services_by_name["GatewayService"].full_name,)
+
+    def __init__(self, gateway: Gateway, host: str, port: int) -> None:
+        super().__init__(host, port)
+        self.gateway = gateway
+
+    def add_servicers(self, server: grpc.aio.Server) -> None:
+        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(self), server)

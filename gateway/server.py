@@ -1,0 +1,97 @@
+"""The gateway process: the HTTP app on uvicorn and the gRPC GatewayService, both in one asyncio
+loop, sharing one Gateway (clients, metrics, drain state).
+
+Start-up binds both ports and prints the ready line; SIGTERM / SIGINT drain: new requests get
+503 / UNAVAILABLE, requests in flight get up to drain_seconds, then both servers stop. Wiring
+and life cycle only: no request handling here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import time
+
+import uvicorn
+
+from gateway.app import build_app
+from gateway.clients import EngineClient, TokenizerClient
+from gateway.generation import Gateway
+from gateway.grpc_service import GatewayGrpcService
+from gateway.metrics import Metrics
+
+
+class _Uvicorn(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # The gateway drains on signals itself; uvicorn must not take them over.
+        yield
+
+
+class GatewayServer:
+    def __init__(self, host: str, port: int, grpc_port: int, engine_address: str,
+                 tokenizer_address: str, served_model_name: str | None = None) -> None:
+        self.host = host
+        self.port = port
+        self.grpc_port = grpc_port
+        self._engine_address = engine_address
+        self._tokenizer_address = tokenizer_address
+        self._served_model_name = served_model_name
+        self.gateway: Gateway | None = None
+        self._grpc: GatewayGrpcService | None = None
+        self.app = None  # the Starlette app, once started
+        self._http: _Uvicorn | None = None
+        self._http_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Listen on both ports (0 picks free ones; self.port and self.grpc_port say which)."""
+        # gRPC channels belong to the running loop: create the clients here, not in __init__.
+        self.gateway = Gateway(EngineClient(self._engine_address),
+                               TokenizerClient(self._tokenizer_address), Metrics(),
+                               self._served_model_name)
+        self._grpc = GatewayGrpcService(self.gateway, self.host, self.grpc_port)
+        self.grpc_port = await self._grpc.start()
+        # Bound here rather than by uvicorn, so that a busy port raises instead of exiting.
+        sock = socket.create_server((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        self.app = build_app(self.gateway)
+        config = uvicorn.Config(self.app, lifespan="off", access_log=False,
+                                log_level="warning", timeout_keep_alive=30)
+        self._http = _Uvicorn(config)
+        self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
+        while not self._http.started:
+            if self._http_task.done():
+                self._http_task.result()
+                raise RuntimeError("the HTTP server stopped during start-up")
+            await asyncio.sleep(0.01)
+
+    async def stop(self, grace: float) -> None:
+        """Drain: refuse new requests, let those in flight finish for `grace` s, then close."""
+        deadline = time.monotonic() + grace
+        await asyncio.gather(self.gateway.drain(grace), self._grpc.stop(grace))
+        # Responses may still be writing their last events: uvicorn waits for them.
+        self._http.config.timeout_graceful_shutdown = max(deadline - time.monotonic(), 0.5)
+        self._http.should_exit = True
+        await self._http_task
+        await self.gateway.engine.close()
+        await self.gateway.tokenizer.close()
+
+    async def run(self, grace: float) -> None:
+        """Serve until SIGTERM or SIGINT, then drain for at most `grace` seconds."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await self.start()
+        print(f"folio: gateway listening on http://{self.host}:{self.port} "
+              f"(gRPC {self.host}:{self.grpc_port})", flush=True)
+        stopped = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({stopped, self._http_task}, return_when=asyncio.FIRST_COMPLETED)
+            if self._http_task.done():
+                self._http_task.result()  # the HTTP server died: end with its error
+        finally:
+            stopped.cancel()
+            await self.stop(grace)

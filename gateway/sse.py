@@ -1,0 +1,33 @@
+"""Server-sent events framing for streamed completions: `data: <JSON>` events, `data: [DONE]`.
+
+Framing only. The response closes its event iterator however it ends (done, failed, client
+gone), so the iterator's cleanup (aborting engine requests) runs at once rather than whenever
+the garbage collector gets to it. It never decides what the events say.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+DONE = b"data: [DONE]\n\n"
+
+
+def event(body: BaseModel) -> bytes:
+    return b"data: " + body.model_dump_json().encode() + b"\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    media_type = "text/event-stream"
+
+    def __init__(self, content) -> None:
+        # no-cache / no buffering: proxies must pass each event on as it comes.
+        super().__init__(content, headers={"Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()

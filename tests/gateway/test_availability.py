@@ -1,0 +1,123 @@
+"""The gateway when things are not fine: `folio gateway` as a real process (the agreed ready
+line, health, the served model name, and a SIGTERM drain: new requests 503, the request in
+flight finishes, exit 0); services that are down (503, not 500); a full engine queue (429)."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+from gateway_helpers import ENGINE_ARGS, GatewayThread
+from grpc_helpers import TIMEOUT, ServerThread
+
+from common.config import EngineConfig
+from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.engine.server import EngineService
+
+
+def test_folio_gateway_serves_then_drains_on_sigterm(services):
+    engine, tokenizer = services
+    process = subprocess.Popen(
+        [sys.executable, "-m", "common.cli", "gateway", "--port", "0", "--grpc-port", "0",
+         "--engine-address", f"127.0.0.1:{engine.port}",
+         "--tokenizer-address", f"127.0.0.1:{tokenizer.port}",
+         "--served-model-name", "folio-test", "--drain-seconds", "20"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        match = re.fullmatch(
+            r"folio: gateway listening on http://127\.0\.0\.1:(\d+) \(gRPC 127\.0\.0\.1:(\d+)\)\n",
+            line)
+        assert match, f"unexpected first line {line!r}: {process.stderr.read()}"
+        url = f"http://127.0.0.1:{match[1]}"
+        assert httpx.get(url + "/health", timeout=TIMEOUT).json() == {"status": "ok"}
+        models = httpx.get(url + "/v1/models", timeout=TIMEOUT).json()
+        assert [m["id"] for m in models["data"]] == ["folio-test"]
+
+        # A streamed request in flight when SIGTERM comes must still finish.
+        events: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            body = {"model": "folio-test", "prompt": "Once upon a time", "max_tokens": 150,
+                    "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body,
+                              timeout=TIMEOUT) as response:
+                for event in response.iter_lines():
+                    if event:
+                        events.append(event)
+                        started.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(TIMEOUT)
+        process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while httpx.get(url + "/health", timeout=TIMEOUT).status_code != 503:
+            assert time.monotonic() < deadline, "SIGTERM did not start draining"
+            time.sleep(0.01)
+        refused = httpx.post(url + "/v1/completions", json={"prompt": "Hi"}, timeout=TIMEOUT)
+        assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
+        reader.join(TIMEOUT)
+        assert events[-1] == "data: [DONE]"
+        assert '"finish_reason":"length"' in events[-2]
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_gateway_without_its_services_answers_503():
+    nowhere = f"127.0.0.1:{free_port()}"
+    gateway = GatewayThread(nowhere, nowhere)
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=TIMEOUT) as http:
+            assert http.get("/health").status_code == 503
+            for response in (http.get("/v1/models"),
+                             http.post("/v1/completions", json={"prompt": "Hi"}),
+                             http.post("/v1/chat/completions", json={
+                                 "messages": [{"role": "user", "content": "Hi"}]})):
+                assert response.status_code == 503, response.text
+                assert response.json()["error"]["type"] == "service_unavailable"
+            metrics = http.get("/metrics")
+            assert metrics.status_code == 200 and "folio_generation_tokens_total" in metrics.text
+    finally:
+        gateway.close()
+
+
+def test_a_full_engine_queue_is_429(default_model_dir, services):
+    _, tokenizer = services
+    args = dict(ENGINE_ARGS, max_num_seqs=1, max_waiting_requests=1)
+    engine = ServerThread(EngineService(EngineConfig(model=str(default_model_dir), **args),
+                                        "127.0.0.1", 0))
+    gateway = GatewayThread(f"127.0.0.1:{engine.port}", f"127.0.0.1:{tokenizer.port}")
+    # Fill the engine behind the gateway's back: one request running, one waiting.
+    params = common_pb2.SamplingParams(max_tokens=900, ignore_eos=True)
+    busy = engine_pb2_grpc.EngineServiceStub(engine.channel).Generate(iter([
+        engine_pb2.GenerateRequest(add=engine_pb2.EngineRequest(
+            request_id=name, prompt_token_ids=[1, 2, 3], sampling_params=params))
+        for name in ("running", "waiting")]), timeout=TIMEOUT)
+    try:
+        next(busy)
+        with httpx.Client(base_url=gateway.url, timeout=TIMEOUT) as http:
+            for stream in (False, True):
+                response = http.post("/v1/completions", json={"prompt": "Hi", "stream": stream})
+                assert response.status_code == 429, response.text
+                assert response.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        busy.cancel()
+        gateway.close()
+        engine.close()

@@ -1,0 +1,327 @@
+"""The HTTP gateway driven by the official `openai` client, against real tokenizer and engine
+services with the default model: answers equal the engine's own tokens decoded by the tokenizer
+library, streaming equals non-streaming, n, seeds, stop strings (which abort the engine
+request), usage, logprobs, multi-byte text, and a client that leaves aborts its request."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import httpx
+import openai
+import pytest
+from gateway_helpers import MAX_MODEL_LEN, engine_stats
+from grpc_helpers import TIMEOUT
+
+from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
+
+MODEL = "SmolLM2-135M-Instruct"
+CHAT = [{"role": "user", "content": "Write one sentence about the sea."}]
+PROMPT = "The three primary colors are"
+# Long enough that only an abort ends it within the tests' patience.
+LONG = 900
+
+
+@pytest.fixture(scope="module")
+def client(gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=TIMEOUT)
+
+
+def engine_tokens(engine_stub, prompt_ids: list[int], **params) -> list[int]:
+    """The engine service's own tokens for a prompt (no gateway in between)."""
+    request = engine_pb2.GenerateRequest(add=engine_pb2.EngineRequest(
+        request_id=f"reference-{time.monotonic_ns()}", prompt_token_ids=prompt_ids,
+        sampling_params=common_pb2.SamplingParams(**params)))
+    return [t for response in engine_stub.Generate(iter([request]), timeout=TIMEOUT)
+            for out in response.outputs for t in out.token_ids]
+
+
+def wait_engine_idle(engine_stub, seconds: float = 5.0) -> float:
+    """Seconds until the engine runs nothing; fails after `seconds`."""
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        stats = engine_stats(engine_stub)
+        if stats.num_running == 0 and stats.num_waiting == 0:
+            return time.monotonic() - start
+        time.sleep(0.02)
+    pytest.fail("the engine still runs a request the client abandoned")
+
+
+def stream_text(chunks, kind: str = "chat") -> tuple[str, list]:
+    pieces, seen = [], []
+    for chunk in chunks:
+        seen.append(chunk)
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "" if kind == "chat" else choice.text)
+    return "".join(pieces), seen
+
+
+def test_chat_equals_the_engines_greedy_tokens_decoded(client, engine_stub, tokenizer):
+    response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24,
+                                              temperature=0)
+    prompt_ids = tokenizer.encode_chat(CHAT)
+    expected_ids = engine_tokens(engine_stub, prompt_ids, temperature=0.0, max_tokens=24)
+    choice = response.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == tokenizer.decode(expected_ids)
+    assert choice.finish_reason == ("length" if len(expected_ids) == 24 else "stop")
+    assert response.usage.prompt_tokens == len(prompt_ids)
+    assert response.usage.completion_tokens == len(expected_ids)
+    assert response.usage.total_tokens == len(prompt_ids) + len(expected_ids)
+    assert response.model == MODEL and response.object == "chat.completion"
+
+
+def test_completion_equals_the_engines_greedy_tokens_decoded(client, engine_stub, tokenizer):
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    prompt_ids = tokenizer.encode(PROMPT)
+    expected_ids = engine_tokens(engine_stub, prompt_ids, temperature=0.0, max_tokens=16,
+                                 ignore_eos=True)
+    assert response.choices[0].text == tokenizer.decode(expected_ids)
+    assert response.choices[0].finish_reason == "length"
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(prompt_ids), 16)
+
+
+def test_streamed_text_equals_non_streamed_for_the_same_seed(client):
+    args = dict(model=MODEL, messages=CHAT, max_tokens=32, temperature=0.9, seed=1234)
+    whole = client.chat.completions.create(**args)
+    text, chunks = stream_text(client.chat.completions.create(
+        **args, stream=True, stream_options={"include_usage": True}))
+    assert text == whole.choices[0].message.content
+    # One event per token delta: many of them, the first with the role, usage last.
+    assert len(chunks) > 5
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
+        whole.usage.completion_tokens
+
+
+def test_streamed_completion_equals_non_streamed(client):
+    args = dict(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0.7, seed=5)
+    whole = client.completions.create(**args)
+    text, chunks = stream_text(client.completions.create(**args, stream=True), kind="completion")
+    assert text == whole.choices[0].text
+    assert all(chunk.usage is None for chunk in chunks)  # include_usage was not asked
+
+
+def test_seeds_reproduce(client):
+    args = dict(model=MODEL, messages=CHAT, max_tokens=16, temperature=1.0)
+    first = client.chat.completions.create(**args, seed=7)
+    again = client.chat.completions.create(**args, seed=7)
+    other = client.chat.completions.create(**args, seed=8)
+    assert first.choices[0].message.content == again.choices[0].message.content
+    assert first.choices[0].message.content != other.choices[0].message.content
+
+
+def test_n2_gives_distinct_seeded_choices_with_their_own_usage(client, tokenizer):
+    # Two requests batched together round differently in bf16 than one alone, so the choices
+    # are checked for what holds whatever the batch: each is its own token stream.
+    response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12,
+                                              temperature=1.0, seed=7, n=2, logprobs=True)
+    assert [c.index for c in response.choices] == [0, 1]
+    texts = [c.message.content for c in response.choices]
+    assert texts[0] != texts[1]  # seed + index: the choices differ
+    counts = [len(c.logprobs.content) for c in response.choices]
+    assert all(c.finish_reason in ("stop", "length") for c in response.choices)
+    assert response.usage.prompt_tokens == len(tokenizer.encode_chat(CHAT))
+    assert response.usage.completion_tokens == sum(counts)
+
+
+def test_n2_streams_both_choices_and_prompt_lists(client, tokenizer):
+    text = {0: "", 1: ""}
+    finish = {}
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, n=2,
+                                           temperature=0, stream=True):
+        for choice in chunk.choices:
+            text[choice.index] += choice.text
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    assert text[0] and text[1] and set(finish) == {0, 1}
+    # A batch of prompts, as strings or token ids: one choice each, in the prompts' order.
+    prompts = [PROMPT, "Once upon a time, in a small village,"]
+    for batch in ([*prompts], [tokenizer.encode(p) for p in prompts]):
+        response = client.completions.create(model=MODEL, prompt=batch, max_tokens=8,
+                                             temperature=0, logprobs=0,
+                                             extra_body={"ignore_eos": True})
+        assert [c.index for c in response.choices] == [0, 1]
+        assert response.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
+        assert response.usage.completion_tokens == 16
+        for choice in response.choices:
+            assert choice.text == "".join(choice.logprobs.tokens)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_ends_the_text_and_aborts_the_engine_request(client, engine_stub, stream):
+    args = dict(model=MODEL, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**args, max_tokens=40).choices[0].text
+    words = full.split()
+    stop = words[len(words) // 2]
+    assert len(words) > 4 and stop
+    expected = full[:full.index(stop)]
+    if stream:
+        text, chunks = stream_text(client.completions.create(
+            **args, max_tokens=LONG, stop=[stop, "never appears"], stream=True,
+            stream_options={"include_usage": True}), kind="completion")
+        reason, usage = chunks[-2].choices[0].finish_reason, chunks[-1].usage
+    else:
+        response = client.completions.create(**args, max_tokens=LONG, stop=stop)
+        text, reason, usage = response.choices[0].text, response.choices[0].finish_reason, \
+            response.usage
+    assert text == expected and reason == "stop"
+    # The request ended at the stop string, far short of max_tokens, and the engine was told:
+    # it runs nothing once the response is complete.
+    assert usage.completion_tokens < 40
+    stats = engine_stats(engine_stub)
+    assert stats.num_running == 0 and stats.num_waiting == 0
+
+
+def test_usage_counts_equal_the_tokenizers(client, tokenizer):
+    messages = [{"role": "system", "content": "You are terse."}, *CHAT]
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                              temperature=0, logprobs=True)
+    tokens = [lp.token for lp in response.choices[0].logprobs.content]
+    assert response.usage.prompt_tokens == len(tokenizer.encode_chat(messages))
+    assert response.usage.completion_tokens == len(tokens)
+
+
+def test_chat_logprobs_are_sane(client):
+    response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10,
+                                              temperature=0, logprobs=True, top_logprobs=3,
+                                              extra_body={"ignore_eos": True})
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens == 10
+    for entry in content:
+        top = entry.top_logprobs
+        assert len(top) == 3
+        values = [t.logprob for t in top]
+        assert values == sorted(values, reverse=True)
+        assert all(v <= 0 for v in values) and sum(math.exp(v) for v in values) <= 1 + 1e-4
+        # Greedy: the chosen token is a most likely one (bf16 logits do tie).
+        assert entry.logprob == pytest.approx(top[0].logprob)
+        assert entry.token in [t.token for t in top if t.logprob == pytest.approx(top[0].logprob)]
+
+
+def test_completion_logprobs_are_sane(client):
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8,
+                                         temperature=0, logprobs=2,
+                                         extra_body={"ignore_eos": True})
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 8
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+    assert "".join(logprobs.tokens) == response.choices[0].text
+
+
+def test_multibyte_text_streams_whole_characters(client, tokenizer):
+    # This model answers this prompt with emoji, which its byte-level tokens split in pieces.
+    prompt = "🌟🌟🌟🌟 你好你好 ✨✨"
+    args = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                extra_body={"ignore_eos": True})
+    response = client.completions.create(**args, logprobs=0)
+    text, chunks = stream_text(client.completions.create(**args, stream=True),
+                               kind="completion")
+    assert text == response.choices[0].text
+    assert any(ord(c) > 0xFFFF or 0x4E00 <= ord(c) <= 0x9FFF for c in text), text
+    # More tokens than characters: characters were split across tokens, and no event carries
+    # half of one.
+    assert len(response.choices[0].logprobs.tokens) > len(text)
+    pieces = [c.choices[0].text for c in chunks if c.choices]
+    assert "\ufffd" not in text and all("\ufffd" not in p for p in pieces)
+    assert len(tokenizer.encode(text, add_special_tokens=False)) <= 24
+
+
+def test_models_tokenize_detokenize(client, gateway, tokenizer):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    with httpx.Client(base_url=gateway.url, timeout=TIMEOUT) as http:
+        text = http.post("/tokenize", json={"model": MODEL, "prompt": "héllo 世界 🙂"}).json()
+        assert text["tokens"] == tokenizer.encode("héllo 世界 🙂")
+        assert text["count"] == len(text["tokens"]) and text["max_model_len"] == MAX_MODEL_LEN
+        assert text["token_strs"] is None
+        chat = http.post("/tokenize", json={"messages": CHAT, "return_token_strs": True}).json()
+        assert chat["tokens"] == tokenizer.encode_chat(CHAT)
+        assert chat["token_strs"] == [tokenizer.id_to_token(i) for i in chat["tokens"]]
+        back = http.post("/detokenize", json={"tokens": chat["tokens"]}).json()
+        assert back == {"prompt": tokenizer.decode(chat["tokens"], skip_special_tokens=False)}
+
+
+def test_health(gateway):
+    response = httpx.get(gateway.url + "/health", timeout=TIMEOUT)
+    assert (response.status_code, response.json()) == (200, {"status": "ok"})
+
+
+def read_metrics(gateway) -> dict[str, float]:
+    text = httpx.get(gateway.url + "/metrics", timeout=TIMEOUT).text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def test_metrics_are_named_by_convention_and_count(client, gateway):
+    before = read_metrics(gateway)
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    after = read_metrics(gateway)
+    for name in ("folio_num_requests_running", "folio_num_requests_waiting",
+                 "folio_kv_cache_usage_ratio", "folio_prefix_cache_queries_total",
+                 "folio_prefix_cache_hits_total", "folio_prompt_tokens_total",
+                 "folio_generation_tokens_total", "folio_time_to_first_token_seconds_count",
+                 "folio_inter_token_latency_seconds_count",
+                 "folio_e2e_request_latency_seconds_count",
+                 "folio_request_queue_time_seconds_count",
+                 'folio_engine_step_seconds_total{phase="forward"}'):
+        assert name in after, name
+    assert 0 <= after["folio_kv_cache_usage_ratio"] <= 1
+    grew = {name: after[name] - before.get(name, 0) for name in after}
+    assert grew["folio_generation_tokens_total"] == 6
+    assert grew["folio_prompt_tokens_total"] == response.usage.prompt_tokens
+    assert grew["folio_time_to_first_token_seconds_count"] == 1
+    assert grew["folio_inter_token_latency_seconds_count"] == 5
+    assert grew["folio_e2e_request_latency_seconds_count"] == 1
+    assert grew["folio_request_queue_time_seconds_count"] == 1
+    assert 0 <= grew["folio_request_queue_time_seconds_sum"] <= \
+        grew["folio_time_to_first_token_seconds_sum"]
+    assert grew['folio_engine_step_seconds_total{phase="forward"}'] > 0
+    assert grew["folio_engine_steps_total"] >= 6
+
+
+def test_openapi_describes_every_route(gateway):
+    document = httpx.get(gateway.url + "/openapi.json", timeout=TIMEOUT).json()
+    routes = {(route.path, method.lower())
+              for route in gateway.server.app.routes
+              for method in route.methods if method != "HEAD"}
+    described = {(path, method) for path, item in document["paths"].items() for method in item}
+    assert routes == described
+    schemas = document["components"]["schemas"]
+    chat = document["paths"]["/v1/chat/completions"]["post"]
+    assert chat["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/ChatCompletionRequest")
+    for field in ("messages", "max_tokens", "max_completion_tokens", "top_logprobs", "seed",
+                  "stop", "n", "logit_bias", "stream_options"):
+        assert field in schemas["ChatCompletionRequest"]["properties"], field
+    assert "choices" in schemas["ChatCompletionResponse"]["properties"]
+
+
+def test_a_client_that_leaves_mid_stream_aborts_its_engine_request(gateway, engine_stub):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(base_url=gateway.url, timeout=TIMEOUT) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            events = response.iter_lines()
+            assert next(l for l in events if l.startswith("data: "))
+            assert engine_stats(engine_stub).num_running == 1
+    # LONG tokens take tens of seconds; the abort frees the engine at once.
+    assert wait_engine_idle(engine_stub) < 2
+
+
+def test_a_client_that_leaves_before_the_answer_aborts_its_engine_request(gateway, engine_stub):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": LONG, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=0.5)
+    assert wait_engine_idle(engine_stub) < 2
