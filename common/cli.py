@@ -50,6 +50,13 @@ def _bench_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from bench.serve import run_serve_benchmark
+
+    run_serve_benchmark(args)
+    return 0
+
+
 def _run_service(service, drain_seconds: float) -> int:
     import asyncio
     import logging
@@ -70,6 +77,20 @@ def _engine(args: argparse.Namespace) -> int:
 
     service = EngineService(engine_config_from_args(args), args.host, args.port)
     return _run_service(service, args.drain_seconds)
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    from gateway.server import GatewayServer
+
+    server = GatewayServer(args.host, args.port, args.grpc_port, args.engine_address,
+                           args.tokenizer_address, args.served_model_name)
+    return _run_service(server, args.drain_seconds)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from services.supervisor import serve, serve_config_from_args
+
+    return serve(serve_config_from_args(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,6 +121,30 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(engine)
     engine.set_defaults(func=_engine)
 
+    gateway = sub.add_parser("gateway", help="run the HTTP gateway (OpenAI API) and its gRPC text API")
+    from common.config import DEFAULT_HOST, DRAIN_SECONDS, GATEWAY_GRPC_PORT, HTTP_PORT
+
+    gateway.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
+    gateway.add_argument("--port", type=int, default=HTTP_PORT, help="HTTP port (0 picks a free one)")
+    gateway.add_argument("--grpc-port", type=int, default=GATEWAY_GRPC_PORT,
+                         help="port of the gateway's gRPC text API (0 picks a free one)")
+    gateway.add_argument("--engine-address", default=f"{DEFAULT_HOST}:{ENGINE_PORT}",
+                         help="HOST:PORT of the engine service")
+    gateway.add_argument("--tokenizer-address", default=f"{DEFAULT_HOST}:{TOKENIZER_PORT}",
+                         help="HOST:PORT of the tokenizer service")
+    gateway.add_argument("--drain-seconds", type=float, default=DRAIN_SECONDS,
+                         help="on SIGTERM / Ctrl-C, how long requests in flight may finish")
+    gateway.add_argument("--served-model-name", default=None,
+                         help="the model name clients use (default: the model directory's name)")
+    gateway.set_defaults(func=_gateway)
+
+    serve = sub.add_parser("serve", help="run tokenizer, engine and gateway as three processes")
+    from services.supervisor import add_serve_args
+
+    add_serve_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=_serve)
+
     bench = sub.add_parser("bench", help="benchmarks that print figures")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     offline = bench_sub.add_parser("offline", help="engine vs transformers generate, same workload")
@@ -108,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_offline_args(offline)
     add_engine_args(offline)
     offline.set_defaults(func=_bench_offline)
+    served = bench_sub.add_parser("serve", help="gateway over HTTP vs the in-process engine, same workload")
+    from bench.serve import add_serve_bench_args
+
+    add_serve_bench_args(served)
+    add_engine_args(served)
+    served.set_defaults(func=_bench_serve)
     return parser
 
 

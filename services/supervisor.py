@@ -1,0 +1,342 @@
+"""`folio serve`: the tokenizer, engine and gateway as three child processes on this machine.
+
+Starts each child with the `folio` command line of this same interpreter, waits until all are
+healthy (gRPC health SERVING for the tokenizer and the engine, HTTP /health 200 for the gateway),
+prints the URL and watches them. SIGINT / SIGTERM stop the gateway first (it drains its clients),
+then the engine and the tokenizer. A child that dies, during start-up or later, stops the others
+and ends `folio serve` with a non-zero exit: there are no restarts yet, but each child is a
+`Child` that can be started again. This module only starts, probes and stops processes: it holds
+no service logic and never imports torch or the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO
+
+from common.config import (
+    DEFAULT_HOST,
+    DRAIN_SECONDS,
+    ENGINE_PORT,
+    GATEWAY_GRPC_PORT,
+    HTTP_PORT,
+    TOKENIZER_PORT,
+    EngineConfig,
+    engine_args_from_config,
+    engine_config_from_args,
+)
+
+# The engine and the tokenizer are internal: only the gateway listens beyond loopback.
+INTERNAL_HOST = "127.0.0.1"
+# How often start-up polls health and a running group checks its children.
+POLL_SECONDS = 0.1
+# After SIGTERM, how much longer than its drain time a child gets before it is killed.
+KILL_MARGIN_SECONDS = 10.0
+# A second stop request this long after the first kills what is left (a second Ctrl-C); sooner,
+# it is the same request delivered twice (a wrapper forwarding the signal to the whole group).
+FORCE_AFTER_SECONDS = 1.0
+
+
+@dataclass
+class ServeConfig:
+    """Where the three services listen and how long they may take."""
+
+    host: str = DEFAULT_HOST
+    port: int = HTTP_PORT
+    grpc_port: int = GATEWAY_GRPC_PORT
+    engine_port: int = ENGINE_PORT
+    tokenizer_port: int = TOKENIZER_PORT
+    drain_seconds: float = DRAIN_SECONDS
+    startup_timeout: float = 600.0
+    served_model_name: str | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of `folio serve` (the engine's come from common.config.add_engine_args)."""
+    group = parser.add_argument_group("serve")
+    group.add_argument("--host", default=DEFAULT_HOST,
+                       help="address of the HTTP API and the gateway's gRPC API")
+    group.add_argument("--port", type=int, default=HTTP_PORT, help="HTTP port (0 picks a free one)")
+    group.add_argument("--grpc-port", type=int, default=GATEWAY_GRPC_PORT,
+                       help="the gateway's gRPC port (0 picks a free one)")
+    group.add_argument("--engine-port", type=int, default=ENGINE_PORT,
+                       help="the engine service's port on 127.0.0.1 (0 picks a free one)")
+    group.add_argument("--tokenizer-port", type=int, default=TOKENIZER_PORT,
+                       help="the tokenizer service's port on 127.0.0.1 (0 picks a free one)")
+    group.add_argument("--drain-seconds", type=float, default=DRAIN_SECONDS,
+                       help="on SIGTERM / Ctrl-C, how long requests in flight may finish")
+    group.add_argument("--served-model-name", default=None, help="the model name the API shows")
+    group.add_argument("--startup-timeout", type=float, default=600.0,
+                       help="seconds to wait for all three services to be healthy")
+
+
+def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
+    return ServeConfig(
+        host=args.host, port=args.port, grpc_port=args.grpc_port, engine_port=args.engine_port,
+        tokenizer_port=args.tokenizer_port, drain_seconds=args.drain_seconds,
+        startup_timeout=args.startup_timeout, served_model_name=args.served_model_name,
+        engine=engine_config_from_args(args),
+    )
+
+
+def _free_port(host: str, held: list[socket.socket]) -> int:
+    """A free port; its socket stays in `held` so that the next call picks another one."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    held.append(s)
+    s.bind((host, 0))
+    return s.getsockname()[1]
+
+
+def _local(host: str) -> str:
+    """An address this machine can reach a server bound to `host` on."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _grpc_serving(address: str) -> Callable[[], bool]:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channel = grpc.insecure_channel(address)
+    stub = health_pb2_grpc.HealthStub(channel)
+
+    def probe() -> bool:
+        try:
+            status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+        except grpc.RpcError:
+            return False  # not listening yet
+        return status == health_pb2.HealthCheckResponse.SERVING
+
+    return probe
+
+
+def _http_ok(url: str) -> Callable[[], bool]:
+    def probe() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False  # not listening yet, or 503 until the engine and tokenizer are ready
+
+    return probe
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): get SIGTERM if the supervisor dies, even by SIGKILL."""
+    if _prctl is not None:
+        _prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+# Loaded in the parent: the child between fork and exec should do as little as possible.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+
+@dataclass(eq=False)
+class Child:
+    """One service process: how to start it and how to tell it is healthy."""
+
+    name: str
+    args: list[str]  # after `folio`
+    probe_factory: Callable[[], Callable[[], bool]]
+    drain_seconds: float
+    output: IO | None = None  # the child's stdout and stderr; None: this process's
+    process: subprocess.Popen | None = None
+    _probe: Callable[[], bool] | None = None
+
+    def start(self) -> None:
+        # A process group of its own: a terminal's Ctrl-C reaches only the supervisor, which
+        # stops the children in order.
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "common.cli", *self.args],
+            stdin=subprocess.DEVNULL, stdout=self.output, stderr=self.output,
+            process_group=0, preexec_fn=_die_with_parent,
+        )
+
+    def healthy(self) -> bool:
+        if self._probe is None:
+            self._probe = self.probe_factory()
+        return self._probe()
+
+    def exit_code(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def terminate(self) -> None:
+        if self.exit_code() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.exit_code() is None:
+            self.process.kill()
+
+    def describe_exit(self) -> str:
+        code = self.exit_code()
+        if code is not None and code < 0:
+            return f"{self.name} was killed by {signal.Signals(-code).name}"
+        return f"{self.name} exited with code {code}"
+
+
+class ServeError(RuntimeError):
+    """`folio serve` could not start or lost a service; the message says which and why."""
+
+
+class Supervisor:
+    """Starts, watches and stops the tokenizer, engine and gateway processes."""
+
+    def __init__(self, config: ServeConfig, output: IO | None = None) -> None:
+        self.config = config
+        # Fix every port before starting anything: the gateway must know the others' addresses.
+        # A port picked here is free now; its child binds it moments later (a race we accept).
+        held: list[socket.socket] = []
+        self.host = config.host
+        self.port = config.port or _free_port(config.host, held)
+        self.grpc_port = config.grpc_port or _free_port(config.host, held)
+        self.engine_address = f"{INTERNAL_HOST}:{config.engine_port or _free_port(INTERNAL_HOST, held)}"
+        self.tokenizer_address = f"{INTERNAL_HOST}:{config.tokenizer_port or _free_port(INTERNAL_HOST, held)}"
+        for s in held:
+            s.close()
+        self._stop = threading.Event()
+        self._stop_requested_at: float | None = None
+        self._force = False
+        drain = config.drain_seconds
+        engine = config.engine
+        model = ["--model", engine.model] if engine.model else []
+        served_name = ["--served-model-name", config.served_model_name] if config.served_model_name else []
+        self.tokenizer = Child(
+            "tokenizer",
+            ["tokenizer", *model, "--host", INTERNAL_HOST, "--port", self._port(self.tokenizer_address),
+             "--drain-seconds", str(drain)],
+            lambda: _grpc_serving(self.tokenizer_address), drain, output,
+        )
+        self.engine = Child(
+            "engine",
+            ["engine", "--host", INTERNAL_HOST, "--port", self._port(self.engine_address),
+             "--drain-seconds", str(drain), *engine_args_from_config(engine)],
+            lambda: _grpc_serving(self.engine_address), drain, output,
+        )
+        self.gateway = Child(
+            "gateway",
+            ["gateway", "--host", self.host, "--port", str(self.port), "--grpc-port", str(self.grpc_port),
+             "--engine-address", self.engine_address, "--tokenizer-address", self.tokenizer_address,
+             "--drain-seconds", str(drain), *served_name],
+            lambda: _http_ok(f"{self.url}/health"), drain, output,
+        )
+        self.children = [self.tokenizer, self.engine, self.gateway]
+
+    @staticmethod
+    def _port(address: str) -> str:
+        return address.rsplit(":", 1)[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{_hostport(_local(self.host), self.port)}"
+
+    @property
+    def grpc_address(self) -> str:
+        return _hostport(_local(self.host), self.grpc_port)
+
+    # -- life cycle -------------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Ask the group to stop (signal-handler safe); asking again later kills what is left."""
+        now = time.monotonic()
+        if self._stop_requested_at is None:
+            self._stop_requested_at = now
+        elif now - self._stop_requested_at >= FORCE_AFTER_SECONDS:
+            self._force = True
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def start(self) -> None:
+        """Start all three and wait until each is healthy; ServeError if one dies or is late."""
+        for child in self.children:
+            child.start()
+        deadline = time.monotonic() + self.config.startup_timeout
+        pending = list(self.children)
+        while pending and not self._stop.is_set():
+            self._raise_if_dead("during start-up")
+            pending = [c for c in pending if not c.healthy()]
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                raise ServeError(f"{names} not healthy after {self.config.startup_timeout:.0f} s")
+            if pending:
+                self._stop.wait(POLL_SECONDS)
+
+    def watch(self) -> None:
+        """Return when a stop is requested; ServeError when a child dies first."""
+        while not self._stop.wait(POLL_SECONDS):
+            self._raise_if_dead("while serving")
+
+    def _raise_if_dead(self, when: str) -> None:
+        for child in self.children:
+            if child.exit_code() is not None:
+                raise ServeError(f"{child.describe_exit()} {when} (see its output)")
+
+    def stop(self) -> bool:
+        """Gateway first (it drains its clients), then engine and tokenizer.
+
+        True if every child that was still running exited 0 on SIGTERM.
+        """
+        clean = self._stop_group([self.gateway])
+        return self._stop_group([self.engine, self.tokenizer]) and clean
+
+    def _stop_group(self, children: list[Child]) -> bool:
+        running = [c for c in children if c.process is not None and c.exit_code() is None]
+        for child in running:
+            child.terminate()
+        deadline = time.monotonic() + max(c.drain_seconds for c in children) + KILL_MARGIN_SECONDS
+        while any(c.exit_code() is None for c in running):
+            if time.monotonic() > deadline or self._force:
+                for child in running:
+                    child.kill()
+                break
+            time.sleep(POLL_SECONDS)
+        clean = True
+        for child in running:
+            child.process.wait()
+            # A child still importing when SIGTERM came dies of it: that is a stop as asked.
+            if child.exit_code() not in (0, -signal.SIGTERM):
+                print(f"folio: {child.describe_exit()} while stopping", file=sys.stderr, flush=True)
+                clean = False
+        return clean
+
+
+def serve(config: ServeConfig) -> int:
+    """Run the three services until SIGINT / SIGTERM; 0 after a clean stop, 1 otherwise."""
+    supervisor = Supervisor(config)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: supervisor.request_stop())
+    print(f"folio: starting tokenizer ({supervisor.tokenizer_address}), engine "
+          f"({supervisor.engine_address}) and gateway ({supervisor.url})", flush=True)
+    failed = False
+    try:
+        supervisor.start()
+        if not supervisor.stopping:
+            print(f"folio: serving on {supervisor.url} (OpenAI API under /v1; gateway gRPC "
+                  f"{supervisor.grpc_address}); Ctrl-C stops", flush=True)
+        supervisor.watch()
+    except ServeError as exc:
+        print(f"folio: error: {exc}; stopping the other services", file=sys.stderr, flush=True)
+        failed = True
+    finally:
+        clean = supervisor.stop()  # whatever went wrong here, no child outlives `folio serve`
+    if not failed:
+        print("folio: stopped", flush=True)
+    return 0 if clean and not failed else 1

@@ -1,0 +1,147 @@
+"""`folio serve` as a user runs it: three real processes with the default model.
+
+One shared server (the `folio_server` fixture) answers the Node.js gRPC client and the OpenAI
+client; the stop tests start servers of their own, since they end them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import urllib.request
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from openai import OpenAI
+from serve_process import ENGINE_ARGS, STARTING, alive, processes_with, start_serve
+
+from common.grpc_stubs.folio.v1 import engine_pb2, engine_pb2_grpc
+from common.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+NODE_MODULES = ROOT / ".tools" / "node_modules"
+
+
+def client(server) -> OpenAI:
+    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+def test_all_three_services_are_up(folio_server):
+    children = folio_server.children()
+    roles = sorted(re.search(r"common\.cli (\w+)", cmd)[1] for cmd in children.values())
+    assert roles == ["engine", "gateway", "tokenizer"]
+    with urllib.request.urlopen(f"{folio_server.url}/health", timeout=10) as response:
+        assert response.status == 200
+    for address in (folio_server.engine_address, folio_server.tokenizer_address):
+        with grpc.insecure_channel(address) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert status.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_engine_flags_reach_the_engine_process(folio_server):
+    with grpc.insecure_channel(folio_server.engine_address) as channel:
+        info = engine_pb2_grpc.EngineServiceStub(channel).GetModelInfo(
+            engine_pb2.GetModelInfoRequest(), timeout=10)
+    assert dict(zip(ENGINE_ARGS[::2], ENGINE_ARGS[1::2])) == {
+        "--num-kv-blocks": str(info.num_kv_blocks), "--max-num-seqs": str(info.max_num_seqs)}
+    assert info.model == "SmolLM2-135M-Instruct"
+
+
+def test_node_grpc_client(folio_server):
+    assert shutil.which("node"), "node is missing"
+    for package in ("grpc-js", "proto-loader"):
+        assert (NODE_MODULES / "@grpc" / package).is_dir(), "the set-up (make) installs it with npm"
+    env = dict(os.environ, NODE_PATH=str(NODE_MODULES),
+               FOLIO_ENGINE_ADDRESS=folio_server.engine_address,
+               FOLIO_TOKENIZER_ADDRESS=folio_server.tokenizer_address,
+               FOLIO_GATEWAY_GRPC_ADDRESS=folio_server.grpc_address)
+    result = subprocess.run(
+        ["node", "--test", "--test-reporter=tap", str(ROOT / "tests" / "node" / "grpc_client.test.js")],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    report = result.stdout + result.stderr
+    assert result.returncode == 0, report
+    # The runner really ran the client's tests, and each passed.
+    assert re.search(r"^# pass 4$", result.stdout, re.MULTILINE), report
+    assert re.search(r"^# fail 0$", result.stdout, re.MULTILINE), report
+
+
+def test_openai_client_chat(folio_server, default_model_dir):
+    openai = client(folio_server)
+    model = openai.models.list().data[0].id
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    kwargs = dict(model=model, messages=messages, max_tokens=16, temperature=0)
+    whole = openai.chat.completions.create(**kwargs)
+    streamed = "".join(chunk.choices[0].delta.content or ""
+                       for chunk in openai.chat.completions.create(**kwargs, stream=True)
+                       if chunk.choices)
+    answer = whole.choices[0].message.content
+    assert answer and streamed == answer
+    expected_prompt = Tokenizer.from_dir(default_model_dir).encode_chat(messages)
+    assert whole.usage.prompt_tokens == len(expected_prompt)
+    assert 0 < whole.usage.completion_tokens <= 16
+
+
+def stopped_cleanly(server, children: dict[int, str]) -> None:
+    code = server.process.wait(90)
+    output = server.output()
+    assert code == 0, output
+    assert "folio: stopped" in output
+    assert not [pid for pid in children if alive(pid)], "orphaned service processes"
+
+
+def test_ctrl_c_stops_all_three(tmp_path):
+    server = start_serve(tmp_path / "serve.log", *ENGINE_ARGS)
+    try:
+        children = server.children()
+        assert len(children) == 3
+        # A terminal's Ctrl-C: SIGINT to the whole foreground process group.
+        os.killpg(server.process.pid, signal.SIGINT)
+        stopped_cleanly(server, children)
+    finally:
+        server.kill()
+
+
+def test_sigterm_lets_a_stream_in_flight_finish_then_stops_all_three(tmp_path):
+    server = start_serve(tmp_path / "serve.log", *ENGINE_ARGS)
+    try:
+        children = server.children()
+        assert len(children) == 3
+        openai = client(server)
+        stream = openai.completions.create(
+            model=openai.models.list().data[0].id, prompt="Count to one hundred:", max_tokens=48,
+            temperature=0, stream=True, extra_body={"ignore_eos": True},
+        )
+        chunks = iter(stream)
+        first = next(chunks)  # the request is running
+        signalled = threading.Timer(0, server.process.send_signal, (signal.SIGTERM,))
+        signalled.start()
+        rest = list(chunks)
+        signalled.join()
+        # The gateway drained it: every token came, though the engine was asked to stop too.
+        finish = [c.choices[0].finish_reason for c in [first, *rest] if c.choices]
+        assert finish[-1] == "length"
+        stopped_cleanly(server, children)
+    finally:
+        server.kill()
+
+
+def test_a_service_failing_at_start_up_ends_serve_with_an_error(tmp_path):
+    bad_model = tmp_path / "no-such-model"
+    server = start_serve(tmp_path / "serve.log", "--model", str(bad_model), wait=False)
+    try:
+        code = server.process.wait(90)
+        output = server.output()
+        assert code == 1, output
+        assert re.search(r"folio: error: (tokenizer|engine) exited with code \d+ during start-up", output), output
+        assert "folio: serving on" not in output
+        # The gateway was healthy enough to run: it must not outlive serve either.
+        engine_address = STARTING.search(output)[2]
+        assert not processes_with(f"--model {bad_model}") and not processes_with(engine_address)
+    finally:
+        server.kill()
