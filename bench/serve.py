@@ -191,8 +191,8 @@ async def bench_in_process(config, args: argparse.Namespace) -> dict[str, RunRes
     from engine.async_engine import AsyncEngine
     from engine.engine import LLMEngine
 
-    engine = AsyncEngine(LLMEngine(config))
-    engine.start()
+    engine = AsyncEngine(lambda: LLMEngine(config))
+    await asyncio.wrap_future(engine.start())
     try:
         return await bench_levels("in-process", engine_client(engine), args, engine.engine.vocab_size)
     finally:

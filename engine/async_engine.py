@@ -1,6 +1,10 @@
 """Runs an LLMEngine in a thread of its own, so that asyncio callers (the engine service) never
 stall a step and a step never waits on them.
 
+The engine is built in the loop thread too, so all torch work of the process stays on one
+thread: when several threads run parallel regions, OpenMP throttles its spin-waiting and every
+step of this small-op model gets ~60% slower (measured: 54 ms -> 88 ms for a 128-token prefill).
+
 Callers post commands to a thread-safe inbox; the loop thread runs them between steps, steps
 while requests remain, and hands each step's outputs to the asyncio queue registered for each
 request, through loop.call_soon_threadsafe: one list of events per queue per step. Requests may
@@ -50,8 +54,10 @@ class _Sink:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, build_engine: Callable[[], LLMEngine]) -> None:
+        self._build_engine = build_engine
+        self.engine: LLMEngine | None = None  # set by the loop thread before `start` resolves
+        self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # live request id -> its sink; loop thread only
         self._stopping = False
@@ -59,8 +65,10 @@ class AsyncEngine:
 
     # -- called from asyncio code ---------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self) -> concurrent.futures.Future[None]:
+        """Start the loop thread; resolves once it has built the engine (or with the error)."""
         self._thread.start()
+        return self._ready
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     events: asyncio.Queue, priority: int = 0) -> None:
@@ -104,6 +112,12 @@ class AsyncEngine:
     # -- the loop thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self.engine = self._build_engine()
+        except BaseException as exc:
+            self._ready.set_exception(exc)
+            return
+        self._ready.set_result(None)
         while not self._stopping:
             self._drain_inbox(wait=not self.engine.has_unfinished)
             if self.engine.has_unfinished and not self._stopping:

@@ -167,8 +167,9 @@ class EngineService(GrpcService):
 
     async def warm_up(self) -> None:
         # Loading the model takes seconds: off the event loop, so health checks get answers.
-        self.engine = AsyncEngine(await asyncio.to_thread(LLMEngine, self.config))
-        self.engine.start()
+        engine = AsyncEngine(lambda: LLMEngine(self.config))
+        await asyncio.wrap_future(engine.start())
+        self.engine = engine
 
     async def close(self) -> None:
         if self.engine is not None:
