@@ -32,13 +32,29 @@ def _error(exc: grpc.aio.AioRpcError, service: str) -> Exception:
     return error_for(exc.code(), f"{service}: {exc.details() or exc.code().name}")
 
 
-async def _serving(channel: grpc.aio.Channel) -> bool:
-    try:
-        response = await health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT)
-    except grpc.aio.AioRpcError:
-        return False
-    return response.status == health_pb2.HealthCheckResponse.SERVING
+class _ServiceClient:
+    """A channel to one of the internal services: unary calls with a timeout and errors mapped
+    to the library's exceptions, and its health."""
+
+    service = ""  # named in error messages
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+    async def serving(self) -> bool:
+        try:
+            response = await health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT)
+        except grpc.aio.AioRpcError:
+            return False
+        return response.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def _unary(self, method, request):
+        try:
+            return await method(request, timeout=UNARY_TIMEOUT)
+        except grpc.aio.AioRpcError as exc:
+            raise _error(exc, self.service) from None
 
 
 # -- engine -------------------------------------------------------------------------------------
@@ -133,10 +149,11 @@ class _GenerateStream:
         await asyncio.gather(self._reader, return_exceptions=True)  # it ends CANCELLED
 
 
-class EngineClient:
+class EngineClient(_ServiceClient):
+    service = "engine"
+
     def __init__(self, address: str) -> None:
-        self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        super().__init__(address)
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         self._stream: _GenerateStream | None = None
 
@@ -152,14 +169,6 @@ class EngineClient:
     async def stats(self) -> engine_pb2.GetStatsResponse:
         return await self._unary(self._stub.GetStats, engine_pb2.GetStatsRequest())
 
-    async def serving(self) -> bool:
-        return await _serving(self._channel)
-
-    async def _unary(self, method, request):
-        try:
-            return await method(request, timeout=UNARY_TIMEOUT)
-        except grpc.aio.AioRpcError as exc:
-            raise _error(exc, "engine") from None
 
     async def close(self) -> None:
         if self._stream is not None:
@@ -199,10 +208,11 @@ class DetokenizeSession:
             self._call.cancel()
 
 
-class TokenizerClient:
+class TokenizerClient(_ServiceClient):
+    service = "tokenizer"
+
     def __init__(self, address: str) -> None:
-        self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        super().__init__(address)
         self._stub = tokenizer_pb2_grpc.TokenizerServiceStub(self._channel)
 
     async def tokenize(self, request: tok_pb2.TokenizeRequest) -> tok_pb2.TokenizeResponse:
@@ -217,14 +227,6 @@ class TokenizerClient:
     def detokenize_stream(self, options: tok_pb2.DetokenizeOptions) -> DetokenizeSession:
         return DetokenizeSession(self._stub, options)
 
-    async def serving(self) -> bool:
-        return await _serving(self._channel)
-
-    async def _unary(self, method, request):
-        try:
-            return await method(request, timeout=UNARY_TIMEOUT)
-        except grpc.aio.AioRpcError as exc:
-            raise _error(exc, "tokenizer") from None
 
     async def close(self) -> None:
         await self._channel.close()

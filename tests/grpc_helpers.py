@@ -8,6 +8,8 @@ import queue
 import threading
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.grpc_server import GrpcService
 
@@ -52,3 +54,20 @@ class RequestStream:
 
     def close(self) -> None:
         self._queue.put(None)
+
+
+def assert_health_and_reflection(channel: grpc.Channel, service: str) -> None:
+    """The service reports SERVING (overall and by name) and reflection lists it and returns
+    its descriptors, so a client can call it knowing nothing."""
+    health = health_pb2_grpc.HealthStub(channel)
+    for name in ("", service):
+        answer = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=TIMEOUT)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    [answer] = reflection.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=TIMEOUT)
+    names = {s.name for s in answer.list_services_response.service}
+    assert {service, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+    [answer] = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
+        file_containing_symbol=service)]), timeout=TIMEOUT)
+    assert answer.file_descriptor_response.file_descriptor_proto

@@ -12,9 +12,8 @@ import time
 import grpc
 import pytest
 import torch
-from grpc_helpers import TIMEOUT, RequestStream, ServerThread
+from grpc_helpers import TIMEOUT, assert_health_and_reflection, RequestStream, ServerThread
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tiny_models import VARIANTS, make_checkpoint
 
 from common.config import EngineConfig
@@ -263,20 +262,7 @@ def test_model_info(server, stub, model_dir):
 
 
 def test_health_and_reflection(server):
-    health = health_pb2_grpc.HealthStub(server.channel)
-    for name in ("", "folio.v1.EngineService"):
-        answer = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=TIMEOUT)
-        assert answer.status == health_pb2.HealthCheckResponse.SERVING
-    reflection = reflection_pb2_grpc.ServerReflectionStub(server.channel)
-    [answer] = reflection.ServerReflectionInfo(
-        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=TIMEOUT)
-    names = {s.name for s in answer.list_services_response.service}
-    assert {"folio.v1.EngineService", "grpc.health.v1.Health",
-            "grpc.reflection.v1alpha.ServerReflection"} <= names
-    # The descriptors themselves come back too: a client can call us knowing nothing.
-    [answer] = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
-        file_containing_symbol="folio.v1.EngineService")]), timeout=TIMEOUT)
-    assert answer.file_descriptor_response.file_descriptor_proto
+    assert_health_and_reflection(server.channel, "folio.v1.EngineService")
 
 
 def test_full_queue_answers_resource_exhausted(model_dir, serve):
