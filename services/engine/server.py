@@ -166,10 +166,11 @@ class EngineService(GrpcService):
         engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(self), server)
 
     async def warm_up(self) -> None:
-        # Loading the model takes seconds: off the event loop, so health checks get answers.
-        engine = AsyncEngine(lambda: LLMEngine(self.config))
-        await asyncio.wrap_future(engine.start())
-        self.engine = engine
+        # Loading the model takes seconds: in the engine's own thread (where every step runs),
+        # off the event loop, so health checks get answers meanwhile. `close` joins that
+        # thread, so a stop during warm-up waits for the load instead of killing it midway.
+        self.engine = AsyncEngine(lambda: LLMEngine(self.config))
+        await asyncio.wrap_future(self.engine.start())
 
     async def close(self) -> None:
         if self.engine is not None:

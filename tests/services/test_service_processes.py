@@ -57,3 +57,23 @@ def test_folio_engine_process(tiny_model_dir):
         ["engine", "--model", str(tiny_model_dir), "--dtype", "float32", "--num-kv-blocks", "64"],
         "folio.v1.EngineService",
     )
+
+
+def test_folio_engine_stopped_while_loading_exits_cleanly(default_model_dir):
+    """SIGTERM while the model is still loading waits for the load, then exits 0 (the engine
+    loads in its own thread; the process must not die with that thread midway)."""
+    command = [sys.executable, "-m", "common.cli", "engine", "--model", str(default_model_dir),
+               "--port", "0"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        assert "listening on" in line, line
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=60)
+        stderr = process.stderr.read()
+        assert code == 0, stderr
+        assert "terminate called" not in stderr
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
