@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.errors import UnavailableError
+from common.errors import UnavailableError, status_code_for
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,13 @@ class GrpcService:
         """Raise UnavailableError unless serving; servicers call it first."""
         if self.state is not State.SERVING:
             raise UnavailableError(f"the service is {self.state.value}; retry later")
+
+    async def abort_unless_available(self, context: grpc.aio.ServicerContext) -> None:
+        """End the RPC with UNAVAILABLE unless serving (check_available as a gRPC status)."""
+        try:
+            self.check_available()
+        except UnavailableError as exc:
+            await context.abort(status_code_for(exc), str(exc))
 
     # -- life cycle -------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import grpc
 
 from common.config import EngineConfig
-from common.errors import UnavailableError, status_code_for
+from common.errors import UnavailableError
 from common.grpc_stubs.folio.v1 import engine_pb2 as pb
 from common.grpc_stubs.folio.v1 import engine_pb2_grpc
 from engine.async_engine import AsyncEngine, RequestFailed
@@ -37,10 +37,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self._service = service
 
     async def _engine(self, context: grpc.aio.ServicerContext) -> AsyncEngine:
-        try:
-            self._service.check_available()
-        except UnavailableError as exc:
-            await context.abort(status_code_for(exc), str(exc))
+        await self._service.abort_unless_available(context)
         return self._service.engine
 
     async def Generate(

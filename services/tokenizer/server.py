@@ -14,7 +14,7 @@ import grpc
 
 from common.default_model import resolve_model_path
 from common.detokenizer import IncrementalDetokenizer
-from common.errors import UnavailableError, status_code_for
+from common.errors import status_code_for
 from common.grpc_stubs.folio.v1 import tokenizer_pb2 as pb
 from common.grpc_stubs.folio.v1 import tokenizer_pb2_grpc
 from common.tokenizer import Tokenizer
@@ -38,10 +38,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self._service = service
 
     async def _tokenizer(self, context: grpc.aio.ServicerContext) -> Tokenizer:
-        try:
-            self._service.check_available()
-        except UnavailableError as exc:
-            await context.abort(status_code_for(exc), str(exc))
+        await self._service.abort_unless_available(context)
         return self._service.tokenizer
 
     async def _check_ids(self, ids: Sequence[int], tokenizer: Tokenizer, context) -> None:
