@@ -3,11 +3,8 @@ on an event loop of its own, so tests can use blocking clients."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
-
 import grpc
-from grpc_helpers import TIMEOUT
+from grpc_helpers import TIMEOUT, LoopThread
 
 from common.grpc_stubs.folio.v1 import engine_pb2, engine_pb2_grpc
 from gateway.server import GatewayServer
@@ -19,27 +16,20 @@ ENGINE_ARGS = dict(dtype="bfloat16", num_kv_blocks=512, max_model_len=MAX_MODEL_
                    max_num_seqs=16, enable_prefix_caching=False)
 
 
-class GatewayThread:
+class GatewayThread(LoopThread):
     """A GatewayServer on an event loop of its own, so tests use blocking clients."""
 
     def __init__(self, engine_address: str, tokenizer_address: str) -> None:
+        super().__init__()
         self.server = GatewayServer("127.0.0.1", 0, 0, engine_address, tokenizer_address)
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
         self.call(self.server.start())
         self.url = f"http://127.0.0.1:{self.server.port}"
         self.grpc_channel = grpc.insecure_channel(f"127.0.0.1:{self.server.grpc_port}")
 
-    def call(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(TIMEOUT)
-
     def close(self) -> None:
         self.grpc_channel.close()
         self.call(self.server.stop(grace=1))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(TIMEOUT)
-        self.loop.close()
+        self.stop_loop()
 
 
 def engine_stats(stub: engine_pb2_grpc.EngineServiceStub) -> engine_pb2.GetStatsResponse:

@@ -17,26 +17,36 @@ from services.grpc_server import GrpcService
 TIMEOUT = 60
 
 
-class ServerThread:
-    def __init__(self, service: GrpcService, wait: bool = True) -> None:
-        self.service = service
+class LoopThread:
+    """An asyncio event loop in a background thread: servers run there, tests stay blocking."""
+
+    def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
+
+    def call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(TIMEOUT)
+
+    def stop_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(TIMEOUT)
+        self.loop.close()
+
+
+class ServerThread(LoopThread):
+    def __init__(self, service: GrpcService, wait: bool = True) -> None:
+        super().__init__()
+        self.service = service
         self.port = self.call(service.start())
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         if wait:
             self.call(service.wait_serving())
 
-    def call(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(TIMEOUT)
-
     def close(self) -> None:
         self.channel.close()
         self.call(self.service.stop(grace=0))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(TIMEOUT)
-        self.loop.close()
+        self.stop_loop()
 
 
 class RequestStream:
