@@ -13,8 +13,8 @@ import threading
 import time
 
 import httpx
-from gateway_helpers import ENGINE_ARGS, GatewayThread
-from grpc_helpers import TIMEOUT, ServerThread
+from gateway_helpers import ENGINE_ARGS, GatewayThread, engine_stats
+from grpc_helpers import TIMEOUT, RequestStream, ServerThread
 
 from common.config import EngineConfig
 from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -104,20 +104,33 @@ def test_a_full_engine_queue_is_429(default_model_dir, services):
     engine = ServerThread(EngineService(EngineConfig(model=str(default_model_dir), **args),
                                         "127.0.0.1", 0))
     gateway = GatewayThread(f"127.0.0.1:{engine.port}", f"127.0.0.1:{tokenizer.port}")
-    # Fill the engine behind the gateway's back: one request running, one waiting.
+    # Fill the engine behind the gateway's back: one request running, then one waiting. The
+    # second goes in only once the first runs: sent together, both could land in the one-slot
+    # waiting queue in the same step and the second would be refused.
     params = common_pb2.SamplingParams(max_tokens=900, ignore_eos=True)
-    busy = engine_pb2_grpc.EngineServiceStub(engine.channel).Generate(iter([
-        engine_pb2.GenerateRequest(add=engine_pb2.EngineRequest(
-            request_id=name, prompt_token_ids=[1, 2, 3], sampling_params=params))
-        for name in ("running", "waiting")]), timeout=TIMEOUT)
+    stub = engine_pb2_grpc.EngineServiceStub(engine.channel)
+    requests = RequestStream()
+    busy = stub.Generate(iter(requests), timeout=TIMEOUT)
+
+    def add(name: str) -> None:
+        requests.send(engine_pb2.GenerateRequest(add=engine_pb2.EngineRequest(
+            request_id=name, prompt_token_ids=[1, 2, 3], sampling_params=params)))
+
     try:
-        next(busy)
+        add("running")
+        next(busy)  # it has produced a token: it holds the running slot
+        add("waiting")
+        deadline = time.monotonic() + TIMEOUT
+        while (stats := engine_stats(stub)).num_waiting < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (stats.num_running, stats.num_waiting) == (1, 1)
         with httpx.Client(base_url=gateway.url, timeout=TIMEOUT) as http:
             for stream in (False, True):
                 response = http.post("/v1/completions", json={"prompt": "Hi", "stream": stream})
                 assert response.status_code == 429, response.text
                 assert response.json()["error"]["type"] == "rate_limit_error"
     finally:
+        requests.close()
         busy.cancel()
         gateway.close()
         engine.close()
