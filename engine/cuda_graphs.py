@@ -47,7 +47,7 @@ class DecodeGraphs:
         pool = None
         # Largest first, so the smaller graphs fit in the memory pool the largest one reserved.
         for size in reversed(sizes):
-            runner._pad_decode_rows(0, size)
+            runner.pad_decode_rows(0, size)
             meta = AttentionMetadata(
                 slot_mapping=runner.slot_mapping.upload(size),
                 query_start_loc=runner.query_start_loc.upload(size + 1),

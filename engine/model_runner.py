@@ -132,7 +132,7 @@ class ModelRunner:
 
         graph_size = self.graphs.size_for(num_reqs) if self.graphs and nd == num_reqs else None
         if graph_size is not None:
-            self._pad_decode_rows(num_reqs, graph_size)
+            self.pad_decode_rows(num_reqs, graph_size)
             rows = tokens = graph_size
             cols = self.max_blocks_per_seq  # the graph reads the full-width table it captured
         else:
@@ -158,7 +158,7 @@ class ModelRunner:
             graph_size=graph_size,
         )
 
-    def _pad_decode_rows(self, num_reqs: int, graph_size: int) -> None:
+    def pad_decode_rows(self, num_reqs: int, graph_size: int) -> None:
         """Rows num_reqs..graph_size of a graph batch: one token that writes nowhere (slot -1)
         and attends to one position of block 0; their outputs are never read."""
         pad = slice(num_reqs, graph_size)
