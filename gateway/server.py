@@ -23,6 +23,28 @@ from gateway.grpc_service import GatewayGrpcService
 from gateway.metrics import Metrics
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on (host, port), made so that its connections get TCP_NODELAY.
+
+    asyncio turns Nagle's algorithm off only for sockets whose protocol is IPPROTO_TCP, and a
+    socket made without naming it (socket.create_server) reports protocol 0, as do the
+    connections it accepts. With Nagle on, an SSE event written right after the response
+    headers waited for the client's delayed ACK: 40 ms added to every streamed time to first
+    token on a kept-alive connection.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class _Uvicorn(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
@@ -54,7 +76,7 @@ class GatewayServer:
         self._grpc = GatewayGrpcService(self.gateway, self.host, self.grpc_port)
         self.grpc_port = await self._grpc.start()
         # Bound here rather than by uvicorn, so that a busy port raises instead of exiting.
-        sock = socket.create_server((self.host, self.port))
+        sock = listening_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
         self.app = build_app(self.gateway)
         config = uvicorn.Config(self.app, lifespan="off", access_log=False,
