@@ -90,8 +90,11 @@ class RunResult:
         )
 
 
-def make_prompts(args: argparse.Namespace, count: int, vocab_size: int, num_special: int = 32) -> list[list[int]]:
-    rng = random.Random(args.workload_seed)
+def make_prompts(args: argparse.Namespace, count: int, vocab_size: int, run: str,
+                 num_special: int = 32) -> list[list[int]]:
+    """Random prompts of their own for each run (`run` names it): a run must not find its
+    prompts in the prefix cache because the warm-up or an earlier run sent them."""
+    rng = random.Random(f"{args.workload_seed}-{run}")
     return [[rng.randrange(num_special, vocab_size) for _ in range(args.prompt_len)] for _ in range(count)]
 
 
@@ -169,9 +172,9 @@ def levels(args: argparse.Namespace) -> list[tuple[str, int | None, int]]:
 
 async def bench_levels(name: str, client: Client, args: argparse.Namespace, vocab_size: int) -> dict[str, RunResult]:
     results = {}
-    await drive(client, make_prompts(args, 2, vocab_size), 8, 2, None, 0)  # warm-up
+    await drive(client, make_prompts(args, 2, vocab_size, "warm-up"), 8, 2, None, 0)
     for label, concurrency, count in levels(args):
-        samples, seconds = await drive(client, make_prompts(args, count, vocab_size), args.output_len,
+        samples, seconds = await drive(client, make_prompts(args, count, vocab_size, label), args.output_len,
                                        concurrency, args.request_rate, args.workload_seed)
         results[label] = RunResult(f"{name} {label}", samples, seconds)
         print(results[label].report(), flush=True)
