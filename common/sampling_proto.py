@@ -7,7 +7,7 @@ never validates (SamplingParams.validate does) and never imports the engine runt
 from __future__ import annotations
 
 from common.grpc_stubs.folio.v1 import common_pb2
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutput
 
 
 def _is_map(field) -> bool:
@@ -22,6 +22,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
             continue  # unset `optional`: the engine's default, which is the library's
         if _is_map(field):
             getattr(message, field.name).update(value)
+        elif field.name == "structured_output":
+            message.structured_output.CopyFrom(structured_output_to_proto(value))
         elif field.is_repeated:
             getattr(message, field.name).extend(value)
         else:
@@ -37,7 +39,30 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
         value = getattr(message, field.name)
         if _is_map(field):
             value = dict(value) or None
+        elif field.name == "structured_output":
+            value = structured_output_from_proto(value)
         elif field.is_repeated:
             value = list(value)
         kwargs[field.name] = value
     return SamplingParams(**kwargs)
+
+
+def structured_output_to_proto(constraint: StructuredOutput) -> common_pb2.StructuredOutput:
+    message = common_pb2.StructuredOutput()
+    for kind in ("json", "regex", "grammar"):
+        if getattr(constraint, kind) is not None:
+            setattr(message, kind, getattr(constraint, kind))
+    if constraint.choice is not None:
+        message.choice.choices.extend(constraint.choice)
+    if constraint.json_object:
+        message.json_object = True
+    return message
+
+
+def structured_output_from_proto(message: common_pb2.StructuredOutput) -> StructuredOutput:
+    # No kind set gives an empty constraint, which SamplingParams.validate refuses by name.
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        return StructuredOutput()
+    value = getattr(message, kind)
+    return StructuredOutput(**{kind: tuple(value.choices) if kind == "choice" else value})

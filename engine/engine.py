@@ -21,10 +21,12 @@ from engine.kv_cache_manager import KVCacheManager, num_blocks_for_budget
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.models.config import ModelConfig
 from engine.outputs import RequestOutput, StepTimings
-from engine.request import Request
+from engine.prompt_logprobs import record_prompt_logprobs
+from engine.request import FinishReason, Request
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured_output import StructuredOutputManager
 from engine.stopping import check_stop
 
 logger = logging.getLogger(__name__)
@@ -67,6 +69,9 @@ class LLMEngine:
         self.sampler = Sampler(
             model_config.vocab_size, sorted(self.eos_token_ids), config.device, config.seed
         )
+        self.structured = StructuredOutputManager(
+            self.model_path, model_config.vocab_size, sorted(self.eos_token_ids), config.device
+        )
         self.requests: dict[str, Request] = {}
         self.timings = StepTimings()
 
@@ -98,7 +103,9 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
     ) -> Request:
-        """Validate and queue a request; raises InvalidRequestError or QueueFullError."""
+        """Validate and queue a request; raises InvalidRequestError or QueueFullError. With
+        params.n > 1 its samples are registered too (ids from sample_request_id): the prompt is
+        computed once, then each sample reports under request_id with its index."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
         self._validate_prompt(prompt_token_ids)
@@ -108,9 +115,23 @@ class LLMEngine:
             raise InvalidRequestError(str(exc)) from None
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(
+                f"n is {params.n}, but this engine runs at most {self.config.max_num_seqs} "
+                "sequences at once (max_num_seqs), and a request's samples run side by side"
+            )
         request = Request(request_id, list(prompt_token_ids), params, priority=priority)
+        if any(sample.request_id in self.requests for sample in request.samples):
+            raise InvalidRequestError(
+                f"request_id {request_id!r}: the ids of its samples ({request_id}#<index>) are "
+                "already in use"
+            )
+        if params.structured_output is not None:
+            self.structured.add(request)
         self.scheduler.add_request(request)
         self.requests[request_id] = request
+        for sample in request.samples:
+            self.requests[sample.request_id] = sample
         return request
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -129,13 +150,42 @@ class LLMEngine:
                     f"[0, {self.vocab_size})"
                 )
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request and free its KV blocks; False if it is unknown or already done."""
-        request = self.requests.pop(request_id, None)
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Stop a request and free its KV blocks. Returns its last outputs (finish reason
+        ABORT): one, or one per live sample of an n > 1 request; a sample's own id
+        (sample_request_id) stops that sample alone. Empty if unknown or already done."""
+        request = self.requests.get(request_id)
         if request is None:
-            return False
+            return []
+        ended = list(request.samples) or [request]
+        for r in ended:
+            self._retire(r)
+        return [
+            RequestOutput(
+                request_id=r.caller_id,
+                index=r.sample_index,
+                new_token_ids=[],
+                finished=True,
+                finish_reason=FinishReason.ABORT,
+                num_prompt_tokens=r.num_prompt_tokens,
+                num_output_tokens=r.num_output_tokens,
+                num_cached_tokens=r.num_cached_tokens,
+                queue_seconds=(r.times.first_scheduled or time.monotonic()) - r.times.arrival,
+            )
+            for r in ended
+        ]
+
+    def _retire(self, request: Request) -> None:
+        """Drop a finished or aborted request from the engine and free its KV blocks; the
+        last live sample of an n > 1 request takes that request with it."""
         self.scheduler.finish(request)
-        return True
+        self.structured.release(request)
+        del self.requests[request.request_id]
+        parent = request.parent
+        if parent is not None:
+            parent.samples.remove(request)
+            if not parent.samples:
+                self._retire(parent)
 
     @property
     def has_unfinished(self) -> bool:
@@ -161,10 +211,21 @@ class LLMEngine:
         if sched.is_empty:
             return []
         model_input = self.runner.prepare(sched)
+        # Structured output: the grammars' masks are computed while the forward runs.
+        masks = self.structured.start_masks(model_input.sampling_requests)
         t2 = time.perf_counter()
         logits = self.runner.forward(model_input)
         t3 = time.perf_counter()
-        sampled = self.sampler.sample(logits, model_input.sampling_requests)
+        # Rows past the sampled ones are prompt positions whose logprobs were asked.
+        num_sampled = len(model_input.sampling_requests)
+        sampled = self.sampler.sample(
+            logits[:num_sampled], model_input.sampling_requests,
+            masks.result() if masks is not None else None,
+        )
+        if model_input.prompt_logprob_spans:
+            record_prompt_logprobs(
+                logits[num_sampled:, : self.vocab_size], model_input.prompt_logprob_spans
+            )
         t4 = time.perf_counter()
         outputs = self._update(sched.requests, sched.num_new_tokens, model_input.sampling_requests, sampled)
         t5 = time.perf_counter()
@@ -181,27 +242,39 @@ class LLMEngine:
         for request, num_new in zip(scheduled, num_new_tokens):
             request.num_computed_tokens += num_new
             self.kv_cache.cache_blocks(request, request.num_computed_tokens)
+            if request.samples and request.num_computed_tokens == request.num_tokens:
+                # n > 1: the prompt is computed; its samples (the sampling rows) take over.
+                self.scheduler.fork(request)
         now = time.monotonic()
         outputs = []
         for row, request in enumerate(sampling_requests):
-            token_id = sampled.token_ids[row]
-            request.append_output(token_id)
-            logprobs = sampled.logprobs[row]
-            if logprobs is not None:
-                request.output_logprobs.append(logprobs)
+            if request.sampling_params.max_tokens == 0:
+                # Scoring only: the prompt is computed (for its logprobs), nothing generated.
+                new_token_ids, logprobs, reason = [], None, FinishReason.LENGTH
+            else:
+                token_id = sampled.token_ids[row]
+                new_token_ids = [token_id]
+                request.append_output(token_id)
+                logprobs = sampled.logprobs[row]
+                if logprobs is not None:
+                    request.output_logprobs.append(logprobs)
+                reason = check_stop(request, self.eos_token_ids, self.max_model_len)
+                if (request.sampling_params.structured_output is not None
+                        and self.structured.advance(request) and reason is None):
+                    reason = FinishReason.STOP  # the grammar is complete
             if request.times.first_token is None:
                 request.times.first_token = now
-            reason = check_stop(request, self.eos_token_ids, self.max_model_len)
             if reason is not None:
                 request.finish_reason = reason
                 request.times.finished = now
-                self.scheduler.finish(request)
-                del self.requests[request.request_id]
+                self._retire(request)
             outputs.append(
                 RequestOutput(
-                    request_id=request.request_id,
-                    new_token_ids=[token_id],
+                    request_id=request.caller_id,
+                    index=request.sample_index,
+                    new_token_ids=new_token_ids,
                     new_logprobs=[logprobs] if logprobs is not None else [],
+                    prompt_logprobs=self._first_output_prompt_logprobs(request),
                     finished=reason is not None,
                     finish_reason=reason,
                     num_prompt_tokens=request.num_prompt_tokens,
@@ -212,3 +285,17 @@ class LLMEngine:
                 )
             )
         return outputs
+
+    @staticmethod
+    def _first_output_prompt_logprobs(
+        request: Request,
+    ) -> list[tuple[int, float, list[tuple[int, float]]]] | None:
+        """The prompt logprobs with their token ids, on the request's (each sample's) first
+        output only."""
+        if request.sampling_params.prompt_logprobs is None or request.num_output_tokens > 1:
+            return None
+        records = (request.parent or request).prompt_logprobs
+        return [
+            (token_id, logprob, top)
+            for token_id, (logprob, top) in zip(request.prompt_token_ids[1:], records)
+        ]

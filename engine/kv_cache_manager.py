@@ -5,6 +5,12 @@ state: free (never used, or content no longer worth keeping), evictable (refcoun
 full content is registered in the prefix cache under a chained hash, reusable until evicted in
 LRU order), or referenced by live requests' block tables (refcount > 0).
 
+Blocks are shared by reference: through the prefix cache (full blocks) and by `fork`, which
+hands an n > 1 request's computed prompt, its partial last block included, to each of its
+samples. A request about to write into a block that others still hold gets a fresh block
+instead (copy-on-write); the copy of the shared block's content is recorded for the executor,
+which performs it before the step's forward (`take_block_copies`).
+
 This module only moves block ids around: it never touches KV tensors (the executor owns them)
 and never decides which request runs or gets preempted (the scheduler does).
 """
@@ -67,6 +73,8 @@ class KVCacheManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[bytes, int] = {}  # chained hash -> the block registered under it
         self._block_hash: list[bytes | None] = [None] * num_blocks
+        # Copy-on-write copies not yet handed to the executor: destination block -> source.
+        self._copies: dict[int, int] = {}
         # Cumulative, in tokens, counted on each admission (a request's first allocate).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -79,14 +87,19 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
+    def ref_count(self, block: int) -> int:
+        """How many block tables hold `block`."""
+        return self._ref_counts[block]
+
     def get_cached_prefix(self, request: Request) -> tuple[list[int], int]:
         """The cached blocks holding the longest prefix of request.token_ids, and its length.
 
         At least one token is left out so that the step computes the last token's logits.
         Statistics are counted when the request is admitted (its first allocate), so a request
-        that waits and is looked up again every step counts once.
+        that waits and is looked up again every step counts once. A request still owed prompt
+        logprobs gets nothing: cached tokens are never computed, so they have no logits.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
             return [], 0
         tokens = request.token_ids
         size = self.block_size
@@ -113,9 +126,15 @@ class KVCacheManager:
         num_computed = len(cached_blocks) * self.block_size if cached_blocks else request.num_computed_tokens
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
         num_fresh = max(0, num_needed - len(request.block_table) - len(cached_blocks))
+        # The block the new tokens start in, if it is partly written and shared (a forked
+        # prompt's last block): it must be copied before this request writes into it.
+        shared = num_computed // self.block_size
+        if (num_new_tokens == 0 or shared >= len(request.block_table)
+                or self._ref_counts[request.block_table[shared]] == 1):
+            shared = None
         # Taking an evictable cached block removes it from what fresh blocks can come from.
         num_revived = sum(1 for block in cached_blocks if self._ref_counts[block] == 0)
-        if num_fresh > self.num_free_blocks - num_revived:
+        if num_fresh + (shared is not None) > self.num_free_blocks - num_revived:
             return False
 
         if self.enable_prefix_caching and not request.block_table:
@@ -128,10 +147,40 @@ class KVCacheManager:
             request.block_table.append(block)
             request.block_hashes.append(self._block_hash[block])
         for _ in range(num_fresh):
-            block = self._free.popleft() if self._free else self._evict()
-            self._ref_counts[block] = 1
-            request.block_table.append(block)
+            request.block_table.append(self._take_fresh())
+        if shared is not None:
+            source = request.block_table[shared]
+            self._ref_counts[source] -= 1  # others still hold it: never 0 here
+            copy = request.block_table[shared] = self._take_fresh()
+            # A destination freed and taken again this step keeps only its latest copy.
+            self._copies[copy] = source
         return True
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` (holding no blocks) the parent's blocks by reference, with the prefix
+        cache hashes of the full ones: it continues from the parent's computed tokens."""
+        if child.block_table:
+            raise ValueError(f"request {child.request_id} already holds blocks; cannot fork into it")
+        for block in parent.block_table:
+            self._ref_counts[block] += 1
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies that copy-on-write recorded since the last
+        call, for the executor to perform before the next forward; clears them.
+
+        Destinations are distinct. A source freed and taken again in the same step can also be
+        a destination, so the executor reads every source before it writes any destination.
+        """
+        copies = [(source, dest) for dest, source in self._copies.items()]
+        self._copies.clear()
+        return copies
+
+    def _take_fresh(self) -> int:
+        block = self._free.popleft() if self._free else self._evict()
+        self._ref_counts[block] = 1
+        return block
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's blocks that became full once `num_computed_tokens` are computed."""

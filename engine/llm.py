@@ -24,7 +24,7 @@ PromptInput = str | Sequence[int]
 
 @dataclass
 class CompletionOutput:
-    """The whole result for one prompt."""
+    """The whole result for one prompt, or for one of its samples when SamplingParams.n > 1."""
 
     prompt: str | None
     prompt_token_ids: list[int]
@@ -33,12 +33,15 @@ class CompletionOutput:
     finish_reason: str | None = None
     # Per output token: (chosen token logprob, top alternatives), when logprobs were asked.
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # When prompt_logprobs were asked: one record per prompt token, None for the first (nothing
+    # precedes it).
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
     num_cached_tokens: int = 0
 
 
 @dataclass
 class StreamDelta:
-    """What one prompt gained in one engine step."""
+    """What one result (as generate orders them) gained in one engine step."""
 
     index: int
     text: str
@@ -58,16 +61,21 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[CompletionOutput]:
-        """Run every prompt to completion; results in prompt order."""
+        """Run every prompt to completion; results in prompt order, n per prompt (its samples
+        in order) when SamplingParams.n > 1."""
         prompt_list = _as_prompt_list(prompts)
+        token_lists = self._encode_all(prompt_list)
+        param_list = _as_param_list(params, len(prompt_list))
         results = [
             CompletionOutput(prompt=p if isinstance(p, str) else None, prompt_token_ids=ids)
-            for p, ids in zip(prompt_list, self._encode_all(prompt_list))
+            for p, ids, sp in zip(prompt_list, token_lists, param_list) for _ in range(sp.n)
         ]
-        for index, out in self._run([r.prompt_token_ids for r in results], params):
+        for index, out in self._run(token_lists, param_list):
             result = results[index]
             result.token_ids.extend(out.new_token_ids)
             result.logprobs.extend(out.new_logprobs)
+            if out.prompt_logprobs is not None:
+                result.prompt_logprobs = [None] + [(lp, top) for _, lp, top in out.prompt_logprobs]
             result.num_cached_tokens = out.num_cached_tokens
             if out.finished:
                 result.finish_reason = out.finish_reason.value
@@ -83,8 +91,11 @@ class LLM:
         """Yield text deltas as the engine produces tokens, across all prompts."""
         prompt_list = _as_prompt_list(prompts)
         token_lists = self._encode_all(prompt_list)
-        detokenizers = [IncrementalDetokenizer(self.tokenizer) for _ in token_lists]
-        for index, out in self._run(token_lists, params):
+        param_list = _as_param_list(params, len(prompt_list))
+        detokenizers = [
+            IncrementalDetokenizer(self.tokenizer) for p in param_list for _ in range(p.n)
+        ]
+        for index, out in self._run(token_lists, param_list):
             delta = detokenizers[index].push(out.new_token_ids)
             text = delta.text
             if out.finished:
@@ -109,11 +120,13 @@ class LLM:
     def _encode_all(self, prompts: list[PromptInput]) -> list[list[int]]:
         return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
-    def _run(self, token_lists: list[list[int]], params) -> Iterator[tuple[int, RequestOutput]]:
-        """Feed requests as the waiting queue allows and yield (prompt index, RequestOutput)."""
-        param_list = _as_param_list(params, len(token_lists))
+    def _run(self, token_lists: list[list[int]], param_list: list[SamplingParams]
+             ) -> Iterator[tuple[int, RequestOutput]]:
+        """Feed requests as the waiting queue allows and yield (result index, RequestOutput):
+        sample i of prompt p is result i after the n results of the prompts before p."""
         for p in param_list:
             p.validate(self.engine.vocab_size)
+        firsts = list(itertools.accumulate((p.n for p in param_list), initial=0))
         pending = deque(range(len(token_lists)))
         index_of: dict[str, int] = {}
         capacity = self.engine.config.max_waiting_requests
@@ -124,11 +137,12 @@ class LLM:
                     request_id = f"offline-{next(self._ids)}"
                     self.engine.add_request(request_id, token_lists[index], param_list[index])
                     index_of[request_id] = index
-                for out in self.engine.step():
-                    index = index_of[out.request_id]
-                    if out.finished:
-                        del index_of[out.request_id]
-                    yield index, out
+                outputs = self.engine.step()
+                for out in outputs:
+                    yield firsts[index_of[out.request_id]] + out.index, out
+                for out in outputs:
+                    if out.finished and out.request_id not in self.engine.requests:
+                        index_of.pop(out.request_id, None)  # its last sample ended
         finally:
             for request_id in index_of:
                 self.engine.abort(request_id)

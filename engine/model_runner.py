@@ -3,14 +3,15 @@
 Owns the model weights and the paged KV cache tensors. Inputs are written into persistent
 host buffers (numpy views over torch tensors, so no per-step allocation of the big arrays)
 and, on a GPU, copied once per step into persistent device buffers; decode-only steps on a
-GPU replay a captured CUDA graph. Only the rows that will be sampled are projected to logits.
+GPU replay a captured CUDA graph. Only the rows that will be sampled, and the prompt positions
+of requests that asked for prompt logprobs, are projected to logits.
 This module never decides what to run (the scheduler does) nor which token to pick (the
 sampler does).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -20,6 +21,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
+from engine.prompt_logprobs import PromptLogprobSpan, plan_span
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
 
@@ -55,12 +57,17 @@ class ModelInput:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
-    # Flat indices of the last token of each request that samples this step.
+    # Flat indices of the last token of each request that samples this step, then those of
+    # the prompt positions in prompt_logprob_spans.
     logits_indices: torch.Tensor
     # Requests (in batch order) whose row in the logits belongs to them.
     sampling_requests: list[Request]
     # Set when this decode-only step replays the CUDA graph captured for that many rows.
     graph_size: int | None = None
+    # Copy-on-write (source, destination) KV blocks, copied before the forward writes.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Prompt tokens whose logprobs this step computes; their rows follow the sampling rows.
+    prompt_logprob_spans: list[PromptLogprobSpan] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -90,7 +97,9 @@ class ModelRunner:
         self.query_start_loc = StepBuffer((max_seqs + 1,), torch.int32, dev)
         self.seq_lens = StepBuffer((max_seqs,), torch.int32, dev)
         self.block_tables = StepBuffer((max_seqs, self.max_blocks_per_seq), torch.int32, dev)
-        self.logits_indices = StepBuffer((max_seqs,), torch.int64, dev)
+        # Sampled rows are at most max_seqs (samples of n > 1 requests included); prompt-logprob
+        # rows make up to one per token.
+        self.logits_indices = StepBuffer((max_tokens + max_seqs,), torch.int64, dev)
         self._arange = np.arange(max_model_len, dtype=np.int64)
         self.graphs = DecodeGraphs.capture_if_enabled(self, config)
 
@@ -100,6 +109,8 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         sampling_requests: list[Request] = []
+        prompt_spans: list[PromptLogprobSpan] = []
+        prompt_first_rows: list[int] = []
         num_logits = 0
         offset = 0
         ids, pos, slots = self.input_ids.np, self.positions.np, self.slot_mapping.np
@@ -119,14 +130,22 @@ class ModelRunner:
             pos[offset:offset + num_new] = positions
             tables[i, : len(table)] = table
             slots[offset:offset + num_new] = tables[i][positions // bs] * bs + positions % bs
+            if request.needs_prompt_logprobs and (span := plan_span(request, start, end)):
+                prompt_spans.append(span)
+                prompt_first_rows.append(offset + span.first_token - 1 - start)
             offset += num_new
             qsl[i + 1] = offset
             query_lens.append(num_new)
             seq_lens.append(end)
             if end == request.num_tokens:
-                logits_idx[num_logits] = offset - 1
-                num_logits += 1
-                sampling_requests.append(request)
+                # An n > 1 request completing its prompt: one row per sample, all of its last token.
+                for sample in request.samples or (request,):
+                    logits_idx[num_logits] = offset - 1
+                    num_logits += 1
+                    sampling_requests.append(sample)
+        for span, row in zip(prompt_spans, prompt_first_rows):
+            logits_idx[num_logits:num_logits + span.count] = np.arange(row, row + span.count)
+            num_logits += span.count
         self.seq_lens.np[:num_reqs] = seq_lens
         max_seq_len = max(seq_lens)
 
@@ -156,6 +175,8 @@ class ModelRunner:
             logits_indices=self.logits_indices.upload(num_logits),
             sampling_requests=sampling_requests,
             graph_size=graph_size,
+            prompt_logprob_spans=prompt_spans,
+            block_copies=sched.block_copies,
         )
 
     def pad_decode_rows(self, num_reqs: int, graph_size: int) -> None:
@@ -171,12 +192,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, model_input: ModelInput) -> torch.Tensor:
-        """Logits [num_sampling_requests, vocab] in float32."""
+        """Logits [rows of logits_indices, vocab] in float32: one per sampling request, then
+        one per prompt-logprob position."""
+        if model_input.block_copies:
+            sources, dests = torch.tensor(model_input.block_copies, device=self.device).unbind(1)
+            self.model.backend.copy_blocks(self.kv_caches, sources, dests)
         if model_input.graph_size is not None:
             hidden = self.graphs.replay(model_input.graph_size)
         else:
             hidden = self.run_model(model_input.input_ids, model_input.positions, model_input.attn_metadata)
-        if not model_input.sampling_requests:
+        if len(model_input.logits_indices) == 0:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[model_input.logits_indices])
 

@@ -16,8 +16,13 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int]
+    # Which sample of an n > 1 request (0 otherwise): each sample ends with its own output.
+    index: int = 0
     # Per new token: (chosen token logprob, top alternatives) when logprobs were asked.
     new_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # On the request's first output, when prompt logprobs were asked: per prompt token after
+    # the first, (token id, its logprob, top alternatives).
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0

@@ -2,18 +2,21 @@
 
 A request advances `num_computed_tokens` towards `num_tokens` (prompt plus output so far);
 prefill, chunked prefill, decode and recompute after preemption are all that one motion.
-This module holds state only: scheduling, KV allocation and sampling live elsewhere.
+A request with n > 1 (a parent) computes its prompt once, then forks into n samples: requests
+of their own (ids from sample_request_id) that start with the parent's computed prompt and
+report under the parent's id with their index. This module holds state only: scheduling, KV allocation and sampling live elsewhere.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, sample_request_id
 
 
 class RequestStatus(enum.Enum):
@@ -51,6 +54,9 @@ class Request:
     # Logprob records for output tokens, when sampling_params.logprobs is set:
     # (chosen token logprob, [(token id, logprob) of the top alternatives]).
     output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # The same records for prompt tokens 1, 2, ... as far as computed, when
+    # sampling_params.prompt_logprobs is set (token 0 has none: nothing precedes it).
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     # prompt + output, kept as one list so the hot path never concatenates.
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
@@ -65,12 +71,37 @@ class Request:
     # Per-request generator when sampling_params.seed is set: its draws do not depend on
     # what else is in the batch.
     generator: torch.Generator | None = None
+    # n > 1: the samples it forks into once its prompt is computed, then those still live.
+    samples: list[Request] = field(default_factory=list, repr=False)
+    # On a sample: the request it was forked from, and its index among that request's n.
+    parent: Request | None = field(default=None, repr=False)
+    sample_index: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(self.sampling_params.seed)
+        params = self.sampling_params
+        if params.n > 1 and self.parent is None:
+            self.samples = [
+                Request(
+                    sample_request_id(self.request_id, i), self.prompt_token_ids,
+                    dataclasses.replace(params, n=1, seed=params.sample_seed(i)),
+                    priority=self.priority, parent=self, sample_index=i,
+                )
+                for i in range(params.n)
+            ]
+
+    @property
+    def caller_id(self) -> str:
+        """The id its outputs carry: the one the caller gave (a sample's is its parent's)."""
+        return self.parent.request_id if self.parent is not None else self.request_id
+
+    @property
+    def num_seqs(self) -> int:
+        """How many sequences it runs as: its live samples until it forks, else 1."""
+        return len(self.samples) or 1
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -83,6 +114,15 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked and some are still to compute (a sample's are its
+        parent's: the parent computed the prompt)."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and len((self.parent or self).prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def is_finished(self) -> bool:

@@ -3,9 +3,11 @@
 Row i of the logits belongs to requests[i] and follows that request's SamplingParams. Columns
 at or past `vocab_size` (padding some models add) are ignored. Per row, in this order:
 
+0. structured output: the tokens `disallowed` marks (a constrained row's grammar forbids) get -inf.
 1. logit_bias is added.
 2. min_tokens: while the request has fewer than min_tokens output tokens, its stop_token_ids
-   and the EOS ids (unless ignore_eos) get -inf.
+   and the EOS ids (unless ignore_eos, or a grammar constrains the row: it alone decides where
+   the text may end, and may allow nothing but EOS) get -inf.
 3. repetition_penalty (Hugging Face style) on every token in the prompt or output: a positive
    logit is divided by the penalty, a negative one multiplied by it.
 4. presence / frequency penalties (OpenAI style) on output tokens only:
@@ -77,10 +79,16 @@ class Sampler:
         self.use_kernel = self.device.type == "cuda" if use_kernel is None else use_kernel
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+    def sample(
+        self, logits: torch.Tensor, requests: Sequence[Request],
+        disallowed: torch.Tensor | None = None,
+    ) -> SamplerOutput:
+        """disallowed: bool [batch, vocab_size] on the sampler's device, True where a row may not
+        go (structured output; all False on unconstrained rows), or None when no row is limited."""
         logits = logits[:, : self.vocab_size].float()
         params = [r.sampling_params for r in requests]
-        adjusted = self._adjust_logits(logits, requests)
+        masked = logits if disallowed is None else logits.masked_fill(disallowed, -math.inf)
+        adjusted = self._adjust_logits(masked, requests)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled and self.use_kernel:
             tokens = self._sample_with_kernel(adjusted, requests)
@@ -123,7 +131,7 @@ class Sampler:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
             return []
-        eos = [] if params.ignore_eos else self.eos_token_ids
+        eos = [] if params.ignore_eos or params.structured_output is not None else self.eos_token_ids
         return [*params.stop_token_ids, *eos]
 
     def _adjust_logits(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -263,15 +271,38 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not rows:
             return out
-        logprobs = logits[self._index(rows)].log_softmax(-1)
-        chosen = logprobs.gather(1, self._index([token_ids[i] for i in rows])[:, None])
-        top = logprobs.topk(max(params[i].logprobs for i in rows), dim=-1)
-        for i, value, top_values, top_ids in zip(
-            rows, chosen[:, 0].tolist(), top.values.tolist(), top.indices.tolist()
-        ):
-            k = params[i].logprobs
-            out[i] = (value, list(zip(top_ids[:k], top_values[:k])))
+        records = token_logprobs(
+            logits[self._index(rows)], [token_ids[i] for i in rows], [params[i].logprobs for i in rows]
+        )
+        for i, record in zip(rows, records):
+            out[i] = record
         return out
+
+
+# Rows of log_softmax computed at once: bounds the float32 copy a long prompt's logits need.
+LOGPROB_ROWS_PER_SLICE = 256
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequence[int]
+) -> list[Logprobs]:
+    """Per row i: the float32 log_softmax of the raw logits at token_ids[i], and the num_top[i]
+    most likely (token id, logprob), most likely first."""
+    if not token_ids:
+        return []
+    targets = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+    k = max(num_top)
+    out: list[Logprobs] = []
+    for begin in range(0, len(token_ids), LOGPROB_ROWS_PER_SLICE):
+        end = begin + LOGPROB_ROWS_PER_SLICE
+        logprobs = logits[begin:end].float().log_softmax(-1)
+        chosen = logprobs.gather(1, targets[begin:end, None])[:, 0].tolist()
+        top = logprobs.topk(k, dim=-1)
+        for value, top_values, top_ids, row_k in zip(
+            chosen, top.values.tolist(), top.indices.tolist(), num_top[begin:end]
+        ):
+            out.append((value, list(zip(top_ids[:row_k], top_values[:row_k]))))
+    return out
 
 
 def _sorted_descending(values: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,120 @@
 """Per-request sampling parameters and their validation.
 
 Holds data only: the sampler reads it, the scheduler never does (except `priority`, which
-lives on the request). Validation names the offending parameter in its message.
+lives on the request). Validation names the offending parameter in its message; a structured
+output constraint is checked by llguidance, which compiles it (without a tokenizer) but never
+touches a model. It also names the samples of an n > 1 request (their seeds and ids), which
+the gateway needs without importing the engine runtime.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from dataclasses import dataclass, field
+
+import llguidance
+
+# How JSON is written under a schema: compact, with json.dumps' separators, so a bounded schema
+# bounds the number of tokens (free whitespace lets a sampled model pad forever). A schema's
+# "x-guidance" key overrides these.
+JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text (vLLM's `structured_outputs`), exactly one of:
+    json, a JSON schema (JSON text; a dict is serialized); regex, which the whole output
+    matches; choice, strings the output is exactly one of; grammar, in Lark or llama.cpp's GBNF;
+    json_object, any JSON object. Frozen and hashable: it keys the engine's compiled grammars.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+    _DESCRIPTIONS = {"json": "JSON schema", "regex": "regular expression",
+                     "choice": "choice list", "grammar": "grammar", "json_object": "JSON object"}
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json))
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def kind(self) -> str:
+        """The one kind set (validate() first)."""
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    def validate(self, name: str = "structured_output") -> None:
+        """Raise ValueError, its message starting with `name` (the parameter the constraint came
+        in), unless exactly one kind is set and its grammar compiles."""
+        kinds = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(f"{name} must set exactly one of json, regex, choice, grammar or "
+                             f"json_object, got {' and '.join(kinds) or 'none'}")
+        kind = kinds[0]
+        value = getattr(self, kind)
+        if kind == "choice":
+            if not value or not all(isinstance(c, str) for c in value):
+                raise ValueError(f"{name}.choice must be a non-empty list of strings")
+        elif not isinstance(value, bool if kind == "json_object" else str):
+            raise ValueError(f"{name}.{kind} must be a "
+                             f"{'boolean' if kind == 'json_object' else 'string'}")
+        problem = _grammar_problem(self)
+        if problem:
+            raise ValueError(f"{name} has an invalid {self._DESCRIPTIONS[kind]}: {problem}")
+
+    def llguidance_grammar(self) -> str:
+        """The constraint as an llguidance grammar; ValueError if it cannot be built."""
+        kind = self.kind
+        if kind == "json":
+            try:
+                schema = json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"the schema is not valid JSON ({exc})") from None
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT)
+        if kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                {"type": "object"}, defaults=JSON_FORMAT)
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(self.regex)
+        if kind == "choice":
+            # JSON string literals are Lark string literals.
+            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
+            return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+        return llguidance.grammar_from("grammar", self.grammar)
+
+
+@functools.lru_cache(maxsize=1024)
+def _grammar_problem(constraint: StructuredOutput) -> str:
+    """Why the constraint does not compile, or "" (cached: the gateway and the engine both ask)."""
+    try:
+        grammar = constraint.llguidance_grammar()
+    except ValueError as exc:
+        return str(exc)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    return messages[0].strip() if is_error else ""
+
+
+SEED_MASK = (1 << 63) - 1  # seeds travel as int64
+
+
+def sample_request_id(request_id: str, index: int) -> str:
+    """The id of sample `index` of an n > 1 request, which addresses that sample alone (to
+    abort it); its outputs still carry the request's own id, and the index."""
+    return f"{request_id}#{index}"
+
+
+def parent_request_id(request_id: str) -> str | None:
+    """The request that a sample id (from sample_request_id) belongs to; None for other ids."""
+    parent, sep, index = request_id.rpartition("#")
+    return parent if sep and index.isdigit() else None
 
 
 @dataclass
@@ -16,7 +123,9 @@ class SamplingParams:
 
     temperature 0 (or below 1e-5) is greedy (exact argmax). top_k <= 0 disables top-k. max_tokens None means
     "until the context is full". logprobs None returns none; k >= 0 returns the chosen token's
-    logprob and the top k alternatives.
+    logprob and the top k alternatives. structured_output limits every token to what its
+    grammar allows, EOS only where the grammar is complete; the request ends when the grammar
+    can go no further.
     """
 
     temperature: float = 1.0
@@ -28,19 +137,32 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     seed: int | None = None
+    # Independent samples of the prompt: it is computed once, then the samples share its KV
+    # blocks copy-on-write; sample i draws from seed + i (see sample_seed).
+    n: int = 1
     max_tokens: int | None = 16
     min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
+    prompt_logprobs: int | None = None
 
     MAX_LOGPROBS = 20
+    MAX_N = 64
     # Below this a temperature only overflows the division; such rows are greedy.
     MIN_TEMPERATURE = 1e-5
 
     @property
     def greedy(self) -> bool:
         return self.temperature < self.MIN_TEMPERATURE
+
+    def sample_seed(self, index: int) -> int | None:
+        """The seed of sample `index` of n: seed + index, wrapped to the int64 range seeds
+        travel in, so seeded samples differ from each other and each one is reproducible."""
+        if self.seed is None or index == 0:
+            return self.seed
+        return (self.seed + index) & SEED_MASK
 
     @property
     def needs_penalties(self) -> bool:
@@ -79,8 +201,10 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.max_tokens is not None:
             integer("max_tokens", self.max_tokens)
-            if self.max_tokens <= 0:
-                raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            if self.max_tokens == 0 and self.prompt_logprobs is None:
+                raise ValueError("max_tokens must be >= 1 (0 only with prompt_logprobs), got 0")
+            if self.max_tokens < 0:
+                raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         integer("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
@@ -90,12 +214,20 @@ class SamplingParams:
             )
         if self.seed is not None:
             integer("seed", self.seed)
-        if self.logprobs is not None:
-            integer("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= self.MAX_LOGPROBS:
-                raise ValueError(
-                    f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"
-                )
+        integer("n", self.n)
+        if not 1 <= self.n <= self.MAX_N:
+            raise ValueError(f"n must be in [1, {self.MAX_N}], got {self.n}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                integer(name, value)
+                if not 0 <= value <= self.MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {self.MAX_LOGPROBS}], got {value}")
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise ValueError("structured_output must be a StructuredOutput, got "
+                                 f"{self.structured_output!r}")
+            self.structured_output.validate()
         token_lists = [("stop_token_ids", list(self.stop_token_ids))]
         if self.logit_bias:
             token_lists.append(("logit_bias", list(self.logit_bias)))

@@ -4,8 +4,9 @@ other hot ops of a layer (RMSNorm with fused residual add, rotary embedding, SiL
 A backend writes a step's new K/V into the cache and computes causal attention of every query
 token against its request's whole context. The hot ops have plain torch implementations here
 (the CPU path, and the exact one the float32 oracle checks); the Triton backend overrides them
-with fused kernels. A backend owns no cache memory and must never keep per-request state
-between steps: everything it needs comes from AttentionMetadata.
+with fused kernels. It also copies whole KV blocks for copy-on-write (the torch and Triton
+backends share the plain torch version here). A backend owns no cache memory and must never
+keep per-request state between steps: everything it needs comes from AttentionMetadata.
 """
 
 from __future__ import annotations
@@ -52,6 +53,14 @@ class AttentionBackend(ABC):
         """[T, 2I] -> silu(gate) * up, [T, I]."""
         size = gate_up.shape[1] // 2
         return F.silu(gate_up[:, :size]).mul_(gate_up[:, size:])
+
+    def copy_blocks(self, kv_caches: list[torch.Tensor], sources: torch.Tensor, dests: torch.Tensor) -> None:
+        """Copy-on-write: in every layer's cache, block dests[i] becomes a copy of block
+        sources[i] (K and V). Every source is read before any destination is written, so a
+        block may be both. One gather and one scatter per layer, in plain torch on any device:
+        a handful of blocks per step is not worth a kernel of its own."""
+        for kv_cache in kv_caches:
+            kv_cache[:, dests] = kv_cache[:, sources]
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Called once per step before the first layer: a backend may derive per-step data

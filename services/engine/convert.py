@@ -33,18 +33,24 @@ def event_to_proto(event: Event) -> engine_pb2.RequestOutput:
     return _output_to_proto(event)
 
 
+def _token_logprob(token_id: int, logprob: float, top: list[tuple[int, float]]) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=token_id,
+        logprob=logprob,
+        top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
+    )
+
+
 def _output_to_proto(out: RequestOutput) -> engine_pb2.RequestOutput:
     message = engine_pb2.RequestOutput(
         request_id=out.request_id,
+        index=out.index,
         token_ids=out.new_token_ids,
         logprobs=[
-            common_pb2.TokenLogprob(
-                token_id=token_id,
-                logprob=logprob,
-                top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
-            )
+            _token_logprob(token_id, logprob, top)
             for token_id, (logprob, top) in zip(out.new_token_ids, out.new_logprobs)
         ],
+        prompt_logprobs=[_token_logprob(*record) for record in out.prompt_logprobs or ()],
         finished=out.finished,
     )
     if out.finished:

@@ -20,6 +20,7 @@ from common.grpc_stubs.folio.v1 import engine_pb2_grpc
 from engine.async_engine import AsyncEngine, RequestFailed
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
+from engine.sampling_params import parent_request_id
 from common.sampling_proto import sampling_params_from_proto
 from services.engine.convert import error_output, event_to_proto
 from services.grpc_server import GrpcService
@@ -46,7 +47,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         engine = await self._engine(context)
         # Per step: list[Event] from the engine; a rejection the reader answered itself; the end.
         inbox: asyncio.Queue = asyncio.Queue()
-        live: set[str] = set()
+        # This stream's live requests -> how many of their samples have not ended (n, or 1).
+        live: dict[str, int] = {}
         reader = asyncio.create_task(self._read(request_iterator, engine, inbox, live))
         input_done = False
         try:
@@ -60,8 +62,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     yield item
                 else:
                     for event in item:
-                        if isinstance(event, RequestFailed) or event.finished:
-                            live.discard(event.request_id)
+                        if isinstance(event, RequestFailed):
+                            live.pop(event.request_id, None)
+                        elif event.finished:
+                            left = live.pop(event.request_id, 1) - 1
+                            if left:
+                                live[event.request_id] = left
                     yield pb.GenerateResponse(outputs=[event_to_proto(e) for e in item])
         finally:
             # Cancelled, failed or done: nothing of this stream may keep holding KV blocks.
@@ -70,7 +76,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 engine.abort(list(live))
 
     async def _read(self, request_iterator, engine: AsyncEngine, inbox: asyncio.Queue,
-                    live: set[str]) -> None:
+                    live: dict[str, int]) -> None:
         try:
             async for message in request_iterator:
                 if not self._handle(message, engine, inbox, live):
@@ -82,7 +88,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         inbox.put_nowait(_EndOfInput())
 
     def _handle(self, message: pb.GenerateRequest, engine: AsyncEngine, inbox: asyncio.Queue,
-                live: set[str]) -> bool:
+                live: dict[str, int]) -> bool:
         """Act on one client message; False if it is malformed."""
 
         def reject(request_id: str, error: Exception) -> None:
@@ -90,8 +96,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
         action = message.WhichOneof("action")
         if action == "abort":
-            # Only this stream's requests; the unary Abort reaches any.
-            engine.abort([r for r in message.abort.request_ids if r in live])
+            # Only this stream's requests (or their samples); the unary Abort reaches any.
+            engine.abort([r for r in message.abort.request_ids
+                          if r in live or parent_request_id(r) in live])
         elif action == "add":
             request = message.add
             if not request.request_id:
@@ -105,10 +112,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 except UnavailableError as exc:
                     reject(request.request_id, exc)
                     return True
-                live.add(request.request_id)
+                params = sampling_params_from_proto(request.sampling_params)
+                live[request.request_id] = params.n  # an invalid n fails the request instead
                 engine.add_request(
-                    request.request_id, request.prompt_token_ids,
-                    sampling_params_from_proto(request.sampling_params), inbox, request.priority,
+                    request.request_id, request.prompt_token_ids, params, inbox, request.priority,
                 )
         else:
             return False

@@ -1,0 +1,57 @@
+"""Prompt logprobs: which rows of a step's hidden states they need, and recording them.
+
+The logits at position p predict token p + 1, so a prompt of P tokens has logprobs for tokens
+1..P-1, from positions 0..P-2 (position P-1 predicts the first generated token and is the
+sampler's row). A request asking for them is computed from its first token on (the KV cache
+manager gives it no cached prefix) and may be prefilled in chunks, so each step covers the
+positions of its chunk that are still owed; a request recomputed after preemption skips the
+ones it already has. Only requests that ask get extra rows: the common path adds nothing.
+
+This module never runs the model and never chooses tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request
+from engine.sampler import token_logprobs
+
+
+@dataclass
+class PromptLogprobSpan:
+    """Consecutive prompt tokens of one request whose logprobs one step computes: prompt tokens
+    first_token .. first_token + count - 1, predicted by as many consecutive flat rows."""
+
+    request: Request
+    first_token: int
+    count: int
+
+
+def plan_span(request: Request, start: int, end: int) -> PromptLogprobSpan | None:
+    """The prompt tokens whose logprobs the positions start..end-1 of this step predict and
+    the request is still owed; None if there are none."""
+    first = max(start + 1, len(request.prompt_logprobs) + 1)
+    last = min(end, request.num_prompt_tokens - 1)
+    if last < first:
+        return None
+    return PromptLogprobSpan(request, first, last - first + 1)
+
+
+def record_prompt_logprobs(logits: torch.Tensor, spans: Sequence[PromptLogprobSpan]) -> None:
+    """Append each span's logprob records to its request; logits has one row per span token,
+    spans in order, columns cut to the vocabulary."""
+    targets: list[int] = []
+    num_top: list[int] = []
+    for span in spans:
+        prompt = span.request.prompt_token_ids
+        targets += prompt[span.first_token : span.first_token + span.count]
+        num_top += [span.request.sampling_params.prompt_logprobs] * span.count
+    records = token_logprobs(logits, targets, num_top)
+    begin = 0
+    for span in spans:
+        span.request.prompt_logprobs += records[begin : begin + span.count]
+        begin += span.count

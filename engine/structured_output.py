@@ -1,0 +1,175 @@
+"""Structured output in the engine: each constrained request's grammar as a token mask.
+
+Owns everything llguidance needs at run time: its view of the model's tokenizer (built once, in
+the background, from the model directory's tokenizer.json), a bounded cache of compiled grammars
+(one pristine matcher per constraint, deep-copied for each request), each request's matcher,
+kept in step with the request's output tokens, and the masks of the batch. Masks are computed on
+a worker thread while the forward runs (llguidance releases the GIL), and only when some row of
+the batch is constrained.
+
+A matcher follows `request.output_token_ids`, whatever appended them, so chunked prefill and
+preemption (recompute keeps the output tokens) need nothing special. This module never chooses
+tokens (the sampler does) and never finishes a request itself (the engine does, when advance()
+says the grammar is complete).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import llguidance
+import numpy as np
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.request import Request
+from engine.sampling_params import StructuredOutput
+
+logger = logging.getLogger(__name__)
+
+# Distinct constraints whose compiled grammar is kept (a small JSON schema compiles in ~1 ms, a
+# large one in up to ~100 ms; a matcher costs little memory until it is used).
+GRAMMAR_CACHE_SIZE = 256
+# llguidance's own threads for a batch's masks: rows are independent, a few threads suffice.
+MASK_THREADS = min(4, os.cpu_count() or 1)
+_BITS = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32)
+
+
+@dataclass
+class _MatcherState:
+    matcher: llguidance.LLMatcher
+    num_consumed: int = 0  # how many of the request's output tokens the matcher has seen
+
+
+class StructuredOutputManager:
+    def __init__(self, model_path: Path, vocab_size: int, eos_token_ids: Sequence[int],
+                 device: str | torch.device = "cpu") -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="folio-masks")
+        # ~0.2 s for a 50k vocabulary: built while the model loads, not on the first request.
+        self._tokenizer = self._worker.submit(
+            _load_tokenizer, Path(model_path) / "tokenizer.json", vocab_size, list(eos_token_ids))
+        self._executor = llguidance.LLExecutor(num_threads=MASK_THREADS)
+        self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
+        # Weak keys: a request dropped without release() (it never should be) cannot leak.
+        self._states: weakref.WeakKeyDictionary[Request, _MatcherState] = (
+            weakref.WeakKeyDictionary())
+        self._words = -(-vocab_size // 32)
+        self._bitmask = np.zeros((0, self._words), dtype=np.int32)
+        self._bits = _BITS.to(self.device)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Compile the request's constraint (cached) and give it a matcher (one per sample when
+        n > 1); InvalidRequestError if it does not compile against this model's tokenizer."""
+        compiled = self.compile(request.sampling_params.structured_output)
+        for sequence in request.samples or [request]:
+            self._states[sequence] = _MatcherState(compiled.deep_copy())
+
+    def release(self, request: Request) -> None:
+        self._states.pop(request, None)
+
+    def compile(self, constraint: StructuredOutput) -> llguidance.LLMatcher:
+        """The pristine matcher of a constraint, compiled once and kept while it is used."""
+        matcher = self._compiled.get(constraint)
+        if matcher is not None:
+            self._compiled.move_to_end(constraint)
+            return matcher
+        try:
+            tokenizer = self._tokenizer.result()
+        except Exception as exc:  # a tokenizer.json llguidance cannot read
+            raise InvalidRequestError(
+                f"structured_output is not available for this model: {exc}") from None
+        if tokenizer is None:
+            raise InvalidRequestError(
+                "structured_output needs the model directory's tokenizer.json, which this "
+                "model does not have")
+        try:
+            grammar = constraint.llguidance_grammar()
+        except ValueError as exc:
+            raise InvalidRequestError(f"structured_output is invalid: {exc}") from None
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(f"structured_output is invalid: {matcher.get_error()}")
+        self._compiled[constraint] = matcher
+        if len(self._compiled) > GRAMMAR_CACHE_SIZE:
+            self._compiled.popitem(last=False)
+        return matcher
+
+    def advance(self, request: Request) -> bool:
+        """Feed the matcher the request's new output tokens; True when the grammar is complete
+        (nothing but EOS may follow) or the tokens broke it, so the request must end."""
+        state = self._synced(request)
+        if state.matcher.is_error():
+            logger.warning("request %s left its grammar: %s", request.request_id,
+                           state.matcher.get_error())
+        return state.matcher.is_stopped()
+
+    # -- masks ------------------------------------------------------------------------------
+
+    def start_masks(self, requests: Sequence[Request]
+                    ) -> concurrent.futures.Future[torch.Tensor] | None:
+        """Begin the batch's mask (Sampler.sample's `disallowed`) on the worker thread; take the
+        result after the forward. None, at no cost, when no live request is constrained."""
+        if not self._states:
+            return None
+        rows = [i for i, r in enumerate(requests) if r.sampling_params.structured_output is not None]
+        if not rows:
+            return None
+        return self._worker.submit(self.disallowed, requests, rows)
+
+    def disallowed(self, requests: Sequence[Request], rows: Sequence[int]) -> torch.Tensor:
+        """bool [len(requests), vocab_size], True where the grammar of requests[i], i in rows,
+        forbids the token next; the other rows are all False."""
+        if len(self._bitmask) < len(rows):
+            self._bitmask = np.zeros((len(rows), self._words), dtype=np.int32)
+        bitmask = self._bitmask[: len(rows)]
+        # llguidance writes each listed row whole (one bit per token id): reuse needs no clearing.
+        self._executor.unsafe_compute_mask_ptr(
+            [(self._synced(requests[i]).matcher, j) for j, i in enumerate(rows)],
+            bitmask.ctypes.data, self._words * 4, len(rows))
+        if self.device.type == "cpu":
+            # The inverted bits unpack straight into bools (True = forbidden), single-threaded:
+            # torch's threads would contend with the forward running beside this.
+            forbidden = torch.from_numpy(np.unpackbits(
+                (~bitmask).view(np.uint8), axis=1, count=self.vocab_size, bitorder="little",
+            ).view(np.bool_))
+        else:
+            packed = torch.from_numpy(bitmask).to(self.device)
+            forbidden = ((packed[:, :, None] & self._bits) == 0).view(len(rows), -1)
+            forbidden = forbidden[:, : self.vocab_size]
+        if len(rows) == len(requests):
+            return forbidden
+        mask = torch.zeros(len(requests), self.vocab_size, dtype=torch.bool, device=self.device)
+        mask[torch.tensor(rows, device=self.device)] = forbidden
+        return mask
+
+    def _synced(self, request: Request) -> _MatcherState:
+        """The request's matcher, having consumed exactly its output tokens so far; a request
+        not added here (created from one that was) gets one now."""
+        state = self._states.get(request)
+        if state is None:
+            self.add(request)
+            state = self._states[request]
+        outputs = request.output_token_ids
+        if state.num_consumed < len(outputs):
+            state.matcher.consume_tokens(outputs[state.num_consumed:])
+            state.num_consumed = len(outputs)
+        return state
+
+
+def _load_tokenizer(path: Path, vocab_size: int, eos_token_ids: list[int]
+                    ) -> llguidance.LLTokenizer | None:
+    if not path.is_file():
+        return None
+    # n_vocab: the model's logits may be wider than the tokenizer (padded vocabularies).
+    return llguidance.LLTokenizer(path.read_text(), n_vocab=vocab_size, eos_token=eos_token_ids)

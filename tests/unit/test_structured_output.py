@@ -1,0 +1,242 @@
+"""Structured output in the engine library, on a tiny random-weight model that speaks the default
+model's tokenizer (its vocabulary size, its tokenizer.json): masks allow exactly what the grammar
+allows, EOS only where it is complete, matchers follow the output tokens, compiled grammars are
+cached, bad constraints are refused by name, and JSON-schema outputs of greedy and seeded
+requests validate through chunked prefill and preemption."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from tiny_models import SMALL, make_checkpoint
+from tokenizers import Tokenizer
+from transformers import LlamaConfig
+
+from common.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.errors import InvalidRequestError
+from engine.request import Request
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams, StructuredOutput
+
+VOCAB = 49152  # SmolLM2's
+EOS = 2
+
+
+class Address(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    city: str = Field(max_length=6)
+    zip: str = Field(pattern=r"^[0-9]{3}$")
+
+
+class Person(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(max_length=6)
+    age: int = Field(ge=0, le=99)
+    address: Address
+    tags: list[bool] = Field(max_length=2)
+
+
+PERSON = StructuredOutput(json=Person.model_json_schema())
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, default_model_dir):
+    directory = tmp_path_factory.mktemp("tiny-smollm2-vocab")
+    make_checkpoint(directory, LlamaConfig, dict(
+        SMALL, vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2,
+        bos_token_id=1, eos_token_id=EOS))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / name, directory / name)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir) -> LLMEngine:
+    return make_engine(model_dir)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir) -> Tokenizer:
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+def make_engine(model_dir, **overrides) -> LLMEngine:
+    args = dict(model=str(model_dir), dtype="float32", block_size=4, num_kv_blocks=128,
+                max_num_batched_tokens=32, max_num_seqs=8)
+    return LLMEngine(EngineConfig(**{**args, **overrides}))
+
+
+def allowed_ids(engine: LLMEngine, request: Request) -> set[int]:
+    disallowed = engine.structured.disallowed([request], [0])
+    assert disallowed.shape == (1, VOCAB) and disallowed.dtype == torch.bool
+    return set(torch.nonzero(~disallowed[0]).flatten().tolist())
+
+
+def constrained(request_id: str, constraint: StructuredOutput, **params) -> Request:
+    return Request(request_id, [1, 9, 9], SamplingParams(structured_output=constraint, **params))
+
+
+def run(engine: LLMEngine) -> dict[str, tuple[list[int], str]]:
+    """Every request to its end: (output tokens, finish reason)."""
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason.value
+    return {rid: (tokens[rid], reasons[rid]) for rid in tokens}
+
+
+def test_masks_allow_what_the_grammar_allows_and_eos_only_when_complete(engine, tokenizer):
+    request = constrained("digits", StructuredOutput(regex=r"[0-9]{2,3}"))
+    engine.structured.add(request)
+    first = allowed_ids(engine, request)
+    # SmolLM2 writes numbers one digit per token: exactly the ten digits may start.
+    assert {tokenizer.decode([t]) for t in first} == set("0123456789")
+    assert EOS not in first
+    for expected_eos, digit in ((False, "4"), (True, "2")):
+        request.append_output(tokenizer.token_to_id(digit))
+        assert not engine.structured.advance(request)
+        assert (EOS in allowed_ids(engine, request)) is expected_eos
+    request.append_output(tokenizer.token_to_id("7"))
+    assert engine.structured.advance(request)  # three digits: nothing may follow
+    assert allowed_ids(engine, request) == {EOS}
+    engine.structured.release(request)
+
+
+def test_matchers_are_per_request_and_compiled_grammars_cached(engine, tokenizer):
+    choice = StructuredOutput(choice=["yes", "no"])
+    assert engine.structured.compile(choice) is engine.structured.compile(
+        StructuredOutput(choice=("yes", "no")))
+    assert engine.structured.compile(choice) is not engine.structured.compile(
+        StructuredOutput(choice=["no", "yes"]))
+    a, b = constrained("a", choice), constrained("b", choice)
+    engine.structured.add(a)
+    engine.structured.add(b)
+    start = allowed_ids(engine, a)
+    a.append_output(tokenizer.token_to_id("yes"))
+    assert engine.structured.advance(a)
+    assert allowed_ids(engine, a) == {EOS}
+    assert allowed_ids(engine, b) == start  # b's matcher did not move
+    # A request the manager never saw (as a copy of a running one would be) catches up.
+    late = constrained("late", choice)
+    late.append_output(tokenizer.token_to_id("no"))
+    assert engine.structured.advance(late)
+    for request in (a, b, late):
+        engine.structured.release(request)
+
+
+def test_only_constrained_rows_get_a_mask(engine, tokenizer):
+    free = Request("free", [1, 2, 3], SamplingParams())
+    assert engine.structured.start_masks([free]) is None  # nothing constrained: no work at all
+    request = constrained("c", StructuredOutput(json_object=True))
+    engine.structured.add(request)
+    disallowed = engine.structured.start_masks([free, request, free]).result()
+    assert disallowed.shape == (3, VOCAB)
+    assert not disallowed[[0, 2]].any()
+    assert torch.equal(disallowed[1], engine.structured.disallowed([request], [0])[0])
+    starts = torch.nonzero(~disallowed[1]).flatten().tolist()
+    assert starts and all(tokenizer.decode([t]).startswith("{") for t in starts)
+    engine.structured.release(request)
+
+
+def test_sampler_applies_the_mask_before_sampling_and_keeps_raw_logprobs():
+    vocab = 10
+    sampler = Sampler(vocab, [EOS])
+    logits = torch.arange(vocab, dtype=torch.float32).repeat(3, 1)
+    requests = [
+        Request("greedy", [1], SamplingParams(temperature=0.0, logprobs=1)),
+        Request("free", [1], SamplingParams(temperature=0.0)),
+        Request("seeded", [1], SamplingParams(temperature=1.0, seed=3, top_k=2)),
+    ]
+    disallowed = torch.ones(3, vocab, dtype=torch.bool)
+    disallowed[0, 4] = False
+    disallowed[1] = False
+    disallowed[2, [1, 2]] = False
+    for _ in range(5):
+        out = sampler.sample(logits, requests, disallowed)
+        assert out.token_ids[:2] == [4, 9] and out.token_ids[2] in (1, 2)
+    assert out.logprobs[0][1][0][0] == 9  # logprobs are the model's, before the mask
+    assert torch.equal(logits, torch.arange(vocab, dtype=torch.float32).repeat(3, 1))
+
+
+@pytest.mark.parametrize("constraint, message", [
+    (StructuredOutput(regex="a(b"), "structured_output has an invalid regular expression"),
+    (StructuredOutput(json='{"type": "nonsense"}'), "structured_output has an invalid JSON schema"),
+    (StructuredOutput(json="{not json"), "structured_output has an invalid JSON schema"),
+    (StructuredOutput(grammar="start: missing_rule"), "structured_output has an invalid grammar"),
+    (StructuredOutput(choice=[]), "structured_output.choice must be a non-empty list"),
+    (StructuredOutput(), "structured_output must set exactly one of"),
+    (StructuredOutput(regex="a", choice=["a"]), "got regex and choice"),
+])
+def test_bad_constraints_are_refused_by_name(engine, constraint, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingParams(structured_output=constraint).validate()
+    with pytest.raises(InvalidRequestError, match=re.escape(message)):
+        engine.add_request("bad", [1, 2, 3], SamplingParams(structured_output=constraint))
+    assert not engine.requests and not engine.has_unfinished
+
+
+def test_a_model_without_tokenizer_json_refuses_structured_output(tmp_path):
+    make_checkpoint(tmp_path, LlamaConfig, dict(SMALL, num_attention_heads=4,
+                                                 num_key_value_heads=2))
+    engine = make_engine(tmp_path)
+    with pytest.raises(InvalidRequestError, match="tokenizer.json"):
+        engine.add_request("r", [1, 2, 3], SamplingParams(structured_output=PERSON))
+
+
+def test_json_schema_outputs_validate_through_chunked_prefill_and_preemption(model_dir, tokenizer):
+    # 24 blocks of 4 hold 96 tokens; five requests of 40 prompt tokens need far more, and a
+    # 32-token budget prefills each prompt in two chunks.
+    engine = make_engine(model_dir, num_kv_blocks=24)
+    prompt = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = {f"seeded-{i}": SamplingParams(temperature=1.0, seed=i, max_tokens=56,
+                                            structured_output=PERSON) for i in range(4)}
+    params["greedy"] = SamplingParams(temperature=0.0, max_tokens=56, structured_output=PERSON)
+    for request_id, p in params.items():
+        engine.add_request(request_id, prompt, p)
+    results = run(engine)
+    assert engine.scheduler.num_preemptions > 0
+    for request_id, (tokens, reason) in results.items():
+        text = tokenizer.decode(tokens)
+        assert reason == "stop", (request_id, text)
+        assert EOS not in tokens  # the grammar ended it: no EOS needed
+        Person.model_validate(json.loads(text))
+    assert not engine.structured._states  # every matcher released
+
+    # A seeded request reproduces itself alone, without preemption.
+    alone = make_engine(model_dir)
+    alone.add_request("again", prompt, params["seeded-0"])
+    assert run(alone)["again"][0] == results["seeded-0"][0]
+
+
+def test_the_grammar_ends_the_request_despite_ignore_eos_and_min_tokens(engine, tokenizer):
+    engine.add_request("r", [1, 9, 9], SamplingParams(
+        temperature=1.0, seed=1, ignore_eos=True, min_tokens=10, max_tokens=20,
+        structured_output=StructuredOutput(choice=["yes", "no"])))
+    tokens, reason = run(engine)["r"]
+    assert reason == "stop" and tokenizer.decode(tokens) in ("yes", "no")
+    # A grammar that allows nothing but EOS ends at once, min_tokens notwithstanding.
+    engine.add_request("empty", [1, 9, 9], SamplingParams(
+        temperature=1.0, min_tokens=5, structured_output=StructuredOutput(regex="")))
+    assert run(engine)["empty"] == ([EOS], "stop")
+
+
+def test_each_sample_of_an_n_request_follows_the_grammar(engine, tokenizer):
+    engine.add_request("n", [1, 9, 9], SamplingParams(
+        n=3, temperature=1.0, seed=5, max_tokens=8,
+        structured_output=StructuredOutput(regex=r"(ab|cd)[0-9]")))
+    tokens: dict[int, list[int]] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens.setdefault(out.index, []).extend(out.new_token_ids)
+    assert sorted(tokens) == [0, 1, 2]
+    for sample in tokens.values():
+        assert re.fullmatch(r"(ab|cd)[0-9]", tokenizer.decode(sample))
