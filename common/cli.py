@@ -11,10 +11,13 @@ import sys
 
 from common.config import (
     ENGINE_PORT,
+    INTERNAL_TOKEN_ENV,
     TOKENIZER_PORT,
     add_engine_args,
+    add_gateway_args,
     add_service_args,
     engine_config_from_args,
+    gateway_config_from_args,
 )
 
 
@@ -66,24 +69,37 @@ def _run_service(service, drain_seconds: float) -> int:
     return 0
 
 
+def _require_internal_token(service):
+    """The service refuses callers without FOLIO_INTERNAL_TOKEN, when it is set."""
+    from common.auth import KeySet, internal_token
+
+    service.require_keys(KeySet(filter(None, [internal_token()])),
+                         f"internal token ({INTERNAL_TOKEN_ENV})")
+    return service
+
+
 def _tokenizer(args: argparse.Namespace) -> int:
     from services.tokenizer.server import TokenizerService
 
-    return _run_service(TokenizerService(args.model, args.host, args.port), args.drain_seconds)
+    service = _require_internal_token(TokenizerService(args.model, args.host, args.port))
+    return _run_service(service, args.drain_seconds)
 
 
 def _engine(args: argparse.Namespace) -> int:
     from services.engine.server import EngineService
 
     service = EngineService(engine_config_from_args(args), args.host, args.port)
-    return _run_service(service, args.drain_seconds)
+    return _run_service(_require_internal_token(service), args.drain_seconds)
 
 
 def _gateway(args: argparse.Namespace) -> int:
+    from common.auth import internal_token, load_api_keys
     from gateway.server import GatewayServer
 
+    config = gateway_config_from_args(args, load_api_keys(args.api_key, args.api_key_file))
     server = GatewayServer(args.host, args.port, args.grpc_port, args.engine_address,
-                           args.tokenizer_address, args.served_model_name)
+                           args.tokenizer_address, args.served_model_name, config,
+                           internal_token())
     return _run_service(server, args.drain_seconds)
 
 
@@ -136,12 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
                          help="on SIGTERM / Ctrl-C, how long requests in flight may finish")
     gateway.add_argument("--served-model-name", default=None,
                          help="the model name clients use (default: the model directory's name)")
+    add_gateway_args(gateway)
     gateway.set_defaults(func=_gateway)
 
     serve = sub.add_parser("serve", help="run tokenizer, engine and gateway as three processes")
     from services.supervisor import add_serve_args
 
     add_serve_args(serve)
+    add_gateway_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
 

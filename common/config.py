@@ -96,6 +96,31 @@ GATEWAY_GRPC_PORT = 50053
 HTTP_PORT = 8000
 # How long a stopping service lets requests in flight finish.
 DRAIN_SECONDS = 30.0
+# The largest HTTP request body the gateway reads (413 beyond). Room for a full context of
+# text or token ids (its tokens travel to the tokenizer well inside GRPC_MAX_MESSAGE_BYTES),
+# and a client must not make the gateway buffer without bound.
+MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+# The largest gRPC message any Folio server or client sends or receives (gRPC's default is
+# 4 MiB). The largest real messages are a whole prompt and, from the tokenizer, the ids and
+# strings of a MAX_REQUEST_BODY_BYTES body's tokens (about twice its size): well inside.
+GRPC_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+GRPC_MESSAGE_OPTIONS = [("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+                        ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES)]
+# Secrets come from the environment, never from flags that `folio serve` passes on: a command
+# line is visible to every user of the machine (ps). FOLIO_INTERNAL_TOKEN, when set, is the
+# token the engine and tokenizer require of their callers (the gateway sends it);
+# FOLIO_API_KEYS is a comma-separated list of the gateway's API keys.
+INTERNAL_TOKEN_ENV = "FOLIO_INTERNAL_TOKEN"
+API_KEYS_ENV = "FOLIO_API_KEYS"
+# How long the gateway lets one request run, queueing and generation included.
+REQUEST_TIMEOUT_SECONDS = 600.0
+# How often `folio serve` restarts a service that keeps dying before it gives up.
+MAX_RESTARTS = 5
+# gRPC channel options of the clients of the internal services: a restarted service is found
+# again within a second, not after gRPC's default reconnect back-off (up to two minutes).
+RECONNECT_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250),
+                             ("grpc.min_reconnect_backoff_ms", 250),
+                             ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 def add_service_args(parser: argparse.ArgumentParser, port: int) -> None:
@@ -109,8 +134,14 @@ def add_service_args(parser: argparse.ArgumentParser, port: int) -> None:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field (--max-num-seqs ...); booleans get --no-... too."""
-    group = parser.add_argument_group("engine")
-    for f in fields(EngineConfig):
+    _add_config_args(parser.add_argument_group("engine"), EngineConfig)
+
+
+def _add_config_args(group, config_type: type) -> None:
+    """One flag per field of `config_type` declared with _arg."""
+    for f in fields(config_type):
+        if "type" not in f.metadata:
+            continue  # not a flag
         flag = "--" + f.name.replace("_", "-")
         meta = f.metadata
         if meta["type"] is bool:
@@ -125,8 +156,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def engine_args_from_config(config: EngineConfig) -> list[str]:
     """The inverse of add_engine_args: flags that parse back into `config` (for child processes)."""
+    return _config_args(config)
+
+
+def _config_args(config) -> list[str]:
+    """The flags of a config's _arg fields that parse back into their values."""
     args: list[str] = []
-    for f in fields(EngineConfig):
+    for f in fields(config):
+        if "type" not in f.metadata:
+            continue
         value = getattr(config, f.name)
         flag = f.name.replace("_", "-")
         if f.metadata["type"] is bool:
@@ -134,3 +172,55 @@ def engine_args_from_config(config: EngineConfig) -> list[str]:
         elif value is not None:
             args += [f"--{flag}", str(value)]
     return args
+
+
+@dataclass
+class GatewayConfig:
+    """Who may call the gateway, how often and for how long."""
+
+    # From --api-key, FOLIO_API_KEYS and --api-key-file (common.auth.load_api_keys); empty: no
+    # authentication. Never printed: repr leaves them out.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    protect_health_metrics: bool = _arg(
+        False, bool, "require an API key for /health, /metrics and gRPC health too (default: "
+                     "open, for probes and scrapers)")
+    rate_limit_rps: float | None = _arg(
+        None, float, "requests per second per API key (per client address without keys); "
+                     "default: unlimited")
+    rate_limit_tpm: int | None = _arg(
+        None, int, "tokens per minute per API key (per client address without keys): prompt "
+                   "plus max_tokens, what a sequence did not generate given back; default: "
+                   "unlimited")
+    request_timeout: float = _arg(
+        REQUEST_TIMEOUT_SECONDS, float, "seconds one request may take, queueing included; "
+                                        "then it is aborted (HTTP 504, gRPC DEADLINE_EXCEEDED)")
+
+    def __post_init__(self) -> None:
+        for name in ("rate_limit_rps", "rate_limit_tpm"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
+
+
+def add_gateway_args(parser: argparse.ArgumentParser) -> None:
+    """The gateway's auth, limit and timeout flags (GatewayConfig)."""
+    group = parser.add_argument_group("auth and limits")
+    group.add_argument("--api-key", action="append", default=[], dest="api_key",
+                       help="an API key clients must send (Authorization: Bearer KEY); repeatable. "
+                            f"Visible in ps: prefer {API_KEYS_ENV} (comma-separated) or "
+                            "--api-key-file")
+    group.add_argument("--api-key-file", default=None,
+                       help="a file of API keys, one per line (blank lines and # comments skipped)")
+    _add_config_args(group, GatewayConfig)
+
+
+def gateway_config_from_args(args: argparse.Namespace, api_keys: tuple[str, ...]) -> GatewayConfig:
+    return GatewayConfig(api_keys=api_keys, **{f.name: getattr(args, f.name)
+                                               for f in fields(GatewayConfig) if "type" in f.metadata})
+
+
+def gateway_args_from_config(config: GatewayConfig) -> list[str]:
+    """Flags that parse back into `config`, except its keys (they travel in API_KEYS_ENV)."""
+    return _config_args(config)

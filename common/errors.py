@@ -20,10 +20,15 @@ class InternalError(EngineError):
     """The service failed for a reason the caller cannot fix."""
 
 
+class DeadlineExceededError(EngineError):
+    """The request ran out of time (its gRPC deadline or the gateway's request timeout)."""
+
+
 # Most specific first: InvalidRequestError is also a ValueError.
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (UnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
     # ValueError: the tokenizer's way of saying the input is wrong (e.g. a bad conversation).
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )
@@ -31,6 +36,7 @@ _ERRORS: dict[grpc.StatusCode, type[EngineError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: QueueFullError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
 }
 
 

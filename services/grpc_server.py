@@ -3,7 +3,9 @@ life cycle and a graceful stop on SIGTERM / SIGINT.
 
 The server listens before the model is loaded so that orchestration can watch it warm up:
 grpc.health.v1 says NOT_SERVING and RPCs answer UNAVAILABLE until `warm_up` returns, and again
-once draining starts. This module holds no service logic.
+once draining starts. A service given keys (`require_keys`: the internal token) answers
+UNAUTHENTICATED to callers without one, except on grpc.health.v1 so that orchestrators can probe
+it; messages are bounded by GRPC_MAX_MESSAGE_BYTES both ways. This module holds no service logic.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.auth import KeyInterceptor, KeySet
+from common.config import GRPC_MESSAGE_OPTIONS
 from common.errors import UnavailableError, status_code_for
 
 logger = logging.getLogger(__name__)
@@ -44,6 +48,14 @@ class GrpcService:
         self._server: grpc.aio.Server | None = None
         self._serving = asyncio.Event()
         self._warm_up_task: asyncio.Task | None = None
+        self._interceptors: list[grpc.aio.ServerInterceptor] = []
+
+    def require_keys(self, keys: KeySet, what: str, open_health: bool = True) -> None:
+        """From `start` on, every call must present one of `keys` (authorization: Bearer),
+        except health checks when `open_health`; `what` names the key in refusals."""
+        if keys:
+            self._interceptors = [KeyInterceptor(
+                keys, what, (health.SERVICE_NAME,) if open_health else ())]
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
         raise NotImplementedError
@@ -70,7 +82,7 @@ class GrpcService:
 
     async def start(self) -> int:
         """Listen (NOT_SERVING), start warming up in the background; return the bound port."""
-        server = grpc.aio.server()
+        server = grpc.aio.server(interceptors=self._interceptors, options=GRPC_MESSAGE_OPTIONS)
         self.add_servicers(server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(

@@ -1,0 +1,67 @@
+"""Who may call the gateway, and how often: the API key check and the per-caller request rate
+of its HTTP routes and of its gRPC API (where common.auth.KeyInterceptor refuses calls without a
+key before they reach the servicer).
+
+With API keys configured, every HTTP route but /health and /metrics (those too with
+--protect-health-metrics) needs `Authorization: Bearer <key>`; a caller is then its key's name
+("key-0"), else its client address. A key is never logged, echoed or kept in plain text here.
+"""
+
+from __future__ import annotations
+
+import grpc
+from starlette.requests import Request
+
+from common.auth import KeySet, bearer_token, grpc_presented_key
+from common.config import GatewayConfig
+from gateway.protocol import Unauthenticated
+from gateway.rate_limit import RateLimiter
+
+# Routes that probes and scrapers reach without a key unless --protect-health-metrics.
+PROBE_PATHS = frozenset({"/health", "/metrics"})
+UNAUTHENTICATED_MESSAGE = "missing or invalid API key: send it as Authorization: Bearer <key>"
+
+
+class Access:
+    """The gateway's keys and rate limits, shared by its HTTP and gRPC APIs."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.keys = KeySet(config.api_keys)
+        self.limiter = RateLimiter(config.rate_limit_rps, config.rate_limit_tpm)
+        self.protect_health_metrics = config.protect_health_metrics
+
+    def caller(self, presented_key: str | None, address: str | None) -> str:
+        """The caller's name for rate limits; Unauthenticated without a valid key when keys
+        are configured."""
+        if not self.keys:
+            return f"client-{address or 'unknown'}"
+        name = self.keys.identify(presented_key)
+        if name is None:
+            raise Unauthenticated(UNAUTHENTICATED_MESSAGE)
+        return name
+
+    def admit_http(self, request: Request) -> str | None:
+        """Check the key and charge one request; the caller, or None for an open probe path.
+        Raises Unauthenticated or RateLimitExceeded. Probes are never rate limited: a busy
+        key must not make its server look unhealthy."""
+        probe = request.url.path in PROBE_PATHS
+        if probe and not self.protect_health_metrics:
+            return None
+        caller = self.caller(bearer_token(request.headers.get("authorization")),
+                             request.client.host if request.client else None)
+        if not probe:
+            self.limiter.admit_request(caller)
+        return caller
+
+    def admit_grpc(self, context: grpc.aio.ServicerContext) -> str:
+        """Charge one request to a gRPC call's caller (the interceptor checked its key)."""
+        caller = self.caller(grpc_presented_key(context.invocation_metadata()),
+                             _peer_host(context.peer()))
+        self.limiter.admit_request(caller)
+        return caller
+
+
+def _peer_host(peer: str) -> str:
+    """The address part of a gRPC peer ("ipv4:127.0.0.1:5000" -> "127.0.0.1")."""
+    address = peer.split(":", 1)[-1]
+    return address.rsplit(":", 1)[0] if peer.startswith(("ipv4:", "ipv6:")) else address

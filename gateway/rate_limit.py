@@ -1,0 +1,152 @@
+"""Per-caller rate limits of the gateway: requests per second and tokens per minute, each a token
+bucket per caller (an API key's name from common.auth, or the client's address when the gateway
+has no keys).
+
+A request is charged one request on arrival and, once its prompt is tokenized, prompt plus
+max_tokens tokens for each sequence it runs: the most it can use, so a burst cannot overrun the
+limit. When a sequence finishes, the max_tokens it did not generate are given back, and a
+request the engine refuses before producing anything (queue full) gets all back. A refusal
+says how many whole seconds until the same request would pass (HTTP Retry-After); a request
+larger than a whole minute's tokens can never pass and is told so. Buckets start full: a caller's
+first minute may use the whole allowance at once. This module decides admission only: it never
+reads credentials or talks to a service.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from gateway.generation import TextDelta, TextRequest
+from gateway.protocol import RateLimitExceeded
+
+# Buckets of callers that have been idle long enough to be full again carry no state: they are
+# dropped once this many callers are tracked, so that many client addresses cannot grow memory.
+MAX_TRACKED_CALLERS = 10_000
+
+
+@dataclass
+class TokenBucket:
+    rate: float  # units added per second
+    capacity: float
+    level: float
+    updated: float  # monotonic seconds of the last refill
+
+    def refill(self, now: float) -> None:
+        self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
+        self.updated = now
+
+    def take(self, amount: float, now: float) -> float:
+        """Take `amount` and return 0.0, or take nothing and return the seconds until `amount`
+        is there (infinity if it never fits)."""
+        self.refill(now)
+        if amount <= self.level:
+            self.level -= amount
+            return 0.0
+        if amount > self.capacity:
+            return math.inf
+        return (amount - self.level) / self.rate
+
+    def give_back(self, amount: float, now: float) -> None:
+        self.refill(now)
+        self.level = min(self.capacity, self.level + amount)
+
+
+class TokenReservation:
+    """`amount` tokens taken for one request; what its sequences did not use goes back."""
+
+    def __init__(self, limiter: RateLimiter, bucket: TokenBucket | None, amount: int) -> None:
+        self._limiter = limiter
+        self._bucket = bucket
+        self.amount = amount
+
+    def give_back(self, amount: int) -> None:
+        if self._bucket is not None and amount > 0:
+            self._bucket.give_back(amount, self._limiter.clock())
+
+
+class RateLimiter:
+    """Token buckets per caller for requests per second and tokens per minute (None: no limit)."""
+
+    def __init__(self, requests_per_second: float | None, tokens_per_minute: int | None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.requests_per_second = requests_per_second
+        self.tokens_per_minute = tokens_per_minute
+        self.clock = clock
+        self._requests: dict[str, TokenBucket] = {}
+        self._tokens: dict[str, TokenBucket] = {}
+
+    def admit_request(self, caller: str) -> None:
+        """Charge one request to `caller`; RateLimitExceeded if over requests per second."""
+        if self.requests_per_second is None:
+            return
+        # A second's worth of burst, and at least one request (a rate below 1/s still admits).
+        capacity = max(self.requests_per_second, 1.0)
+        wait = self._take(self._requests, caller, self.requests_per_second, capacity, 1)
+        if wait:
+            raise RateLimitExceeded(
+                f"rate limit reached: {self.requests_per_second:g} requests per second for "
+                f"{_who(caller)}; retry in {math.ceil(wait)} s", math.ceil(wait))
+
+    def reserve_tokens(self, caller: str, requests: Sequence[TextRequest]) -> TokenReservation:
+        """Charge prompt + max_tokens of every sequence to `caller`; RateLimitExceeded if over
+        tokens per minute."""
+        if self.tokens_per_minute is None:
+            return TokenReservation(self, None, 0)
+        amount = sum(len(r.prompt_ids) + r.params.max_tokens for r in requests)
+        limit = self.tokens_per_minute
+        wait = self._take(self._tokens, caller, limit / 60, limit, amount)
+        if wait == math.inf:
+            raise RateLimitExceeded(
+                f"request too large: it may use {amount} tokens (prompt plus max_tokens for each "
+                f"sequence), over the limit of {limit} tokens per minute for {_who(caller)}; "
+                f"lower max_tokens or shorten the prompt", None)
+        if wait:
+            raise RateLimitExceeded(
+                f"rate limit reached: {limit} tokens per minute for {_who(caller)}, and this "
+                f"request may use {amount}; retry in {math.ceil(wait)} s", math.ceil(wait))
+        return TokenReservation(self, self._tokens[caller], amount)
+
+    def _take(self, buckets: dict[str, TokenBucket], caller: str, rate: float, capacity: float,
+              amount: float) -> float:
+        now = self.clock()
+        bucket = buckets.get(caller)
+        if bucket is None:
+            if len(buckets) >= MAX_TRACKED_CALLERS:
+                self._forget_full(buckets, now)
+            bucket = buckets[caller] = TokenBucket(rate, capacity, capacity, now)
+        return bucket.take(amount, now)
+
+    @staticmethod
+    def _forget_full(buckets: dict[str, TokenBucket], now: float) -> None:
+        for caller, bucket in list(buckets.items()):
+            bucket.refill(now)
+            if bucket.level >= bucket.capacity:
+                del buckets[caller]
+
+
+def _who(caller: str) -> str:
+    return "this API key" if caller.startswith("key-") else "this client"
+
+
+async def giving_back_unused(stream: AsyncIterator[tuple[int, TextDelta]],
+                             requests: Sequence[TextRequest], reservation: TokenReservation
+                             ) -> AsyncIterator[tuple[int, TextDelta]]:
+    """`stream` (Gateway.generate_many's), giving back each finished sequence's unused
+    max_tokens, or everything if it fails before its first delta; closing it closes `stream`."""
+    started = False
+    try:
+        async for index, delta in stream:
+            started = True
+            if delta.usage is not None:
+                reservation.give_back(requests[index].params.max_tokens
+                                      - delta.usage.completion_tokens)
+            yield index, delta
+    except Exception:
+        if not started:  # refused (queue full, unavailable): it cost the engine nothing
+            reservation.give_back(reservation.amount)
+        raise
+    finally:
+        await stream.aclose()
