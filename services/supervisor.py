@@ -3,9 +3,11 @@
 Starts each child with the `folio` command line of this same interpreter, waits until all are
 healthy (gRPC health SERVING for the tokenizer and the engine, HTTP /health 200 for the gateway),
 prints the URL and watches them. SIGINT / SIGTERM stop the gateway first (it drains its clients),
-then the engine and the tokenizer. A child that dies, during start-up or later, stops the others
-and ends `folio serve` with a non-zero exit: there are no restarts yet, but each child is a
-`Child` that can be started again. This module only starts, probes and stops processes: it holds
+then the engine and the tokenizer. A child that dies while serving is restarted with the same
+command line after a back-off (0.5 s, doubling up to 8 s); the others are told nothing, since the
+gateway reconnects by itself. A child that keeps dying (more than --max-restarts times without
+staying up for a minute in between), or one that dies during start-up, stops the others and ends
+`folio serve` with a non-zero exit. This module only starts, probes and stops processes: it holds
 no service logic and never imports torch or the engine.
 """
 
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -25,16 +29,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO
 
+from common.auth import load_api_keys
 from common.config import (
+    API_KEYS_ENV,
     DEFAULT_HOST,
     DRAIN_SECONDS,
     ENGINE_PORT,
     GATEWAY_GRPC_PORT,
     HTTP_PORT,
+    INTERNAL_TOKEN_ENV,
+    MAX_RESTARTS,
+    RECONNECT_CHANNEL_OPTIONS,
     TOKENIZER_PORT,
     EngineConfig,
+    GatewayConfig,
     engine_args_from_config,
     engine_config_from_args,
+    gateway_args_from_config,
+    gateway_config_from_args,
 )
 
 # The engine and the tokenizer are internal: only the gateway listens beyond loopback.
@@ -46,6 +58,11 @@ KILL_MARGIN_SECONDS = 10.0
 # A second stop request this long after the first kills what is left (a second Ctrl-C); sooner,
 # it is the same request delivered twice (a wrapper forwarding the signal to the whole group).
 FORCE_AFTER_SECONDS = 1.0
+# A child that died is started again after this back-off, doubled for each death in a row.
+RESTART_DELAY_SECONDS = 0.5
+MAX_RESTART_DELAY_SECONDS = 8.0
+# A child healthy this long since its last start has recovered: its deaths in a row reset.
+STABLE_SECONDS = 60.0
 
 
 @dataclass
@@ -58,9 +75,11 @@ class ServeConfig:
     engine_port: int = ENGINE_PORT
     tokenizer_port: int = TOKENIZER_PORT
     drain_seconds: float = DRAIN_SECONDS
+    max_restarts: int = MAX_RESTARTS
     startup_timeout: float = 600.0
     served_model_name: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +96,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="the tokenizer service's port on 127.0.0.1 (0 picks a free one)")
     group.add_argument("--drain-seconds", type=float, default=DRAIN_SECONDS,
                        help="on SIGTERM / Ctrl-C, how long requests in flight may finish")
+    group.add_argument("--max-restarts", type=int, default=MAX_RESTARTS,
+                       help="restarts of a service that dies again and again (without a minute "
+                            "of health in between) before folio serve gives up; 0: never restart")
     group.add_argument("--served-model-name", default=None, help="the model name the API shows")
     group.add_argument("--startup-timeout", type=float, default=600.0,
                        help="seconds to wait for all three services to be healthy")
@@ -86,8 +108,9 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
         host=args.host, port=args.port, grpc_port=args.grpc_port, engine_port=args.engine_port,
         tokenizer_port=args.tokenizer_port, drain_seconds=args.drain_seconds,
-        startup_timeout=args.startup_timeout, served_model_name=args.served_model_name,
-        engine=engine_config_from_args(args),
+        max_restarts=args.max_restarts, startup_timeout=args.startup_timeout,
+        served_model_name=args.served_model_name, engine=engine_config_from_args(args),
+        gateway=gateway_config_from_args(args, load_api_keys(args.api_key, args.api_key_file)),
     )
 
 
@@ -112,7 +135,7 @@ def _grpc_serving(address: str) -> Callable[[], bool]:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    channel = grpc.insecure_channel(address)
+    channel = grpc.insecure_channel(address, options=RECONNECT_CHANNEL_OPTIONS)
     stub = health_pb2_grpc.HealthStub(channel)
 
     def probe() -> bool:
@@ -125,10 +148,11 @@ def _grpc_serving(address: str) -> Callable[[], bool]:
     return probe
 
 
-def _http_ok(url: str) -> Callable[[], bool]:
+def _http_ok(url: str, headers: dict[str, str]) -> Callable[[], bool]:
     def probe() -> bool:
         try:
-            with urllib.request.urlopen(url, timeout=1.0) as response:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                        timeout=1.0) as response:
                 return response.status == 200
         except (urllib.error.URLError, OSError):
             return False  # not listening yet, or 503 until the engine and tokenizer are ready
@@ -155,22 +179,32 @@ class Child:
     probe_factory: Callable[[], Callable[[], bool]]
     drain_seconds: float
     output: IO | None = None  # the child's stdout and stderr; None: this process's
+    env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
     process: subprocess.Popen | None = None
+    healthy_since: float | None = None  # monotonic; None until healthy after its last start
+    deaths_in_a_row: int = 0
+    restart_at: float | None = None  # monotonic; set while it is dead and waiting for a restart
     _probe: Callable[[], bool] | None = None
 
     def start(self) -> None:
+        self.healthy_since = None
+        self.restart_at = None
         # A process group of its own: a terminal's Ctrl-C reaches only the supervisor, which
         # stops the children in order.
         self.process = subprocess.Popen(
             [sys.executable, "-m", "common.cli", *self.args],
             stdin=subprocess.DEVNULL, stdout=self.output, stderr=self.output,
-            process_group=0, preexec_fn=_die_with_parent,
+            env={**os.environ, **self.env}, process_group=0, preexec_fn=_die_with_parent,
         )
 
     def healthy(self) -> bool:
         if self._probe is None:
             self._probe = self.probe_factory()
-        return self._probe()
+        if self._probe():
+            if self.healthy_since is None:
+                self.healthy_since = time.monotonic()
+            return True
+        return False
 
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()
@@ -232,10 +266,23 @@ class Supervisor:
             "gateway",
             ["gateway", "--host", self.host, "--port", str(self.port), "--grpc-port", str(self.grpc_port),
              "--engine-address", self.engine_address, "--tokenizer-address", self.tokenizer_address,
-             "--drain-seconds", str(drain), *served_name],
-            lambda: _http_ok(f"{self.url}/health"), drain, output,
+             "--drain-seconds", str(drain), *served_name, *gateway_args_from_config(config.gateway)],
+            lambda: _http_ok(f"{self.url}/health", self._probe_headers()), drain, output,
         )
         self.children = [self.tokenizer, self.engine, self.gateway]
+        # The engine and tokenizer admit only the gateway, by a token made for this run unless
+        # the operator set one (to reach the internal services with their own clients too).
+        # Secrets travel in the environment: a command line is visible to every user (ps).
+        token = os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_urlsafe(32)
+        for child in self.children:
+            child.env[INTERNAL_TOKEN_ENV] = token
+        self.gateway.env[API_KEYS_ENV] = ",".join(config.gateway.api_keys)
+
+    def _probe_headers(self) -> dict[str, str]:
+        keys = self.config.gateway.api_keys
+        if keys and self.config.gateway.protect_health_metrics:
+            return {"Authorization": f"Bearer {keys[0]}"}
+        return {}
 
     @staticmethod
     def _port(address: str) -> str:
@@ -280,9 +327,36 @@ class Supervisor:
                 self._stop.wait(POLL_SECONDS)
 
     def watch(self) -> None:
-        """Return when a stop is requested; ServeError when a child dies first."""
+        """Restart children that die; return when a stop is requested; ServeError when a child
+        keeps dying."""
         while not self._stop.wait(POLL_SECONDS):
-            self._raise_if_dead("while serving")
+            for child in self.children:
+                if self._stop.is_set():
+                    break  # a restart must not race the stop
+                self._tend(child)
+
+    def _tend(self, child: Child) -> None:
+        now = time.monotonic()
+        if child.restart_at is not None:
+            if now >= child.restart_at:
+                child.start()
+                print(f"folio: restarted {child.name} (pid {child.process.pid})", flush=True)
+        elif child.exit_code() is not None:
+            self._schedule_restart(child, now)
+        elif child.healthy_since is None and child.healthy():
+            print(f"folio: {child.name} is serving again", flush=True)
+
+    def _schedule_restart(self, child: Child, now: float) -> None:
+        recovered = child.healthy_since is not None and now - child.healthy_since >= STABLE_SECONDS
+        child.deaths_in_a_row = 1 if recovered else child.deaths_in_a_row + 1
+        died = f"{child.describe_exit()} while serving (pid {child.process.pid})"
+        if child.deaths_in_a_row > self.config.max_restarts:
+            raise ServeError(f"{died}: it died {child.deaths_in_a_row} times in a row, more "
+                             f"than --max-restarts {self.config.max_restarts} allows; giving up")
+        delay = min(RESTART_DELAY_SECONDS * 2 ** (child.deaths_in_a_row - 1),
+                    MAX_RESTART_DELAY_SECONDS)
+        child.restart_at = now + delay
+        print(f"folio: {died}; restarting it in {delay:g} s", file=sys.stderr, flush=True)
 
     def _raise_if_dead(self, when: str) -> None:
         for child in self.children:
@@ -312,9 +386,10 @@ class Supervisor:
         for child in running:
             child.process.wait()
             # A child still importing when SIGTERM came dies of it: that is a stop as asked.
-            if child.exit_code() not in (0, -signal.SIGTERM):
-                print(f"folio: {child.describe_exit()} while stopping", file=sys.stderr, flush=True)
-                clean = False
+            stopped_as_asked = child.exit_code() in (0, -signal.SIGTERM)
+            print(f"folio: {child.describe_exit()} while stopping",
+                  file=sys.stdout if stopped_as_asked else sys.stderr, flush=True)
+            clean = clean and stopped_as_asked
         return clean
 
 

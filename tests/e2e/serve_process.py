@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from common.config import INTERNAL_TOKEN_ENV
 
 # Three processes loading on two cores; the first start may also convert the default model.
 STARTUP_TIMEOUT = 180
@@ -27,6 +30,12 @@ class ServeProcess:
     grpc_address: str = ""
     engine_address: str = ""
     tokenizer_address: str = ""
+    # The token the engine and tokenizer ask of their callers (set for the run by start_serve).
+    internal_token: str = ""
+
+    def internal_metadata(self) -> tuple[tuple[str, str], ...]:
+        """gRPC call metadata that lets a test call the internal services directly."""
+        return (("authorization", f"Bearer {self.internal_token}"),)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -47,6 +56,21 @@ class ServeProcess:
             if int(ppid) == self.process.pid and state != "Z":
                 found[int(entry.name)] = cmdline
         return found
+
+    def child_pid(self, role: str) -> int:
+        """The pid of the live child running `folio <role>` (tokenizer, engine or gateway)."""
+        pids = [pid for pid, cmdline in self.children().items() if f"common.cli {role} " in cmdline]
+        assert len(pids) == 1, f"{role}: {pids} in {self.children()}"
+        return pids[0]
+
+    def wait_for_output(self, pattern: str, timeout: float, since: int = 0) -> re.Match:
+        """The first match of `pattern` in what folio serve printed from offset `since` on
+        (e.g. len(output()) before an action), once it is there."""
+        deadline = time.monotonic() + timeout
+        while not (match := re.compile(pattern).search(self.output(), since)):
+            assert time.monotonic() < deadline, f"no {pattern!r} after {timeout} s:\n{self.output()}"
+            time.sleep(0.1)
+        return match
 
     def stop(self, timeout: float = 60) -> int:
         if self.process.poll() is None:
@@ -86,10 +110,12 @@ def start_serve(log: Path, *args: str, wait: bool = True) -> ServeProcess:
     """`folio serve` on free ports in a session of its own (as a terminal would run it)."""
     command = [sys.executable, "-m", "common.cli", "serve", "--port", "0", "--grpc-port", "0",
                "--engine-port", "0", "--tokenizer-port", "0", *args]
+    token = secrets.token_urlsafe(16)
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True)
-    server = ServeProcess(process, log)
+                                   stdin=subprocess.DEVNULL, start_new_session=True,
+                                   env={**os.environ, INTERNAL_TOKEN_ENV: token})
+    server = ServeProcess(process, log, internal_token=token)
     if wait:
         wait_serving(server)
     return server

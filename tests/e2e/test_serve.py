@@ -46,7 +46,7 @@ def test_all_three_services_are_up(folio_server):
 def test_engine_flags_reach_the_engine_process(folio_server):
     with grpc.insecure_channel(folio_server.engine_address) as channel:
         info = engine_pb2_grpc.EngineServiceStub(channel).GetModelInfo(
-            engine_pb2.GetModelInfoRequest(), timeout=10)
+            engine_pb2.GetModelInfoRequest(), metadata=folio_server.internal_metadata(), timeout=10)
     assert dict(zip(ENGINE_ARGS[::2], ENGINE_ARGS[1::2])) == {
         "--num-kv-blocks": str(info.num_kv_blocks), "--max-num-seqs": str(info.max_num_seqs)}
     assert info.model == "SmolLM2-135M-Instruct"
@@ -59,7 +59,8 @@ def test_node_grpc_client(folio_server):
     env = dict(os.environ, NODE_PATH=str(NODE_MODULES),
                FOLIO_ENGINE_ADDRESS=folio_server.engine_address,
                FOLIO_TOKENIZER_ADDRESS=folio_server.tokenizer_address,
-               FOLIO_GATEWAY_GRPC_ADDRESS=folio_server.grpc_address)
+               FOLIO_GATEWAY_GRPC_ADDRESS=folio_server.grpc_address,
+               FOLIO_INTERNAL_TOKEN=folio_server.internal_token)
     result = subprocess.run(
         ["node", "--test", "--test-reporter=tap", str(ROOT / "tests" / "node" / "grpc_client.test.js")],
         env=env, capture_output=True, text=True, timeout=120,

@@ -5,7 +5,8 @@
 //
 // Run by tests/e2e/test_serve.py against a real `folio serve`, with NODE_PATH pointing at the
 // project-local .tools/node_modules and the addresses in FOLIO_ENGINE_ADDRESS,
-// FOLIO_TOKENIZER_ADDRESS and FOLIO_GATEWAY_GRPC_ADDRESS.
+// FOLIO_TOKENIZER_ADDRESS and FOLIO_GATEWAY_GRPC_ADDRESS; FOLIO_INTERNAL_TOKEN is the token the
+// internal services (engine, tokenizer) ask of their callers.
 'use strict';
 
 const test = require('node:test');
@@ -33,6 +34,9 @@ const tokenizer = new folio.TokenizerService(address('FOLIO_TOKENIZER_ADDRESS'),
 const gateway = new folio.GatewayService(address('FOLIO_GATEWAY_GRPC_ADDRESS'), credentials);
 
 const deadline = () => ({ deadline: Date.now() + 60_000 });
+// The internal services admit callers that bring the run's token.
+const internal = new grpc.Metadata();
+internal.set('authorization', `Bearer ${address('FOLIO_INTERNAL_TOKEN')}`);
 // Shorter than one KV block (16 tokens): no prefix-cache hit makes one run differ from another.
 const PROMPT = 'The three primary colors are';
 const MAX_TOKENS = 12;
@@ -40,7 +44,7 @@ const GREEDY = { temperature: 0, max_tokens: MAX_TOKENS, ignore_eos: true };
 
 function unary(client, method, request) {
   return new Promise((resolve, reject) => {
-    client[method](request, deadline(), (error, response) => (error ? reject(error) : resolve(response)));
+    client[method](request, internal, deadline(), (error, response) => (error ? reject(error) : resolve(response)));
   });
 }
 
@@ -49,7 +53,7 @@ function engineGenerate(requests) {
   return new Promise((resolve, reject) => {
     const byId = Object.fromEntries(requests.map((r) => [r.request_id, { tokens: [], outputs: [] }]));
     let messages = 0;
-    const call = engine.Generate(deadline());
+    const call = engine.Generate(internal, deadline());
     call.on('data', (response) => {
       messages += 1;
       for (const output of response.outputs) {
