@@ -3,8 +3,9 @@ tokenize / detokenize, health, Prometheus metrics and the OpenAPI document.
 
 Routes stay thin: read the body, call completions.py / generation.py, write the answer. One
 table (ENDPOINTS) both routes requests and documents them, so /openapi.json cannot miss a route.
-A client that disconnects cancels its handler, which aborts its engine requests. This module
-holds no business logic.
+A client that disconnects cancels its handler, which aborts its engine requests; so does the
+request timeout (504). Every route checks the caller's API key and request rate first
+(gateway/auth.py). This module holds no business logic.
 """
 
 from __future__ import annotations
@@ -21,16 +22,20 @@ from typing import Any
 from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from common.config import MAX_REQUEST_BODY_BYTES, GatewayConfig
 from common.errors import EngineError
 from common.grpc_stubs.folio.v1 import common_pb2
 from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 from gateway import completions
 from gateway import protocol as api
-from gateway.generation import Gateway
+from gateway.auth import Access
+from gateway.deadlines import set_deadline, timeout_message, until_deadline
+from gateway.generation import Gateway, check_token_ids
+from gateway.rate_limit import giving_back_unused
 from gateway.sse import EventStreamResponse
 
 logger = logging.getLogger(__name__)
@@ -49,7 +54,9 @@ def error_response(exc: BaseException) -> Response:
     status, body = api.error_body(exc)
     if status == 500:
         logger.error("request failed", exc_info=exc)
-    return ModelResponse(body, status)
+    response = ModelResponse(body, status)
+    response.headers.update(api.error_headers(exc))
+    return response
 
 
 @dataclass
@@ -62,6 +69,16 @@ class Endpoint:
     response: type[BaseModel] | None = None
     stream: type[BaseModel] | None = None  # the event shape, when it can stream
     media_type: str = "application/json"
+    answers: tuple[int, ...] = (200,)  # the statuses that come with `response`
+    errors: tuple[int, ...] = ()  # the statuses that come with the error body
+
+
+# The error statuses each kind of route can answer (api.ERROR_STATUSES says what they mean):
+# any route checks the API key and the caller's rate, and may fail; routes that ask the engine
+# or the tokenizer find them unavailable or run out of time; routes that read a body refuse it.
+ANY_ROUTE_ERRORS = (401, 429, 500)
+SERVICE_ERRORS = (*ANY_ROUTE_ERRORS, 503, 504)
+BODY_ERRORS = (400, 404, 413, 415, *SERVICE_ERRORS)
 
 
 async def read_body(request: Request, model: type[api.RequestBody]):
@@ -69,7 +86,24 @@ async def read_body(request: Request, model: type[api.RequestBody]):
     if media_type and media_type != "application/json" and not media_type.endswith("+json"):
         raise api.UnsupportedMediaType(
             f"the body must be JSON sent as Content-Type: application/json, got {media_type!r}")
-    return api.parse_request(model, await request.body())
+    return api.parse_request(model, await read_limited(request))
+
+
+async def read_limited(request: Request) -> bytes:
+    """The body; RequestTooLarge as soon as it is known to be over MAX_REQUEST_BODY_BYTES (by
+    its Content-Length before reading, else while reading), so it is never buffered whole."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_REQUEST_BODY_BYTES:
+        raise api.RequestTooLarge(f"the body is {declared} bytes, over the limit of "
+                                  f"{MAX_REQUEST_BODY_BYTES} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_REQUEST_BODY_BYTES:
+            raise api.RequestTooLarge(f"the body is over the limit of {MAX_REQUEST_BODY_BYTES} "
+                                      f"bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
@@ -92,7 +126,12 @@ async def until_disconnect(request: Request, work: Awaitable[Response]) -> Respo
         watcher.cancel()
 
 
-def build_app(gateway: Gateway) -> Starlette:
+def build_app(gateway: Gateway, config: GatewayConfig | None = None,
+              access: Access | None = None) -> Starlette:
+    """The app; `access` (the keys and rate limits) may be shared with the gRPC API."""
+    config = config or GatewayConfig()
+    access = access or Access(config)
+
     async def completion(request: Request, model: type[api.RequestBody],
                          plan: Callable[[Gateway, Any], Awaitable[completions.Plan]]) -> Response:
         arrival = time.monotonic()
@@ -100,7 +139,11 @@ def build_app(gateway: Gateway) -> Starlette:
 
         async def run() -> Response:
             planned = await plan(gateway, body)
-            stream = gateway.generate_many(planned.requests, planned.id, arrival)
+            reservation = access.limiter.reserve_tokens(request.state.caller, planned.requests)
+            stream = until_deadline(
+                giving_back_unused(gateway.generate_many(planned.requests, planned.id, arrival),
+                                   planned.requests, reservation),
+                request.state.deadline, timeout_message(config.request_timeout))
             if not body.stream:
                 async with contextlib.aclosing(stream):
                     return ModelResponse(await completions.respond(planned, stream))
@@ -147,7 +190,7 @@ def build_app(gateway: Gateway) -> Starlette:
 
     async def detokenize(request: Request) -> Response:
         body: api.DetokenizeRequest = await read_body(request, api.DetokenizeRequest)
-        await gateway.check_model(body.model)
+        check_token_ids(await gateway.check_model(body.model), body.tokens, "tokens")
         # As vLLM: the exact text of the ids, special tokens included, so tokenize round-trips.
         result = await gateway.tokenizer.detokenize(tok_pb2.DetokenizeRequest(
             token_ids=body.tokens, skip_special_tokens=False))
@@ -177,26 +220,35 @@ def build_app(gateway: Gateway) -> Starlette:
 
     endpoints = [
         Endpoint("/v1/chat/completions", "POST", "Chat completion (OpenAI)", chat_completions,
-                 api.ChatCompletionRequest, api.ChatCompletionResponse, api.ChatCompletionChunk),
+                 api.ChatCompletionRequest, api.ChatCompletionResponse, api.ChatCompletionChunk,
+                 errors=BODY_ERRORS),
         Endpoint("/v1/completions", "POST", "Text completion (OpenAI)", text_completions,
-                 api.CompletionRequest, api.CompletionResponse, api.CompletionResponse),
-        Endpoint("/v1/models", "GET", "The served model", models, None, api.ModelList),
+                 api.CompletionRequest, api.CompletionResponse, api.CompletionResponse,
+                 errors=BODY_ERRORS),
+        Endpoint("/v1/models", "GET", "The served model", models, None, api.ModelList,
+                 errors=SERVICE_ERRORS),
         Endpoint("/tokenize", "POST", "Text or chat messages to token ids (vLLM)", tokenize,
-                 api.TokenizeRequest, api.TokenizeResponse),
+                 api.TokenizeRequest, api.TokenizeResponse, errors=BODY_ERRORS),
         Endpoint("/detokenize", "POST", "Token ids to text (vLLM)", detokenize,
-                 api.DetokenizeRequest, api.DetokenizeResponse),
+                 api.DetokenizeRequest, api.DetokenizeResponse, errors=BODY_ERRORS),
         Endpoint("/health", "GET", "200 when the engine and tokenizer serve, else 503", health,
-                 None, api.HealthResponse),
+                 None, api.HealthResponse, answers=(200, 503), errors=ANY_ROUTE_ERRORS),
         Endpoint("/metrics", "GET", "Prometheus metrics (text format 0.0.4)", metrics,
-                 media_type="text/plain"),
-        Endpoint("/openapi.json", "GET", "This document", openapi),
+                 media_type="text/plain", errors=ANY_ROUTE_ERRORS),
+        Endpoint("/openapi.json", "GET", "This document", openapi, errors=ANY_ROUTE_ERRORS),
     ]
     document = json.dumps(api.openapi_document(endpoints, "Folio", "0.1.0"))
 
     def guarded(handler: Handler) -> Handler:
         async def run(request: Request) -> Response:
             try:
+                request.state.caller = access.admit_http(request)
+                # Unary calls to the services made for this request carry what is left of it.
+                request.state.deadline = time.monotonic() + config.request_timeout
+                set_deadline(request.state.deadline)
                 return await handler(request)
+            except ClientDisconnect:
+                return Response(status_code=499)  # it left while sending its body
             except Exception as exc:
                 return error_response(exc)
         return run

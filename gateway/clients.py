@@ -4,28 +4,32 @@ Every request of this gateway rides on one long-lived, multiplexed Engine.Genera
 rather than one stream per request: the engine then sends one message per step for all of
 them instead of one per request per step, and per-message cost is what limits Python gRPC at
 high concurrency. A broken stream fails the requests it carried; the next request opens a
-fresh one. Transport and translation only: this module never validates or decides anything.
+fresh one. Every call carries the internal token when there is one (FOLIO_INTERNAL_TOKEN), and
+unary calls carry what is left of their request's deadline (gateway/deadlines.py). Transport and
+translation only: this module never validates or decides anything.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.auth import bearer_metadata
+from common.config import GRPC_MESSAGE_OPTIONS, RECONNECT_CHANNEL_OPTIONS
 from common.errors import UnavailableError, error_for
 from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 from common.grpc_stubs.folio.v1 import tokenizer_pb2_grpc
+from engine.sampling_params import sample_request_id
+from gateway.deadlines import call_timeout
 
 # Unary calls are quick (tokenize, stats); a stuck service must not hang an HTTP request.
 UNARY_TIMEOUT = 30.0
 HEALTH_TIMEOUT = 2.0
-# Messages of long prompts and big logprob batches exceed gRPC's 4 MiB default.
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                   ("grpc.max_send_message_length", 64 * 1024 * 1024)]
+CHANNEL_OPTIONS = [*GRPC_MESSAGE_OPTIONS, *RECONNECT_CHANNEL_OPTIONS]
 
 
 def _error(exc: grpc.aio.AioRpcError, service: str) -> Exception:
@@ -38,9 +42,10 @@ class _ServiceClient:
 
     service = ""  # named in error messages
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, token: str | None = None) -> None:
         self.address = address
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._metadata = bearer_metadata(token)  # the internal token, if the service wants one
 
     async def serving(self) -> bool:
         try:
@@ -52,7 +57,8 @@ class _ServiceClient:
 
     async def _unary(self, method, request):
         try:
-            return await method(request, timeout=UNARY_TIMEOUT)
+            return await method(request, timeout=call_timeout(UNARY_TIMEOUT),
+                                metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise _error(exc, self.service) from None
 
@@ -61,12 +67,15 @@ class _ServiceClient:
 
 
 class EngineRequest:
-    """One request on the shared Generate stream: read its outputs, abort it, let it go."""
+    """One request on the shared Generate stream: read its outputs, abort it, let it go. With
+    n > 1 the samples' outputs interleave (told apart by index); it is done when each sample
+    has ended."""
 
-    def __init__(self, stream: _GenerateStream, request_id: str) -> None:
+    def __init__(self, stream: _GenerateStream, request_id: str, num_samples: int = 1) -> None:
         self.request_id = request_id
         self._stream = stream
         self._outputs: asyncio.Queue[engine_pb2.RequestOutput | Exception] = asyncio.Queue()
+        self._samples_left = num_samples
         self.done = False
 
     async def next(self) -> engine_pb2.RequestOutput:
@@ -78,7 +87,8 @@ class EngineRequest:
         if item.HasField("error"):
             self.done = True
             raise error_for(item.error.code, item.error.message)
-        self.done = item.finished
+        self._samples_left -= item.finished
+        self.done = self._samples_left <= 0
         return item
 
     async def abort(self) -> engine_pb2.RequestOutput | None:
@@ -87,9 +97,15 @@ class EngineRequest:
         if self.done:
             return None
         self._stream.send_abort(self.request_id)
-        while not (last := await self.next()).finished:
+        while not (last := await self.next()).finished or not self.done:
             pass
         return last
+
+    def abort_sample(self, index: int) -> None:
+        """Abort one sample of an n > 1 request, without waiting: its last output (ABORT, or
+        its own end if that came first) follows among the others'."""
+        if not self.done:
+            self._stream.send_abort(sample_request_id(self.request_id, index))
 
     def close(self) -> None:
         """Stop listening; a request still live is aborted without waiting."""
@@ -100,11 +116,14 @@ class EngineRequest:
 
 
 class _GenerateStream:
-    def __init__(self, stub: engine_pb2_grpc.EngineServiceStub) -> None:
+    def __init__(self, stub: engine_pb2_grpc.EngineServiceStub,
+                 on_broken: Callable[[], None], metadata: Sequence[tuple[str, str]]) -> None:
         self._outbox: asyncio.Queue[engine_pb2.GenerateRequest] = asyncio.Queue()
         self._requests: dict[str, EngineRequest] = {}
         self.closed = False
-        self._call = stub.Generate(self._messages())
+        self._on_broken = on_broken
+        self._cancelled = False  # by close(): the stream did not break
+        self._call = stub.Generate(self._messages(), metadata=metadata)
         self._reader = asyncio.create_task(self._read())
 
     async def _messages(self) -> AsyncIterator[engine_pb2.GenerateRequest]:
@@ -123,13 +142,15 @@ class _GenerateStream:
             error = _error(exc, "engine")
         finally:
             self.closed = True
+            if not self._cancelled:
+                self._on_broken()
             for request in self._requests.values():
                 request._outputs.put_nowait(error)
             self._requests.clear()
 
     def add(self, request_id: str, prompt_token_ids: Sequence[int],
             params: common_pb2.SamplingParams, priority: int) -> EngineRequest:
-        request = EngineRequest(self, request_id)
+        request = EngineRequest(self, request_id, params.n if params.HasField("n") else 1)
         self._requests[request_id] = request
         self._outbox.put_nowait(engine_pb2.GenerateRequest(add=engine_pb2.EngineRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=params,
@@ -145,6 +166,7 @@ class _GenerateStream:
         self._requests.pop(request_id, None)
 
     async def close(self) -> None:
+        self._cancelled = True
         self._call.cancel()
         await asyncio.gather(self._reader, return_exceptions=True)  # it ends CANCELLED
 
@@ -152,15 +174,21 @@ class _GenerateStream:
 class EngineClient(_ServiceClient):
     service = "engine"
 
-    def __init__(self, address: str) -> None:
-        super().__init__(address)
+    def __init__(self, address: str, token: str | None = None) -> None:
+        super().__init__(address, token)
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         self._stream: _GenerateStream | None = None
+        # Generate streams that broke (the engine died or restarted): what the gateway learnt
+        # from the engine before then may no longer hold.
+        self.broken_streams = 0
+
+    def _stream_broke(self) -> None:
+        self.broken_streams += 1
 
     def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                  params: common_pb2.SamplingParams, priority: int = 0) -> EngineRequest:
         if self._stream is None or self._stream.closed:
-            self._stream = _GenerateStream(self._stub)
+            self._stream = _GenerateStream(self._stub, self._stream_broke, self._metadata)
         return self._stream.add(request_id, prompt_token_ids, params, priority)
 
     async def model_info(self) -> engine_pb2.GetModelInfoResponse:
@@ -183,8 +211,9 @@ class DetokenizeSession:
     """One generation's DetokenizeStream: token ids in, certain text out, one reply per push."""
 
     def __init__(self, stub: tokenizer_pb2_grpc.TokenizerServiceStub,
-                 options: tok_pb2.DetokenizeOptions) -> None:
+                 options: tok_pb2.DetokenizeOptions, metadata: Sequence[tuple[str, str]]) -> None:
         self._stub = stub
+        self._metadata = metadata
         self._options: tok_pb2.DetokenizeOptions | None = options
         self._call = None
 
@@ -192,13 +221,17 @@ class DetokenizeSession:
                    ) -> tok_pb2.DetokenizeStreamResponse:
         request = tok_pb2.DetokenizeStreamRequest(token_ids=token_ids, finish=finish)
         if self._call is None:  # opened with the first tokens: no round trip for options alone
-            self._call = self._stub.DetokenizeStream()
+            self._call = self._stub.DetokenizeStream(metadata=self._metadata)
             request.options.CopyFrom(self._options)
         try:
             await self._call.write(request)
             response = await self._call.read()
         except grpc.aio.AioRpcError as exc:
             raise _error(exc, "tokenizer") from None
+        except asyncio.InvalidStateError:
+            # The stream had already ended between two pushes (the tokenizer went away).
+            raise error_for(await self._call.code(), f"tokenizer: {await self._call.details()}"
+                            ) from None
         if response is grpc.aio.EOF:
             raise UnavailableError("tokenizer: the DetokenizeStream ended early")
         return response
@@ -211,8 +244,8 @@ class DetokenizeSession:
 class TokenizerClient(_ServiceClient):
     service = "tokenizer"
 
-    def __init__(self, address: str) -> None:
-        super().__init__(address)
+    def __init__(self, address: str, token: str | None = None) -> None:
+        super().__init__(address, token)
         self._stub = tokenizer_pb2_grpc.TokenizerServiceStub(self._channel)
 
     async def tokenize(self, request: tok_pb2.TokenizeRequest) -> tok_pb2.TokenizeResponse:
@@ -225,7 +258,7 @@ class TokenizerClient(_ServiceClient):
         return await self._unary(self._stub.GetInfo, tok_pb2.GetInfoRequest())
 
     def detokenize_stream(self, options: tok_pb2.DetokenizeOptions) -> DetokenizeSession:
-        return DetokenizeSession(self._stub, options)
+        return DetokenizeSession(self._stub, options, self._metadata)
 
 
     async def close(self) -> None:

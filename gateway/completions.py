@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from common.grpc_stubs.folio.v1 import common_pb2
+from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 from engine.sampling_params import SamplingParams
 from gateway import protocol as api
 from gateway.generation import (
@@ -26,6 +27,7 @@ from gateway.generation import (
     new_request_id,
 )
 from gateway.sse import DONE, event
+from gateway.structured import structured_output
 
 
 @dataclass
@@ -40,10 +42,12 @@ class Plan:
     logprobs: bool
     include_usage: bool
     created: int
+    # With echo (text completions): per request, the prompt's text, which leads its output.
+    echo: list[str] | None = None
 
 
 def _sampling_params(body: api.SamplingFields, max_tokens: int | None,
-                     logprobs: int | None) -> SamplingParams:
+                     logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     logit_bias = None
     if body.logit_bias:
         try:
@@ -54,7 +58,8 @@ def _sampling_params(body: api.SamplingFields, max_tokens: int | None,
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, seed=body.seed, logit_bias=logit_bias,
-        stop_token_ids=body.stop_token_ids, logprobs=logprobs,
+        stop_token_ids=body.stop_token_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        structured_output=structured_output(body),
     )
     return SamplingParams(max_tokens=max_tokens, min_tokens=body.min_tokens,
                           ignore_eos=body.ignore_eos,
@@ -101,10 +106,30 @@ async def plan_completion(gateway: Gateway, body: api.CompletionRequest) -> Plan
         gateway.tokenize_text(p) for p in prompts if isinstance(p, str)))
     texts = iter(tokenized)
     ids = [list(next(texts).token_ids) if isinstance(p, str) else p for p in prompts]
-    params = _sampling_params(body, body.max_tokens, body.logprobs)
+    if body.max_tokens == 0 and not body.echo:
+        raise api.InvalidParameter("max_tokens must be >= 1 (0 only with echo)", "max_tokens")
+    # Echoed logprobs cover the prompt. max_tokens 0 is a prompt-only (scoring) request, which
+    # the engine runs only for prompt logprobs: it gets k = 0 even if none are shown.
+    prompt_logprobs = body.logprobs if body.echo else None
+    if body.max_tokens == 0 and prompt_logprobs is None:
+        prompt_logprobs = 0
+    params = _sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
     requests = _choices(gateway, info, ids, body, params, "prompt", "max_tokens")
+    echo = None
+    if body.echo:
+        prompt_texts = await asyncio.gather(*(_prompt_text(gateway, p) for p in prompts))
+        echo = [text for text in prompt_texts for _ in range(body.n)]
     return Plan(False, new_request_id("cmpl"), info.name, requests, body.n,
-                body.logprobs is not None, _include_usage(body), int(time.time()))
+                body.logprobs is not None, _include_usage(body), int(time.time()), echo)
+
+
+async def _prompt_text(gateway: Gateway, prompt: str | list[int]) -> str:
+    """A prompt as echoed: its own text, or the exact text of its token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    response = await gateway.tokenizer.detokenize(tok_pb2.DetokenizeRequest(
+        token_ids=prompt, skip_special_tokens=False))
+    return response.text
 
 
 def _include_usage(body: api.SamplingFields) -> bool:
@@ -142,10 +167,19 @@ def _completion_logprobs(logprobs: list[TokenLogprob], offset: int) -> api.Compl
     for lp in logprobs:
         out.tokens.append(lp.token)
         out.token_logprobs.append(lp.logprob)
-        out.top_logprobs.append({text: value for _, text, value in lp.top})
+        out.top_logprobs.append(
+            None if lp.logprob is None else {text: value for _, text, value in lp.top})
         out.text_offset.append(offset)
         offset += len(lp.token)
     return out
+
+
+def _echoed(plan: Plan, index: int, delta: TextDelta,
+            first: bool) -> tuple[str, list[TokenLogprob]]:
+    """A delta's text and logprobs; with echo, the prompt's lead a choice's first delta."""
+    if plan.echo is None or not first:
+        return delta.text, delta.logprobs
+    return plan.echo[index] + delta.text, (delta.prompt_logprobs or []) + delta.logprobs
 
 
 async def respond(plan: Plan, stream: AsyncIterator[tuple[int, TextDelta]]):
@@ -156,8 +190,9 @@ async def respond(plan: Plan, stream: AsyncIterator[tuple[int, TextDelta]]):
     reasons: list[str | None] = [None] * count
     usages: list[Usage | None] = [None] * count
     async for index, delta in stream:
-        texts[index].append(delta.text)
-        logprobs[index] += delta.logprobs
+        text, token_logprobs = _echoed(plan, index, delta, first=not texts[index])
+        texts[index].append(text)
+        logprobs[index] += token_logprobs
         if delta.finish_reason is not None:
             reasons[index], usages[index] = delta.finish_reason, delta.usage
     usage = _usage(plan, usages)
@@ -182,6 +217,7 @@ async def events(plan: Plan, first: tuple[int, TextDelta],
     count = len(plan.requests)
     usages: list[Usage | None] = [None] * count
     offsets = [0] * count  # completions' logprobs.text_offset
+    started = [False] * count
 
     def chunk(choices: list, usage: api.Usage | None = None) -> bytes:
         shape = api.ChatCompletionChunk if plan.chat else api.CompletionResponse
@@ -194,11 +230,13 @@ async def events(plan: Plan, first: tuple[int, TextDelta],
                 index=index, delta=api.DeltaMessage(content=delta.text),
                 logprobs=_chat_logprobs(delta.logprobs) if plan.logprobs else None,
                 finish_reason=delta.finish_reason)
+        text, token_logprobs = _echoed(plan, index, delta, first=not started[index])
+        started[index] = True
         logprobs = None
         if plan.logprobs:
-            logprobs = _completion_logprobs(delta.logprobs, offsets[index])
-            offsets[index] += sum(len(lp.token) for lp in delta.logprobs)
-        return api.CompletionChoice(index=index, text=delta.text, logprobs=logprobs,
+            logprobs = _completion_logprobs(token_logprobs, offsets[index])
+            offsets[index] += sum(len(lp.token) for lp in token_logprobs)
+        return api.CompletionChoice(index=index, text=text, logprobs=logprobs,
                                     finish_reason=delta.finish_reason)
 
     try:

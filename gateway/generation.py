@@ -7,7 +7,8 @@ response never leaves work behind; when the caller goes away (the iterator is cl
 cancelled) it is aborted at once. Usage counts the tokens the text was made of. Business rules
 that do not depend on the wire format live here too: the served model's name, context limits,
 parameter validation (the engine library's own SamplingParams.validate, so both agree), n > 1
-as n engine requests. This module never parses HTTP and never builds OpenAI or protobuf
+as one engine request with n samples (the prompt computed once) whose outputs are dealt out by
+sample index, each sample with its own text pipeline. This module never parses HTTP and never builds OpenAI or protobuf
 response shapes.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -22,20 +24,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.errors import UnavailableError
-from common.grpc_stubs.folio.v1 import common_pb2
+from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
 from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 from engine.sampling_params import SamplingParams
 from common.sampling_proto import sampling_params_to_proto
-from gateway.clients import EngineClient, TokenizerClient
+from gateway.clients import EngineClient, EngineRequest, TokenizerClient
 from gateway.metrics import Metrics
 from gateway.protocol import InvalidParameter, ModelNotFound
+
+logger = logging.getLogger(__name__)
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_ABORT: "abort",
 }
-SEED_MASK = (1 << 63) - 1  # seeds travel as int64
 
 
 @dataclass
@@ -45,6 +48,7 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     created: int
+    max_num_seqs: int  # the most samples one engine request may have
 
 
 @dataclass
@@ -63,7 +67,7 @@ class TextRequest:
 class TokenLogprob:
     token_id: int
     token: str  # the token decoded on its own
-    logprob: float
+    logprob: float | None  # None for a prompt's first token: nothing precedes it
     top: list[tuple[int, str, float]]  # (token id, text, logprob), most likely first
 
 
@@ -82,10 +86,20 @@ class TextDelta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
+    # On a sequence's first delta, when prompt logprobs were asked: one per prompt token.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_token_ids(info: ModelInfo, token_ids: Sequence[int], param: str) -> None:
+    """InvalidParameter naming `param` unless every id is in the model's vocabulary."""
+    for token_id in token_ids:
+        if not 0 <= token_id < info.vocab_size:
+            raise InvalidParameter(f"{param} contains token id {token_id}, outside the "
+                                   f"vocabulary [0, {info.vocab_size})", param)
 
 
 class Gateway:
@@ -99,6 +113,7 @@ class Gateway:
         self.served_model_name = served_model_name
         self.draining = False
         self._info: ModelInfo | None = None
+        self._info_broken_streams = 0  # engine.broken_streams when _info was read
         self._token_texts: dict[int, str] = {}  # for logprobs; bounded by the vocabulary
         self._in_flight = 0
         self._idle = asyncio.Event()
@@ -107,16 +122,24 @@ class Gateway:
     # -- the model ----------------------------------------------------------------------------
 
     async def model(self) -> ModelInfo:
-        """The served model (asked of the engine once; raises UnavailableError until it is up)."""
-        if self._info is None:
+        """The served model (raises UnavailableError until the engine is up). Asked of the
+        engine once, and again after the engine was lost: a restarted engine may differ."""
+        broken_streams = self.engine.broken_streams
+        if self._info is None or self._info_broken_streams != broken_streams:
             info = await self.engine.model_info()
-            self._info = ModelInfo(
+            fresh = ModelInfo(
                 name=self.served_model_name or info.model or Path(info.model_path).name,
                 path=info.model_path,
                 max_model_len=info.max_model_len,
                 vocab_size=info.vocab_size,
-                created=int(time.time()),
+                max_num_seqs=info.max_num_seqs,
+                created=self._info.created if self._info else int(time.time()),
             )
+            if self._info is not None and fresh != self._info:
+                logger.warning("the engine came back with another model: %s, was %s",
+                               fresh, self._info)
+                self._token_texts.clear()
+            self._info, self._info_broken_streams = fresh, broken_streams
         return self._info
 
     async def check_model(self, name: str | None) -> ModelInfo:
@@ -160,10 +183,7 @@ class Gateway:
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
             raise InvalidParameter(f"{prompt_param} must not be empty", prompt_param)
-        for token_id in prompt_ids:
-            if not 0 <= token_id < info.vocab_size:
-                raise InvalidParameter(f"{prompt_param} contains token id {token_id}, outside "
-                                       f"the vocabulary [0, {info.vocab_size})", prompt_param)
+        check_token_ids(info, prompt_ids, prompt_param)
         room = info.max_model_len - len(prompt_ids)
         if room < 1:
             raise InvalidParameter(
@@ -183,51 +203,63 @@ class Gateway:
         except ValueError as exc:
             # The library's messages start with the parameter's name.
             raise InvalidParameter(str(exc), str(exc).split(" ", 1)[0].split("[", 1)[0]) from None
+        if params.n != 1:  # choices are separate TextRequests; generate_many regroups them
+            raise InvalidParameter(f"n must be 1 here (one sequence per call), got {params.n}",
+                                   "n")
         return TextRequest(prompt_ids, params, list(stop), include_stop_str_in_output,
                            skip_special_tokens, priority)
 
     @staticmethod
     def with_seed_offset(params: SamplingParams, index: int) -> SamplingParams:
-        """Choice `index` of n: its own seed (seed + index), so seeded choices differ."""
-        if params.seed is None or index == 0:
-            return params
-        return dataclasses.replace(params, seed=(params.seed + index) & SEED_MASK)
+        """Choice `index` of n: its own seed (seed + index, as the engine derives its samples'
+        seeds), so seeded choices differ."""
+        return dataclasses.replace(params, seed=params.sample_seed(index))
 
     # -- generation ---------------------------------------------------------------------------
 
-    async def generate(self, request: TextRequest, request_id: str,
-                       arrival: float) -> AsyncIterator[TextDelta]:
-        """Stream one sequence's text. Closing the iterator early aborts the engine request."""
+    async def generate(self, request: TextRequest, request_id: str, arrival: float,
+                       sample: _SampleOutputs | None = None) -> AsyncIterator[TextDelta]:
+        """Stream one sequence's text. Closing the iterator early aborts the engine request.
+        With `sample`, the sequence is that sample of an n > 1 engine request generate_many
+        opened, instead of an engine request of its own."""
         self.check_available()
-        engine_request = self.engine.generate(
+        engine_request = sample or self.engine.generate(
             request_id, request.prompt_ids, sampling_params_to_proto(request.params),
             request.priority)
+        # The samples of one engine request share one prefill.
+        num_prefilled = len(request.prompt_ids) if sample is None or sample.index == 0 else 0
         detokenizer = self.tokenizer.detokenize_stream(tok_pb2.DetokenizeOptions(
             stop=request.stop, include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens))
         self._enter()
         num_tokens = 0
         last_token_at: float | None = None
+        prompt_logprobs_due = request.params.prompt_logprobs is not None
         try:
             while True:
                 output = await engine_request.next()
                 if output.token_ids:
                     last_token_at = self._observe_tokens(len(output.token_ids), arrival,
-                                                         last_token_at, len(request.prompt_ids))
+                                                         last_token_at, num_prefilled)
                     num_tokens += len(output.token_ids)
                 text = await detokenizer.push(output.token_ids, finish=output.finished)
                 logprobs = await self._text_logprobs(output.logprobs) if output.logprobs else []
+                prompt_logprobs = None
+                if prompt_logprobs_due:  # the engine sends them with the first output
+                    prompt_logprobs_due = False
+                    prompt_logprobs = await self._text_logprobs(
+                        output.prompt_logprobs, first_prompt_token=request.prompt_ids[0])
                 if text.stop_matched:
                     final, reason = await engine_request.abort() or output, "stop"
                 elif output.finished:
                     final, reason = output, FINISH_REASONS[output.finish_reason]
                 else:
-                    if text.text or logprobs:
-                        yield TextDelta(text.text, logprobs)
+                    if text.text or logprobs or prompt_logprobs:
+                        yield TextDelta(text.text, logprobs, prompt_logprobs=prompt_logprobs)
                     continue
                 self._observe_end(arrival, final.queue_seconds, reason)
                 usage = Usage(len(request.prompt_ids), num_tokens, final.usage.cached_tokens)
-                yield TextDelta(text.text, logprobs, reason, usage)
+                yield TextDelta(text.text, logprobs, reason, usage, prompt_logprobs)
                 return
         finally:
             engine_request.close()
@@ -237,7 +269,9 @@ class Gateway:
     async def generate_many(self, requests: Sequence[TextRequest], request_id: str,
                             arrival: float) -> AsyncIterator[tuple[int, TextDelta]]:
         """Run sequences side by side (n > 1, several prompts); yields (index, delta) as they
-        come. The first failure ends them all; closing the iterator aborts what still runs."""
+        come. The choices of one prompt (consecutive requests equal but for the seeds
+        with_seed_offset gives them) go to the engine as one request with n samples. The first
+        failure ends them all; closing the iterator aborts what still runs."""
         if len(requests) == 1:  # the common case needs no tasks
             async for delta in self.generate(requests[0], request_id, arrival):
                 yield 0, delta
@@ -245,17 +279,33 @@ class Gateway:
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
-        async def pump(index: int, request: TextRequest) -> None:
+        async def pump(index: int, texts: AsyncIterator[TextDelta]) -> None:
             try:
-                async for delta in self.generate(request, f"{request_id}-{index}", arrival):
+                async for delta in texts:
                     queue.put_nowait((index, delta))
             except Exception as exc:
                 queue.put_nowait((index, exc))
             else:
                 queue.put_nowait((index, done))
 
-        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+        groups: list[_SampleGroup] = []
+        tasks: list[asyncio.Task] = []
         try:
+            max_n = min(SamplingParams.MAX_N, (await self.model()).max_num_seqs)
+            for first, count in self._choice_runs(requests, max_n):
+                engine_id = f"{request_id}-{first}"
+                if count == 1:
+                    texts = [self.generate(requests[first], engine_id, arrival)]
+                else:
+                    self.check_available()
+                    params = dataclasses.replace(requests[first].params, n=count)
+                    group = _SampleGroup(self.engine.generate(
+                        engine_id, requests[first].prompt_ids, sampling_params_to_proto(params),
+                        requests[first].priority), count)
+                    groups.append(group)
+                    texts = [self.generate(requests[first + i], engine_id, arrival, sample)
+                             for i, sample in enumerate(group.samples)]
+                tasks += [asyncio.create_task(pump(first + i, t)) for i, t in enumerate(texts)]
             remaining = len(tasks)
             while remaining:
                 index, item = await queue.get()
@@ -269,11 +319,33 @@ class Gateway:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for group in groups:
+                group.close()
 
-    async def _text_logprobs(self, logprobs: Sequence[common_pb2.TokenLogprob]
-                             ) -> list[TokenLogprob]:
+    def _choice_runs(self, requests: Sequence[TextRequest], max_n: int) -> list[tuple[int, int]]:
+        """(first index, count): runs of at most max_n consecutive requests that are choices of
+        one prompt, equal to the run's first but for the seed with_seed_offset derives."""
+        runs = []
+        first = 0
+        while first < len(requests):
+            count = 1
+            while (first + count < len(requests) and count < max_n
+                   and requests[first + count] == dataclasses.replace(
+                       requests[first],
+                       params=self.with_seed_offset(requests[first].params, count))):
+                count += 1
+            runs.append((first, count))
+            first += count
+        return runs
+
+    async def _text_logprobs(self, logprobs: Sequence[common_pb2.TokenLogprob],
+                             first_prompt_token: int | None = None) -> list[TokenLogprob]:
+        """The records with token texts; a prompt's first token, when given, leads them with no
+        logprob (the engine sends none for it)."""
         ids = {lp.token_id for lp in logprobs} | {t.token_id for lp in logprobs
                                                    for t in lp.top_logprobs}
+        if first_prompt_token is not None:
+            ids.add(first_prompt_token)
         missing = [i for i in ids if i not in self._token_texts]
         if missing:
             # Special tokens keep their text here: a logprob for "<|im_end|>" must say so.
@@ -281,7 +353,9 @@ class Gateway:
                 token_ids=missing, skip_special_tokens=False, return_token_texts=True))
             self._token_texts.update(zip(missing, response.token_texts))
         texts = self._token_texts
-        return [
+        first = ([] if first_prompt_token is None
+                 else [TokenLogprob(first_prompt_token, texts[first_prompt_token], None, [])])
+        return first + [
             TokenLogprob(lp.token_id, texts[lp.token_id], lp.logprob,
                          [(t.token_id, texts[t.token_id], t.logprob) for t in lp.top_logprobs])
             for lp in logprobs
@@ -323,3 +397,62 @@ class Gateway:
         except TimeoutError:
             return False
         return True
+
+
+class _SampleOutputs:
+    """Sample `index` of an n > 1 engine request, read like an engine request of its own (next,
+    abort, close) from its share of the request's outputs."""
+
+    def __init__(self, engine_request: EngineRequest, index: int) -> None:
+        self.index = index
+        self._engine_request = engine_request
+        self.outputs: asyncio.Queue[engine_pb2.RequestOutput | Exception] = asyncio.Queue()
+        self.done = False
+
+    async def next(self) -> engine_pb2.RequestOutput:
+        """The sample's next output; raises the request's error if it failed."""
+        item = await self.outputs.get()
+        if isinstance(item, Exception):
+            self.done = True
+            raise item
+        self.done = item.finished
+        return item
+
+    async def abort(self) -> engine_pb2.RequestOutput | None:
+        """Abort this sample alone and wait for its last output; None if it had ended."""
+        if self.done:
+            return None
+        self._engine_request.abort_sample(self.index)
+        while not (last := await self.next()).finished:
+            pass
+        return last
+
+    def close(self) -> None:
+        """Stop listening; a sample still live is aborted without waiting."""
+        if not self.done:
+            self.done = True
+            self._engine_request.abort_sample(self.index)
+
+
+class _SampleGroup:
+    """One engine request with n > 1 samples, its outputs dealt out by index to one
+    _SampleOutputs per sample; a failure of the request fails every sample."""
+
+    def __init__(self, engine_request: EngineRequest, n: int) -> None:
+        self._engine_request = engine_request
+        self.samples = [_SampleOutputs(engine_request, i) for i in range(n)]
+        self._dealer = asyncio.create_task(self._deal())
+
+    async def _deal(self) -> None:
+        try:
+            while not self._engine_request.done:
+                output = await self._engine_request.next()
+                self.samples[output.index].outputs.put_nowait(output)
+        except Exception as exc:
+            for sample in self.samples:
+                sample.outputs.put_nowait(exc)
+
+    def close(self) -> None:
+        """Stop dealing; samples still live are aborted without waiting."""
+        self._dealer.cancel()
+        self._engine_request.close()

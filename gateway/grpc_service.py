@@ -2,23 +2,31 @@
 text deltas over the same generation pipeline as the HTTP routes.
 
 A thin adapter: protobuf in, generation.py, protobuf out; errors become status codes through
-common.errors. Cancelling the call closes the pipeline, which aborts the engine request. It
-never holds business logic of its own.
+common.errors. Calls need an API key in their metadata when the gateway has keys
+(UNAUTHENTICATED otherwise) and are rate limited like HTTP requests (RESOURCE_EXHAUSTED). A
+call's deadline, or the gateway's request timeout if sooner, bounds the calls it makes to the
+tokenizer and ends its generation (DEADLINE_EXCEEDED). Cancelling the call closes the pipeline,
+which aborts the engine request. It never holds business logic of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
+from common.config import GatewayConfig
 from common.errors import EngineError, status_code_for
 from common.grpc_stubs.folio.v1 import common_pb2
 from common.grpc_stubs.folio.v1 import gateway_pb2 as pb
 from common.grpc_stubs.folio.v1 import gateway_pb2_grpc
 from common.sampling_proto import sampling_params_from_proto
+from gateway.auth import Access
+from gateway.deadlines import set_deadline, timeout_message, until_deadline
 from gateway.generation import Gateway, TextDelta, TextRequest, new_request_id
+from gateway.rate_limit import giving_back_unused
 from services.grpc_server import GrpcService
 
 FINISH_REASONS = {
@@ -48,6 +56,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, service: GatewayGrpcService) -> None:
         self._service = service
         self._gateway = service.gateway
+        self._access = service.access
+        self._request_timeout = service.config.request_timeout
 
     async def Generate(self, request: pb.GatewayServiceGenerateRequest, context
                        ) -> AsyncIterator[pb.GatewayServiceGenerateResponse]:
@@ -79,11 +89,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                       ) -> AsyncIterator[TextDelta]:
         """The pipeline's deltas; an error ends the call with its status code."""
         arrival = time.monotonic()
+        timeout = self._request_timeout
+        if (remaining := context.time_remaining()) is not None:
+            timeout = min(timeout, remaining)
+        deadline = arrival + timeout
+        set_deadline(deadline)  # this call's task: its tokenizer calls carry the deadline
         try:
             self._service.check_available()
+            caller = self._access.admit_grpc(context)
             request = await plan()
-            async for delta in self._gateway.generate(request, new_request_id("grpc"), arrival):
-                yield delta
+            reservation = self._access.limiter.reserve_tokens(caller, [request])
+            deltas = until_deadline(
+                giving_back_unused(self._gateway.generate_many([request], new_request_id("grpc"),
+                                                               arrival), [request], reservation),
+                deadline, timeout_message(timeout))
+            async with contextlib.aclosing(deltas):
+                async for _, delta in deltas:
+                    yield delta
         except (EngineError, ValueError) as exc:
             await context.abort(status_code_for(exc), str(exc))
 
@@ -93,9 +115,14 @@ class GatewayGrpcService(GrpcService):
 
     service_names = (pb.DESCRIPTOR.services_by_name["GatewayService"].full_name,)
 
-    def __init__(self, gateway: Gateway, host: str, port: int) -> None:
+    def __init__(self, gateway: Gateway, host: str, port: int,
+                 config: GatewayConfig | None = None, access: Access | None = None) -> None:
         super().__init__(host, port)
         self.gateway = gateway
+        self.config = config or GatewayConfig()
+        self.access = access or Access(self.config)
+        self.require_keys(self.access.keys, "API key",
+                          open_health=not self.access.protect_health_metrics)
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(self), server)

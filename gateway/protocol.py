@@ -8,6 +8,7 @@ service and never decides what a request means.
 
 from __future__ import annotations
 
+from http import HTTPStatus
 from typing import Annotated, Any, Literal
 
 import grpc
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.json_schema import models_json_schema
 
 from common.errors import status_code_for
+from engine.errors import QueueFullError
 
 
 class InvalidParameter(ValueError):
@@ -33,9 +35,28 @@ class UnsupportedMediaType(InvalidParameter):
     """The body is not declared as JSON (HTTP 415)."""
 
 
+class RequestTooLarge(InvalidParameter):
+    """The body is over the gateway's size limit (HTTP 413)."""
+
+
+class Unauthenticated(Exception):
+    """No valid API key came with the request (HTTP 401 with WWW-Authenticate: Bearer)."""
+
+
+class RateLimitExceeded(QueueFullError):
+    """The caller is over a rate limit (HTTP 429, gRPC RESOURCE_EXHAUSTED). `retry_after`:
+    whole seconds until the request would pass; None when waiting cannot make it pass."""
+
+    def __init__(self, message: str, retry_after: int | None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class RequestBody(BaseModel):
     # strict: "1" is not a number and 1.5 is not an integer; NaN and Infinity are refused.
-    # Unknown fields are ignored (as OpenAI-compatible servers do), except NOT_SUPPORTED.
+    # Unknown top-level fields are refused (as OpenAI does): a misspelt or unimplemented
+    # parameter must not be silently ignored. Nested objects (messages) accept extra keys, since
+    # clients send back the assistant messages they received, with keys like "refusal".
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
 
 
@@ -50,8 +71,6 @@ NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "tool_choice": (None, "none"),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-    "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
 }
@@ -66,12 +85,22 @@ INT64 = dict(ge=-2**63, le=2**63 - 1)
 def parse_request(model: type[RequestBody], body: bytes) -> Any:
     """Validate a JSON body; raise InvalidParameter naming the first offending field."""
     try:
-        request = model.model_validate_json(body)
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidParameter(f"the body is not valid UTF-8: byte {exc.start} "
+                               f"(0x{body[exc.start]:02x}) {exc.reason}") from None
+    try:
+        request = model.model_validate_json(text)
     except ValidationError as exc:
         raise _invalid(model, exc) from None
-    for name, value in (request.model_extra or {}).items():
+    extra = request.model_extra or {}
+    for name, value in extra.items():
         if name in NOT_SUPPORTED and value not in NOT_SUPPORTED[name]:
             raise InvalidParameter(f"{name} is not supported by this server", name)
+    unknown = [name for name in extra if name not in NOT_SUPPORTED]
+    if unknown:
+        raise InvalidParameter(f"unrecognized request argument{'s' if len(unknown) > 1 else ''} "
+                               f"supplied: {', '.join(unknown)}", unknown[0])
     return request
 
 
@@ -100,6 +129,31 @@ class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
+class JsonSchemaSpec(RequestBody):
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestBody):
+    """OpenAI's response_format: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class StructuredOutputs(RequestBody):
+    """vLLM's structured_outputs: exactly one of json (a schema), regex, choice, grammar (Lark
+    or GBNF) and json_object."""
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(RequestBody):
     """Sampling fields shared by chat and text completions (unset: the engine's defaults)."""
 
@@ -125,6 +179,12 @@ class SamplingFields(RequestBody):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(0, **INT32)
+    # Structured output (gateway/structured.py): at most one of these.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class ContentPart(RequestBody):
@@ -156,8 +216,12 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds] = Field(
         description="A string, a list of strings, a list of token ids or a list of such lists."
     )
-    max_tokens: int | None = Field(16, ge=1)
+    # 0 only with echo: score the prompt (its logprobs) without generating, as vLLM allows.
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
+    # Prepend the prompt to the text, and with logprobs its tokens to the logprobs (the first
+    # has logprob null).
+    echo: bool | None = False
 
 
 class TokenizeRequest(RequestBody):
@@ -250,8 +314,9 @@ class ChatCompletionChunk(ResponseBody):
 
 class CompletionLogprobs(ResponseBody):
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    # null (in both) for an echoed prompt's first token: nothing precedes it.
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
 
 
@@ -320,6 +385,12 @@ def error_body(exc: BaseException) -> tuple[int, ErrorResponse]:
         status, kind, code = 404, "invalid_request_error", "model_not_found"
     elif isinstance(exc, UnsupportedMediaType):
         status, kind, code = 415, "invalid_request_error", None
+    elif isinstance(exc, RequestTooLarge):
+        status, kind, code = 413, "invalid_request_error", "request_too_large"
+    elif isinstance(exc, Unauthenticated):
+        status, kind, code = 401, "invalid_request_error", "invalid_api_key"
+    elif isinstance(exc, RateLimitExceeded):
+        status, kind, code = 429, "rate_limit_error", "rate_limit_exceeded"
     else:
         status, kind, code = _HTTP_ERRORS.get(status_code_for(exc), _HTTP_ERRORS[None])
     message = str(exc) if status != 500 else f"internal error: {exc}"
@@ -327,11 +398,22 @@ def error_body(exc: BaseException) -> tuple[int, ErrorResponse]:
         message=message, type=kind, param=getattr(exc, "param", None), code=code))
 
 
+def error_headers(exc: BaseException) -> dict[str, str]:
+    """The HTTP headers an error answer carries besides its body."""
+    if isinstance(exc, Unauthenticated):
+        return {"WWW-Authenticate": "Bearer"}
+    if isinstance(exc, RateLimitExceeded) and exc.retry_after is not None:
+        return {"Retry-After": str(exc.retry_after)}
+    return {}
+
+
 # gRPC status (common.errors) -> HTTP status, OpenAI error type, code.
 _HTTP_ERRORS: dict[grpc.StatusCode | None, tuple[int, str, str | None]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "queue_full"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", None),
+    # The gateway's request timeout, or a service's deadline: the gateway gave up waiting.
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout", "request_timeout"),
     None: (500, "server_error", None),
 }
 
@@ -339,36 +421,65 @@ _HTTP_ERRORS: dict[grpc.StatusCode | None, tuple[int, str, str | None]] = {
 # -- OpenAPI ------------------------------------------------------------------------------------
 
 
+# The gateway's error statuses as the OpenAPI document describes them; each answer carries
+# the OpenAI error body.
+ERROR_STATUSES: dict[int, str] = {
+    400: "Invalid request; `param` names the offending field",
+    401: "No valid API key came with the request",
+    404: "The model does not exist",
+    413: "The body is over the gateway's size limit",
+    415: "The body is not sent as application/json",
+    429: "The engine's queue is full or the caller is over a rate limit; retry later",
+    500: "Internal error",
+    503: "The engine or the tokenizer is unavailable, or the gateway is draining",
+    504: "The request ran out of time",
+}
+
+
 def openapi_document(endpoints: list[Any], title: str, version: str) -> dict:
     """OpenAPI 3.1 for `endpoints` (objects with path, method, summary, request, response,
-    stream and media_type attributes); schemas come from the models above."""
+    stream, media_type, answers and errors attributes); schemas come from the models above.
+    Every status an operation can answer is listed (no `default`), so a client and a fuzzer
+    can tell an undocumented one."""
     models = {m for e in endpoints for m in (e.request, e.response, e.stream) if m is not None}
     models.add(ErrorResponse)
     keyed = [(m, "validation" if issubclass(m, RequestBody) else "serialization")
              for m in sorted(models, key=lambda m: m.__name__)]
     refs, defs = models_json_schema(keyed, ref_template="#/components/schemas/{model}")
+    for e in endpoints:  # parse_request refuses unknown top-level fields
+        if e.request is not None:
+            defs["$defs"][e.request.__name__]["additionalProperties"] = False
 
     def ref(model: type[BaseModel]) -> dict:
         return refs[(model, "validation" if issubclass(model, RequestBody) else "serialization")]
 
-    error = {"description": "OpenAI error body",
-             "content": {"application/json": {"schema": ref(ErrorResponse)}}}
+    def error(status: int) -> dict:
+        return {"description": ERROR_STATUSES[status],
+                "content": {"application/json": {"schema": ref(ErrorResponse)}}}
+
     paths: dict[str, dict] = {}
     for e in endpoints:
         content: dict[str, Any] = {}
         if e.response is not None:
             content[e.media_type] = {"schema": ref(e.response)}
         if e.stream is not None:
-            content["text/event-stream"] = {
-                "schema": {"type": "string",
-                           "description": "With stream=true: `data: <JSON>` events, each "
-                                          "matching the schema below, then `data: [DONE]`."},
-                "x-event-schema": ref(e.stream),
-            }
-        operation: dict[str, Any] = {
-            "summary": e.summary,
-            "responses": {"200": {"description": "OK", "content": content}, "default": error},
-        }
+            # Before OpenAPI 3.2, the schema of an event stream describes one event.
+            content["text/event-stream"] = {"schema": {
+                "description": "With stream=true, one event per delta: its data is a chunk, or "
+                               "an error body when the stream fails midway; the last event's "
+                               "data is [DONE].",
+                "type": "object",
+                "required": ["data"],
+                "properties": {"data": {"anyOf": [
+                    {"const": "[DONE]"},
+                    {"type": "string", "contentMediaType": "application/json",
+                     "contentSchema": {"anyOf": [ref(e.stream), ref(ErrorResponse)]}},
+                ]}},
+            }}
+        responses = {str(status): {"description": HTTPStatus(status).phrase, "content": content}
+                     for status in e.answers}
+        responses.update({str(status): error(status) for status in sorted(e.errors)})
+        operation: dict[str, Any] = {"summary": e.summary, "responses": responses}
         if e.request is not None:
             operation["requestBody"] = {
                 "required": True, "content": {"application/json": {"schema": ref(e.request)}}

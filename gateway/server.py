@@ -1,5 +1,6 @@
 """The gateway process: the HTTP app on uvicorn and the gRPC GatewayService, both in one asyncio
-loop, sharing one Gateway (clients, metrics, drain state).
+loop, sharing one Gateway (clients, metrics, drain state) and one Access (API keys and rate
+limits: a key's limits hold across both APIs).
 
 Start-up binds both ports and prints the ready line; SIGTERM / SIGINT drain: new requests get
 503 / UNAVAILABLE, requests in flight get up to drain_seconds, then both servers stop. Wiring
@@ -16,7 +17,9 @@ import time
 
 import uvicorn
 
+from common.config import GatewayConfig
 from gateway.app import build_app
+from gateway.auth import Access
 from gateway.clients import EngineClient, TokenizerClient
 from gateway.generation import Gateway
 from gateway.grpc_service import GatewayGrpcService
@@ -54,13 +57,17 @@ class _Uvicorn(uvicorn.Server):
 
 class GatewayServer:
     def __init__(self, host: str, port: int, grpc_port: int, engine_address: str,
-                 tokenizer_address: str, served_model_name: str | None = None) -> None:
+                 tokenizer_address: str, served_model_name: str | None = None,
+                 config: GatewayConfig | None = None, internal_token: str | None = None) -> None:
+        """`internal_token`: what the engine and tokenizer require of callers, if anything."""
         self.host = host
         self.port = port
         self.grpc_port = grpc_port
         self._engine_address = engine_address
         self._tokenizer_address = tokenizer_address
         self._served_model_name = served_model_name
+        self.config = config or GatewayConfig()
+        self._internal_token = internal_token
         self.gateway: Gateway | None = None
         self._grpc: GatewayGrpcService | None = None
         self.app = None  # the Starlette app, once started
@@ -70,15 +77,17 @@ class GatewayServer:
     async def start(self) -> None:
         """Listen on both ports (0 picks free ones; self.port and self.grpc_port say which)."""
         # gRPC channels belong to the running loop: create the clients here, not in __init__.
-        self.gateway = Gateway(EngineClient(self._engine_address),
-                               TokenizerClient(self._tokenizer_address), Metrics(),
-                               self._served_model_name)
-        self._grpc = GatewayGrpcService(self.gateway, self.host, self.grpc_port)
+        self.gateway = Gateway(EngineClient(self._engine_address, self._internal_token),
+                               TokenizerClient(self._tokenizer_address, self._internal_token),
+                               Metrics(), self._served_model_name)
+        access = Access(self.config)
+        self._grpc = GatewayGrpcService(self.gateway, self.host, self.grpc_port, self.config,
+                                        access)
         self.grpc_port = await self._grpc.start()
         # Bound here rather than by uvicorn, so that a busy port raises instead of exiting.
         sock = listening_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
-        self.app = build_app(self.gateway)
+        self.app = build_app(self.gateway, self.config, access)
         config = uvicorn.Config(self.app, lifespan="off", access_log=False,
                                 log_level="warning", timeout_keep_alive=30)
         self._http = _Uvicorn(config)

@@ -3,9 +3,13 @@ on an event loop of its own, so tests can use blocking clients."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
+import httpx
 from grpc_helpers import TIMEOUT, LoopThread
 
+from common.config import GatewayConfig
 from common.grpc_stubs.folio.v1 import engine_pb2, engine_pb2_grpc
 from gateway.server import GatewayServer
 
@@ -19,9 +23,11 @@ ENGINE_ARGS = dict(dtype="bfloat16", num_kv_blocks=512, max_model_len=MAX_MODEL_
 class GatewayThread(LoopThread):
     """A GatewayServer on an event loop of its own, so tests use blocking clients."""
 
-    def __init__(self, engine_address: str, tokenizer_address: str) -> None:
+    def __init__(self, engine_address: str, tokenizer_address: str,
+                 config: GatewayConfig | None = None, internal_token: str | None = None) -> None:
         super().__init__()
-        self.server = GatewayServer("127.0.0.1", 0, 0, engine_address, tokenizer_address)
+        self.server = GatewayServer("127.0.0.1", 0, 0, engine_address, tokenizer_address,
+                                    config=config, internal_token=internal_token)
         self.call(self.server.start())
         self.url = f"http://127.0.0.1:{self.server.port}"
         self.grpc_channel = grpc.insecure_channel(f"127.0.0.1:{self.server.grpc_port}")
@@ -34,3 +40,53 @@ class GatewayThread(LoopThread):
 
 def engine_stats(stub: engine_pb2_grpc.EngineServiceStub) -> engine_pb2.GetStatsResponse:
     return stub.GetStats(engine_pb2.GetStatsRequest(), timeout=TIMEOUT)
+
+
+def wait_engine_idle(stub: engine_pb2_grpc.EngineServiceStub, seconds: float = 5.0) -> None:
+    """Return once the engine runs and queues nothing; fail after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while (stats := engine_stats(stub)).num_running or stats.num_waiting:
+        assert time.monotonic() < deadline, f"the engine still has requests: {stats}"
+        time.sleep(0.02)
+
+
+def read_metrics(url: str) -> dict[str, float]:
+    """The gateway's /metrics samples, keyed by name with their labels as written."""
+    samples = {}
+    for line in httpx.get(url + "/metrics", timeout=TIMEOUT).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def wait_for_idle_engine(url: str, idle_kv_usage: float, seconds: float) -> dict[str, float]:
+    """Poll /metrics until the engine runs nothing, queues nothing and its KV cache is back at
+    `idle_kv_usage`; fail with the last samples after `seconds`. Returns them."""
+    deadline = time.monotonic() + seconds
+    while True:
+        samples = read_metrics(url)
+        if (samples["folio_num_requests_running"] == 0
+                and samples["folio_num_requests_waiting"] == 0
+                and samples["folio_kv_cache_usage_ratio"] == idle_kv_usage):
+            return samples
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"the engine is not idle {seconds} s later: "
+                f"{samples['folio_num_requests_running']:.0f} running, "
+                f"{samples['folio_num_requests_waiting']:.0f} waiting, KV cache usage "
+                f"{samples['folio_kv_cache_usage_ratio']} (idle: {idle_kv_usage})")
+        time.sleep(0.05)
+
+
+def check_error(response: httpx.Response, status: int, param: str | None) -> dict:
+    """The response is `status` with the OpenAI error body, naming `param` (in the message
+    too); returns the error object."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["type"]
+    assert error["param"] == param
+    if param is not None:
+        assert param in error["message"]
+    return error

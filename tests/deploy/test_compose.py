@@ -130,6 +130,14 @@ def test_model_cache_volume_is_mounted_where_folio_cache_dir_points():
         assert cache_dir == image_cache_dir
 
 
+def test_secrets_come_from_the_environment_never_the_command_line():
+    for name, service in SERVICES.items():
+        environment = service["environment"]
+        assert environment["FOLIO_INTERNAL_TOKEN"] == "${FOLIO_INTERNAL_TOKEN:-}", name
+        assert not any(flag in service["command"] for flag in ("--api-key", "--api-key-file"))
+    assert SERVICES["gateway"]["environment"]["FOLIO_API_KEYS"] == "${FOLIO_API_KEYS:-}"
+
+
 def run_healthcheck(name: str, address: str) -> int:
     command = SERVICES[name]["healthcheck"]["test"][1:]
     assert command[0] == "python"

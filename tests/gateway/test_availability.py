@@ -27,7 +27,8 @@ def test_folio_gateway_serves_then_drains_on_sigterm(services):
         [sys.executable, "-m", "common.cli", "gateway", "--port", "0", "--grpc-port", "0",
          "--engine-address", f"127.0.0.1:{engine.port}",
          "--tokenizer-address", f"127.0.0.1:{tokenizer.port}",
-         "--served-model-name", "folio-test", "--drain-seconds", "20"],
+         # A generous drain: on a loaded machine the 150 tokens below take tens of seconds.
+         "--served-model-name", "folio-test", "--drain-seconds", "120"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = process.stdout.readline()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from gateway_helpers import MAX_MODEL_LEN, engine_stats
+from gateway_helpers import MAX_MODEL_LEN, check_error, engine_stats
 from grpc_helpers import TIMEOUT
 
 CHAT = [{"role": "user", "content": "Hi"}]
@@ -50,9 +50,9 @@ CASES = [
     ("/v1/completions", completion(seed=1.5), 400, "seed"),
     ("/v1/completions", completion(seed=2**70), 400, "seed"),
     ("/v1/completions", completion(top_k=2**40), 400, "top_k"),
-    ("/v1/completions", completion(echo=True), 400, "echo"),
+    ("/v1/completions", completion(max_tokens=0), 400, "max_tokens"),  # 0 only with echo
     ("/tokenize", {"prompt": "a", "messages": CHAT}, 400, "prompt"),
-    ("/detokenize", {"tokens": [-1]}, 400, None),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
 ]
 
 
@@ -60,17 +60,6 @@ CASES = [
 def http(gateway):
     with httpx.Client(base_url=gateway.url, timeout=TIMEOUT) as client:
         yield client
-
-
-def check_error(response: httpx.Response, status: int, param: str | None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["message"] and error["type"]
-    assert error["param"] == param
-    if param is not None:
-        assert param in error["message"]
-    return error
 
 
 @pytest.mark.parametrize(("route", "body", "status", "param"), CASES)
@@ -94,9 +83,7 @@ def test_bad_bodies(http, route):
     assert http.get(route).status_code == 405
 
 
-def test_unknown_fields_are_ignored_and_unknown_routes_are_404(http):
-    response = http.post("/v1/completions", json=completion(temperature=0, frobnicate=True))
-    assert response.status_code == 200, response.text
+def test_unknown_routes_are_404(http):
     error = http.get("/v1/nothing").json()["error"]
     assert "/v1/nothing" in error["message"]
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 import pytest
-from gateway_helpers import MAX_MODEL_LEN, engine_stats
+from gateway_helpers import MAX_MODEL_LEN, engine_stats, wait_engine_idle
 from grpc_helpers import TIMEOUT
 
 from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
@@ -36,17 +36,6 @@ def engine_tokens(engine_stub, prompt_ids: list[int], **params) -> list[int]:
         sampling_params=common_pb2.SamplingParams(**params)))
     return [t for response in engine_stub.Generate(iter([request]), timeout=TIMEOUT)
             for out in response.outputs for t in out.token_ids]
-
-
-def wait_engine_idle(engine_stub, seconds: float = 5.0) -> float:
-    """Seconds until the engine runs nothing; fails after `seconds`."""
-    start = time.monotonic()
-    while time.monotonic() - start < seconds:
-        stats = engine_stats(engine_stub)
-        if stats.num_running == 0 and stats.num_waiting == 0:
-            return time.monotonic() - start
-        time.sleep(0.02)
-    pytest.fail("the engine still runs a request the client abandoned")
 
 
 def stream_text(chunks, kind: str = "chat") -> tuple[str, list]:
@@ -317,11 +306,11 @@ def test_a_client_that_leaves_mid_stream_aborts_its_engine_request(gateway, engi
             assert next(l for l in events if l.startswith("data: "))
             assert engine_stats(engine_stub).num_running == 1
     # LONG tokens take tens of seconds; the abort frees the engine at once.
-    assert wait_engine_idle(engine_stub) < 2
+    wait_engine_idle(engine_stub)
 
 
 def test_a_client_that_leaves_before_the_answer_aborts_its_engine_request(gateway, engine_stub):
     body = {"model": MODEL, "messages": CHAT, "max_tokens": LONG, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=0.5)
-    assert wait_engine_idle(engine_stub) < 2
+    wait_engine_idle(engine_stub)
