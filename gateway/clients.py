@@ -214,15 +214,30 @@ class DetokenizeSession:
                  options: tok_pb2.DetokenizeOptions, metadata: Sequence[tuple[str, str]]) -> None:
         self._stub = stub
         self._metadata = metadata
-        self._options: tok_pb2.DetokenizeOptions | None = options
+        self._options = options
         self._call = None
+        self._opening: asyncio.Future | None = None
+
+    def open(self) -> None:
+        """Open the stream and send the options now, reading their (empty) reply in the
+        background: called while the engine computes the prompt, it takes the stream's set-up
+        off the path to the first token."""
+        if self._call is None:
+            self._call = self._stub.DetokenizeStream(metadata=self._metadata)
+            self._opening = asyncio.ensure_future(
+                self._exchange(tok_pb2.DetokenizeStreamRequest(options=self._options)))
 
     async def push(self, token_ids: Sequence[int], finish: bool = False
                    ) -> tok_pb2.DetokenizeStreamResponse:
-        request = tok_pb2.DetokenizeStreamRequest(token_ids=token_ids, finish=finish)
-        if self._call is None:  # opened with the first tokens: no round trip for options alone
-            self._call = self._stub.DetokenizeStream(metadata=self._metadata)
-            request.options.CopyFrom(self._options)
+        self.open()
+        if self._opening is not None:
+            opening, self._opening = self._opening, None
+            await opening
+        return await self._exchange(
+            tok_pb2.DetokenizeStreamRequest(token_ids=token_ids, finish=finish))
+
+    async def _exchange(self, request: tok_pb2.DetokenizeStreamRequest
+                        ) -> tok_pb2.DetokenizeStreamResponse:
         try:
             await self._call.write(request)
             response = await self._call.read()
@@ -237,6 +252,11 @@ class DetokenizeSession:
         return response
 
     def close(self) -> None:
+        if self._opening is not None:
+            self._opening.cancel()
+            # A failure nobody pushed after is not news: the stream is being dropped anyway.
+            self._opening.add_done_callback(
+                lambda done: done.cancelled() or done.exception())
         if self._call is not None:
             self._call.cancel()
 

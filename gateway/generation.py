@@ -236,6 +236,7 @@ class Gateway:
         last_token_at: float | None = None
         prompt_logprobs_due = request.params.prompt_logprobs is not None
         try:
+            detokenizer.open()  # while the engine computes the prompt
             while True:
                 output = await engine_request.next()
                 if output.token_ids:
