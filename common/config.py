@@ -116,6 +116,13 @@ API_KEYS_ENV = "FOLIO_API_KEYS"
 REQUEST_TIMEOUT_SECONDS = 600.0
 # How often `folio serve` restarts a service that keeps dying before it gives up.
 MAX_RESTARTS = 5
+# Entries of oneDNN's two kernel caches (its primitive cache and PyTorch's ideep LRU cache) in
+# an engine on CPU; their defaults are 1024 each. Every new batch shape compiles and caches
+# kernels, so with the defaults the engine's memory grew by hundreds of MiB under varied load
+# and kept growing for as long as new shapes came; at 64 it is flat after a few steps, and
+# `folio bench offline` runs as fast (within its noise). An environment value set by the
+# operator (ONEDNN_PRIMITIVE_CACHE_CAPACITY, LRU_CACHE_CAPACITY) wins.
+CPU_KERNEL_CACHE_CAPACITY = 64
 # gRPC channel options of the clients of the internal services: a restarted service is found
 # again within a second, not after gRPC's default reconnect back-off (up to two minutes).
 RECONNECT_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250),

@@ -8,6 +8,7 @@ module never reads files and never allocates the KV cache; attention goes throug
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,16 @@ def can_prepack(weight: torch.Tensor) -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
+
+
+def bound_cpu_kernel_caches(capacity: int) -> None:
+    """Cap oneDNN's kernel caches (common.config.CPU_KERNEL_CACHE_CAPACITY says why).
+
+    Both read their capacity from the environment when they first build a kernel, so this must
+    run before the first bf16 matmul of the process; values already set are kept.
+    """
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(name, str(capacity))
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:

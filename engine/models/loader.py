@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from common.config import CPU_KERNEL_CACHE_CAPACITY
 from engine.attention.backend import get_attention_backend
 from engine.models.config import ModelConfig
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import LlamaForCausalLM, bound_cpu_kernel_caches
 
 # Architecture name (config.json "architectures") -> model class.
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
@@ -40,6 +41,8 @@ def load_model(
     if model_class is None:
         registered = ", ".join(MODEL_REGISTRY)
         raise ValueError(f"no model class for architecture {config.architecture!r}; registered: {registered}")
+    if torch.device(device).type == "cpu":
+        bound_cpu_kernel_caches(CPU_KERNEL_CACHE_CAPACITY)
     model = model_class(config, get_attention_backend(attention_backend, device), dtype, device)
     load_weights(model, _checkpoint_files(path))
     model.finalize_weights()
