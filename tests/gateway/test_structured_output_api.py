@@ -17,23 +17,9 @@ import openai
 import pytest
 from gateway_helpers import check_error
 from grpc_helpers import TIMEOUT
-from pydantic import BaseModel, ConfigDict, Field
+from structured_schemas import Person
 
 from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, gateway_pb2, gateway_pb2_grpc
-
-
-# Small bounds keep every answer short (about 30 tokens at most).
-class Address(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    zip: str = Field(pattern=r"^[0-9]{3}$")
-
-
-class Person(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    name: str = Field(max_length=6)
-    age: int = Field(ge=0, le=99)
-    address: Address
-    tags: list[bool] = Field(max_length=2)
 
 
 PERSON_FORMAT = {"type": "json_schema", "json_schema": {

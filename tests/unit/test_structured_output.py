@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from structured_schemas import Person
 from tiny_models import SMALL, make_checkpoint
 from tokenizers import Tokenizer
 from transformers import LlamaConfig
@@ -26,20 +26,6 @@ from engine.sampling_params import SamplingParams, StructuredOutput
 
 VOCAB = 49152  # SmolLM2's
 EOS = 2
-
-
-class Address(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    city: str = Field(max_length=6)
-    zip: str = Field(pattern=r"^[0-9]{3}$")
-
-
-class Person(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    name: str = Field(max_length=6)
-    age: int = Field(ge=0, le=99)
-    address: Address
-    tags: list[bool] = Field(max_length=2)
 
 
 PERSON = StructuredOutput(json=Person.model_json_schema())
