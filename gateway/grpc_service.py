@@ -107,6 +107,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 async for _, delta in deltas:
                     yield delta
         except (EngineError, ValueError) as exc:
+            if context.done():  # the caller's own deadline passed: its call is already over
+                return
             await context.abort(status_code_for(exc), str(exc))
 
 

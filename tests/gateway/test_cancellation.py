@@ -104,11 +104,14 @@ def test_grpc_calls_cancelled_or_past_their_deadline_free_the_engine(gateway, id
                                    sampling_params=unfinishable_params())
     # Half are cancelled by the client (the first after its first text, the others before
     # any), half end by their deadline (the server sees DEADLINE_EXCEEDED).
-    cancelled = [stub.Generate(generate, timeout=TIMEOUT) for _ in range(25)]
+    # One that surely runs in the engine: alone at first, so that it is not left waiting for a
+    # slot behind the others (which run until they are cancelled below).
+    cancelled = [stub.Generate(generate, timeout=TIMEOUT)]
+    next(cancelled[0])
+    cancelled += [stub.Generate(generate, timeout=TIMEOUT) for _ in range(24)]
     cancelled += [stub.Chat(chat, timeout=TIMEOUT) for _ in range(25)]
     expiring = [stub.Generate(generate, timeout=CLIENT_TIMEOUT) for _ in range(25)]
     expiring += [stub.Chat(chat, timeout=CLIENT_TIMEOUT) for _ in range(25)]
-    next(cancelled[0])  # one that surely runs in the engine
     time.sleep(CLIENT_TIMEOUT)
     for call in cancelled:
         call.cancel()
