@@ -42,3 +42,13 @@ def make_checkpoint(directory, config_class, kwargs, seed=0):
                 p.normal_(0.0, 0.15)
     model.save_pretrained(directory, safe_serialization=True)
     return model.eval()
+
+
+def hf_greedy(reference, tokens: list[int], steps: int) -> list[int]:
+    """The `steps` greedy tokens transformers' model `reference` generates after `tokens`
+    (full recompute each step: the plainest reference there is)."""
+    seq = list(tokens)
+    with torch.no_grad():
+        for _ in range(steps):
+            seq.append(int(reference(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(tokens):]

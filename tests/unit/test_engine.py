@@ -11,7 +11,7 @@ from common.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError, QueueFullError
 from engine.sampling_params import SamplingParams
-from tiny_models import VARIANTS, make_checkpoint
+from tiny_models import VARIANTS, hf_greedy, make_checkpoint
 
 BLOCK = 4
 
@@ -37,14 +37,6 @@ def make_engine(directory, **overrides) -> LLMEngine:
 
 def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, 150, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def hf_greedy(reference, tokens: list[int], steps: int) -> list[int]:
-    seq = list(tokens)
-    with torch.no_grad():
-        for _ in range(steps):
-            seq.append(int(reference(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(tokens):]
 
 
 def step(engine: LLMEngine, tokens: dict[str, list[int]]) -> None:

@@ -12,7 +12,7 @@ from common.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
-from tiny_models import VARIANTS, make_checkpoint
+from tiny_models import VARIANTS, hf_greedy, make_checkpoint
 
 TOLERANCE = 1e-3
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -43,14 +43,6 @@ def reference_logprobs(reference, ids: list[int], k: int) -> list[tuple[int, flo
         values, indices = logprobs[t - 1].topk(k)
         out.append((ids[t], logprobs[t - 1, ids[t]].item(), list(zip(indices.tolist(), values.tolist()))))
     return out
-
-
-def reference_greedy(reference, ids: list[int], steps: int) -> list[int]:
-    seq = list(ids)
-    with torch.no_grad():
-        for _ in range(steps):
-            seq.append(int(reference(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(ids):]
 
 
 def assert_matches(got, expected) -> None:
@@ -95,7 +87,7 @@ def test_prompt_logprobs_equal_transformers_in_a_mixed_batch(llama, budget):
     tokens, prompt_logprobs = run(engine)
 
     for rid, ids in prompts.items():
-        assert tokens[rid] == reference_greedy(reference, ids, 6), rid
+        assert tokens[rid] == hf_greedy(reference, ids, 6), rid
     assert set(prompt_logprobs) == {"p3", "p0", "p-one-token"}
     assert_matches(prompt_logprobs["p3"], reference_logprobs(reference, prompts["p3"], 3))
     assert_matches(prompt_logprobs["p0"], reference_logprobs(reference, prompts["p0"], 0))
@@ -162,7 +154,7 @@ def test_max_tokens_zero_scores_the_prompt_without_generating(llama):
                 finish_reasons[out.request_id] = (out.finish_reason.value, out.num_output_tokens)
     assert tokens["scored"] == [] and finish_reasons["scored"] == ("length", 0)
     assert_matches(prompt_logprobs["scored"], reference_logprobs(reference, ids, 1))
-    assert tokens["generated"] == reference_greedy(reference, ids, 2)
+    assert tokens["generated"] == hf_greedy(reference, ids, 2)
     assert set(prompt_logprobs) == {"scored"}
 
     for params, name in [(SamplingParams(max_tokens=0), "max_tokens"),
