@@ -12,7 +12,7 @@ PROTO_LOADER_VERSION := 0.8.1
 PROTOS := $(wildcard protos/folio/v1/*.proto)
 STUBS := common/grpc_stubs/folio/.generated
 
-.PHONY: serve test model stubs bench clean
+.PHONY: serve test lint model stubs bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -38,7 +38,12 @@ model: $(STUBS)
 serve: model
 	$(BIN)/folio serve
 
-test: model
+# The code's habits, checked before any test runs: ruff's lint rules and its formatting.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: model lint
 	$(BIN)/python -m pytest -q
 
 bench: model

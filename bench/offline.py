@@ -48,7 +48,7 @@ def make_workload(args: argparse.Namespace, vocab_size: int, num_special: int = 
 
 
 def _greedy(max_tokens: int):
-    from engine.sampling_params import SamplingParams
+    from common.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -109,8 +109,12 @@ def run_hf(model_dir: str, dtype: str, workload: Workload, batch_size: int) -> f
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         with torch.inference_mode():
             model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                do_sample=False, pad_token_id=pad,
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=pad,
             )
     return time.perf_counter() - start
 
@@ -141,7 +145,10 @@ def run_offline_benchmark(args: argparse.Namespace) -> None:
     vocab = llm.engine.vocab_size
     workload = make_workload(args, vocab)
     model_dir = str(llm.engine.model_path)
-    print(f"model {model_dir}  dtype {llm.engine.runner.dtype}  threads {__import__('torch').get_num_threads()}")
+    print(
+        f"model {model_dir}  dtype {llm.engine.runner.dtype}  "
+        f"threads {__import__('torch').get_num_threads()}"
+    )
     print(
         f"workload: {len(workload.prompts)} requests, prompts {args.min_prompt}-{args.max_prompt}, "
         f"outputs {args.min_output}-{args.max_output} ({workload.output_tokens} output tokens), "
@@ -159,11 +166,16 @@ def run_offline_benchmark(args: argparse.Namespace) -> None:
 
     for batch in (int(b) for b in args.phase_batches.split(",")):
         phases = folio_phases(llm, batch, prompt_len=256, decode_steps=32, vocab_size=vocab)
-        total = sum(phases[name] for name in ("schedule", "prepare_inputs", "forward", "sample", "update"))
+        total = sum(
+            phases[name] for name in ("schedule", "prepare_inputs", "forward", "sample", "update")
+        )
         outside = 100 * (total - phases["forward"]) / total
         print(
             f"step phases at batch {batch:3d} (ms/step): "
-            + "  ".join(f"{k} {phases[k]:.2f}" for k in ("schedule", "prepare_inputs", "forward", "sample", "update"))
+            + "  ".join(
+                f"{k} {phases[k]:.2f}"
+                for k in ("schedule", "prepare_inputs", "forward", "sample", "update")
+            )
             + f"  total {total:.2f}  outside forward {outside:.1f}%"
         )
 
@@ -171,7 +183,10 @@ def run_offline_benchmark(args: argparse.Namespace) -> None:
         return
     hf_s = run_hf(model_dir, args.hf_dtype, workload, args.hf_batch_size)
     hf_tps = workload.output_tokens / hf_s
-    print(f"transformers throughput {hf_tps:8.1f} output tok/s  ({hf_s:.1f} s, static batches of {args.hf_batch_size}, {args.hf_dtype})")
+    print(
+        f"transformers throughput {hf_tps:8.1f} output tok/s  ({hf_s:.1f} s, "
+        f"static batches of {args.hf_batch_size}, {args.hf_dtype})"
+    )
     hf_b1 = hf_decode_rate(model_dir, args.hf_dtype, decode_prompt, 128)
     print(f"transformers batch-1 decode {hf_b1:6.1f} tok/s ({args.hf_dtype})")
     print(f"ratio throughput  folio/transformers = {folio_tps / hf_tps:.2f}x")

@@ -26,12 +26,22 @@ Client = Callable[[str, list[int], int], Awaitable["Sample"]]
 
 def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
-    g.add_argument("--url", default=None, help="attach to this running `folio serve` instead of starting one")
+    g.add_argument(
+        "--url", default=None, help="attach to this running `folio serve` instead of starting one"
+    )
     g.add_argument("--concurrency", default="1,32", help="concurrent streaming clients, a sweep")
-    g.add_argument("--request-rate", type=float, default=None,
-                   help="Poisson arrivals per second instead of the concurrency sweep")
-    g.add_argument("--num-requests", type=int, default=None,
-                   help="requests per run (default: 4 x concurrency, at least 8; 64 with --request-rate)")
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="Poisson arrivals per second instead of the concurrency sweep",
+    )
+    g.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="requests per run (default: 4 x concurrency, at least 8; 64 with --request-rate)",
+    )
     g.add_argument("--prompt-len", type=int, default=128)
     g.add_argument("--output-len", type=int, default=64)
     g.add_argument("--workload-seed", type=int, default=1234)
@@ -81,7 +91,11 @@ class RunResult:
 
     def report(self) -> str:
         tpot = [t for s in self.samples if (t := s.tpot) is not None]
-        itl = [b - a for s in self.samples for a, b in zip(s.token_times, s.token_times[1:])]
+        itl = [
+            b - a
+            for s in self.samples
+            for a, b in zip(s.token_times, s.token_times[1:], strict=False)
+        ]
         fmt = lambda p: "/".join(f"{v:.1f}" for v in p)  # noqa: E731
         return (
             f"{self.label:<24} {len(self.samples) / self.seconds:6.2f} req/s "
@@ -90,17 +104,28 @@ class RunResult:
         )
 
 
-def make_prompts(args: argparse.Namespace, count: int, vocab_size: int, run: str,
-                 num_special: int = 32) -> list[list[int]]:
+def make_prompts(
+    args: argparse.Namespace, count: int, vocab_size: int, run: str, num_special: int = 32
+) -> list[list[int]]:
     """Random prompts of their own for each run (`run` names it): a run must not find its
     prompts in the prefix cache because the warm-up or an earlier run sent them."""
     rng = random.Random(f"{args.workload_seed}-{run}")
-    return [[rng.randrange(num_special, vocab_size) for _ in range(args.prompt_len)] for _ in range(count)]
+    return [
+        [rng.randrange(num_special, vocab_size) for _ in range(args.prompt_len)]
+        for _ in range(count)
+    ]
 
 
-async def drive(client: Client, prompts: list[list[int]], output_len: int, concurrency: int | None,
-                rate: float | None, seed: int) -> tuple[list[Sample], float]:
-    """Run every prompt through `client`, `concurrency` at a time or at Poisson `rate` per second."""
+async def drive(
+    client: Client,
+    prompts: list[list[int]],
+    output_len: int,
+    concurrency: int | None,
+    rate: float | None,
+    seed: int,
+) -> tuple[list[Sample], float]:
+    """Run every prompt through `client`, `concurrency` at a time or at Poisson `rate` per
+    second."""
     limit = asyncio.Semaphore(concurrency or len(prompts))
     arrivals = random.Random(seed)
 
@@ -115,14 +140,23 @@ async def drive(client: Client, prompts: list[list[int]], output_len: int, concu
         if rate:
             t += arrivals.expovariate(rate)
     start = time.perf_counter()
-    samples = await asyncio.gather(*(one(i, p, d) for i, (p, d) in enumerate(zip(prompts, delays))))
+    samples = await asyncio.gather(
+        *(one(i, p, d) for i, (p, d) in enumerate(zip(prompts, delays, strict=False)))
+    )
     return list(samples), time.perf_counter() - start
 
 
 def http_client(session, url: str, model: str) -> Client:
     async def run(request_id: str, prompt: list[int], output_len: int) -> Sample:
-        body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": output_len,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         sample = Sample(time.perf_counter())
         async with session.stream("POST", f"{url}/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -130,7 +164,7 @@ def http_client(session, url: str, model: str) -> Client:
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                chunk = json.loads(line[len("data: "):])
+                chunk = json.loads(line[len("data: ") :])
                 if chunk.get("choices"):
                     sample.token_times.append(time.perf_counter())  # one event per token
                 if chunk.get("usage"):
@@ -141,14 +175,18 @@ def http_client(session, url: str, model: str) -> Client:
 
 
 def engine_client(engine) -> Client:
+    from common.sampling_params import SamplingParams
     from engine.async_engine import RequestFailed
-    from engine.sampling_params import SamplingParams
 
     async def run(request_id: str, prompt: list[int], output_len: int) -> Sample:
         events: asyncio.Queue = asyncio.Queue()
         sample = Sample(time.perf_counter())
-        engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=output_len,
-                                                              ignore_eos=True), events)
+        engine.add_request(
+            request_id,
+            prompt,
+            SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True),
+            events,
+        )
         while True:
             for event in await events.get():
                 if isinstance(event, RequestFailed):
@@ -166,22 +204,34 @@ def levels(args: argparse.Namespace) -> list[tuple[str, int | None, int]]:
     """(label, concurrency, number of requests) of each run."""
     if args.request_rate:
         return [(f"rate {args.request_rate:g}/s", None, args.num_requests or 64)]
-    return [(f"c={c}", c, args.num_requests or max(8, 4 * c))
-            for c in (int(c) for c in args.concurrency.split(","))]
+    return [
+        (f"c={c}", c, args.num_requests or max(8, 4 * c))
+        for c in (int(c) for c in args.concurrency.split(","))
+    ]
 
 
-async def bench_levels(name: str, client: Client, args: argparse.Namespace, vocab_size: int) -> dict[str, RunResult]:
+async def bench_levels(
+    name: str, client: Client, args: argparse.Namespace, vocab_size: int
+) -> dict[str, RunResult]:
     results = {}
     await drive(client, make_prompts(args, 2, vocab_size, "warm-up"), 8, 2, None, 0)
     for label, concurrency, count in levels(args):
-        samples, seconds = await drive(client, make_prompts(args, count, vocab_size, label), args.output_len,
-                                       concurrency, args.request_rate, args.workload_seed)
+        samples, seconds = await drive(
+            client,
+            make_prompts(args, count, vocab_size, label),
+            args.output_len,
+            concurrency,
+            args.request_rate,
+            args.workload_seed,
+        )
         results[label] = RunResult(f"{name} {label}", samples, seconds)
         print(results[label].report(), flush=True)
     return results
 
 
-async def bench_gateway(url: str, args: argparse.Namespace, vocab_size: int) -> dict[str, RunResult]:
+async def bench_gateway(
+    url: str, args: argparse.Namespace, vocab_size: int
+) -> dict[str, RunResult]:
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -197,7 +247,9 @@ async def bench_in_process(config, args: argparse.Namespace) -> dict[str, RunRes
     engine = AsyncEngine(lambda: LLMEngine(config))
     await asyncio.wrap_future(engine.start())
     try:
-        return await bench_levels("in-process", engine_client(engine), args, engine.engine.vocab_size)
+        return await bench_levels(
+            "in-process", engine_client(engine), args, engine.engine.vocab_size
+        )
     finally:
         engine.shutdown()
 
@@ -215,15 +267,21 @@ def run_serve_benchmark(args: argparse.Namespace) -> None:
 
     config = engine_config_from_args(args)
     vocab_size = _vocab_size(config)
-    print(f"workload: prompts of {args.prompt_len} random tokens, {args.output_len} output tokens, "
-          f"greedy, ignore_eos; runs: " + ", ".join(f"{label} x {n}" for label, _, n in levels(args)))
+    print(
+        f"workload: prompts of {args.prompt_len} random tokens, {args.output_len} output tokens, "
+        f"greedy, ignore_eos; runs: " + ", ".join(f"{label} x {n}" for label, _, n in levels(args))
+    )
     print("TTFT, TPOT and ITL in ms as p50/p90/p99", flush=True)
     if args.url:
         served = asyncio.run(bench_gateway(args.url.rstrip("/"), args, vocab_size))
     else:
-        with tempfile.NamedTemporaryFile("w", prefix="folio-bench-serve-", suffix=".log", delete=False) as log:
-            supervisor = Supervisor(ServeConfig(port=0, grpc_port=0, engine_port=0, tokenizer_port=0,
-                                                engine=config), output=log)
+        with tempfile.NamedTemporaryFile(
+            "w", prefix="folio-bench-serve-", suffix=".log", delete=False
+        ) as log:
+            supervisor = Supervisor(
+                ServeConfig(port=0, grpc_port=0, engine_port=0, tokenizer_port=0, engine=config),
+                output=log,
+            )
             print(f"starting folio serve (service logs in {log.name})", flush=True)
             try:
                 supervisor.start()
@@ -237,9 +295,13 @@ def run_serve_benchmark(args: argparse.Namespace) -> None:
     top, first = labels[-1], labels[0]
     # The targets are set for the default sweep: throughput at c=32, TTFT at c=1.
     sweep = args.request_rate is None
-    print(f"throughput gateway/in-process at {top}: "
-          f"{served[top].token_throughput / local[top].token_throughput:.2f}"
-          + (" (target >= 0.85)" if sweep else ""))
+    print(
+        f"throughput gateway/in-process at {top}: "
+        f"{served[top].token_throughput / local[top].token_throughput:.2f}"
+        + (" (target >= 0.85)" if sweep else "")
+    )
     added = served[first].ttft()[0] - local[first].ttft()[0]
-    print(f"TTFT added by the service hops at {first}, p50: {added:.1f} ms"
-          + (" (target <= 10 ms)" if sweep else ""))
+    print(
+        f"TTFT added by the service hops at {first}, p50: {added:.1f} ms"
+        + (" (target <= 10 ms)" if sweep else "")
+    )

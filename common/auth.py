@@ -66,13 +66,19 @@ def _check_key(key: str, source: str) -> str:
     return key
 
 
-def load_api_keys(flag_keys: Sequence[str] = (), key_file: str | None = None,
-                  environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
+def load_api_keys(
+    flag_keys: Sequence[str] = (),
+    key_file: str | None = None,
+    environ: Mapping[str, str] = os.environ,
+) -> tuple[str, ...]:
     """The gateway's API keys: --api-key values, FOLIO_API_KEYS (comma-separated) and the lines
     of --api-key-file (blank lines and # comments skipped). ValueError names a bad key's source."""
     keys = [_check_key(k, f"--api-key #{i + 1}") for i, k in enumerate(flag_keys)]
-    keys += [_check_key(k.strip(), API_KEYS_ENV)
-             for k in environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    keys += [
+        _check_key(k.strip(), API_KEYS_ENV)
+        for k in environ.get(API_KEYS_ENV, "").split(",")
+        if k.strip()
+    ]
     if key_file is not None:
         for number, line in enumerate(Path(key_file).read_text().splitlines(), 1):
             line = line.strip()
@@ -130,9 +136,13 @@ class KeyInterceptor(grpc.aio.ServerInterceptor):
     def _refusal(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """A handler of the same kind as `handler` (so the request is read as it would be) that
         ends the call with UNAUTHENTICATED."""
+
         async def refuse(request_or_iterator, context: grpc.aio.ServicerContext):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, self._message)
 
         factory = _HANDLER_FACTORIES[(handler.request_streaming, handler.response_streaming)]
-        return factory(refuse, request_deserializer=handler.request_deserializer,
-                       response_serializer=handler.response_serializer)
+        return factory(
+            refuse,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )

@@ -29,14 +29,17 @@ def _prepare_model(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
+    from common.sampling_params import SamplingParams
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
     llm = LLM(**vars(config))
     messages = [{"role": "user", "content": args.message}]
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.sampling_seed
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
     )
     prompt = llm.tokenizer.encode_chat(messages)
     for delta in llm.generate_stream([prompt], params):
@@ -73,8 +76,9 @@ def _require_internal_token(service):
     """The service refuses callers without FOLIO_INTERNAL_TOKEN, when it is set."""
     from common.auth import KeySet, internal_token
 
-    service.require_keys(KeySet(filter(None, [internal_token()])),
-                         f"internal token ({INTERNAL_TOKEN_ENV})")
+    service.require_keys(
+        KeySet(filter(None, [internal_token()])), f"internal token ({INTERNAL_TOKEN_ENV})"
+    )
     return service
 
 
@@ -97,9 +101,16 @@ def _gateway(args: argparse.Namespace) -> int:
     from gateway.server import GatewayServer
 
     config = gateway_config_from_args(args, load_api_keys(args.api_key, args.api_key_file))
-    server = GatewayServer(args.host, args.port, args.grpc_port, args.engine_address,
-                           args.tokenizer_address, args.served_model_name, config,
-                           internal_token())
+    server = GatewayServer(
+        args.host,
+        args.port,
+        args.grpc_port,
+        args.engine_address,
+        args.tokenizer_address,
+        args.served_model_name,
+        config,
+        internal_token(),
+    )
     return _run_service(server, args.drain_seconds)
 
 
@@ -113,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="folio", description="Folio LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    prep = sub.add_parser("prepare-model", help="convert the default model once; print its directory")
+    prep = sub.add_parser(
+        "prepare-model", help="convert the default model once; print its directory"
+    )
     prep.add_argument("--force", action="store_true", help="convert again even if cached")
     prep.set_defaults(func=_prepare_model)
 
@@ -127,8 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_chat)
 
     tokenizer = sub.add_parser("tokenizer", help="run the tokenizer gRPC service")
-    tokenizer.add_argument("--model", default=None,
-                           help="a local Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    tokenizer.add_argument(
+        "--model",
+        default=None,
+        help="a local Hugging Face model directory (default: SmolLM2-135M-Instruct)",
+    )
     add_service_args(tokenizer, TOKENIZER_PORT)
     tokenizer.set_defaults(func=_tokenizer)
 
@@ -137,21 +153,42 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(engine)
     engine.set_defaults(func=_engine)
 
-    gateway = sub.add_parser("gateway", help="run the HTTP gateway (OpenAI API) and its gRPC text API")
+    gateway = sub.add_parser(
+        "gateway", help="run the HTTP gateway (OpenAI API) and its gRPC text API"
+    )
     from common.config import DEFAULT_HOST, DRAIN_SECONDS, GATEWAY_GRPC_PORT, HTTP_PORT
 
     gateway.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
-    gateway.add_argument("--port", type=int, default=HTTP_PORT, help="HTTP port (0 picks a free one)")
-    gateway.add_argument("--grpc-port", type=int, default=GATEWAY_GRPC_PORT,
-                         help="port of the gateway's gRPC text API (0 picks a free one)")
-    gateway.add_argument("--engine-address", default=f"{DEFAULT_HOST}:{ENGINE_PORT}",
-                         help="HOST:PORT of the engine service")
-    gateway.add_argument("--tokenizer-address", default=f"{DEFAULT_HOST}:{TOKENIZER_PORT}",
-                         help="HOST:PORT of the tokenizer service")
-    gateway.add_argument("--drain-seconds", type=float, default=DRAIN_SECONDS,
-                         help="on SIGTERM / Ctrl-C, how long requests in flight may finish")
-    gateway.add_argument("--served-model-name", default=None,
-                         help="the model name clients use (default: the model directory's name)")
+    gateway.add_argument(
+        "--port", type=int, default=HTTP_PORT, help="HTTP port (0 picks a free one)"
+    )
+    gateway.add_argument(
+        "--grpc-port",
+        type=int,
+        default=GATEWAY_GRPC_PORT,
+        help="port of the gateway's gRPC text API (0 picks a free one)",
+    )
+    gateway.add_argument(
+        "--engine-address",
+        default=f"{DEFAULT_HOST}:{ENGINE_PORT}",
+        help="HOST:PORT of the engine service",
+    )
+    gateway.add_argument(
+        "--tokenizer-address",
+        default=f"{DEFAULT_HOST}:{TOKENIZER_PORT}",
+        help="HOST:PORT of the tokenizer service",
+    )
+    gateway.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=DRAIN_SECONDS,
+        help="on SIGTERM / Ctrl-C, how long requests in flight may finish",
+    )
+    gateway.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients use (default: the model directory's name)",
+    )
     add_gateway_args(gateway)
     gateway.set_defaults(func=_gateway)
 
@@ -171,7 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_offline_args(offline)
     add_engine_args(offline)
     offline.set_defaults(func=_bench_offline)
-    served = bench_sub.add_parser("serve", help="gateway over HTTP vs the in-process engine, same workload")
+    served = bench_sub.add_parser(
+        "serve", help="gateway over HTTP vs the in-process engine, same workload"
+    )
     from bench.serve import add_serve_bench_args
 
     add_serve_bench_args(served)

@@ -33,20 +33,34 @@ def cache_dir() -> Path:
 class EngineConfig:
     """Everything that shapes one engine instance."""
 
-    model: str | None = _arg(None, str, "a local Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    model: str | None = _arg(
+        None, str, "a local Hugging Face model directory (default: SmolLM2-135M-Instruct)"
+    )
     dtype: str = _arg("auto", str, "weights and activations; auto = bfloat16", choices=DTYPES)
     device: str = _arg("cpu", str, "torch device")
     block_size: int = _arg(16, int, "tokens per KV cache block (a power of two)")
     kv_cache_memory_bytes: int = _arg(2 * 1024**3, int, "memory budget of the KV cache pool")
-    num_kv_blocks: int | None = _arg(None, int, "KV pool size in blocks (overrides the memory budget)")
+    num_kv_blocks: int | None = _arg(
+        None, int, "KV pool size in blocks (overrides the memory budget)"
+    )
     max_num_batched_tokens: int = _arg(2048, int, "token budget of one engine step")
     max_num_seqs: int = _arg(128, int, "most requests running at once")
-    max_waiting_requests: int = _arg(1024, int, "bound of the waiting queue; beyond it requests are refused")
-    max_model_len: int | None = _arg(None, int, "context length (default: the model's, capped by the KV pool)")
-    scheduling_policy: str = _arg("fcfs", str, "which waiting request runs first", choices=SCHEDULING_POLICIES)
+    max_waiting_requests: int = _arg(
+        1024, int, "bound of the waiting queue; beyond it requests are refused"
+    )
+    max_model_len: int | None = _arg(
+        None, int, "context length (default: the model's, capped by the KV pool)"
+    )
+    scheduling_policy: str = _arg(
+        "fcfs", str, "which waiting request runs first", choices=SCHEDULING_POLICIES
+    )
     enable_prefix_caching: bool = _arg(True, bool, "reuse KV blocks of identical prompt prefixes")
-    attention_backend: str = _arg("auto", str, "auto = triton on CUDA, torch otherwise", choices=ATTENTION_BACKENDS)
-    enable_cuda_graphs: bool = _arg(True, bool, "replay captured CUDA graphs for decode steps (GPU, triton backend)")
+    attention_backend: str = _arg(
+        "auto", str, "auto = triton on CUDA, torch otherwise", choices=ATTENTION_BACKENDS
+    )
+    enable_cuda_graphs: bool = _arg(
+        True, bool, "replay captured CUDA graphs for decode steps (GPU, triton backend)"
+    )
     num_threads: int | None = _arg(None, int, "CPU threads for torch (default: torch's choice)")
     seed: int = _arg(0, int, "seed of the generator shared by unseeded sampled requests")
 
@@ -58,11 +72,13 @@ class EngineConfig:
         require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         require(
             self.attention_backend in ATTENTION_BACKENDS,
-            f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+            f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+            f"got {self.attention_backend!r}",
         )
         require(
             self.scheduling_policy in SCHEDULING_POLICIES,
-            f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}",
+            f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+            f"got {self.scheduling_policy!r}",
         )
         require(
             self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
@@ -104,8 +120,10 @@ MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 # 4 MiB). The largest real messages are a whole prompt and, from the tokenizer, the ids and
 # strings of a MAX_REQUEST_BODY_BYTES body's tokens (about twice its size): well inside.
 GRPC_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-GRPC_MESSAGE_OPTIONS = [("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
-                        ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES)]
+GRPC_MESSAGE_OPTIONS = [
+    ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+]
 # Secrets come from the environment, never from flags that `folio serve` passes on: a command
 # line is visible to every user of the machine (ps). FOLIO_INTERNAL_TOKEN, when set, is the
 # token the engine and tokenizer require of their callers (the gateway sends it);
@@ -125,9 +143,11 @@ MAX_RESTARTS = 5
 CPU_KERNEL_CACHE_CAPACITY = 64
 # gRPC channel options of the clients of the internal services: a restarted service is found
 # again within a second, not after gRPC's default reconnect back-off (up to two minutes).
-RECONNECT_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250),
-                             ("grpc.min_reconnect_backoff_ms", 250),
-                             ("grpc.max_reconnect_backoff_ms", 1000)]
+RECONNECT_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 def add_service_args(parser: argparse.ArgumentParser, port: int) -> None:
@@ -135,8 +155,12 @@ def add_service_args(parser: argparse.ArgumentParser, port: int) -> None:
     group = parser.add_argument_group("service")
     group.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
     group.add_argument("--port", type=int, default=port, help="gRPC port (0 picks a free one)")
-    group.add_argument("--drain-seconds", type=float, default=DRAIN_SECONDS,
-                       help="on SIGTERM / Ctrl-C, how long requests in flight may finish")
+    group.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=DRAIN_SECONDS,
+        help="on SIGTERM / Ctrl-C, how long requests in flight may finish",
+    )
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -152,9 +176,17 @@ def _add_config_args(group, config_type: type) -> None:
         flag = "--" + f.name.replace("_", "-")
         meta = f.metadata
         if meta["type"] is bool:
-            group.add_argument(flag, default=f.default, action=argparse.BooleanOptionalAction, help=meta["help"])
+            group.add_argument(
+                flag, default=f.default, action=argparse.BooleanOptionalAction, help=meta["help"]
+            )
         else:
-            group.add_argument(flag, default=f.default, type=meta["type"], choices=meta["choices"], help=meta["help"])
+            group.add_argument(
+                flag,
+                default=f.default,
+                type=meta["type"],
+                choices=meta["choices"],
+                help=meta["help"],
+            )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -189,18 +221,29 @@ class GatewayConfig:
     # authentication. Never printed: repr leaves them out.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     protect_health_metrics: bool = _arg(
-        False, bool, "require an API key for /health, /metrics and gRPC health too (default: "
-                     "open, for probes and scrapers)")
+        False,
+        bool,
+        "require an API key for /health, /metrics and gRPC health too (default: "
+        "open, for probes and scrapers)",
+    )
     rate_limit_rps: float | None = _arg(
-        None, float, "requests per second per API key (per client address without keys); "
-                     "default: unlimited")
+        None,
+        float,
+        "requests per second per API key (per client address without keys); default: unlimited",
+    )
     rate_limit_tpm: int | None = _arg(
-        None, int, "tokens per minute per API key (per client address without keys): prompt "
-                   "plus max_tokens, what a sequence did not generate given back; default: "
-                   "unlimited")
+        None,
+        int,
+        "tokens per minute per API key (per client address without keys): prompt "
+        "plus max_tokens, what a sequence did not generate given back; default: "
+        "unlimited",
+    )
     request_timeout: float = _arg(
-        REQUEST_TIMEOUT_SECONDS, float, "seconds one request may take, queueing included; "
-                                        "then it is aborted (HTTP 504, gRPC DEADLINE_EXCEEDED)")
+        REQUEST_TIMEOUT_SECONDS,
+        float,
+        "seconds one request may take, queueing included; "
+        "then it is aborted (HTTP 504, gRPC DEADLINE_EXCEEDED)",
+    )
 
     def __post_init__(self) -> None:
         for name in ("rate_limit_rps", "rate_limit_tpm"):
@@ -214,18 +257,28 @@ class GatewayConfig:
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     """The gateway's auth, limit and timeout flags (GatewayConfig)."""
     group = parser.add_argument_group("auth and limits")
-    group.add_argument("--api-key", action="append", default=[], dest="api_key",
-                       help="an API key clients must send (Authorization: Bearer KEY); repeatable. "
-                            f"Visible in ps: prefer {API_KEYS_ENV} (comma-separated) or "
-                            "--api-key-file")
-    group.add_argument("--api-key-file", default=None,
-                       help="a file of API keys, one per line (blank lines and # comments skipped)")
+    group.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        dest="api_key",
+        help="an API key clients must send (Authorization: Bearer KEY); repeatable. "
+        f"Visible in ps: prefer {API_KEYS_ENV} (comma-separated) or "
+        "--api-key-file",
+    )
+    group.add_argument(
+        "--api-key-file",
+        default=None,
+        help="a file of API keys, one per line (blank lines and # comments skipped)",
+    )
     _add_config_args(group, GatewayConfig)
 
 
 def gateway_config_from_args(args: argparse.Namespace, api_keys: tuple[str, ...]) -> GatewayConfig:
-    return GatewayConfig(api_keys=api_keys, **{f.name: getattr(args, f.name)
-                                               for f in fields(GatewayConfig) if "type" in f.metadata})
+    return GatewayConfig(
+        api_keys=api_keys,
+        **{f.name: getattr(args, f.name) for f in fields(GatewayConfig) if "type" in f.metadata},
+    )
 
 
 def gateway_args_from_config(config: GatewayConfig) -> list[str]:

@@ -90,7 +90,8 @@ def _convert_gguf(source: Path, out: Path) -> None:
     _log(f"dequantized the GGUF in {time.monotonic() - start:.1f}s; writing safetensors")
 
     config = copy.deepcopy(model.config)
-    # The weights written below are plain fp32; a quantization_config would make loaders expect GGUF.
+    # The weights written below are plain fp32; a quantization_config would make loaders expect
+    # GGUF.
     del config.quantization_config
     config.architectures = [type(model).__name__]
     config.save_pretrained(out)
@@ -113,7 +114,8 @@ def _convert_gguf(source: Path, out: Path) -> None:
 
 
 def resolve_model_path(model: str | None) -> Path:
-    """None means the default model (prepared on first use); anything else must be a local HF directory."""
+    """None means the default model (prepared on first use); anything else must be a local HF
+    directory."""
     if model is None:
         return prepare_default_model()
     path = Path(model).expanduser()

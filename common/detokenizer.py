@@ -19,7 +19,8 @@ REPLACEMENT_CHAR = "\ufffd"
 
 @dataclass
 class DetokenizerDelta:
-    """Text that became certain with the latest tokens; stop_matched is the stop string that ended it."""
+    """Text that became certain with the latest tokens; stop_matched is the stop string that
+    ended it."""
 
     text: str
     stop_matched: str | None = None
@@ -35,8 +36,14 @@ class IncrementalDetokenizer:
     window only grows while the text keeps ending inside an unfinished character).
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True,
-                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self._tokenizer = tokenizer
@@ -74,14 +81,14 @@ class IncrementalDetokenizer:
     def _decode_new(self, final: bool) -> str:
         if not final and self._ends_in_byte_fallback_run():
             return ""
-        text = self._decode(self._ids[self._prefix:])
+        text = self._decode(self._ids[self._prefix :])
         # A trailing U+FFFD is (almost always) a character whose remaining bytes are in tokens
         # still to come; wait for them unless the stream has ended.
         if len(text) <= len(self._prefix_text) or (text.endswith(REPLACEMENT_CHAR) and not final):
             return ""
-        new = text[len(self._prefix_text):]
+        new = text[len(self._prefix_text) :]
         self._prefix, self._read = self._read, len(self._ids)
-        self._prefix_text = self._decode(self._ids[self._prefix:self._read])
+        self._prefix_text = self._decode(self._ids[self._prefix : self._read])
         return new
 
     def _ends_in_byte_fallback_run(self) -> bool:
@@ -102,9 +109,11 @@ class IncrementalDetokenizer:
             stop, start = match
             self.stop_matched = stop
             self._held = ""
-            return DetokenizerDelta(text[: start + len(stop) if self._include_stop else start], stop)
+            return DetokenizerDelta(
+                text[: start + len(stop) if self._include_stop else start], stop
+            )
         keep = 0 if final else self._hold_length(text)
-        self._held = text[len(text) - keep:]
+        self._held = text[len(text) - keep :]
         return DetokenizerDelta(text[: len(text) - keep])
 
     def _earliest_stop(self, text: str) -> tuple[str, int] | None:

@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jinja2
 import jinja2.ext
@@ -22,7 +22,13 @@ from tokenizers import Tokenizer as FastTokenizer
 
 # The named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = (
-    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
 )
 # config.json keys that hold the context length, most specific first.
 CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
@@ -60,11 +66,17 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -72,9 +84,10 @@ def _strftime_now(fmt: str) -> str:
 
 
 class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; render its body."""
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; render
+    its body."""
 
-    tags = {"generation"}
+    tags: ClassVar[set[str]] = {"generation"}
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
@@ -116,11 +129,18 @@ def validate_messages(messages: Any) -> list[dict]:
 class Tokenizer:
     """One model's tokenizer: a fast tokenizer, its special tokens and its chat template."""
 
-    def __init__(self, fast: FastTokenizer, tokenizer_config: dict, model_config: dict,
-                 generation_config: dict, chat_template: str | None) -> None:
+    def __init__(
+        self,
+        fast: FastTokenizer,
+        tokenizer_config: dict,
+        model_config: dict,
+        generation_config: dict,
+        chat_template: str | None,
+    ) -> None:
         self._fast = fast
         self.special_tokens = {
-            name: text for name in SPECIAL_TOKEN_NAMES
+            name: text
+            for name in SPECIAL_TOKEN_NAMES
             if (text := _token_text(tokenizer_config.get(name))) is not None
         }
         self.chat_template = chat_template
@@ -172,7 +192,8 @@ class Tokenizer:
         return self._fast.get_vocab_size(with_added_tokens=True)
 
     def id_to_token(self, token_id: int) -> str | None:
-        """The token's string in the vocabulary (byte-level or SentencePiece form), None if unknown."""
+        """The token's string in the vocabulary (byte-level or SentencePiece form), None if
+        unknown."""
         return self._fast.id_to_token(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -198,6 +219,8 @@ class Tokenizer:
             raise ValueError(f"the chat template rejected the messages: {error}") from error
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        # The template writes its own BOS and control tokens; adding special tokens would double them.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt),
-                           add_special_tokens=False)
+        # The template writes its own BOS and control tokens; adding special tokens would double
+        # them.
+        return self.encode(
+            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+        )

@@ -3,7 +3,7 @@
 `from engine import LLM, SamplingParams` is the offline API.
 """
 
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]
 

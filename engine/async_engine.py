@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import ctypes
 import dataclasses
 import logging
@@ -25,10 +26,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from common.sampling_params import SamplingParams
 from engine.engine import EngineStats, LLMEngine
 from engine.errors import EngineError
 from engine.outputs import RequestOutput, StepTimings
-from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +91,19 @@ class AsyncEngine:
         self._thread.start()
         return self._ready
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    events: asyncio.Queue, priority: int = 0) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        events: asyncio.Queue,
+        priority: int = 0,
+    ) -> None:
         """Queue a request. Its outputs, or one RequestFailed, arrive in `events` as lists."""
         sink = _Sink(asyncio.get_running_loop(), events)
-        self._inbox.put(lambda: self._add(request_id, list(prompt_token_ids), params, priority, sink))
+        self._inbox.put(
+            lambda: self._add(request_id, list(prompt_token_ids), params, priority, sink)
+        )
 
     def abort(self, request_ids: Sequence[str]) -> concurrent.futures.Future[list[str]]:
         """Abort requests and free their KV blocks; resolves to the ids that were live.
@@ -161,8 +170,14 @@ class AsyncEngine:
         except queue.Empty:
             pass
 
-    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-             priority: int, sink: _Sink) -> None:
+    def _add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        sink: _Sink,
+    ) -> None:
         try:
             self.engine.add_request(request_id, prompt_token_ids, params, priority)
         except Exception as exc:
@@ -213,7 +228,6 @@ class AsyncEngine:
         for sink, event in events:
             grouped.setdefault(id(sink.queue), (sink, []))[1].append(event)
         for sink, batch in grouped.values():
-            try:
+            # RuntimeError: the consumer's event loop is closed, nobody is listening any more.
+            with contextlib.suppress(RuntimeError):
                 sink.loop.call_soon_threadsafe(sink.queue.put_nowait, batch)
-            except RuntimeError:
-                pass  # the consumer's event loop is closed: nobody is listening any more

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 16 up to max_num_seqs (padding stays under 16 rows
     for large batches and under 2x for tiny ones)."""
-    ladder = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
+    ladder = [1, 2, 4, 8, *range(16, max_num_seqs + 1, 16)]
     sizes = sorted({s for s in ladder if s <= max_num_seqs} | {max_num_seqs})
     return sizes
 

@@ -16,7 +16,9 @@ import torch
 
 from common.config import EngineConfig
 from common.default_model import resolve_model_path
+from common.sampling_params import SamplingParams
 from engine.errors import InvalidRequestError
+from engine.grammar import validate_sampling_params
 from engine.kv_cache_manager import KVCacheManager, num_blocks_for_budget
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.models.config import ModelConfig
@@ -24,10 +26,9 @@ from engine.outputs import RequestOutput, StepTimings
 from engine.prompt_logprobs import record_prompt_logprobs
 from engine.request import FinishReason, Request
 from engine.sampler import Sampler, SamplerOutput
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.structured_output import StructuredOutputManager
 from engine.stopping import check_stop
+from engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,8 @@ class LLMEngine:
         if limit < model_config.max_position_embeddings:
             logger.warning(
                 "max_model_len capped at %d tokens by the KV cache size (model allows %d)",
-                limit, model_config.max_position_embeddings,
+                limit,
+                model_config.max_position_embeddings,
             )
         return limit
 
@@ -110,7 +112,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
         self._validate_prompt(prompt_token_ids)
         try:
-            params.validate(self.vocab_size)
+            validate_sampling_params(params, self.vocab_size)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -219,7 +221,8 @@ class LLMEngine:
         # Rows past the sampled ones are prompt positions whose logprobs were asked.
         num_sampled = len(model_input.sampling_requests)
         sampled = self.sampler.sample(
-            logits[:num_sampled], model_input.sampling_requests,
+            logits[:num_sampled],
+            model_input.sampling_requests,
             masks.result() if masks is not None else None,
         )
         if model_input.prompt_logprob_spans:
@@ -227,7 +230,9 @@ class LLMEngine:
                 logits[num_sampled:, : self.vocab_size], model_input.prompt_logprob_spans
             )
         t4 = time.perf_counter()
-        outputs = self._update(sched.requests, sched.num_new_tokens, model_input.sampling_requests, sampled)
+        outputs = self._update(
+            sched.requests, sched.num_new_tokens, model_input.sampling_requests, sampled
+        )
         t5 = time.perf_counter()
         self.timings.add(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)
         return outputs
@@ -239,7 +244,7 @@ class LLMEngine:
         sampling_requests: list[Request],
         sampled: SamplerOutput,
     ) -> list[RequestOutput]:
-        for request, num_new in zip(scheduled, num_new_tokens):
+        for request, num_new in zip(scheduled, num_new_tokens, strict=False):
             request.num_computed_tokens += num_new
             self.kv_cache.cache_blocks(request, request.num_computed_tokens)
             if request.samples and request.num_computed_tokens == request.num_tokens:
@@ -259,8 +264,11 @@ class LLMEngine:
                 if logprobs is not None:
                     request.output_logprobs.append(logprobs)
                 reason = check_stop(request, self.eos_token_ids, self.max_model_len)
-                if (request.sampling_params.structured_output is not None
-                        and self.structured.advance(request) and reason is None):
+                if (
+                    request.sampling_params.structured_output is not None
+                    and self.structured.advance(request)
+                    and reason is None
+                ):
                     reason = FinishReason.STOP  # the grammar is complete
             if request.times.first_token is None:
                 request.times.first_token = now
@@ -281,7 +289,8 @@ class LLMEngine:
                     num_output_tokens=request.num_output_tokens,
                     num_cached_tokens=request.num_cached_tokens,
                     queue_seconds=request.times.first_scheduled - request.times.arrival
-                    if reason is not None else 0.0,
+                    if reason is not None
+                    else 0.0,
                 )
             )
         return outputs
@@ -297,5 +306,5 @@ class LLMEngine:
         records = (request.parent or request).prompt_logprobs
         return [
             (token_id, logprob, top)
-            for token_id, (logprob, top) in zip(request.prompt_token_ids[1:], records)
+            for token_id, (logprob, top) in zip(request.prompt_token_ids[1:], records, strict=False)
         ]

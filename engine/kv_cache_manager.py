@@ -59,7 +59,9 @@ def num_blocks_for_budget(
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -113,7 +115,9 @@ class KVCacheManager:
             blocks.append(block)
         return blocks, len(blocks) * size
 
-    def allocate(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+    def allocate(
+        self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()
+    ) -> bool:
         """Grow request.block_table to cover `num_new_tokens` more tokens; all or nothing.
 
         `cached_blocks` (from get_cached_prefix just before) may only be given while the
@@ -122,15 +126,22 @@ class KVCacheManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if cached_blocks and request.block_table:
-            raise ValueError(f"request {request.request_id} already holds blocks; cannot take cached ones")
-        num_computed = len(cached_blocks) * self.block_size if cached_blocks else request.num_computed_tokens
+            raise ValueError(
+                f"request {request.request_id} already holds blocks; cannot take cached ones"
+            )
+        num_computed = (
+            len(cached_blocks) * self.block_size if cached_blocks else request.num_computed_tokens
+        )
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
         num_fresh = max(0, num_needed - len(request.block_table) - len(cached_blocks))
         # The block the new tokens start in, if it is partly written and shared (a forked
         # prompt's last block): it must be copied before this request writes into it.
         shared = num_computed // self.block_size
-        if (num_new_tokens == 0 or shared >= len(request.block_table)
-                or self._ref_counts[request.block_table[shared]] == 1):
+        if (
+            num_new_tokens == 0
+            or shared >= len(request.block_table)
+            or self._ref_counts[request.block_table[shared]] == 1
+        ):
             shared = None
         # Taking an evictable cached block removes it from what fresh blocks can come from.
         num_revived = sum(1 for block in cached_blocks if self._ref_counts[block] == 0)
@@ -160,7 +171,9 @@ class KVCacheManager:
         """Give `child` (holding no blocks) the parent's blocks by reference, with the prefix
         cache hashes of the full ones: it continues from the parent's computed tokens."""
         if child.block_table:
-            raise ValueError(f"request {child.request_id} already holds blocks; cannot fork into it")
+            raise ValueError(
+                f"request {child.request_id} already holds blocks; cannot fork into it"
+            )
         for block in parent.block_table:
             self._ref_counts[block] += 1
         child.block_table = list(parent.block_table)
@@ -183,7 +196,8 @@ class KVCacheManager:
         return block
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Register the request's blocks that became full once `num_computed_tokens` are computed."""
+        """Register the request's blocks that became full once `num_computed_tokens` are
+        computed."""
         if not self.enable_prefix_caching:
             return
         size = self.block_size
@@ -191,7 +205,9 @@ class KVCacheManager:
         hashes = request.block_hashes
         num_full = min(num_computed_tokens // size, len(request.block_table))
         for i in range(len(hashes), num_full):
-            block_hash = hash_block(hashes[-1] if hashes else b"", tokens[i * size : (i + 1) * size])
+            block_hash = hash_block(
+                hashes[-1] if hashes else b"", tokens[i * size : (i + 1) * size]
+            )
             hashes.append(block_hash)
             # Another block may already hold this content; keep that one as the cached copy.
             if block_hash not in self._cached:

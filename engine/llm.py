@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 
 from common.config import EngineConfig
 from common.detokenizer import IncrementalDetokenizer
+from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
+from engine.grammar import validate_sampling_params
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 
 PromptInput = str | Sequence[int]
 
@@ -68,7 +69,8 @@ class LLM:
         param_list = _as_param_list(params, len(prompt_list))
         results = [
             CompletionOutput(prompt=p if isinstance(p, str) else None, prompt_token_ids=ids)
-            for p, ids, sp in zip(prompt_list, token_lists, param_list) for _ in range(sp.n)
+            for p, ids, sp in zip(prompt_list, token_lists, param_list, strict=False)
+            for _ in range(sp.n)
         ]
         for index, out in self._run(token_lists, param_list):
             result = results[index]
@@ -120,12 +122,13 @@ class LLM:
     def _encode_all(self, prompts: list[PromptInput]) -> list[list[int]]:
         return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
-    def _run(self, token_lists: list[list[int]], param_list: list[SamplingParams]
-             ) -> Iterator[tuple[int, RequestOutput]]:
+    def _run(
+        self, token_lists: list[list[int]], param_list: list[SamplingParams]
+    ) -> Iterator[tuple[int, RequestOutput]]:
         """Feed requests as the waiting queue allows and yield (result index, RequestOutput):
         sample i of prompt p is result i after the n results of the prompts before p."""
         for p in param_list:
-            p.validate(self.engine.vocab_size)
+            validate_sampling_params(p, self.engine.vocab_size)
         firsts = list(itertools.accumulate((p.n for p in param_list), initial=0))
         pending = deque(range(len(token_lists)))
         index_of: dict[str, int] = {}

@@ -71,7 +71,9 @@ class ModelInput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: str, num_blocks: int, max_model_len: int) -> None:
+    def __init__(
+        self, config: EngineConfig, model_path: str, num_blocks: int, max_model_len: int
+    ) -> None:
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype)
         self.block_size = config.block_size
@@ -82,8 +84,13 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_caches = [
             torch.zeros(
-                2, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
-                dtype=self.dtype, device=self.device,
+                2,
+                num_blocks,
+                self.block_size,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+                dtype=self.dtype,
+                device=self.device,
             )
             for _ in range(cfg.num_hidden_layers)
         ]
@@ -114,7 +121,11 @@ class ModelRunner:
         num_logits = 0
         offset = 0
         ids, pos, slots = self.input_ids.np, self.positions.np, self.slot_mapping.np
-        tables, qsl, logits_idx = self.block_tables.np, self.query_start_loc.np, self.logits_indices.np
+        tables, qsl, logits_idx = (
+            self.block_tables.np,
+            self.query_start_loc.np,
+            self.logits_indices.np,
+        )
         qsl[0] = 0
         # Decodes sorted by context length let the attention backend group them with little padding.
         nd = sched.num_decodes
@@ -125,11 +136,11 @@ class ModelRunner:
             start = request.num_computed_tokens
             end = start + num_new
             table = request.block_table
-            ids[offset:offset + num_new] = request.token_ids[start:end]
+            ids[offset : offset + num_new] = request.token_ids[start:end]
             positions = self._arange[start:end]
-            pos[offset:offset + num_new] = positions
+            pos[offset : offset + num_new] = positions
             tables[i, : len(table)] = table
-            slots[offset:offset + num_new] = tables[i][positions // bs] * bs + positions % bs
+            slots[offset : offset + num_new] = tables[i][positions // bs] * bs + positions % bs
             if request.needs_prompt_logprobs and (span := plan_span(request, start, end)):
                 prompt_spans.append(span)
                 prompt_first_rows.append(offset + span.first_token - 1 - start)
@@ -143,8 +154,8 @@ class ModelRunner:
                     logits_idx[num_logits] = offset - 1
                     num_logits += 1
                     sampling_requests.append(sample)
-        for span, row in zip(prompt_spans, prompt_first_rows):
-            logits_idx[num_logits:num_logits + span.count] = np.arange(row, row + span.count)
+        for span, row in zip(prompt_spans, prompt_first_rows, strict=False):
+            logits_idx[num_logits : num_logits + span.count] = np.arange(row, row + span.count)
             num_logits += span.count
         self.seq_lens.np[:num_reqs] = seq_lens
         max_seq_len = max(seq_lens)
@@ -188,7 +199,9 @@ class ModelRunner:
         self.slot_mapping.np[pad] = -1
         self.seq_lens.np[pad] = 1
         self.block_tables.np[pad, 0] = 0
-        self.query_start_loc.np[num_reqs + 1 : graph_size + 1] = np.arange(num_reqs + 1, graph_size + 1)
+        self.query_start_loc.np[num_reqs + 1 : graph_size + 1] = np.arange(
+            num_reqs + 1, graph_size + 1
+        )
 
     @torch.inference_mode()
     def forward(self, model_input: ModelInput) -> torch.Tensor:
@@ -200,10 +213,14 @@ class ModelRunner:
         if model_input.graph_size is not None:
             hidden = self.graphs.replay(model_input.graph_size)
         else:
-            hidden = self.run_model(model_input.input_ids, model_input.positions, model_input.attn_metadata)
+            hidden = self.run_model(
+                model_input.input_ids, model_input.positions, model_input.attn_metadata
+            )
         if len(model_input.logits_indices) == 0:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[model_input.logits_indices])
 
-    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run_model(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_caches, meta)

@@ -51,7 +51,7 @@ class StepTimings:
         self.steps = 0
 
     def add(self, *durations: float) -> None:
-        for name, seconds in zip(self.PHASES, durations):
+        for name, seconds in zip(self.PHASES, durations, strict=False):
             setattr(self, name, getattr(self, name) + seconds)
         self.steps += 1
 

@@ -4,7 +4,8 @@ A request advances `num_computed_tokens` towards `num_tokens` (prompt plus outpu
 prefill, chunked prefill, decode and recompute after preemption are all that one motion.
 A request with n > 1 (a parent) computes its prompt once, then forks into n samples: requests
 of their own (ids from sample_request_id) that start with the parent's computed prompt and
-report under the parent's id with their index. This module holds state only: scheduling, KV allocation and sampling live elsewhere.
+report under the parent's id with their index. This module holds state only: scheduling, KV
+allocation and sampling live elsewhere.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling_params import SamplingParams, sample_request_id
+from common.sampling_params import SamplingParams, sample_request_id
 
 
 class RequestStatus(enum.Enum):
@@ -26,7 +27,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS or a stop token
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # cancelled by the caller
@@ -86,9 +87,12 @@ class Request:
         if params.n > 1 and self.parent is None:
             self.samples = [
                 Request(
-                    sample_request_id(self.request_id, i), self.prompt_token_ids,
+                    sample_request_id(self.request_id, i),
+                    self.prompt_token_ids,
                     dataclasses.replace(params, n=1, seed=params.sample_seed(i)),
-                    priority=self.priority, parent=self, sample_index=i,
+                    priority=self.priority,
+                    parent=self,
+                    sample_index=i,
                 )
                 for i in range(params.n)
             ]

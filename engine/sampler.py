@@ -45,8 +45,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common.sampling_params import SamplingParams
 from engine.request import Request
-from engine.sampling_params import SamplingParams
 
 Logprobs = tuple[float, list[tuple[int, float]]]
 
@@ -80,7 +80,9 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(
-        self, logits: torch.Tensor, requests: Sequence[Request],
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[Request],
         disallowed: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """disallowed: bool [batch, vocab_size] on the sampler's device, True where a row may not
@@ -131,7 +133,9 @@ class Sampler:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
             return []
-        eos = [] if params.ignore_eos or params.structured_output is not None else self.eos_token_ids
+        eos = (
+            [] if params.ignore_eos or params.structured_output is not None else self.eos_token_ids
+        )
         return [*params.stop_token_ids, *eos]
 
     def _adjust_logits(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -141,7 +145,8 @@ class Sampler:
         banned = {i: ids for i, r in enumerate(requests) if (ids := self._banned_ids(r))}
         repeated = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
         counted = [
-            i for i, r in enumerate(requests)
+            i
+            for i, r in enumerate(requests)
             if r.output_token_ids and (params[i].presence_penalty or params[i].frequency_penalty)
         ]
         if not (biased or banned or repeated or counted):
@@ -244,16 +249,20 @@ class Sampler:
         # U = 0 gives q = inf, so that token just loses; never 0/0.
         return probs.div_(uniform.log_().neg_()).argmax(-1)
 
-    def _sample_with_kernel(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _sample_with_kernel(
+        self, logits: torch.Tensor, requests: Sequence[Request]
+    ) -> torch.Tensor:
         from engine.kernels.sampling import sample
 
         params = [r.sampling_params for r in requests]
         unseeded = iter(
-            torch.randint(2**62, (len(requests),), generator=self.generator, device=self.device).tolist()
+            torch.randint(
+                2**62, (len(requests),), generator=self.generator, device=self.device
+            ).tolist()
         )
         seeds = [
             _mix_seed(p.seed, r.num_output_tokens) if p.seed is not None else next(unseeded)
-            for p, r in zip(params, requests)
+            for p, r in zip(params, requests, strict=False)
         ]
         return sample(
             logits.contiguous(),
@@ -272,9 +281,11 @@ class Sampler:
         if not rows:
             return out
         records = token_logprobs(
-            logits[self._index(rows)], [token_ids[i] for i in rows], [params[i].logprobs for i in rows]
+            logits[self._index(rows)],
+            [token_ids[i] for i in rows],
+            [params[i].logprobs for i in rows],
         )
-        for i, record in zip(rows, records):
+        for i, record in zip(rows, records, strict=False):
             out[i] = record
         return out
 
@@ -299,9 +310,9 @@ def token_logprobs(
         chosen = logprobs.gather(1, targets[begin:end, None])[:, 0].tolist()
         top = logprobs.topk(k, dim=-1)
         for value, top_values, top_ids, row_k in zip(
-            chosen, top.values.tolist(), top.indices.tolist(), num_top[begin:end]
+            chosen, top.values.tolist(), top.indices.tolist(), num_top[begin:end], strict=False
         ):
-            out.append((value, list(zip(top_ids[:row_k], top_values[:row_k]))))
+            out.append((value, list(zip(top_ids[:row_k], top_values[:row_k], strict=False))))
     return out
 
 

@@ -175,8 +175,10 @@ class Scheduler:
             request = self.waiting.peek()
             cached_blocks, num_cached = self.kv_cache.get_cached_prefix(request)
             num_new = min(request.num_tokens - num_cached, budget)
-            while (self.num_running_seqs + request.num_seqs > self.max_num_seqs
-                   or not self.kv_cache.allocate(request, num_new, cached_blocks)):
+            while (
+                self.num_running_seqs + request.num_seqs > self.max_num_seqs
+                or not self.kv_cache.allocate(request, num_new, cached_blocks)
+            ):
                 victim = self._less_urgent_victim(request)
                 if victim is None:
                     admitting = False
@@ -236,8 +238,9 @@ class Scheduler:
         self.waiting.requeue(request)
 
     @staticmethod
-    def _batch(chosen: dict[Request, int], preempted: list[Request],
-               block_copies: list[tuple[int, int]]) -> SchedulerOutput:
+    def _batch(
+        chosen: dict[Request, int], preempted: list[Request], block_copies: list[tuple[int, int]]
+    ) -> SchedulerOutput:
         out = SchedulerOutput(preempted=preempted, block_copies=block_copies)
         rest: list[tuple[Request, int]] = []
         for request, num_new in chosen.items():

@@ -10,7 +10,9 @@ from collections.abc import Container
 from engine.request import FinishReason, Request
 
 
-def check_stop(request: Request, eos_token_ids: Container[int], max_model_len: int) -> FinishReason | None:
+def check_stop(
+    request: Request, eos_token_ids: Container[int], max_model_len: int
+) -> FinishReason | None:
     """Why the request must stop after its latest token, or None to go on."""
     params = request.sampling_params
     num_output = request.num_output_tokens

@@ -28,9 +28,10 @@ import llguidance
 import numpy as np
 import torch
 
+from common.sampling_params import StructuredOutput
 from engine.errors import InvalidRequestError
+from engine.grammar import llguidance_grammar
 from engine.request import Request
-from engine.sampling_params import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -49,19 +50,26 @@ class _MatcherState:
 
 
 class StructuredOutputManager:
-    def __init__(self, model_path: Path, vocab_size: int, eos_token_ids: Sequence[int],
-                 device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        model_path: Path,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        device: str | torch.device = "cpu",
+    ) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="folio-masks")
         # ~0.2 s for a 50k vocabulary: built while the model loads, not on the first request.
         self._tokenizer = self._worker.submit(
-            _load_tokenizer, Path(model_path) / "tokenizer.json", vocab_size, list(eos_token_ids))
+            _load_tokenizer, Path(model_path) / "tokenizer.json", vocab_size, list(eos_token_ids)
+        )
         self._executor = llguidance.LLExecutor(num_threads=MASK_THREADS)
         self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
         # Weak keys: a request dropped without release() (it never should be) cannot leak.
         self._states: weakref.WeakKeyDictionary[Request, _MatcherState] = (
-            weakref.WeakKeyDictionary())
+            weakref.WeakKeyDictionary()
+        )
         self._words = -(-vocab_size // 32)
         self._bitmask = np.zeros((0, self._words), dtype=np.int32)
         self._bits = _BITS.to(self.device)
@@ -88,13 +96,15 @@ class StructuredOutputManager:
             tokenizer = self._tokenizer.result()
         except Exception as exc:  # a tokenizer.json llguidance cannot read
             raise InvalidRequestError(
-                f"structured_output is not available for this model: {exc}") from None
+                f"structured_output is not available for this model: {exc}"
+            ) from None
         if tokenizer is None:
             raise InvalidRequestError(
                 "structured_output needs the model directory's tokenizer.json, which this "
-                "model does not have")
+                "model does not have"
+            )
         try:
-            grammar = constraint.llguidance_grammar()
+            grammar = llguidance_grammar(constraint)
         except ValueError as exc:
             raise InvalidRequestError(f"structured_output is invalid: {exc}") from None
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
@@ -110,19 +120,23 @@ class StructuredOutputManager:
         (nothing but EOS may follow) or the tokens broke it, so the request must end."""
         state = self._synced(request)
         if state.matcher.is_error():
-            logger.warning("request %s left its grammar: %s", request.request_id,
-                           state.matcher.get_error())
+            logger.warning(
+                "request %s left its grammar: %s", request.request_id, state.matcher.get_error()
+            )
         return state.matcher.is_stopped()
 
     # -- masks ------------------------------------------------------------------------------
 
-    def start_masks(self, requests: Sequence[Request]
-                    ) -> concurrent.futures.Future[torch.Tensor] | None:
+    def start_masks(
+        self, requests: Sequence[Request]
+    ) -> concurrent.futures.Future[torch.Tensor] | None:
         """Begin the batch's mask (Sampler.sample's `disallowed`) on the worker thread; take the
         result after the forward. None, at no cost, when no live request is constrained."""
         if not self._states:
             return None
-        rows = [i for i, r in enumerate(requests) if r.sampling_params.structured_output is not None]
+        rows = [
+            i for i, r in enumerate(requests) if r.sampling_params.structured_output is not None
+        ]
         if not rows:
             return None
         return self._worker.submit(self.disallowed, requests, rows)
@@ -136,13 +150,21 @@ class StructuredOutputManager:
         # llguidance writes each listed row whole (one bit per token id): reuse needs no clearing.
         self._executor.unsafe_compute_mask_ptr(
             [(self._synced(requests[i]).matcher, j) for j, i in enumerate(rows)],
-            bitmask.ctypes.data, self._words * 4, len(rows))
+            bitmask.ctypes.data,
+            self._words * 4,
+            len(rows),
+        )
         if self.device.type == "cpu":
             # The inverted bits unpack straight into bools (True = forbidden), single-threaded:
             # torch's threads would contend with the forward running beside this.
-            forbidden = torch.from_numpy(np.unpackbits(
-                (~bitmask).view(np.uint8), axis=1, count=self.vocab_size, bitorder="little",
-            ).view(np.bool_))
+            forbidden = torch.from_numpy(
+                np.unpackbits(
+                    (~bitmask).view(np.uint8),
+                    axis=1,
+                    count=self.vocab_size,
+                    bitorder="little",
+                ).view(np.bool_)
+            )
         else:
             packed = torch.from_numpy(bitmask).to(self.device)
             forbidden = ((packed[:, :, None] & self._bits) == 0).view(len(rows), -1)
@@ -162,13 +184,14 @@ class StructuredOutputManager:
             state = self._states[request]
         outputs = request.output_token_ids
         if state.num_consumed < len(outputs):
-            state.matcher.consume_tokens(outputs[state.num_consumed:])
+            state.matcher.consume_tokens(outputs[state.num_consumed :])
             state.num_consumed = len(outputs)
         return state
 
 
-def _load_tokenizer(path: Path, vocab_size: int, eos_token_ids: list[int]
-                    ) -> llguidance.LLTokenizer | None:
+def _load_tokenizer(
+    path: Path, vocab_size: int, eos_token_ids: list[int]
+) -> llguidance.LLTokenizer | None:
     if not path.is_file():
         return None
     # n_vocab: the model's logits may be wider than the tokenizer (padded vocabularies).

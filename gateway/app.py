@@ -19,6 +19,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from common.grpc_stubs.folio.v1 import common_pb2
+from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -28,8 +30,6 @@ from starlette.routing import Route
 
 from common.config import MAX_REQUEST_BODY_BYTES, GatewayConfig
 from common.errors import EngineError
-from common.grpc_stubs.folio.v1 import common_pb2
-from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 from gateway import completions
 from gateway import protocol as api
 from gateway.auth import Access
@@ -85,7 +85,8 @@ async def read_body(request: Request, model: type[api.RequestBody]):
     media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media_type and media_type != "application/json" and not media_type.endswith("+json"):
         raise api.UnsupportedMediaType(
-            f"the body must be JSON sent as Content-Type: application/json, got {media_type!r}")
+            f"the body must be JSON sent as Content-Type: application/json, got {media_type!r}"
+        )
     return api.parse_request(model, await read_limited(request))
 
 
@@ -94,14 +95,16 @@ async def read_limited(request: Request) -> bytes:
     its Content-Length before reading, else while reading), so it is never buffered whole."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_REQUEST_BODY_BYTES:
-        raise api.RequestTooLarge(f"the body is {declared} bytes, over the limit of "
-                                  f"{MAX_REQUEST_BODY_BYTES} bytes")
+        raise api.RequestTooLarge(
+            f"the body is {declared} bytes, over the limit of {MAX_REQUEST_BODY_BYTES} bytes"
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > MAX_REQUEST_BODY_BYTES:
-            raise api.RequestTooLarge(f"the body is over the limit of {MAX_REQUEST_BODY_BYTES} "
-                                      f"bytes")
+            raise api.RequestTooLarge(
+                f"the body is over the limit of {MAX_REQUEST_BODY_BYTES} bytes"
+            )
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -126,14 +129,18 @@ async def until_disconnect(request: Request, work: Awaitable[Response]) -> Respo
         watcher.cancel()
 
 
-def build_app(gateway: Gateway, config: GatewayConfig | None = None,
-              access: Access | None = None) -> Starlette:
+def build_app(
+    gateway: Gateway, config: GatewayConfig | None = None, access: Access | None = None
+) -> Starlette:
     """The app; `access` (the keys and rate limits) may be shared with the gRPC API."""
     config = config or GatewayConfig()
     access = access or Access(config)
 
-    async def completion(request: Request, model: type[api.RequestBody],
-                         plan: Callable[[Gateway, Any], Awaitable[completions.Plan]]) -> Response:
+    async def completion(
+        request: Request,
+        model: type[api.RequestBody],
+        plan: Callable[[Gateway, Any], Awaitable[completions.Plan]],
+    ) -> Response:
         arrival = time.monotonic()
         body = await read_body(request, model)
 
@@ -141,9 +148,14 @@ def build_app(gateway: Gateway, config: GatewayConfig | None = None,
             planned = await plan(gateway, body)
             reservation = access.limiter.reserve_tokens(request.state.caller, planned.requests)
             stream = until_deadline(
-                giving_back_unused(gateway.generate_many(planned.requests, planned.id, arrival),
-                                   planned.requests, reservation),
-                request.state.deadline, timeout_message(config.request_timeout))
+                giving_back_unused(
+                    gateway.generate_many(planned.requests, planned.id, arrival),
+                    planned.requests,
+                    reservation,
+                ),
+                request.state.deadline,
+                timeout_message(config.request_timeout),
+            )
             if not body.stream:
                 async with contextlib.aclosing(stream):
                     return ModelResponse(await completions.respond(planned, stream))
@@ -166,9 +178,18 @@ def build_app(gateway: Gateway, config: GatewayConfig | None = None,
 
     async def models(request: Request) -> Response:
         info = await gateway.check_model(None)
-        return ModelResponse(api.ModelList(data=[api.ModelCard(
-            id=info.name, created=info.created, root=info.path,
-            max_model_len=info.max_model_len)]))
+        return ModelResponse(
+            api.ModelList(
+                data=[
+                    api.ModelCard(
+                        id=info.name,
+                        created=info.created,
+                        root=info.path,
+                        max_model_len=info.max_model_len,
+                    )
+                ]
+            )
+        )
 
     async def tokenize(request: Request) -> Response:
         body: api.TokenizeRequest = await read_body(request, api.TokenizeRequest)
@@ -176,35 +197,47 @@ def build_app(gateway: Gateway, config: GatewayConfig | None = None,
         if (body.prompt is None) == (body.messages is None):
             raise api.InvalidParameter("set exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            messages = [common_pb2.ChatMessage(role=m.role, content=m.text, name=m.name)
-                        for m in body.messages]
-            result = await gateway.tokenize_chat(messages, body.add_generation_prompt,
-                                                 body.return_token_strs)
+            messages = [
+                common_pb2.ChatMessage(role=m.role, content=m.text, name=m.name)
+                for m in body.messages
+            ]
+            result = await gateway.tokenize_chat(
+                messages, body.add_generation_prompt, body.return_token_strs
+            )
         else:
-            result = await gateway.tokenize_text(body.prompt, body.add_special_tokens,
-                                                 body.return_token_strs)
-        return ModelResponse(api.TokenizeResponse(
-            count=len(result.token_ids), max_model_len=info.max_model_len,
-            tokens=list(result.token_ids),
-            token_strs=list(result.token_strs) if body.return_token_strs else None))
+            result = await gateway.tokenize_text(
+                body.prompt, body.add_special_tokens, body.return_token_strs
+            )
+        return ModelResponse(
+            api.TokenizeResponse(
+                count=len(result.token_ids),
+                max_model_len=info.max_model_len,
+                tokens=list(result.token_ids),
+                token_strs=list(result.token_strs) if body.return_token_strs else None,
+            )
+        )
 
     async def detokenize(request: Request) -> Response:
         body: api.DetokenizeRequest = await read_body(request, api.DetokenizeRequest)
         check_token_ids(await gateway.check_model(body.model), body.tokens, "tokens")
         # As vLLM: the exact text of the ids, special tokens included, so tokenize round-trips.
-        result = await gateway.tokenizer.detokenize(tok_pb2.DetokenizeRequest(
-            token_ids=body.tokens, skip_special_tokens=False))
+        result = await gateway.tokenizer.detokenize(
+            tok_pb2.DetokenizeRequest(token_ids=body.tokens, skip_special_tokens=False)
+        )
         return ModelResponse(api.DetokenizeResponse(prompt=result.text))
 
     async def health(request: Request) -> Response:
-        engine, tokenizer = await asyncio.gather(gateway.engine.serving(),
-                                                 gateway.tokenizer.serving())
+        engine, tokenizer = await asyncio.gather(
+            gateway.engine.serving(), gateway.tokenizer.serving()
+        )
         down = [name for name, up in (("engine", engine), ("tokenizer", tokenizer)) if not up]
         if gateway.draining:
             down.append("gateway (draining)")
         if down:
-            return ModelResponse(api.HealthResponse(
-                status="unavailable", detail="not serving: " + ", ".join(down)), 503)
+            return ModelResponse(
+                api.HealthResponse(status="unavailable", detail="not serving: " + ", ".join(down)),
+                503,
+            )
         return ModelResponse(api.HealthResponse(status="ok"), exclude_none=True)
 
     async def metrics(request: Request) -> Response:
@@ -212,29 +245,79 @@ def build_app(gateway: Gateway, config: GatewayConfig | None = None,
             stats = await gateway.engine.stats()
         except EngineError:
             stats = None  # the engine is down: the gateway's own series still count
-        return PlainTextResponse(gateway.metrics.render(stats),
-                                 media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            gateway.metrics.render(stats), media_type="text/plain; version=0.0.4"
+        )
 
     async def openapi(request: Request) -> Response:
         return Response(document, media_type="application/json")
 
     endpoints = [
-        Endpoint("/v1/chat/completions", "POST", "Chat completion (OpenAI)", chat_completions,
-                 api.ChatCompletionRequest, api.ChatCompletionResponse, api.ChatCompletionChunk,
-                 errors=BODY_ERRORS),
-        Endpoint("/v1/completions", "POST", "Text completion (OpenAI)", text_completions,
-                 api.CompletionRequest, api.CompletionResponse, api.CompletionResponse,
-                 errors=BODY_ERRORS),
-        Endpoint("/v1/models", "GET", "The served model", models, None, api.ModelList,
-                 errors=SERVICE_ERRORS),
-        Endpoint("/tokenize", "POST", "Text or chat messages to token ids (vLLM)", tokenize,
-                 api.TokenizeRequest, api.TokenizeResponse, errors=BODY_ERRORS),
-        Endpoint("/detokenize", "POST", "Token ids to text (vLLM)", detokenize,
-                 api.DetokenizeRequest, api.DetokenizeResponse, errors=BODY_ERRORS),
-        Endpoint("/health", "GET", "200 when the engine and tokenizer serve, else 503", health,
-                 None, api.HealthResponse, answers=(200, 503), errors=ANY_ROUTE_ERRORS),
-        Endpoint("/metrics", "GET", "Prometheus metrics (text format 0.0.4)", metrics,
-                 media_type="text/plain", errors=ANY_ROUTE_ERRORS),
+        Endpoint(
+            "/v1/chat/completions",
+            "POST",
+            "Chat completion (OpenAI)",
+            chat_completions,
+            api.ChatCompletionRequest,
+            api.ChatCompletionResponse,
+            api.ChatCompletionChunk,
+            errors=BODY_ERRORS,
+        ),
+        Endpoint(
+            "/v1/completions",
+            "POST",
+            "Text completion (OpenAI)",
+            text_completions,
+            api.CompletionRequest,
+            api.CompletionResponse,
+            api.CompletionResponse,
+            errors=BODY_ERRORS,
+        ),
+        Endpoint(
+            "/v1/models",
+            "GET",
+            "The served model",
+            models,
+            None,
+            api.ModelList,
+            errors=SERVICE_ERRORS,
+        ),
+        Endpoint(
+            "/tokenize",
+            "POST",
+            "Text or chat messages to token ids (vLLM)",
+            tokenize,
+            api.TokenizeRequest,
+            api.TokenizeResponse,
+            errors=BODY_ERRORS,
+        ),
+        Endpoint(
+            "/detokenize",
+            "POST",
+            "Token ids to text (vLLM)",
+            detokenize,
+            api.DetokenizeRequest,
+            api.DetokenizeResponse,
+            errors=BODY_ERRORS,
+        ),
+        Endpoint(
+            "/health",
+            "GET",
+            "200 when the engine and tokenizer serve, else 503",
+            health,
+            None,
+            api.HealthResponse,
+            answers=(200, 503),
+            errors=ANY_ROUTE_ERRORS,
+        ),
+        Endpoint(
+            "/metrics",
+            "GET",
+            "Prometheus metrics (text format 0.0.4)",
+            metrics,
+            media_type="text/plain",
+            errors=ANY_ROUTE_ERRORS,
+        ),
         Endpoint("/openapi.json", "GET", "This document", openapi, errors=ANY_ROUTE_ERRORS),
     ]
     document = json.dumps(api.openapi_document(endpoints, "Folio", "0.1.0"))
@@ -251,13 +334,19 @@ def build_app(gateway: Gateway, config: GatewayConfig | None = None,
                 return Response(status_code=499)  # it left while sending its body
             except Exception as exc:
                 return error_response(exc)
+
         return run
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
-        return ModelResponse(api.ErrorResponse(error=api.ErrorInfo(
-            message=f"{request.method} {request.url.path}: {exc.detail}", type=kind)),
-            exc.status_code)
+        return ModelResponse(
+            api.ErrorResponse(
+                error=api.ErrorInfo(
+                    message=f"{request.method} {request.url.path}: {exc.detail}", type=kind
+                )
+            ),
+            exc.status_code,
+        )
 
     routes = [Route(e.path, guarded(e.handler), methods=[e.method]) for e in endpoints]
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error})

@@ -47,16 +47,19 @@ class Access:
         probe = request.url.path in PROBE_PATHS
         if probe and not self.protect_health_metrics:
             return None
-        caller = self.caller(bearer_token(request.headers.get("authorization")),
-                             request.client.host if request.client else None)
+        caller = self.caller(
+            bearer_token(request.headers.get("authorization")),
+            request.client.host if request.client else None,
+        )
         if not probe:
             self.limiter.admit_request(caller)
         return caller
 
     def admit_grpc(self, context: grpc.aio.ServicerContext) -> str:
         """Charge one request to a gRPC call's caller (the interceptor checked its key)."""
-        caller = self.caller(grpc_presented_key(context.invocation_metadata()),
-                             _peer_host(context.peer()))
+        caller = self.caller(
+            grpc_presented_key(context.invocation_metadata()), _peer_host(context.peer())
+        )
         self.limiter.admit_request(caller)
         return caller
 

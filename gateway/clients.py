@@ -15,15 +15,14 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
+from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc, tokenizer_pb2_grpc
+from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.auth import bearer_metadata
 from common.config import GRPC_MESSAGE_OPTIONS, RECONNECT_CHANNEL_OPTIONS
 from common.errors import UnavailableError, error_for
-from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
-from common.grpc_stubs.folio.v1 import tokenizer_pb2_grpc
-from engine.sampling_params import sample_request_id
+from common.sampling_params import sample_request_id
 from gateway.deadlines import call_timeout
 
 # Unary calls are quick (tokenize, stats); a stuck service must not hang an HTTP request.
@@ -50,15 +49,17 @@ class _ServiceClient:
     async def serving(self) -> bool:
         try:
             response = await health_pb2_grpc.HealthStub(self._channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT)
+                health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT
+            )
         except grpc.aio.AioRpcError:
             return False
         return response.status == health_pb2.HealthCheckResponse.SERVING
 
     async def _unary(self, method, request):
         try:
-            return await method(request, timeout=call_timeout(UNARY_TIMEOUT),
-                                metadata=self._metadata)
+            return await method(
+                request, timeout=call_timeout(UNARY_TIMEOUT), metadata=self._metadata
+            )
         except grpc.aio.AioRpcError as exc:
             raise _error(exc, self.service) from None
 
@@ -116,8 +117,12 @@ class EngineRequest:
 
 
 class _GenerateStream:
-    def __init__(self, stub: engine_pb2_grpc.EngineServiceStub,
-                 on_broken: Callable[[], None], metadata: Sequence[tuple[str, str]]) -> None:
+    def __init__(
+        self,
+        stub: engine_pb2_grpc.EngineServiceStub,
+        on_broken: Callable[[], None],
+        metadata: Sequence[tuple[str, str]],
+    ) -> None:
         self._outbox: asyncio.Queue[engine_pb2.GenerateRequest] = asyncio.Queue()
         self._requests: dict[str, EngineRequest] = {}
         self.closed = False
@@ -148,19 +153,32 @@ class _GenerateStream:
                 request._outputs.put_nowait(error)
             self._requests.clear()
 
-    def add(self, request_id: str, prompt_token_ids: Sequence[int],
-            params: common_pb2.SamplingParams, priority: int) -> EngineRequest:
+    def add(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: common_pb2.SamplingParams,
+        priority: int,
+    ) -> EngineRequest:
         request = EngineRequest(self, request_id, params.n if params.HasField("n") else 1)
         self._requests[request_id] = request
-        self._outbox.put_nowait(engine_pb2.GenerateRequest(add=engine_pb2.EngineRequest(
-            request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=params,
-            priority=priority)))
+        self._outbox.put_nowait(
+            engine_pb2.GenerateRequest(
+                add=engine_pb2.EngineRequest(
+                    request_id=request_id,
+                    prompt_token_ids=prompt_token_ids,
+                    sampling_params=params,
+                    priority=priority,
+                )
+            )
+        )
         return request
 
     def send_abort(self, request_id: str) -> None:
         if not self.closed:
-            self._outbox.put_nowait(engine_pb2.GenerateRequest(
-                abort=engine_pb2.AbortRequest(request_ids=[request_id])))
+            self._outbox.put_nowait(
+                engine_pb2.GenerateRequest(abort=engine_pb2.AbortRequest(request_ids=[request_id]))
+            )
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -185,8 +203,13 @@ class EngineClient(_ServiceClient):
     def _stream_broke(self) -> None:
         self.broken_streams += 1
 
-    def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                 params: common_pb2.SamplingParams, priority: int = 0) -> EngineRequest:
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: common_pb2.SamplingParams,
+        priority: int = 0,
+    ) -> EngineRequest:
         if self._stream is None or self._stream.closed:
             self._stream = _GenerateStream(self._stub, self._stream_broke, self._metadata)
         return self._stream.add(request_id, prompt_token_ids, params, priority)
@@ -196,7 +219,6 @@ class EngineClient(_ServiceClient):
 
     async def stats(self) -> engine_pb2.GetStatsResponse:
         return await self._unary(self._stub.GetStats, engine_pb2.GetStatsRequest())
-
 
     async def close(self) -> None:
         if self._stream is not None:
@@ -210,8 +232,12 @@ class EngineClient(_ServiceClient):
 class DetokenizeSession:
     """One generation's DetokenizeStream: token ids in, certain text out, one reply per push."""
 
-    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerServiceStub,
-                 options: tok_pb2.DetokenizeOptions, metadata: Sequence[tuple[str, str]]) -> None:
+    def __init__(
+        self,
+        stub: tokenizer_pb2_grpc.TokenizerServiceStub,
+        options: tok_pb2.DetokenizeOptions,
+        metadata: Sequence[tuple[str, str]],
+    ) -> None:
         self._stub = stub
         self._metadata = metadata
         self._options = options
@@ -225,19 +251,23 @@ class DetokenizeSession:
         if self._call is None:
             self._call = self._stub.DetokenizeStream(metadata=self._metadata)
             self._opening = asyncio.ensure_future(
-                self._exchange(tok_pb2.DetokenizeStreamRequest(options=self._options)))
+                self._exchange(tok_pb2.DetokenizeStreamRequest(options=self._options))
+            )
 
-    async def push(self, token_ids: Sequence[int], finish: bool = False
-                   ) -> tok_pb2.DetokenizeStreamResponse:
+    async def push(
+        self, token_ids: Sequence[int], finish: bool = False
+    ) -> tok_pb2.DetokenizeStreamResponse:
         self.open()
         if self._opening is not None:
             opening, self._opening = self._opening, None
             await opening
         return await self._exchange(
-            tok_pb2.DetokenizeStreamRequest(token_ids=token_ids, finish=finish))
+            tok_pb2.DetokenizeStreamRequest(token_ids=token_ids, finish=finish)
+        )
 
-    async def _exchange(self, request: tok_pb2.DetokenizeStreamRequest
-                        ) -> tok_pb2.DetokenizeStreamResponse:
+    async def _exchange(
+        self, request: tok_pb2.DetokenizeStreamRequest
+    ) -> tok_pb2.DetokenizeStreamResponse:
         try:
             await self._call.write(request)
             response = await self._call.read()
@@ -245,8 +275,9 @@ class DetokenizeSession:
             raise _error(exc, "tokenizer") from None
         except asyncio.InvalidStateError:
             # The stream had already ended between two pushes (the tokenizer went away).
-            raise error_for(await self._call.code(), f"tokenizer: {await self._call.details()}"
-                            ) from None
+            raise error_for(
+                await self._call.code(), f"tokenizer: {await self._call.details()}"
+            ) from None
         if response is grpc.aio.EOF:
             raise UnavailableError("tokenizer: the DetokenizeStream ended early")
         return response
@@ -255,8 +286,7 @@ class DetokenizeSession:
         if self._opening is not None:
             self._opening.cancel()
             # A failure nobody pushed after is not news: the stream is being dropped anyway.
-            self._opening.add_done_callback(
-                lambda done: done.cancelled() or done.exception())
+            self._opening.add_done_callback(lambda done: done.cancelled() or done.exception())
         if self._call is not None:
             self._call.cancel()
 
@@ -279,7 +309,6 @@ class TokenizerClient(_ServiceClient):
 
     def detokenize_stream(self, options: tok_pb2.DetokenizeOptions) -> DetokenizeSession:
         return DetokenizeSession(self._stub, options, self._metadata)
-
 
     async def close(self) -> None:
         await self._channel.close()

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from common.grpc_stubs.folio.v1 import common_pb2
 from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
-from engine.sampling_params import SamplingParams
+
+from common.sampling_params import SamplingParams
 from gateway import protocol as api
 from gateway.generation import (
     Gateway,
@@ -46,8 +47,12 @@ class Plan:
     echo: list[str] | None = None
 
 
-def _sampling_params(body: api.SamplingFields, max_tokens: int | None,
-                     logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+def _sampling_params(
+    body: api.SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
     logit_bias = None
     if body.logit_bias:
         try:
@@ -55,27 +60,52 @@ def _sampling_params(body: api.SamplingFields, max_tokens: int | None,
         except ValueError:
             raise api.InvalidParameter("logit_bias keys must be token ids", "logit_bias") from None
     optional = dict(
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty, seed=body.seed, logit_bias=logit_bias,
-        stop_token_ids=body.stop_token_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        seed=body.seed,
+        logit_bias=logit_bias,
+        stop_token_ids=body.stop_token_ids,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         structured_output=structured_output(body),
     )
-    return SamplingParams(max_tokens=max_tokens, min_tokens=body.min_tokens,
-                          ignore_eos=body.ignore_eos,
-                          **{k: v for k, v in optional.items() if v is not None})
+    return SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
+        **{k: v for k, v in optional.items() if v is not None},
+    )
 
 
-def _choices(gateway: Gateway, info: ModelInfo, prompts: list[list[int]], body: api.SamplingFields,
-             params: SamplingParams, prompt_param: str, max_tokens_param: str) -> list[TextRequest]:
+def _choices(
+    gateway: Gateway,
+    info: ModelInfo,
+    prompts: list[list[int]],
+    body: api.SamplingFields,
+    params: SamplingParams,
+    prompt_param: str,
+    max_tokens_param: str,
+) -> list[TextRequest]:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return [
         gateway.text_request(
-            info, ids, gateway.with_seed_offset(params, i), prompt_param=prompt_param,
-            max_tokens_param=max_tokens_param, stop=stop,
+            info,
+            ids,
+            gateway.with_seed_offset(params, i),
+            prompt_param=prompt_param,
+            max_tokens_param=max_tokens_param,
+            stop=stop,
             include_stop_str_in_output=body.include_stop_str_in_output,
-            skip_special_tokens=body.skip_special_tokens, priority=body.priority)
-        for ids in prompts for i in range(body.n)
+            skip_special_tokens=body.skip_special_tokens,
+            priority=body.priority,
+        )
+        for ids in prompts
+        for i in range(body.n)
     ]
 
 
@@ -83,16 +113,29 @@ async def plan_chat(gateway: Gateway, body: api.ChatCompletionRequest) -> Plan:
     info = await gateway.check_model(body.model)
     if body.top_logprobs and not body.logprobs:
         raise api.InvalidParameter("top_logprobs needs logprobs set to true", "top_logprobs")
-    messages = [common_pb2.ChatMessage(role=m.role, content=m.text, name=m.name)
-                for m in body.messages]
+    messages = [
+        common_pb2.ChatMessage(role=m.role, content=m.text, name=m.name) for m in body.messages
+    ]
     prompt = await gateway.tokenize_chat(messages, body.add_generation_prompt)
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    params = _sampling_params(body, body.max_completion_tokens or body.max_tokens,
-                              (body.top_logprobs or 0) if body.logprobs else None)
-    requests = _choices(gateway, info, [list(prompt.token_ids)], body, params, "messages",
-                        max_tokens_param)
-    return Plan(True, new_request_id("chatcmpl"), info.name, requests, body.n, body.logprobs,
-                _include_usage(body), int(time.time()))
+    params = _sampling_params(
+        body,
+        body.max_completion_tokens or body.max_tokens,
+        (body.top_logprobs or 0) if body.logprobs else None,
+    )
+    requests = _choices(
+        gateway, info, [list(prompt.token_ids)], body, params, "messages", max_tokens_param
+    )
+    return Plan(
+        True,
+        new_request_id("chatcmpl"),
+        info.name,
+        requests,
+        body.n,
+        body.logprobs,
+        _include_usage(body),
+        int(time.time()),
+    )
 
 
 async def plan_completion(gateway: Gateway, body: api.CompletionRequest) -> Plan:
@@ -102,8 +145,9 @@ async def plan_completion(gateway: Gateway, body: api.CompletionRequest) -> Plan
         raise api.InvalidParameter("prompt must not be empty", "prompt")
     # One prompt (text or token ids) or a batch of them.
     prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
-    tokenized = await asyncio.gather(*(
-        gateway.tokenize_text(p) for p in prompts if isinstance(p, str)))
+    tokenized = await asyncio.gather(
+        *(gateway.tokenize_text(p) for p in prompts if isinstance(p, str))
+    )
     texts = iter(tokenized)
     ids = [list(next(texts).token_ids) if isinstance(p, str) else p for p in prompts]
     if body.max_tokens == 0 and not body.echo:
@@ -119,16 +163,26 @@ async def plan_completion(gateway: Gateway, body: api.CompletionRequest) -> Plan
     if body.echo:
         prompt_texts = await asyncio.gather(*(_prompt_text(gateway, p) for p in prompts))
         echo = [text for text in prompt_texts for _ in range(body.n)]
-    return Plan(False, new_request_id("cmpl"), info.name, requests, body.n,
-                body.logprobs is not None, _include_usage(body), int(time.time()), echo)
+    return Plan(
+        False,
+        new_request_id("cmpl"),
+        info.name,
+        requests,
+        body.n,
+        body.logprobs is not None,
+        _include_usage(body),
+        int(time.time()),
+        echo,
+    )
 
 
 async def _prompt_text(gateway: Gateway, prompt: str | list[int]) -> str:
     """A prompt as echoed: its own text, or the exact text of its token ids."""
     if isinstance(prompt, str):
         return prompt
-    response = await gateway.tokenizer.detokenize(tok_pb2.DetokenizeRequest(
-        token_ids=prompt, skip_special_tokens=False))
+    response = await gateway.tokenizer.detokenize(
+        tok_pb2.DetokenizeRequest(token_ids=prompt, skip_special_tokens=False)
+    )
     return response.text
 
 
@@ -138,13 +192,17 @@ def _include_usage(body: api.SamplingFields) -> bool:
 
 def _usage(plan: Plan, usages: list[Usage | None]) -> api.Usage:
     # The prompt counts once per prompt, not once per choice.
-    firsts = [u for u in usages[::plan.n] if u is not None]
+    firsts = [u for u in usages[:: plan.n] if u is not None]
     prompt = sum(u.prompt_tokens for u in firsts)
     completion = sum(u.completion_tokens for u in usages if u is not None)
-    return api.Usage(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion,
-                     prompt_tokens_details=api.PromptTokensDetails(
-                         cached_tokens=sum(u.cached_tokens for u in firsts)))
+    return api.Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=api.PromptTokensDetails(
+            cached_tokens=sum(u.cached_tokens for u in firsts)
+        ),
+    )
 
 
 def _utf8(text: str) -> list[int] | None:
@@ -153,13 +211,20 @@ def _utf8(text: str) -> list[int] | None:
 
 
 def _chat_logprobs(logprobs: list[TokenLogprob]) -> api.ChatLogprobs:
-    return api.ChatLogprobs(content=[
-        api.ChatTokenLogprob(
-            token=lp.token, logprob=lp.logprob, bytes=_utf8(lp.token),
-            top_logprobs=[api.TopLogprob(token=text, logprob=value, bytes=_utf8(text))
-                          for _, text, value in lp.top])
-        for lp in logprobs
-    ])
+    return api.ChatLogprobs(
+        content=[
+            api.ChatTokenLogprob(
+                token=lp.token,
+                logprob=lp.logprob,
+                bytes=_utf8(lp.token),
+                top_logprobs=[
+                    api.TopLogprob(token=text, logprob=value, bytes=_utf8(text))
+                    for _, text, value in lp.top
+                ],
+            )
+            for lp in logprobs
+        ]
+    )
 
 
 def _completion_logprobs(logprobs: list[TokenLogprob], offset: int) -> api.CompletionLogprobs:
@@ -168,14 +233,16 @@ def _completion_logprobs(logprobs: list[TokenLogprob], offset: int) -> api.Compl
         out.tokens.append(lp.token)
         out.token_logprobs.append(lp.logprob)
         out.top_logprobs.append(
-            None if lp.logprob is None else {text: value for _, text, value in lp.top})
+            None if lp.logprob is None else {text: value for _, text, value in lp.top}
+        )
         out.text_offset.append(offset)
         offset += len(lp.token)
     return out
 
 
-def _echoed(plan: Plan, index: int, delta: TextDelta,
-            first: bool) -> tuple[str, list[TokenLogprob]]:
+def _echoed(
+    plan: Plan, index: int, delta: TextDelta, first: bool
+) -> tuple[str, list[TokenLogprob]]:
     """A delta's text and logprobs; with echo, the prompt's lead a choice's first delta."""
     if plan.echo is None or not first:
         return delta.text, delta.logprobs
@@ -197,22 +264,35 @@ async def respond(plan: Plan, stream: AsyncIterator[tuple[int, TextDelta]]):
             reasons[index], usages[index] = delta.finish_reason, delta.usage
     usage = _usage(plan, usages)
     if plan.chat:
-        choices = [api.ChatChoice(
-            index=i, message=api.AssistantMessage(content="".join(texts[i])),
-            logprobs=_chat_logprobs(logprobs[i]) if plan.logprobs else None,
-            finish_reason=reasons[i]) for i in range(count)]
-        return api.ChatCompletionResponse(id=plan.id, created=plan.created, model=plan.model,
-                                          choices=choices, usage=usage)
-    choices = [api.CompletionChoice(
-        index=i, text="".join(texts[i]),
-        logprobs=_completion_logprobs(logprobs[i], 0) if plan.logprobs else None,
-        finish_reason=reasons[i]) for i in range(count)]
-    return api.CompletionResponse(id=plan.id, created=plan.created, model=plan.model,
-                                  choices=choices, usage=usage)
+        choices = [
+            api.ChatChoice(
+                index=i,
+                message=api.AssistantMessage(content="".join(texts[i])),
+                logprobs=_chat_logprobs(logprobs[i]) if plan.logprobs else None,
+                finish_reason=reasons[i],
+            )
+            for i in range(count)
+        ]
+        return api.ChatCompletionResponse(
+            id=plan.id, created=plan.created, model=plan.model, choices=choices, usage=usage
+        )
+    choices = [
+        api.CompletionChoice(
+            index=i,
+            text="".join(texts[i]),
+            logprobs=_completion_logprobs(logprobs[i], 0) if plan.logprobs else None,
+            finish_reason=reasons[i],
+        )
+        for i in range(count)
+    ]
+    return api.CompletionResponse(
+        id=plan.id, created=plan.created, model=plan.model, choices=choices, usage=usage
+    )
 
 
-async def events(plan: Plan, first: tuple[int, TextDelta],
-                 stream: AsyncIterator[tuple[int, TextDelta]]) -> AsyncIterator[bytes]:
+async def events(
+    plan: Plan, first: tuple[int, TextDelta], stream: AsyncIterator[tuple[int, TextDelta]]
+) -> AsyncIterator[bytes]:
     """Server-sent events: one per text delta (the first already read), usage, [DONE]."""
     count = len(plan.requests)
     usages: list[Usage | None] = [None] * count
@@ -221,29 +301,38 @@ async def events(plan: Plan, first: tuple[int, TextDelta],
 
     def chunk(choices: list, usage: api.Usage | None = None) -> bytes:
         shape = api.ChatCompletionChunk if plan.chat else api.CompletionResponse
-        return event(shape(id=plan.id, created=plan.created, model=plan.model, choices=choices,
-                           usage=usage))
+        return event(
+            shape(id=plan.id, created=plan.created, model=plan.model, choices=choices, usage=usage)
+        )
 
     def choice(index: int, delta: TextDelta):
         if plan.chat:
             return api.ChatChunkChoice(
-                index=index, delta=api.DeltaMessage(content=delta.text),
+                index=index,
+                delta=api.DeltaMessage(content=delta.text),
                 logprobs=_chat_logprobs(delta.logprobs) if plan.logprobs else None,
-                finish_reason=delta.finish_reason)
+                finish_reason=delta.finish_reason,
+            )
         text, token_logprobs = _echoed(plan, index, delta, first=not started[index])
         started[index] = True
         logprobs = None
         if plan.logprobs:
             logprobs = _completion_logprobs(token_logprobs, offsets[index])
             offsets[index] += sum(len(lp.token) for lp in token_logprobs)
-        return api.CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                    finish_reason=delta.finish_reason)
+        return api.CompletionChoice(
+            index=index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason
+        )
 
     try:
         if plan.chat:  # OpenAI opens each choice with the assistant's role
-            yield chunk([api.ChatChunkChoice(index=i, delta=api.DeltaMessage(role="assistant",
-                                                                              content=""))
-                         for i in range(count)])
+            yield chunk(
+                [
+                    api.ChatChunkChoice(
+                        index=i, delta=api.DeltaMessage(role="assistant", content="")
+                    )
+                    for i in range(count)
+                ]
+            )
         index, delta = first
         while True:
             if delta.finish_reason is not None:

@@ -47,8 +47,9 @@ def timeout_message(seconds: float) -> str:
     return f"the request did not finish within {seconds:g} s and was aborted"
 
 
-async def until_deadline(stream: AsyncIterator[T], deadline: float, message: str
-                         ) -> AsyncIterator[T]:
+async def until_deadline(
+    stream: AsyncIterator[T], deadline: float, message: str
+) -> AsyncIterator[T]:
     """`stream` until `deadline` (time.monotonic seconds); then it is closed (aborting what it
     runs) and DeadlineExceededError(message) is raised. Closing this closes `stream`."""
     async with contextlib.aclosing(stream):

@@ -8,8 +8,8 @@ cancelled) it is aborted at once. Usage counts the tokens the text was made of. 
 that do not depend on the wire format live here too: the served model's name, context limits,
 parameter validation (the engine library's own SamplingParams.validate, so both agree), n > 1
 as one engine request with n samples (the prompt computed once) whose outputs are dealt out by
-sample index, each sample with its own text pipeline. This module never parses HTTP and never builds OpenAI or protobuf
-response shapes.
+sample index, each sample with its own text pipeline. This module never parses HTTP and never
+builds OpenAI or protobuf response shapes.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.errors import UnavailableError
 from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
 from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
-from engine.sampling_params import SamplingParams
+
+from common.errors import UnavailableError
+from common.sampling_params import SamplingParams
 from common.sampling_proto import sampling_params_to_proto
 from gateway.clients import EngineClient, EngineRequest, TokenizerClient
 from gateway.metrics import Metrics
@@ -98,15 +99,23 @@ def check_token_ids(info: ModelInfo, token_ids: Sequence[int], param: str) -> No
     """InvalidParameter naming `param` unless every id is in the model's vocabulary."""
     for token_id in token_ids:
         if not 0 <= token_id < info.vocab_size:
-            raise InvalidParameter(f"{param} contains token id {token_id}, outside the "
-                                   f"vocabulary [0, {info.vocab_size})", param)
+            raise InvalidParameter(
+                f"{param} contains token id {token_id}, outside the "
+                f"vocabulary [0, {info.vocab_size})",
+                param,
+            )
 
 
 class Gateway:
     """The clients, the served model's facts, the metrics and the drain state."""
 
-    def __init__(self, engine: EngineClient, tokenizer: TokenizerClient, metrics: Metrics,
-                 served_model_name: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        tokenizer: TokenizerClient,
+        metrics: Metrics,
+        served_model_name: str | None = None,
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -136,8 +145,9 @@ class Gateway:
                 created=self._info.created if self._info else int(time.time()),
             )
             if self._info is not None and fresh != self._info:
-                logger.warning("the engine came back with another model: %s, was %s",
-                               fresh, self._info)
+                logger.warning(
+                    "the engine came back with another model: %s, was %s", fresh, self._info
+                )
                 self._token_texts.clear()
             self._info, self._info_broken_streams = fresh, broken_streams
         return self._info
@@ -147,8 +157,9 @@ class Gateway:
         self.check_available()
         info = await self.model()
         if name and name != info.name:
-            raise ModelNotFound(f"the model {name!r} does not exist; this server serves "
-                                f"{info.name!r}", "model")
+            raise ModelNotFound(
+                f"the model {name!r} does not exist; this server serves {info.name!r}", "model"
+            )
         return info
 
     def check_available(self) -> None:
@@ -157,23 +168,44 @@ class Gateway:
 
     # -- requests -----------------------------------------------------------------------------
 
-    async def tokenize_text(self, text: str, add_special_tokens: bool = True,
-                            return_token_strs: bool = False) -> tok_pb2.TokenizeResponse:
-        return await self.tokenizer.tokenize(tok_pb2.TokenizeRequest(
-            text=text, add_special_tokens=add_special_tokens, return_token_strs=return_token_strs))
+    async def tokenize_text(
+        self, text: str, add_special_tokens: bool = True, return_token_strs: bool = False
+    ) -> tok_pb2.TokenizeResponse:
+        return await self.tokenizer.tokenize(
+            tok_pb2.TokenizeRequest(
+                text=text,
+                add_special_tokens=add_special_tokens,
+                return_token_strs=return_token_strs,
+            )
+        )
 
-    async def tokenize_chat(self, messages: Sequence[common_pb2.ChatMessage],
-                            add_generation_prompt: bool = True,
-                            return_token_strs: bool = False) -> tok_pb2.TokenizeResponse:
-        return await self.tokenizer.tokenize(tok_pb2.TokenizeRequest(
-            chat=tok_pb2.Conversation(messages=messages),
-            add_generation_prompt=add_generation_prompt, return_token_strs=return_token_strs))
+    async def tokenize_chat(
+        self,
+        messages: Sequence[common_pb2.ChatMessage],
+        add_generation_prompt: bool = True,
+        return_token_strs: bool = False,
+    ) -> tok_pb2.TokenizeResponse:
+        return await self.tokenizer.tokenize(
+            tok_pb2.TokenizeRequest(
+                chat=tok_pb2.Conversation(messages=messages),
+                add_generation_prompt=add_generation_prompt,
+                return_token_strs=return_token_strs,
+            )
+        )
 
-    def text_request(self, info: ModelInfo, prompt_ids: Sequence[int], params: SamplingParams,
-                     *, stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
-                     skip_special_tokens: bool = True, priority: int = 0,
-                     prompt_param: str = "prompt", max_tokens_param: str = "max_tokens",
-                     ) -> TextRequest:
+    def text_request(
+        self,
+        info: ModelInfo,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+        priority: int = 0,
+        prompt_param: str = "prompt",
+        max_tokens_param: str = "max_tokens",
+    ) -> TextRequest:
         """Validate a sequence against the model; unset max_tokens fills the context.
 
         Raises InvalidParameter naming the prompt, max_tokens or the sampling parameter.
@@ -189,7 +221,8 @@ class Gateway:
             raise InvalidParameter(
                 f"this model's maximum context length is {info.max_model_len} tokens, but "
                 f"{prompt_param} has {len(prompt_ids)} tokens, which leaves no room to generate",
-                prompt_param)
+                prompt_param,
+            )
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=room)
         elif isinstance(params.max_tokens, int) and params.max_tokens > room:
@@ -197,17 +230,23 @@ class Gateway:
                 f"{max_tokens_param} is {params.max_tokens}, but {prompt_param} has "
                 f"{len(prompt_ids)} tokens and this model's maximum context length is "
                 f"{info.max_model_len} tokens: {max_tokens_param} must be at most {room}",
-                max_tokens_param)
+                max_tokens_param,
+            )
         try:
             params.validate(info.vocab_size)
         except ValueError as exc:
             # The library's messages start with the parameter's name.
             raise InvalidParameter(str(exc), str(exc).split(" ", 1)[0].split("[", 1)[0]) from None
         if params.n != 1:  # choices are separate TextRequests; generate_many regroups them
-            raise InvalidParameter(f"n must be 1 here (one sequence per call), got {params.n}",
-                                   "n")
-        return TextRequest(prompt_ids, params, list(stop), include_stop_str_in_output,
-                           skip_special_tokens, priority)
+            raise InvalidParameter(f"n must be 1 here (one sequence per call), got {params.n}", "n")
+        return TextRequest(
+            prompt_ids,
+            params,
+            list(stop),
+            include_stop_str_in_output,
+            skip_special_tokens,
+            priority,
+        )
 
     @staticmethod
     def with_seed_offset(params: SamplingParams, index: int) -> SamplingParams:
@@ -217,20 +256,32 @@ class Gateway:
 
     # -- generation ---------------------------------------------------------------------------
 
-    async def generate(self, request: TextRequest, request_id: str, arrival: float,
-                       sample: _SampleOutputs | None = None) -> AsyncIterator[TextDelta]:
+    async def generate(
+        self,
+        request: TextRequest,
+        request_id: str,
+        arrival: float,
+        sample: _SampleOutputs | None = None,
+    ) -> AsyncIterator[TextDelta]:
         """Stream one sequence's text. Closing the iterator early aborts the engine request.
         With `sample`, the sequence is that sample of an n > 1 engine request generate_many
         opened, instead of an engine request of its own."""
         self.check_available()
         engine_request = sample or self.engine.generate(
-            request_id, request.prompt_ids, sampling_params_to_proto(request.params),
-            request.priority)
+            request_id,
+            request.prompt_ids,
+            sampling_params_to_proto(request.params),
+            request.priority,
+        )
         # The samples of one engine request share one prefill.
         num_prefilled = len(request.prompt_ids) if sample is None or sample.index == 0 else 0
-        detokenizer = self.tokenizer.detokenize_stream(tok_pb2.DetokenizeOptions(
-            stop=request.stop, include_stop_str_in_output=request.include_stop_str_in_output,
-            skip_special_tokens=request.skip_special_tokens))
+        detokenizer = self.tokenizer.detokenize_stream(
+            tok_pb2.DetokenizeOptions(
+                stop=request.stop,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                skip_special_tokens=request.skip_special_tokens,
+            )
+        )
         self._enter()
         num_tokens = 0
         last_token_at: float | None = None
@@ -240,8 +291,9 @@ class Gateway:
             while True:
                 output = await engine_request.next()
                 if output.token_ids:
-                    last_token_at = self._observe_tokens(len(output.token_ids), arrival,
-                                                         last_token_at, num_prefilled)
+                    last_token_at = self._observe_tokens(
+                        len(output.token_ids), arrival, last_token_at, num_prefilled
+                    )
                     num_tokens += len(output.token_ids)
                 text = await detokenizer.push(output.token_ids, finish=output.finished)
                 logprobs = await self._text_logprobs(output.logprobs) if output.logprobs else []
@@ -249,7 +301,8 @@ class Gateway:
                 if prompt_logprobs_due:  # the engine sends them with the first output
                     prompt_logprobs_due = False
                     prompt_logprobs = await self._text_logprobs(
-                        output.prompt_logprobs, first_prompt_token=request.prompt_ids[0])
+                        output.prompt_logprobs, first_prompt_token=request.prompt_ids[0]
+                    )
                 if text.stop_matched:
                     final, reason = await engine_request.abort() or output, "stop"
                 elif output.finished:
@@ -267,8 +320,9 @@ class Gateway:
             detokenizer.close()
             self._leave()
 
-    async def generate_many(self, requests: Sequence[TextRequest], request_id: str,
-                            arrival: float) -> AsyncIterator[tuple[int, TextDelta]]:
+    async def generate_many(
+        self, requests: Sequence[TextRequest], request_id: str, arrival: float
+    ) -> AsyncIterator[tuple[int, TextDelta]]:
         """Run sequences side by side (n > 1, several prompts); yields (index, delta) as they
         come. The choices of one prompt (consecutive requests equal but for the seeds
         with_seed_offset gives them) go to the engine as one request with n samples. The first
@@ -300,12 +354,20 @@ class Gateway:
                 else:
                     self.check_available()
                     params = dataclasses.replace(requests[first].params, n=count)
-                    group = _SampleGroup(self.engine.generate(
-                        engine_id, requests[first].prompt_ids, sampling_params_to_proto(params),
-                        requests[first].priority), count)
+                    group = _SampleGroup(
+                        self.engine.generate(
+                            engine_id,
+                            requests[first].prompt_ids,
+                            sampling_params_to_proto(params),
+                            requests[first].priority,
+                        ),
+                        count,
+                    )
                     groups.append(group)
-                    texts = [self.generate(requests[first + i], engine_id, arrival, sample)
-                             for i, sample in enumerate(group.samples)]
+                    texts = [
+                        self.generate(requests[first + i], engine_id, arrival, sample)
+                        for i, sample in enumerate(group.samples)
+                    ]
                 tasks += [asyncio.create_task(pump(first + i, t)) for i, t in enumerate(texts)]
             remaining = len(tasks)
             while remaining:
@@ -330,42 +392,59 @@ class Gateway:
         first = 0
         while first < len(requests):
             count = 1
-            while (first + count < len(requests) and count < max_n
-                   and requests[first + count] == dataclasses.replace(
-                       requests[first],
-                       params=self.with_seed_offset(requests[first].params, count))):
+            while (
+                first + count < len(requests)
+                and count < max_n
+                and requests[first + count]
+                == dataclasses.replace(
+                    requests[first], params=self.with_seed_offset(requests[first].params, count)
+                )
+            ):
                 count += 1
             runs.append((first, count))
             first += count
         return runs
 
-    async def _text_logprobs(self, logprobs: Sequence[common_pb2.TokenLogprob],
-                             first_prompt_token: int | None = None) -> list[TokenLogprob]:
+    async def _text_logprobs(
+        self, logprobs: Sequence[common_pb2.TokenLogprob], first_prompt_token: int | None = None
+    ) -> list[TokenLogprob]:
         """The records with token texts; a prompt's first token, when given, leads them with no
         logprob (the engine sends none for it)."""
-        ids = {lp.token_id for lp in logprobs} | {t.token_id for lp in logprobs
-                                                   for t in lp.top_logprobs}
+        ids = {lp.token_id for lp in logprobs} | {
+            t.token_id for lp in logprobs for t in lp.top_logprobs
+        }
         if first_prompt_token is not None:
             ids.add(first_prompt_token)
         missing = [i for i in ids if i not in self._token_texts]
         if missing:
             # Special tokens keep their text here: a logprob for "<|im_end|>" must say so.
-            response = await self.tokenizer.detokenize(tok_pb2.DetokenizeRequest(
-                token_ids=missing, skip_special_tokens=False, return_token_texts=True))
-            self._token_texts.update(zip(missing, response.token_texts))
+            response = await self.tokenizer.detokenize(
+                tok_pb2.DetokenizeRequest(
+                    token_ids=missing, skip_special_tokens=False, return_token_texts=True
+                )
+            )
+            self._token_texts.update(zip(missing, response.token_texts, strict=False))
         texts = self._token_texts
-        first = ([] if first_prompt_token is None
-                 else [TokenLogprob(first_prompt_token, texts[first_prompt_token], None, [])])
+        first = (
+            []
+            if first_prompt_token is None
+            else [TokenLogprob(first_prompt_token, texts[first_prompt_token], None, [])]
+        )
         return first + [
-            TokenLogprob(lp.token_id, texts[lp.token_id], lp.logprob,
-                         [(t.token_id, texts[t.token_id], t.logprob) for t in lp.top_logprobs])
+            TokenLogprob(
+                lp.token_id,
+                texts[lp.token_id],
+                lp.logprob,
+                [(t.token_id, texts[t.token_id], t.logprob) for t in lp.top_logprobs],
+            )
             for lp in logprobs
         ]
 
     # -- metrics and drain --------------------------------------------------------------------
 
-    def _observe_tokens(self, count: int, arrival: float, last_token_at: float | None,
-                        num_prompt_tokens: int) -> float:
+    def _observe_tokens(
+        self, count: int, arrival: float, last_token_at: float | None, num_prompt_tokens: int
+    ) -> float:
         now = time.monotonic()
         if last_token_at is None:
             self.metrics.ttft.observe(now - arrival)

@@ -16,12 +16,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
+from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2_grpc
+from common.grpc_stubs.folio.v1 import gateway_pb2 as pb
 
 from common.config import GatewayConfig
 from common.errors import EngineError, status_code_for
-from common.grpc_stubs.folio.v1 import common_pb2
-from common.grpc_stubs.folio.v1 import gateway_pb2 as pb
-from common.grpc_stubs.folio.v1 import gateway_pb2_grpc
 from common.sampling_proto import sampling_params_from_proto
 from gateway.auth import Access
 from gateway.deadlines import set_deadline, timeout_message, until_deadline
@@ -38,17 +37,28 @@ FINISH_REASONS = {
 
 def _response_fields(delta: TextDelta) -> dict:
     """The fields GatewayServiceGenerateResponse and ChatResponse share, for one delta."""
-    fields = dict(text=delta.text, logprobs=[
-        pb.TextLogprob(token=lp.token, token_id=lp.token_id, logprob=lp.logprob, top_logprobs=[
-            pb.TextTopLogprob(token=text, token_id=token_id, logprob=value)
-            for token_id, text, value in lp.top])
-        for lp in delta.logprobs
-    ])
+    fields = dict(
+        text=delta.text,
+        logprobs=[
+            pb.TextLogprob(
+                token=lp.token,
+                token_id=lp.token_id,
+                logprob=lp.logprob,
+                top_logprobs=[
+                    pb.TextTopLogprob(token=text, token_id=token_id, logprob=value)
+                    for token_id, text, value in lp.top
+                ],
+            )
+            for lp in delta.logprobs
+        ],
+    )
     if delta.usage is not None:
         fields["finish_reason"] = FINISH_REASONS[delta.finish_reason]
-        fields["usage"] = common_pb2.Usage(prompt_tokens=delta.usage.prompt_tokens,
-                                           completion_tokens=delta.usage.completion_tokens,
-                                           cached_tokens=delta.usage.cached_tokens)
+        fields["usage"] = common_pb2.Usage(
+            prompt_tokens=delta.usage.prompt_tokens,
+            completion_tokens=delta.usage.completion_tokens,
+            cached_tokens=delta.usage.cached_tokens,
+        )
     return fields
 
 
@@ -59,8 +69,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self._access = service.access
         self._request_timeout = service.config.request_timeout
 
-    async def Generate(self, request: pb.GatewayServiceGenerateRequest, context
-                       ) -> AsyncIterator[pb.GatewayServiceGenerateResponse]:
+    async def Generate(
+        self, request: pb.GatewayServiceGenerateRequest, context
+    ) -> AsyncIterator[pb.GatewayServiceGenerateResponse]:
         async def plan() -> TextRequest:
             info = await self._gateway.check_model(request.model)
             prompt = await self._gateway.tokenize_text(request.prompt)
@@ -80,13 +91,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     def _text_request(self, info, prompt_ids, request, prompt_param: str) -> TextRequest:
         return self._gateway.text_request(
-            info, prompt_ids, sampling_params_from_proto(request.sampling_params),
-            prompt_param=prompt_param, stop=list(request.stop),
+            info,
+            prompt_ids,
+            sampling_params_from_proto(request.sampling_params),
+            prompt_param=prompt_param,
+            stop=list(request.stop),
             include_stop_str_in_output=request.include_stop_str_in_output,
-            priority=request.priority)
+            priority=request.priority,
+        )
 
-    async def _stream(self, plan: Callable[[], Awaitable[TextRequest]], context
-                      ) -> AsyncIterator[TextDelta]:
+    async def _stream(
+        self, plan: Callable[[], Awaitable[TextRequest]], context
+    ) -> AsyncIterator[TextDelta]:
         """The pipeline's deltas; an error ends the call with its status code."""
         arrival = time.monotonic()
         timeout = self._request_timeout
@@ -100,9 +116,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             request = await plan()
             reservation = self._access.limiter.reserve_tokens(caller, [request])
             deltas = until_deadline(
-                giving_back_unused(self._gateway.generate_many([request], new_request_id("grpc"),
-                                                               arrival), [request], reservation),
-                deadline, timeout_message(timeout))
+                giving_back_unused(
+                    self._gateway.generate_many([request], new_request_id("grpc"), arrival),
+                    [request],
+                    reservation,
+                ),
+                deadline,
+                timeout_message(timeout),
+            )
             async with contextlib.aclosing(deltas):
                 async for _, delta in deltas:
                     yield delta
@@ -117,14 +138,21 @@ class GatewayGrpcService(GrpcService):
 
     service_names = (pb.DESCRIPTOR.services_by_name["GatewayService"].full_name,)
 
-    def __init__(self, gateway: Gateway, host: str, port: int,
-                 config: GatewayConfig | None = None, access: Access | None = None) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        host: str,
+        port: int,
+        config: GatewayConfig | None = None,
+        access: Access | None = None,
+    ) -> None:
         super().__init__(host, port)
         self.gateway = gateway
         self.config = config or GatewayConfig()
         self.access = access or Access(self.config)
-        self.require_keys(self.access.keys, "API key",
-                          open_health=not self.access.protect_health_metrics)
+        self.require_keys(
+            self.access.keys, "API key", open_health=not self.access.protect_health_metrics
+        )
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(self), server)

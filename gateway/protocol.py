@@ -78,8 +78,8 @@ NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenIds = list[int]
 # Bounds of the protobuf fields these travel in.
-INT32 = dict(ge=-2**31, le=2**31 - 1)
-INT64 = dict(ge=-2**63, le=2**63 - 1)
+INT32 = dict(ge=-(2**31), le=2**31 - 1)
+INT64 = dict(ge=-(2**63), le=2**63 - 1)
 
 
 def parse_request(model: type[RequestBody], body: bytes) -> Any:
@@ -87,8 +87,9 @@ def parse_request(model: type[RequestBody], body: bytes) -> Any:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise InvalidParameter(f"the body is not valid UTF-8: byte {exc.start} "
-                               f"(0x{body[exc.start]:02x}) {exc.reason}") from None
+        raise InvalidParameter(
+            f"the body is not valid UTF-8: byte {exc.start} (0x{body[exc.start]:02x}) {exc.reason}"
+        ) from None
     try:
         request = model.model_validate_json(text)
     except ValidationError as exc:
@@ -99,8 +100,11 @@ def parse_request(model: type[RequestBody], body: bytes) -> Any:
             raise InvalidParameter(f"{name} is not supported by this server", name)
     unknown = [name for name in extra if name not in NOT_SUPPORTED]
     if unknown:
-        raise InvalidParameter(f"unrecognized request argument{'s' if len(unknown) > 1 else ''} "
-                               f"supplied: {', '.join(unknown)}", unknown[0])
+        raise InvalidParameter(
+            f"unrecognized request argument{'s' if len(unknown) > 1 else ''} "
+            f"supplied: {', '.join(unknown)}",
+            unknown[0],
+        )
     return request
 
 
@@ -110,8 +114,11 @@ def _invalid(model: type[RequestBody], exc: ValidationError) -> InvalidParameter
         return InvalidParameter(f"the body is not valid JSON: {error['msg'].split(': ', 1)[-1]}")
     # A union's alternatives show up in the location as type tags ("str", "list[int]"): drop
     # them, and say what the field accepts instead of what its first alternative wanted.
-    parts = [p for p in error["loc"]
-             if isinstance(p, int) or not (p in ("str", "int", "float", "bool") or "[" in p)]
+    parts = [
+        p
+        for p in error["loc"]
+        if isinstance(p, int) or not (p in ("str", "int", "float", "bool") or "[" in p)
+    ]
     if not parts:
         return InvalidParameter(f"the body must be a JSON object: {error['msg']}")
     where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
@@ -394,8 +401,9 @@ def error_body(exc: BaseException) -> tuple[int, ErrorResponse]:
     else:
         status, kind, code = _HTTP_ERRORS.get(status_code_for(exc), _HTTP_ERRORS[None])
     message = str(exc) if status != 500 else f"internal error: {exc}"
-    return status, ErrorResponse(error=ErrorInfo(
-        message=message, type=kind, param=getattr(exc, "param", None), code=code))
+    return status, ErrorResponse(
+        error=ErrorInfo(message=message, type=kind, param=getattr(exc, "param", None), code=code)
+    )
 
 
 def error_headers(exc: BaseException) -> dict[str, str]:
@@ -443,8 +451,10 @@ def openapi_document(endpoints: list[Any], title: str, version: str) -> dict:
     can tell an undocumented one."""
     models = {m for e in endpoints for m in (e.request, e.response, e.stream) if m is not None}
     models.add(ErrorResponse)
-    keyed = [(m, "validation" if issubclass(m, RequestBody) else "serialization")
-             for m in sorted(models, key=lambda m: m.__name__)]
+    keyed = [
+        (m, "validation" if issubclass(m, RequestBody) else "serialization")
+        for m in sorted(models, key=lambda m: m.__name__)
+    ]
     refs, defs = models_json_schema(keyed, ref_template="#/components/schemas/{model}")
     for e in endpoints:  # parse_request refuses unknown top-level fields
         if e.request is not None:
@@ -454,8 +464,10 @@ def openapi_document(endpoints: list[Any], title: str, version: str) -> dict:
         return refs[(model, "validation" if issubclass(model, RequestBody) else "serialization")]
 
     def error(status: int) -> dict:
-        return {"description": ERROR_STATUSES[status],
-                "content": {"application/json": {"schema": ref(ErrorResponse)}}}
+        return {
+            "description": ERROR_STATUSES[status],
+            "content": {"application/json": {"schema": ref(ErrorResponse)}},
+        }
 
     paths: dict[str, dict] = {}
     for e in endpoints:
@@ -464,25 +476,37 @@ def openapi_document(endpoints: list[Any], title: str, version: str) -> dict:
             content[e.media_type] = {"schema": ref(e.response)}
         if e.stream is not None:
             # Before OpenAPI 3.2, the schema of an event stream describes one event.
-            content["text/event-stream"] = {"schema": {
-                "description": "With stream=true, one event per delta: its data is a chunk, or "
-                               "an error body when the stream fails midway; the last event's "
-                               "data is [DONE].",
-                "type": "object",
-                "required": ["data"],
-                "properties": {"data": {"anyOf": [
-                    {"const": "[DONE]"},
-                    {"type": "string", "contentMediaType": "application/json",
-                     "contentSchema": {"anyOf": [ref(e.stream), ref(ErrorResponse)]}},
-                ]}},
-            }}
-        responses = {str(status): {"description": HTTPStatus(status).phrase, "content": content}
-                     for status in e.answers}
+            content["text/event-stream"] = {
+                "schema": {
+                    "description": "With stream=true, one event per delta: its data is a chunk, or "
+                    "an error body when the stream fails midway; the last event's "
+                    "data is [DONE].",
+                    "type": "object",
+                    "required": ["data"],
+                    "properties": {
+                        "data": {
+                            "anyOf": [
+                                {"const": "[DONE]"},
+                                {
+                                    "type": "string",
+                                    "contentMediaType": "application/json",
+                                    "contentSchema": {"anyOf": [ref(e.stream), ref(ErrorResponse)]},
+                                },
+                            ]
+                        }
+                    },
+                }
+            }
+        responses = {
+            str(status): {"description": HTTPStatus(status).phrase, "content": content}
+            for status in e.answers
+        }
         responses.update({str(status): error(status) for status in sorted(e.errors)})
         operation: dict[str, Any] = {"summary": e.summary, "responses": responses}
         if e.request is not None:
             operation["requestBody"] = {
-                "required": True, "content": {"application/json": {"schema": ref(e.request)}}
+                "required": True,
+                "content": {"application/json": {"schema": ref(e.request)}},
             }
         paths.setdefault(e.path, {})[e.method.lower()] = operation
     return {

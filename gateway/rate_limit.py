@@ -70,8 +70,12 @@ class TokenReservation:
 class RateLimiter:
     """Token buckets per caller for requests per second and tokens per minute (None: no limit)."""
 
-    def __init__(self, requests_per_second: float | None, tokens_per_minute: int | None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        requests_per_second: float | None,
+        tokens_per_minute: int | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.requests_per_second = requests_per_second
         self.tokens_per_minute = tokens_per_minute
         self.clock = clock
@@ -88,7 +92,9 @@ class RateLimiter:
         if wait:
             raise RateLimitExceeded(
                 f"rate limit reached: {self.requests_per_second:g} requests per second for "
-                f"{_who(caller)}; retry in {math.ceil(wait)} s", math.ceil(wait))
+                f"{_who(caller)}; retry in {math.ceil(wait)} s",
+                math.ceil(wait),
+            )
 
     def reserve_tokens(self, caller: str, requests: Sequence[TextRequest]) -> TokenReservation:
         """Charge prompt + max_tokens of every sequence to `caller`; RateLimitExceeded if over
@@ -102,15 +108,25 @@ class RateLimiter:
             raise RateLimitExceeded(
                 f"request too large: it may use {amount} tokens (prompt plus max_tokens for each "
                 f"sequence), over the limit of {limit} tokens per minute for {_who(caller)}; "
-                f"lower max_tokens or shorten the prompt", None)
+                f"lower max_tokens or shorten the prompt",
+                None,
+            )
         if wait:
             raise RateLimitExceeded(
                 f"rate limit reached: {limit} tokens per minute for {_who(caller)}, and this "
-                f"request may use {amount}; retry in {math.ceil(wait)} s", math.ceil(wait))
+                f"request may use {amount}; retry in {math.ceil(wait)} s",
+                math.ceil(wait),
+            )
         return TokenReservation(self, self._tokens[caller], amount)
 
-    def _take(self, buckets: dict[str, TokenBucket], caller: str, rate: float, capacity: float,
-              amount: float) -> float:
+    def _take(
+        self,
+        buckets: dict[str, TokenBucket],
+        caller: str,
+        rate: float,
+        capacity: float,
+        amount: float,
+    ) -> float:
         now = self.clock()
         bucket = buckets.get(caller)
         if bucket is None:
@@ -131,9 +147,11 @@ def _who(caller: str) -> str:
     return "this API key" if caller.startswith("key-") else "this client"
 
 
-async def giving_back_unused(stream: AsyncIterator[tuple[int, TextDelta]],
-                             requests: Sequence[TextRequest], reservation: TokenReservation
-                             ) -> AsyncIterator[tuple[int, TextDelta]]:
+async def giving_back_unused(
+    stream: AsyncIterator[tuple[int, TextDelta]],
+    requests: Sequence[TextRequest],
+    reservation: TokenReservation,
+) -> AsyncIterator[tuple[int, TextDelta]]:
     """`stream` (Gateway.generate_many's), giving back each finished sequence's unused
     max_tokens, or everything if it fails before its first delta; closing it closes `stream`."""
     started = False
@@ -141,8 +159,9 @@ async def giving_back_unused(stream: AsyncIterator[tuple[int, TextDelta]],
         async for index, delta in stream:
             started = True
             if delta.usage is not None:
-                reservation.give_back(requests[index].params.max_tokens
-                                      - delta.usage.completion_tokens)
+                reservation.give_back(
+                    requests[index].params.max_tokens - delta.usage.completion_tokens
+                )
             yield index, delta
     except Exception:
         if not started:  # refused (queue full, unavailable): it cost the engine nothing

@@ -36,7 +36,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
     token on a kept-alive connection.
     """
     family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE)[0]
+        host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE
+    )[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -56,9 +57,17 @@ class _Uvicorn(uvicorn.Server):
 
 
 class GatewayServer:
-    def __init__(self, host: str, port: int, grpc_port: int, engine_address: str,
-                 tokenizer_address: str, served_model_name: str | None = None,
-                 config: GatewayConfig | None = None, internal_token: str | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        grpc_port: int,
+        engine_address: str,
+        tokenizer_address: str,
+        served_model_name: str | None = None,
+        config: GatewayConfig | None = None,
+        internal_token: str | None = None,
+    ) -> None:
         """`internal_token`: what the engine and tokenizer require of callers, if anything."""
         self.host = host
         self.port = port
@@ -77,19 +86,24 @@ class GatewayServer:
     async def start(self) -> None:
         """Listen on both ports (0 picks free ones; self.port and self.grpc_port say which)."""
         # gRPC channels belong to the running loop: create the clients here, not in __init__.
-        self.gateway = Gateway(EngineClient(self._engine_address, self._internal_token),
-                               TokenizerClient(self._tokenizer_address, self._internal_token),
-                               Metrics(), self._served_model_name)
+        self.gateway = Gateway(
+            EngineClient(self._engine_address, self._internal_token),
+            TokenizerClient(self._tokenizer_address, self._internal_token),
+            Metrics(),
+            self._served_model_name,
+        )
         access = Access(self.config)
-        self._grpc = GatewayGrpcService(self.gateway, self.host, self.grpc_port, self.config,
-                                        access)
+        self._grpc = GatewayGrpcService(
+            self.gateway, self.host, self.grpc_port, self.config, access
+        )
         self.grpc_port = await self._grpc.start()
         # Bound here rather than by uvicorn, so that a busy port raises instead of exiting.
         sock = listening_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
         self.app = build_app(self.gateway, self.config, access)
-        config = uvicorn.Config(self.app, lifespan="off", access_log=False,
-                                log_level="warning", timeout_keep_alive=30)
+        config = uvicorn.Config(
+            self.app, lifespan="off", access_log=False, log_level="warning", timeout_keep_alive=30
+        )
         self._http = _Uvicorn(config)
         self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
         while not self._http.started:
@@ -116,8 +130,11 @@ class GatewayServer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await self.start()
-        print(f"folio: gateway listening on http://{self.host}:{self.port} "
-              f"(gRPC {self.host}:{self.grpc_port})", flush=True)
+        print(
+            f"folio: gateway listening on http://{self.host}:{self.port} "
+            f"(gRPC {self.host}:{self.grpc_port})",
+            flush=True,
+        )
         stopped = asyncio.create_task(stop.wait())
         try:
             await asyncio.wait({stopped, self._http_task}, return_when=asyncio.FIRST_COMPLETED)

@@ -23,8 +23,7 @@ class EventStreamResponse(StreamingResponse):
 
     def __init__(self, content) -> None:
         # no-cache / no buffering: proxies must pass each event on as it comes.
-        super().__init__(content, headers={"Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

@@ -9,7 +9,8 @@ engine, never here.
 
 from __future__ import annotations
 
-from engine.sampling_params import StructuredOutput
+from common.sampling_params import StructuredOutput
+from engine.grammar import check_grammar
 from gateway import protocol as api
 
 # vLLM's older fields and the kind each one sets.
@@ -23,9 +24,18 @@ def structured_output(body: api.SamplingFields) -> StructuredOutput | None:
         found.append(("response_format", _from_response_format(body.response_format)))
     if body.structured_outputs is not None:
         fields = body.structured_outputs
-        found.append(("structured_outputs", StructuredOutput(
-            json=fields.json_schema, regex=fields.regex, choice=fields.choice,
-            grammar=fields.grammar, json_object=bool(fields.json_object))))
+        found.append(
+            (
+                "structured_outputs",
+                StructuredOutput(
+                    json=fields.json_schema,
+                    regex=fields.regex,
+                    choice=fields.choice,
+                    grammar=fields.grammar,
+                    json_object=bool(fields.json_object),
+                ),
+            )
+        )
     for name, kind in GUIDED_FIELDS.items():
         value = getattr(body, name)
         if value is not None:
@@ -34,11 +44,10 @@ def structured_output(body: api.SamplingFields) -> StructuredOutput | None:
         return None
     if len(found) > 1:
         names = " and ".join(name for name, _ in found)
-        raise api.InvalidParameter(f"{names} both constrain the output: set only one",
-                                   found[1][0])
+        raise api.InvalidParameter(f"{names} both constrain the output: set only one", found[1][0])
     name, constraint = found[0]
     try:
-        constraint.validate(name)
+        check_grammar(constraint, name)
     except ValueError as exc:
         raise api.InvalidParameter(str(exc), name) from None
     return constraint
@@ -50,6 +59,7 @@ def _from_response_format(response_format: api.ResponseFormat) -> StructuredOutp
     spec = response_format.json_schema
     if spec is None or spec.json_schema is None:
         raise api.InvalidParameter(
-            "response_format of type json_schema needs json_schema.schema", "response_format")
+            "response_format of type json_schema needs json_schema.schema", "response_format"
+        )
     # strict is implied: the grammar admits only what the schema does.
     return StructuredOutput(json=spec.json_schema)

@@ -54,8 +54,9 @@ class GrpcService:
         """From `start` on, every call must present one of `keys` (authorization: Bearer),
         except health checks when `open_health`; `what` names the key in refusals."""
         if keys:
-            self._interceptors = [KeyInterceptor(
-                keys, what, (health.SERVICE_NAME,) if open_health else ())]
+            self._interceptors = [
+                KeyInterceptor(keys, what, (health.SERVICE_NAME,) if open_health else ())
+            ]
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
         raise NotImplementedError
@@ -131,8 +132,10 @@ class GrpcService:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         port = await self.start()
-        print(f"folio: {type(self).__name__} listening on {self.address.rsplit(':', 1)[0]}:{port}",
-              flush=True)
+        print(
+            f"folio: {type(self).__name__} listening on {self.address.rsplit(':', 1)[0]}:{port}",
+            flush=True,
+        )
         stopped = asyncio.create_task(stop.wait())
         try:
             await asyncio.wait({stopped, self._warm_up_task}, return_when=asyncio.FIRST_COMPLETED)

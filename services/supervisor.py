@@ -85,31 +85,62 @@ class ServeConfig:
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The flags of `folio serve` (the engine's come from common.config.add_engine_args)."""
     group = parser.add_argument_group("serve")
-    group.add_argument("--host", default=DEFAULT_HOST,
-                       help="address of the HTTP API and the gateway's gRPC API")
+    group.add_argument(
+        "--host", default=DEFAULT_HOST, help="address of the HTTP API and the gateway's gRPC API"
+    )
     group.add_argument("--port", type=int, default=HTTP_PORT, help="HTTP port (0 picks a free one)")
-    group.add_argument("--grpc-port", type=int, default=GATEWAY_GRPC_PORT,
-                       help="the gateway's gRPC port (0 picks a free one)")
-    group.add_argument("--engine-port", type=int, default=ENGINE_PORT,
-                       help="the engine service's port on 127.0.0.1 (0 picks a free one)")
-    group.add_argument("--tokenizer-port", type=int, default=TOKENIZER_PORT,
-                       help="the tokenizer service's port on 127.0.0.1 (0 picks a free one)")
-    group.add_argument("--drain-seconds", type=float, default=DRAIN_SECONDS,
-                       help="on SIGTERM / Ctrl-C, how long requests in flight may finish")
-    group.add_argument("--max-restarts", type=int, default=MAX_RESTARTS,
-                       help="restarts of a service that dies again and again (without a minute "
-                            "of health in between) before folio serve gives up; 0: never restart")
+    group.add_argument(
+        "--grpc-port",
+        type=int,
+        default=GATEWAY_GRPC_PORT,
+        help="the gateway's gRPC port (0 picks a free one)",
+    )
+    group.add_argument(
+        "--engine-port",
+        type=int,
+        default=ENGINE_PORT,
+        help="the engine service's port on 127.0.0.1 (0 picks a free one)",
+    )
+    group.add_argument(
+        "--tokenizer-port",
+        type=int,
+        default=TOKENIZER_PORT,
+        help="the tokenizer service's port on 127.0.0.1 (0 picks a free one)",
+    )
+    group.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=DRAIN_SECONDS,
+        help="on SIGTERM / Ctrl-C, how long requests in flight may finish",
+    )
+    group.add_argument(
+        "--max-restarts",
+        type=int,
+        default=MAX_RESTARTS,
+        help="restarts of a service that dies again and again (without a minute "
+        "of health in between) before folio serve gives up; 0: never restart",
+    )
     group.add_argument("--served-model-name", default=None, help="the model name the API shows")
-    group.add_argument("--startup-timeout", type=float, default=600.0,
-                       help="seconds to wait for all three services to be healthy")
+    group.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for all three services to be healthy",
+    )
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
-        host=args.host, port=args.port, grpc_port=args.grpc_port, engine_port=args.engine_port,
-        tokenizer_port=args.tokenizer_port, drain_seconds=args.drain_seconds,
-        max_restarts=args.max_restarts, startup_timeout=args.startup_timeout,
-        served_model_name=args.served_model_name, engine=engine_config_from_args(args),
+        host=args.host,
+        port=args.port,
+        grpc_port=args.grpc_port,
+        engine_port=args.engine_port,
+        tokenizer_port=args.tokenizer_port,
+        drain_seconds=args.drain_seconds,
+        max_restarts=args.max_restarts,
+        startup_timeout=args.startup_timeout,
+        served_model_name=args.served_model_name,
+        engine=engine_config_from_args(args),
         gateway=gateway_config_from_args(args, load_api_keys(args.api_key, args.api_key_file)),
     )
 
@@ -151,8 +182,9 @@ def _grpc_serving(address: str) -> Callable[[], bool]:
 def _http_ok(url: str, headers: dict[str, str]) -> Callable[[], bool]:
     def probe() -> bool:
         try:
-            with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
-                                        timeout=1.0) as response:
+            with urllib.request.urlopen(
+                urllib.request.Request(url, headers=headers), timeout=1.0
+            ) as response:
                 return response.status == 200
         except (urllib.error.URLError, OSError):
             return False  # not listening yet, or 503 until the engine and tokenizer are ready
@@ -193,8 +225,12 @@ class Child:
         # stops the children in order.
         self.process = subprocess.Popen(
             [sys.executable, "-m", "common.cli", *self.args],
-            stdin=subprocess.DEVNULL, stdout=self.output, stderr=self.output,
-            env={**os.environ, **self.env}, process_group=0, preexec_fn=_die_with_parent,
+            stdin=subprocess.DEVNULL,
+            stdout=self.output,
+            stderr=self.output,
+            env={**os.environ, **self.env},
+            process_group=0,
+            preexec_fn=_die_with_parent,
         )
 
     def healthy(self) -> bool:
@@ -239,8 +275,12 @@ class Supervisor:
         self.host = config.host
         self.port = config.port or _free_port(config.host, held)
         self.grpc_port = config.grpc_port or _free_port(config.host, held)
-        self.engine_address = f"{INTERNAL_HOST}:{config.engine_port or _free_port(INTERNAL_HOST, held)}"
-        self.tokenizer_address = f"{INTERNAL_HOST}:{config.tokenizer_port or _free_port(INTERNAL_HOST, held)}"
+        self.engine_address = (
+            f"{INTERNAL_HOST}:{config.engine_port or _free_port(INTERNAL_HOST, held)}"
+        )
+        self.tokenizer_address = (
+            f"{INTERNAL_HOST}:{config.tokenizer_port or _free_port(INTERNAL_HOST, held)}"
+        )
         for s in held:
             s.close()
         self._stop = threading.Event()
@@ -249,25 +289,63 @@ class Supervisor:
         drain = config.drain_seconds
         engine = config.engine
         model = ["--model", engine.model] if engine.model else []
-        served_name = ["--served-model-name", config.served_model_name] if config.served_model_name else []
+        served_name = (
+            ["--served-model-name", config.served_model_name] if config.served_model_name else []
+        )
         self.tokenizer = Child(
             "tokenizer",
-            ["tokenizer", *model, "--host", INTERNAL_HOST, "--port", self._port(self.tokenizer_address),
-             "--drain-seconds", str(drain)],
-            lambda: _grpc_serving(self.tokenizer_address), drain, output,
+            [
+                "tokenizer",
+                *model,
+                "--host",
+                INTERNAL_HOST,
+                "--port",
+                self._port(self.tokenizer_address),
+                "--drain-seconds",
+                str(drain),
+            ],
+            lambda: _grpc_serving(self.tokenizer_address),
+            drain,
+            output,
         )
         self.engine = Child(
             "engine",
-            ["engine", "--host", INTERNAL_HOST, "--port", self._port(self.engine_address),
-             "--drain-seconds", str(drain), *engine_args_from_config(engine)],
-            lambda: _grpc_serving(self.engine_address), drain, output,
+            [
+                "engine",
+                "--host",
+                INTERNAL_HOST,
+                "--port",
+                self._port(self.engine_address),
+                "--drain-seconds",
+                str(drain),
+                *engine_args_from_config(engine),
+            ],
+            lambda: _grpc_serving(self.engine_address),
+            drain,
+            output,
         )
         self.gateway = Child(
             "gateway",
-            ["gateway", "--host", self.host, "--port", str(self.port), "--grpc-port", str(self.grpc_port),
-             "--engine-address", self.engine_address, "--tokenizer-address", self.tokenizer_address,
-             "--drain-seconds", str(drain), *served_name, *gateway_args_from_config(config.gateway)],
-            lambda: _http_ok(f"{self.url}/health", self._probe_headers()), drain, output,
+            [
+                "gateway",
+                "--host",
+                self.host,
+                "--port",
+                str(self.port),
+                "--grpc-port",
+                str(self.grpc_port),
+                "--engine-address",
+                self.engine_address,
+                "--tokenizer-address",
+                self.tokenizer_address,
+                "--drain-seconds",
+                str(drain),
+                *served_name,
+                *gateway_args_from_config(config.gateway),
+            ],
+            lambda: _http_ok(f"{self.url}/health", self._probe_headers()),
+            drain,
+            output,
         )
         self.children = [self.tokenizer, self.engine, self.gateway]
         # The engine and tokenizer admit only the gateway, by a token made for this run unless
@@ -351,10 +429,13 @@ class Supervisor:
         child.deaths_in_a_row = 1 if recovered else child.deaths_in_a_row + 1
         died = f"{child.describe_exit()} while serving (pid {child.process.pid})"
         if child.deaths_in_a_row > self.config.max_restarts:
-            raise ServeError(f"{died}: it died {child.deaths_in_a_row} times in a row, more "
-                             f"than --max-restarts {self.config.max_restarts} allows; giving up")
-        delay = min(RESTART_DELAY_SECONDS * 2 ** (child.deaths_in_a_row - 1),
-                    MAX_RESTART_DELAY_SECONDS)
+            raise ServeError(
+                f"{died}: it died {child.deaths_in_a_row} times in a row, more "
+                f"than --max-restarts {self.config.max_restarts} allows; giving up"
+            )
+        delay = min(
+            RESTART_DELAY_SECONDS * 2 ** (child.deaths_in_a_row - 1), MAX_RESTART_DELAY_SECONDS
+        )
         child.restart_at = now + delay
         print(f"folio: {died}; restarting it in {delay:g} s", file=sys.stderr, flush=True)
 
@@ -387,8 +468,11 @@ class Supervisor:
             child.process.wait()
             # A child still importing when SIGTERM came dies of it: that is a stop as asked.
             stopped_as_asked = child.exit_code() in (0, -signal.SIGTERM)
-            print(f"folio: {child.describe_exit()} while stopping",
-                  file=sys.stdout if stopped_as_asked else sys.stderr, flush=True)
+            print(
+                f"folio: {child.describe_exit()} while stopping",
+                file=sys.stdout if stopped_as_asked else sys.stderr,
+                flush=True,
+            )
             clean = clean and stopped_as_asked
         return clean
 
@@ -398,14 +482,20 @@ def serve(config: ServeConfig) -> int:
     supervisor = Supervisor(config)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: supervisor.request_stop())
-    print(f"folio: starting tokenizer ({supervisor.tokenizer_address}), engine "
-          f"({supervisor.engine_address}) and gateway ({supervisor.url})", flush=True)
+    print(
+        f"folio: starting tokenizer ({supervisor.tokenizer_address}), engine "
+        f"({supervisor.engine_address}) and gateway ({supervisor.url})",
+        flush=True,
+    )
     failed = False
     try:
         supervisor.start()
         if not supervisor.stopping:
-            print(f"folio: serving on {supervisor.url} (OpenAI API under /v1; gateway gRPC "
-                  f"{supervisor.grpc_address}); Ctrl-C stops", flush=True)
+            print(
+                f"folio: serving on {supervisor.url} (OpenAI API under /v1; gateway gRPC "
+                f"{supervisor.grpc_address}); Ctrl-C stops",
+                flush=True,
+            )
         supervisor.watch()
     except ServeError as exc:
         print(f"folio: error: {exc}; stopping the other services", file=sys.stderr, flush=True)

@@ -29,12 +29,18 @@ def sentencepiece_style_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) 
 
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, trainers
 
-    corpus = ["Hello world, this is a tiny corpus.", "Streaming text token by token.",
-              "héllo wörld", "The quick brown fox jumps over the lazy dog."]
+    corpus = [
+        "Hello world, this is a tiny corpus.",
+        "Streaming text token by token.",
+        "héllo wörld",
+        "The quick brown fox jumps over the lazy dog.",
+    ]
     normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     trainer_tokenizer = Tokenizer(models.BPE())
     trainer_tokenizer.normalizer = normalizer
-    trainer_tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, show_progress=False))
+    trainer_tokenizer.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=200, show_progress=False)
+    )
     trained = json.loads(trainer_tokenizer.to_str())["model"]
 
     special = ["<unk>", "<s>", "</s>"]
@@ -42,11 +48,18 @@ def sentencepiece_style_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) 
     for token in trained["vocab"]:
         vocab.setdefault(token, len(vocab))
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>",
-                                     byte_fallback=True, fuse_unk=True))
+    tokenizer = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True)
+    )
     tokenizer.normalizer = normalizer
-    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                           decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tokenizer.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
 
     path = tmp_path_factory.mktemp("sentencepiece_style")

@@ -7,27 +7,44 @@ import time
 
 import grpc
 import httpx
-from grpc_helpers import TIMEOUT, LoopThread
+from common.grpc_stubs.folio.v1 import engine_pb2, engine_pb2_grpc
 
 from common.config import GatewayConfig
-from common.grpc_stubs.folio.v1 import engine_pb2, engine_pb2_grpc
 from gateway.server import GatewayServer
+from grpc_helpers import TIMEOUT, LoopThread
 
 # Prefix caching off: a prompt computed partly from cached blocks rounds differently in bf16,
 # and the tests compare runs of the same prompt token for token.
 MAX_MODEL_LEN = 1024
-ENGINE_ARGS = dict(dtype="bfloat16", num_kv_blocks=512, max_model_len=MAX_MODEL_LEN,
-                   max_num_seqs=16, enable_prefix_caching=False)
+ENGINE_ARGS = dict(
+    dtype="bfloat16",
+    num_kv_blocks=512,
+    max_model_len=MAX_MODEL_LEN,
+    max_num_seqs=16,
+    enable_prefix_caching=False,
+)
 
 
 class GatewayThread(LoopThread):
     """A GatewayServer on an event loop of its own, so tests use blocking clients."""
 
-    def __init__(self, engine_address: str, tokenizer_address: str,
-                 config: GatewayConfig | None = None, internal_token: str | None = None) -> None:
+    def __init__(
+        self,
+        engine_address: str,
+        tokenizer_address: str,
+        config: GatewayConfig | None = None,
+        internal_token: str | None = None,
+    ) -> None:
         super().__init__()
-        self.server = GatewayServer("127.0.0.1", 0, 0, engine_address, tokenizer_address,
-                                    config=config, internal_token=internal_token)
+        self.server = GatewayServer(
+            "127.0.0.1",
+            0,
+            0,
+            engine_address,
+            tokenizer_address,
+            config=config,
+            internal_token=internal_token,
+        )
         self.call(self.server.start())
         self.url = f"http://127.0.0.1:{self.server.port}"
         self.grpc_channel = grpc.insecure_channel(f"127.0.0.1:{self.server.grpc_port}")
@@ -66,16 +83,19 @@ def wait_for_idle_engine(url: str, idle_kv_usage: float, seconds: float) -> dict
     deadline = time.monotonic() + seconds
     while True:
         samples = read_metrics(url)
-        if (samples["folio_num_requests_running"] == 0
-                and samples["folio_num_requests_waiting"] == 0
-                and samples["folio_kv_cache_usage_ratio"] == idle_kv_usage):
+        if (
+            samples["folio_num_requests_running"] == 0
+            and samples["folio_num_requests_waiting"] == 0
+            and samples["folio_kv_cache_usage_ratio"] == idle_kv_usage
+        ):
             return samples
         if time.monotonic() > deadline:
             raise AssertionError(
                 f"the engine is not idle {seconds} s later: "
                 f"{samples['folio_num_requests_running']:.0f} running, "
                 f"{samples['folio_num_requests_waiting']:.0f} waiting, KV cache usage "
-                f"{samples['folio_kv_cache_usage_ratio']} (idle: {idle_kv_usage})")
+                f"{samples['folio_kv_cache_usage_ratio']} (idle: {idle_kv_usage})"
+            )
         time.sleep(0.05)
 
 

@@ -75,9 +75,12 @@ def assert_health_and_reflection(channel: grpc.Channel, service: str) -> None:
         assert answer.status == health_pb2.HealthCheckResponse.SERVING
     reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
     [answer] = reflection.ServerReflectionInfo(
-        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=TIMEOUT)
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=TIMEOUT
+    )
     names = {s.name for s in answer.list_services_response.service}
     assert {service, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
-    [answer] = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
-        file_containing_symbol=service)]), timeout=TIMEOUT)
+    [answer] = reflection.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol=service)]),
+        timeout=TIMEOUT,
+    )
     assert answer.file_descriptor_response.file_descriptor_proto

@@ -43,7 +43,9 @@ def build_metadata(
     slots = []
     for q, s, table in zip(query_lens, seq_lens, block_tables, strict=True):
         assert len(table) >= math.ceil(s / block_size), "block table too short"
-        slots += [table[pos // block_size] * block_size + pos % block_size for pos in range(s - q, s)]
+        slots += [
+            table[pos // block_size] * block_size + pos % block_size for pos in range(s - q, s)
+        ]
     width = max(len(t) for t in block_tables)
     starts = [0]
     for q in query_lens:
@@ -52,7 +54,9 @@ def build_metadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32),
+        block_tables=torch.tensor(
+            [t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32
+        ),
         query_lens_cpu=list(query_lens),
         seq_lens_cpu=list(seq_lens),
         num_decodes=num_decodes,

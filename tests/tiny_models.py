@@ -7,29 +7,53 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=160, max_position_embeddings=256)
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    vocab_size=160,
+    max_position_embeddings=256,
+)
 VARIANTS = {
     "llama": (LlamaConfig, dict(SMALL, num_attention_heads=4, num_key_value_heads=2)),
     # SmolLM2's GQA ratio 3 and tied embeddings, plus llama3 RoPE scaling with every band in use.
     "llama-gqa3-tied-llama3rope": (
         LlamaConfig,
         dict(
-            SMALL, hidden_size=72, num_attention_heads=9, num_key_value_heads=3, head_dim=8,
+            SMALL,
+            hidden_size=72,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=8,
             tie_word_embeddings=True,
             rope_parameters=dict(
-                rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
-                high_freq_factor=4.0, original_max_position_embeddings=128,
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=128,
             ),
         ),
     ),
-    "mistral": (MistralConfig, dict(SMALL, num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
-    "qwen2-bias-tied": (Qwen2Config, dict(SMALL, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
-    "qwen3-qknorm": (Qwen3Config, dict(SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
+    "mistral": (
+        MistralConfig,
+        dict(SMALL, num_attention_heads=4, num_key_value_heads=2, sliding_window=None),
+    ),
+    "qwen2-bias-tied": (
+        Qwen2Config,
+        dict(SMALL, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    ),
+    "qwen3-qknorm": (
+        Qwen3Config,
+        dict(SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    ),
 }
 
 
 def make_checkpoint(directory, config_class, kwargs, seed=0):
-    """A seeded random model saved as safetensors; returns the transformers model (float32, eager)."""
+    """A seeded random model saved as safetensors; returns the transformers model (float32,
+    eager)."""
     torch.manual_seed(seed)
     config = config_class(**kwargs, attn_implementation="eager")
     model = AutoModelForCausalLM.from_config(config)
@@ -51,4 +75,4 @@ def hf_greedy(reference, tokens: list[int], steps: int) -> list[int]:
     with torch.no_grad():
         for _ in range(steps):
             seq.append(int(reference(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(tokens):]
+    return seq[len(tokens) :]

@@ -28,7 +28,11 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 class AttentionBackend(ABC):
     def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """RMSNorm of x, or with a residual: residual += x in place, then RMSNorm of the sum."""
         if residual is not None:
@@ -36,7 +40,11 @@ class AttentionBackend(ABC):
         return torch_rms_norm(x, weight, eps)
 
     def rotary_(
-        self, qk: torch.Tensor, num_q_heads: int, positions: torch.Tensor, table: torch.Tensor,
+        self,
+        qk: torch.Tensor,
+        num_q_heads: int,
+        positions: torch.Tensor,
+        table: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
     ) -> None:
         """Rotates q = qk[:, :num_q_heads] and k = qk[:, num_q_heads:] ([T, heads, D]) in place.
@@ -54,7 +62,9 @@ class AttentionBackend(ABC):
         size = gate_up.shape[1] // 2
         return F.silu(gate_up[:, :size]).mul_(gate_up[:, size:])
 
-    def copy_blocks(self, kv_caches: list[torch.Tensor], sources: torch.Tensor, dests: torch.Tensor) -> None:
+    def copy_blocks(
+        self, kv_caches: list[torch.Tensor], sources: torch.Tensor, dests: torch.Tensor
+    ) -> None:
         """Copy-on-write: in every layer's cache, block dests[i] becomes a copy of block
         sources[i] (K and V). Every source is read before any destination is written, so a
         block may be both. One gather and one scatter per layer, in plain torch on any device:
@@ -64,7 +74,9 @@ class AttentionBackend(ABC):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Called once per step before the first layer: a backend may derive per-step data
-        (masks, gather indices) here and reuse it in every layer's forward."""
+        (masks, gather indices) here and reuse it in every layer's forward. Does nothing by
+        default."""
+        return None
 
     @abstractmethod
     def forward(
@@ -87,7 +99,7 @@ class AttentionBackend(ABC):
 
 
 def get_attention_backend(name: str, device: str | torch.device) -> AttentionBackend:
-    """"auto" is "triton" on CUDA devices and "torch" elsewhere; "triton" off CUDA needs the
+    """ "auto" is "triton" on CUDA devices and "torch" elsewhere; "triton" off CUDA needs the
     Triton interpreter (TRITON_INTERPRET=1, tests only)."""
     if name == "auto":
         name = "triton" if torch.device(device).type == "cuda" else "torch"

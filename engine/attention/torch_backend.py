@@ -86,7 +86,12 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float, out: torch.Tensor
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: _DecodePlan,
+        scale: float,
+        out: torch.Tensor,
     ) -> None:
         # One query per request. Gathered K of request b is a contiguous [L, KVH*D] matrix;
         # multiplying it by a block-diagonal query [H, KVH*D] (head h only in its KV head's
@@ -99,8 +104,13 @@ class TorchAttentionBackend(AttentionBackend):
         ctx = plan.mask.shape[-1]
         size = 2 * batch * ctx * num_kv_heads * head_dim
         workspace = self._workspace
-        if workspace.numel() < size or (workspace.dtype, workspace.device) != (kv_cache.dtype, kv_cache.device):
-            workspace = self._workspace = torch.empty(size, dtype=kv_cache.dtype, device=kv_cache.device)
+        if workspace.numel() < size or (workspace.dtype, workspace.device) != (
+            kv_cache.dtype,
+            kv_cache.device,
+        ):
+            workspace = self._workspace = torch.empty(
+                size, dtype=kv_cache.dtype, device=kv_cache.device
+            )
         kv = _gather_blocks(kv_cache, plan.block_ids, workspace[:size])
         kv = kv.view(2, batch, ctx, num_kv_heads * head_dim)
 
@@ -116,11 +126,15 @@ class TorchAttentionBackend(AttentionBackend):
         )
 
 
-def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def _gather_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """K and V of the listed blocks, in order: [2, len(block_ids), block_size * KVH * D]."""
     pool = kv_cache.view(2, kv_cache.shape[1], -1)
     shape = (2, block_ids.numel(), pool.shape[2])
-    out = torch.empty(shape, dtype=pool.dtype, device=pool.device) if out is None else out.view(shape)
+    out = (
+        torch.empty(shape, dtype=pool.dtype, device=pool.device) if out is None else out.view(shape)
+    )
     # Two gathers along the first dimension copy about twice as fast as one along dim 1.
     torch.index_select(pool[0], 0, block_ids, out=out[0])
     torch.index_select(pool[1], 0, block_ids, out=out[1])
@@ -130,7 +144,9 @@ def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.T
 def _diagonal_blocks(t: torch.Tensor, num_kv_heads: int, group: int, head_dim: int) -> torch.Tensor:
     """View of [B, H, KVH*D] at each head's own KV-head slot, as [B, group, D, KVH]."""
     batch = t.shape[0]
-    return torch.diagonal(t.view(batch, num_kv_heads, group, num_kv_heads, head_dim), dim1=1, dim2=3)
+    return torch.diagonal(
+        t.view(batch, num_kv_heads, group, num_kv_heads, head_dim), dim1=1, dim2=3
+    )
 
 
 def _prefill(
@@ -146,15 +162,24 @@ def _prefill(
     if plan.block_ids is None:
         # The whole context is new: causal from the top-left is causal from the bottom-right.
         result = F.scaled_dot_product_attention(
-            q4, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-            is_causal=True, scale=scale, enable_gqa=True,
+            q4,
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
         )
     else:
         num_kv_heads, head_dim = kv_cache.shape[3:]
         ctx = _gather_blocks(kv_cache, plan.block_ids)
         ctx = ctx.view(2, -1, num_kv_heads, head_dim)[:, : plan.seq_len].transpose(1, 2)
         result = F.scaled_dot_product_attention(
-            q4, ctx[0].unsqueeze(0), ctx[1].unsqueeze(0), attn_mask=plan.mask, scale=scale, enable_gqa=True
+            q4,
+            ctx[0].unsqueeze(0),
+            ctx[1].unsqueeze(0),
+            attn_mask=plan.mask,
+            scale=scale,
+            enable_gqa=True,
         )
     out.copy_(result[0].transpose(0, 1))
 
@@ -178,7 +203,9 @@ def _make_plan(meta: AttentionMetadata, q: torch.Tensor, num_kv_heads: int) -> _
                 end=hi,
                 block_ids=meta.block_tables[lo:hi, :blocks].reshape(-1),
                 mask=_additive_mask(visible, dtype),
-                q_blockdiag=torch.zeros((hi - lo, num_heads, num_kv_heads * head_dim), dtype=dtype, device=device),
+                q_blockdiag=torch.zeros(
+                    (hi - lo, num_heads, num_kv_heads * head_dim), dtype=dtype, device=device
+                ),
             )
         )
 

@@ -21,9 +21,13 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.activation import silu_and_mul
 from engine.kernels.kv_cache import write_kv_cache
+from engine.kernels.paged_attention import (
+    paged_attention_kernel,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
 from engine.kernels.rms_norm import rms_norm
 from engine.kernels.rotary import rotary_embedding_
-from engine.kernels.paged_attention import paged_attention_kernel, paged_decode_attention, paged_prefill_attention
 
 
 @dataclass
@@ -37,7 +41,9 @@ class _DeviceMeta:
 
 class TritonAttentionBackend(AttentionBackend):
     def __init__(self, device: str | torch.device) -> None:
-        if torch.device(device).type != "cuda" and not isinstance(paged_attention_kernel, InterpretedFunction):
+        if torch.device(device).type != "cuda" and not isinstance(
+            paged_attention_kernel, InterpretedFunction
+        ):
             raise ValueError(
                 f"attention backend 'triton' needs a CUDA device (device is {device}); on CPU use "
                 "'torch' or 'auto' (the Triton interpreter, TRITON_INTERPRET=1, is for tests)"
@@ -45,7 +51,11 @@ class TritonAttentionBackend(AttentionBackend):
         self._device_meta: _DeviceMeta | None = None
 
     def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if x.dim() != 2:  # per-head norms (Qwen3's q/k norm) keep the torch path
             return super().rms_norm(x, weight, eps, residual)
@@ -77,12 +87,20 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         n = meta.num_decodes
         if n > 0:
-            paged_decode_attention(q[:n], kv_cache, dm.block_tables[:n], dm.seq_lens[:n], scale, out=out[:n])
+            paged_decode_attention(
+                q[:n], kv_cache, dm.block_tables[:n], dm.seq_lens[:n], scale, out=out[:n]
+            )
         if n < meta.num_reqs:
             # Absolute query offsets: the kernel reads and writes only the prefill rows.
             paged_prefill_attention(
-                q, kv_cache, dm.query_start_loc[n:], dm.seq_lens[n:], dm.block_tables[n:],
-                scale, meta.max_query_len, out=out,
+                q,
+                kv_cache,
+                dm.query_start_loc[n:],
+                dm.seq_lens[n:],
+                dm.block_tables[n:],
+                scale,
+                meta.max_query_len,
+                out=out,
             )
         return out
 

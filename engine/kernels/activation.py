@@ -12,7 +12,9 @@ import triton.language as tl
 
 
 @triton.jit
-def silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, SIZE: tl.constexpr, BLOCK: tl.constexpr):
+def silu_and_mul_kernel(
+    x_ptr, out_ptr, x_stride, out_stride, SIZE: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < SIZE

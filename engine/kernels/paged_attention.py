@@ -23,13 +23,29 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def paged_attention_kernel(
-    q_ptr, out_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    q_ptr,
+    out_ptr,
+    cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
     scale_log2,  # softmax scale times log2(e): the kernel exponentiates in base 2
-    q_stride_t, q_stride_h, out_stride_t, out_stride_h,
-    table_stride, v_offset,  # row stride of the block table; elements from the K pool to the V pool
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr,
+    q_stride_t,
+    q_stride_h,
+    out_stride_t,
+    out_stride_h,
+    table_stride,
+    v_offset,  # row stride of the block table; elements from the K pool to the V pool
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     req = tl.program_id(0)
     tile = tl.program_id(1)
@@ -64,7 +80,9 @@ def paged_attention_kernel(
     for start in range(0, end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
-        block = tl.load(block_tables_ptr + req * table_stride + pos // BLOCK_SIZE, mask=pos_ok, other=0)
+        block = tl.load(
+            block_tables_ptr + req * table_stride + pos // BLOCK_SIZE, mask=pos_ok, other=0
+        )
         slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_offs = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
         kv_mask = pos_ok[:, None] & dim_ok[None, :]
@@ -82,8 +100,12 @@ def paged_attention_kernel(
         m_i = m_new
 
     out = acc / l_i[:, None]
-    out_offs = (q_start + token)[:, None] * out_stride_t + head[:, None] * out_stride_h + dims[None, :]
-    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    out_offs = (
+        (q_start + token)[:, None] * out_stride_t + head[:, None] * out_stride_h + dims[None, :]
+    )
+    tl.store(
+        out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :]
+    )
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -117,13 +139,28 @@ def _launch(
         return out
     grid = (num_reqs, num_tiles, num_kv_heads)
     paged_attention_kernel[grid](
-        q, out, kv_cache, block_tables, seq_lens, seq_lens if query_start_loc is None else query_start_loc,
+        q,
+        out,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        seq_lens if query_start_loc is None else query_start_loc,
         scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), kv_cache.stride(0),
-        NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, GROUP_P=group_p,
-        HEAD_DIM=head_dim, HEAD_DIM_P=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        kv_cache.stride(0),
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=num_heads // num_kv_heads,
+        GROUP_P=group_p,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_PRECISION=_dot_precision(q.dtype),
         DECODE=query_start_loc is None,
     )
     return out
@@ -167,7 +204,19 @@ def paged_prefill_attention(
     block_m = max(1, rows_per_tile // group_p)
     group_p = max(group_p, 16 // block_m)
     num_tiles = triton.cdiv(max_query_len, block_m)
-    return _launch(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, num_tiles, block_m, group_p, block_n)
+    return _launch(
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        out,
+        num_tiles,
+        block_m,
+        group_p,
+        block_n,
+    )
 
 
 def paged_prefill_attention_ref(
@@ -199,6 +248,12 @@ def paged_prefill_attention_ref(
 
 
 def paged_decode_attention_ref(
-    q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: list[int], block_tables: list[list[int]], scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    scale: float,
 ) -> torch.Tensor:
-    return paged_prefill_attention_ref(q, kv_cache, [1] * len(seq_lens), seq_lens, block_tables, scale)
+    return paged_prefill_attention_ref(
+        q, kv_cache, [1] * len(seq_lens), seq_lens, block_tables, scale
+    )

@@ -16,23 +16,35 @@ import triton.language as tl
 
 @triton.jit
 def rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr,
-    x_stride, residual_stride, out_stride, eps,
-    SIZE: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    x_stride,
+    residual_stride,
+    out_stride,
+    eps,
+    SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < SIZE
     x = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        total = x + tl.load(residual_ptr + row * residual_stride + cols, mask=ok, other=0.0).to(tl.float32)
+        total = x + tl.load(residual_ptr + row * residual_stride + cols, mask=ok, other=0.0).to(
+            tl.float32
+        )
         total = total.to(residual_ptr.dtype.element_ty)
         tl.store(residual_ptr + row * residual_stride + cols, total, mask=ok)
         x = total.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / SIZE + eps)
     normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(
+        out_ptr + row * out_stride + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=ok
+    )
 
 
 def rms_norm(
@@ -47,9 +59,17 @@ def rms_norm(
     if x.shape[0] == 0:
         return out
     rms_norm_kernel[(x.shape[0],)](
-        x, x if residual is None else residual, weight, out,
-        x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0), eps,
-        SIZE=size, BLOCK=triton.next_power_of_2(size), HAS_RESIDUAL=residual is not None,
+        x,
+        x if residual is None else residual,
+        weight,
+        out,
+        x.stride(0),
+        0 if residual is None else residual.stride(0),
+        out.stride(0),
+        eps,
+        SIZE=size,
+        BLOCK=triton.next_power_of_2(size),
+        HAS_RESIDUAL=residual is not None,
     )
     return out
 

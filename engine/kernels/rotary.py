@@ -15,8 +15,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate(x_ptr, stride_t, stride_h, token, cos, sin, HEADS: tl.constexpr, HEADS_P: tl.constexpr,
-            HALF: tl.constexpr, HALF_P: tl.constexpr):
+def _rotate(
+    x_ptr,
+    stride_t,
+    stride_h,
+    token,
+    cos,
+    sin,
+    HEADS: tl.constexpr,
+    HEADS_P: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
+):
     heads = tl.arange(0, HEADS_P)
     dims = tl.arange(0, HALF_P)
     ok = (heads < HEADS)[:, None] & (dims < HALF)[None, :]
@@ -24,16 +34,28 @@ def _rotate(x_ptr, stride_t, stride_h, token, cos, sin, HEADS: tl.constexpr, HEA
     x1 = tl.load(first, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=ok, other=0.0).to(tl.float32)
     tl.store(first, (x1 * cos[None, :] - x2 * sin[None, :]).to(x_ptr.dtype.element_ty), mask=ok)
-    tl.store(first + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(x_ptr.dtype.element_ty), mask=ok)
+    tl.store(
+        first + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(x_ptr.dtype.element_ty), mask=ok
+    )
 
 
 @triton.jit
 def rotary_kernel(
-    q_ptr, k_ptr, positions_ptr, table_ptr,
-    q_stride_t, q_stride_h, k_stride_t, k_stride_h, table_stride,
-    NUM_Q_HEADS: tl.constexpr, NUM_Q_HEADS_P: tl.constexpr,
-    NUM_K_HEADS: tl.constexpr, NUM_K_HEADS_P: tl.constexpr,
-    HALF: tl.constexpr, HALF_P: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    positions_ptr,
+    table_ptr,
+    q_stride_t,
+    q_stride_h,
+    k_stride_t,
+    k_stride_h,
+    table_stride,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_Q_HEADS_P: tl.constexpr,
+    NUM_K_HEADS: tl.constexpr,
+    NUM_K_HEADS_P: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -42,11 +64,17 @@ def rotary_kernel(
     cos = tl.load(row + dims, mask=dims < HALF, other=0.0).to(tl.float32)
     # Row 1 holds -sin in its first half and sin in its second.
     sin = tl.load(row + 3 * HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)
-    _rotate(q_ptr, q_stride_t, q_stride_h, token, cos, sin, NUM_Q_HEADS, NUM_Q_HEADS_P, HALF, HALF_P)
-    _rotate(k_ptr, k_stride_t, k_stride_h, token, cos, sin, NUM_K_HEADS, NUM_K_HEADS_P, HALF, HALF_P)
+    _rotate(
+        q_ptr, q_stride_t, q_stride_h, token, cos, sin, NUM_Q_HEADS, NUM_Q_HEADS_P, HALF, HALF_P
+    )
+    _rotate(
+        k_ptr, k_stride_t, k_stride_h, token, cos, sin, NUM_K_HEADS, NUM_K_HEADS_P, HALF, HALF_P
+    )
 
 
-def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> None:
+def rotary_embedding_(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, table: torch.Tensor
+) -> None:
     """q: [T, H, D], k: [T, KVH, D] (row-strided views are fine), positions: [T], table:
     [max_positions, 2, D]. Rotates q and k in place."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -57,11 +85,21 @@ def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         return
     half = head_dim // 2
     rotary_kernel[(num_tokens,)](
-        q, k, positions, table,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), table.stride(0),
-        NUM_Q_HEADS=num_q_heads, NUM_Q_HEADS_P=triton.next_power_of_2(num_q_heads),
-        NUM_K_HEADS=num_k_heads, NUM_K_HEADS_P=triton.next_power_of_2(num_k_heads),
-        HALF=half, HALF_P=triton.next_power_of_2(half),
+        q,
+        k,
+        positions,
+        table,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        table.stride(0),
+        NUM_Q_HEADS=num_q_heads,
+        NUM_Q_HEADS_P=triton.next_power_of_2(num_q_heads),
+        NUM_K_HEADS=num_k_heads,
+        NUM_K_HEADS_P=triton.next_power_of_2(num_k_heads),
+        HALF=half,
+        HALF_P=triton.next_power_of_2(half),
     )
 
 

@@ -56,8 +56,16 @@ def _mass_at_least(base, vocab, temperature, key, floor_key, top, BLOCK_V: tl.co
 
 @triton.jit
 def sample_kernel(
-    logits_ptr, out_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr,
-    logits_stride, vocab, BLOCK_V: tl.constexpr,
+    logits_ptr,
+    out_ptr,
+    temperature_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    min_p_ptr,
+    seeds_ptr,
+    logits_stride,
+    vocab,
+    BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * logits_stride
@@ -157,7 +165,15 @@ def sample(
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if batch:
         sample_kernel[(batch,)](
-            logits, out, temperature, top_k, top_p, min_p, seeds, logits.stride(0), vocab,
+            logits,
+            out,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            seeds,
+            logits.stride(0),
+            vocab,
             BLOCK_V=min(block_v, triton.next_power_of_2(vocab)),
         )
     return out
@@ -167,7 +183,9 @@ def uniform_noise(seeds: torch.Tensor, vocab: int, block_v: int = 1024) -> torch
     """[B, vocab]: the U that `sample` draws for these seeds (for tests and references)."""
     out = torch.empty(seeds.shape[0], vocab, dtype=torch.float32, device=seeds.device)
     if seeds.shape[0]:
-        uniform_noise_kernel[(seeds.shape[0],)](seeds, out, vocab, BLOCK_V=min(block_v, triton.next_power_of_2(vocab)))
+        uniform_noise_kernel[(seeds.shape[0],)](
+            seeds, out, vocab, BLOCK_V=min(block_v, triton.next_power_of_2(vocab))
+        )
     return out
 
 
@@ -188,7 +206,9 @@ def sample_ref(
         row = row / temperature[i]
         vocab = row.numel()
         if 0 < top_k[i] < vocab:
-            row = row.masked_fill(row < row.sort(descending=True).values[top_k[i] - 1], float("-inf"))
+            row = row.masked_fill(
+                row < row.sort(descending=True).values[top_k[i] - 1], float("-inf")
+            )
         if top_p[i] < 1.0:
             probs = row.softmax(-1)
             ranked = probs.sort(descending=True).values

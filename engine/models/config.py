@@ -56,7 +56,9 @@ class ModelConfig:
         path = Path(path)
         raw = json.loads((path / "config.json").read_text())
         generation = path / "generation_config.json"
-        return cls.from_dict(raw, json.loads(generation.read_text()) if generation.exists() else None)
+        return cls.from_dict(
+            raw, json.loads(generation.read_text()) if generation.exists() else None
+        )
 
     @classmethod
     def from_dict(cls, raw: dict, generation_config: dict | None = None) -> ModelConfig:
@@ -74,7 +76,9 @@ class ModelConfig:
             return bool(raw.get(key, False)) if value == "config" else bool(value)
 
         if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}; only 'silu' is supported")
+            raise ValueError(
+                f"unsupported hidden_act {raw['hidden_act']!r}; only 'silu' is supported"
+            )
 
         rope_theta, rope_scaling = _parse_rope(raw)
         num_heads = raw["num_attention_heads"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -59,16 +60,21 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight, None) if can_prepack(weight) else None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias=None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias=None
+) -> torch.Tensor:
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
 class Linear(nn.Module):
-    """Weight [sum(output_sizes), in] and optional bias; output_sizes > 1 entry means fused shards."""
+    """Weight [sum(output_sizes), in] and optional bias; output_sizes > 1 entry means fused
+    shards."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype, device) -> None:
+    def __init__(
+        self, in_features: int, output_sizes: list[int], bias: bool, dtype, device
+    ) -> None:
         super().__init__()
         self.output_sizes = output_sizes
         self.weight = _empty(sum(output_sizes), in_features, dtype=dtype, device=device)
@@ -101,7 +107,9 @@ def rope_table(config: ModelConfig, dtype: torch.dtype, device) -> torch.Tensor:
     x * cos + rotate_half(x) * sin (non-interleaved RoPE), in three ops instead of six.
     """
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
     if config.rope_scaling is not None:  # llama3, the only other type the config admits
         inv_freq = _llama3_inv_freq(inv_freq, config.rope_scaling, config.max_position_embeddings)
     freqs = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float32), inv_freq)
@@ -135,7 +143,11 @@ class LlamaAttention(nn.Module):
         self.scale = d**-0.5
         self.backend = backend
         self.qkv_proj = Linear(
-            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], config.attention_bias, dtype, device
+            config.hidden_size,
+            [self.q_size, self.kv_size, self.kv_size],
+            config.attention_bias,
+            dtype,
+            device,
         )
         self.o_proj = Linear(self.q_size, [config.hidden_size], config.o_proj_bias, dtype, device)
         self.eps = config.rms_norm_eps
@@ -195,7 +207,9 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, backend, dtype, device)
         self.mlp = LlamaMLP(config, backend, dtype, device)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype, device
+        )
 
     def forward(
         self,
@@ -214,7 +228,9 @@ class LlamaDecoderLayer(nn.Module):
         else:
             h = norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual)
         h = self.self_attn(h, rope, kv_cache, meta)
-        h = norm(h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, residual)
+        h = norm(
+            h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, residual
+        )
         return self.mlp(h), residual
 
 
@@ -223,16 +239,19 @@ class LlamaModel(nn.Module):
         super().__init__()
         # Bare modules holding one weight keep the checkpoint's names (model.embed_tokens.weight).
         self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.weight = _empty(
+            config.vocab_size, config.hidden_size, dtype=dtype, device=device
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, dtype, device) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend, dtype, device)
+            for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
 
 class LlamaForCausalLM(nn.Module):
     # Checkpoint projection name -> (our fused module, shard index within its output_sizes).
-    packed_modules = {
+    packed_modules: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0),
         "k_proj": ("qkv_proj", 1),
         "v_proj": ("qkv_proj", 2),
@@ -240,7 +259,9 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device
+    ) -> None:
         super().__init__()
         self.config = config
         self.backend = backend
@@ -259,7 +280,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "finalize_weights"):
                 module.finalize_weights()
-        # The embedding (often tied to lm_head) stays plain for the lookup; logits get a packed copy.
+        # The embedding (often tied to lm_head) stays plain for the lookup; logits get a packed
+        # copy.
         self.lm_head_packed = prepack(self.lm_head.weight)
 
     @torch.inference_mode()

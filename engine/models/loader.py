@@ -40,7 +40,9 @@ def load_model(
     model_class = MODEL_REGISTRY.get(config.architecture)
     if model_class is None:
         registered = ", ".join(MODEL_REGISTRY)
-        raise ValueError(f"no model class for architecture {config.architecture!r}; registered: {registered}")
+        raise ValueError(
+            f"no model class for architecture {config.architecture!r}; registered: {registered}"
+        )
     if torch.device(device).type == "cpu":
         bound_cpu_kernel_caches(CPU_KERNEL_CACHE_CAPACITY)
     model = model_class(config, get_attention_backend(attention_backend, device), dtype, device)
@@ -68,12 +70,14 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
     for name in params:
         module = model.get_submodule(name.rpartition(".")[0])
         sizes = getattr(module, "output_sizes", [None])
-        expected.update((name, shard) for shard in (range(len(sizes)) if len(sizes) > 1 else [None]))
+        expected.update(
+            (name, shard) for shard in (range(len(sizes)) if len(sizes) > 1 else [None])
+        )
 
     loaded, unexpected = set(), []
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 if key.endswith(_IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
                     continue
                 name, shard = _our_name(key, model.packed_modules)
@@ -96,7 +100,10 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
     problems = []
     missing = expected - loaded
     if missing:
-        problems.append("missing " + ", ".join(sorted(n if s is None else f"{n} (shard {s})" for n, s in missing)))
+        problems.append(
+            "missing "
+            + ", ".join(sorted(n if s is None else f"{n} (shard {s})" for n, s in missing))
+        )
     if unexpected:
         problems.append("unexpected " + ", ".join(sorted(unexpected)))
     if problems:
@@ -109,5 +116,5 @@ def _our_name(key: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | 
     for i, part in enumerate(parts):
         if part in packed:
             fused, shard = packed[part]
-            return ".".join(parts[:i] + [fused] + parts[i + 1 :]), shard
+            return ".".join([*parts[:i], fused, *parts[i + 1 :]]), shard
     return key, None

@@ -4,9 +4,9 @@ through common.sampling_proto). Pure translation: never validates or computes an
 from __future__ import annotations
 
 import grpc
+from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
 
 from common.errors import status_code_for
-from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
 from engine.async_engine import Event, RequestFailed
 from engine.outputs import RequestOutput
 from engine.request import FinishReason
@@ -33,7 +33,9 @@ def event_to_proto(event: Event) -> engine_pb2.RequestOutput:
     return _output_to_proto(event)
 
 
-def _token_logprob(token_id: int, logprob: float, top: list[tuple[int, float]]) -> common_pb2.TokenLogprob:
+def _token_logprob(
+    token_id: int, logprob: float, top: list[tuple[int, float]]
+) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(
         token_id=token_id,
         logprob=logprob,
@@ -48,17 +50,19 @@ def _output_to_proto(out: RequestOutput) -> engine_pb2.RequestOutput:
         token_ids=out.new_token_ids,
         logprobs=[
             _token_logprob(token_id, logprob, top)
-            for token_id, (logprob, top) in zip(out.new_token_ids, out.new_logprobs)
+            for token_id, (logprob, top) in zip(out.new_token_ids, out.new_logprobs, strict=False)
         ],
         prompt_logprobs=[_token_logprob(*record) for record in out.prompt_logprobs or ()],
         finished=out.finished,
     )
     if out.finished:
         message.finish_reason = FINISH_REASONS[out.finish_reason]
-        message.usage.CopyFrom(common_pb2.Usage(
-            prompt_tokens=out.num_prompt_tokens,
-            completion_tokens=out.num_output_tokens,
-            cached_tokens=out.num_cached_tokens,
-        ))
+        message.usage.CopyFrom(
+            common_pb2.Usage(
+                prompt_tokens=out.num_prompt_tokens,
+                completion_tokens=out.num_output_tokens,
+                cached_tokens=out.num_cached_tokens,
+            )
+        )
         message.queue_seconds = out.queue_seconds
     return message

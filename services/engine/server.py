@@ -12,16 +12,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from common.grpc_stubs.folio.v1 import engine_pb2 as pb
+from common.grpc_stubs.folio.v1 import engine_pb2_grpc
 
 from common.config import EngineConfig
 from common.errors import UnavailableError
-from common.grpc_stubs.folio.v1 import engine_pb2 as pb
-from common.grpc_stubs.folio.v1 import engine_pb2_grpc
+from common.sampling_params import parent_request_id
+from common.sampling_proto import sampling_params_from_proto
 from engine.async_engine import AsyncEngine, RequestFailed
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
-from engine.sampling_params import parent_request_id
-from common.sampling_proto import sampling_params_from_proto
 from services.engine.convert import error_output, event_to_proto
 from services.grpc_server import GrpcService
 
@@ -75,8 +75,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             if live:
                 engine.abort(list(live))
 
-    async def _read(self, request_iterator, engine: AsyncEngine, inbox: asyncio.Queue,
-                    live: dict[str, int]) -> None:
+    async def _read(
+        self, request_iterator, engine: AsyncEngine, inbox: asyncio.Queue, live: dict[str, int]
+    ) -> None:
         try:
             async for message in request_iterator:
                 if not self._handle(message, engine, inbox, live):
@@ -87,8 +88,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             return
         inbox.put_nowait(_EndOfInput())
 
-    def _handle(self, message: pb.GenerateRequest, engine: AsyncEngine, inbox: asyncio.Queue,
-                live: dict[str, int]) -> bool:
+    def _handle(
+        self,
+        message: pb.GenerateRequest,
+        engine: AsyncEngine,
+        inbox: asyncio.Queue,
+        live: dict[str, int],
+    ) -> bool:
         """Act on one client message; False if it is malformed."""
 
         def reject(request_id: str, error: Exception) -> None:
@@ -97,15 +103,20 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         action = message.WhichOneof("action")
         if action == "abort":
             # Only this stream's requests (or their samples); the unary Abort reaches any.
-            engine.abort([r for r in message.abort.request_ids
-                          if r in live or parent_request_id(r) in live])
+            engine.abort(
+                [r for r in message.abort.request_ids if r in live or parent_request_id(r) in live]
+            )
         elif action == "add":
             request = message.add
             if not request.request_id:
                 reject("", InvalidRequestError("request_id must not be empty"))
             elif request.request_id in live:
-                reject(request.request_id, InvalidRequestError(
-                    f"request_id {request.request_id!r} is already in use on this stream"))
+                reject(
+                    request.request_id,
+                    InvalidRequestError(
+                        f"request_id {request.request_id!r} is already in use on this stream"
+                    ),
+                )
             else:
                 try:
                     self._service.check_available()  # draining refuses new requests
@@ -115,7 +126,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 params = sampling_params_from_proto(request.sampling_params)
                 live[request.request_id] = params.n  # an invalid n fails the request instead
                 engine.add_request(
-                    request.request_id, request.prompt_token_ids, params, inbox, request.priority,
+                    request.request_id,
+                    request.prompt_token_ids,
+                    params,
+                    inbox,
+                    request.priority,
                 )
         else:
             return False
@@ -126,7 +141,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         aborted = await asyncio.wrap_future(engine.abort(list(request.request_ids)))
         return pb.AbortResponse(aborted_request_ids=aborted)
 
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context
+    ) -> pb.GetModelInfoResponse:
         llm = (await self._engine(context)).engine
         config = llm.config
         return pb.GetModelInfoResponse(

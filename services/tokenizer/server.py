@@ -11,12 +11,12 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
+from common.grpc_stubs.folio.v1 import tokenizer_pb2 as pb
+from common.grpc_stubs.folio.v1 import tokenizer_pb2_grpc
 
 from common.default_model import resolve_model_path
 from common.detokenizer import IncrementalDetokenizer
 from common.errors import status_code_for
-from common.grpc_stubs.folio.v1 import tokenizer_pb2 as pb
-from common.grpc_stubs.folio.v1 import tokenizer_pb2_grpc
 from common.tokenizer import Tokenizer
 from services.grpc_server import GrpcService
 
@@ -47,7 +47,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             if not 0 <= token_id < tokenizer.vocab_size:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"token_ids contains {token_id}, outside the vocabulary [0, {tokenizer.vocab_size})",
+                    f"token_ids contains {token_id}, outside the vocabulary "
+                    f"[0, {tokenizer.vocab_size})",
                 )
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
@@ -76,7 +77,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         skip = _flag(request, "skip_special_tokens", True)
         texts = (
             [tokenizer.decode([i], skip_special_tokens=skip) for i in request.token_ids]
-            if request.return_token_texts else []
+            if request.return_token_texts
+            else []
         )
         return pb.DetokenizeResponse(
             text=tokenizer.decode(request.token_ids, skip_special_tokens=skip), token_texts=texts

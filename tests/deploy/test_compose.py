@@ -73,7 +73,9 @@ def test_gateway_points_at_the_other_services_by_name():
     assert gateway.tokenizer_address == f"tokenizer:{parsed('tokenizer').port}"
     depends = SERVICES["gateway"]["depends_on"]
     assert {name: d["condition"] for name, d in depends.items()} == {
-        "tokenizer": "service_healthy", "engine": "service_healthy"}
+        "tokenizer": "service_healthy",
+        "engine": "service_healthy",
+    }
 
 
 def test_only_the_gateway_publishes_its_http_and_grpc_ports():
@@ -98,7 +100,9 @@ def test_one_image_built_from_the_repository_dockerfile():
     for name in SERVICES:
         build = SERVICES[name]["build"]
         context = build if isinstance(build, str) else build["context"]
-        dockerfile = "Dockerfile" if isinstance(build, str) else build.get("dockerfile", "Dockerfile")
+        dockerfile = (
+            "Dockerfile" if isinstance(build, str) else build.get("dockerfile", "Dockerfile")
+        )
         assert (ROOT / context).resolve() == ROOT
         assert (ROOT / context / dockerfile).resolve() == ROOT / "Dockerfile"
     assert re.search(r"^FROM python:3\.11-slim$", DOCKERFILE, re.MULTILINE)

@@ -68,7 +68,9 @@ class ServeProcess:
         (e.g. len(output()) before an action), once it is there."""
         deadline = time.monotonic() + timeout
         while not (match := re.compile(pattern).search(self.output(), since)):
-            assert time.monotonic() < deadline, f"no {pattern!r} after {timeout} s:\n{self.output()}"
+            assert time.monotonic() < deadline, (
+                f"no {pattern!r} after {timeout} s:\n{self.output()}"
+            )
             time.sleep(0.1)
         return match
 
@@ -92,7 +94,10 @@ def processes_with(text: str) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode():
+            if (
+                entry.name.isdigit()
+                and text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            ):
                 found.append(int(entry.name))
         except OSError:
             continue  # gone meanwhile
@@ -108,13 +113,31 @@ def alive(pid: int) -> bool:
 
 def start_serve(log: Path, *args: str, wait: bool = True) -> ServeProcess:
     """`folio serve` on free ports in a session of its own (as a terminal would run it)."""
-    command = [sys.executable, "-m", "common.cli", "serve", "--port", "0", "--grpc-port", "0",
-               "--engine-port", "0", "--tokenizer-port", "0", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "common.cli",
+        "serve",
+        "--port",
+        "0",
+        "--grpc-port",
+        "0",
+        "--engine-port",
+        "0",
+        "--tokenizer-port",
+        "0",
+        *args,
+    ]
     token = secrets.token_urlsafe(16)
     with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True,
-                                   env={**os.environ, INTERNAL_TOKEN_ENV: token})
+        process = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, INTERNAL_TOKEN_ENV: token},
+        )
     server = ServeProcess(process, log, internal_token=token)
     if wait:
         wait_serving(server)

@@ -26,14 +26,13 @@ from dataclasses import dataclass, field
 import grpc
 import httpx
 import pytest
+from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2_grpc
+from common.grpc_stubs.folio.v1 import gateway_pb2 as gateway_pb
+from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 from serve_process import ENGINE_ARGS, ServeProcess, alive, start_serve
 
 from common.config import INTERNAL_TOKEN_ENV
 from common.errors import UnavailableError
-from common.grpc_stubs.folio.v1 import common_pb2
-from common.grpc_stubs.folio.v1 import gateway_pb2 as gateway_pb
-from common.grpc_stubs.folio.v1 import gateway_pb2_grpc
-from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 from gateway.clients import TokenizerClient
 
 LONG = os.environ.get("FOLIO_LONG_TESTS") == "1"
@@ -54,8 +53,12 @@ LONG_MAX_TOKENS = 400
 
 @pytest.fixture(scope="module")
 def server(default_model_dir, tmp_path_factory) -> ServeProcess:
-    server = start_serve(tmp_path_factory.mktemp("faults") / "serve.log", *ENGINE_ARGS,
-                         "--max-restarts", str(MAX_RESTARTS))
+    server = start_serve(
+        tmp_path_factory.mktemp("faults") / "serve.log",
+        *ENGINE_ARGS,
+        "--max-restarts",
+        str(MAX_RESTARTS),
+    )
     yield server
     server.stop()
 
@@ -84,13 +87,19 @@ class Flight:
 
 def fly(url: str, stream: bool, max_tokens: int = LONG_MAX_TOKENS) -> Flight:
     flight = Flight(stream)
-    body = {"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
-            "stream": stream}
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": stream,
+    }
 
     def run() -> None:
         try:
-            with httpx.stream("POST", f"{url}/v1/completions", json=body,
-                              timeout=CLIENT_TIMEOUT) as response:
+            with httpx.stream(
+                "POST", f"{url}/v1/completions", json=body, timeout=CLIENT_TIMEOUT
+            ) as response:
                 flight.status = response.status_code
                 if stream and response.status_code == 200:
                     for line in response.iter_lines():
@@ -112,8 +121,12 @@ def engine_load(server: ServeProcess) -> int:
     """Requests the engine holds, running or waiting (as the gateway's /metrics shows them:
     only the gateway may call the engine)."""
     metrics = httpx.get(f"{server.url}/metrics", timeout=CLIENT_TIMEOUT).text
-    return sum(int(float(value)) for _kind, value in re.findall(
-        r"^folio_num_requests_(running|waiting) (\S+)$", metrics, re.MULTILINE))
+    return sum(
+        int(float(value))
+        for _kind, value in re.findall(
+            r"^folio_num_requests_(running|waiting) (\S+)$", metrics, re.MULTILINE
+        )
+    )
 
 
 def health(server: ServeProcess) -> int:
@@ -144,7 +157,9 @@ class HealthWatch:
 def wait_health(server: ServeProcess, status: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while (seen := health(server)) != status:
-        assert time.monotonic() < deadline, f"/health still {seen}, not {status}:\n{server.output()}"
+        assert time.monotonic() < deadline, (
+            f"/health still {seen}, not {status}:\n{server.output()}"
+        )
         time.sleep(0.05)
 
 
@@ -175,13 +190,19 @@ def kill_and_recover(server: ServeProcess, role: str, kill: Kill) -> None:
         watch.stop()
     server.wait_for_output(
         rf"folio: {role} was killed by SIGKILL while serving \(pid {pid}\); restarting it in "
-        rf"[\d.]+ s", END_SECONDS, since)
+        rf"[\d.]+ s",
+        END_SECONDS,
+        since,
+    )
     wait_health(server, 200, RECOVERY_SECONDS)
     restarted = int(server.wait_for_output(rf"restarted {role} \(pid (\d+)\)", 1, since)[1])
     assert server.child_pid(role) == restarted != pid
     assert models(server) == served  # the gateway checked the model again: still the same
-    answer = httpx.post(f"{server.url}/v1/chat/completions", timeout=CLIENT_TIMEOUT, json={
-        "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8})
+    answer = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        timeout=CLIENT_TIMEOUT,
+        json={"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8},
+    )
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
@@ -195,8 +216,10 @@ def kill_during_traffic(server: ServeProcess, role: str, per_kind: int) -> None:
         flights.extend(fly(server.url, stream) for stream in (True, False) for _ in range(per_kind))
         deadline = time.monotonic() + CLIENT_TIMEOUT
         # Streams have their first token and the engine holds every request: all in flight.
-        while not (all(f.first_event.is_set() for f in flights if f.stream)
-                   and engine_load(server) == len(flights)):
+        while not (
+            all(f.first_event.is_set() for f in flights if f.stream)
+            and engine_load(server) == len(flights)
+        ):
             assert not any(f.ended.is_set() for f in flights), "a request ended before the kill"
             assert time.monotonic() < deadline, "the requests did not all start"
             time.sleep(0.05)
@@ -205,8 +228,9 @@ def kill_during_traffic(server: ServeProcess, role: str, per_kind: int) -> None:
         now()
         killed_at = time.monotonic()
         for flight in flights:
-            assert flight.ended.wait(max(killed_at + END_SECONDS - time.monotonic(), 0)), \
+            assert flight.ended.wait(max(killed_at + END_SECONDS - time.monotonic(), 0)), (
                 f"a {'streamed' if flight.stream else 'whole'} request hung after the kill"
+            )
         for flight in flights:
             error = flight.error()
             assert error["type"] == "service_unavailable" and role in error["message"], error
@@ -225,8 +249,11 @@ def test_grpc_stream_in_flight_gets_unavailable_when_the_engine_dies(server):
 
         def request(max_tokens: int) -> gateway_pb.GatewayServiceGenerateRequest:
             return gateway_pb.GatewayServiceGenerateRequest(
-                prompt=PROMPT, sampling_params=common_pb2.SamplingParams(
-                    max_tokens=max_tokens, ignore_eos=True, temperature=0))
+                prompt=PROMPT,
+                sampling_params=common_pb2.SamplingParams(
+                    max_tokens=max_tokens, ignore_eos=True, temperature=0
+                ),
+            )
 
         def kill(now: Callable[[], None]) -> None:
             responses = stub.Generate(request(LONG_MAX_TOKENS), timeout=CLIENT_TIMEOUT)
@@ -256,22 +283,26 @@ def test_a_gateway_that_keeps_dying_ends_serve_with_an_error(server):
         os.kill(pid, signal.SIGKILL)
         if death == MAX_RESTARTS + 1:
             break
-        pid = int(server.wait_for_output(r"restarted gateway \(pid (\d+)\)", RECOVERY_SECONDS,
-                                         since)[1])
+        pid = int(
+            server.wait_for_output(r"restarted gateway \(pid (\d+)\)", RECOVERY_SECONDS, since)[1]
+        )
         if death == 1:
             wait_health(server, 200, RECOVERY_SECONDS)  # a new gateway, reconnected to both
     children = server.children()
     assert server.process.wait(CLIENT_TIMEOUT) == 1
     output = server.output()
-    assert (f"folio: error: gateway was killed by SIGKILL while serving (pid {pid}): it died "
-            f"{MAX_RESTARTS + 1} times in a row, more than --max-restarts {MAX_RESTARTS} "
-            f"allows; giving up") in output, output
+    assert (
+        f"folio: error: gateway was killed by SIGKILL while serving (pid {pid}): it died "
+        f"{MAX_RESTARTS + 1} times in a row, more than --max-restarts {MAX_RESTARTS} "
+        f"allows; giving up"
+    ) in output, output
     assert not [p for p in children if alive(p)], "orphaned service processes"
 
 
 def test_sigterm_drains_then_every_process_exits_0(default_model_dir, tmp_path):
-    server = start_serve(tmp_path / "serve.log", *ENGINE_ARGS,
-                         "--drain-seconds", str(DRAIN_SECONDS))
+    server = start_serve(
+        tmp_path / "serve.log", *ENGINE_ARGS, "--drain-seconds", str(DRAIN_SECONDS)
+    )
     try:
         children = server.children()
         in_flight = fly(server.url, stream=True, max_tokens=64)
@@ -280,17 +311,26 @@ def test_sigterm_drains_then_every_process_exits_0(default_model_dir, tmp_path):
         signalled_at = time.monotonic()
         # Until the gateway hears of it, a new request may still be taken (and finish: it is
         # one token); from then on it is refused.
-        while (refused := httpx.post(f"{server.url}/v1/completions", timeout=CLIENT_TIMEOUT,
-                                     json={"prompt": "Hi", "max_tokens": 1})).status_code != 503:
+        while (
+            refused := httpx.post(
+                f"{server.url}/v1/completions",
+                timeout=CLIENT_TIMEOUT,
+                json={"prompt": "Hi", "max_tokens": 1},
+            )
+        ).status_code != 503:
             assert refused.status_code == 200, refused.text
             assert time.monotonic() - signalled_at < END_SECONDS, "SIGTERM did not start a drain"
         assert "draining" in refused.json()["error"]["message"]
         with grpc.insecure_channel(server.grpc_address) as channel:
             with pytest.raises(grpc.RpcError) as grpc_refused:
-                list(gateway_pb2_grpc.GatewayServiceStub(channel).Generate(
-                    gateway_pb.GatewayServiceGenerateRequest(
-                        prompt="Hi", sampling_params=common_pb2.SamplingParams(max_tokens=1)),
-                    timeout=CLIENT_TIMEOUT))
+                list(
+                    gateway_pb2_grpc.GatewayServiceStub(channel).Generate(
+                        gateway_pb.GatewayServiceGenerateRequest(
+                            prompt="Hi", sampling_params=common_pb2.SamplingParams(max_tokens=1)
+                        ),
+                        timeout=CLIENT_TIMEOUT,
+                    )
+                )
             assert grpc_refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert in_flight.ended.wait(DRAIN_SECONDS), (len(in_flight.events), server.output())
         assert in_flight.status == 200 and in_flight.events[-1] == "[DONE]", in_flight.events[-3:]
@@ -315,14 +355,26 @@ def test_many_kills_under_load(default_model_dir, tmp_path):
         server.kill()
 
 
-def test_a_detokenize_stream_whose_tokenizer_died_between_pushes_is_unavailable(
-        default_model_dir):
+def test_a_detokenize_stream_whose_tokenizer_died_between_pushes_is_unavailable(default_model_dir):
     """The gateway's DetokenizeSession when the tokenizer is gone before its next push (the
     stream had already ended: gRPC refuses the write rather than failing it)."""
     env = {k: v for k, v in os.environ.items() if k != INTERNAL_TOKEN_ENV}
     process = subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "tokenizer", "--model", str(default_model_dir),
-         "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        [
+            sys.executable,
+            "-m",
+            "common.cli",
+            "tokenizer",
+            "--model",
+            str(default_model_dir),
+            "--port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
     try:
         address = re.search(r"listening on (\S+)", process.stdout.readline())[1]
 

@@ -35,8 +35,10 @@ def prompts(default_model_dir):
     from common.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(default_model_dir)
-    chats = [tok.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
-             for q in QUESTIONS]
+    chats = [
+        tok.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+        for q in QUESTIONS
+    ]
     raw = [tok.encode("The quick brown fox"), tok.encode("Once upon a time, in a land far away,")]
     return chats + raw
 
@@ -53,7 +55,7 @@ def reference(default_model_dir, prompts):
     with torch.inference_mode():
         for ids in prompts:
             gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-            new = gen[0, len(ids):].tolist()
+            new = gen[0, len(ids) :].tolist()
             for i, t in enumerate(new):
                 if t in eos:
                     new = new[: i + 1]
@@ -77,7 +79,7 @@ def test_one_batch_matches_transformers(default_model_dir, prompts, reference):
 def test_chunked_prefill_matches_transformers(default_model_dir, prompts, reference):
     budget = 24
     assert max(len(p) for p in prompts) > 2 * budget
-    llm, got = run(default_model_dir, prompts, max_num_batched_tokens=budget, max_num_seqs=4)
+    _llm, got = run(default_model_dir, prompts, max_num_batched_tokens=budget, max_num_seqs=4)
     assert got == reference
 
 
@@ -100,7 +102,9 @@ def test_prefix_cache_hits_match_transformers(default_model_dir, prompts, refere
 def test_preemption_matches_transformers(default_model_dir, prompts, reference):
     longest = max(len(p) for p in prompts) + NEW_TOKENS
     num_blocks = (longest + 15) // 16 + 6
-    llm, got = run(default_model_dir, prompts, num_kv_blocks=num_blocks, enable_prefix_caching=False)
+    llm, got = run(
+        default_model_dir, prompts, num_kv_blocks=num_blocks, enable_prefix_caching=False
+    )
     assert llm.engine.stats().num_preemptions > 0
     assert got == reference
     assert llm.engine.kv_cache.usage == 0

@@ -37,8 +37,10 @@ def test_strings_and_token_ids_give_the_same_result(llm):
 def test_one_params_per_prompt(llm):
     outs = llm.generate(
         ["Hello", "Count to ten:"],
-        [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
-         SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)],
+        [
+            SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+        ],
     )
     assert [len(o.token_ids) for o in outs] == [3, 7]
     assert [o.finish_reason for o in outs] == ["length", "length"]
@@ -80,15 +82,31 @@ def test_cli_prepare_model_prints_the_directory_last(default_model_dir):
 
 def test_cli_chat_streams_an_answer(default_model_dir):
     result = subprocess.run(
-        [FOLIO, "chat", "Say hello.", "--max-tokens", "8", "--temperature", "0", "--model", str(default_model_dir)],
-        capture_output=True, text=True, timeout=120,
+        [
+            FOLIO,
+            "chat",
+            "Say hello.",
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0",
+            "--model",
+            str(default_model_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
 
 
 def test_cli_refuses_a_bad_model_path(tmp_path):
-    result = subprocess.run([FOLIO, "chat", "hi", "--model", str(tmp_path / "nope")],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [FOLIO, "chat", "hi", "--model", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "nope" in result.stderr

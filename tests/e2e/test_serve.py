@@ -16,11 +16,11 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+from common.grpc_stubs.folio.v1 import engine_pb2, engine_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openai import OpenAI
 from serve_process import ENGINE_ARGS, STARTING, alive, processes_with, start_serve
 
-from common.grpc_stubs.folio.v1 import engine_pb2, engine_pb2_grpc
 from common.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,16 +39,21 @@ def test_all_three_services_are_up(folio_server):
         assert response.status == 200
     for address in (folio_server.engine_address, folio_server.tokenizer_address):
         with grpc.insecure_channel(address) as channel:
-            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            status = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=10
+            )
             assert status.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_engine_flags_reach_the_engine_process(folio_server):
     with grpc.insecure_channel(folio_server.engine_address) as channel:
         info = engine_pb2_grpc.EngineServiceStub(channel).GetModelInfo(
-            engine_pb2.GetModelInfoRequest(), metadata=folio_server.internal_metadata(), timeout=10)
-    assert dict(zip(ENGINE_ARGS[::2], ENGINE_ARGS[1::2])) == {
-        "--num-kv-blocks": str(info.num_kv_blocks), "--max-num-seqs": str(info.max_num_seqs)}
+            engine_pb2.GetModelInfoRequest(), metadata=folio_server.internal_metadata(), timeout=10
+        )
+    assert dict(zip(ENGINE_ARGS[::2], ENGINE_ARGS[1::2], strict=False)) == {
+        "--num-kv-blocks": str(info.num_kv_blocks),
+        "--max-num-seqs": str(info.max_num_seqs),
+    }
     assert info.model == "SmolLM2-135M-Instruct"
 
 
@@ -56,14 +61,25 @@ def test_node_grpc_client(folio_server):
     assert shutil.which("node"), "node is missing"
     for package in ("grpc-js", "proto-loader"):
         assert (NODE_MODULES / "@grpc" / package).is_dir(), "the set-up (make) installs it with npm"
-    env = dict(os.environ, NODE_PATH=str(NODE_MODULES),
-               FOLIO_ENGINE_ADDRESS=folio_server.engine_address,
-               FOLIO_TOKENIZER_ADDRESS=folio_server.tokenizer_address,
-               FOLIO_GATEWAY_GRPC_ADDRESS=folio_server.grpc_address,
-               FOLIO_INTERNAL_TOKEN=folio_server.internal_token)
+    env = dict(
+        os.environ,
+        NODE_PATH=str(NODE_MODULES),
+        FOLIO_ENGINE_ADDRESS=folio_server.engine_address,
+        FOLIO_TOKENIZER_ADDRESS=folio_server.tokenizer_address,
+        FOLIO_GATEWAY_GRPC_ADDRESS=folio_server.grpc_address,
+        FOLIO_INTERNAL_TOKEN=folio_server.internal_token,
+    )
     result = subprocess.run(
-        ["node", "--test", "--test-reporter=tap", str(ROOT / "tests" / "node" / "grpc_client.test.js")],
-        env=env, capture_output=True, text=True, timeout=120,
+        [
+            "node",
+            "--test",
+            "--test-reporter=tap",
+            str(ROOT / "tests" / "node" / "grpc_client.test.js"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     report = result.stdout + result.stderr
     assert result.returncode == 0, report
@@ -78,9 +94,11 @@ def test_openai_client_chat(folio_server, default_model_dir):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     kwargs = dict(model=model, messages=messages, max_tokens=16, temperature=0)
     whole = openai.chat.completions.create(**kwargs)
-    streamed = "".join(chunk.choices[0].delta.content or ""
-                       for chunk in openai.chat.completions.create(**kwargs, stream=True)
-                       if chunk.choices)
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in openai.chat.completions.create(**kwargs, stream=True)
+        if chunk.choices
+    )
     answer = whole.choices[0].message.content
     assert answer and streamed == answer
     expected_prompt = Tokenizer.from_dir(default_model_dir).encode_chat(messages)
@@ -115,8 +133,12 @@ def test_sigterm_lets_a_stream_in_flight_finish_then_stops_all_three(tmp_path):
         assert len(children) == 3
         openai = client(server)
         stream = openai.completions.create(
-            model=openai.models.list().data[0].id, prompt="Count to one hundred:", max_tokens=48,
-            temperature=0, stream=True, extra_body={"ignore_eos": True},
+            model=openai.models.list().data[0].id,
+            prompt="Count to one hundred:",
+            max_tokens=48,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
         )
         chunks = iter(stream)
         first = next(chunks)  # the request is running
@@ -139,7 +161,9 @@ def test_a_service_failing_at_start_up_ends_serve_with_an_error(tmp_path):
         code = server.process.wait(90)
         output = server.output()
         assert code == 1, output
-        assert re.search(r"folio: error: (tokenizer|engine) exited with code \d+ during start-up", output), output
+        assert re.search(
+            r"folio: error: (tokenizer|engine) exited with code \d+ during start-up", output
+        ), output
         assert "folio: serving on" not in output
         # The gateway was healthy enough to run: it must not outlive serve either.
         engine_address = STARTING.search(output)[2]

@@ -9,11 +9,10 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from grpc_helpers import TIMEOUT
-
-from common.grpc_stubs.folio.v1 import engine_pb2, engine_pb2_grpc
+from common.grpc_stubs.folio.v1 import engine_pb2, engine_pb2_grpc, tokenizer_pb2_grpc
 from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
-from common.grpc_stubs.folio.v1 import tokenizer_pb2_grpc
+
+from grpc_helpers import TIMEOUT
 
 
 def environment(pid: int) -> dict[str, str]:
@@ -31,19 +30,28 @@ def test_internal_services_need_the_token_of_the_run(folio_server):
     assert token == folio_server.internal_token
     assert token and not any(token in command_line for command_line in children.values())
 
-    with grpc.insecure_channel(folio_server.engine_address) as engine_channel, \
-            grpc.insecure_channel(folio_server.tokenizer_address) as tokenizer_channel:
+    with (
+        grpc.insecure_channel(folio_server.engine_address) as engine_channel,
+        grpc.insecure_channel(folio_server.tokenizer_address) as tokenizer_channel,
+    ):
         engine = engine_pb2_grpc.EngineServiceStub(engine_channel)
         tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(tokenizer_channel)
-        calls = [lambda m: engine.GetModelInfo(engine_pb2.GetModelInfoRequest(), metadata=m,
-                                               timeout=TIMEOUT),
-                 lambda m: tokenizer.Tokenize(tok_pb2.TokenizeRequest(text="Hi"), metadata=m,
-                                              timeout=TIMEOUT)]
+        calls = [
+            lambda m: engine.GetModelInfo(
+                engine_pb2.GetModelInfoRequest(), metadata=m, timeout=TIMEOUT
+            ),
+            lambda m: tokenizer.Tokenize(
+                tok_pb2.TokenizeRequest(text="Hi"), metadata=m, timeout=TIMEOUT
+            ),
+        ]
         for call in calls:
             with pytest.raises(grpc.RpcError) as failure:
                 call(())
             assert failure.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert call((("authorization", f"Bearer {token}"),))
-    response = httpx.post(f"{folio_server.url}/v1/completions",
-                          json={"prompt": "Hi", "max_tokens": 2}, timeout=TIMEOUT)
+    response = httpx.post(
+        f"{folio_server.url}/v1/completions",
+        json={"prompt": "Hi", "max_tokens": 2},
+        timeout=TIMEOUT,
+    )
     assert response.status_code == 200, response.text

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
 from gateway_helpers import wait_for_idle_engine
 
 SOAK_SECONDS = float(os.environ.get("FOLIO_SOAK_SECONDS", "20"))
@@ -45,8 +46,35 @@ WARM_UP_SECONDS = 10.0
 # per-request leak at this request rate (hundreds of requests, each with up to 640 tokens of
 # state) would grow past the bound.
 RSS_GROWTH_BOUND = 96 * 1024 * 1024
-WORDS = ("the sea river mountain light stone a of and to in is was city garden old new song "
-         "night morning quiet bright cold warm story road window").split()
+WORDS = [
+    "the",
+    "sea",
+    "river",
+    "mountain",
+    "light",
+    "stone",
+    "a",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "was",
+    "city",
+    "garden",
+    "old",
+    "new",
+    "song",
+    "night",
+    "morning",
+    "quiet",
+    "bright",
+    "cold",
+    "warm",
+    "story",
+    "road",
+    "window",
+]
 
 
 @dataclass
@@ -69,8 +97,12 @@ class Tally:
 def random_plan(rng: random.Random) -> Plan:
     prompt_tokens = rng.randint(*PROMPT_TOKENS)
     max_tokens = rng.randint(*OUTPUT_TOKENS)
-    body: dict = {"max_tokens": max_tokens, "stream": rng.random() < 0.5,
-                  "temperature": rng.choice([0.0, 0.8]), "ignore_eos": rng.random() < 0.5}
+    body: dict = {
+        "max_tokens": max_tokens,
+        "stream": rng.random() < 0.5,
+        "temperature": rng.choice([0.0, 0.8]),
+        "ignore_eos": rng.random() < 0.5,
+    }
     if body["stream"]:
         body["stream_options"] = {"include_usage": True}
     if rng.random() < 0.1:
@@ -84,8 +116,12 @@ def random_plan(rng: random.Random) -> Plan:
         body["prompt"] = prompt_ids
     else:  # about a token per word, plus the chat template's
         route = "/v1/chat/completions"
-        body["messages"] = [{"role": "user", "content": " ".join(
-            rng.choice(WORDS) for _ in range(prompt_tokens - 10))}]
+        body["messages"] = [
+            {
+                "role": "user",
+                "content": " ".join(rng.choice(WORDS) for _ in range(prompt_tokens - 10)),
+            }
+        ]
     abort_after = rng.uniform(0.0, 5.0) if rng.random() < ABORT_SHARE else None
     return Plan(route, body, prompt_ids, abort_after)
 
@@ -107,8 +143,11 @@ def check_answer(plan: Plan, choices: dict[int, dict], usage: dict | None) -> st
         return f"{usage['completion_tokens']} completion tokens for n={n}, max_tokens={max_tokens}"
     if plan.prompt_ids is not None and usage["prompt_tokens"] != len(plan.prompt_ids):
         return f"{usage['prompt_tokens']} prompt tokens for a prompt of {len(plan.prompt_ids)}"
-    if plan.body["ignore_eos"] and "stop" not in plan.body and (
-            reasons != ["length"] * n or usage["completion_tokens"] != n * max_tokens):
+    if (
+        plan.body["ignore_eos"]
+        and "stop" not in plan.body
+        and (reasons != ["length"] * n or usage["completion_tokens"] != n * max_tokens)
+    ):
         return f"ignore_eos ended with {reasons} after {usage['completion_tokens']} tokens"
     return None
 
@@ -164,8 +203,9 @@ async def send(client: httpx.AsyncClient, plan: Plan) -> str:
         return f"broken: {problem}" if problem else "completed"
 
 
-async def client_loop(client: httpx.AsyncClient, rng: random.Random, until: float,
-                      tally: Tally) -> None:
+async def client_loop(
+    client: httpx.AsyncClient, rng: random.Random, until: float, tally: Tally
+) -> None:
     while (now := time.monotonic()) < until:
         plan = random_plan(rng)
         tally.sent += 1
@@ -175,13 +215,14 @@ async def client_loop(client: httpx.AsyncClient, rng: random.Random, until: floa
             async with asyncio.timeout(min(give_up, end) - now):
                 outcome = await send(client, plan)
         except TimeoutError:
-            outcome = "aborted by the client" if give_up < end else \
-                "aborted at the end of the soak"
+            outcome = "aborted by the client" if give_up < end else "aborted at the end of the soak"
         except (httpx.HTTPError, ValueError, KeyError) as exc:
             outcome = f"broken: {type(exc).__name__}: {exc}"
         if outcome.startswith("broken: "):
-            tally.broken.append(f"{outcome} <- {plan.route} "
-                                f"{ {k: v for k, v in plan.body.items() if k != 'prompt'} }")
+            tally.broken.append(
+                f"{outcome} <- {plan.route} "
+                f"{ {k: v for k, v in plan.body.items() if k != 'prompt'} }"
+            )
             outcome = "broken"
         tally.outcomes[outcome] += 1
 
@@ -211,14 +252,18 @@ def test_soak(folio_server, capsys):
 
     async def soak() -> tuple[int, float]:
         limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
-        async with httpx.AsyncClient(base_url=folio_server.url, limits=limits,
-                                     timeout=SOAK_SECONDS + FINISH_GRACE) as client:
+        async with httpx.AsyncClient(
+            base_url=folio_server.url, limits=limits, timeout=SOAK_SECONDS + FINISH_GRACE
+        ) as client:
             start = time.monotonic()
             sampler = asyncio.create_task(sample_rss(engine_pid, rss, start))
             warm_at = max(WARM_UP_SECONDS, SOAK_SECONDS / 3)
-            clients = [asyncio.create_task(client_loop(client, random.Random(seed),
-                                                       start + SOAK_SECONDS, tally))
-                       for seed in range(CONCURRENCY)]
+            clients = [
+                asyncio.create_task(
+                    client_loop(client, random.Random(seed), start + SOAK_SECONDS, tally)
+                )
+                for seed in range(CONCURRENCY)
+            ]
             await asyncio.sleep(warm_at)
             warm_rss = resident_bytes(engine_pid)
             await asyncio.gather(*clients)
@@ -233,14 +278,18 @@ def test_soak(folio_server, capsys):
     mib = 1024 * 1024
     completed = tally.outcomes["completed"]
     with capsys.disabled():
-        print(f"\nsoak: {SOAK_SECONDS:.0f} s of sending, {elapsed:.0f} s in all, "
-              f"{CONCURRENCY} clients: {tally.sent} sent, {completed} completed "
-              f"({completed / elapsed:.1f}/s)")
+        print(
+            f"\nsoak: {SOAK_SECONDS:.0f} s of sending, {elapsed:.0f} s in all, "
+            f"{CONCURRENCY} clients: {tally.sent} sent, {completed} completed "
+            f"({completed / elapsed:.1f}/s)"
+        )
         for outcome, count in sorted(tally.outcomes.items()):
             if outcome != "completed":
                 print(f"  {outcome}: {count}")
-        print(f"  engine RSS: {warm_rss / mib:.0f} MiB after warm-up, {end_rss / mib:.0f} MiB "
-              f"at the end; over time (MiB): {rss_series(rss)}")
+        print(
+            f"  engine RSS: {warm_rss / mib:.0f} MiB after warm-up, {end_rss / mib:.0f} MiB "
+            f"at the end; over time (MiB): {rss_series(rss)}"
+        )
         print(f"  engine preemptions: {samples.get('folio_num_preemptions_total', 0):.0f}")
     assert not tally.broken, "\n".join(tally.broken[:20])
     assert tally.sent == sum(tally.outcomes.values())  # none lost

@@ -4,12 +4,12 @@ default model, and the real gateway (uvicorn + gRPC) on its own event loop in a 
 from __future__ import annotations
 
 import pytest
-from gateway_helpers import ENGINE_ARGS, GatewayThread
-from grpc_helpers import ServerThread
+from common.grpc_stubs.folio.v1 import engine_pb2_grpc
 
 from common.config import EngineConfig
-from common.grpc_stubs.folio.v1 import engine_pb2_grpc
 from common.tokenizer import Tokenizer
+from gateway_helpers import ENGINE_ARGS, GatewayThread
+from grpc_helpers import ServerThread
 from services.engine.server import EngineService
 from services.tokenizer.server import TokenizerService
 
@@ -23,8 +23,9 @@ def tokenizer(default_model_dir) -> Tokenizer:
 @pytest.fixture(scope="package")
 def services(default_model_dir):
     tokenizer = ServerThread(TokenizerService(str(default_model_dir), "127.0.0.1", 0))
-    engine = ServerThread(EngineService(EngineConfig(model=str(default_model_dir), **ENGINE_ARGS),
-                                        "127.0.0.1", 0))
+    engine = ServerThread(
+        EngineService(EngineConfig(model=str(default_model_dir), **ENGINE_ARGS), "127.0.0.1", 0)
+    )
     yield engine, tokenizer
     engine.close()
     tokenizer.close()

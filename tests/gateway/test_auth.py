@@ -5,6 +5,7 @@ environment or a file, and no key ever shows in a log line, an error message or 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -16,24 +17,26 @@ import grpc
 import httpx
 import openai
 import pytest
-from gateway_helpers import GatewayThread, check_error
+from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_helpers import TIMEOUT
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from common.auth import KeySet, bearer_token, load_api_keys
 from common.config import GatewayConfig
-from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from gateway_helpers import GatewayThread, check_error
+from grpc_helpers import TIMEOUT
 
 KEYS = ("sk-folio-test-first-0123456789", "sk-folio-test-second-abcdef")
 WRONG = "sk-folio-test-wrong-zyxwvu"
 CHAT = [{"role": "user", "content": "Hi"}]
-ROUTES = [("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
-          ("POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}),
-          ("GET", "/v1/models", None),
-          ("POST", "/tokenize", {"prompt": "Hi"}),
-          ("POST", "/detokenize", {"tokens": [1]}),
-          ("GET", "/openapi.json", None)]
+ROUTES = [
+    ("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+    ("POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}),
+    ("GET", "/v1/models", None),
+    ("POST", "/tokenize", {"prompt": "Hi"}),
+    ("POST", "/detokenize", {"tokens": [1]}),
+    ("GET", "/openapi.json", None),
+]
 
 
 def bearer(key: str) -> tuple[tuple[str, str], ...]:
@@ -42,8 +45,9 @@ def bearer(key: str) -> tuple[tuple[str, str], ...]:
 
 def start_gateway(services, **config) -> GatewayThread:
     engine, tokenizer = services
-    return GatewayThread(f"127.0.0.1:{engine.port}", f"127.0.0.1:{tokenizer.port}",
-                         GatewayConfig(**config))
+    return GatewayThread(
+        f"127.0.0.1:{engine.port}", f"127.0.0.1:{tokenizer.port}", GatewayConfig(**config)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +69,13 @@ def test_a_key_matches_only_itself():
 
 
 def test_http_routes_need_a_valid_key(keyed):
-    refused = ({}, {"Authorization": f"Bearer {WRONG}"}, {"Authorization": KEYS[0]},
-               {"Authorization": f"Basic {KEYS[0]}"}, {"Authorization": f"Bearer {KEYS[0]}x"})
+    refused = (
+        {},
+        {"Authorization": f"Bearer {WRONG}"},
+        {"Authorization": KEYS[0]},
+        {"Authorization": f"Basic {KEYS[0]}"},
+        {"Authorization": f"Bearer {KEYS[0]}x"},
+    )
     with httpx.Client(base_url=keyed.url, timeout=TIMEOUT) as http:
         for headers in refused:
             for method, route, body in ROUTES:
@@ -79,8 +88,9 @@ def test_http_routes_need_a_valid_key(keyed):
         assert http.get("/health").status_code == 200
         assert http.get("/metrics").status_code == 200
         for method, route, body in ROUTES:
-            response = http.request(method, route, json=body,
-                                    headers={"Authorization": f"Bearer {KEYS[1]}"})
+            response = http.request(
+                method, route, json=body, headers={"Authorization": f"Bearer {KEYS[1]}"}
+            )
             assert response.status_code == 200, (route, response.text)
         assert http.get("/v1/models", headers={"Authorization": f"Bearer {KEYS[0]}"}).is_success
 
@@ -88,29 +98,35 @@ def test_http_routes_need_a_valid_key(keyed):
 def test_the_openai_client_sees_authentication_errors(keyed):
     client = openai.OpenAI(base_url=keyed.url + "/v1", api_key=WRONG, max_retries=0)
     with pytest.raises(openai.AuthenticationError) as failure:
-        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT,
-                                       max_tokens=2)
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=2)
     assert failure.value.code == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         client.models.list()
     client = openai.OpenAI(base_url=keyed.url + "/v1", api_key=KEYS[1], max_retries=0)
-    answer = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT,
-                                            max_tokens=2)
+    answer = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=2
+    )
     assert answer.usage.completion_tokens >= 1
 
 
 def test_the_grpc_api_needs_a_valid_key(keyed):
     stub = gateway_pb2_grpc.GatewayServiceStub(keyed.grpc_channel)
     generate = gateway_pb2.GatewayServiceGenerateRequest(
-        prompt="Hi", sampling_params=common_pb2.SamplingParams(max_tokens=2))
-    chat = gateway_pb2.ChatRequest(messages=[common_pb2.ChatMessage(**m) for m in CHAT],
-                                   sampling_params=common_pb2.SamplingParams(max_tokens=2))
+        prompt="Hi", sampling_params=common_pb2.SamplingParams(max_tokens=2)
+    )
+    chat = gateway_pb2.ChatRequest(
+        messages=[common_pb2.ChatMessage(**m) for m in CHAT],
+        sampling_params=common_pb2.SamplingParams(max_tokens=2),
+    )
     reflection = reflection_pb2_grpc.ServerReflectionStub(keyed.grpc_channel)
     list_services = reflection_pb2.ServerReflectionRequest(list_services="")
-    calls = [lambda m: list(stub.Generate(generate, metadata=m, timeout=TIMEOUT)),
-             lambda m: list(stub.Chat(chat, metadata=m, timeout=TIMEOUT)),
-             lambda m: list(reflection.ServerReflectionInfo(iter([list_services]), metadata=m,
-                                                            timeout=TIMEOUT))]
+    calls = [
+        lambda m: list(stub.Generate(generate, metadata=m, timeout=TIMEOUT)),
+        lambda m: list(stub.Chat(chat, metadata=m, timeout=TIMEOUT)),
+        lambda m: list(
+            reflection.ServerReflectionInfo(iter([list_services]), metadata=m, timeout=TIMEOUT)
+        ),
+    ]
     for metadata in ((), bearer(WRONG), (("authorization", KEYS[0]),)):
         for call in calls:
             with pytest.raises(grpc.RpcError) as failure:
@@ -123,8 +139,10 @@ def test_the_grpc_api_needs_a_valid_key(keyed):
             assert call(bearer(key))
     # Health stays open, as /health does.
     health = health_pb2_grpc.HealthStub(keyed.grpc_channel)
-    assert health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT).status == \
-        health_pb2.HealthCheckResponse.SERVING
+    assert (
+        health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT).status
+        == health_pb2.HealthCheckResponse.SERVING
+    )
 
 
 def test_health_and_metrics_can_need_the_key_too(services):
@@ -139,8 +157,12 @@ def test_health_and_metrics_can_need_the_key_too(services):
         with pytest.raises(grpc.RpcError) as failure:
             health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
         assert failure.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert health.Check(health_pb2.HealthCheckRequest(), metadata=bearer(KEYS[1]),
-                            timeout=TIMEOUT).status == health_pb2.HealthCheckResponse.SERVING
+        assert (
+            health.Check(
+                health_pb2.HealthCheckRequest(), metadata=bearer(KEYS[1]), timeout=TIMEOUT
+            ).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
     finally:
         server.close()
 
@@ -153,8 +175,10 @@ def test_keys_come_from_flags_the_environment_and_a_file(tmp_path):
     assert load_api_keys([], None, {}) == ()
     # A bad key is named by where it came from, never shown.
     secret = "sk-has space"
-    for flags, environ, source in (([secret], {}, "--api-key #1"),
-                                   ([], {"FOLIO_API_KEYS": f"ok,{secret}"}, "FOLIO_API_KEYS")):
+    for flags, environ, source in (
+        ([secret], {}, "--api-key #1"),
+        ([], {"FOLIO_API_KEYS": f"ok,{secret}"}, "FOLIO_API_KEYS"),
+    ):
         with pytest.raises(ValueError, match=re.escape(source)) as failure:
             load_api_keys(flags, None, environ)
         assert secret not in str(failure.value)
@@ -169,11 +193,27 @@ def test_folio_gateway_reads_keys_from_its_environment_and_a_file(services, tmp_
     key_file = tmp_path / "keys"
     key_file.write_text(KEYS[1] + "\n")
     process = subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "gateway", "--port", "0", "--grpc-port", "0",
-         "--engine-address", f"127.0.0.1:{engine.port}",
-         "--tokenizer-address", f"127.0.0.1:{tokenizer.port}", "--api-key-file", str(key_file)],
+        [
+            sys.executable,
+            "-m",
+            "common.cli",
+            "gateway",
+            "--port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--engine-address",
+            f"127.0.0.1:{engine.port}",
+            "--tokenizer-address",
+            f"127.0.0.1:{tokenizer.port}",
+            "--api-key-file",
+            str(key_file),
+        ],
         env={**os.environ, "FOLIO_API_KEYS": KEYS[0]},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = process.stdout.readline()
         match = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
@@ -181,8 +221,9 @@ def test_folio_gateway_reads_keys_from_its_environment_and_a_file(services, tmp_
         url = f"http://127.0.0.1:{match[1]}"
         check_error(httpx.get(url + "/v1/models", timeout=TIMEOUT), 401, None)
         for key in KEYS:
-            response = httpx.get(url + "/v1/models", timeout=TIMEOUT,
-                                 headers={"Authorization": f"Bearer {key}"})
+            response = httpx.get(
+                url + "/v1/models", timeout=TIMEOUT, headers={"Authorization": f"Bearer {key}"}
+            )
             assert response.status_code == 200, response.text
         command_line = Path(f"/proc/{process.pid}/cmdline").read_bytes()
         assert not any(key.encode() in command_line for key in KEYS)
@@ -198,23 +239,35 @@ def test_keys_are_never_logged(services, caplog, capfd):
     try:
         with httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
             for key in (WRONG, KEYS[0]):
-                http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
-                          headers={"Authorization": f"Bearer {key}"})
-                http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 10**6},
-                          headers={"Authorization": f"Bearer {key}"})  # a 400 too
+                http.post(
+                    "/v1/completions",
+                    json={"prompt": "Hi", "max_tokens": 2},
+                    headers={"Authorization": f"Bearer {key}"},
+                )
+                http.post(
+                    "/v1/completions",
+                    json={"prompt": "Hi", "max_tokens": 10**6},
+                    headers={"Authorization": f"Bearer {key}"},
+                )  # a 400 too
         stub = gateway_pb2_grpc.GatewayServiceStub(server.grpc_channel)
         for key in (WRONG, KEYS[1]):
-            try:
-                list(stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
-                    prompt="Hi", sampling_params=common_pb2.SamplingParams(max_tokens=2)),
-                    metadata=bearer(key), timeout=TIMEOUT))
-            except grpc.RpcError:
-                pass
+            with contextlib.suppress(grpc.RpcError):
+                list(
+                    stub.Generate(
+                        gateway_pb2.GatewayServiceGenerateRequest(
+                            prompt="Hi", sampling_params=common_pb2.SamplingParams(max_tokens=2)
+                        ),
+                        metadata=bearer(key),
+                        timeout=TIMEOUT,
+                    )
+                )
     finally:
         server.close()
     # The clients' own debug logs (httpx, httpcore) are not the gateway's.
     records = [r for r in caplog.records if not r.name.startswith(("httpx", "httpcore"))]
     captured = capfd.readouterr()
-    text = "\n".join(r.getMessage() + str(r.exc_info) for r in records) + captured.out + captured.err
+    text = (
+        "\n".join(r.getMessage() + str(r.exc_info) for r in records) + captured.out + captured.err
+    )
     for key in (*KEYS, WRONG):
         assert key not in text

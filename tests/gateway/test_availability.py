@@ -13,28 +13,46 @@ import threading
 import time
 
 import httpx
-from gateway_helpers import ENGINE_ARGS, GatewayThread, engine_stats
-from grpc_helpers import TIMEOUT, RequestStream, ServerThread
+from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 from common.config import EngineConfig
-from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from gateway_helpers import ENGINE_ARGS, GatewayThread, engine_stats
+from grpc_helpers import TIMEOUT, RequestStream, ServerThread
 from services.engine.server import EngineService
 
 
 def test_folio_gateway_serves_then_drains_on_sigterm(services):
     engine, tokenizer = services
     process = subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "gateway", "--port", "0", "--grpc-port", "0",
-         "--engine-address", f"127.0.0.1:{engine.port}",
-         "--tokenizer-address", f"127.0.0.1:{tokenizer.port}",
-         # A generous drain: on a loaded machine the 150 tokens below take tens of seconds.
-         "--served-model-name", "folio-test", "--drain-seconds", "120"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "common.cli",
+            "gateway",
+            "--port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--engine-address",
+            f"127.0.0.1:{engine.port}",
+            "--tokenizer-address",
+            f"127.0.0.1:{tokenizer.port}",
+            # A generous drain: on a loaded machine the 150 tokens below take tens of seconds.
+            "--served-model-name",
+            "folio-test",
+            "--drain-seconds",
+            "120",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = process.stdout.readline()
         match = re.fullmatch(
             r"folio: gateway listening on http://127\.0\.0\.1:(\d+) \(gRPC 127\.0\.0\.1:(\d+)\)\n",
-            line)
+            line,
+        )
         assert match, f"unexpected first line {line!r}: {process.stderr.read()}"
         url = f"http://127.0.0.1:{match[1]}"
         assert httpx.get(url + "/health", timeout=TIMEOUT).json() == {"status": "ok"}
@@ -46,10 +64,16 @@ def test_folio_gateway_serves_then_drains_on_sigterm(services):
         started = threading.Event()
 
         def stream() -> None:
-            body = {"model": "folio-test", "prompt": "Once upon a time", "max_tokens": 150,
-                    "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", url + "/v1/completions", json=body,
-                              timeout=TIMEOUT) as response:
+            body = {
+                "model": "folio-test",
+                "prompt": "Once upon a time",
+                "max_tokens": 150,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            with httpx.stream(
+                "POST", url + "/v1/completions", json=body, timeout=TIMEOUT
+            ) as response:
                 for event in response.iter_lines():
                     if event:
                         events.append(event)
@@ -87,10 +111,13 @@ def test_a_gateway_without_its_services_answers_503():
     try:
         with httpx.Client(base_url=gateway.url, timeout=TIMEOUT) as http:
             assert http.get("/health").status_code == 503
-            for response in (http.get("/v1/models"),
-                             http.post("/v1/completions", json={"prompt": "Hi"}),
-                             http.post("/v1/chat/completions", json={
-                                 "messages": [{"role": "user", "content": "Hi"}]})):
+            for response in (
+                http.get("/v1/models"),
+                http.post("/v1/completions", json={"prompt": "Hi"}),
+                http.post(
+                    "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]}
+                ),
+            ):
                 assert response.status_code == 503, response.text
                 assert response.json()["error"]["type"] == "service_unavailable"
             metrics = http.get("/metrics")
@@ -102,8 +129,9 @@ def test_a_gateway_without_its_services_answers_503():
 def test_a_full_engine_queue_is_429(default_model_dir, services):
     _, tokenizer = services
     args = dict(ENGINE_ARGS, max_num_seqs=1, max_waiting_requests=1)
-    engine = ServerThread(EngineService(EngineConfig(model=str(default_model_dir), **args),
-                                        "127.0.0.1", 0))
+    engine = ServerThread(
+        EngineService(EngineConfig(model=str(default_model_dir), **args), "127.0.0.1", 0)
+    )
     gateway = GatewayThread(f"127.0.0.1:{engine.port}", f"127.0.0.1:{tokenizer.port}")
     # Fill the engine behind the gateway's back: one request running, then one waiting. The
     # second goes in only once the first runs: sent together, both could land in the one-slot
@@ -114,8 +142,13 @@ def test_a_full_engine_queue_is_429(default_model_dir, services):
     busy = stub.Generate(iter(requests), timeout=TIMEOUT)
 
     def add(name: str) -> None:
-        requests.send(engine_pb2.GenerateRequest(add=engine_pb2.EngineRequest(
-            request_id=name, prompt_token_ids=[1, 2, 3], sampling_params=params)))
+        requests.send(
+            engine_pb2.GenerateRequest(
+                add=engine_pb2.EngineRequest(
+                    request_id=name, prompt_token_ids=[1, 2, 3], sampling_params=params
+                )
+            )
+        )
 
     try:
         add("running")

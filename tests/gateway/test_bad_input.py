@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from gateway_helpers import check_error, engine_stats
-from grpc_helpers import TIMEOUT
 
 from common.config import MAX_REQUEST_BODY_BYTES
+from gateway_helpers import check_error, engine_stats
+from grpc_helpers import TIMEOUT
 
 CHAT = b'"messages": [{"role": "user", "content": "Hi"}]'
 JSON = {"content-type": "application/json"}
@@ -30,62 +30,196 @@ def completion(fields: bytes) -> bytes:
 
 CASES = [
     # (id, route, body, status, param, words the message must hold)
-    ("truncated-json", "/v1/completions", b'{"prompt": "Hi", "max_tokens": 2', 400, None,
-     ["not valid JSON"]),
-    ("trailing-garbage", "/v1/chat/completions", chat(b'"n": 1') + b"}", 400, None,
-     ["not valid JSON"]),
-    ("invalid-utf8-in-string", "/v1/completions", b'{"prompt": "Hi \xff\xfe"}', 400, None,
-     ["UTF-8", "0xff"]),
+    (
+        "truncated-json",
+        "/v1/completions",
+        b'{"prompt": "Hi", "max_tokens": 2',
+        400,
+        None,
+        ["not valid JSON"],
+    ),
+    (
+        "trailing-garbage",
+        "/v1/chat/completions",
+        chat(b'"n": 1') + b"}",
+        400,
+        None,
+        ["not valid JSON"],
+    ),
+    (
+        "invalid-utf8-in-string",
+        "/v1/completions",
+        b'{"prompt": "Hi \xff\xfe"}',
+        400,
+        None,
+        ["UTF-8", "0xff"],
+    ),
     ("truncated-utf8-character", "/tokenize", b'{"prompt": "caf\xc3"}', 400, None, ["UTF-8"]),
-    ("lone-continuation-byte", "/v1/chat/completions", chat(b'"user": "\x80"'), 400, None,
-     ["UTF-8", "0x80"]),
-    ("unknown-field", "/v1/completions", completion(b'"frobnicate": true'), 400, "frobnicate",
-     ["unrecognized"]),
-    ("misspelt-field", "/v1/chat/completions", chat(b'"max_token": 5'), 400, "max_token",
-     ["unrecognized"]),
+    (
+        "lone-continuation-byte",
+        "/v1/chat/completions",
+        chat(b'"user": "\x80"'),
+        400,
+        None,
+        ["UTF-8", "0x80"],
+    ),
+    (
+        "unknown-field",
+        "/v1/completions",
+        completion(b'"frobnicate": true'),
+        400,
+        "frobnicate",
+        ["unrecognized"],
+    ),
+    (
+        "misspelt-field",
+        "/v1/chat/completions",
+        chat(b'"max_token": 5'),
+        400,
+        "max_token",
+        ["unrecognized"],
+    ),
     ("unknown-fields", "/tokenize", b'{"prompt": "a", "x": 1, "y": 2}', 400, "x", ["x, y"]),
-    ("oov-prompt-id", "/v1/completions", f'{{"prompt": [1, {VOCAB}]}}'.encode(), 400, "prompt",
-     [str(VOCAB), "vocabulary"]),
-    ("negative-prompt-id", "/v1/completions", b'{"prompt": [[1], [-7]]}', 400, "prompt",
-     ["-7", "vocabulary"]),
-    ("oov-detokenize-id", "/detokenize", f'{{"tokens": [{VOCAB}]}}'.encode(), 400, "tokens",
-     [str(VOCAB), "vocabulary"]),
-    ("beyond-int32-detokenize-id", "/detokenize", b'{"tokens": [1099511627776]}', 400,
-     "tokens", ["1099511627776", "vocabulary"]),
-    ("oov-logit-bias", "/v1/completions", completion(b'"logit_bias": {"999999": 5}'), 400,
-     "logit_bias", ["999999"]),
+    (
+        "oov-prompt-id",
+        "/v1/completions",
+        f'{{"prompt": [1, {VOCAB}]}}'.encode(),
+        400,
+        "prompt",
+        [str(VOCAB), "vocabulary"],
+    ),
+    (
+        "negative-prompt-id",
+        "/v1/completions",
+        b'{"prompt": [[1], [-7]]}',
+        400,
+        "prompt",
+        ["-7", "vocabulary"],
+    ),
+    (
+        "oov-detokenize-id",
+        "/detokenize",
+        f'{{"tokens": [{VOCAB}]}}'.encode(),
+        400,
+        "tokens",
+        [str(VOCAB), "vocabulary"],
+    ),
+    (
+        "beyond-int32-detokenize-id",
+        "/detokenize",
+        b'{"tokens": [1099511627776]}',
+        400,
+        "tokens",
+        ["1099511627776", "vocabulary"],
+    ),
+    (
+        "oov-logit-bias",
+        "/v1/completions",
+        completion(b'"logit_bias": {"999999": 5}'),
+        400,
+        "logit_bias",
+        ["999999"],
+    ),
     ("nan", "/v1/completions", completion(b'"top_p": NaN'), 400, "top_p", ["finite"]),
-    ("infinity", "/v1/chat/completions", chat(b'"temperature": Infinity'), 400, "temperature",
-     ["finite"]),
-    ("minus-infinity", "/v1/completions", completion(b'"presence_penalty": -Infinity'), 400,
-     "presence_penalty", ["finite"]),
-    ("overflowing-number", "/v1/completions", completion(b'"frequency_penalty": 1e999'), 400,
-     "frequency_penalty", ["finite"]),
-    ("nan-in-a-map", "/v1/chat/completions", chat(b'"logit_bias": {"5": NaN}'), 400,
-     "logit_bias", ["finite"]),
+    (
+        "infinity",
+        "/v1/chat/completions",
+        chat(b'"temperature": Infinity'),
+        400,
+        "temperature",
+        ["finite"],
+    ),
+    (
+        "minus-infinity",
+        "/v1/completions",
+        completion(b'"presence_penalty": -Infinity'),
+        400,
+        "presence_penalty",
+        ["finite"],
+    ),
+    (
+        "overflowing-number",
+        "/v1/completions",
+        completion(b'"frequency_penalty": 1e999'),
+        400,
+        "frequency_penalty",
+        ["finite"],
+    ),
+    (
+        "nan-in-a-map",
+        "/v1/chat/completions",
+        chat(b'"logit_bias": {"5": NaN}'),
+        400,
+        "logit_bias",
+        ["finite"],
+    ),
     ("huge-n", "/v1/chat/completions", chat(b'"n": 1000000'), 400, "n", ["64"]),
-    ("beyond-int64-n", "/v1/completions", completion(b'"n": 18446744073709551617'), 400, "n",
-     []),
-    ("negative-max-tokens", "/v1/completions", b'{"prompt": "Hi", "max_tokens": -1}', 400,
-     "max_tokens", ["greater than"]),
-    ("huge-max-tokens", "/v1/completions", b'{"prompt": "Hi", "max_tokens": 10000000000000}',
-     400, "max_tokens", ["10000000000000", "context length"]),
-    ("beyond-int64-max-tokens", "/v1/chat/completions",
-     chat(b'"max_tokens": 100000000000000000000000'), 400, "max_tokens", ["context length"]),
-    ("huge-max-completion-tokens", "/v1/chat/completions",
-     chat(b'"max_completion_tokens": 4294967296'), 400, "max_completion_tokens",
-     ["context length"]),
-    ("huge-min-tokens", "/v1/completions", completion(b'"min_tokens": 4294967296'), 400,
-     "min_tokens", []),
-    ("negative-top-logprobs", "/v1/chat/completions",
-     chat(b'"logprobs": true, "top_logprobs": -1'), 400, "top_logprobs", ["0"]),
-    ("huge-top-logprobs", "/v1/chat/completions",
-     chat(b'"logprobs": true, "top_logprobs": 100000000000000000000'), 400, "top_logprobs",
-     ["20"]),
-    ("negative-logprobs", "/v1/completions", completion(b'"logprobs": -3'), 400, "logprobs",
-     ["0"]),
-    ("huge-logprobs", "/v1/completions", completion(b'"logprobs": 4294967296'), 400,
-     "logprobs", ["20"]),
+    ("beyond-int64-n", "/v1/completions", completion(b'"n": 18446744073709551617'), 400, "n", []),
+    (
+        "negative-max-tokens",
+        "/v1/completions",
+        b'{"prompt": "Hi", "max_tokens": -1}',
+        400,
+        "max_tokens",
+        ["greater than"],
+    ),
+    (
+        "huge-max-tokens",
+        "/v1/completions",
+        b'{"prompt": "Hi", "max_tokens": 10000000000000}',
+        400,
+        "max_tokens",
+        ["10000000000000", "context length"],
+    ),
+    (
+        "beyond-int64-max-tokens",
+        "/v1/chat/completions",
+        chat(b'"max_tokens": 100000000000000000000000'),
+        400,
+        "max_tokens",
+        ["context length"],
+    ),
+    (
+        "huge-max-completion-tokens",
+        "/v1/chat/completions",
+        chat(b'"max_completion_tokens": 4294967296'),
+        400,
+        "max_completion_tokens",
+        ["context length"],
+    ),
+    (
+        "huge-min-tokens",
+        "/v1/completions",
+        completion(b'"min_tokens": 4294967296'),
+        400,
+        "min_tokens",
+        [],
+    ),
+    (
+        "negative-top-logprobs",
+        "/v1/chat/completions",
+        chat(b'"logprobs": true, "top_logprobs": -1'),
+        400,
+        "top_logprobs",
+        ["0"],
+    ),
+    (
+        "huge-top-logprobs",
+        "/v1/chat/completions",
+        chat(b'"logprobs": true, "top_logprobs": 100000000000000000000'),
+        400,
+        "top_logprobs",
+        ["20"],
+    ),
+    ("negative-logprobs", "/v1/completions", completion(b'"logprobs": -3'), 400, "logprobs", ["0"]),
+    (
+        "huge-logprobs",
+        "/v1/completions",
+        completion(b'"logprobs": 4294967296'),
+        400,
+        "logprobs",
+        ["20"],
+    ),
 ]
 
 
@@ -95,10 +229,14 @@ def http(gateway):
         yield client
 
 
-@pytest.mark.parametrize(("route", "body", "status", "param", "words"),
-                         [case[1:] for case in CASES], ids=[case[0] for case in CASES])
-def test_bad_input_gets_a_4xx_that_names_the_problem(http, engine_stub, route, body, status,
-                                                     param, words):
+@pytest.mark.parametrize(
+    ("route", "body", "status", "param", "words"),
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_bad_input_gets_a_4xx_that_names_the_problem(
+    http, engine_stub, route, body, status, param, words
+):
     error = check_error(http.post(route, content=body, headers=JSON), status, param)
     for word in words:
         assert word in error["message"], error
@@ -107,8 +245,11 @@ def test_bad_input_gets_a_4xx_that_names_the_problem(http, engine_stub, route, b
 
 def test_a_body_of_another_content_type_is_415(http):
     # What `curl -d` sends unless told otherwise.
-    response = http.post("/v1/completions", content=b'{"prompt": "Hi"}',
-                         headers={"content-type": "application/x-www-form-urlencoded"})
+    response = http.post(
+        "/v1/completions",
+        content=b'{"prompt": "Hi"}',
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
     error = check_error(response, 415, None)
     assert "application/json" in error["message"]
     assert "application/x-www-form-urlencoded" in error["message"]
@@ -121,7 +262,7 @@ def test_an_oversized_body_is_413_with_or_without_its_length(http, engine_stub):
 
     def chunked():  # no Content-Length: the limit applies while reading
         for start in range(0, len(oversized), 1 << 16):
-            yield oversized[start:start + (1 << 16)]
+            yield oversized[start : start + (1 << 16)]
 
     streamed = http.post("/v1/completions", content=chunked(), headers=JSON)
     assert str(MAX_REQUEST_BODY_BYTES) in check_error(streamed, 413, None)["message"]

@@ -14,10 +14,10 @@ import time
 import grpc
 import httpx
 import pytest
+from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, gateway_pb2, gateway_pb2_grpc
+
 from gateway_helpers import engine_stats, read_metrics, wait_for_idle_engine
 from grpc_helpers import TIMEOUT, RequestStream
-
-from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, gateway_pb2, gateway_pb2_grpc
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The three primary colors are"
@@ -47,8 +47,11 @@ def unfinishable_params() -> common_pb2.SamplingParams:
 
 
 def check_a_new_request_completes(gateway) -> None:
-    response = httpx.post(gateway.url + "/v1/completions", timeout=TIMEOUT, json={
-        "model": MODEL, "prompt": PROMPT, "max_tokens": 5, "min_tokens": 5})
+    response = httpx.post(
+        gateway.url + "/v1/completions",
+        timeout=TIMEOUT,
+        json={"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "min_tokens": 5},
+    )
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["choices"][0]["finish_reason"] == "length"
@@ -74,17 +77,29 @@ def test_200_http_clients_that_time_out_free_the_engine(gateway, tokenizer, idle
     # Half the prompts as token ids: no tokenizer call, so more of them reach the engine
     # before their clients leave.
     prompt_ids = tokenizer.encode(PROMPT)
-    bodies = [unfinishable(prompt=prompt_ids, stream=True) if i % 2 else
-              unfinishable(messages=CHAT, stream=True) for i in range(requests)]
+    bodies = [
+        unfinishable(prompt=prompt_ids, stream=True)
+        if i % 2
+        else unfinishable(messages=CHAT, stream=True)
+        for i in range(requests)
+    ]
     before = read_metrics(gateway.url)
 
     async def run() -> list[str]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        async with httpx.AsyncClient(base_url=gateway.url, timeout=CLIENT_TIMEOUT,
-                                     limits=limits) as client:
-            return await asyncio.gather(*(
-                leave_after(client, "/v1/completions" if "prompt" in body
-                            else "/v1/chat/completions", body) for body in bodies))
+        async with httpx.AsyncClient(
+            base_url=gateway.url, timeout=CLIENT_TIMEOUT, limits=limits
+        ) as client:
+            return await asyncio.gather(
+                *(
+                    leave_after(
+                        client,
+                        "/v1/completions" if "prompt" in body else "/v1/chat/completions",
+                        body,
+                    )
+                    for body in bodies
+                )
+            )
 
     outcomes = asyncio.run(run())
     assert outcomes == ["gave up"] * requests, sorted(set(outcomes))
@@ -98,10 +113,12 @@ def test_200_http_clients_that_time_out_free_the_engine(gateway, tokenizer, idle
 
 def test_grpc_calls_cancelled_or_past_their_deadline_free_the_engine(gateway, idle_kv_usage):
     stub = gateway_pb2_grpc.GatewayServiceStub(gateway.grpc_channel)
-    generate = gateway_pb2.GatewayServiceGenerateRequest(prompt=PROMPT,
-                                                         sampling_params=unfinishable_params())
-    chat = gateway_pb2.ChatRequest(messages=[common_pb2.ChatMessage(**m) for m in CHAT],
-                                   sampling_params=unfinishable_params())
+    generate = gateway_pb2.GatewayServiceGenerateRequest(
+        prompt=PROMPT, sampling_params=unfinishable_params()
+    )
+    chat = gateway_pb2.ChatRequest(
+        messages=[common_pb2.ChatMessage(**m) for m in CHAT], sampling_params=unfinishable_params()
+    )
     # Half are cancelled by the client (the first after its first text, the others before
     # any), half end by their deadline (the server sees DEADLINE_EXCEEDED).
     # One that surely runs in the engine: alone at first, so that it is not left waiting for a
@@ -119,8 +136,7 @@ def test_grpc_calls_cancelled_or_past_their_deadline_free_the_engine(gateway, id
         with pytest.raises(grpc.RpcError) as ended:
             for _ in call:
                 pass
-        assert ended.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED,
-                                      grpc.StatusCode.CANCELLED)
+        assert ended.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
     wait_for_idle_engine(gateway.url, idle_kv_usage, FREED_WITHIN)
     check_a_new_request_completes(gateway)
 
@@ -132,9 +148,15 @@ def test_cancelled_engine_generate_streams_free_the_engine(gateway, engine_stub,
     for s in range(8):
         requests = RequestStream()
         for r in range(8):
-            requests.send(engine_pb2.GenerateRequest(add=engine_pb2.EngineRequest(
-                request_id=f"cancelled-stream-{s}-{r}-{time.monotonic_ns()}",
-                prompt_token_ids=[1, 2, 3, 4 + r], sampling_params=unfinishable_params())))
+            requests.send(
+                engine_pb2.GenerateRequest(
+                    add=engine_pb2.EngineRequest(
+                        request_id=f"cancelled-stream-{s}-{r}-{time.monotonic_ns()}",
+                        prompt_token_ids=[1, 2, 3, 4 + r],
+                        sampling_params=unfinishable_params(),
+                    )
+                )
+            )
         streams.append((requests, engine_stub.Generate(iter(requests), timeout=TIMEOUT)))
     next(streams[0][1])  # the engine has started on them
     assert engine_stats(engine_stub).num_running > 0
@@ -146,15 +168,24 @@ def test_cancelled_engine_generate_streams_free_the_engine(gateway, engine_stub,
 
 
 def test_stop_strings_matched_in_the_gateway_abort_their_engine_requests(
-        gateway, engine_stub, idle_kv_usage):
+    gateway, engine_stub, idle_kv_usage
+):
     # Greedy text of ignore_eos requests of up to UNFINISHABLE tokens; a space or a new line
     # comes within a few tokens, and then the engine must stop, not generate to max_tokens.
     stop = [" ", "\n"]
-    http_body = {"model": MODEL, "prompt": PROMPT, "max_tokens": UNFINISHABLE,
-                 "ignore_eos": True, "stop": stop, "stream_options": {"include_usage": True}}
+    http_body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": UNFINISHABLE,
+        "ignore_eos": True,
+        "stop": stop,
+        "stream_options": {"include_usage": True},
+    }
     grpc_request = gateway_pb2.GatewayServiceGenerateRequest(
-        prompt=PROMPT, stop=stop, sampling_params=common_pb2.SamplingParams(
-            max_tokens=UNFINISHABLE, ignore_eos=True))
+        prompt=PROMPT,
+        stop=stop,
+        sampling_params=common_pb2.SamplingParams(max_tokens=UNFINISHABLE, ignore_eos=True),
+    )
     stub = gateway_pb2_grpc.GatewayServiceStub(gateway.grpc_channel)
     before = read_metrics(gateway.url)
 
@@ -164,8 +195,11 @@ def test_stop_strings_matched_in_the_gateway_abort_their_engine_requests(
         if not stream:
             body = response.json()
             return body["choices"][0]["finish_reason"], body["usage"]["completion_tokens"]
-        events = [line.removeprefix("data: ") for line in response.text.splitlines()
-                  if line.startswith("data: ")]
+        events = [
+            line.removeprefix("data: ")
+            for line in response.text.splitlines()
+            if line.startswith("data: ")
+        ]
         assert events[-1] == "[DONE]"
         last_choice = httpx.Response(200, content=events[-3]).json()["choices"][0]
         usage = httpx.Response(200, content=events[-2]).json()["usage"]
@@ -180,7 +214,8 @@ def test_stop_strings_matched_in_the_gateway_abort_their_engine_requests(
         async with httpx.AsyncClient(base_url=gateway.url, timeout=TIMEOUT) as client:
             return await asyncio.gather(
                 *(over_http(client, stream=i % 2 == 0) for i in range(24)),
-                *(asyncio.to_thread(over_grpc) for _ in range(8)))
+                *(asyncio.to_thread(over_grpc) for _ in range(8)),
+            )
 
     outcomes = asyncio.run(run())
     assert {reason for reason, _ in outcomes} == {"stop"}

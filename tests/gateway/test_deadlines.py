@@ -11,12 +11,12 @@ import json
 import grpc
 import httpx
 import pytest
-from gateway_helpers import GatewayThread, check_error, wait_engine_idle
-from grpc_helpers import TIMEOUT, ServerThread
+from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from common.config import GatewayConfig
-from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from services.tokenizer.server import TokenizerServicer, TokenizerService
+from gateway_helpers import GatewayThread, check_error, wait_engine_idle
+from grpc_helpers import TIMEOUT, ServerThread
+from services.tokenizer.server import TokenizerService, TokenizerServicer
 
 REQUEST_TIMEOUT = 2.0
 SLACK = 1.0
@@ -26,15 +26,19 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True}
 
 def long_generation() -> gateway_pb2.GatewayServiceGenerateRequest:
     return gateway_pb2.GatewayServiceGenerateRequest(
-        prompt=LONG["prompt"], sampling_params=common_pb2.SamplingParams(max_tokens=900,
-                                                                         ignore_eos=True))
+        prompt=LONG["prompt"],
+        sampling_params=common_pb2.SamplingParams(max_tokens=900, ignore_eos=True),
+    )
 
 
 @pytest.fixture(scope="module")
 def hurried(services):
     engine, tokenizer = services
-    server = GatewayThread(f"127.0.0.1:{engine.port}", f"127.0.0.1:{tokenizer.port}",
-                           GatewayConfig(request_timeout=REQUEST_TIMEOUT))
+    server = GatewayThread(
+        f"127.0.0.1:{engine.port}",
+        f"127.0.0.1:{tokenizer.port}",
+        GatewayConfig(request_timeout=REQUEST_TIMEOUT),
+    )
     yield server
     server.close()
 
@@ -45,9 +49,16 @@ def test_an_http_request_past_the_timeout_is_aborted_with_504(hurried, engine_st
         assert error["code"] == "request_timeout" and "2 s" in error["message"]
         wait_engine_idle(engine_stub)
 
-        with http.stream("POST", "/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": LONG["prompt"]}], "max_tokens": 900,
-                "ignore_eos": True, "stream": True}) as response:
+        with http.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": LONG["prompt"]}],
+                "max_tokens": 900,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as response:
             if response.status_code == 200:
                 events = [line for line in response.iter_lines() if line]
                 assert events[-1] == "data: [DONE]"
@@ -94,19 +105,22 @@ def test_deadlines_reach_the_tokenizer(default_model_dir, services, monkeypatch)
     monkeypatch.setattr(TokenizerServicer, "Tokenize", recording_tokenize)
     tokenizer = ServerThread(TokenizerService(str(default_model_dir), "127.0.0.1", 0))
     engine, _ = services
-    gateway = GatewayThread(f"127.0.0.1:{engine.port}", f"127.0.0.1:{tokenizer.port}",
-                            GatewayConfig(request_timeout=20))
+    gateway = GatewayThread(
+        f"127.0.0.1:{engine.port}", f"127.0.0.1:{tokenizer.port}", GatewayConfig(request_timeout=20)
+    )
     try:
         stub = gateway_pb2_grpc.GatewayServiceStub(gateway.grpc_channel)
         request = gateway_pb2.GatewayServiceGenerateRequest(
-            prompt="Hi", sampling_params=common_pb2.SamplingParams(max_tokens=1))
+            prompt="Hi", sampling_params=common_pb2.SamplingParams(max_tokens=1)
+        )
         # gRPC rounds a deadline on the wire up a little: SLACK.
         assert list(stub.Generate(request, timeout=5))
         assert 0 < seen[-1] <= 5 + SLACK
         assert list(stub.Generate(request, timeout=TIMEOUT))
         assert 5 + SLACK < seen[-1] <= 20 + SLACK
-        response = httpx.post(gateway.url + "/v1/completions",
-                              json={"prompt": "Hi", "max_tokens": 1}, timeout=TIMEOUT)
+        response = httpx.post(
+            gateway.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=TIMEOUT
+        )
         assert response.status_code == 200, response.text
         assert 5 + SLACK < seen[-1] <= 20 + SLACK
         assert len(seen) == 3

@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+
 from gateway_helpers import MAX_MODEL_LEN, check_error, engine_stats
 from grpc_helpers import TIMEOUT
 
@@ -76,10 +77,15 @@ def test_bad_bodies(http, route):
     check_error(http.post(route, content=b"", headers=headers), 400, None)
     # JSON has no NaN or Infinity; Python's parser would take them.
     nan = b'{"prompt": "Hi", "messages": [], "temperature": NaN}'
-    assert check_error(http.post(route, content=nan, headers=headers), 400,
-                       "temperature")["type"] == "invalid_request_error"
-    check_error(http.post(route, content=b'{"prompt": "Hi"}',
-                          headers={"content-type": "text/plain"}), 415, None)
+    assert (
+        check_error(http.post(route, content=nan, headers=headers), 400, "temperature")["type"]
+        == "invalid_request_error"
+    )
+    check_error(
+        http.post(route, content=b'{"prompt": "Hi"}', headers={"content-type": "text/plain"}),
+        415,
+        None,
+    )
     assert http.get(route).status_code == 405
 
 

@@ -11,10 +11,10 @@ import time
 import httpx
 import openai
 import pytest
+from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
+
 from gateway_helpers import MAX_MODEL_LEN, engine_stats, wait_engine_idle
 from grpc_helpers import TIMEOUT
-
-from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "Write one sentence about the sea."}]
@@ -25,17 +25,26 @@ LONG = 900
 
 @pytest.fixture(scope="module")
 def client(gateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=TIMEOUT)
+    return openai.OpenAI(
+        base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT
+    )
 
 
 def engine_tokens(engine_stub, prompt_ids: list[int], **params) -> list[int]:
     """The engine service's own tokens for a prompt (no gateway in between)."""
-    request = engine_pb2.GenerateRequest(add=engine_pb2.EngineRequest(
-        request_id=f"reference-{time.monotonic_ns()}", prompt_token_ids=prompt_ids,
-        sampling_params=common_pb2.SamplingParams(**params)))
-    return [t for response in engine_stub.Generate(iter([request]), timeout=TIMEOUT)
-            for out in response.outputs for t in out.token_ids]
+    request = engine_pb2.GenerateRequest(
+        add=engine_pb2.EngineRequest(
+            request_id=f"reference-{time.monotonic_ns()}",
+            prompt_token_ids=prompt_ids,
+            sampling_params=common_pb2.SamplingParams(**params),
+        )
+    )
+    return [
+        t
+        for response in engine_stub.Generate(iter([request]), timeout=TIMEOUT)
+        for out in response.outputs
+        for t in out.token_ids
+    ]
 
 
 def stream_text(chunks, kind: str = "chat") -> tuple[str, list]:
@@ -48,8 +57,9 @@ def stream_text(chunks, kind: str = "chat") -> tuple[str, list]:
 
 
 def test_chat_equals_the_engines_greedy_tokens_decoded(client, engine_stub, tokenizer):
-    response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24,
-                                              temperature=0)
+    response = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=24, temperature=0
+    )
     prompt_ids = tokenizer.encode_chat(CHAT)
     expected_ids = engine_tokens(engine_stub, prompt_ids, temperature=0.0, max_tokens=24)
     choice = response.choices[0]
@@ -63,11 +73,13 @@ def test_chat_equals_the_engines_greedy_tokens_decoded(client, engine_stub, toke
 
 
 def test_completion_equals_the_engines_greedy_tokens_decoded(client, engine_stub, tokenizer):
-    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16,
-                                         temperature=0, extra_body={"ignore_eos": True})
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
     prompt_ids = tokenizer.encode(PROMPT)
-    expected_ids = engine_tokens(engine_stub, prompt_ids, temperature=0.0, max_tokens=16,
-                                 ignore_eos=True)
+    expected_ids = engine_tokens(
+        engine_stub, prompt_ids, temperature=0.0, max_tokens=16, ignore_eos=True
+    )
     assert response.choices[0].text == tokenizer.decode(expected_ids)
     assert response.choices[0].finish_reason == "length"
     assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(prompt_ids), 16)
@@ -76,15 +88,18 @@ def test_completion_equals_the_engines_greedy_tokens_decoded(client, engine_stub
 def test_streamed_text_equals_non_streamed_for_the_same_seed(client):
     args = dict(model=MODEL, messages=CHAT, max_tokens=32, temperature=0.9, seed=1234)
     whole = client.chat.completions.create(**args)
-    text, chunks = stream_text(client.chat.completions.create(
-        **args, stream=True, stream_options={"include_usage": True}))
+    text, chunks = stream_text(
+        client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
     assert text == whole.choices[0].message.content
     # One event per token delta: many of them, the first with the role, usage last.
     assert len(chunks) > 5
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
-        whole.usage.completion_tokens
+    assert (
+        chunks[-1].choices == []
+        and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    )
 
 
 def test_streamed_completion_equals_non_streamed(client):
@@ -107,8 +122,9 @@ def test_seeds_reproduce(client):
 def test_n2_gives_distinct_seeded_choices_with_their_own_usage(client, tokenizer):
     # Two requests batched together round differently in bf16 than one alone, so the choices
     # are checked for what holds whatever the batch: each is its own token stream.
-    response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12,
-                                              temperature=1.0, seed=7, n=2, logprobs=True)
+    response = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=12, temperature=1.0, seed=7, n=2, logprobs=True
+    )
     assert [c.index for c in response.choices] == [0, 1]
     texts = [c.message.content for c in response.choices]
     assert texts[0] != texts[1]  # seed + index: the choices differ
@@ -121,8 +137,9 @@ def test_n2_gives_distinct_seeded_choices_with_their_own_usage(client, tokenizer
 def test_n2_streams_both_choices_and_prompt_lists(client, tokenizer):
     text = {0: "", 1: ""}
     finish = {}
-    for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, n=2,
-                                           temperature=0, stream=True):
+    for chunk in client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, n=2, temperature=0, stream=True
+    ):
         for choice in chunk.choices:
             text[choice.index] += choice.text
             if choice.finish_reason:
@@ -131,9 +148,14 @@ def test_n2_streams_both_choices_and_prompt_lists(client, tokenizer):
     # A batch of prompts, as strings or token ids: one choice each, in the prompts' order.
     prompts = [PROMPT, "Once upon a time, in a small village,"]
     for batch in ([*prompts], [tokenizer.encode(p) for p in prompts]):
-        response = client.completions.create(model=MODEL, prompt=batch, max_tokens=8,
-                                             temperature=0, logprobs=0,
-                                             extra_body={"ignore_eos": True})
+        response = client.completions.create(
+            model=MODEL,
+            prompt=batch,
+            max_tokens=8,
+            temperature=0,
+            logprobs=0,
+            extra_body={"ignore_eos": True},
+        )
         assert [c.index for c in response.choices] == [0, 1]
         assert response.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
         assert response.usage.completion_tokens == 16
@@ -148,16 +170,26 @@ def test_a_stop_string_ends_the_text_and_aborts_the_engine_request(client, engin
     words = full.split()
     stop = words[len(words) // 2]
     assert len(words) > 4 and stop
-    expected = full[:full.index(stop)]
+    expected = full[: full.index(stop)]
     if stream:
-        text, chunks = stream_text(client.completions.create(
-            **args, max_tokens=LONG, stop=[stop, "never appears"], stream=True,
-            stream_options={"include_usage": True}), kind="completion")
+        text, chunks = stream_text(
+            client.completions.create(
+                **args,
+                max_tokens=LONG,
+                stop=[stop, "never appears"],
+                stream=True,
+                stream_options={"include_usage": True},
+            ),
+            kind="completion",
+        )
         reason, usage = chunks[-2].choices[0].finish_reason, chunks[-1].usage
     else:
         response = client.completions.create(**args, max_tokens=LONG, stop=stop)
-        text, reason, usage = response.choices[0].text, response.choices[0].finish_reason, \
-            response.usage
+        text, reason, usage = (
+            response.choices[0].text,
+            response.choices[0].finish_reason,
+            response.usage,
+        )
     assert text == expected and reason == "stop"
     # The request ended at the stop string, far short of max_tokens, and the engine was told:
     # it runs nothing once the response is complete.
@@ -168,17 +200,24 @@ def test_a_stop_string_ends_the_text_and_aborts_the_engine_request(client, engin
 
 def test_usage_counts_equal_the_tokenizers(client, tokenizer):
     messages = [{"role": "system", "content": "You are terse."}, *CHAT]
-    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
-                                              temperature=0, logprobs=True)
+    response = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, logprobs=True
+    )
     tokens = [lp.token for lp in response.choices[0].logprobs.content]
     assert response.usage.prompt_tokens == len(tokenizer.encode_chat(messages))
     assert response.usage.completion_tokens == len(tokens)
 
 
 def test_chat_logprobs_are_sane(client):
-    response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10,
-                                              temperature=0, logprobs=True, top_logprobs=3,
-                                              extra_body={"ignore_eos": True})
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=10,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     content = response.choices[0].logprobs.content
     assert len(content) == response.usage.completion_tokens == 10
     for entry in content:
@@ -193,9 +232,14 @@ def test_chat_logprobs_are_sane(client):
 
 
 def test_completion_logprobs_are_sane(client):
-    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8,
-                                         temperature=0, logprobs=2,
-                                         extra_body={"ignore_eos": True})
+    response = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     logprobs = response.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 8
     assert all(lp <= 0 for lp in logprobs.token_logprobs)
@@ -207,11 +251,11 @@ def test_completion_logprobs_are_sane(client):
 def test_multibyte_text_streams_whole_characters(client, tokenizer):
     # This model answers this prompt with emoji, which its byte-level tokens split in pieces.
     prompt = "🌟🌟🌟🌟 你好你好 ✨✨"
-    args = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
-                extra_body={"ignore_eos": True})
+    args = dict(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
     response = client.completions.create(**args, logprobs=0)
-    text, chunks = stream_text(client.completions.create(**args, stream=True),
-                               kind="completion")
+    text, chunks = stream_text(client.completions.create(**args, stream=True), kind="completion")
     assert text == response.choices[0].text
     assert any(ord(c) > 0xFFFF or 0x4E00 <= ord(c) <= 0x9FFF for c in text), text
     # More tokens than characters: characters were split across tokens, and no event carries
@@ -254,17 +298,24 @@ def read_metrics(gateway) -> dict[str, float]:
 
 def test_metrics_are_named_by_convention_and_count(client, gateway):
     before = read_metrics(gateway)
-    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6,
-                                         temperature=0, extra_body={"ignore_eos": True})
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     after = read_metrics(gateway)
-    for name in ("folio_num_requests_running", "folio_num_requests_waiting",
-                 "folio_kv_cache_usage_ratio", "folio_prefix_cache_queries_total",
-                 "folio_prefix_cache_hits_total", "folio_prompt_tokens_total",
-                 "folio_generation_tokens_total", "folio_time_to_first_token_seconds_count",
-                 "folio_inter_token_latency_seconds_count",
-                 "folio_e2e_request_latency_seconds_count",
-                 "folio_request_queue_time_seconds_count",
-                 'folio_engine_step_seconds_total{phase="forward"}'):
+    for name in (
+        "folio_num_requests_running",
+        "folio_num_requests_waiting",
+        "folio_kv_cache_usage_ratio",
+        "folio_prefix_cache_queries_total",
+        "folio_prefix_cache_hits_total",
+        "folio_prompt_tokens_total",
+        "folio_generation_tokens_total",
+        "folio_time_to_first_token_seconds_count",
+        "folio_inter_token_latency_seconds_count",
+        "folio_e2e_request_latency_seconds_count",
+        "folio_request_queue_time_seconds_count",
+        'folio_engine_step_seconds_total{phase="forward"}',
+    ):
         assert name in after, name
     assert 0 <= after["folio_kv_cache_usage_ratio"] <= 1
     grew = {name: after[name] - before.get(name, 0) for name in after}
@@ -274,37 +325,60 @@ def test_metrics_are_named_by_convention_and_count(client, gateway):
     assert grew["folio_inter_token_latency_seconds_count"] == 5
     assert grew["folio_e2e_request_latency_seconds_count"] == 1
     assert grew["folio_request_queue_time_seconds_count"] == 1
-    assert 0 <= grew["folio_request_queue_time_seconds_sum"] <= \
-        grew["folio_time_to_first_token_seconds_sum"]
+    assert (
+        0
+        <= grew["folio_request_queue_time_seconds_sum"]
+        <= grew["folio_time_to_first_token_seconds_sum"]
+    )
     assert grew['folio_engine_step_seconds_total{phase="forward"}'] > 0
     assert grew["folio_engine_steps_total"] >= 6
 
 
 def test_openapi_describes_every_route(gateway):
     document = httpx.get(gateway.url + "/openapi.json", timeout=TIMEOUT).json()
-    routes = {(route.path, method.lower())
-              for route in gateway.server.app.routes
-              for method in route.methods if method != "HEAD"}
+    routes = {
+        (route.path, method.lower())
+        for route in gateway.server.app.routes
+        for method in route.methods
+        if method != "HEAD"
+    }
     described = {(path, method) for path, item in document["paths"].items() for method in item}
     assert routes == described
     schemas = document["components"]["schemas"]
     chat = document["paths"]["/v1/chat/completions"]["post"]
     assert chat["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
-        "/ChatCompletionRequest")
-    for field in ("messages", "max_tokens", "max_completion_tokens", "top_logprobs", "seed",
-                  "stop", "n", "logit_bias", "stream_options"):
+        "/ChatCompletionRequest"
+    )
+    for field in (
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "top_logprobs",
+        "seed",
+        "stop",
+        "n",
+        "logit_bias",
+        "stream_options",
+    ):
         assert field in schemas["ChatCompletionRequest"]["properties"], field
     assert "choices" in schemas["ChatCompletionResponse"]["properties"]
 
 
 def test_a_client_that_leaves_mid_stream_aborts_its_engine_request(gateway, engine_stub):
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True,
-            "stream": True}
-    with httpx.Client(base_url=gateway.url, timeout=TIMEOUT) as http:
-        with http.stream("POST", "/v1/completions", json=body) as response:
-            events = response.iter_lines()
-            assert next(l for l in events if l.startswith("data: "))
-            assert engine_stats(engine_stub).num_running == 1
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": LONG,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(base_url=gateway.url, timeout=TIMEOUT) as http,
+        http.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        events = response.iter_lines()
+        assert next(line for line in events if line.startswith("data: "))
+        assert engine_stats(engine_stub).num_running == 1
     # LONG tokens take tens of seconds; the abort frees the engine at once.
     wait_engine_idle(engine_stub)
 

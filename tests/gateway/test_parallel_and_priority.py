@@ -12,10 +12,6 @@ import grpc
 import httpx
 import openai
 import pytest
-from gateway_helpers import ENGINE_ARGS, GatewayThread, engine_stats
-from grpc_helpers import TIMEOUT, RequestStream, ServerThread
-
-from common.config import EngineConfig
 from common.grpc_stubs.folio.v1 import (
     common_pb2,
     engine_pb2,
@@ -23,6 +19,10 @@ from common.grpc_stubs.folio.v1 import (
     gateway_pb2,
     gateway_pb2_grpc,
 )
+
+from common.config import EngineConfig
+from gateway_helpers import ENGINE_ARGS, GatewayThread, engine_stats
+from grpc_helpers import TIMEOUT, RequestStream, ServerThread
 from services.engine.server import EngineService
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -32,19 +32,33 @@ CHAT = [{"role": "user", "content": "Write one sentence about the sea."}]
 
 @pytest.fixture(scope="module")
 def client(gateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=TIMEOUT)
+    return openai.OpenAI(
+        base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT
+    )
 
 
 def prompt_tokens_prefilled(gateway) -> float:
     text = httpx.get(gateway.url + "/metrics", timeout=TIMEOUT).text
-    return float(next(line.split()[-1] for line in text.splitlines()
-                      if line.startswith("folio_prompt_tokens_total ")))
+    return float(
+        next(
+            line.split()[-1]
+            for line in text.splitlines()
+            if line.startswith("folio_prompt_tokens_total ")
+        )
+    )
 
 
 def test_n3_with_a_seed_gives_three_distinct_reproducible_choices(client, gateway, tokenizer):
-    args = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=3, n=3,
-                logprobs=0, extra_body={"ignore_eos": True})
+    args = dict(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=1.0,
+        seed=3,
+        n=3,
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
     before = prompt_tokens_prefilled(gateway)
     first = client.completions.create(**args)
     # One engine request for the three choices: the prompt was prefilled once.
@@ -74,8 +88,15 @@ def test_streamed_n3_chat_equals_the_whole_answer(client):
 
 
 def test_a_stop_string_aborts_only_its_own_sample(client, engine_stub):
-    args = dict(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=1.0, seed=21, n=2,
-                extra_body={"ignore_eos": True})
+    args = dict(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=32,
+        temperature=1.0,
+        seed=21,
+        n=2,
+        extra_body={"ignore_eos": True},
+    )
     reference = client.completions.create(**args, logprobs=0).choices
     # A word sample 0 says early and sample 1 never says: only sample 0 may stop on it.
     early = "".join(reference[0].logprobs.tokens[:12])
@@ -91,7 +112,7 @@ def test_a_stop_string_aborts_only_its_own_sample(client, engine_stub):
             if choice.finish_reason:
                 finish[choice.index] = choice.finish_reason
     assert finish[0] == "stop"
-    assert text[0] == reference[0].text[:reference[0].text.index(stop)]
+    assert text[0] == reference[0].text[: reference[0].text.index(stop)]
     # Sample 1 was not aborted with it, and went on while sample 0's abort was confirmed
     # (unless its own text, which may differ once it runs alone, hit the stop string too).
     assert finish[1] in ("length", "stop")
@@ -105,9 +126,17 @@ def test_engine_streams_each_sample_and_aborts_one_alone(engine_stub, tokenizer)
     prompt_ids = tokenizer.encode(PROMPT)
     requests = RequestStream()
     responses = engine_stub.Generate(iter(requests), timeout=TIMEOUT)
-    requests.send(engine_pb2.GenerateRequest(add=engine_pb2.EngineRequest(
-        request_id="par", prompt_token_ids=prompt_ids, sampling_params=common_pb2.SamplingParams(
-            n=3, seed=5, temperature=1.0, max_tokens=500, ignore_eos=True))))
+    requests.send(
+        engine_pb2.GenerateRequest(
+            add=engine_pb2.EngineRequest(
+                request_id="par",
+                prompt_token_ids=prompt_ids,
+                sampling_params=common_pb2.SamplingParams(
+                    n=3, seed=5, temperature=1.0, max_tokens=500, ignore_eos=True
+                ),
+            )
+        )
+    )
     tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
     last: dict[int, engine_pb2.RequestOutput] = {}
 
@@ -143,8 +172,14 @@ def test_engine_streams_each_sample_and_aborts_one_alone(engine_stub, tokenizer)
 def test_the_one_sequence_grpc_api_refuses_n_by_name(gateway):
     stub = gateway_pb2_grpc.GatewayServiceStub(gateway.grpc_channel)
     with pytest.raises(grpc.RpcError) as failure:
-        list(stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
-            prompt="Hi", sampling_params=common_pb2.SamplingParams(n=2)), timeout=TIMEOUT))
+        list(
+            stub.Generate(
+                gateway_pb2.GatewayServiceGenerateRequest(
+                    prompt="Hi", sampling_params=common_pb2.SamplingParams(n=2)
+                ),
+                timeout=TIMEOUT,
+            )
+        )
     assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert failure.value.details().startswith("n must be 1")
 
@@ -155,8 +190,10 @@ LOW_TOKENS = 60
 @pytest.fixture(scope="module")
 def priority_services(services, default_model_dir):
     """An engine with the priority policy and one sequence slot, and a gateway in front."""
-    config = EngineConfig(model=str(default_model_dir),
-                          **dict(ENGINE_ARGS, max_num_seqs=1, scheduling_policy="priority"))
+    config = EngineConfig(
+        model=str(default_model_dir),
+        **dict(ENGINE_ARGS, max_num_seqs=1, scheduling_policy="priority"),
+    )
     engine = ServerThread(EngineService(config, "127.0.0.1", 0))
     gateway = GatewayThread(f"127.0.0.1:{engine.port}", f"127.0.0.1:{services[1].port}")
     yield gateway, engine_pb2_grpc.EngineServiceStub(engine.channel)
@@ -169,9 +206,18 @@ def test_priority_from_http_lets_a_late_urgent_request_finish_first(priority_ser
     finished: list[str] = []
 
     def complete(name: str, max_tokens: int, priority: int) -> dict:
-        response = httpx.post(gateway.url + "/v1/completions", timeout=TIMEOUT, json={
-            "model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "priority": priority})
+        response = httpx.post(
+            gateway.url + "/v1/completions",
+            timeout=TIMEOUT,
+            json={
+                "model": MODEL,
+                "prompt": PROMPT,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "priority": priority,
+            },
+        )
         assert response.status_code == 200, response.text
         finished.append(name)
         return response.json()

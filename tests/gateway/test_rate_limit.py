@@ -12,16 +12,16 @@ import grpc
 import httpx
 import openai
 import pytest
-from gateway_helpers import GatewayThread, check_error
-from grpc_helpers import TIMEOUT
+from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from common.config import GatewayConfig
-from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from engine.errors import QueueFullError
 from gateway.generation import TextDelta, TextRequest, Usage
 from gateway.protocol import RateLimitExceeded
 from gateway.rate_limit import MAX_TRACKED_CALLERS, RateLimiter, giving_back_unused
+from gateway_helpers import GatewayThread, check_error
+from grpc_helpers import TIMEOUT
 
 KEYS = ("sk-rate-limit-a", "sk-rate-limit-b")
 # One request per 20 s: a second request is refused however slow the machine.
@@ -37,8 +37,9 @@ def auth(key: str) -> dict[str, str]:
 
 def start_gateway(services, **config) -> GatewayThread:
     engine, tokenizer = services
-    return GatewayThread(f"127.0.0.1:{engine.port}", f"127.0.0.1:{tokenizer.port}",
-                         GatewayConfig(**config))
+    return GatewayThread(
+        f"127.0.0.1:{engine.port}", f"127.0.0.1:{tokenizer.port}", GatewayConfig(**config)
+    )
 
 
 def check_rate_limited(response: httpx.Response, retry_after: tuple[int, int] | None) -> str:
@@ -69,10 +70,14 @@ def test_requests_per_second_per_key_across_http_and_grpc(services):
             # The gRPC API charges the same key's bucket.
             stub = gateway_pb2_grpc.GatewayServiceStub(server.grpc_channel)
             request = gateway_pb2.GatewayServiceGenerateRequest(
-                prompt="Hi", sampling_params=common_pb2.SamplingParams(max_tokens=1))
+                prompt="Hi", sampling_params=common_pb2.SamplingParams(max_tokens=1)
+            )
             with pytest.raises(grpc.RpcError) as refused:
-                list(stub.Generate(request, metadata=(("authorization", f"Bearer {KEYS[0]}"),),
-                                   timeout=TIMEOUT))
+                list(
+                    stub.Generate(
+                        request, metadata=(("authorization", f"Bearer {KEYS[0]}"),), timeout=TIMEOUT
+                    )
+                )
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "requests per second" in refused.value.details()
             # Another key has a bucket of its own, spent here over gRPC.
@@ -99,15 +104,21 @@ def test_tokens_per_minute_reserve_max_tokens_and_give_back_what_was_not_used(se
     try:
         with httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
             # More than a whole minute's tokens can never pass: no Retry-After.
-            message = check_rate_limited(http.post(
-                "/v1/completions", json={"prompt": "Hi", "max_tokens": 100},
-                headers=auth(KEYS[0])), None)
+            message = check_rate_limited(
+                http.post(
+                    "/v1/completions",
+                    json={"prompt": "Hi", "max_tokens": 100},
+                    headers=auth(KEYS[0]),
+                ),
+                None,
+            )
             assert "request too large" in message and "max_tokens" in message
             # Prompt (P) + 32 reserved, P + 2 used: 30 come back. Without the give-back the
             # second one would find 60 - (P + 32) < P + 32 tokens left.
             for _ in range(2):
-                response = http.post("/v1/completions", json={**COUNTING, "max_tokens": 32},
-                                     headers=auth(KEYS[0]))
+                response = http.post(
+                    "/v1/completions", json={**COUNTING, "max_tokens": 32}, headers=auth(KEYS[0])
+                )
                 assert response.status_code == 200, response.text
                 body = response.json()
                 assert body["choices"][0]["finish_reason"] == "stop", body
@@ -118,14 +129,21 @@ def test_tokens_per_minute_reserve_max_tokens_and_give_back_what_was_not_used(se
             # about as many seconds as tokens are missing.
             used = 2 * usage["total_tokens"]
             prompt_tokens = usage["prompt_tokens"]
-            message = check_rate_limited(http.post(
-                "/v1/completions", json={**COUNTING, "max_tokens": 60 - prompt_tokens},
-                headers=auth(KEYS[0])), (1, used))
+            message = check_rate_limited(
+                http.post(
+                    "/v1/completions",
+                    json={**COUNTING, "max_tokens": 60 - prompt_tokens},
+                    headers=auth(KEYS[0]),
+                ),
+                (1, used),
+            )
             assert "tokens per minute" in message
             # The other key's tokens are its own.
-            response = http.post("/v1/completions",
-                                 json={**COUNTING, "max_tokens": 60 - prompt_tokens},
-                                 headers=auth(KEYS[1]))
+            response = http.post(
+                "/v1/completions",
+                json={**COUNTING, "max_tokens": 60 - prompt_tokens},
+                headers=auth(KEYS[1]),
+            )
             assert response.status_code == 200, response.text
     finally:
         server.close()

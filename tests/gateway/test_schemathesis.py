@@ -28,16 +28,22 @@ EXAMPLES = int(os.environ.get("FOLIO_FUZZ_EXAMPLES", "25"))
 # Bounds on what one generated request may cost; values below them are kept as generated.
 MAX_TOKENS = 2
 MAX_CHOICES = 2
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
-          response_schema_conformance]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+]
 
 
 @pytest.fixture(scope="module")
 def api_schema(gateway):
-    config = SchemathesisConfig.from_dict({
-        "phases": {"coverage": {"enabled": LONG_RUN}, "stateful": {"enabled": False}},
-        "generation": {"max-examples": EXAMPLES, "mode": "all"},
-    })
+    config = SchemathesisConfig.from_dict(
+        {
+            "phases": {"coverage": {"enabled": LONG_RUN}, "stateful": {"enabled": False}},
+            "generation": {"max-examples": EXAMPLES, "mode": "all"},
+        }
+    )
     return schemathesis.openapi.from_url(gateway.url + "/openapi.json", config=config)
 
 

@@ -26,13 +26,31 @@ from engine.kernels.sampling import sample_kernel, uniform_noise_kernel  # noqa:
 
 def attention(dtype: str, decode: bool, group: int, group_p: int, block_m: int, head_dim: int):
     args = dict(
-        q_ptr=f"*{dtype}", out_ptr=f"*{dtype}", cache_ptr=f"*{dtype}", block_tables_ptr="*i32",
-        seq_lens_ptr="*i32", query_start_ptr="*i32", scale_log2="fp32", q_stride_t="i32", q_stride_h="i32",
-        out_stride_t="i32", out_stride_h="i32", table_stride="i32", v_offset="i64",
+        q_ptr=f"*{dtype}",
+        out_ptr=f"*{dtype}",
+        cache_ptr=f"*{dtype}",
+        block_tables_ptr="*i32",
+        seq_lens_ptr="*i32",
+        query_start_ptr="*i32",
+        scale_log2="fp32",
+        q_stride_t="i32",
+        q_stride_h="i32",
+        out_stride_t="i32",
+        out_stride_h="i32",
+        table_stride="i32",
+        v_offset="i64",
     )
     constants = dict(
-        NUM_KV_HEADS=3, GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim, BLOCK_SIZE=16,
-        BLOCK_M=block_m, BLOCK_N=64, DOT_PRECISION="tf32", DECODE=decode,
+        NUM_KV_HEADS=3,
+        GROUP=group,
+        GROUP_P=group_p,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P=head_dim,
+        BLOCK_SIZE=16,
+        BLOCK_M=block_m,
+        BLOCK_N=64,
+        DOT_PRECISION="tf32",
+        DECODE=decode,
     )
     return paged_attention_kernel, args, constants
 
@@ -41,48 +59,129 @@ def cases(dtype: str):
     yield "decode_attention_gqa3_d64", attention(dtype, True, 3, 16, 1, 64)
     yield "prefill_attention_gqa3_d64", attention(dtype, False, 3, 4, 16, 64)
     yield "prefill_attention_gqa4_d128", attention(dtype, False, 4, 4, 16, 128)
-    yield "write_kv", (write_kv_kernel, dict(
-        k_ptr=f"*{dtype}", v_ptr=f"*{dtype}", cache_ptr=f"*{dtype}", slot_mapping_ptr="*i64",
-        k_stride_t="i32", k_stride_h="i32", v_stride_t="i32", v_stride_h="i32", v_offset="i64",
-    ), dict(NUM_KV_HEADS=3, HEAD_DIM=64, BLOCK=256))
-    yield "rms_norm_residual", (rms_norm_kernel, dict(
-        x_ptr=f"*{dtype}", residual_ptr=f"*{dtype}", weight_ptr=f"*{dtype}", out_ptr=f"*{dtype}",
-        x_stride="i32", residual_stride="i32", out_stride="i32", eps="fp32",
-    ), dict(SIZE=576, BLOCK=1024, HAS_RESIDUAL=True))
-    yield "rotary", (rotary_kernel, dict(
-        q_ptr=f"*{dtype}", k_ptr=f"*{dtype}", positions_ptr="*i64", table_ptr=f"*{dtype}",
-        q_stride_t="i32", q_stride_h="i32", k_stride_t="i32", k_stride_h="i32", table_stride="i32",
-    ), dict(NUM_Q_HEADS=9, NUM_Q_HEADS_P=16, NUM_K_HEADS=3, NUM_K_HEADS_P=4, HALF=32, HALF_P=32))
-    yield "silu_and_mul", (silu_and_mul_kernel, dict(
-        x_ptr=f"*{dtype}", out_ptr=f"*{dtype}", x_stride="i32", out_stride="i32",
-    ), dict(SIZE=1536, BLOCK=1024))
+    yield (
+        "write_kv",
+        (
+            write_kv_kernel,
+            dict(
+                k_ptr=f"*{dtype}",
+                v_ptr=f"*{dtype}",
+                cache_ptr=f"*{dtype}",
+                slot_mapping_ptr="*i64",
+                k_stride_t="i32",
+                k_stride_h="i32",
+                v_stride_t="i32",
+                v_stride_h="i32",
+                v_offset="i64",
+            ),
+            dict(NUM_KV_HEADS=3, HEAD_DIM=64, BLOCK=256),
+        ),
+    )
+    yield (
+        "rms_norm_residual",
+        (
+            rms_norm_kernel,
+            dict(
+                x_ptr=f"*{dtype}",
+                residual_ptr=f"*{dtype}",
+                weight_ptr=f"*{dtype}",
+                out_ptr=f"*{dtype}",
+                x_stride="i32",
+                residual_stride="i32",
+                out_stride="i32",
+                eps="fp32",
+            ),
+            dict(SIZE=576, BLOCK=1024, HAS_RESIDUAL=True),
+        ),
+    )
+    yield (
+        "rotary",
+        (
+            rotary_kernel,
+            dict(
+                q_ptr=f"*{dtype}",
+                k_ptr=f"*{dtype}",
+                positions_ptr="*i64",
+                table_ptr=f"*{dtype}",
+                q_stride_t="i32",
+                q_stride_h="i32",
+                k_stride_t="i32",
+                k_stride_h="i32",
+                table_stride="i32",
+            ),
+            dict(
+                NUM_Q_HEADS=9, NUM_Q_HEADS_P=16, NUM_K_HEADS=3, NUM_K_HEADS_P=4, HALF=32, HALF_P=32
+            ),
+        ),
+    )
+    yield (
+        "silu_and_mul",
+        (
+            silu_and_mul_kernel,
+            dict(
+                x_ptr=f"*{dtype}",
+                out_ptr=f"*{dtype}",
+                x_stride="i32",
+                out_stride="i32",
+            ),
+            dict(SIZE=1536, BLOCK=1024),
+        ),
+    )
 
 
 def sampling_cases():
     # Logits are float32 whatever the model dtype.
-    yield "sample", (sample_kernel, dict(
-        logits_ptr="*fp32", out_ptr="*i64", temperature_ptr="*fp32", top_k_ptr="*i32", top_p_ptr="*fp32",
-        min_p_ptr="*fp32", seeds_ptr="*i64", logits_stride="i32", vocab="i32",
-    ), dict(BLOCK_V=1024))
-    yield "uniform_noise", (uniform_noise_kernel, dict(seeds_ptr="*i64", out_ptr="*fp32", vocab="i32"),
-                            dict(BLOCK_V=1024))
+    yield (
+        "sample",
+        (
+            sample_kernel,
+            dict(
+                logits_ptr="*fp32",
+                out_ptr="*i64",
+                temperature_ptr="*fp32",
+                top_k_ptr="*i32",
+                top_p_ptr="*fp32",
+                min_p_ptr="*fp32",
+                seeds_ptr="*i64",
+                logits_stride="i32",
+                vocab="i32",
+            ),
+            dict(BLOCK_V=1024),
+        ),
+    )
+    yield (
+        "uniform_noise",
+        (
+            uniform_noise_kernel,
+            dict(seeds_ptr="*i64", out_ptr="*fp32", vocab="i32"),
+            dict(BLOCK_V=1024),
+        ),
+    )
 
 
 def main() -> int:
     failed = 0
     for capability in (80, 90):
         target = GPUTarget("cuda", capability, 32)
-        for dtype, items in (("fp16", cases("fp16")), ("bf16", cases("bf16")), ("fp32", sampling_cases())):
+        for dtype, items in (
+            ("fp16", cases("fp16")),
+            ("bf16", cases("bf16")),
+            ("fp32", sampling_cases()),
+        ):
             for name, (kernel, args, constants) in items:
                 signature = {**args, **{key: "constexpr" for key in constants}}
                 try:
-                    src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants)
+                    src = triton.compiler.ASTSource(
+                        fn=kernel, signature=signature, constexprs=constants
+                    )
                     compiled = triton.compile(src, target=target)
                     result = dict(ok=True, cubin_bytes=len(compiled.asm["cubin"]))
                 except Exception as exc:  # report every failure, not just the first
                     failed += 1
                     result = dict(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
-                print(json.dumps(dict(kernel=name, sm=capability, dtype=dtype, **result)), flush=True)
+                print(
+                    json.dumps(dict(kernel=name, sm=capability, dtype=dtype, **result)), flush=True
+                )
     return 1 if failed else 0
 
 

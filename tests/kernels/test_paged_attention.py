@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_utils import DEVICE, DTYPES, assert_close, randn
 
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
@@ -14,7 +15,6 @@ from engine.kernels.paged_attention import (
     paged_prefill_attention,
     paged_prefill_attention_ref,
 )
-from kernel_utils import DEVICE, DTYPES, assert_close, randn
 from paged import BlockPool, build_metadata
 
 # (query heads, KV heads, head size, block size): GQA 1, 3 (SmolLM2: 9 over 3), 4.
@@ -22,7 +22,9 @@ SHAPES = [(2, 2, 64, 16), (9, 3, 64, 4), (8, 2, 128, 8)]
 NUM_BLOCKS = 40
 
 
-def make_cache(num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+def make_cache(
+    num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, seed: int
+) -> torch.Tensor:
     return randn(2, NUM_BLOCKS, block_size, num_kv_heads, head_dim, dtype=dtype, seed=seed)
 
 
@@ -33,7 +35,9 @@ def tables(seq_lens: list[int], block_size: int, seed: int) -> list[list[int]]:
 
 def as_tensor(table_list: list[list[int]]) -> torch.Tensor:
     width = max(len(t) for t in table_list)
-    return torch.tensor([t + [0] * (width - len(t)) for t in table_list], dtype=torch.int32, device=DEVICE)
+    return torch.tensor(
+        [t + [0] * (width - len(t)) for t in table_list], dtype=torch.int32, device=DEVICE
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -47,7 +51,12 @@ def test_decode_matches_reference(shape, dtype):
     q = randn(len(seq_lens), num_heads, head_dim, dtype=dtype, seed=3)
     scale = head_dim**-0.5
     out = paged_decode_attention(
-        q, cache, as_tensor(table_list), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), scale, block_n=16
+        q,
+        cache,
+        as_tensor(table_list),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        scale,
+        block_n=16,
     )
     assert_close(out, paged_decode_attention_ref(q, cache, seq_lens, table_list, scale), dtype)
 
@@ -67,8 +76,16 @@ def test_prefill_matches_reference(shape, dtype):
     out = torch.zeros_like(q)
     scale = head_dim**-0.5
     paged_prefill_attention(
-        q, cache, starts, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), as_tensor(table_list),
-        scale, max(query_lens), out=out, block_n=16, rows_per_tile=16,
+        q,
+        cache,
+        starts,
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        as_tensor(table_list),
+        scale,
+        max(query_lens),
+        out=out,
+        block_n=16,
+        rows_per_tile=16,
     )
     expected = paged_prefill_attention_ref(q[1:], cache, query_lens, seq_lens, table_list, scale)
     assert_close(out[1:], expected, dtype)

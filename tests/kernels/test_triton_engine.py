@@ -4,18 +4,27 @@ over steps that mix prefill and decode, with chunked prefill and a prefix-cache 
 
 from __future__ import annotations
 
-from common.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
 from kernel_utils import DEVICE
+
+from common.config import EngineConfig
+from common.sampling_params import SamplingParams
+from engine.engine import LLMEngine
 from tiny_models import VARIANTS, make_checkpoint
 
 
 def greedy_tokens(directory, backend: str, device: str) -> tuple[dict[str, list[int]], int]:
-    engine = LLMEngine(EngineConfig(
-        model=str(directory), dtype="float32", device=device, attention_backend=backend, block_size=4,
-        num_kv_blocks=48, max_num_batched_tokens=16, max_num_seqs=4,
-    ))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(directory),
+            dtype="float32",
+            device=device,
+            attention_backend=backend,
+            block_size=4,
+            num_kv_blocks=48,
+            max_num_batched_tokens=16,
+            max_num_seqs=4,
+        )
+    )
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = {"a": list(range(3, 26)), "b": [7, 100, 12, 9, 44], "c": list(range(3, 26))[:17]}
     tokens: dict[str, list[int]] = {}

@@ -29,18 +29,23 @@ def main(folio_dir: str, hf_dir: str) -> int:
     for doc_id in sorted(folio):
         ours, theirs = folio[doc_id], hf[doc_id]
         for choice, ((ll, greedy), (ref_ll, ref_greedy)) in enumerate(
-                zip(ours["filtered_resps"], theirs["filtered_resps"], strict=True)):
+            zip(ours["filtered_resps"], theirs["filtered_resps"], strict=True)
+        ):
             diff = abs(float(ll) - float(ref_ll))
             worst = max(worst, diff)
             if diff > TOLERANCE or greedy != ref_greedy:
-                problems.append(f"doc {doc_id} choice {choice}: folio ({ll}, {greedy}), "
-                                f"hf ({ref_ll}, {ref_greedy})")
+                problems.append(
+                    f"doc {doc_id} choice {choice}: folio ({ll}, {greedy}), "
+                    f"hf ({ref_ll}, {ref_greedy})"
+                )
         for metric in METRICS:
             if ours[metric] != theirs[metric]:
                 problems.append(f"doc {doc_id}: {metric} {ours[metric]} vs {theirs[metric]}")
     means = {m: sum(d[m] for d in folio.values()) / len(folio) for m in METRICS}
-    print(f"{len(folio)} documents; largest loglikelihood difference {worst:.2e}; "
-          + ", ".join(f"{m} {v:.3f}" for m, v in means.items()))
+    print(
+        f"{len(folio)} documents; largest loglikelihood difference {worst:.2e}; "
+        + ", ".join(f"{m} {v:.3f}" for m, v in means.items())
+    )
     for problem in problems:
         print(problem)
     return 1 if problems else 0

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from grpc_helpers import ServerThread
 
+from grpc_helpers import ServerThread
 from services.grpc_server import GrpcService
 
 

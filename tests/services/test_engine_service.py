@@ -12,19 +12,20 @@ import time
 import grpc
 import pytest
 import torch
-from grpc_helpers import TIMEOUT, assert_health_and_reflection, RequestStream, ServerThread
+from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tiny_models import VARIANTS, make_checkpoint
 
 from common.config import EngineConfig
-from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from common.sampling_params import SamplingParams
 from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from grpc_helpers import TIMEOUT, RequestStream, ServerThread, assert_health_and_reflection
 from services.engine.server import EngineService
 from services.grpc_server import State
+from tiny_models import VARIANTS, make_checkpoint
 
-ENGINE_ARGS = dict(dtype="float32", block_size=4, num_kv_blocks=1024, max_num_batched_tokens=32,
-                   max_num_seqs=8)
+ENGINE_ARGS = dict(
+    dtype="float32", block_size=4, num_kv_blocks=1024, max_num_batched_tokens=32, max_num_seqs=8
+)
 # Long enough that a request is still running when the test acts on it, however slow the machine.
 LONG = 3000
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -40,7 +41,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    server = ServerThread(EngineService(EngineConfig(model=str(model_dir), **ENGINE_ARGS), "127.0.0.1", 0))
+    server = ServerThread(
+        EngineService(EngineConfig(model=str(model_dir), **ENGINE_ARGS), "127.0.0.1", 0)
+    )
     yield server
     server.close()
 
@@ -58,12 +61,19 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def greedy(max_tokens: int, **kwargs) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+    return common_pb2.SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs
+    )
 
 
-def add(request_id: str, ids: list[int], params: common_pb2.SamplingParams) -> engine_pb2.GenerateRequest:
-    return engine_pb2.GenerateRequest(add=engine_pb2.EngineRequest(
-        request_id=request_id, prompt_token_ids=ids, sampling_params=params))
+def add(
+    request_id: str, ids: list[int], params: common_pb2.SamplingParams
+) -> engine_pb2.GenerateRequest:
+    return engine_pb2.GenerateRequest(
+        add=engine_pb2.EngineRequest(
+            request_id=request_id, prompt_token_ids=ids, sampling_params=params
+        )
+    )
 
 
 def reference(model_dir, prompts: dict[str, list[int]], params: dict[str, SamplingParams]):
@@ -96,12 +106,16 @@ def test_one_request_streams_the_engines_greedy_tokens(server, stub, model_dir):
     ids = prompt(11, seed=1)
     library_params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     expected, _ = reference(model_dir, {"a": ids}, {"a": library_params})
-    tokens, last, responses = collect(stub.Generate(iter([add("a", ids, greedy(12))]), timeout=TIMEOUT))
+    tokens, last, responses = collect(
+        stub.Generate(iter([add("a", ids, greedy(12))]), timeout=TIMEOUT)
+    )
     assert tokens["a"] == expected["a"]
     # One message per engine step, one token each, then the end with finish reason and usage.
     assert [len(r.outputs[0].token_ids) for r in responses] == [1] * 12
     assert last["a"].finish_reason == common_pb2.FINISH_REASON_LENGTH
-    assert last["a"].usage == common_pb2.Usage(prompt_tokens=11, completion_tokens=12, cached_tokens=0)
+    assert last["a"].usage == common_pb2.Usage(
+        prompt_tokens=11, completion_tokens=12, cached_tokens=0
+    )
     assert not last["a"].HasField("error")
 
 
@@ -110,8 +124,12 @@ def test_many_requests_multiplexed_on_one_stream(server, stub, model_dir):
     lengths = {f"r{i}": 4 + 2 * i for i in range(5)}
     params = {r: greedy(lengths[r], **({"logprobs": 3} if r == "r2" else {})) for r in prompts}
     library_params = {
-        r: SamplingParams(temperature=0.0, max_tokens=lengths[r], ignore_eos=True,
-                          logprobs=3 if r == "r2" else None)
+        r: SamplingParams(
+            temperature=0.0,
+            max_tokens=lengths[r],
+            ignore_eos=True,
+            logprobs=3 if r == "r2" else None,
+        )
         for r in prompts
     }
     expected, expected_logprobs = reference(model_dir, prompts, library_params)
@@ -134,7 +152,7 @@ def test_many_requests_multiplexed_on_one_stream(server, stub, model_dir):
     assert tokens == expected
     assert {r: last[r].usage.completion_tokens for r in prompts} == lengths
     assert [lp.token_id for lp in logprobs] == tokens["r2"]
-    for got, (chosen, top) in zip(logprobs, expected_logprobs["r2"]):
+    for got, (chosen, top) in zip(logprobs, expected_logprobs["r2"], strict=False):
         assert got.logprob == pytest.approx(chosen, abs=1e-5)
         assert [t.token_id for t in got.top_logprobs] == [t for t, _ in top]
 
@@ -191,12 +209,16 @@ def test_cancelled_stream_aborts_all_its_requests(server, stub):
 
 def test_a_client_that_stops_reading_stalls_nobody(server, stub):
     # Logprobs make every message large, so the silent stream's flow-control window fills up.
-    silent = stub.Generate(iter([add("silent", prompt(6, seed=30), greedy(LONG, logprobs=20))]),
-                           timeout=TIMEOUT)
+    silent = stub.Generate(
+        iter([add("silent", prompt(6, seed=30), greedy(LONG, logprobs=20))]), timeout=TIMEOUT
+    )
     next(silent)
-    tokens, last, _ = collect(stub.Generate(iter([add("busy", prompt(6, seed=31), greedy(50))]),
-                                            timeout=TIMEOUT))
-    assert len(tokens["busy"]) == 50 and last["busy"].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    tokens, last, _ = collect(
+        stub.Generate(iter([add("busy", prompt(6, seed=31), greedy(50))]), timeout=TIMEOUT)
+    )
+    assert (
+        len(tokens["busy"]) == 50 and last["busy"].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    )
     silent.cancel()
     llm = server.service.engine.engine
     deadline = time.monotonic() + 10
@@ -204,15 +226,18 @@ def test_a_client_that_stops_reading_stalls_nobody(server, stub):
         time.sleep(0.01)
 
 
-@pytest.mark.parametrize("bad, parameter", [
-    (dict(ids=[]), "prompt_token_ids"),
-    (dict(ids=[5, 160, 7]), "prompt_token_ids"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(temperature=-0.5), "temperature"),
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(min_p=1.5), "min_p"),
-    (dict(stop_token_ids=[-1]), "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "bad, parameter",
+    [
+        (dict(ids=[]), "prompt_token_ids"),
+        (dict(ids=[5, 160, 7]), "prompt_token_ids"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    ],
+)
 def test_bad_request_fails_alone_naming_the_parameter(server, stub, bad, parameter):
     requests = RequestStream()
     responses = stub.Generate(iter(requests), timeout=TIMEOUT)
@@ -258,7 +283,12 @@ def test_model_info(server, stub, model_dir):
     assert (info.model, info.model_path) == (model_dir.name, str(model_dir))
     assert (info.vocab_size, info.max_model_len) == (160, 4096)
     assert list(info.eos_token_ids) == sorted(llm.eos_token_ids)
-    assert (info.dtype, info.device, info.block_size, info.num_kv_blocks) == ("float32", "cpu", 4, 1024)
+    assert (info.dtype, info.device, info.block_size, info.num_kv_blocks) == (
+        "float32",
+        "cpu",
+        4,
+        1024,
+    )
 
 
 def test_health_and_reflection(server):
@@ -266,7 +296,9 @@ def test_health_and_reflection(server):
 
 
 def test_full_queue_answers_resource_exhausted(model_dir, serve):
-    config = EngineConfig(model=str(model_dir), **dict(ENGINE_ARGS, max_num_seqs=1, max_waiting_requests=1))
+    config = EngineConfig(
+        model=str(model_dir), **dict(ENGINE_ARGS, max_num_seqs=1, max_waiting_requests=1)
+    )
     server = serve(EngineService(config, "127.0.0.1", 0))
     stub = engine_pb2_grpc.EngineServiceStub(server.channel)
     requests = RequestStream()
@@ -275,11 +307,14 @@ def test_full_queue_answers_resource_exhausted(model_dir, serve):
     next(responses)  # running: the one slot is taken
     requests.send(add("waiting", prompt(6, seed=9), greedy(3)))
     requests.send(add("refused", prompt(6, seed=10), greedy(3)))
-    refused = next(out for response in responses for out in response.outputs
-                   if out.request_id == "refused")
+    refused = next(
+        out for response in responses for out in response.outputs if out.request_id == "refused"
+    )
     assert refused.finished and refused.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
     assert "max_waiting_requests" in refused.error.message
-    requests.send(engine_pb2.GenerateRequest(abort=engine_pb2.AbortRequest(request_ids=["running"])))
+    requests.send(
+        engine_pb2.GenerateRequest(abort=engine_pb2.AbortRequest(request_ids=["running"]))
+    )
     requests.close()
     _, last, _ = collect(responses)
     assert last["running"].finish_reason == common_pb2.FINISH_REASON_ABORT
@@ -299,8 +334,10 @@ class GatedEngineService(EngineService):
 
 
 def test_unavailable_while_warming_and_draining(model_dir, serve):
-    server = serve(GatedEngineService(EngineConfig(model=str(model_dir), **ENGINE_ARGS), "127.0.0.1", 0),
-                   wait=False)
+    server = serve(
+        GatedEngineService(EngineConfig(model=str(model_dir), **ENGINE_ARGS), "127.0.0.1", 0),
+        wait=False,
+    )
     stub = engine_pb2_grpc.EngineServiceStub(server.channel)
     health = health_pb2_grpc.HealthStub(server.channel)
 

@@ -10,22 +10,21 @@ import asyncio
 
 import grpc
 import pytest
+from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc, tokenizer_pb2_grpc
+from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_helpers import TIMEOUT
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from tiny_models import VARIANTS, make_checkpoint
 
 from common.auth import KeySet
 from common.cli import build_parser
 from common.config import EngineConfig
 from common.errors import InternalError
-from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
-from common.grpc_stubs.folio.v1 import tokenizer_pb2_grpc
 from gateway.clients import EngineClient, TokenizerClient
+from grpc_helpers import TIMEOUT
 from services.engine.server import EngineService
 from services.supervisor import INTERNAL_HOST, Supervisor, serve_config_from_args
 from services.tokenizer.server import TokenizerService
+from tiny_models import VARIANTS, make_checkpoint
 
 TOKEN = "internal-token-for-tests-0123456789"
 ENGINE_ARGS = dict(dtype="float32", block_size=4, num_kv_blocks=64, max_num_seqs=4)
@@ -57,23 +56,40 @@ def test_services_refuse_calls_without_the_token(guarded):
     tokenizer, engine = guarded
     tokenize = tokenizer_pb2_grpc.TokenizerServiceStub(tokenizer.channel)
     engine_stub = engine_pb2_grpc.EngineServiceStub(engine.channel)
-    generate = engine_pb2.GenerateRequest(add=engine_pb2.EngineRequest(
-        request_id="r", prompt_token_ids=[1, 2, 3],
-        sampling_params=common_pb2.SamplingParams(max_tokens=2)))
+    generate = engine_pb2.GenerateRequest(
+        add=engine_pb2.EngineRequest(
+            request_id="r",
+            prompt_token_ids=[1, 2, 3],
+            sampling_params=common_pb2.SamplingParams(max_tokens=2),
+        )
+    )
     calls = [
-        lambda m: tokenize.Tokenize(tok_pb2.TokenizeRequest(text="Hi"), metadata=m,
-                                    timeout=TIMEOUT),
-        lambda m: list(tokenize.DetokenizeStream(iter([tok_pb2.DetokenizeStreamRequest(
-            token_ids=[12], finish=True)]), metadata=m, timeout=TIMEOUT)),
-        lambda m: engine_stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), metadata=m,
-                                           timeout=TIMEOUT),
+        lambda m: tokenize.Tokenize(
+            tok_pb2.TokenizeRequest(text="Hi"), metadata=m, timeout=TIMEOUT
+        ),
+        lambda m: list(
+            tokenize.DetokenizeStream(
+                iter([tok_pb2.DetokenizeStreamRequest(token_ids=[12], finish=True)]),
+                metadata=m,
+                timeout=TIMEOUT,
+            )
+        ),
+        lambda m: engine_stub.GetModelInfo(
+            engine_pb2.GetModelInfoRequest(), metadata=m, timeout=TIMEOUT
+        ),
         lambda m: list(engine_stub.Generate(iter([generate]), metadata=m, timeout=TIMEOUT)),
     ]
     for server in guarded:
         reflection = reflection_pb2_grpc.ServerReflectionStub(server.channel)
-        calls.append(lambda m, r=reflection: list(r.ServerReflectionInfo(
-            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), metadata=m,
-            timeout=TIMEOUT)))
+        calls.append(
+            lambda m, r=reflection: list(
+                r.ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                    metadata=m,
+                    timeout=TIMEOUT,
+                )
+            )
+        )
     for token in (None, "wrong-token", TOKEN[:-1]):
         for call in calls:
             with pytest.raises(grpc.RpcError) as failure:
@@ -86,8 +102,10 @@ def test_services_refuse_calls_without_the_token(guarded):
     # Health needs no token: orchestrators and `folio serve` probe it.
     for server in guarded:
         health = health_pb2_grpc.HealthStub(server.channel)
-        assert health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT).status == \
-            health_pb2.HealthCheckResponse.SERVING
+        assert (
+            health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
 
 
 def test_the_gateway_clients_send_the_token(guarded):
@@ -99,8 +117,9 @@ def test_the_gateway_clients_send_the_token(guarded):
         try:
             await engine_client.model_info()
             prompt = await tokenizer_client.tokenize(tok_pb2.TokenizeRequest(text="Hi"))
-            request = engine_client.generate("r", [1, 2, 3], common_pb2.SamplingParams(
-                max_tokens=3, ignore_eos=True))
+            request = engine_client.generate(
+                "r", [1, 2, 3], common_pb2.SamplingParams(max_tokens=3, ignore_eos=True)
+            )
             tokens: list[int] = []
             while not (output := await request.next()).finished:
                 tokens += output.token_ids
@@ -119,15 +138,15 @@ def test_the_gateway_clients_send_the_token(guarded):
 
 
 def test_folio_serve_gives_its_children_one_token_in_their_environment():
-    args = build_parser().parse_args(["serve", "--api-key", "sk-serve-key", "--rate-limit-rps",
-                                      "3", "--request-timeout", "9"])
+    args = build_parser().parse_args(
+        ["serve", "--api-key", "sk-serve-key", "--rate-limit-rps", "3", "--request-timeout", "9"]
+    )
     supervisor = Supervisor(serve_config_from_args(args))
     tokens = {child.env["FOLIO_INTERNAL_TOKEN"] for child in supervisor.children}
     assert len(tokens) == 1 and len(next(iter(tokens))) >= 32
     assert supervisor.gateway.env["FOLIO_API_KEYS"] == "sk-serve-key"
     for child in supervisor.children:
-        assert not any(secret in arg for arg in child.args
-                       for secret in ("sk-serve-key", *tokens))
+        assert not any(secret in arg for arg in child.args for secret in ("sk-serve-key", *tokens))
     gateway = build_parser().parse_args(supervisor.gateway.args)
     assert (gateway.rate_limit_rps, gateway.request_timeout, gateway.api_key) == (3.0, 9.0, [])
     # A new run, a new token.

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from grpc_helpers import TIMEOUT
-
-from common.config import GRPC_MAX_MESSAGE_BYTES
 from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 from common.grpc_stubs.folio.v1 import tokenizer_pb2_grpc
+
+from common.config import GRPC_MAX_MESSAGE_BYTES
+from grpc_helpers import TIMEOUT
 from services.tokenizer.server import TokenizerService
 
 # An id outside any vocabulary takes 3 bytes on the wire and is refused at once once received.
@@ -19,8 +19,9 @@ FOREIGN_ID = 2_000_000
 
 def detokenize_bytes(stub, size: int):
     """A Detokenize call whose request is about `size` bytes."""
-    return stub.Detokenize(tok_pb2.DetokenizeRequest(token_ids=[FOREIGN_ID] * (size // 3)),
-                           timeout=TIMEOUT)
+    return stub.Detokenize(
+        tok_pb2.DetokenizeRequest(token_ids=[FOREIGN_ID] * (size // 3)), timeout=TIMEOUT
+    )
 
 
 def test_messages_over_the_bound_are_refused(serve, default_model_dir):

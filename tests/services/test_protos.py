@@ -10,13 +10,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from common.grpc_stubs.folio.v1 import common_pb2
 
 from common.errors import InternalError, UnavailableError, error_for, status_code_for
 from common.grpc_stubs import generate
-from common.grpc_stubs.folio.v1 import common_pb2
-from engine.errors import InvalidRequestError, QueueFullError
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from common.sampling_proto import sampling_params_from_proto
+from engine.errors import InvalidRequestError, QueueFullError
 
 ROOT = Path(__file__).resolve().parents[2]
 BUF = ROOT / ".tools" / "node_modules" / ".bin" / "buf"
@@ -24,8 +24,9 @@ BUF = ROOT / ".tools" / "node_modules" / ".bin" / "buf"
 
 def test_buf_lint_passes():
     assert BUF.is_file(), f"{BUF} is missing: the set-up (make) installs buf with npm"
-    result = subprocess.run([str(BUF), "lint"], cwd=ROOT / "protos", capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [str(BUF), "lint"], cwd=ROOT / "protos", capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -34,12 +35,16 @@ def test_generated_stubs_match_the_protos(tmp_path):
     assert fresh, "no stubs generated"
     installed = generate.PACKAGE_DIR
     names = {p.relative_to(tmp_path) for p in fresh}
-    present = {p.relative_to(installed) for p in (installed / generate.GENERATED).rglob("*.py*")
-               if "__pycache__" not in p.parts}
+    present = {
+        p.relative_to(installed)
+        for p in (installed / generate.GENERATED).rglob("*.py*")
+        if "__pycache__" not in p.parts
+    }
     assert names == present, "stale stubs: run `make stubs`"
     for name in names:
         assert (installed / name).read_text() == (tmp_path / name).read_text(), (
-            f"{name} differs from the .proto files: run `make stubs`")
+            f"{name} differs from the .proto files: run `make stubs`"
+        )
 
 
 def test_sampling_params_message_matches_the_library():
@@ -53,20 +58,34 @@ def test_unset_sampling_params_take_the_library_defaults():
 
 def test_set_sampling_params_arrive_unchanged():
     expected = SamplingParams(
-        temperature=0.0, top_p=0.5, top_k=7, min_p=0.1, repetition_penalty=1.2,
-        presence_penalty=-0.5, frequency_penalty=0.25, logit_bias={3: -2.5, 9: 1.0}, seed=0,
-        max_tokens=9, min_tokens=2, stop_token_ids=[4, 5], ignore_eos=True, logprobs=0,
+        temperature=0.0,
+        top_p=0.5,
+        top_k=7,
+        min_p=0.1,
+        repetition_penalty=1.2,
+        presence_penalty=-0.5,
+        frequency_penalty=0.25,
+        logit_bias={3: -2.5, 9: 1.0},
+        seed=0,
+        max_tokens=9,
+        min_tokens=2,
+        stop_token_ids=[4, 5],
+        ignore_eos=True,
+        logprobs=0,
     )
     message = common_pb2.SamplingParams(**dataclasses.asdict(expected))
     assert sampling_params_from_proto(message) == expected
 
 
-@pytest.mark.parametrize("error, code", [
-    (InvalidRequestError("top_p must be in (0, 1]"), grpc.StatusCode.INVALID_ARGUMENT),
-    (QueueFullError("the waiting queue is full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (UnavailableError("warming up"), grpc.StatusCode.UNAVAILABLE),
-    (InternalError("boom"), grpc.StatusCode.INTERNAL),
-])
+@pytest.mark.parametrize(
+    "error, code",
+    [
+        (InvalidRequestError("top_p must be in (0, 1]"), grpc.StatusCode.INVALID_ARGUMENT),
+        (QueueFullError("the waiting queue is full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (UnavailableError("warming up"), grpc.StatusCode.UNAVAILABLE),
+        (InternalError("boom"), grpc.StatusCode.INTERNAL),
+    ],
+)
 def test_errors_map_to_status_codes_and_back(error, code):
     assert status_code_for(error) == code
     for wire in (code, code.value[0]):
@@ -77,4 +96,5 @@ def test_errors_map_to_status_codes_and_back(error, code):
 def test_unexpected_errors_are_internal():
     assert status_code_for(RuntimeError("bug")) == grpc.StatusCode.INTERNAL
     assert status_code_for(ValueError("the chat template rejected the messages")) == (
-        grpc.StatusCode.INVALID_ARGUMENT)
+        grpc.StatusCode.INVALID_ARGUMENT
+    )

@@ -12,9 +12,9 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tiny_models import VARIANTS, make_checkpoint
 
 from services.tokenizer.server import TokenizerService
+from tiny_models import VARIANTS, make_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,9 @@ def run_until_serving_then_stop(args: list[str], service_name: str) -> None:
             deadline = time.monotonic() + 60
             status = None
             while status != health_pb2.HealthCheckResponse.SERVING and time.monotonic() < deadline:
-                status = health.Check(health_pb2.HealthCheckRequest(service=service_name), timeout=10).status
+                status = health.Check(
+                    health_pb2.HealthCheckRequest(service=service_name), timeout=10
+                ).status
                 time.sleep(0.05)
             assert status == health_pb2.HealthCheckResponse.SERVING
         process.send_signal(signal.SIGTERM)
@@ -48,8 +50,9 @@ def run_until_serving_then_stop(args: list[str], service_name: str) -> None:
 
 
 def test_folio_tokenizer_process(default_model_dir):
-    run_until_serving_then_stop(["tokenizer", "--model", str(default_model_dir)],
-                                TokenizerService.service_names[0])
+    run_until_serving_then_stop(
+        ["tokenizer", "--model", str(default_model_dir)], TokenizerService.service_names[0]
+    )
 
 
 def test_folio_engine_process(tiny_model_dir):
@@ -62,8 +65,16 @@ def test_folio_engine_process(tiny_model_dir):
 def test_folio_engine_stopped_while_loading_exits_cleanly(default_model_dir):
     """SIGTERM while the model is still loading waits for the load, then exits 0 (the engine
     loads in its own thread; the process must not die with that thread midway)."""
-    command = [sys.executable, "-m", "common.cli", "engine", "--model", str(default_model_dir),
-               "--port", "0"]
+    command = [
+        sys.executable,
+        "-m",
+        "common.cli",
+        "engine",
+        "--model",
+        str(default_model_dir),
+        "--port",
+        "0",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = process.stdout.readline()

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from grpc_helpers import TIMEOUT, assert_health_and_reflection, ServerThread
-
 from common.grpc_stubs.folio.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+
 from common.tokenizer import Tokenizer
+from grpc_helpers import TIMEOUT, ServerThread, assert_health_and_reflection
 from services.tokenizer.server import TokenizerService
 
 CONVERSATION = [
@@ -40,20 +40,26 @@ def chat(messages) -> tokenizer_pb2.Conversation:
     return tokenizer_pb2.Conversation(messages=[common_pb2.ChatMessage(**m) for m in messages])
 
 
-@pytest.mark.parametrize("text", ["Hello, world!", "日本語 and 🦙 emoji", "  spaced\n\nlines  ", ""])
+@pytest.mark.parametrize(
+    "text", ["Hello, world!", "日本語 and 🦙 emoji", "  spaced\n\nlines  ", ""]
+)
 def test_tokenize_text_equals_the_library(stub, library, text):
     request = tokenizer_pb2.TokenizeRequest(text=text, return_token_strs=True)
     answer = stub.Tokenize(request, timeout=TIMEOUT)
     assert list(answer.token_ids) == library.encode(text)
     assert answer.prompt == text
     assert list(answer.token_strs) == [library.id_to_token(i) for i in library.encode(text)]
-    plain = stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=text, add_special_tokens=False), timeout=TIMEOUT)
+    plain = stub.Tokenize(
+        tokenizer_pb2.TokenizeRequest(text=text, add_special_tokens=False), timeout=TIMEOUT
+    )
     assert list(plain.token_ids) == library.encode(text, add_special_tokens=False)
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_tokenize_chat_equals_the_library(stub, library, add_generation_prompt):
-    request = tokenizer_pb2.TokenizeRequest(chat=chat(CONVERSATION), add_generation_prompt=add_generation_prompt)
+    request = tokenizer_pb2.TokenizeRequest(
+        chat=chat(CONVERSATION), add_generation_prompt=add_generation_prompt
+    )
     answer = stub.Tokenize(request, timeout=TIMEOUT)
     assert list(answer.token_ids) == library.encode_chat(CONVERSATION, add_generation_prompt)
     assert answer.prompt == library.apply_chat_template(CONVERSATION, add_generation_prompt)
@@ -67,10 +73,16 @@ def test_tokenize_defaults_to_a_generation_prompt(stub, library):
 def test_detokenize_equals_the_library(stub, library):
     ids = library.encode_chat(CONVERSATION)
     for skip in (True, False):
-        answer = stub.Detokenize(tokenizer_pb2.DetokenizeRequest(
-            token_ids=ids, skip_special_tokens=skip, return_token_texts=True), timeout=TIMEOUT)
+        answer = stub.Detokenize(
+            tokenizer_pb2.DetokenizeRequest(
+                token_ids=ids, skip_special_tokens=skip, return_token_texts=True
+            ),
+            timeout=TIMEOUT,
+        )
         assert answer.text == library.decode(ids, skip_special_tokens=skip)
-        assert list(answer.token_texts) == [library.decode([i], skip_special_tokens=skip) for i in ids]
+        assert list(answer.token_texts) == [
+            library.decode([i], skip_special_tokens=skip) for i in ids
+        ]
     default = stub.Detokenize(tokenizer_pb2.DetokenizeRequest(token_ids=ids), timeout=TIMEOUT)
     assert default.text == library.decode(ids)
 
@@ -88,8 +100,11 @@ def test_get_info_equals_the_library(stub, library):
 
 
 def detokenize_stream(stub, chunks: list[list[int]], finish: bool = True, **options):
-    requests = [tokenizer_pb2.DetokenizeStreamRequest(
-        options=tokenizer_pb2.DetokenizeOptions(**options), token_ids=chunks[0])]
+    requests = [
+        tokenizer_pb2.DetokenizeStreamRequest(
+            options=tokenizer_pb2.DetokenizeOptions(**options), token_ids=chunks[0]
+        )
+    ]
     requests += [tokenizer_pb2.DetokenizeStreamRequest(token_ids=c) for c in chunks[1:]]
     requests.append(tokenizer_pb2.DetokenizeStreamRequest(finish=finish))
     return list(stub.DetokenizeStream(iter(requests), timeout=TIMEOUT))
@@ -121,7 +136,7 @@ def test_stream_holds_back_a_partial_stop_string(stub, library):
     assert emitted == "one STO two "
     assert response.stop_matched == "STOP" and response.finished
     # Everything after the match is empty.
-    assert all(r.text == "" and r.finished for r in responses[responses.index(response) + 1:])
+    assert all(r.text == "" and r.finished for r in responses[responses.index(response) + 1 :])
 
 
 def test_stream_can_keep_the_stop_string(stub, library):

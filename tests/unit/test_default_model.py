@@ -1,4 +1,5 @@
-"""The prepared default model is the bundled GGUF, bit for bit, in a plain Hugging Face directory."""
+"""The prepared default model is the bundled GGUF, bit for bit, in a plain Hugging Face
+directory."""
 
 import fcntl
 import json
@@ -32,7 +33,9 @@ def test_logits_equal_the_gguf_model(default_model_dir: Path, gguf_source: Path)
     prepared = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
     assert type(prepared) is type(reference)
     prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
-    input_ids = AutoTokenizer.from_pretrained(default_model_dir)(prompt, return_tensors="pt").input_ids
+    input_ids = AutoTokenizer.from_pretrained(default_model_dir)(
+        prompt, return_tensors="pt"
+    ).input_ids
     with torch.no_grad():
         expected = reference(input_ids).logits
         actual = prepared(input_ids).logits
@@ -53,7 +56,9 @@ def test_directory_is_plain_hugging_face(default_model_dir: Path) -> None:
         assert (default_model_dir / name).is_file(), name
 
 
-def test_saved_tokenizer_equals_the_gguf_tokenizer(default_model_dir: Path, gguf_source: Path) -> None:
+def test_saved_tokenizer_equals_the_gguf_tokenizer(
+    default_model_dir: Path, gguf_source: Path
+) -> None:
     reference = AutoTokenizer.from_pretrained(gguf_source.parent, gguf_file=gguf_source.name)
     saved = AutoTokenizer.from_pretrained(default_model_dir)
     for text in TEXTS:
@@ -71,14 +76,16 @@ def test_second_prepare_reuses_the_directory(default_model_dir: Path) -> None:
     assert {p.name: p.stat().st_mtime_ns for p in default_model_dir.iterdir()} == before
 
 
-def test_prepare_waits_for_a_concurrent_preparation(tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prepare_waits_for_a_concurrent_preparation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("FOLIO_CACHE_DIR", str(tmp_path))
     target = default_model.default_model_dir()
     target.parent.mkdir(parents=True)
     results: list[Path] = []
     with open(default_model.lock_path(), "w") as lock:
-        # Play the other process: hold the lock while "converting", then publish a complete directory.
+        # Play the other process: hold the lock while "converting", then publish a complete
+        # directory.
         fcntl.flock(lock, fcntl.LOCK_EX)
         waiter = threading.Thread(target=lambda: results.append(prepare_default_model()))
         waiter.start()
@@ -100,7 +107,7 @@ def test_resolve_model_path(default_model_dir: Path, tmp_path: Path) -> None:
     missing = tmp_path / "missing"
     with pytest.raises(ValueError, match=str(missing)):
         resolve_model_path(str(missing))
-    with pytest.raises(ValueError, match="config.json"):
+    with pytest.raises(ValueError, match=r"config\.json"):
         resolve_model_path(str(tmp_path))
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="safetensors"):

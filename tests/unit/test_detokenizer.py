@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 from common.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 from common.tokenizer import Tokenizer
 
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,20 +35,22 @@ def partial_ids(tokenizer: Tokenizer) -> list[int]:
     return partial_character_ids(tokenizer)
 
 
-def stream(detokenizer: IncrementalDetokenizer, ids: Sequence[int],
-           chunk_sizes: Sequence[int] = (1,)) -> list[DetokenizerDelta]:
+def stream(
+    detokenizer: IncrementalDetokenizer, ids: Sequence[int], chunk_sizes: Sequence[int] = (1,)
+) -> list[DetokenizerDelta]:
     """Push ids in chunks of the given sizes (cycled), then finish."""
     deltas, i, k = [], 0, 0
     while i < len(ids):
         size = chunk_sizes[k % len(chunk_sizes)]
-        deltas.append(detokenizer.push(ids[i:i + size]))
+        deltas.append(detokenizer.push(ids[i : i + size]))
         i, k = i + size, k + 1
     deltas.append(detokenizer.finish())
     return deltas
 
 
-def check_stream_equals_decode(tokenizer: Tokenizer, ids: list[int], chunk_sizes: list[int],
-                               skip_special_tokens: bool) -> None:
+def check_stream_equals_decode(
+    tokenizer: Tokenizer, ids: list[int], chunk_sizes: list[int], skip_special_tokens: bool
+) -> None:
     expected = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
     deltas = stream(detokenizer, ids, chunk_sizes)
@@ -68,16 +72,22 @@ chunks = st.lists(st.integers(1, 5), min_size=1, max_size=8)
 
 @FUZZ
 @given(data=st.data(), chunk_sizes=chunks, skip=st.booleans())
-def test_fuzz_byte_level_stream_equals_decode(tokenizer: Tokenizer, partial_ids: list[int],
-                                              data: st.DataObject, chunk_sizes: list[int], skip: bool) -> None:
+def test_fuzz_byte_level_stream_equals_decode(
+    tokenizer: Tokenizer,
+    partial_ids: list[int],
+    data: st.DataObject,
+    chunk_sizes: list[int],
+    skip: bool,
+) -> None:
     ids = data.draw(id_lists(tokenizer.vocab_size, partial_ids))
     check_stream_equals_decode(tokenizer, ids, chunk_sizes, skip)
 
 
 @FUZZ
 @given(data=st.data(), chunk_sizes=chunks, skip=st.booleans())
-def test_fuzz_sentencepiece_style_stream_equals_decode(sp_tokenizer: Tokenizer, data: st.DataObject,
-                                                       chunk_sizes: list[int], skip: bool) -> None:
+def test_fuzz_sentencepiece_style_stream_equals_decode(
+    sp_tokenizer: Tokenizer, data: st.DataObject, chunk_sizes: list[int], skip: bool
+) -> None:
     # Byte-fallback tokens <0x..> split characters; tokens starting with ▁ carry the leading
     # space that the decoder strips from the first token only.
     tokens = [sp_tokenizer.id_to_token(i) for i in range(sp_tokenizer.vocab_size)]
@@ -89,21 +99,24 @@ def test_fuzz_sentencepiece_style_stream_equals_decode(sp_tokenizer: Tokenizer, 
 
 TEXTS = [
     "Emoji 😀👍🏽🇫🇷 family 👨‍👩‍👧 done.",
-    "中文文本，日本語のテキスト、한국어 텍스트",
+    "中文文本，日本語のテキスト、한국어 텍스트",  # noqa: RUF001 (the fullwidth comma is the point)
     " leading space, ¿Qué tal? Ελληνικά\n\tnew line",
 ]
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_text_streamed_token_by_token_is_reproduced(tokenizer: Tokenizer, sp_tokenizer: Tokenizer,
-                                                    text: str) -> None:
+def test_text_streamed_token_by_token_is_reproduced(
+    tokenizer: Tokenizer, sp_tokenizer: Tokenizer, text: str
+) -> None:
     for tok in (tokenizer, sp_tokenizer):
         ids = tok.encode(text, add_special_tokens=False)
         deltas = stream(IncrementalDetokenizer(tok), ids)
         assert all("\ufffd" not in d.text for d in deltas)
         assert "".join(d.text for d in deltas) == tok.decode(ids)
-    assert "".join(d.text for d in stream(IncrementalDetokenizer(tokenizer),
-                                          tokenizer.encode(text))) == text
+    assert (
+        "".join(d.text for d in stream(IncrementalDetokenizer(tokenizer), tokenizer.encode(text)))
+        == text
+    )
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -112,7 +125,7 @@ def test_text_is_emitted_as_soon_as_it_is_complete(tokenizer: Tokenizer, text: s
     detokenizer = IncrementalDetokenizer(tokenizer)
     emitted = ""
     for n in range(1, len(ids) + 1):
-        emitted += detokenizer.push(ids[n - 1:n]).text
+        emitted += detokenizer.push(ids[n - 1 : n]).text
         # Reference: the decode of the longest token prefix that does not end inside a character.
         m = max(k for k in range(n + 1) if not tokenizer.decode(ids[:k]).endswith("\ufffd"))
         assert emitted == tokenizer.decode(ids[:m])
@@ -126,14 +139,21 @@ def reference_stop(text: str, stops: Sequence[str], include: bool) -> tuple[str,
     for end in range(1, len(text) + 1):
         for stop in sorted(stops, key=len, reverse=True):
             if text[:end].endswith(stop):
-                return (text[:end] if include else text[:end - len(stop)]), stop
+                return (text[:end] if include else text[: end - len(stop)]), stop
     return text, None
 
 
-def run_with_stops(tokenizer: Tokenizer, text: str, stops: Sequence[str], include: bool = False,
-                   chunk_sizes: Sequence[int] = (1,)) -> tuple[list[DetokenizerDelta], IncrementalDetokenizer]:
+def run_with_stops(
+    tokenizer: Tokenizer,
+    text: str,
+    stops: Sequence[str],
+    include: bool = False,
+    chunk_sizes: Sequence[int] = (1,),
+) -> tuple[list[DetokenizerDelta], IncrementalDetokenizer]:
     detokenizer = IncrementalDetokenizer(tokenizer, stop=stops, include_stop_str_in_output=include)
-    return stream(detokenizer, tokenizer.encode(text, add_special_tokens=False), chunk_sizes), detokenizer
+    return stream(
+        detokenizer, tokenizer.encode(text, add_special_tokens=False), chunk_sizes
+    ), detokenizer
 
 
 def joined(deltas: list[DetokenizerDelta]) -> str:
@@ -216,9 +236,13 @@ PIECES = ["a", "b", "ab", " ", "😀", "界", "é", "\n", "ba", "aa"]
     include=st.booleans(),
     chunk_sizes=chunks,
 )
-def test_fuzz_stop_strings_match_the_reference(tokenizer: Tokenizer, pieces: list[str],
-                                               stop_pieces: list[list[str]], include: bool,
-                                               chunk_sizes: list[int]) -> None:
+def test_fuzz_stop_strings_match_the_reference(
+    tokenizer: Tokenizer,
+    pieces: list[str],
+    stop_pieces: list[list[str]],
+    include: bool,
+    chunk_sizes: list[int],
+) -> None:
     text = "".join(pieces)
     stops = ["".join(p) for p in stop_pieces]
     deltas, detokenizer = run_with_stops(tokenizer, text, stops, include, chunk_sizes)

@@ -11,6 +11,7 @@ any script cut at any token."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -20,15 +21,19 @@ from hypothesis import strategies as st
 from common.detokenizer import IncrementalDetokenizer
 from common.tokenizer import Tokenizer
 
-FUZZ = settings(max_examples=200, deadline=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 @pytest.fixture(scope="module", params=["byte_level", "sentencepiece_style"])
-def tokenizer(request, default_model_dir: Path,
-              sentencepiece_style_tokenizer_dir: Path) -> Tokenizer:
-    directory = {"byte_level": default_model_dir,
-                 "sentencepiece_style": sentencepiece_style_tokenizer_dir}[request.param]
+def tokenizer(
+    request, default_model_dir: Path, sentencepiece_style_tokenizer_dir: Path
+) -> Tokenizer:
+    directory = {
+        "byte_level": default_model_dir,
+        "sentencepiece_style": sentencepiece_style_tokenizer_dir,
+    }[request.param]
     return Tokenizer.from_dir(directory)
 
 
@@ -48,20 +53,23 @@ any_text = st.text(st.characters(exclude_categories=("Cs",)), max_size=30)
 
 
 def token_ids(tokenizer: Tokenizer, favoured: list[list[int]]) -> st.SearchStrategy[list[int]]:
-    single = st.one_of([st.integers(0, tokenizer.vocab_size - 1)]
-                       + [st.sampled_from(group) for group in favoured]).map(lambda i: [i])
+    single = st.one_of(
+        [st.integers(0, tokenizer.vocab_size - 1)] + [st.sampled_from(group) for group in favoured]
+    ).map(lambda i: [i])
     text = any_text.map(lambda s: tokenizer.encode(s, add_special_tokens=False))
     return st.lists(st.one_of(single, text), max_size=12).map(
-        lambda parts: [i for part in parts for i in part])
+        lambda parts: [i for part in parts for i in part]
+    )
 
 
-def check_stream(tokenizer: Tokenizer, ids: list[int], cuts: list[int],
-                 skip_special_tokens: bool) -> None:
+def check_stream(
+    tokenizer: Tokenizer, ids: list[int], cuts: list[int], skip_special_tokens: bool
+) -> None:
     expected = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
     emitted = ""
     bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(ids))), len(ids)]
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         delta = detokenizer.push(ids[start:end])
         assert delta.stop_matched is None
         delta.text.encode("utf-8")  # a str of whole characters: no lone surrogate
@@ -75,9 +83,11 @@ def check_stream(tokenizer: Tokenizer, ids: list[int], cuts: list[int],
 @FUZZ
 @given(data=st.data(), skip_special_tokens=st.booleans())
 def test_streamed_pieces_are_always_a_prefix_of_the_full_decode(
-        tokenizer: Tokenizer, favoured_ids: list[list[int]], data: st.DataObject,
-        skip_special_tokens: bool) -> None:
+    tokenizer: Tokenizer,
+    favoured_ids: list[list[int]],
+    data: st.DataObject,
+    skip_special_tokens: bool,
+) -> None:
     ids = data.draw(token_ids(tokenizer, favoured_ids), label="ids")
-    cuts = data.draw(st.lists(st.integers(0, max(len(ids), 1)), max_size=len(ids)),
-                     label="cuts")
+    cuts = data.draw(st.lists(st.integers(0, max(len(ids), 1)), max_size=len(ids)), label="cuts")
     check_stream(tokenizer, ids, cuts, skip_special_tokens)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from common.config import EngineConfig
+from common.sampling_params import SamplingParams
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError, QueueFullError
-from engine.sampling_params import SamplingParams
 from tiny_models import VARIANTS, hf_greedy, make_checkpoint
 
 BLOCK = 4
@@ -29,8 +29,14 @@ def llama(tmp_path_factory):
 
 
 def make_engine(directory, **overrides) -> LLMEngine:
-    args = dict(model=str(directory), dtype="float32", block_size=BLOCK, num_kv_blocks=64,
-                max_num_batched_tokens=16, max_num_seqs=8)
+    args = dict(
+        model=str(directory),
+        dtype="float32",
+        block_size=BLOCK,
+        num_kv_blocks=64,
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+    )
     args.update(overrides)
     return LLMEngine(EngineConfig(**args))
 
@@ -136,7 +142,9 @@ def test_stop_token_min_tokens_and_context_limit(llama):
     stop = greedy[3]
     first = greedy.index(stop)
     engine = make_engine(directory, max_model_len=8 + 6)
-    engine.add_request("stop", ids, SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[stop]))
+    engine.add_request(
+        "stop", ids, SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[stop])
+    )
     engine.add_request("ctx", ids, GREEDY)
     finished = {}
     tokens = {}
@@ -150,23 +158,32 @@ def test_stop_token_min_tokens_and_context_limit(llama):
     assert len(tokens["ctx"]) == 6 and finished["ctx"] == "length"
 
     engine = make_engine(directory)
-    engine.add_request("min", ids, SamplingParams(temperature=0.0, max_tokens=10, min_tokens=first + 2,
-                                                   stop_token_ids=[stop]))
+    engine.add_request(
+        "min",
+        ids,
+        SamplingParams(temperature=0.0, max_tokens=10, min_tokens=first + 2, stop_token_ids=[stop]),
+    )
     got = run(engine)["min"]
     assert stop not in got[: first + 2]
 
 
 def test_seeded_sampling_ignores_the_rest_of_the_batch(llama):
     directory, _ = llama
-    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12, ignore_eos=True
+    )
 
     alone = make_engine(directory)
     alone.add_request("s", prompt(7, 9), params)
     expected = run(alone)["s"]
 
     crowded = make_engine(directory, seed=99)
-    crowded.add_request("x", prompt(13, 10), SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True))
-    crowded.add_request("y", prompt(3, 11), SamplingParams(temperature=1.2, max_tokens=5, ignore_eos=True))
+    crowded.add_request(
+        "x", prompt(13, 10), SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)
+    )
+    crowded.add_request(
+        "y", prompt(3, 11), SamplingParams(temperature=1.2, max_tokens=5, ignore_eos=True)
+    )
     crowded.add_request("s", prompt(7, 9), params)
     assert run(crowded)["s"] == expected
 
@@ -179,11 +196,13 @@ def test_logprobs_are_those_of_the_model(llama):
     directory, reference = llama
     ids = prompt(6, 12)
     engine = make_engine(directory)
-    engine.add_request("lp", ids, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3))
+    engine.add_request(
+        "lp", ids, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
+    )
     records = []
     while engine.has_unfinished:
         for out in engine.step():
-            records.extend(zip(out.new_token_ids, out.new_logprobs))
+            records.extend(zip(out.new_token_ids, out.new_logprobs, strict=False))
     seq = list(ids)
     with torch.no_grad():
         for token, (chosen, top) in records:

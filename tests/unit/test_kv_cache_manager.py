@@ -15,9 +15,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from common.sampling_params import SamplingParams
 from engine.kv_cache_manager import KVCacheManager, num_blocks_for_budget
 from engine.request import Request
-from engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12
@@ -27,7 +27,9 @@ SHARED_PREFIXES = [[0, 1, 2, 0] * 5, [0, 1, 2, 0] * 2 + [1, 1, 1, 1] * 3, [2] * 
 
 
 def make_request(tokens: list[int], request_id: str = "r") -> Request:
-    return Request(request_id=request_id, prompt_token_ids=list(tokens), sampling_params=SamplingParams())
+    return Request(
+        request_id=request_id, prompt_token_ids=list(tokens), sampling_params=SamplingParams()
+    )
 
 
 def run_prefill(manager: KVCacheManager, request: Request) -> None:
@@ -75,10 +77,14 @@ class KVCacheMachine(RuleBasedStateMachine):
         old_len = len(request.block_table)
         ok = self.manager.allocate(request, num_new, cached_blocks)
         if not ok:
-            assert snapshot(self.manager, [request, *others]) == before, "failed allocate changed state"
+            assert snapshot(self.manager, [request, *others]) == before, (
+                "failed allocate changed state"
+            )
             # Failure is only allowed when the blocks truly are not there.
             revived = sum(1 for b in cached_blocks if b not in held_elsewhere)
-            start = len(cached_blocks) * BLOCK_SIZE if cached_blocks else request.num_computed_tokens
+            start = (
+                len(cached_blocks) * BLOCK_SIZE if cached_blocks else request.num_computed_tokens
+            )
             needed = -(-(start + num_new) // BLOCK_SIZE) - old_len - len(cached_blocks)
             assert needed > self.manager.num_free_blocks - revived
             return False
@@ -106,7 +112,9 @@ class KVCacheMachine(RuleBasedStateMachine):
             for i, block_hash in enumerate(request.block_hashes):
                 prefix = tuple(request.token_ids[: (i + 1) * BLOCK_SIZE])
                 assert self.prefix_of.setdefault(block_hash, prefix) == prefix, "hash collision"
-                assert self.hash_of.setdefault(prefix, block_hash) == block_hash, "hash not a function"
+                assert self.hash_of.setdefault(prefix, block_hash) == block_hash, (
+                    "hash not a function"
+                )
         else:
             assert request.block_hashes == []
 
@@ -132,11 +140,16 @@ class KVCacheMachine(RuleBasedStateMachine):
         queries, hits = self.manager.prefix_cache_queries, self.manager.prefix_cache_hits
         blocks, num_cached = self.manager.get_cached_prefix(request)
         # Looking up alone counts nothing: a request is counted when admitted.
-        assert (self.manager.prefix_cache_queries, self.manager.prefix_cache_hits) == (queries, hits)
+        assert (self.manager.prefix_cache_queries, self.manager.prefix_cache_hits) == (
+            queries,
+            hits,
+        )
         assert num_cached == len(blocks) * BLOCK_SIZE
         assert len(blocks) <= (len(prompt) - 1) // BLOCK_SIZE
         for i, block in enumerate(blocks):
-            assert self.content[block] == prompt[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE], "bad prefix hit"
+            assert self.content[block] == prompt[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE], (
+                "bad prefix hit"
+            )
         # The hit is the longest: the next block's prefix is not cached.
         if self.prefix_caching and len(blocks) < (len(prompt) - 1) // BLOCK_SIZE:
             nxt = self.hash_of.get(tuple(prompt[: (len(blocks) + 1) * BLOCK_SIZE]))
@@ -227,7 +240,9 @@ class KVCacheMachineNoPrefixCaching(KVCacheMachine):
 
 
 TestKVCacheManagerStateful = KVCacheMachine.TestCase
-TestKVCacheManagerStateful.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestKVCacheManagerStateful.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None
+)
 TestKVCacheManagerNoPrefixCachingStateful = KVCacheMachineNoPrefixCaching.TestCase
 TestKVCacheManagerNoPrefixCachingStateful.settings = settings(
     max_examples=40, stateful_step_count=30, deadline=None
@@ -244,7 +259,7 @@ def test_prefix_hit_after_free_reuses_blocks() -> None:
     full_blocks, full_hashes = first.block_table[:2], list(first.block_hashes)
     manager.free(first)
 
-    second = make_request(list(range(8)) + [99, 98, 97], "b")
+    second = make_request([*range(8), 99, 98, 97], "b")
     blocks, num_cached = manager.get_cached_prefix(second)
     assert (blocks, num_cached) == (full_blocks, 8)
     assert manager.allocate(second, second.num_tokens - num_cached, blocks)
@@ -275,9 +290,9 @@ def test_lru_evicts_sequence_tail_first() -> None:
     # Needs 2 blocks: the never-used one first, then one eviction, which must hit the tail.
     other = make_request([50 + i for i in range(8)], "b")
     assert manager.allocate(other, 8)
-    assert manager.get_cached_prefix(make_request(tokens + [0]))[1] == 8
+    assert manager.get_cached_prefix(make_request([*tokens, 0]))[1] == 8
     assert manager.allocate(make_request([], "c"), 4)  # evicts the middle block next
-    assert manager.get_cached_prefix(make_request(tokens + [0]))[1] == 4
+    assert manager.get_cached_prefix(make_request([*tokens, 0]))[1] == 4
 
 
 def test_lru_prefers_least_recently_freed_request() -> None:
@@ -375,7 +390,11 @@ def test_num_blocks_for_budget(num_layers, num_kv_heads, head_dim, block_size, d
     for num_blocks in (1, 7, 1000):
         for slack in (0, one_block - 1):
             budget = num_blocks * one_block + slack
-            got = num_blocks_for_budget(budget, num_layers, num_kv_heads, head_dim, block_size, dtype_bytes)
+            got = num_blocks_for_budget(
+                budget, num_layers, num_kv_heads, head_dim, block_size, dtype_bytes
+            )
             assert got == num_blocks
     with pytest.raises(ValueError, match="cannot hold one block"):
-        num_blocks_for_budget(one_block - 1, num_layers, num_kv_heads, head_dim, block_size, dtype_bytes)
+        num_blocks_for_budget(
+            one_block - 1, num_layers, num_kv_heads, head_dim, block_size, dtype_bytes
+        )

@@ -52,7 +52,9 @@ class Runner:
         for name, tokens in batch:
             start = self.lengths.get(name, 0)
             self.lengths[name] = start + len(tokens)
-            tables.append(self.pool.grow(self.tables.setdefault(name, []), self.lengths[name], BLOCK_SIZE))
+            tables.append(
+                self.pool.grow(self.tables.setdefault(name, []), self.lengths[name], BLOCK_SIZE)
+            )
             query_lens.append(len(tokens))
             seq_lens.append(self.lengths[name])
             ids += tokens
@@ -78,16 +80,16 @@ def test_ragged_prefill_then_batched_decode(variant):
     prompts = {"a": random_tokens(5, 1), "b": random_tokens(11, 2), "c": random_tokens(3, 3)}
 
     outputs = runner.step(list(prompts.items()))
-    for (name, tokens), logits in zip(prompts.items(), outputs):
+    for tokens, logits in zip(prompts.values(), outputs, strict=True):
         torch.testing.assert_close(logits, hf_logits(reference, tokens), **TOL)
 
     sequences = {name: list(tokens) for name, tokens in prompts.items()}
-    last = {name: out[-1] for name, out in zip(prompts, outputs)}
+    last = {name: out[-1] for name, out in zip(prompts, outputs, strict=False)}
     for _ in range(4):
         for name in sequences:
             sequences[name].append(int(last[name].argmax()))
         outputs = runner.step([(name, seq[-1:]) for name, seq in sequences.items()])
-        for (name, seq), logits in zip(sequences.items(), outputs):
+        for (name, seq), logits in zip(sequences.items(), outputs, strict=False):
             assert logits.shape[0] == 1
             torch.testing.assert_close(logits[0], hf_logits(reference, seq)[-1], **TOL)
             last[name] = logits[0]
@@ -129,8 +131,10 @@ def test_half_precision_tracks_transformers(tmp_path, dtype):
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == dtype
     prompts = [random_tokens(9, 7), random_tokens(4, 8)]
     outputs = Runner(model, config).step([(str(i), p) for i, p in enumerate(prompts)])
-    low = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype, attn_implementation="eager").eval()
-    for prompt, logits in zip(prompts, outputs):
+    low = AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=dtype, attn_implementation="eager"
+    ).eval()
+    for prompt, logits in zip(prompts, outputs, strict=False):
         exact = hf_logits(reference, prompt)
         ours = (logits - exact).abs().max().item()
         theirs = (hf_logits(low, prompt) - exact).abs().max().item()
@@ -152,7 +156,7 @@ def test_prepacked_bf16_linears_match_plain_ones(tmp_path, monkeypatch):
     plain_model, _ = load_model(tmp_path, torch.bfloat16, "cpu")
     assert plain_model.model.layers[0].mlp.down_proj.packed is None
     plain = Runner(plain_model, config).step([(str(i), p) for i, p in enumerate(prompts)])
-    for a, b in zip(packed, plain):
+    for a, b in zip(packed, plain, strict=False):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
@@ -187,34 +191,49 @@ def test_checkpoint_mismatches_are_named(tmp_path):
 
 
 def test_unsupported_architecture_is_named(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*LlamaForCausalLM"):
         ModelConfig.from_dir(tmp_path)
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         load_model(tmp_path, torch.float32, "cpu")
 
 
 BASE = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=10, hidden_size=8,
-    intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=64,
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=10,
+    hidden_size=8,
+    intermediate_size=16,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    max_position_embeddings=64,
 )
 
 
 def test_config_layouts():
     # transformers 4 layout: rope settings at the top level, eos as a list, no head_dim.
     old = ModelConfig.from_dict(
-        dict(BASE, rope_theta=500000.0, eos_token_id=[5, 6],
-             rope_scaling=dict(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0))
+        dict(
+            BASE,
+            rope_theta=500000.0,
+            eos_token_id=[5, 6],
+            rope_scaling=dict(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0),
+        )
     )
     assert old.rope_theta == 500000.0 and old.rope_scaling["rope_type"] == "llama3"
     assert old.head_dim == 4 and old.num_key_value_heads == 2 and old.eos_token_ids == [5, 6]
     # transformers 5 layout, with generation_config.json adding an end token.
     new = ModelConfig.from_dict(
-        dict(BASE, eos_token_id=5, rope_parameters=dict(rope_type="default", rope_theta=1e6)), {"eos_token_id": [5, 7]}
+        dict(BASE, eos_token_id=5, rope_parameters=dict(rope_type="default", rope_theta=1e6)),
+        {"eos_token_id": [5, 7]},
     )
     assert new.rope_theta == 1e6 and new.rope_scaling is None and new.eos_token_ids == [5, 7]
     with pytest.raises(ValueError, match="yarn"):
-        ModelConfig.from_dict(dict(BASE, rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)))
+        ModelConfig.from_dict(
+            dict(BASE, rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0))
+        )
 
 
 def test_sliding_window_caps_the_context():
@@ -223,5 +242,10 @@ def test_sliding_window_caps_the_context():
     assert ModelConfig.from_dict(dict(mistral, sliding_window=None)).max_position_embeddings == 64
     qwen = dict(BASE, architectures=["Qwen2ForCausalLM"], model_type="qwen2", sliding_window=16)
     assert ModelConfig.from_dict(dict(qwen, use_sliding_window=False)).max_position_embeddings == 64
-    assert ModelConfig.from_dict(dict(qwen, layer_types=["sliding_attention"])).max_position_embeddings == 16
-    assert ModelConfig.from_dict(qwen).attention_bias and not ModelConfig.from_dict(qwen).o_proj_bias
+    assert (
+        ModelConfig.from_dict(dict(qwen, layer_types=["sliding_attention"])).max_position_embeddings
+        == 16
+    )
+    assert (
+        ModelConfig.from_dict(qwen).attention_bias and not ModelConfig.from_dict(qwen).o_proj_bias
+    )

@@ -13,15 +13,17 @@ import pytest
 import torch
 
 from common.config import EngineConfig
+from common.sampling_params import SamplingParams
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from engine.llm import LLM
 from engine.request import FinishReason
-from engine.sampling_params import SamplingParams
 from tiny_models import VARIANTS, make_checkpoint
 
 BLOCK = 16
-PROMPT_LEN = 100  # 6 full blocks and a partial 7th: the samples' first writes land in a shared block
+PROMPT_LEN = (
+    100  # 6 full blocks and a partial 7th: the samples' first writes land in a shared block
+)
 SEEDED = SamplingParams(temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
 LONG = 40  # max_tokens of the reference runs; a shorter run's tokens are their first ones
 
@@ -34,8 +36,15 @@ def model_dir(tmp_path_factory):
 
 
 def make_engine(directory, **overrides) -> LLMEngine:
-    args = dict(model=str(directory), dtype="float32", block_size=BLOCK, num_kv_blocks=64,
-                max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=False)
+    args = dict(
+        model=str(directory),
+        dtype="float32",
+        block_size=BLOCK,
+        num_kv_blocks=64,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+    )
     args.update(overrides)
     return LLMEngine(EngineConfig(**args))
 
@@ -64,8 +73,10 @@ def alone(directory, tokens: list[int], params: SamplingParams, **engine_args) -
 
 def seed_runs(directory, tokens: list[int], params: SamplingParams, n: int) -> list[list[int]]:
     """Sample i's expected tokens: a request of its own with seed + i."""
-    return [alone(directory, tokens, dataclasses.replace(params, seed=params.seed + i))
-            for i in range(n)]
+    return [
+        alone(directory, tokens, dataclasses.replace(params, seed=params.seed + i))
+        for i in range(n)
+    ]
 
 
 PROMPT = prompt(PROMPT_LEN, seed=1)
@@ -119,8 +130,11 @@ def test_each_sample_equals_its_own_request_with_seed_plus_index(model_dir, expe
     engine.add_request("x", tokens, dataclasses.replace(SEEDED, n=4))
     finals: dict = {}
     got = run(engine, finals=finals)
-    alone_runs = ([e[:12] for e in expected] if prompt_len == PROMPT_LEN
-                  else seed_runs(model_dir, tokens, SEEDED, 4))
+    alone_runs = (
+        [e[:12] for e in expected]
+        if prompt_len == PROMPT_LEN
+        else seed_runs(model_dir, tokens, SEEDED, 4)
+    )
     assert [got[("x", i)] for i in range(4)] == alone_runs
     for i in range(4):
         final = finals[("x", i)]
@@ -166,7 +180,12 @@ def test_aborting_one_sample_frees_only_its_blocks_and_the_others_go_on(model_di
     free_before = kv.num_free_blocks
 
     [out] = engine.abort("x#1")
-    assert (out.request_id, out.index, out.finished, out.finish_reason) == ("x", 1, True, FinishReason.ABORT)
+    assert (out.request_id, out.index, out.finished, out.finish_reason) == (
+        "x",
+        1,
+        True,
+        FinishReason.ABORT,
+    )
     assert out.num_output_tokens == 3
     assert own and kv.num_free_blocks == free_before + len(own)
     assert {b: kv.ref_count(b) for b in shared} == {b: c - 1 for b, c in shared.items()}
@@ -188,7 +207,8 @@ def test_aborting_the_request_aborts_every_sample_before_and_after_the_fork(mode
             engine.step()
         outputs = engine.abort("x")
         assert [(o.request_id, o.index, o.finish_reason) for o in outputs] == [
-            ("x", i, FinishReason.ABORT) for i in range(3)]
+            ("x", i, FinishReason.ABORT) for i in range(3)
+        ]
         assert_all_freed(engine)
 
 
@@ -217,8 +237,12 @@ def test_a_preempted_sample_is_recomputed_from_its_own_tokens(model_dir, expecte
 def test_n_is_validated_and_sample_ids_cannot_collide(model_dir):
     engine = make_engine(model_dir, max_num_seqs=4)
     tokens = prompt(10)
-    for n, match in ((0, r"n must be in \[1, 64\]"), (65, r"n must be in \[1, 64\]"),
-                     (True, "n must be an integer"), (5, "n is 5.*max_num_seqs")):
+    for n, match in (
+        (0, r"n must be in \[1, 64\]"),
+        (65, r"n must be in \[1, 64\]"),
+        (True, "n must be an integer"),
+        (5, "n is 5.*max_num_seqs"),
+    ):
         with pytest.raises(InvalidRequestError, match=match):
             engine.add_request("x", tokens, dataclasses.replace(SEEDED, n=n))
     engine.add_request("a#1", tokens, SEEDED)
@@ -233,14 +257,21 @@ def test_n_is_validated_and_sample_ids_cannot_collide(model_dir):
 
 
 def test_offline_api_returns_n_results_per_prompt_in_order(default_model_dir):
-    llm = LLM(str(default_model_dir), dtype="float32", num_kv_blocks=64, max_num_seqs=4,
-              enable_prefix_caching=False)
+    llm = LLM(
+        str(default_model_dir),
+        dtype="float32",
+        num_kv_blocks=64,
+        max_num_seqs=4,
+        enable_prefix_caching=False,
+    )
     seeded = SamplingParams(temperature=1.0, seed=4, max_tokens=6, ignore_eos=True, n=3)
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     results = llm.generate(["The sea is", "Colors:"], [seeded, greedy])
     assert [r.prompt for r in results] == ["The sea is"] * 3 + ["Colors:"]
-    alone = [llm.generate("The sea is", dataclasses.replace(seeded, n=1, seed=4 + i))[0]
-             for i in range(3)]
+    alone = [
+        llm.generate("The sea is", dataclasses.replace(seeded, n=1, seed=4 + i))[0]
+        for i in range(3)
+    ]
     assert [r.token_ids for r in results[:3]] == [r.token_ids for r in alone]
     deltas = list(llm.generate_stream(["The sea is", "Colors:"], dataclasses.replace(greedy, n=2)))
     assert sorted(d.index for d in deltas if d.finished) == [0, 1, 2, 3]

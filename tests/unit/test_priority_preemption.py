@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from common.config import EngineConfig
+from common.sampling_params import SamplingParams
 from engine.engine import LLMEngine
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from tiny_models import VARIANTS, make_checkpoint
 
@@ -22,18 +22,20 @@ BLOCK = 4
 
 def scheduler(policy: str, num_blocks: int, max_num_seqs: int = 8) -> Scheduler:
     kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=False)
-    return Scheduler(EngineConfig(block_size=BLOCK, scheduling_policy=policy,
-                                  max_num_seqs=max_num_seqs), kv)
+    return Scheduler(
+        EngineConfig(block_size=BLOCK, scheduling_policy=policy, max_num_seqs=max_num_seqs), kv
+    )
 
 
 def request(rid: str, prompt_len: int, priority: int) -> Request:
-    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=50),
-                   priority=priority)
+    return Request(
+        rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=50), priority=priority
+    )
 
 
 def advance(sched: Scheduler, out) -> None:
     """What the engine does after the forward."""
-    for r, n in zip(out.requests, out.num_new_tokens):
+    for r, n in zip(out.requests, out.num_new_tokens, strict=False):
         r.num_computed_tokens += n
         if r.num_computed_tokens == r.num_tokens:
             r.append_output(7)
@@ -91,16 +93,24 @@ HIGH = prompt(20, 9)  # 5 blocks
 
 
 def make_engine(directory, **overrides) -> LLMEngine:
-    args = dict(model=str(directory), dtype="float32", block_size=BLOCK, num_kv_blocks=64,
-                max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=False)
+    args = dict(
+        model=str(directory),
+        dtype="float32",
+        block_size=BLOCK,
+        num_kv_blocks=64,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+    )
     args.update(overrides)
     return LLMEngine(EngineConfig(**args))
 
 
 def clean_run(directory, tokens: list[int], max_tokens: int) -> list[int]:
     engine = make_engine(directory)
-    engine.add_request("clean", tokens, SamplingParams(temperature=0.0, ignore_eos=True,
-                                                        max_tokens=max_tokens))
+    engine.add_request(
+        "clean", tokens, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+    )
     got = []
     while engine.has_unfinished:
         for out in engine.step():
@@ -113,8 +123,9 @@ def test_late_high_priority_request_finishes_before_earlier_low_ones(model_dir, 
     # blocks: 20 blocks hold the two running lows (8 blocks each, growing to 10) and leave too
     # few for the high one's 5, so only preempting a low lets it in before they finish.
     # slots: memory is plenty but max_num_seqs = 2 is taken by two lows.
-    overrides = (dict(num_kv_blocks=20, max_num_seqs=4) if short_of == "blocks"
-                 else dict(max_num_seqs=2))
+    overrides = (
+        dict(num_kv_blocks=20, max_num_seqs=4) if short_of == "blocks" else dict(max_num_seqs=2)
+    )
     engine = make_engine(model_dir, scheduling_policy="priority", **overrides)
     low_params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=10)
     for rid, tokens in LOWS.items():
@@ -131,8 +142,9 @@ def test_late_high_priority_request_finishes_before_earlier_low_ones(model_dir, 
     step(0)
     step(1)  # low0 and low1 run and decode; low2 waits
     assert [r.request_id for r in engine.scheduler.running] == ["low0", "low1"]
-    engine.add_request("high", HIGH, SamplingParams(temperature=0.0, ignore_eos=True,
-                                                    max_tokens=4), priority=0)
+    engine.add_request(
+        "high", HIGH, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4), priority=0
+    )
     number = 2
     while engine.has_unfinished:
         step(number)

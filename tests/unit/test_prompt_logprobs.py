@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from common.config import EngineConfig
+from common.sampling_params import SamplingParams
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
 from tiny_models import VARIANTS, hf_greedy, make_checkpoint
 
 TOLERANCE = 1e-3
@@ -25,8 +25,14 @@ def llama(tmp_path_factory):
 
 
 def tiny_engine(directory, **overrides) -> LLMEngine:
-    args = dict(model=str(directory), dtype="float32", block_size=4, num_kv_blocks=64,
-                max_num_batched_tokens=64, max_num_seqs=8)
+    args = dict(
+        model=str(directory),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=64,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+    )
     return LLMEngine(EngineConfig(**{**args, **overrides}))
 
 
@@ -41,13 +47,21 @@ def reference_logprobs(reference, ids: list[int], k: int) -> list[tuple[int, flo
     out = []
     for t in range(1, len(ids)):
         values, indices = logprobs[t - 1].topk(k)
-        out.append((ids[t], logprobs[t - 1, ids[t]].item(), list(zip(indices.tolist(), values.tolist()))))
+        out.append(
+            (
+                ids[t],
+                logprobs[t - 1, ids[t]].item(),
+                list(zip(indices.tolist(), values.tolist(), strict=False)),
+            )
+        )
     return out
 
 
 def assert_matches(got, expected) -> None:
     assert got is not None and len(got) == len(expected)
-    for (token, logprob, top), (ref_token, ref_logprob, ref_top) in zip(got, expected):
+    for (token, logprob, top), (ref_token, ref_logprob, ref_top) in zip(
+        got, expected, strict=False
+    ):
         assert token == ref_token
         assert logprob == pytest.approx(ref_logprob, abs=TOLERANCE)
         assert [t for t, _ in top] == [t for t, _ in ref_top]
@@ -71,16 +85,25 @@ def run(engine: LLMEngine) -> tuple[dict[str, list[int]], dict[str, list]]:
 def test_prompt_logprobs_equal_transformers_in_a_mixed_batch(llama, budget):
     directory, reference = llama
     engine = tiny_engine(directory, max_num_batched_tokens=budget)
-    prompts = {"p3": random_prompt(23, 1), "plain": random_prompt(9, 2), "p0": random_prompt(13, 3),
-               "plain-logprobs": random_prompt(7, 4), "p-one-token": random_prompt(1, 5)}
+    prompts = {
+        "p3": random_prompt(23, 1),
+        "plain": random_prompt(9, 2),
+        "p0": random_prompt(13, 3),
+        "plain-logprobs": random_prompt(7, 4),
+        "p-one-token": random_prompt(1, 5),
+    }
     params = {
         "p3": SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=3),
         "plain": GREEDY,
-        "p0": SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=0,
-                             logprobs=2),
-        "plain-logprobs": SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2),
-        "p-one-token": SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
-                                      prompt_logprobs=5),
+        "p0": SamplingParams(
+            temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=0, logprobs=2
+        ),
+        "plain-logprobs": SamplingParams(
+            temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2
+        ),
+        "p-one-token": SamplingParams(
+            temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=5
+        ),
     }
     for rid, ids in prompts.items():
         engine.add_request(rid, ids, params[rid])
@@ -99,11 +122,14 @@ def test_a_cached_prefix_does_not_skip_prompt_tokens(llama):
     directory, reference = llama
     engine = tiny_engine(directory)
     shared = random_prompt(20, 6)
-    engine.add_request("warm", shared + [7], GREEDY)
+    engine.add_request("warm", [*shared, 7], GREEDY)
     run(engine)
-    asked = shared + [8, 9]
-    request = engine.add_request("asked", asked, SamplingParams(
-        temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=2))
+    asked = [*shared, 8, 9]
+    request = engine.add_request(
+        "asked",
+        asked,
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=2),
+    )
     _, prompt_logprobs = run(engine)
     assert request.num_cached_tokens == 0
     assert_matches(prompt_logprobs["asked"], reference_logprobs(reference, asked, 2))
@@ -117,13 +143,17 @@ def test_preemption_in_the_middle_of_the_prefill(llama):
     directory, reference = llama
     # 12 blocks of 4 tokens: a long-running request leaves too little for the second's prompt.
     engine = tiny_engine(directory, num_kv_blocks=12, max_num_batched_tokens=8)
-    engine.add_request("long", random_prompt(8, 7), SamplingParams(
-        temperature=0.0, max_tokens=36, ignore_eos=True))
+    engine.add_request(
+        "long", random_prompt(8, 7), SamplingParams(temperature=0.0, max_tokens=36, ignore_eos=True)
+    )
     while engine.requests["long"].num_tokens < 34:
         engine.step()
     ids = random_prompt(20, 8)
-    request = engine.add_request("asked", ids, SamplingParams(
-        temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=4))
+    request = engine.add_request(
+        "asked",
+        ids,
+        SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=4),
+    )
     partial_when_preempted = None
     got = None
     while engine.has_unfinished:
@@ -141,7 +171,9 @@ def test_max_tokens_zero_scores_the_prompt_without_generating(llama):
     engine = tiny_engine(directory, max_num_batched_tokens=6)
     ids = random_prompt(15, 9)
     engine.add_request("scored", ids, SamplingParams(max_tokens=0, prompt_logprobs=1))
-    engine.add_request("generated", ids, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    engine.add_request(
+        "generated", ids, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    )
     finish_reasons = {}
     tokens: dict[str, list[int]] = {}
     prompt_logprobs = {}
@@ -157,9 +189,11 @@ def test_max_tokens_zero_scores_the_prompt_without_generating(llama):
     assert tokens["generated"] == hf_greedy(reference, ids, 2)
     assert set(prompt_logprobs) == {"scored"}
 
-    for params, name in [(SamplingParams(max_tokens=0), "max_tokens"),
-                         (SamplingParams(prompt_logprobs=21), "prompt_logprobs"),
-                         (SamplingParams(prompt_logprobs=-1), "prompt_logprobs")]:
+    for params, name in [
+        (SamplingParams(max_tokens=0), "max_tokens"),
+        (SamplingParams(prompt_logprobs=21), "prompt_logprobs"),
+        (SamplingParams(prompt_logprobs=-1), "prompt_logprobs"),
+    ]:
         with pytest.raises(InvalidRequestError, match=name):
             engine.add_request("bad", ids, params)
 
@@ -168,8 +202,13 @@ def test_each_of_n_samples_carries_the_prompt_logprobs(llama):
     directory, reference = llama
     engine = tiny_engine(directory, max_num_batched_tokens=8)
     ids = random_prompt(18, 10)
-    engine.add_request("n2", ids, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=3,
-                                                 ignore_eos=True, prompt_logprobs=2))
+    engine.add_request(
+        "n2",
+        ids,
+        SamplingParams(
+            n=2, temperature=1.0, seed=3, max_tokens=3, ignore_eos=True, prompt_logprobs=2
+        ),
+    )
     by_index = {}
     while engine.has_unfinished:
         for out in engine.step():

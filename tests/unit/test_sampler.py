@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from common.sampling_params import SamplingParams
 from engine.request import Request
 from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
 
 EOS = [0, 7]
 
@@ -92,11 +92,13 @@ def assert_matches_reference(sampler: Sampler, logits: torch.Tensor, requests: l
 
 
 def test_greedy_is_argmax_with_ties_like_torch():
-    logits = torch.tensor([
-        [1.0, 3.0, 3.0, 0.0, 3.0, -1.0, 2.0, 0.5],
-        [4.0, 4.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0],
-        [-2.0, -1.0, -3.0, -1.0, -5.0, -1.0, -1.0, -4.0],
-    ])
+    logits = torch.tensor(
+        [
+            [1.0, 3.0, 3.0, 0.0, 3.0, -1.0, 2.0, 0.5],
+            [4.0, 4.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+            [-2.0, -1.0, -3.0, -1.0, -5.0, -1.0, -1.0, -4.0],
+        ]
+    )
     sampler = Sampler(8, EOS)
     requests = [make_request(SamplingParams(temperature=0.0)) for _ in range(3)]
     out = sampler.sample(logits, requests)
@@ -189,7 +191,7 @@ def test_sampled_tokens_stay_inside_the_allowed_set():
     sampler = Sampler(vocab, EOS, seed=5)
     for _ in range(3):
         tokens = sampler.sample(logits, requests).token_ids
-        for i, (token, request) in enumerate(zip(tokens, requests)):
+        for i, (token, request) in enumerate(zip(tokens, requests, strict=False)):
             allowed = reference_probs(base[i // repeats].tolist(), request, vocab) > 0
             assert allowed[token], (i, request.sampling_params, token)
 
@@ -229,8 +231,14 @@ def test_penalties_and_bias_match_reference():
         SamplingParams(frequency_penalty=0.8),
         SamplingParams(presence_penalty=-0.5, frequency_penalty=-1.0),
         SamplingParams(logit_bias={3: 5.0, 4: -7.5, 49: 2.0}),
-        SamplingParams(temperature=0.9, top_p=0.8, repetition_penalty=1.2, presence_penalty=0.4,
-                       frequency_penalty=0.3, logit_bias={10: 1.0}),
+        SamplingParams(
+            temperature=0.9,
+            top_p=0.8,
+            repetition_penalty=1.2,
+            presence_penalty=0.4,
+            frequency_penalty=0.3,
+            logit_bias={10: 1.0},
+        ),
         SamplingParams(),
     ]
     prompt, output = (3, 4, 4, 10, 20, 21), (10, 10, 10, 22, 23, 4)
@@ -290,11 +298,11 @@ def run_target(position: int, companions: list[SamplingParams], sampler_seed: in
     sampler = Sampler(vocab, EOS, seed=sampler_seed)
     noise = torch.Generator().manual_seed(sampler_seed + 100)
     for step in range(steps):
-        batch = others[:position] + [target] + others[position:]
+        batch = [*others[:position], target, *others[position:]]
         logits = torch.randn(len(batch), vocab, generator=noise) * 3
         logits[position] = step_logits[step]
         tokens = sampler.sample(logits, batch).token_ids
-        for request, token in zip(batch, tokens):
+        for request, token in zip(batch, tokens, strict=False):
             request.append_output(token)
     return target.output_token_ids
 
@@ -307,9 +315,18 @@ def test_seeded_request_is_independent_of_its_batch():
         # Companions with the target's own seed, on other logits.
         (3, [SamplingParams(seed=1234, temperature=0.9, top_p=0.95)] * 7, 2),
         (7, [SamplingParams(temperature=0.0, repetition_penalty=1.2)] * 7, 3),
-        (4, [SamplingParams(top_k=5), SamplingParams(seed=7), SamplingParams(temperature=0.0),
-             SamplingParams(min_p=0.2, presence_penalty=1.0), SamplingParams(top_p=0.3, logprobs=2),
-             SamplingParams(min_tokens=2, max_tokens=20)], 4),
+        (
+            4,
+            [
+                SamplingParams(top_k=5),
+                SamplingParams(seed=7),
+                SamplingParams(temperature=0.0),
+                SamplingParams(min_p=0.2, presence_penalty=1.0),
+                SamplingParams(top_p=0.3, logprobs=2),
+                SamplingParams(min_tokens=2, max_tokens=20),
+            ],
+            4,
+        ),
         (1, [SamplingParams(temperature=0.0)], 5),
     ]
     for position, companions, sampler_seed in scenarios:
@@ -326,7 +343,7 @@ def test_different_seeds_differ_and_unseeded_rows_vary_across_steps():
     ]
     sampler = Sampler(vocab, EOS)
     history = [sampler.sample(logits, requests).token_ids for _ in range(steps)]
-    seed1, seed2, unseeded = zip(*history)
+    seed1, seed2, unseeded = zip(*history, strict=False)
     assert seed1 != seed2
     assert len(set(unseeded)) > 1
     # The same seed replays the same tokens.
@@ -395,13 +412,16 @@ def assert_frequencies_follow(tokens: list[int], expected: np.ndarray):
 PEAKED = [math.log(0.6), math.log(0.3), math.log(0.1)] + [-3.0] * 27
 
 
-@pytest.mark.parametrize("base, params", [
-    (
-        random_logits(1, 30, seed=12, scale=1.5),
-        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02),
-    ),
-    (torch.tensor([PEAKED]), SamplingParams(top_k=3)),
-])
+@pytest.mark.parametrize(
+    "base, params",
+    [
+        (
+            random_logits(1, 30, seed=12, scale=1.5),
+            SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02),
+        ),
+        (torch.tensor([PEAKED]), SamplingParams(top_k=3)),
+    ],
+)
 def test_sampling_frequencies_follow_the_filtered_distribution(base, params):
     vocab = base.shape[1]
     expected = reference_probs(base[0].tolist(), make_request(params), vocab)

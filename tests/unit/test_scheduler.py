@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from common.config import EngineConfig
+from common.sampling_params import SamplingParams
 from engine.errors import QueueFullError
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
 BLOCK = 4
@@ -21,8 +21,12 @@ def make(num_blocks=64, **cfg):
 
 
 def req(rid, prompt_len, priority=0, arrival=None, base=0):
-    r = Request(rid, [base + i % 50 + 1 for i in range(prompt_len)], SamplingParams(max_tokens=100),
-                priority=priority)
+    r = Request(
+        rid,
+        [base + i % 50 + 1 for i in range(prompt_len)],
+        SamplingParams(max_tokens=100),
+        priority=priority,
+    )
     if arrival is not None:
         r.times.arrival = arrival
     return r
@@ -30,7 +34,7 @@ def req(rid, prompt_len, priority=0, arrival=None, base=0):
 
 def advance(sched, out, token=7):
     """What the engine does after the forward: computed tokens move on, completed ones sample."""
-    for r, n in zip(out.requests, out.num_new_tokens):
+    for r, n in zip(out.requests, out.num_new_tokens, strict=False):
         r.num_computed_tokens += n
         sched.kv_cache.cache_blocks(r, r.num_computed_tokens)
         if r.num_computed_tokens == r.num_tokens:
@@ -53,7 +57,10 @@ def test_budget_is_shared_running_first_and_prompts_are_chunked():
     advance(sched, out)
     out = sched.schedule()
     # a decodes (1 token, listed first), b continues its prefill with the rest of the budget.
-    assert [(r.request_id, n) for r, n in zip(out.requests, out.num_new_tokens)] == [("a", 1), ("b", 9)]
+    assert [(r.request_id, n) for r, n in zip(out.requests, out.num_new_tokens, strict=False)] == [
+        ("a", 1),
+        ("b", 9),
+    ]
     assert out.num_decodes == 1
     advance(sched, out)
     assert b.num_computed_tokens == 12 and b.num_output_tokens == 1
@@ -133,7 +140,7 @@ def test_finish_frees_blocks_of_waiting_and_running():
 
 
 def test_prefix_cache_hit_skips_computed_tokens():
-    sched, kv = make(prefix=True)
+    sched, _kv = make(prefix=True)
     a = req("a", 10)
     sched.add_request(a)
     advance(sched, sched.schedule())

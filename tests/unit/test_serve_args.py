@@ -13,8 +13,15 @@ from services.supervisor import Supervisor, serve_config_from_args
 
 def test_engine_args_round_trip_through_the_engine_parser():
     changed = EngineConfig(
-        model="/models/x", dtype="float32", block_size=32, num_kv_blocks=77, max_model_len=1024,
-        scheduling_policy="priority", enable_prefix_caching=False, num_threads=3, seed=9,
+        model="/models/x",
+        dtype="float32",
+        block_size=32,
+        num_kv_blocks=77,
+        max_model_len=1024,
+        scheduling_policy="priority",
+        enable_prefix_caching=False,
+        num_threads=3,
+        seed=9,
     )
     for config in (EngineConfig(), changed):
         args = build_parser().parse_args(["engine", *engine_args_from_config(config)])
@@ -22,26 +29,65 @@ def test_engine_args_round_trip_through_the_engine_parser():
 
 
 def test_serve_flags_reach_each_child():
-    args = build_parser().parse_args([
-        "serve", "--host", "0.0.0.0", "--port", "8100", "--grpc-port", "50153", "--engine-port", "50151",
-        "--tokenizer-port", "50152", "--model", "/models/x", "--max-num-seqs", "7", "--drain-seconds", "3",
-    ])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "8100",
+            "--grpc-port",
+            "50153",
+            "--engine-port",
+            "50151",
+            "--tokenizer-port",
+            "50152",
+            "--model",
+            "/models/x",
+            "--max-num-seqs",
+            "7",
+            "--drain-seconds",
+            "3",
+        ]
+    )
     supervisor = Supervisor(serve_config_from_args(args))
     parse = lambda child: build_parser().parse_args(child.args)  # noqa: E731
-    tokenizer, engine, gateway = (parse(c) for c in (supervisor.tokenizer, supervisor.engine, supervisor.gateway))
-    assert (tokenizer.command, tokenizer.host, tokenizer.port, tokenizer.model) == ("tokenizer", "127.0.0.1", 50152, "/models/x")
+    tokenizer, engine, gateway = (
+        parse(c) for c in (supervisor.tokenizer, supervisor.engine, supervisor.gateway)
+    )
+    assert (tokenizer.command, tokenizer.host, tokenizer.port, tokenizer.model) == (
+        "tokenizer",
+        "127.0.0.1",
+        50152,
+        "/models/x",
+    )
     assert (engine.command, engine.host, engine.port) == ("engine", "127.0.0.1", 50151)
-    assert engine_config_from_args(engine) == dataclasses.replace(EngineConfig(), model="/models/x", max_num_seqs=7)
-    assert (gateway.command, gateway.host, gateway.port, gateway.grpc_port) == ("gateway", "0.0.0.0", 8100, 50153)
-    assert (gateway.engine_address, gateway.tokenizer_address) == ("127.0.0.1:50151", "127.0.0.1:50152")
+    assert engine_config_from_args(engine) == dataclasses.replace(
+        EngineConfig(), model="/models/x", max_num_seqs=7
+    )
+    assert (gateway.command, gateway.host, gateway.port, gateway.grpc_port) == (
+        "gateway",
+        "0.0.0.0",
+        8100,
+        50153,
+    )
+    assert (gateway.engine_address, gateway.tokenizer_address) == (
+        "127.0.0.1:50151",
+        "127.0.0.1:50152",
+    )
     assert {tokenizer.drain_seconds, engine.drain_seconds, gateway.drain_seconds} == {3.0}
     assert supervisor.url == "http://127.0.0.1:8100"
 
 
 def test_port_zero_picks_distinct_free_ports():
-    args = build_parser().parse_args(["serve", "--port", "0", "--grpc-port", "0", "--engine-port", "0",
-                                      "--tokenizer-port", "0"])
+    args = build_parser().parse_args(
+        ["serve", "--port", "0", "--grpc-port", "0", "--engine-port", "0", "--tokenizer-port", "0"]
+    )
     supervisor = Supervisor(serve_config_from_args(args))
-    ports = {supervisor.port, supervisor.grpc_port, int(supervisor.engine_address.rsplit(":", 1)[1]),
-             int(supervisor.tokenizer_address.rsplit(":", 1)[1])}
+    ports = {
+        supervisor.port,
+        supervisor.grpc_port,
+        int(supervisor.engine_address.rsplit(":", 1)[1]),
+        int(supervisor.tokenizer_address.rsplit(":", 1)[1]),
+    }
     assert len(ports) == 4 and 0 not in ports

@@ -15,14 +15,17 @@ TEXTS = [
     "tabs\tand\nnew\n\nlines\r\n",
     "héllo wörld, ça va? ¿Qué tal? Ελληνικά, русский",
     "emoji 😀👍🏽🇫🇷 and a family 👨‍👩‍👧",
-    "中文文本，日本語のテキスト、한국어 텍스트",
+    "中文文本，日本語のテキスト、한국어 텍스트",  # noqa: RUF001 (the fullwidth comma is the point)
     "code: def f(x):\n    return x**2  # comment",
     "special tokens inline <|im_start|>user\nhi<|im_end|> <|endoftext|>",
 ]
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi!"}],
-    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a colour."},
+    ],
     [
         {"role": "system", "content": "Réponds en français."},
         {"role": "user", "content": "Bonjour 😀"},
@@ -66,8 +69,9 @@ def test_decode_random_ids_equals_transformers(tokenizer: Tokenizer, reference) 
 
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_equals_transformers(tokenizer: Tokenizer, reference, messages: list[dict],
-                                           add_generation_prompt: bool) -> None:
+def test_chat_template_equals_transformers(
+    tokenizer: Tokenizer, reference, messages: list[dict], add_generation_prompt: bool
+) -> None:
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     assert text == reference.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt
@@ -88,7 +92,9 @@ def test_special_ids_and_lengths_equal_transformers(tokenizer: Tokenizer, refere
         i for i, t in reference.added_tokens_decoder.items() if t.special
     }
     assert tokenizer.max_model_len == 8192
-    assert all(tokenizer.id_to_token(i) == reference.convert_ids_to_tokens(i) for i in range(0, 49152, 97))
+    assert all(
+        tokenizer.id_to_token(i) == reference.convert_ids_to_tokens(i) for i in range(0, 49152, 97)
+    )
 
 
 @pytest.mark.parametrize(
@@ -101,7 +107,10 @@ def test_special_ids_and_lengths_equal_transformers(tokenizer: Tokenizer, refere
         ([{"role": "user", "content": "a"}, {"role": "user"}], r"messages\[1\] has no 'content'"),
         ([{"role": "user", "content": None}], r"messages\[0\] has no 'content'"),
         ([{"role": "user", "content": 3}], r"messages\[0\]\['content'\] must be a string, got int"),
-        ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "must be a string, got list"),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "must be a string, got list",
+        ),
         ([{"role": 1, "content": "hi"}], r"messages\[0\]\['role'\] must be a string"),
     ],
 )
@@ -154,7 +163,9 @@ def test_template_environment_equals_transformers(tmp_path: Path, default_model_
         tokenizer.apply_chat_template([{"role": "system", "content": "x"}])
 
 
-def test_sentencepiece_style_tokenizer_equals_transformers(sentencepiece_style_tokenizer_dir: Path) -> None:
+def test_sentencepiece_style_tokenizer_equals_transformers(
+    sentencepiece_style_tokenizer_dir: Path,
+) -> None:
     tokenizer = Tokenizer.from_dir(sentencepiece_style_tokenizer_dir)
     reference = AutoTokenizer.from_pretrained(sentencepiece_style_tokenizer_dir)
     for text in TEXTS:

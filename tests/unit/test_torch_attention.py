@@ -18,11 +18,14 @@ def reference_attention(q, keys, values, query_lens, seq_lens, scale):
     group = num_heads // keys[0].shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
     token = 0
-    for k, v, q_len, s_len in zip(keys, values, query_lens, seq_lens):
+    for k, v, q_len, s_len in zip(keys, values, query_lens, seq_lens, strict=False):
         for j in range(q_len):
             last = s_len - q_len + j  # the newest position this token may see
             for h in range(num_heads):
-                scores = [scale * float(q[token, h].double() @ k[p, h // group].double()) for p in range(last + 1)]
+                scores = [
+                    scale * float(q[token, h].double() @ k[p, h // group].double())
+                    for p in range(last + 1)
+                ]
                 top = max(scores)
                 weights = torch.tensor([math.exp(s - top) for s in scores], dtype=torch.float64)
                 weights /= weights.sum()
@@ -31,8 +34,11 @@ def reference_attention(q, keys, values, query_lens, seq_lens, scale):
     return out
 
 
-def run_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32, seed=0):
-    """Builds a pool with prefixes already cached, runs two layers through one backend, checks both."""
+def run_case(
+    query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32, seed=0
+):
+    """Builds a pool with prefixes already cached, runs two layers through one backend, checks
+    both."""
     torch.manual_seed(seed)
     num_blocks = sum(math.ceil(s / block_size) for s in seq_lens) + 7
     pool = BlockPool(num_blocks, seed=seed)
@@ -47,13 +53,17 @@ def run_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size
         cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
         keys = [torch.randn(s, num_kv_heads, head_dim).to(dtype) for s in seq_lens]
         values = [torch.randn(s, num_kv_heads, head_dim).to(dtype) for s in seq_lens]
-        for k, v, q_len, s_len, table in zip(keys, values, query_lens, seq_lens, tables):
+        for k, v, q_len, s_len, table in zip(
+            keys, values, query_lens, seq_lens, tables, strict=False
+        ):
             for pos in range(s_len - q_len):  # the cached prefix
                 cache[0, table[pos // block_size], pos % block_size] = k[pos]
                 cache[1, table[pos // block_size], pos % block_size] = v[pos]
         before = cache.clone()
-        new_k = torch.cat([k[s - q :] for k, q, s in zip(keys, query_lens, seq_lens)])
-        new_v = torch.cat([v[s - q :] for v, q, s in zip(values, query_lens, seq_lens)])
+        new_k = torch.cat([k[s - q :] for k, q, s in zip(keys, query_lens, seq_lens, strict=False)])
+        new_v = torch.cat(
+            [v[s - q :] for v, q, s in zip(values, query_lens, seq_lens, strict=False)]
+        )
         q = torch.randn(sum(query_lens), num_heads, head_dim).to(dtype)
 
         out = backend.forward(q, new_k, new_v, cache, meta, scale)
@@ -63,7 +73,9 @@ def run_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size
         assert torch.equal(flat[1, meta.slot_mapping], new_v)
         untouched = torch.ones(flat.shape[1], dtype=torch.bool)
         untouched[meta.slot_mapping] = False
-        assert torch.equal(flat[:, untouched], before.view(2, -1, num_kv_heads, head_dim)[:, untouched])
+        assert torch.equal(
+            flat[:, untouched], before.view(2, -1, num_kv_heads, head_dim)[:, untouched]
+        )
 
         expected = reference_attention(q, keys, values, query_lens, seq_lens, scale)
         assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
@@ -80,11 +92,19 @@ MIXED = dict(query_lens=[1, 1, 1, 1, 7, 3, 9], seq_lens=[1, 16, 5, 37, 7, 29, 13
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_mixed_batch_matches_reference(num_heads, num_kv_heads, head_dim, block_size):
-    run_case(**MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+    run_case(
+        **MIXED,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+    )
 
 
 def test_decode_only_gqa_like_smollm2():
-    run_case([1] * 5, [300, 1, 77, 16, 129], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+    run_case(
+        [1] * 5, [300, 1, 77, 16, 129], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16
+    )
 
 
 def test_prefill_only():
@@ -110,13 +130,24 @@ def test_prepare_invalidates_plan_for_reused_metadata():
     backend = TorchAttentionBackend()
     cache = torch.randn(2, 32, block_size, kv_heads, dim)
     backend.prepare(meta)
-    backend.forward(torch.randn(1, heads, dim), torch.randn(1, kv_heads, dim), torch.randn(1, kv_heads, dim), cache, meta, 0.125)
+    backend.forward(
+        torch.randn(1, heads, dim),
+        torch.randn(1, kv_heads, dim),
+        torch.randn(1, kv_heads, dim),
+        cache,
+        meta,
+        0.125,
+    )
 
     refilled = build_metadata([1], [9], [table], block_size)
     for name in ("slot_mapping", "seq_lens", "seq_lens_cpu", "block_tables", "max_seq_len"):
         setattr(meta, name, getattr(refilled, name))
     backend.prepare(meta)
-    q, k, v = torch.randn(1, heads, dim), torch.randn(1, kv_heads, dim), torch.randn(1, kv_heads, dim)
+    q, k, v = (
+        torch.randn(1, heads, dim),
+        torch.randn(1, kv_heads, dim),
+        torch.randn(1, kv_heads, dim),
+    )
     out = backend.forward(q, k, v, cache, meta, 0.125)
     flat = cache.view(2, -1, kv_heads, dim)
     ctx_slots = [table[p // block_size] * block_size + p % block_size for p in range(9)]
@@ -137,8 +168,13 @@ def test_triton_backend_needs_cuda_or_the_interpreter():
     import subprocess
     import sys
 
-    code = "from engine.attention.backend import get_attention_backend; get_attention_backend('triton', 'cpu')"
+    code = (
+        "from engine.attention.backend import get_attention_backend; "
+        "get_attention_backend('triton', 'cpu')"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode != 0
     assert "needs a CUDA device" in result.stderr

@@ -1,25 +1,19 @@
-"""Per-request sampling parameters and their validation.
+"""Per-request sampling parameters and their validation: plain data, part of the contract
+every service shares.
 
-Holds data only: the sampler reads it, the scheduler never does (except `priority`, which
-lives on the request). Validation names the offending parameter in its message; a structured
-output constraint is checked by llguidance, which compiles it (without a tokenizer) but never
-touches a model. It also names the samples of an n > 1 request (their seeds and ids), which
-the gateway needs without importing the engine runtime.
+Holds data only: the engine's sampler reads it, its scheduler never does (except `priority`,
+which lives on the request). Validation names the offending parameter in its message and checks
+shapes and ranges only: whether a structured-output grammar compiles is the engine's to say
+(engine/grammar.py), so this module must never import torch, llguidance or the engine. It also
+names the samples of an n > 1 request (their seeds and ids).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from dataclasses import dataclass, field
-
-import llguidance
-
-# How JSON is written under a schema: compact, with json.dumps' separators, so a bounded schema
-# bounds the number of tokens (free whitespace lets a sampled model pad forever). A schema's
-# "x-guidance" key overrides these.
-JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+from typing import ClassVar
 
 
 @dataclass(frozen=True)
@@ -36,9 +30,14 @@ class StructuredOutput:
     grammar: str | None = None
     json_object: bool = False
 
-    KINDS = ("json", "regex", "choice", "grammar", "json_object")
-    _DESCRIPTIONS = {"json": "JSON schema", "regex": "regular expression",
-                     "choice": "choice list", "grammar": "grammar", "json_object": "JSON object"}
+    KINDS: ClassVar[tuple[str, ...]] = ("json", "regex", "choice", "grammar", "json_object")
+    DESCRIPTIONS: ClassVar[dict[str, str]] = {
+        "json": "JSON schema",
+        "regex": "regular expression",
+        "choice": "choice list",
+        "grammar": "grammar",
+        "json_object": "JSON object",
+    }
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
@@ -53,53 +52,23 @@ class StructuredOutput:
 
     def validate(self, name: str = "structured_output") -> None:
         """Raise ValueError, its message starting with `name` (the parameter the constraint came
-        in), unless exactly one kind is set and its grammar compiles."""
+        in), unless exactly one kind is set, with a value of the right type. Whether its grammar
+        compiles is engine.grammar.check_grammar's to say."""
         kinds = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
         if len(kinds) != 1:
-            raise ValueError(f"{name} must set exactly one of json, regex, choice, grammar or "
-                             f"json_object, got {' and '.join(kinds) or 'none'}")
+            raise ValueError(
+                f"{name} must set exactly one of json, regex, choice, grammar or "
+                f"json_object, got {' and '.join(kinds) or 'none'}"
+            )
         kind = kinds[0]
         value = getattr(self, kind)
         if kind == "choice":
             if not value or not all(isinstance(c, str) for c in value):
                 raise ValueError(f"{name}.choice must be a non-empty list of strings")
         elif not isinstance(value, bool if kind == "json_object" else str):
-            raise ValueError(f"{name}.{kind} must be a "
-                             f"{'boolean' if kind == 'json_object' else 'string'}")
-        problem = _grammar_problem(self)
-        if problem:
-            raise ValueError(f"{name} has an invalid {self._DESCRIPTIONS[kind]}: {problem}")
-
-    def llguidance_grammar(self) -> str:
-        """The constraint as an llguidance grammar; ValueError if it cannot be built."""
-        kind = self.kind
-        if kind == "json":
-            try:
-                schema = json.loads(self.json)
-            except ValueError as exc:
-                raise ValueError(f"the schema is not valid JSON ({exc})") from None
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT)
-        if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema(
-                {"type": "object"}, defaults=JSON_FORMAT)
-        if kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(self.regex)
-        if kind == "choice":
-            # JSON string literals are Lark string literals.
-            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
-            return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
-        return llguidance.grammar_from("grammar", self.grammar)
-
-
-@functools.lru_cache(maxsize=1024)
-def _grammar_problem(constraint: StructuredOutput) -> str:
-    """Why the constraint does not compile, or "" (cached: the gateway and the engine both ask)."""
-    try:
-        grammar = constraint.llguidance_grammar()
-    except ValueError as exc:
-        return str(exc)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    return messages[0].strip() if is_error else ""
+            raise ValueError(
+                f"{name}.{kind} must be a {'boolean' if kind == 'json_object' else 'string'}"
+            )
 
 
 SEED_MASK = (1 << 63) - 1  # seeds travel as int64
@@ -121,11 +90,11 @@ def parent_request_id(request_id: str) -> str | None:
 class SamplingParams:
     """How one request's tokens are chosen and when it stops.
 
-    temperature 0 (or below 1e-5) is greedy (exact argmax). top_k <= 0 disables top-k. max_tokens None means
-    "until the context is full". logprobs None returns none; k >= 0 returns the chosen token's
-    logprob and the top k alternatives. structured_output limits every token to what its
-    grammar allows, EOS only where the grammar is complete; the request ends when the grammar
-    can go no further.
+    temperature 0 (or below 1e-5) is greedy (exact argmax). top_k <= 0 disables top-k.
+    max_tokens None means "until the context is full". logprobs None returns none; k >= 0
+    returns the chosen token's logprob and the top k alternatives. structured_output limits
+    every token to what its grammar allows, EOS only where the grammar is complete; the request
+    ends when the grammar can go no further.
     """
 
     temperature: float = 1.0
@@ -176,15 +145,25 @@ class SamplingParams:
         """Raise ValueError naming the first bad parameter."""
 
         def finite(name: str, value: float) -> None:
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            if (
+                not isinstance(value, (int, float))
+                or isinstance(value, bool)
+                or not math.isfinite(value)
+            ):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
 
         def integer(name: str, value: object) -> None:
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
 
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
             finite(name, getattr(self, name))
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -225,8 +204,9 @@ class SamplingParams:
                     raise ValueError(f"{name} must be in [0, {self.MAX_LOGPROBS}], got {value}")
         if self.structured_output is not None:
             if not isinstance(self.structured_output, StructuredOutput):
-                raise ValueError("structured_output must be a StructuredOutput, got "
-                                 f"{self.structured_output!r}")
+                raise ValueError(
+                    f"structured_output must be a StructuredOutput, got {self.structured_output!r}"
+                )
             self.structured_output.validate()
         token_lists = [("stop_token_ids", list(self.stop_token_ids))]
         if self.logit_bias:

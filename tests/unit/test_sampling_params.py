@@ -1,0 +1,38 @@
+"""SamplingParams is plain data in the torch-free contract layer: importing it loads neither the
+engine, nor torch, nor llguidance; its own checks name the parameter; the engine adds the
+grammar check on top."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from common.sampling_params import SamplingParams, StructuredOutput
+from engine.grammar import validate_sampling_params
+
+
+def test_importing_sampling_params_loads_no_engine_torch_or_llguidance():
+    code = (
+        "import sys, common.sampling_params, common.sampling_proto; "
+        "print(sorted(m for m in ('engine', 'torch', 'llguidance') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"
+
+
+def test_shape_errors_are_caught_without_the_engine():
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingParams(top_p=0.0).validate()
+    with pytest.raises(ValueError, match="response_format must set exactly one of"):
+        StructuredOutput().validate("response_format")
+
+
+def test_a_grammar_that_does_not_compile_passes_the_shape_check_but_not_the_engine():
+    params = SamplingParams(structured_output=StructuredOutput(regex="a(b"))
+    params.validate()  # well formed: a string regex
+    with pytest.raises(ValueError, match="structured_output has an invalid regular expression"):
+        validate_sampling_params(params)
