@@ -37,12 +37,14 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
 def can_prepack(weight: torch.Tensor) -> bool:
     """oneDNN's prepacked layout for bf16 CPU matmuls (what torch.compile's freezing uses):
     about 2x faster at batch 1 and 1.1-1.2x at large batches, with identical results.
-    float32 keeps plain F.linear, the exact path the correctness oracle checks."""
+    float32 keeps plain F.linear, the exact path the correctness oracle checks. oneDNN refuses
+    the bf16 layout on CPUs without native bf16 support (AVX2-only ones): they keep F.linear."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
 
 
