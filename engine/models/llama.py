@@ -3,6 +3,8 @@
 q/k/v and gate/up are fused into single weights (the loader fills them shard by shard) so each
 layer is a handful of large ops. Parameters are created empty: only the loader fills them. This
 module never reads files and never allocates the KV cache; attention goes through the backend.
+With tensor parallelism (engine.models.parallel) each rank builds the same model over its share
+of heads, MLP rows and vocabulary; with one rank the layers are the plain ones.
 """
 
 from __future__ import annotations
@@ -19,6 +21,18 @@ from torch import nn
 from engine.attention.backend import AttentionBackend, torch_rms_norm
 from engine.attention.metadata import AttentionMetadata
 from engine.models.config import ModelConfig
+from engine.models.parallel import (
+    SINGLE,
+    CheckpointSlice,
+    TensorParallel,
+    all_reduce_,
+    embed,
+    gather_logits,
+    kv_heads_slice,
+    scaled,
+    split_evenly,
+    vocab_slice,
+)
 
 
 @dataclass
@@ -72,13 +86,20 @@ def linear(
 
 class Linear(nn.Module):
     """Weight [sum(output_sizes), in] and optional bias; output_sizes > 1 entry means fused
-    shards."""
+    shards. A column-parallel one holds checkpoint_rows of each shard (None: all rows)."""
 
     def __init__(
-        self, in_features: int, output_sizes: list[int], bias: bool, dtype, device
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool,
+        dtype,
+        device,
+        checkpoint_rows: list[CheckpointSlice] | None = None,
     ) -> None:
         super().__init__()
         self.output_sizes = output_sizes
+        self.checkpoint_rows = checkpoint_rows
         self.weight = _empty(sum(output_sizes), in_features, dtype=dtype, device=device)
         self.bias = _empty(sum(output_sizes), dtype=dtype, device=device) if bias else None
         self.packed: torch.Tensor | None = None
@@ -91,6 +112,53 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.packed, self.bias)
+
+
+def column_linear(
+    in_features: int,
+    shards: list[CheckpointSlice],
+    bias: bool,
+    dtype,
+    device,
+    tp: TensorParallel,
+) -> Linear:
+    """A linear layer over the given output shards (fused when more than one); with several
+    ranks it holds only this rank's rows of each."""
+    sizes = [s.count for s in shards]
+    return Linear(in_features, sizes, bias, dtype, device, shards if tp.size > 1 else None)
+
+
+class RowParallelLinear(Linear):
+    """Holds checkpoint_columns of the input features: each rank's product is partial and an
+    all-reduce sums them; the bias (whole on every rank) is added once, after the sum."""
+
+    def __init__(
+        self,
+        columns: CheckpointSlice,
+        out_features: int,
+        bias: bool,
+        dtype,
+        device,
+        tp: TensorParallel,
+    ) -> None:
+        super().__init__(columns.count, [out_features], False, dtype, device)
+        self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
+        self.checkpoint_columns = columns
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = all_reduce_(linear(x, self.weight, self.packed), self.tp)
+        return out if self.bias is None else out.add_(self.bias)
+
+
+def row_linear(
+    columns: CheckpointSlice, out_features: int, bias: bool, dtype, device, tp: TensorParallel
+) -> Linear:
+    """A linear layer over the given input features: plain with one rank, row-parallel (this
+    rank's columns, all-reduced) with several."""
+    if tp.size == 1:
+        return Linear(columns.full, [out_features], bias, dtype, device)
+    return RowParallelLinear(columns, out_features, bias, dtype, device, tp)
 
 
 class RMSNorm(nn.Module):
@@ -135,23 +203,28 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict, max_positions: int) -
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype, device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        dtype,
+        device,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = d = config.head_dim
-        self.q_size = self.num_heads * d
-        self.kv_size = self.num_kv_heads * d
+        q_rows = scaled(split_evenly(config.num_attention_heads, tp), d)
+        kv_rows = scaled(kv_heads_slice(config.num_key_value_heads, tp), d)
+        self.num_heads = q_rows.count // d
+        self.num_kv_heads = kv_rows.count // d
+        self.q_size = q_rows.count
+        self.kv_size = kv_rows.count
         self.scale = d**-0.5
         self.backend = backend
-        self.qkv_proj = Linear(
-            config.hidden_size,
-            [self.q_size, self.kv_size, self.kv_size],
-            config.attention_bias,
-            dtype,
-            device,
+        self.qkv_proj = column_linear(
+            config.hidden_size, [q_rows, kv_rows, kv_rows], config.attention_bias, dtype, device, tp
         )
-        self.o_proj = Linear(self.q_size, [config.hidden_size], config.o_proj_bias, dtype, device)
+        self.o_proj = row_linear(q_rows, config.hidden_size, config.o_proj_bias, dtype, device, tp)
         self.eps = config.rms_norm_eps
         self.qk_norm = config.qk_norm
         if config.qk_norm:
@@ -191,23 +264,39 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype, device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        dtype,
+        device,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
-        i = config.intermediate_size
+        rows = split_evenly(config.intermediate_size, tp)
         self.backend = backend
-        self.gate_up_proj = Linear(config.hidden_size, [i, i], config.mlp_bias, dtype, device)
-        self.down_proj = Linear(i, [config.hidden_size], config.mlp_bias, dtype, device)
+        self.gate_up_proj = column_linear(
+            config.hidden_size, [rows, rows], config.mlp_bias, dtype, device, tp
+        )
+        self.down_proj = row_linear(rows, config.hidden_size, config.mlp_bias, dtype, device, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype, device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        dtype,
+        device,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
         self.backend = backend
-        self.self_attn = LlamaAttention(config, backend, dtype, device)
-        self.mlp = LlamaMLP(config, backend, dtype, device)
+        self.self_attn = LlamaAttention(config, backend, dtype, device, tp)
+        self.mlp = LlamaMLP(config, backend, dtype, device, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype, device
@@ -236,16 +325,29 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+def vocab_rows(config: ModelConfig, dtype, device, tp: TensorParallel) -> nn.Module:
+    """A bare module holding one [vocab rows, hidden] weight under the checkpoint's name
+    (model.embed_tokens.weight, lm_head.weight); with several ranks, this rank's rows."""
+    module = nn.Module()
+    rows, padded = vocab_slice(config.vocab_size, tp)
+    module.weight = _empty(padded, config.hidden_size, dtype=dtype, device=device)
+    module.checkpoint_rows = [rows] if tp.size > 1 else None
+    return module
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype, device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        dtype,
+        device,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
-        # Bare modules holding one weight keep the checkpoint's names (model.embed_tokens.weight).
-        self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _empty(
-            config.vocab_size, config.hidden_size, dtype=dtype, device=device
-        )
+        self.embed_tokens = vocab_rows(config, dtype, device, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, dtype, device)
+            LlamaDecoderLayer(config, backend, dtype, device, tp)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
@@ -262,18 +364,23 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.config = config
         self.backend = backend
-        self.model = LlamaModel(config, backend, dtype, device)
-        self.lm_head = nn.Module()
-        self.lm_head.weight = (
-            self.model.embed_tokens.weight
-            if config.tie_word_embeddings
-            else _empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        )
+        self.tp = tp
+        self.model = LlamaModel(config, backend, dtype, device, tp)
+        if config.tie_word_embeddings:
+            self.lm_head = nn.Module()
+            self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head = vocab_rows(config, dtype, device, tp)
         self.lm_head_packed: torch.Tensor | None = None
         self.register_buffer("rope", rope_table(config, dtype, device), persistent=False)
 
@@ -298,7 +405,7 @@ class LlamaForCausalLM(nn.Module):
         self.backend.prepare(attn_metadata)
         table = self.rope[positions]
         rope = RopeInputs(positions, self.rope, (table[:, 0:1], table[:, 1:2]))
-        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        x = embed(input_ids, self.model.embed_tokens.weight, self.tp)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, rope, kv_cache, attn_metadata)
@@ -306,5 +413,11 @@ class LlamaForCausalLM(nn.Module):
         return self.backend.rms_norm(x, norm.weight, norm.eps, residual)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head.weight, self.lm_head_packed).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[rows, vocab] float32 logits; with several ranks rank 0 gathers them from every
+        rank's vocabulary columns and the other ranks get None."""
+        logits = linear(hidden, self.lm_head.weight, self.lm_head_packed)
+        if self.tp.size == 1:
+            return logits.float()
+        gathered = gather_logits(logits, self.config.vocab_size, self.tp)
+        return None if gathered is None else gathered.float()

@@ -1,7 +1,8 @@
 """Builds a model from a Hugging Face safetensors directory (one file or an indexed shard set).
 
 Maps checkpoint names onto our fused layout and fails loudly, naming the weights, when the
-checkpoint and the model disagree. It must never download anything: the directory is local.
+checkpoint and the model disagree. A tensor-parallel rank reads only its rows or columns of
+each tensor (safetensors slices). It must never download anything: the directory is local.
 """
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ from common.config import CPU_KERNEL_CACHE_CAPACITY
 from engine.attention.backend import get_attention_backend
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM, bound_cpu_kernel_caches
+from engine.models.parallel import (
+    SINGLE,
+    CheckpointSlice,
+    TensorParallel,
+    check_tensor_parallel_size,
+)
 
 # Architecture name (config.json "architectures") -> model class.
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
@@ -34,9 +41,12 @@ def load_model(
     dtype: torch.dtype,
     device: str | torch.device,
     attention_backend: str = "auto",
+    tp: TensorParallel = SINGLE,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The model of a local directory, or this rank's shard of it."""
     path = Path(path)
     config = ModelConfig.from_dir(path)
+    check_tensor_parallel_size(config.num_attention_heads, config.num_key_value_heads, tp.size)
     model_class = MODEL_REGISTRY.get(config.architecture)
     if model_class is None:
         registered = ", ".join(MODEL_REGISTRY)
@@ -45,7 +55,7 @@ def load_model(
         )
     if torch.device(device).type == "cpu":
         bound_cpu_kernel_caches(CPU_KERNEL_CACHE_CAPACITY)
-    model = model_class(config, get_attention_backend(attention_backend, device), dtype, device)
+    model = model_class(config, get_attention_backend(attention_backend, device), dtype, device, tp)
     load_weights(model, _checkpoint_files(path))
     model.finalize_weights()
     return model, config
@@ -84,11 +94,16 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
                 if name not in params:
                     unexpected.append(key)
                     continue
+                module = model.get_submodule(name.rpartition(".")[0])
                 target = params[name].data
                 if shard is not None:
-                    sizes = model.get_submodule(name.rpartition(".")[0]).output_sizes
+                    sizes = module.output_sizes
                     target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
-                tensor = f.get_tensor(key)
+                tensor = _read(f, key, module, name.endswith(".weight"), shard or 0)
+                if tensor.shape[0] < target.shape[0] and getattr(module, "checkpoint_rows", None):
+                    # The last vocabulary shard's padding rows: never looked up, logits cut off.
+                    target[tensor.shape[0] :].zero_()
+                    target = target[: tensor.shape[0]]
                 if tensor.shape != target.shape:
                     raise ValueError(
                         f"weight {key!r} has shape {tuple(tensor.shape)}, "
@@ -108,6 +123,30 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
         problems.append("unexpected " + ", ".join(sorted(unexpected)))
     if problems:
         raise ValueError("checkpoint does not match the model: " + "; ".join(problems))
+
+
+def _read(f, key: str, module, is_weight: bool, shard: int) -> torch.Tensor:
+    """The checkpoint tensor, or only the rows (column-parallel layers, vocabulary shards) or
+    columns (row-parallel weights) this rank holds."""
+    rows = getattr(module, "checkpoint_rows", None)
+    columns = getattr(module, "checkpoint_columns", None) if is_weight else None
+    if rows is None and columns is None:
+        return f.get_tensor(key)
+    tensor = f.get_slice(key)
+    shape = tensor.get_shape()
+    if rows is not None:
+        _check_full(key, shape, 0, rows[shard])
+        return tensor[rows[shard].start : rows[shard].start + rows[shard].count]
+    _check_full(key, shape, 1, columns)
+    return tensor[:, columns.start : columns.start + columns.count]
+
+
+def _check_full(key: str, shape: list[int], dim: int, part: CheckpointSlice) -> None:
+    if len(shape) <= dim or shape[dim] != part.full:
+        raise ValueError(
+            f"weight {key!r} has shape {tuple(shape)}, the model expects {part.full} "
+            f"entries along dimension {dim}"
+        )
 
 
 def _our_name(key: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
