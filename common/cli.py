@@ -96,6 +96,15 @@ def _engine(args: argparse.Namespace) -> int:
     return _run_service(_require_internal_token(service), args.drain_seconds)
 
 
+def _engine_worker(args: argparse.Namespace) -> int:
+    import logging
+
+    from engine.worker import run_worker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return run_worker(args.rank, args.world_size, args.master_addr, args.master_port, args.once)
+
+
 def _gateway(args: argparse.Namespace) -> int:
     from common.auth import internal_token, load_api_keys
     from gateway.server import GatewayServer
@@ -152,6 +161,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_service_args(engine, ENGINE_PORT)
     add_engine_args(engine)
     engine.set_defaults(func=_engine)
+
+    worker = sub.add_parser(
+        "engine-worker",
+        help="run one tensor-parallel rank of an engine started with --external-workers",
+    )
+    worker.add_argument("--rank", type=int, required=True, help="this worker's rank, 1..N-1")
+    worker.add_argument("--world-size", type=int, required=True, help="the engine's N")
+    worker.add_argument(
+        "--master-addr", default="127.0.0.1", help="the engine's --master-addr (rendezvous)"
+    )
+    worker.add_argument("--master-port", type=int, required=True, help="the engine's --master-port")
+    worker.add_argument(
+        "--once",
+        action="store_true",
+        help="exit when the engine stops or goes away (default: wait for it to come back)",
+    )
+    worker.set_defaults(func=_engine_worker)
 
     gateway = sub.add_parser(
         "gateway", help="run the HTTP gateway (OpenAI API) and its gRPC text API"

@@ -14,6 +14,7 @@ from pathlib import Path
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_HOST = "127.0.0.1"
 
 
 def _arg(default, type_, help_, choices=None):
@@ -63,6 +64,21 @@ class EngineConfig:
     )
     num_threads: int | None = _arg(None, int, "CPU threads for torch (default: torch's choice)")
     seed: int = _arg(0, int, "seed of the generator shared by unseeded sampled requests")
+    tensor_parallel_size: int = _arg(
+        1, int, "processes (ranks) the model is sharded over; rank 0 is the engine itself"
+    )
+    master_addr: str = _arg(
+        DEFAULT_HOST,
+        str,
+        "address the tensor-parallel rendezvous and rank 0's sockets bind to (no "
+        "authentication: keep it on a private network)",
+    )
+    master_port: int = _arg(0, int, "port of the tensor-parallel rendezvous (0 picks a free one)")
+    external_workers: bool = _arg(
+        False,
+        bool,
+        "wait for workers started with `folio engine-worker` instead of starting them",
+    )
 
     def __post_init__(self) -> None:
         def require(ok: bool, message: str) -> None:
@@ -101,11 +117,20 @@ class EngineConfig:
             self.kv_cache_memory_bytes > 0,
             f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}",
         )
+        require(
+            self.tensor_parallel_size >= 1,
+            f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}",
+        )
+        require(
+            not self.external_workers or (self.tensor_parallel_size > 1 and self.master_port),
+            "external_workers needs tensor_parallel_size > 1 and a master_port the workers "
+            f"know (got tensor_parallel_size {self.tensor_parallel_size}, "
+            f"master_port {self.master_port})",
+        )
 
 
 # Where the services listen by default: loopback only, one port each; `folio serve` and
 # docker compose use the same numbers.
-DEFAULT_HOST = "127.0.0.1"
 ENGINE_PORT = 50051
 TOKENIZER_PORT = 50052
 GATEWAY_GRPC_PORT = 50053
@@ -141,6 +166,16 @@ MAX_RESTARTS = 5
 # `folio bench offline` runs as fast (within its noise). An environment value set by the
 # operator (ONEDNN_PRIMITIVE_CACHE_CAPACITY, LRU_CACHE_CAPACITY) wins.
 CPU_KERNEL_CACHE_CAPACITY = 64
+# Tensor parallelism: each worker rank bumps a counter in the rendezvous store this often;
+# rank 0 declares a worker dead when its counter has not moved for HEARTBEAT_TIMEOUT_SECONDS
+# (or at once when a worker it started exits). Liveness never comes from a collective timing
+# out: an idle group waits in its collectives for as long as it stays idle.
+TP_HEARTBEAT_SECONDS = 0.5
+TP_HEARTBEAT_TIMEOUT_SECONDS = 10.0
+# How long a worker waits for the engine's rendezvous before trying again, and how long a
+# failed engine whose step is stuck in a collective gets to fail its requests before it exits.
+TP_RENDEZVOUS_RETRY_SECONDS = 1.0
+TP_FAILURE_EXIT_SECONDS = 5.0
 # gRPC channel options of the clients of the internal services: a restarted service is found
 # again within a second, not after gRPC's default reconnect back-off (up to two minutes).
 RECONNECT_CHANNEL_OPTIONS = [

@@ -17,11 +17,18 @@ import torch
 from common.config import EngineConfig
 from common.default_model import resolve_model_path
 from common.sampling_params import SamplingParams
+from engine.distributed import EngineGroup, start_engine_group
 from engine.errors import InvalidRequestError
 from engine.grammar import validate_sampling_params
 from engine.kv_cache_manager import KVCacheManager, num_blocks_for_budget
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.models.config import ModelConfig
+from engine.models.parallel import (
+    SINGLE,
+    TensorParallel,
+    check_tensor_parallel_size,
+    kv_heads_slice,
+)
 from engine.outputs import RequestOutput, StepTimings
 from engine.prompt_logprobs import record_prompt_logprobs
 from engine.request import FinishReason, Request
@@ -53,10 +60,15 @@ class LLMEngine:
         model_config = ModelConfig.from_dir(self.model_path)
         self.model_config = model_config
         dtype = resolve_dtype(config.dtype)
+        tp_size = config.tensor_parallel_size
+        check_tensor_parallel_size(
+            model_config.num_attention_heads, model_config.num_key_value_heads, tp_size
+        )
+        # The budget is per rank: each holds its share of the KV heads, all the same block ids.
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(
             config.kv_cache_memory_bytes,
             model_config.num_hidden_layers,
-            model_config.num_key_value_heads,
+            kv_heads_slice(model_config.num_key_value_heads, TensorParallel(0, tp_size)).count,
             model_config.head_dim,
             config.block_size,
             torch.empty((), dtype=dtype).element_size(),
@@ -64,7 +76,22 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(config, model_config, num_blocks)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache)
-        self.runner = ModelRunner(config, str(self.model_path), num_blocks, self.max_model_len)
+        self.group: EngineGroup | None = None
+        if tp_size > 1:
+            self.group = start_engine_group(config, self.model_path, num_blocks, self.max_model_len)
+        try:
+            self.runner = ModelRunner(
+                config,
+                str(self.model_path),
+                num_blocks,
+                self.max_model_len,
+                self.group.tp if self.group else SINGLE,
+            )
+        except BaseException:
+            self.close()
+            raise
+        if self.group is not None:
+            self.runner.broadcast_step = self.group.broadcast_step
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.sampler = Sampler(
@@ -189,6 +216,17 @@ class LLMEngine:
             if not parent.samples:
                 self._retire(parent)
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent); the engine is unusable after."""
+        if self.group is not None:
+            self.group.close()
+
+    def add_failure_listener(self, listener) -> None:
+        """`listener(EngineGroupError)` runs (in another thread) if a tensor-parallel rank dies
+        or hangs; single-process engines never call it."""
+        if self.group is not None:
+            self.group.add_failure_listener(listener)
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
@@ -216,7 +254,7 @@ class LLMEngine:
         # Structured output: the grammars' masks are computed while the forward runs.
         masks = self.structured.start_masks(model_input.sampling_requests)
         t2 = time.perf_counter()
-        logits = self.runner.forward(model_input)
+        logits = self._forward(model_input)
         t3 = time.perf_counter()
         # Rows past the sampled ones are prompt positions whose logprobs were asked.
         num_sampled = len(model_input.sampling_requests)
@@ -236,6 +274,16 @@ class LLMEngine:
         t5 = time.perf_counter()
         self.timings.add(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)
         return outputs
+
+    def _forward(self, model_input):
+        if self.group is None:
+            return self.runner.forward(model_input)
+        # With several ranks any failure here leaves them out of step: the group is done.
+        self.group.raise_if_failed()
+        try:
+            return self.runner.forward(model_input)
+        except Exception as exc:
+            raise self.group.step_failed(exc) from exc
 
     def _update(
         self,

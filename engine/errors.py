@@ -15,3 +15,8 @@ class InvalidRequestError(EngineError, ValueError):
 
 class QueueFullError(EngineError):
     """The bounded waiting queue is full (RESOURCE_EXHAUSTED / HTTP 429)."""
+
+
+class EngineGroupError(RuntimeError):
+    """A tensor-parallel rank died, hung or fell out of step: the engine cannot go on and
+    fails its live requests (INTERNAL); the process should exit so that it is restarted."""

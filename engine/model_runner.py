@@ -11,6 +11,7 @@ sampler does).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,6 +22,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
+from engine.models.parallel import SINGLE, TensorParallel
 from engine.prompt_logprobs import PromptLogprobSpan, plan_span
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
@@ -72,22 +74,29 @@ class ModelInput:
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model_path: str, num_blocks: int, max_model_len: int
+        self,
+        config: EngineConfig,
+        model_path: str,
+        num_blocks: int,
+        max_model_len: int,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype)
         self.block_size = config.block_size
         self.model, self.model_config = load_model(
-            model_path, self.dtype, self.device, attention_backend=config.attention_backend
+            model_path, self.dtype, self.device, config.attention_backend, tp
         )
         cfg: ModelConfig = self.model_config
         self.num_blocks = num_blocks
+        # With tensor parallelism: rank 0 sends each step's inputs to the other ranks here.
+        self.broadcast_step: Callable[[ModelInput], None] | None = None
         self.kv_caches = [
             torch.zeros(
                 2,
                 num_blocks,
                 self.block_size,
-                cfg.num_key_value_heads,
+                self.model.model.layers[0].self_attn.num_kv_heads,  # this rank's share
                 cfg.head_dim,
                 dtype=self.dtype,
                 device=self.device,
@@ -108,7 +117,8 @@ class ModelRunner:
         # rows make up to one per token.
         self.logits_indices = StepBuffer((max_tokens + max_seqs,), torch.int64, dev)
         self._arange = np.arange(max_model_len, dtype=np.int64)
-        self.graphs = DecodeGraphs.capture_if_enabled(self, config)
+        # Graph capture does not cover the collectives of tensor parallelism.
+        self.graphs = DecodeGraphs.capture_if_enabled(self, config) if tp.size == 1 else None
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
         bs = self.block_size
@@ -206,7 +216,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, model_input: ModelInput) -> torch.Tensor:
         """Logits [rows of logits_indices, vocab] in float32: one per sampling request, then
-        one per prompt-logprob position."""
+        one per prompt-logprob position (None on tensor-parallel ranks other than 0)."""
+        if self.broadcast_step is not None:
+            self.broadcast_step(model_input)
         if model_input.block_copies:
             sources, dests = torch.tensor(model_input.block_copies, device=self.device).unbind(1)
             self.model.backend.copy_blocks(self.kv_caches, sources, dests)
