@@ -68,8 +68,7 @@ def _run_service(service, drain_seconds: float) -> int:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(service.run(drain_seconds))
-    return 0
+    return asyncio.run(service.run(drain_seconds))
 
 
 def _require_internal_token(service):

@@ -28,7 +28,7 @@ from typing import Any
 
 from common.sampling_params import SamplingParams
 from engine.engine import EngineStats, LLMEngine
-from engine.errors import EngineError
+from engine.errors import EngineError, EngineGroupError
 from engine.outputs import RequestOutput, StepTimings
 
 logger = logging.getLogger(__name__)
@@ -75,8 +75,15 @@ class _Sink:
 
 
 class AsyncEngine:
-    def __init__(self, build_engine: Callable[[], LLMEngine]) -> None:
+    def __init__(
+        self,
+        build_engine: Callable[[], LLMEngine],
+        on_fatal: Callable[[EngineGroupError], None] | None = None,
+    ) -> None:
+        """`on_fatal(error)` runs in the loop thread when the engine cannot go on (a
+        tensor-parallel rank died): live requests have been failed and the loop is ending."""
         self._build_engine = build_engine
+        self._on_fatal = on_fatal
         self.engine: LLMEngine | None = None  # set by the loop thread before `start` resolves
         self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -147,16 +154,22 @@ class AsyncEngine:
         except BaseException as exc:
             self._ready.set_exception(exc)
             return
+        # A rank that dies while the loop waits for work: the loop wakes to fail and stop.
+        self.engine.add_failure_listener(lambda error: self._inbox.put(lambda: self._fatal(error)))
         self._ready.set_result(None)
-        while not self._stopping:
-            self._drain_inbox(wait=not self.engine.has_unfinished)
-            if self.engine.has_unfinished and not self._stopping:
-                self._step()
-                if not self.engine.has_unfinished:
-                    release_free_heap()
-        # Commands posted before the stop still run; the requests they add are aborted just below.
-        self._drain_inbox(wait=False)
-        self._abort(list(self._sinks))
+        try:
+            while not self._stopping:
+                self._drain_inbox(wait=not self.engine.has_unfinished)
+                if self.engine.has_unfinished and not self._stopping:
+                    self._step()
+                    if not self.engine.has_unfinished:
+                        release_free_heap()
+            # Commands posted before the stop still run; the requests they add are aborted
+            # just below.
+            self._drain_inbox(wait=False)
+            self._abort(list(self._sinks))
+        finally:
+            self.engine.close()
 
     def _drain_inbox(self, wait: bool) -> None:
         try:
@@ -191,6 +204,9 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except EngineGroupError as exc:
+            self._fatal(exc)
+            return
         except Exception as exc:
             # Fail this step's requests, not the process: the next requests may well succeed.
             logger.exception("engine step failed; failing every live request")
@@ -200,6 +216,19 @@ class AsyncEngine:
             self._deliver([(self._sinks.pop(r), RequestFailed(r, exc)) for r in failed])
             return
         self._deliver(self._route(outputs))
+
+    def _fatal(self, error: EngineGroupError) -> None:
+        """The engine cannot go on: fail every live request with `error` and stop the loop."""
+        if self._stopping:
+            return
+        logger.error("the engine cannot go on, failing every live request: %s", error)
+        failed = list(self._sinks)
+        for request_id in failed:
+            self.engine.abort(request_id)  # frees its blocks; runs nothing on the ranks
+        self._deliver([(self._sinks.pop(r), RequestFailed(r, error)) for r in failed])
+        self._stopping = True
+        if self._on_fatal is not None:
+            self._on_fatal(error)
 
     def _abort(self, request_ids: list[str]) -> list[str]:
         """Abort by request id, or one sample of an n > 1 request by its sample id."""

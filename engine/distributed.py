@@ -350,6 +350,10 @@ class EngineGroup:
         if self.failure is None and hasattr(self, "channel"):
             with contextlib.suppress(Exception):
                 self.channel.send(STOP)
+        else:  # the survivors wait in a collective that will never complete
+            for process in self.workers.values():
+                if process.poll() is None:
+                    process.terminate()
         for process in self.workers.values():
             try:
                 process.wait(10)
@@ -357,6 +361,7 @@ class EngineGroup:
                 process.kill()
                 process.wait()
         leave_group()
+        self._store = None  # closes the rendezvous port: a restarted engine may bind it again
 
 
 def _exit(process: subprocess.Popen) -> str:

@@ -57,6 +57,16 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(self.engine.model_path)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel worker ranks, if any; the LLM is unusable after."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],

@@ -25,6 +25,8 @@ from common.config import GRPC_MESSAGE_OPTIONS
 from common.errors import UnavailableError, status_code_for
 
 logger = logging.getLogger(__name__)
+# A failed service lets the errors it already sent reach their callers, then stops.
+FAILED_DRAIN_SECONDS = 1.0
 
 
 class State(enum.Enum):
@@ -48,6 +50,8 @@ class GrpcService:
         self._server: grpc.aio.Server | None = None
         self._serving = asyncio.Event()
         self._warm_up_task: asyncio.Task | None = None
+        self._stop_requested: asyncio.Event | None = None
+        self.failure: BaseException | None = None
         self._interceptors: list[grpc.aio.ServerInterceptor] = []
 
     def require_keys(self, keys: KeySet, what: str, open_health: bool = True) -> None:
@@ -66,6 +70,13 @@ class GrpcService:
 
     async def close(self) -> None:
         """Free what warm_up loaded (runs after the last RPC ended)."""
+
+    def fail(self, error: BaseException) -> None:
+        """The service cannot go on (event loop thread): `run` stops it at once and returns 1."""
+        logger.error("%s failed: %s", type(self).__name__, error)
+        self.failure = error
+        if self._stop_requested is not None:
+            self._stop_requested.set()
 
     def check_available(self) -> None:
         """Raise UnavailableError unless serving; servicers call it first."""
@@ -125,9 +136,10 @@ class GrpcService:
         await self.close()
         self.state = State.STOPPED
 
-    async def run(self, grace: float) -> None:
-        """Serve until SIGTERM or SIGINT, then drain for at most `grace` seconds."""
-        stop = asyncio.Event()
+    async def run(self, grace: float) -> int:
+        """Serve until SIGTERM or SIGINT, then drain for at most `grace` seconds; 0, or 1 when
+        the service failed (`fail`): then the drain is short, what was live has been failed."""
+        stop = self._stop_requested = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
@@ -143,7 +155,8 @@ class GrpcService:
                 self._warm_up_task.result()  # a failed warm-up ends the process with its error
                 await stopped
         finally:
-            await self.stop(grace)
+            await self.stop(grace if self.failure is None else FAILED_DRAIN_SECONDS)
+        return 0 if self.failure is None else 1
 
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
         # "" is the whole server, as standard health clients (grpc_health_probe) ask by default.

@@ -8,6 +8,9 @@ them when the stream goes away; everything else is the library's.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -15,7 +18,7 @@ import grpc
 from common.grpc_stubs.folio.v1 import engine_pb2 as pb
 from common.grpc_stubs.folio.v1 import engine_pb2_grpc
 
-from common.config import EngineConfig
+from common.config import TP_FAILURE_EXIT_SECONDS, EngineConfig
 from common.errors import UnavailableError
 from common.sampling_params import parent_request_id
 from common.sampling_proto import sampling_params_from_proto
@@ -24,6 +27,8 @@ from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from services.engine.convert import error_output, event_to_proto
 from services.grpc_server import GrpcService
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -175,6 +180,23 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         )
 
 
+def _exit_unless_stopped_soon(error: Exception) -> None:
+    """A tensor-parallel group failed: the loop fails the requests and the service stops; if a
+    step stuck in a collective keeps the loop from it, the process ends anyway (exit 1), so
+    that `folio serve` restarts the group instead of waiting on it forever."""
+
+    def exit_now() -> None:
+        logger.error(
+            "the engine did not stop %g s after %s; exiting", TP_FAILURE_EXIT_SECONDS, error
+        )
+        logging.shutdown()
+        os._exit(1)
+
+    timer = threading.Timer(TP_FAILURE_EXIT_SECONDS, exit_now)
+    timer.daemon = True
+    timer.start()
+
+
 class EngineService(GrpcService):
     service_names = (pb.DESCRIPTOR.services_by_name["EngineService"].full_name,)
 
@@ -190,8 +212,13 @@ class EngineService(GrpcService):
         # Loading the model takes seconds: in the engine's own thread (where every step runs),
         # off the event loop, so health checks get answers meanwhile. `close` joins that
         # thread, so a stop during warm-up waits for the load instead of killing it midway.
-        self.engine = AsyncEngine(lambda: LLMEngine(self.config))
+        loop = asyncio.get_running_loop()
+        self.engine = AsyncEngine(
+            lambda: LLMEngine(self.config),
+            on_fatal=lambda error: loop.call_soon_threadsafe(self.fail, error),
+        )
         await asyncio.wrap_future(self.engine.start())
+        self.engine.engine.add_failure_listener(_exit_unless_stopped_soon)
 
     async def close(self) -> None:
         if self.engine is not None:
