@@ -6,7 +6,8 @@
 # under its own time limit (about 8 minutes in all):
 #   1. the kernel tests natively on CUDA (FOLIO_KERNEL_DEVICE=cuda: bf16 numerics, tf32 dots);
 #   2. paged decode attention against gather + SDPA and dense flash SDPA (bench/gpu_kernels.py);
-#   3. folio bench offline on the GPU with the Triton backend.
+#   3. folio bench offline on the GPU with the Triton backend;
+#   4. with 2 or more GPUs, tensor parallelism over NCCL: TP=2 against TP=1 (bench/tp_check.py).
 # Prints a one-line verdict per step at the end; exits non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +49,13 @@ step "kernel tests on cuda" 150 env FOLIO_KERNEL_DEVICE=cuda "$PY" -m pytest -q 
 step "decode attention bench" 90 "$PY" -m bench.gpu_kernels
 step "folio bench offline" 150 $FOLIO bench offline --device cuda --attention-backend triton --skip-hf \
     --num-requests 64 --max-prompt 512 --max-output 128
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+if [ "$GPUS" -ge 2 ]; then
+    step "tp=2 over NCCL" 150 "$PY" -m bench.tp_check --device cuda --tensor-parallel-size 2
+else
+    echo
+    echo "== $GPUS GPU: tensor parallelism (TP=2 over NCCL) needs 2 or more; TP=1 only"
+fi
 
 echo
 echo "== summary"

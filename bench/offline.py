@@ -1,8 +1,9 @@
 """`folio bench offline`: Folio's engine against transformers `generate` on one workload.
 
 Prints figures measured in this run: output tokens/s of both and their ratio, batch-1 decode
-tokens/s of both, and the engine's per-phase step time at two batch sizes. A benchmark, not a
-test: it asserts nothing and never runs in the suite.
+tokens/s of both, and the engine's per-phase step time at two batch sizes. With
+--tensor-parallel-size N > 1 the engine's figures come for N ranks and, next to them, for one.
+A benchmark, not a test: it asserts nothing and never runs in the suite.
 """
 
 from __future__ import annotations
@@ -136,33 +137,18 @@ def hf_decode_rate(model_dir: str, dtype: str, prompt: list[int], num_tokens: in
     return (num_tokens - 1) / (timed(num_tokens) - timed(1))
 
 
-def run_offline_benchmark(args: argparse.Namespace) -> None:
-    from common.config import engine_config_from_args
-    from engine.llm import LLM
-
-    config = engine_config_from_args(args)
-    llm = LLM(**vars(config))
+def measure_folio(llm, args: argparse.Namespace, workload: Workload, label: str) -> tuple:
+    """Prints Folio's throughput, batch-1 decode rate and step phases; returns the first two."""
     vocab = llm.engine.vocab_size
-    workload = make_workload(args, vocab)
-    model_dir = str(llm.engine.model_path)
-    print(
-        f"model {model_dir}  dtype {llm.engine.runner.dtype}  "
-        f"threads {__import__('torch').get_num_threads()}"
-    )
-    print(
-        f"workload: {len(workload.prompts)} requests, prompts {args.min_prompt}-{args.max_prompt}, "
-        f"outputs {args.min_output}-{args.max_output} ({workload.output_tokens} output tokens), "
-        f"greedy, ignore_eos"
-    )
     decode_prompt = workload.prompts[0][:32]
     folio_generate_warmup = llm.generate([decode_prompt], _greedy(4))
     del folio_generate_warmup
 
     folio_s = run_folio(llm, workload)
     folio_tps = workload.output_tokens / folio_s
-    print(f"folio        throughput {folio_tps:8.1f} output tok/s  ({folio_s:.1f} s)")
+    print(f"{label:12} throughput {folio_tps:8.1f} output tok/s  ({folio_s:.1f} s)")
     folio_b1 = folio_decode_rate(llm, decode_prompt, 128)
-    print(f"folio        batch-1 decode {folio_b1:6.1f} tok/s")
+    print(f"{label:12} batch-1 decode {folio_b1:6.1f} tok/s")
 
     for batch in (int(b) for b in args.phase_batches.split(",")):
         phases = folio_phases(llm, batch, prompt_len=256, decode_steps=32, vocab_size=vocab)
@@ -171,12 +157,53 @@ def run_offline_benchmark(args: argparse.Namespace) -> None:
         )
         outside = 100 * (total - phases["forward"]) / total
         print(
-            f"step phases at batch {batch:3d} (ms/step): "
+            f"{label:12} step phases at batch {batch:3d} (ms/step): "
             + "  ".join(
                 f"{k} {phases[k]:.2f}"
                 for k in ("schedule", "prepare_inputs", "forward", "sample", "update")
             )
             + f"  total {total:.2f}  outside forward {outside:.1f}%"
+        )
+    return folio_tps, folio_b1
+
+
+def run_offline_benchmark(args: argparse.Namespace) -> None:
+    import dataclasses
+    import os
+
+    import torch
+
+    from common.config import engine_config_from_args
+    from engine.llm import LLM
+
+    config = engine_config_from_args(args)
+    tp = config.tensor_parallel_size
+    llm = LLM(**vars(config))
+    workload = make_workload(args, llm.engine.vocab_size)
+    model_dir = str(llm.engine.model_path)
+    decode_prompt = workload.prompts[0][:32]
+    print(
+        f"model {model_dir}  dtype {llm.engine.runner.dtype}  "
+        f"threads {torch.get_num_threads()}" + (f" per rank, {tp} ranks" if tp > 1 else "")
+    )
+    print(
+        f"workload: {len(workload.prompts)} requests, prompts {args.min_prompt}-{args.max_prompt}, "
+        f"outputs {args.min_output}-{args.max_output} ({workload.output_tokens} output tokens), "
+        f"greedy, ignore_eos"
+    )
+    with llm:
+        folio_tps, folio_b1 = measure_folio(
+            llm, args, workload, f"folio tp={tp}" if tp > 1 else "folio"
+        )
+    if tp > 1:
+        # The same engine in one process with every core, for the cost of the collectives.
+        single = dataclasses.replace(config, tensor_parallel_size=1, num_threads=None)
+        torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
+        with LLM(**vars(single)) as one:
+            one_tps, one_b1 = measure_folio(one, args, workload, "folio tp=1")
+        print(
+            f"ratio tp={tp}/tp=1  throughput {folio_tps / one_tps:.2f}x  "
+            f"batch-1 decode {folio_b1 / one_b1:.2f}x"
         )
 
     if args.skip_hf:

@@ -1,6 +1,6 @@
 """The correctness oracle: the engine's greedy tokens equal transformers `generate` on
 SmolLM2-135M-Instruct in float32, whatever the batching does (one batch, chunked prefill,
-prefix-cache hits, preemption under a tiny KV pool)."""
+prefix-cache hits, preemption under a tiny KV pool) and with the model sharded over 3 ranks."""
 
 from __future__ import annotations
 
@@ -108,3 +108,11 @@ def test_preemption_matches_transformers(default_model_dir, prompts, reference):
     assert llm.engine.stats().num_preemptions > 0
     assert got == reference
     assert llm.engine.kv_cache.usage == 0
+
+
+def test_tensor_parallel_3_matches_transformers(default_model_dir, prompts, reference):
+    """SmolLM2-135M's 9 heads and 3 KV heads over 3 ranks (one KV head each): worker ranks as
+    real processes over gloo, the same greedy tokens."""
+    with LLM(model=str(default_model_dir), dtype="float32", tensor_parallel_size=3) as llm:
+        got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
+        assert [r.token_ids for r in got] == reference
