@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 
-from engine.errors import EngineError, InvalidRequestError, QueueFullError
+from engine.errors import EngineError, EngineGroupError, InvalidRequestError, QueueFullError
 
 
 class UnavailableError(EngineError):
@@ -28,6 +28,8 @@ class DeadlineExceededError(EngineError):
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (UnavailableError, grpc.StatusCode.UNAVAILABLE),
+    # A tensor-parallel rank died: this engine is going down, to be restarted; retry later.
+    (EngineGroupError, grpc.StatusCode.UNAVAILABLE),
     (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
     # ValueError: the tokenizer's way of saying the input is wrong (e.g. a bad conversation).
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),

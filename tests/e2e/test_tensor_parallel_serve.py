@@ -109,6 +109,8 @@ def test_a_killed_worker_fails_requests_in_flight_then_the_group_is_restarted(se
         flight.join(max(killed_at + END_SECONDS - time.monotonic(), 0))
     assert len(ended) == 4, "a request hung after the worker died"
     assert len(errors) == 4, errors  # none ran to its 400 tokens
+    # Each ended with the engine's own word on it (503: the engine is restarting).
+    assert all("tensor-parallel worker rank" in e and "SIGKILL" in e for e in errors), errors
     # The engine exits non-zero and folio serve restarts it, with two fresh workers.
     server.wait_for_output(r"folio: engine exited with code 1 while serving", END_SECONDS, since)
     server.wait_for_output(r"folio: restarted engine \(pid \d+\)", RECOVERY_SECONDS, since)
