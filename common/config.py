@@ -175,6 +175,8 @@ TP_HEARTBEAT_TIMEOUT_SECONDS = 10.0
 # How long a worker waits for the engine's rendezvous before trying again, and how long a
 # failed engine whose step is stuck in a collective gets to fail its requests before it exits.
 TP_RENDEZVOUS_RETRY_SECONDS = 1.0
+# A restarted engine's fixed rendezvous port may be held a moment by its predecessor's sockets.
+TP_BIND_RETRY_SECONDS = 30.0
 TP_FAILURE_EXIT_SECONDS = 5.0
 # gRPC channel options of the clients of the internal services: a restarted service is found
 # again within a second, not after gRPC's default reconnect back-off (up to two minutes).

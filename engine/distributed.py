@@ -7,9 +7,9 @@ leaves the engine's configuration in the store (JSON), broadcasts every step, an
 workers.
 
 What crosses: JSON in the store, and int64 tensors (a header [command, length], then the
-payload), so nothing is ever unpickled. A step is the runner's flat input arrays
-(`encode_model_input` / `decode_model_input`, the one place to change when the runner consumes
-a step plan instead).
+payload), so nothing is ever unpickled. A step is its plan (engine.step_plan's int64
+encoding, sampling parameters left on rank 0): every rank's runner applies it to its own
+persistent batch and runs the same forward.
 
 Every socket binds to the given address (127.0.0.1 unless told otherwise): the store's
 listening socket is made here, and gloo's device binds to the local address that reaches it.
@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import errno
 import json
 import logging
 import os
@@ -41,12 +42,15 @@ import torch
 import torch.distributed as dist
 
 from common.config import (
+    TP_BIND_RETRY_SECONDS,
     TP_HEARTBEAT_SECONDS,
     TP_HEARTBEAT_TIMEOUT_SECONDS,
     EngineConfig,
 )
+from engine import step_plan
 from engine.errors import EngineGroupError
 from engine.models.parallel import TensorParallel
+from engine.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -127,77 +131,6 @@ class Channel:
         return command, payload
 
 
-# -- what one step sends: the runner's flat inputs ----------------------------------------------
-
-
-def encode_model_input(model_input) -> np.ndarray:
-    """The runner's inputs for one step as one int64 array; what a worker's forward needs and
-    nothing about requests (sampling, prompt logprobs and requests stay on rank 0)."""
-    meta = model_input.attn_metadata
-    rows, cols = meta.block_tables.shape
-    copies = np.asarray(model_input.block_copies, dtype=np.int64).reshape(-1)
-    parts = [
-        np.array(
-            [
-                len(model_input.input_ids),
-                rows,
-                cols,
-                len(model_input.logits_indices),
-                meta.num_decodes,
-                len(copies),
-            ],
-            dtype=np.int64,
-        )
-    ]
-    for tensor in (
-        model_input.input_ids,
-        model_input.positions,
-        meta.slot_mapping,
-        meta.query_start_loc,
-        meta.seq_lens,
-        meta.block_tables.reshape(-1),
-        model_input.logits_indices,
-    ):
-        parts.append(tensor.cpu().numpy().astype(np.int64, copy=False))
-    parts.append(copies)
-    return np.concatenate(parts)
-
-
-def decode_model_input(payload: torch.Tensor, block_size: int):
-    """encode_model_input's inverse, on a worker rank (tensors on the payload's device)."""
-    from engine.attention.metadata import AttentionMetadata
-    from engine.model_runner import ModelInput
-
-    tokens, rows, cols, num_logits, num_decodes, num_copies = payload[:6].tolist()
-    sizes = [tokens, tokens, tokens, rows + 1, rows, rows * cols, num_logits, num_copies]
-    ids, positions, slots, qsl, seq_lens, tables, logits_indices, copies = torch.split(
-        payload[6:], sizes
-    )
-    seq_lens_cpu = seq_lens.tolist()
-    query_lens = np.diff(qsl.tolist()).tolist()
-    meta = AttentionMetadata(
-        slot_mapping=slots,
-        query_start_loc=qsl.to(torch.int32),
-        seq_lens=seq_lens.to(torch.int32),
-        block_tables=tables.view(rows, cols).to(torch.int32),
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens_cpu,
-        num_decodes=num_decodes,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens_cpu),
-        block_size=block_size,
-    )
-    pairs = copies.tolist()
-    return ModelInput(
-        input_ids=ids,
-        positions=positions,
-        attn_metadata=meta,
-        logits_indices=logits_indices,
-        sampling_requests=[],
-        block_copies=list(zip(pairs[0::2], pairs[1::2], strict=True)),
-    )
-
-
 # -- rank 0 -------------------------------------------------------------------------------------
 
 
@@ -215,10 +148,7 @@ class EngineGroup:
     ) -> None:
         self.size = size = config.tensor_parallel_size
         self.host = config.master_addr
-        listener = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((self.host, config.master_port))
-        listener.listen(size * 4)
+        listener = _listen(self.host, config.master_port, size * 4)
         self.port = listener.getsockname()[1]
         # The store owns the listening socket from here on (and closes it).
         self._store = dist.TCPStore(
@@ -288,8 +218,8 @@ class EngineGroup:
 
     # -- steps ---------------------------------------------------------------------------------
 
-    def broadcast_step(self, model_input) -> None:
-        self.channel.send(STEP, encode_model_input(model_input))
+    def broadcast_plan(self, plan: StepPlan) -> None:
+        self.channel.send(STEP, step_plan.encode(plan))
 
     def raise_if_failed(self) -> None:
         if self.failure is not None:
@@ -362,6 +292,28 @@ class EngineGroup:
                 process.wait()
         leave_group()
         self._store = None  # closes the rendezvous port: a restarted engine may bind it again
+
+
+def _listen(host: str, port: int, backlog: int) -> socket.socket:
+    """The rendezvous socket on host:port. A fixed port may still be held for a moment by the
+    engine this one replaces (its connections closing): tried again for a while."""
+    deadline = time.monotonic() + TP_BIND_RETRY_SECONDS
+    while True:
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((host, port))
+        except OSError as exc:
+            listener.close()
+            if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise OSError(
+                    exc.errno,
+                    f"cannot bind the tensor-parallel rendezvous to {host}:{port}: {exc.strerror}",
+                ) from None
+            time.sleep(0.2)
+            continue
+        listener.listen(backlog)
+        return listener
 
 
 def _exit(process: subprocess.Popen) -> str:

@@ -91,7 +91,7 @@ class LLMEngine:
             self.close()
             raise
         if self.group is not None:
-            self.runner.broadcast_step = self.group.broadcast_step
+            self.runner.broadcast_plan = self.group.broadcast_plan
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.sampler = Sampler(
@@ -158,6 +158,8 @@ class LLMEngine:
         if params.structured_output is not None:
             self.structured.add(request)
         self.scheduler.add_request(request)
+        # Its (and its samples') sampling rows are built now, not at every step it samples.
+        self.sampler.join(request)
         self.requests[request_id] = request
         for sample in request.samples:
             self.requests[sample.request_id] = sample
@@ -209,6 +211,7 @@ class LLMEngine:
         last live sample of an n > 1 request takes that request with it."""
         self.scheduler.finish(request)
         self.structured.release(request)
+        self.sampler.leave(request)
         del self.requests[request.request_id]
         parent = request.parent
         if parent is not None:
@@ -250,38 +253,41 @@ class LLMEngine:
         t1 = time.perf_counter()
         if sched.is_empty:
             return []
-        model_input = self.runner.prepare(sched)
+        model_input = self._on_ranks(self.runner.prepare, sched.plan)
         # Structured output: the grammars' masks are computed while the forward runs.
-        masks = self.structured.start_masks(model_input.sampling_requests)
+        masks = self.structured.start_masks(sched.sampling_requests)
         t2 = time.perf_counter()
-        logits = self._forward(model_input)
+        logits = self._on_ranks(self.runner.forward, model_input)
         t3 = time.perf_counter()
         # Rows past the sampled ones are prompt positions whose logprobs were asked.
-        num_sampled = len(model_input.sampling_requests)
+        num_sampled = model_input.num_sampled
         sampled = self.sampler.sample(
             logits[:num_sampled],
-            model_input.sampling_requests,
+            sched.sampling_requests,
             masks.result() if masks is not None else None,
         )
-        if model_input.prompt_logprob_spans:
+        if sched.plan.prompt_logprob_spans:
             record_prompt_logprobs(
-                logits[num_sampled:, : self.vocab_size], model_input.prompt_logprob_spans
+                logits[num_sampled:, : self.vocab_size],
+                sched.plan.prompt_logprob_spans,
+                sched.requests,
             )
         t4 = time.perf_counter()
         outputs = self._update(
-            sched.requests, sched.num_new_tokens, model_input.sampling_requests, sampled
+            sched.requests, sched.num_new_tokens, sched.sampling_requests, sampled
         )
         t5 = time.perf_counter()
         self.timings.add(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)
         return outputs
 
-    def _forward(self, model_input):
+    def _on_ranks(self, run, arg):
+        """run(arg): a runner phase. With several ranks (the plan's broadcast, the forward's
+        collectives) any failure leaves them out of step: the group is done."""
         if self.group is None:
-            return self.runner.forward(model_input)
-        # With several ranks any failure here leaves them out of step: the group is done.
+            return run(arg)
         self.group.raise_if_failed()
         try:
-            return self.runner.forward(model_input)
+            return run(arg)
         except Exception as exc:
             raise self.group.step_failed(exc) from exc
 

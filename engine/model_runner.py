@@ -1,10 +1,14 @@
-"""The executor: turns a scheduled step into flat tensors, runs the model, returns logits.
+"""The executor: turns a step plan into flat tensors, runs the model, returns logits.
 
 Owns the model weights and the paged KV cache tensors. Inputs are written into persistent
 host buffers (numpy views over torch tensors, so no per-step allocation of the big arrays)
 and, on a GPU, copied once per step into persistent device buffers; decode-only steps on a
 GPU replay a captured CUDA graph. Only the rows that will be sampled, and the prompt positions
 of requests that asked for prompt logprobs, are projected to logits.
+It reads only the plain-data step plan (engine.step_plan), never a live Request: the requests'
+token ids and block tables live in its persistent batch (engine.input_batch), which the plan
+updates, so a runner in another process (a tensor-parallel rank) works the same way: rank 0's
+runner hands each plan to `broadcast_plan` first, the other ranks' runners receive it.
 This module never decides what to run (the scheduler does) nor which token to pick (the
 sampler does).
 """
@@ -20,12 +24,11 @@ import torch
 from common.config import EngineConfig
 from engine.attention.metadata import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
+from engine.input_batch import PersistentBatch
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
 from engine.models.parallel import SINGLE, TensorParallel
-from engine.prompt_logprobs import PromptLogprobSpan, plan_span
-from engine.request import Request
-from engine.scheduler import SchedulerOutput
+from engine.step_plan import StepPlan
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,17 +62,15 @@ class ModelInput:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
-    # Flat indices of the last token of each request that samples this step, then those of
-    # the prompt positions in prompt_logprob_spans.
+    # Flat indices of the last token of each request that samples this step (once per sample),
+    # then those of the prompt positions of the plan's prompt_logprob_spans.
     logits_indices: torch.Tensor
-    # Requests (in batch order) whose row in the logits belongs to them.
-    sampling_requests: list[Request]
+    # How many of the logits rows are sampled; the rest are prompt-logprob rows.
+    num_sampled: int
     # Set when this decode-only step replays the CUDA graph captured for that many rows.
     graph_size: int | None = None
     # Copy-on-write (source, destination) KV blocks, copied before the forward writes.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    # Prompt tokens whose logprobs this step computes; their rows follow the sampling rows.
-    prompt_logprob_spans: list[PromptLogprobSpan] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -89,8 +90,8 @@ class ModelRunner:
         )
         cfg: ModelConfig = self.model_config
         self.num_blocks = num_blocks
-        # With tensor parallelism: rank 0 sends each step's inputs to the other ranks here.
-        self.broadcast_step: Callable[[ModelInput], None] | None = None
+        # With tensor parallelism: rank 0 sends each plan to the other ranks through this.
+        self.broadcast_plan: Callable[[StepPlan], None] | None = None
         self.kv_caches = [
             torch.zeros(
                 2,
@@ -116,88 +117,83 @@ class ModelRunner:
         # Sampled rows are at most max_seqs (samples of n > 1 requests included); prompt-logprob
         # rows make up to one per token.
         self.logits_indices = StepBuffer((max_tokens + max_seqs,), torch.int64, dev)
-        self._arange = np.arange(max_model_len, dtype=np.int64)
+        self._arange = np.arange(max(max_model_len, max_tokens), dtype=np.int64)
+        self.batch = PersistentBatch(max_seqs, max_model_len, self.max_blocks_per_seq)
         # Graph capture does not cover the collectives of tensor parallelism.
         self.graphs = DecodeGraphs.capture_if_enabled(self, config) if tp.size == 1 else None
 
-    def prepare(self, sched: SchedulerOutput) -> ModelInput:
+    def prepare(self, plan: StepPlan) -> ModelInput:
+        """Apply the plan to the persistent batch, then write the step's flat inputs: a few
+        vectorized gathers over the scheduled rows, in the plan's batch order."""
+        if self.broadcast_plan is not None:
+            self.broadcast_plan(plan)
+        self.batch.apply(plan)
         bs = self.block_size
-        num_reqs = len(sched.requests)
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        sampling_requests: list[Request] = []
-        prompt_spans: list[PromptLogprobSpan] = []
-        prompt_first_rows: list[int] = []
-        num_logits = 0
-        offset = 0
-        ids, pos, slots = self.input_ids.np, self.positions.np, self.slot_mapping.np
-        tables, qsl, logits_idx = (
-            self.block_tables.np,
-            self.query_start_loc.np,
-            self.logits_indices.np,
-        )
-        qsl[0] = 0
-        # Decodes sorted by context length let the attention backend group them with little padding.
-        nd = sched.num_decodes
-        order = sorted(range(nd), key=lambda i: sched.requests[i].num_computed_tokens)
-        order.extend(range(nd, num_reqs))
-        for i, j in enumerate(order):
-            request, num_new = sched.requests[j], sched.num_new_tokens[j]
-            start = request.num_computed_tokens
-            end = start + num_new
-            table = request.block_table
-            ids[offset : offset + num_new] = request.token_ids[start:end]
-            positions = self._arange[start:end]
-            pos[offset : offset + num_new] = positions
-            tables[i, : len(table)] = table
-            slots[offset : offset + num_new] = tables[i][positions // bs] * bs + positions % bs
-            if request.needs_prompt_logprobs and (span := plan_span(request, start, end)):
-                prompt_spans.append(span)
-                prompt_first_rows.append(offset + span.first_token - 1 - start)
-            offset += num_new
-            qsl[i + 1] = offset
-            query_lens.append(num_new)
-            seq_lens.append(end)
-            if end == request.num_tokens:
-                # An n > 1 request completing its prompt: one row per sample, all of its last token.
-                for sample in request.samples or (request,):
-                    logits_idx[num_logits] = offset - 1
-                    num_logits += 1
-                    sampling_requests.append(sample)
-        for span, row in zip(prompt_spans, prompt_first_rows, strict=False):
-            logits_idx[num_logits : num_logits + span.count] = np.arange(row, row + span.count)
-            num_logits += span.count
-        self.seq_lens.np[:num_reqs] = seq_lens
-        max_seq_len = max(seq_lens)
+        num_reqs = plan.num_scheduled
+        rows = self.batch.rows(plan.scheduled_ids)
+        computed = np.array(plan.num_computed_tokens, dtype=np.int64)
+        query_lens = plan.num_new_tokens
+        num_new = np.array(query_lens, dtype=np.int64)
+        ends = np.cumsum(num_new)
+        num_tokens = int(ends[-1])
+        starts = ends - num_new
+        seq_lens = computed + num_new
+        max_seq_len = int(seq_lens.max())
+        cols = -(-max_seq_len // bs)
 
+        # Per flat token: its batch entry, then its position in that request.
+        entry = np.repeat(np.arange(num_reqs), num_new)
+        positions = computed[entry] + (self._arange[:num_tokens] - starts[entry])
+        tables = self.block_tables.np
+        tables[:num_reqs, :cols] = self.batch.block_table[rows, :cols]
+        self.input_ids.np[:num_tokens] = self.batch.token_ids[rows[entry], positions]
+        self.positions.np[:num_tokens] = positions
+        self.slot_mapping.np[:num_tokens] = tables[entry, positions // bs] * bs + positions % bs
+        self.query_start_loc.np[0] = 0
+        self.query_start_loc.np[1 : num_reqs + 1] = ends
+        self.seq_lens.np[:num_reqs] = seq_lens
+
+        # Logits rows: each sampled entry's last token (once per sample), then prompt positions.
+        logits_idx = self.logits_indices.np
+        num_logits = plan.num_sampled_rows
+        logits_idx[:num_logits] = np.repeat(ends - 1, plan.num_samples)
+        for span in plan.prompt_logprob_spans:
+            i = span.batch_index
+            first_row = starts[i] + span.first_token - 1 - computed[i]
+            logits_idx[num_logits : num_logits + span.count] = self._arange[
+                first_row : first_row + span.count
+            ]
+            num_logits += span.count
+
+        nd = plan.num_decodes
         graph_size = self.graphs.size_for(num_reqs) if self.graphs and nd == num_reqs else None
         if graph_size is not None:
             self.pad_decode_rows(num_reqs, graph_size)
-            rows = tokens = graph_size
+            num_rows = num_tokens = graph_size
             cols = self.max_blocks_per_seq  # the graph reads the full-width table it captured
+            tables[:num_reqs, :cols] = self.batch.block_table[rows]
         else:
-            rows, tokens, cols = num_reqs, offset, -(-max_seq_len // bs)
+            num_rows = num_reqs
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping.upload(tokens),
-            query_start_loc=self.query_start_loc.upload(rows + 1),
-            seq_lens=self.seq_lens.upload(rows),
-            block_tables=self.block_tables.upload(rows, cols),
+            slot_mapping=self.slot_mapping.upload(num_tokens),
+            query_start_loc=self.query_start_loc.upload(num_rows + 1),
+            seq_lens=self.seq_lens.upload(num_rows),
+            block_tables=self.block_tables.upload(num_rows, cols),
             query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
+            seq_lens_cpu=seq_lens.tolist(),
             num_decodes=nd,
-            max_query_len=max(query_lens),
+            max_query_len=int(num_new.max()),
             max_seq_len=max_seq_len,
             block_size=bs,
         )
         return ModelInput(
-            input_ids=self.input_ids.upload(tokens),
-            positions=self.positions.upload(tokens),
+            input_ids=self.input_ids.upload(num_tokens),
+            positions=self.positions.upload(num_tokens),
             attn_metadata=meta,
             logits_indices=self.logits_indices.upload(num_logits),
-            sampling_requests=sampling_requests,
+            num_sampled=plan.num_sampled_rows,
             graph_size=graph_size,
-            prompt_logprob_spans=prompt_spans,
-            block_copies=sched.block_copies,
+            block_copies=plan.block_copies,
         )
 
     def pad_decode_rows(self, num_reqs: int, graph_size: int) -> None:
@@ -217,8 +213,6 @@ class ModelRunner:
     def forward(self, model_input: ModelInput) -> torch.Tensor:
         """Logits [rows of logits_indices, vocab] in float32: one per sampling request, then
         one per prompt-logprob position (None on tensor-parallel ranks other than 0)."""
-        if self.broadcast_step is not None:
-            self.broadcast_step(model_input)
         if model_input.block_copies:
             sources, dests = torch.tensor(model_input.block_copies, device=self.device).unbind(1)
             self.model.backend.copy_blocks(self.kv_caches, sources, dests)

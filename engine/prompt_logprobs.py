@@ -13,45 +13,37 @@ This module never runs the model and never chooses tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from engine.request import Request
 from engine.sampler import token_logprobs
+from engine.step_plan import PromptLogprobSpan
 
 
-@dataclass
-class PromptLogprobSpan:
-    """Consecutive prompt tokens of one request whose logprobs one step computes: prompt tokens
-    first_token .. first_token + count - 1, predicted by as many consecutive flat rows."""
-
-    request: Request
-    first_token: int
-    count: int
-
-
-def plan_span(request: Request, start: int, end: int) -> PromptLogprobSpan | None:
-    """The prompt tokens whose logprobs the positions start..end-1 of this step predict and
-    the request is still owed; None if there are none."""
+def plan_span(request: Request, batch_index: int, start: int, end: int) -> PromptLogprobSpan | None:
+    """The prompt tokens whose logprobs the positions start..end-1 of this step (batch entry
+    `batch_index`) predict and the request is still owed; None if there are none."""
     first = max(start + 1, len(request.prompt_logprobs) + 1)
     last = min(end, request.num_prompt_tokens - 1)
     if last < first:
         return None
-    return PromptLogprobSpan(request, first, last - first + 1)
+    return PromptLogprobSpan(batch_index, first, last - first + 1)
 
 
-def record_prompt_logprobs(logits: torch.Tensor, spans: Sequence[PromptLogprobSpan]) -> None:
-    """Append each span's logprob records to its request; logits has one row per span token,
-    spans in order, columns cut to the vocabulary."""
+def record_prompt_logprobs(
+    logits: torch.Tensor, spans: Sequence[PromptLogprobSpan], scheduled: Sequence[Request]
+) -> None:
+    """Append each span's logprob records to its request (scheduled[span.batch_index]); logits
+    has one row per span token, spans in order, columns cut to the vocabulary."""
     targets: list[int] = []
     num_top: list[int] = []
     for span in spans:
-        prompt = span.request.prompt_token_ids
-        targets += prompt[span.first_token : span.first_token + span.count]
-        num_top += [span.request.sampling_params.prompt_logprobs] * span.count
+        request = scheduled[span.batch_index]
+        targets += request.prompt_token_ids[span.first_token : span.first_token + span.count]
+        num_top += [request.sampling_params.prompt_logprobs] * span.count
     records = token_logprobs(logits, targets, num_top)
     begin = 0
     for span in spans:
-        span.request.prompt_logprobs += records[begin : begin + span.count]
+        scheduled[span.batch_index].prompt_logprobs += records[begin : begin + span.count]
         begin += span.count

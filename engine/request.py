@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +26,10 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
+
+
+# Numbers requests (samples included) for the step plan: unique within the process, never reused.
+_SEQ_IDS = itertools.count()
 
 
 class FinishReason(enum.StrEnum):
@@ -77,9 +82,12 @@ class Request:
     # On a sample: the request it was forked from, and its index among that request's n.
     parent: Request | None = field(default=None, repr=False)
     sample_index: int = 0
+    # The request's name in step plans (engine.step_plan): an int, so plans stay numeric.
+    seq_id: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        self.seq_id = next(_SEQ_IDS)
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(self.sampling_params.seed)

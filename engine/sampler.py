@@ -31,6 +31,10 @@ the same race, with noise from a counter-based generator keyed by a per-row seed
 request's row seed is derived from its seed and its output length, so it still does not
 depend on the rest of the batch (the draws differ from the CPU path's for the same seed).
 
+A request's per-row parameters (its `SamplingRow`: the effective top-k, the logit-bias index,
+the ids banned until min_tokens, ...) are built once, when it joins (`join`, or on first sight),
+not every step; a step only gathers the rows of the requests it samples.
+
 This module never mutates the caller's logits and never advances a seeded request's
 generator by an amount that depends on anything but that request.
 """
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,6 +64,51 @@ class SamplerOutput:
     logprobs: list[Logprobs | None]
 
 
+@dataclass(frozen=True, slots=True)
+class SamplingRow:
+    """One request's sampling parameters as the sampler uses them, derived once at join."""
+
+    greedy: bool
+    temperature: float
+    top_k: int  # 0: no top-k (unset, or at least the vocabulary)
+    top_p: float
+    min_p: float
+    bias_ids: tuple[int, ...]
+    bias_values: tuple[float, ...]
+    # Ids that get -inf while the request has fewer than min_tokens output tokens.
+    min_tokens: int
+    banned_ids: tuple[int, ...]
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    logprobs: int | None
+    seed: int | None
+
+    @classmethod
+    def build(
+        cls, params: SamplingParams, vocab_size: int, eos_token_ids: Sequence[int]
+    ) -> SamplingRow:
+        # A grammar alone decides where constrained text may end (it may allow only EOS).
+        keeps_eos = params.ignore_eos or params.structured_output is not None
+        bias = params.logit_bias or {}
+        return cls(
+            greedy=params.greedy,
+            temperature=params.temperature,
+            top_k=params.top_k if 0 < params.top_k < vocab_size else 0,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            bias_ids=tuple(bias),
+            bias_values=tuple(bias.values()),
+            min_tokens=params.min_tokens,
+            banned_ids=(*params.stop_token_ids, *(() if keeps_eos else eos_token_ids)),
+            repetition_penalty=params.repetition_penalty,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            logprobs=params.logprobs,
+            seed=params.seed,
+        )
+
+
 class Sampler:
     def __init__(
         self,
@@ -77,6 +127,29 @@ class Sampler:
         # Reused every step: a fresh batch-by-vocab tensor costs page faults on every call.
         self._noise = torch.empty(0, vocab_size, device=self.device)
         self.use_kernel = self.device.type == "cuda" if use_kernel is None else use_kernel
+        # Weak keys: a request dropped without leave() cannot leak its row.
+        self._rows: weakref.WeakKeyDictionary[Request, SamplingRow] = weakref.WeakKeyDictionary()
+
+    def join(self, request: Request) -> None:
+        """Build the request's row (and its samples' when n > 1) once, before it is sampled."""
+        for sequence in (request, *request.samples):
+            self._rows[sequence] = SamplingRow.build(
+                sequence.sampling_params, self.vocab_size, self.eos_token_ids
+            )
+
+    def leave(self, request: Request) -> None:
+        self._rows.pop(request, None)
+
+    def _rows_of(self, requests: Sequence[Request]) -> list[SamplingRow]:
+        rows = self._rows
+        out = []
+        for request in requests:
+            row = rows.get(request)
+            if row is None:  # a request sampled without join(): it joins now
+                self.join(request)
+                row = rows[request]
+            out.append(row)
+        return out
 
     @torch.inference_mode()
     def sample(
@@ -88,34 +161,34 @@ class Sampler:
         """disallowed: bool [batch, vocab_size] on the sampler's device, True where a row may not
         go (structured output; all False on unconstrained rows), or None when no row is limited."""
         logits = logits[:, : self.vocab_size].float()
-        params = [r.sampling_params for r in requests]
+        rows = self._rows_of(requests)
         masked = logits if disallowed is None else logits.masked_fill(disallowed, -math.inf)
-        adjusted = self._adjust_logits(masked, requests)
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        adjusted = self._adjust_logits(masked, requests, rows)
+        sampled = [i for i, row in enumerate(rows) if not row.greedy]
         if sampled and self.use_kernel:
-            tokens = self._sample_with_kernel(adjusted, requests)
+            tokens = self._sample_with_kernel(adjusted, requests, rows)
         elif len(sampled) == len(requests):
-            tokens = self._draw(self._probs(adjusted, params), requests)
+            tokens = self._draw(self._probs(adjusted, rows), requests)
         else:
             tokens = adjusted.argmax(-1)
             if sampled:
-                rows = self._index(sampled)
-                probs = self._probs(adjusted[rows], [params[i] for i in sampled])
-                tokens[rows] = self._draw(probs, [requests[i] for i in sampled])
+                index = self._index(sampled)
+                probs = self._probs(adjusted[index], [rows[i] for i in sampled])
+                tokens[index] = self._draw(probs, [requests[i] for i in sampled])
         token_ids = tokens.tolist()
-        return SamplerOutput(token_ids, self._logprobs(logits, token_ids, params))
+        return SamplerOutput(token_ids, self._logprobs(logits, token_ids, rows))
 
     @torch.inference_mode()
     def processed_probs(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """[B, vocab_size]: the distribution each row's token is drawn from (one-hot if greedy)."""
         logits = logits[:, : self.vocab_size].float()
-        params = [r.sampling_params for r in requests]
-        adjusted = self._adjust_logits(logits, requests)
+        rows = self._rows_of(requests)
+        adjusted = self._adjust_logits(logits, requests, rows)
         probs = torch.zeros_like(adjusted).scatter_(1, adjusted.argmax(-1, keepdim=True), 1.0)
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        sampled = [i for i, row in enumerate(rows) if not row.greedy]
         if sampled:
-            rows = self._index(sampled)
-            probs[rows] = self._probs(adjusted[rows], [params[i] for i in sampled])
+            index = self._index(sampled)
+            probs[index] = self._probs(adjusted[index], [rows[i] for i in sampled])
         return probs
 
     def _index(self, values: Sequence[int]) -> torch.Tensor:
@@ -129,70 +202,64 @@ class Sampler:
         rows = torch.repeat_interleave(torch.arange(len(id_lists), device=self.device), lengths)
         return rows, self._index(list(itertools.chain.from_iterable(id_lists)))
 
-    def _banned_ids(self, request: Request) -> list[int]:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            return []
-        eos = (
-            [] if params.ignore_eos or params.structured_output is not None else self.eos_token_ids
-        )
-        return [*params.stop_token_ids, *eos]
-
-    def _adjust_logits(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _adjust_logits(
+        self, logits: torch.Tensor, requests: Sequence[Request], rows: Sequence[SamplingRow]
+    ) -> torch.Tensor:
         """Steps 1-4 of the module docstring; returns `logits` itself when no row needs them."""
-        params = [r.sampling_params for r in requests]
-        biased = [i for i, p in enumerate(params) if p.logit_bias]
-        banned = {i: ids for i, r in enumerate(requests) if (ids := self._banned_ids(r))}
-        repeated = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        biased = [i for i, row in enumerate(rows) if row.bias_ids]
+        banned = {
+            i: row.banned_ids
+            for i, (row, r) in enumerate(zip(rows, requests, strict=True))
+            if row.banned_ids and r.num_output_tokens < row.min_tokens
+        }
+        repeated = [i for i, row in enumerate(rows) if row.repetition_penalty != 1.0]
         counted = [
             i
-            for i, r in enumerate(requests)
-            if r.output_token_ids and (params[i].presence_penalty or params[i].frequency_penalty)
+            for i, (row, r) in enumerate(zip(rows, requests, strict=True))
+            if r.output_token_ids and (row.presence_penalty or row.frequency_penalty)
         ]
         if not (biased or banned or repeated or counted):
             return logits
         logits = logits.clone()
 
         if biased:
-            rows, ids = self._scatter_index([list(params[i].logit_bias) for i in biased])
-            values = [v for i in biased for v in params[i].logit_bias.values()]
+            local, ids = self._scatter_index([rows[i].bias_ids for i in biased])
+            values = [v for i in biased for v in rows[i].bias_values]
             bias = torch.tensor(values, dtype=logits.dtype, device=self.device)
-            logits[self._index(biased)[rows], ids] += bias
+            logits[self._index(biased)[local], ids] += bias
 
         if banned:
-            rows, ids = self._scatter_index(list(banned.values()))
-            logits[self._index(list(banned))[rows], ids] = -math.inf
+            local, ids = self._scatter_index(list(banned.values()))
+            logits[self._index(list(banned))[local], ids] = -math.inf
 
         # The penalties touch only the (row, token) pairs that occur, never whole rows.
         if repeated:
             local, ids = self._scatter_index([requests[i].token_ids for i in repeated])
-            rows = self._index(repeated)[local]
+            flat_rows = self._index(repeated)[local]
             penalty = torch.tensor(
-                [params[i].repetition_penalty for i in repeated], device=self.device
+                [rows[i].repetition_penalty for i in repeated], device=self.device
             )[local]
-            values = logits[rows, ids]
+            values = logits[flat_rows, ids]
             # A token seen twice is written twice with the same value, so duplicates are safe.
-            logits[rows, ids] = torch.where(values > 0, values / penalty, values * penalty)
+            logits[flat_rows, ids] = torch.where(values > 0, values / penalty, values * penalty)
 
         if counted:
             local, ids = self._scatter_index([requests[i].output_token_ids for i in counted])
             pairs, counts = torch.unique(local * self.vocab_size + ids, return_counts=True)
             local, ids = pairs // self.vocab_size, pairs % self.vocab_size
-            presence = torch.tensor(
-                [params[i].presence_penalty for i in counted], device=self.device
-            )
+            presence = torch.tensor([rows[i].presence_penalty for i in counted], device=self.device)
             frequency = torch.tensor(
-                [params[i].frequency_penalty for i in counted], device=self.device
+                [rows[i].frequency_penalty for i in counted], device=self.device
             )
             logits[self._index(counted)[local], ids] -= presence[local] + frequency[local] * counts
         return logits
 
-    def _probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    def _probs(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Temperature, top-k, top-p and min-p for sampled rows; returns probabilities."""
-        temperature = torch.tensor([p.temperature for p in params], device=self.device)
+        temperature = torch.tensor([row.temperature for row in rows], device=self.device)
         logits = logits / temperature[:, None]  # a new tensor: the masks below may write in place
 
-        top_k = [p.top_k if 0 < p.top_k < self.vocab_size else 0 for p in params]
+        top_k = [row.top_k for row in rows]
         if any(top_k):
             k = self._index(top_k)
             largest = logits.topk(max(top_k), dim=-1).values
@@ -200,20 +267,20 @@ class Sampler:
             kth.masked_fill_((k == 0)[:, None], -math.inf)
             logits.masked_fill_(logits < kth, -math.inf)
 
-        nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
+        nucleus = [i for i, row in enumerate(rows) if row.top_p < 1.0]
         if nucleus:
-            top_p = torch.tensor([params[i].top_p for i in nucleus], device=self.device)
-            if len(nucleus) == len(params):
+            top_p = torch.tensor([rows[i].top_p for i in nucleus], device=self.device)
+            if len(nucleus) == len(rows):
                 self._apply_top_p(logits, top_p)
             else:
                 index = self._index(nucleus)
-                rows = logits[index]
-                self._apply_top_p(rows, top_p)
-                logits[index] = rows
+                subset = logits[index]
+                self._apply_top_p(subset, top_p)
+                logits[index] = subset
 
-        if any(p.min_p > 0 for p in params):
+        if any(row.min_p > 0 for row in rows):
             # p < min_p * p_max  <=>  logit < max_logit + log(min_p); log(0) = -inf keeps all.
-            min_p = torch.tensor([p.min_p for p in params], device=self.device)
+            min_p = torch.tensor([row.min_p for row in rows], device=self.device)
             floor = logits.max(-1, keepdim=True).values + min_p.log()[:, None]
             logits.masked_fill_(logits < floor, -math.inf)
 
@@ -250,42 +317,43 @@ class Sampler:
         return probs.div_(uniform.log_().neg_()).argmax(-1)
 
     def _sample_with_kernel(
-        self, logits: torch.Tensor, requests: Sequence[Request]
+        self, logits: torch.Tensor, requests: Sequence[Request], rows: Sequence[SamplingRow]
     ) -> torch.Tensor:
         from engine.kernels.sampling import sample
 
-        params = [r.sampling_params for r in requests]
         unseeded = iter(
             torch.randint(
                 2**62, (len(requests),), generator=self.generator, device=self.device
             ).tolist()
         )
         seeds = [
-            _mix_seed(p.seed, r.num_output_tokens) if p.seed is not None else next(unseeded)
-            for p, r in zip(params, requests, strict=False)
+            _mix_seed(row.seed, r.num_output_tokens) if row.seed is not None else next(unseeded)
+            for row, r in zip(rows, requests, strict=True)
         ]
         return sample(
             logits.contiguous(),
-            torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=self.device),
-            torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int32, device=self.device),
-            torch.tensor([p.top_p for p in params], device=self.device),
-            torch.tensor([p.min_p for p in params], device=self.device),
+            torch.tensor(
+                [0.0 if row.greedy else row.temperature for row in rows], device=self.device
+            ),
+            torch.tensor([row.top_k for row in rows], dtype=torch.int32, device=self.device),
+            torch.tensor([row.top_p for row in rows], device=self.device),
+            torch.tensor([row.min_p for row in rows], device=self.device),
             torch.tensor(seeds, dtype=torch.int64, device=self.device),
         )
 
     def _logprobs(
-        self, logits: torch.Tensor, token_ids: list[int], params: Sequence[SamplingParams]
+        self, logits: torch.Tensor, token_ids: list[int], rows: Sequence[SamplingRow]
     ) -> list[Logprobs | None]:
-        out: list[Logprobs | None] = [None] * len(params)
-        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not rows:
+        out: list[Logprobs | None] = [None] * len(rows)
+        asked = [i for i, row in enumerate(rows) if row.logprobs is not None]
+        if not asked:
             return out
         records = token_logprobs(
-            logits[self._index(rows)],
-            [token_ids[i] for i in rows],
-            [params[i].logprobs for i in rows],
+            logits[self._index(asked)],
+            [token_ids[i] for i in asked],
+            [rows[i].logprobs for i in asked],
         )
-        for i, record in zip(rows, records, strict=False):
+        for i, record in zip(asked, records, strict=False):
             out[i] = record
         return out
 

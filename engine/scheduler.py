@@ -13,6 +13,11 @@ or sequence slots) also preempts running requests strictly less urgent than itse
 An n > 1 request's samples replace it in the running list once its prompt is computed
 (`fork`); from then on each is an ordinary request, preempted and recomputed on its own.
 
+Its output is a plain-data step plan (engine.step_plan) that the model runner of every rank
+consumes: the scheduler remembers what the runner's persistent batch holds of each request, so
+a plan carries only what changed (requests joining whole, running ones' new token and block
+ids, departures). It also fixes the batch order and which rows are sampled.
+
 The scheduler never touches tensors or the model; it only moves requests between queues
 and asks the KV cache manager for blocks.
 """
@@ -29,28 +34,51 @@ from dataclasses import dataclass, field
 from common.config import EngineConfig
 from engine.errors import QueueFullError
 from engine.kv_cache_manager import KVCacheManager
+from engine.prompt_logprobs import plan_span
 from engine.request import Request, RequestStatus
+from engine.step_plan import NewRequestPlan, RunningRequestPlan, StepPlan
 
 
 @dataclass
 class SchedulerOutput:
-    """What one step computes: requests in batch order (decodes first) and their token counts."""
+    """One step: the plain-data plan every rank's runner consumes, and rank 0's live view of
+    it (the engine's update and sampler need the Request objects)."""
 
+    plan: StepPlan = field(default_factory=StepPlan)
+    # Requests in the plan's batch order (decodes first).
     requests: list[Request] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    # The first num_decodes requests have exactly one new token.
-    num_decodes: int = 0
+    # The request each sampled logits row belongs to, in row order (an n > 1 request completing
+    # its prompt contributes one row per live sample).
+    sampling_requests: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    # Copy-on-write (source, destination) KV block copies to perform before the forward.
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_new_tokens(self) -> list[int]:
+        return self.plan.num_new_tokens
+
+    @property
+    def num_decodes(self) -> int:
+        return self.plan.num_decodes
+
+    @property
+    def block_copies(self) -> list[tuple[int, int]]:
+        return self.plan.block_copies
 
     @property
     def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
+        return self.plan.total_tokens
 
     @property
     def is_empty(self) -> bool:
         return not self.requests
+
+
+@dataclass
+class _Shipped:
+    """How much of a request the runner's batch holds: token ids and block ids sent so far."""
+
+    num_tokens: int
+    num_blocks: int
 
 
 class WaitingQueue:
@@ -120,6 +148,11 @@ class Scheduler:
         self.waiting = WaitingQueue(config.scheduling_policy, config.max_waiting_requests)
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # What the runner's persistent batch holds, and the requests that left it since the
+        # last plan it received (told in the next non-empty plan).
+        self._shipped: dict[Request, _Shipped] = {}
+        self._finished_ids: list[int] = []
+        self._preempted_ids: list[int] = []
 
     @property
     def has_unfinished(self) -> bool:
@@ -140,6 +173,11 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv_cache.free(request)
         request.status = RequestStatus.FINISHED
+        self._leave_batch(request, self._finished_ids)
+
+    def _leave_batch(self, request: Request, departures: list[int]) -> None:
+        if self._shipped.pop(request, None) is not None:
+            departures.append(request.seq_id)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -195,7 +233,7 @@ class Scheduler:
                 chosen[request] = num_new
                 budget -= num_new
 
-        return self._batch(chosen, preempted, self.kv_cache.take_block_copies())
+        return self._batch(chosen, preempted)
 
     def fork(self, parent: Request) -> list[Request]:
         """Replace a running n > 1 request whose prompt is computed by its live samples: each
@@ -213,6 +251,7 @@ class Scheduler:
         self.running[position : position + 1] = samples
         self.kv_cache.free(parent)
         parent.status = RequestStatus.FINISHED
+        self._leave_batch(parent, self._finished_ids)
         return samples
 
     def _pick_victim(self) -> Request:
@@ -236,21 +275,65 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.requeue(request)
+        self._leave_batch(request, self._preempted_ids)
 
-    @staticmethod
-    def _batch(
-        chosen: dict[Request, int], preempted: list[Request], block_copies: list[tuple[int, int]]
-    ) -> SchedulerOutput:
-        out = SchedulerOutput(preempted=preempted, block_copies=block_copies)
-        rest: list[tuple[Request, int]] = []
-        for request, num_new in chosen.items():
-            if num_new == 1:
-                out.requests.append(request)
-                out.num_new_tokens.append(1)
+    def _batch(self, chosen: dict[Request, int], preempted: list[Request]) -> SchedulerOutput:
+        """The step's plan and its live view. Batch order: decodes first, by context length
+        (the attention backend groups them with little padding), then the rest as chosen."""
+        out = SchedulerOutput(preempted=preempted)
+        copies = self.kv_cache.take_block_copies()
+        if not chosen:
+            # No forward: the copies were for requests this step preempted (their blocks are
+            # free again); departures wait for the next plan the runner receives.
+            return out
+        decodes = sorted(
+            (r for r, n in chosen.items() if n == 1), key=lambda r: r.num_computed_tokens
+        )
+        out.requests = decodes + [r for r, n in chosen.items() if n != 1]
+        plan = out.plan
+        plan.num_decodes = len(decodes)
+        plan.block_copies = copies
+        plan.finished_ids, self._finished_ids = self._finished_ids, []
+        plan.preempted_ids, self._preempted_ids = self._preempted_ids, []
+        for index, request in enumerate(out.requests):
+            num_new = chosen[request]
+            start = request.num_computed_tokens
+            self._ship(request, plan)
+            plan.scheduled_ids.append(request.seq_id)
+            plan.num_computed_tokens.append(start)
+            plan.num_new_tokens.append(num_new)
+            if start + num_new == request.num_tokens:
+                sequences = request.samples or (request,)
+                plan.num_samples.append(len(sequences))
+                out.sampling_requests.extend(sequences)
             else:
-                rest.append((request, num_new))
-        out.num_decodes = len(out.requests)
-        for request, num_new in rest:
-            out.requests.append(request)
-            out.num_new_tokens.append(num_new)
+                plan.num_samples.append(0)
+            if request.needs_prompt_logprobs and (
+                span := plan_span(request, index, start, start + num_new)
+            ):
+                plan.prompt_logprob_spans.append(span)
         return out
+
+    def _ship(self, request: Request, plan: StepPlan) -> None:
+        """Put into the plan what the runner lacks of the request: all of it if it is new to
+        the batch, else the token and block ids appended since the last plan."""
+        shipped = self._shipped.get(request)
+        tokens, table = request.token_ids, request.block_table
+        if shipped is None:
+            plan.new_requests.append(
+                NewRequestPlan(
+                    request.seq_id,
+                    list(tokens),
+                    list(table),
+                    request.num_computed_tokens,
+                    request.sampling_params,
+                )
+            )
+            self._shipped[request] = _Shipped(len(tokens), len(table))
+            return
+        plan.running_requests.append(
+            RunningRequestPlan(
+                request.seq_id, tokens[shipped.num_tokens :], table[shipped.num_blocks :]
+            )
+        )
+        shipped.num_tokens, shipped.num_blocks = len(tokens), len(table)

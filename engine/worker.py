@@ -19,13 +19,13 @@ import time
 import torch
 
 from common.config import TP_RENDEZVOUS_RETRY_SECONDS, EngineConfig
+from engine import step_plan
 from engine.distributed import (
     STEP,
     STOP,
     Channel,
     beat,
     connect_store,
-    decode_model_input,
     engine_info,
     join_group,
     leave_group,
@@ -75,7 +75,8 @@ def serve_engine(rank: int, world_size: int, master_addr: str, master_port: int)
                 return
             if command != STEP:
                 raise ValueError(f"unknown command {command} from rank 0")
-            runner.forward(decode_model_input(payload, config.block_size))
+            plan = step_plan.decode(payload.cpu().numpy())
+            runner.forward(runner.prepare(plan))
     finally:
         stop_beating.set()
         leave_group()

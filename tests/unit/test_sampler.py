@@ -11,7 +11,7 @@ import torch
 
 from common.sampling_params import SamplingParams
 from engine.request import Request
-from engine.sampler import Sampler
+from engine.sampler import Sampler, SamplingRow
 
 EOS = [0, 7]
 
@@ -438,3 +438,27 @@ def test_sampling_frequencies_follow_the_filtered_distribution(base, params):
     sampler = Sampler(vocab, EOS)
     tokens = [sampler.sample(base, [seeded]).token_ids[0] for _ in range(2000)]
     assert_frequencies_follow(tokens, expected)
+
+
+def test_rows_are_built_when_a_request_joins_not_every_step(monkeypatch):
+    vocab = 16
+    sampler = Sampler(vocab, EOS)
+    params = SamplingParams(temperature=0.8, top_k=5, min_tokens=3, logit_bias={4: -100.0})
+    request = make_request(params, request_id="joined")
+    sampler.join(request)  # n = 1: its own row
+    parent = make_request(SamplingParams(temperature=0.0, n=2, seed=1), request_id="parent")
+    sampler.join(parent)  # n > 1: the samples' rows are built with the parent's
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("a sampling row was rebuilt after join")
+
+    monkeypatch.setattr(SamplingRow, "build", no_rebuild)
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    for _ in range(params.min_tokens):
+        tokens = sampler.sample(logits, [request, *parent.samples]).token_ids
+        assert tokens[0] not in (4, *EOS)  # bias and min_tokens come from the joined row
+        assert tokens[1:] == [int(logits[1].argmax()), int(logits[2].argmax())]
+        request.append_output(tokens[0])
+    sampler.leave(request)
+    with pytest.raises(AssertionError, match="rebuilt"):
+        sampler.sample(logits[:1], [request])  # a request that left joins again if sampled
