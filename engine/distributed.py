@@ -67,7 +67,7 @@ _ENGINE_KEY = "folio/engine"
 
 def local_address_towards(host: str) -> str:
     """The address of this machine's interface that reaches `host` (127.0.0.1 for loopback)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))  # UDP: picks the route, sends nothing
         return s.getsockname()[0]
 
@@ -135,9 +135,14 @@ class Channel:
 
 
 def _die_with_parent() -> None:
-    """In a started worker before exec (Linux): SIGTERM when the engine dies, even by SIGKILL."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    """In a started worker before exec (Linux): SIGTERM when the engine dies, even by SIGKILL.
+    (Strictly: when the thread that started it ends; the engine's threads outlive its group.)"""
+    if _prctl is not None:
+        _prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+# Loaded in the parent: the child between fork and exec should do as little as possible.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 
 
 class EngineGroup:

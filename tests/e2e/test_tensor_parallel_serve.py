@@ -124,3 +124,12 @@ def test_a_killed_worker_fails_requests_in_flight_then_the_group_is_restarted(se
     assert restarted != engine and not alive(victim)
     assert len(workers(restarted)) == 2
     assert ask(server)
+
+
+def test_sigterm_stops_the_engine_and_its_workers(server):
+    """Last in this module: it ends the shared server."""
+    engine = server.child_pid("engine")
+    ranks = workers(engine)
+    assert len(ranks) == 2
+    assert server.stop() == 0, server.output()
+    assert not [pid for pid in [engine, *ranks] if alive(pid)], "a rank outlived folio serve"
