@@ -233,7 +233,7 @@ class EngineGroup:
     def step_failed(self, error: BaseException) -> EngineGroupError:
         """The error to raise for a step that failed on rank 0: the group is out of step now.
         A worker's death is named when the watchman finds it soon (its socket closed first)."""
-        deadline = time.monotonic() + 3 * TP_HEARTBEAT_SECONDS
+        deadline = time.monotonic() + 10 * TP_HEARTBEAT_SECONDS
         while self.failure is None and time.monotonic() < deadline:
             time.sleep(TP_HEARTBEAT_SECONDS / 5)
         if self.failure is None:
