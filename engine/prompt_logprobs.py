@@ -6,6 +6,8 @@ sampler's row). A request asking for them is computed from its first token on (t
 manager gives it no cached prefix) and may be prefilled in chunks, so each step covers the
 positions of its chunk that are still owed; a request recomputed after preemption skips the
 ones it already has. Only requests that ask get extra rows: the common path adds nothing.
+The scheduler plans each step's spans (plain data in the step plan); the runner turns them into
+rows; the engine records the logprobs they yield on the requests.
 
 This module never runs the model and never chooses tokens.
 """
