@@ -1,9 +1,9 @@
 """Tensor parallelism on tiny float32 models with 4 KV heads: TP=2 and TP=4 (worker ranks as
 real subprocesses over gloo on 127.0.0.1) give TP=1's greedy and seeded tokens, and logprobs
-within 1e-4, through chunked prefill, prefix-cache hits, preemption and n > 1; sizes that do
-not fit the heads are refused by number; external workers wait for their engine and join it
-again after it restarts; a worker killed with SIGKILL fails the engine's next step with an
-error that names it, within 15 s."""
+(prompt logprobs too) within 1e-4, through chunked prefill, prefix-cache hits, preemption and
+n > 1; sizes that do not fit the heads are refused by number; external workers wait for their
+engine and join it again after it restarts; a worker killed with SIGKILL fails the engine's
+next step with an error that names it, within 15 s."""
 
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+PROMPT_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
 SAMPLED_N2 = SamplingParams(
     temperature=1.0, seed=5, n=2, max_tokens=10, ignore_eos=True, logprobs=1
 )
@@ -68,22 +69,24 @@ def make_engine(model_dir, tp: int) -> LLMEngine:
     )
 
 
-def run(engine: LLMEngine, wave: dict[str, list[int]], n2: str | None = None) -> dict:
-    """Every request of the wave to the end; (request id, sample) -> (tokens, logprobs)."""
+def run(engine: LLMEngine, wave: dict[str, list[int]], params: dict | None = None) -> dict:
+    """Every request of the wave to the end (GREEDY unless `params` names others);
+    (request id, sample) -> (tokens, logprobs: the outputs' then the prompt's, if asked)."""
     for request_id, tokens in wave.items():
-        engine.add_request(request_id, tokens, SAMPLED_N2 if request_id == n2 else GREEDY)
+        engine.add_request(request_id, tokens, (params or {}).get(request_id, GREEDY))
     results: dict = {}
     while engine.has_unfinished:
         for out in engine.step():
             tokens, logprobs = results.setdefault((out.request_id, out.index), ([], []))
             tokens.extend(out.new_token_ids)
             logprobs.extend(out.new_logprobs)
+            logprobs.extend((lp, top) for _, lp, top in out.prompt_logprobs or [])
     return results
 
 
 def workload(engine: LLMEngine) -> tuple[dict, dict]:
-    results = run(engine, FIRST_WAVE, n2="a3")
-    results.update(run(engine, SECOND_WAVE))
+    results = run(engine, FIRST_WAVE, {"a3": SAMPLED_N2})
+    results.update(run(engine, SECOND_WAVE, {"b1": PROMPT_LOGPROBS}))
     return results, engine.stats()
 
 
@@ -106,6 +109,7 @@ def test_tensor_parallel_matches_one_rank(model_dir, single, tp):
         assert s.num_preemptions > 0
         assert s.prefix_cache_hits > 0
     assert ("a3", 1) in got  # the n = 2 request's second sample
+    assert len(got[("b1", 0)][1]) == len(SECOND_WAVE["b1"]) - 1  # its prompt logprobs
     assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in expected.items()}
     for key, (_, logprobs) in got.items():
         for (lp, top), (lp_ref, top_ref) in zip(logprobs, expected[key][1], strict=True):
