@@ -7,6 +7,7 @@ never validates (SamplingParams.validate does) and never imports the engine runt
 from __future__ import annotations
 
 from common.grpc_stubs.folio.v1 import common_pb2
+
 from common.sampling_params import SamplingParams, StructuredOutput
 
 

@@ -16,6 +16,7 @@ import torch
 
 from common.config import EngineConfig
 from common.default_model import resolve_model_path
+from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
 from engine.errors import InvalidRequestError
 from engine.grammar import validate_sampling_params
@@ -24,7 +25,7 @@ from engine.model_runner import ModelRunner, resolve_dtype
 from engine.models.config import ModelConfig
 from engine.outputs import RequestOutput, StepTimings
 from engine.prompt_logprobs import record_prompt_logprobs
-from engine.request import FinishReason, Request
+from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import Scheduler
 from engine.stopping import check_stop

@@ -1,17 +1,11 @@
-"""Errors the engine raises to its callers; the services map them to gRPC status codes.
+"""The errors the engine raises to its callers: the contract's own (common/errors.py), under
+the names the engine uses. The services map them to gRPC status codes there.
 
 Each message names the offending parameter. Raising one of these must leave the engine
 exactly as it was.
 """
 
+from common.errors import FolioError as EngineError
+from common.errors import InvalidRequestError, QueueFullError
 
-class EngineError(Exception):
-    """Base class of the errors a caller can act on."""
-
-
-class InvalidRequestError(EngineError, ValueError):
-    """The request itself is wrong (INVALID_ARGUMENT / HTTP 400)."""
-
-
-class QueueFullError(EngineError):
-    """The bounded waiting queue is full (RESOURCE_EXHAUSTED / HTTP 429)."""
+__all__ = ["EngineError", "InvalidRequestError", "QueueFullError"]

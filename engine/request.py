@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams, sample_request_id
 
 
@@ -25,12 +26,6 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
-
-
-class FinishReason(enum.StrEnum):
-    STOP = "stop"  # EOS or a stop token
-    LENGTH = "length"  # max_tokens or the context limit
-    ABORT = "abort"  # cancelled by the caller
 
 
 @dataclass

@@ -80,7 +80,7 @@ class EngineRequest:
         self.done = False
 
     async def next(self) -> engine_pb2.RequestOutput:
-        """The next output; raises the request's error (an EngineError) if it failed."""
+        """The next output; raises the request's error (a FolioError) if it failed."""
         item = await self._outputs.get()
         if isinstance(item, Exception):
             self.done = True

@@ -17,13 +17,13 @@ from common.grpc_stubs.folio.v1 import engine_pb2_grpc
 
 from common.config import EngineConfig
 from common.errors import UnavailableError
+from common.grpc_server import GrpcService
 from common.sampling_params import parent_request_id
 from common.sampling_proto import sampling_params_from_proto
 from engine.async_engine import AsyncEngine, RequestFailed
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from services.engine.convert import error_output, event_to_proto
-from services.grpc_server import GrpcService
 
 
 @dataclass

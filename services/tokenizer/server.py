@@ -17,8 +17,8 @@ from common.grpc_stubs.folio.v1 import tokenizer_pb2_grpc
 from common.default_model import resolve_model_path
 from common.detokenizer import IncrementalDetokenizer
 from common.errors import status_code_for
+from common.grpc_server import GrpcService
 from common.tokenizer import Tokenizer
-from services.grpc_server import GrpcService
 
 
 def _flag(message, name: str, default: bool) -> bool:
