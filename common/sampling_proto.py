@@ -57,13 +57,18 @@ def structured_output_to_proto(constraint: StructuredOutput) -> common_pb2.Struc
         message.choice.choices.extend(constraint.choice)
     if constraint.json_object:
         message.json_object = True
+    if constraint.source:
+        message.source = constraint.source
     return message
 
 
 def structured_output_from_proto(message: common_pb2.StructuredOutput) -> StructuredOutput:
     # No kind set gives an empty constraint, which SamplingParams.validate refuses by name.
     kind = message.WhichOneof("kind")
+    source = message.source or None
     if kind is None:
-        return StructuredOutput()
+        return StructuredOutput(source=source)
     value = getattr(message, kind)
-    return StructuredOutput(**{kind: tuple(value.choices) if kind == "choice" else value})
+    return StructuredOutput(
+        source=source, **{kind: tuple(value.choices) if kind == "choice" else value}
+    )

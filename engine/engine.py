@@ -115,7 +115,7 @@ class LLMEngine:
         try:
             validate_sampling_params(params, self.vocab_size)
         except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from None
+            raise InvalidRequestError(str(exc), getattr(exc, "param", None)) from None
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
         if params.n > self.config.max_num_seqs:

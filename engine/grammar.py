@@ -13,6 +13,7 @@ import json
 
 import llguidance
 
+from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams, StructuredOutput
 
 # How JSON is written under a schema: compact, with json.dumps' separators, so a bounded schema
@@ -43,14 +44,17 @@ def llguidance_grammar(constraint: StructuredOutput) -> str:
     return llguidance.grammar_from("grammar", constraint.grammar)
 
 
-def check_grammar(constraint: StructuredOutput, name: str = "structured_output") -> None:
-    """Raise ValueError, its message starting with `name` (the parameter the constraint came
-    in), unless the constraint is well formed and its grammar compiles."""
-    constraint.validate(name)
+def check_grammar(constraint: StructuredOutput) -> None:
+    """Raise InvalidRequestError, its message starting with the constraint's label and its
+    param the constraint's source, unless the constraint is well formed and its grammar
+    compiles: the error names the field the constraint came in."""
+    constraint.validate()
     problem = _grammar_problem(constraint)
     if problem:
-        raise ValueError(
-            f"{name} has an invalid {constraint.DESCRIPTIONS[constraint.kind]}: {problem}"
+        raise InvalidRequestError(
+            f"{constraint.label} has an invalid {constraint.DESCRIPTIONS[constraint.kind]}: "
+            f"{problem}",
+            constraint.source,
         )
 
 
@@ -67,7 +71,7 @@ def _grammar_problem(constraint: StructuredOutput) -> str:
 
 def validate_sampling_params(params: SamplingParams, vocab_size: int | None = None) -> None:
     """SamplingParams.validate, then the grammar of its constraint: ValueError naming the first
-    bad parameter."""
+    bad parameter (an InvalidRequestError with its param for a labelled constraint)."""
     params.validate(vocab_size)
     if params.structured_output is not None:
         check_grammar(params.structured_output)

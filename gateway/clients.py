@@ -87,7 +87,7 @@ class EngineRequest:
             raise item
         if item.HasField("error"):
             self.done = True
-            raise error_for(item.error.code, item.error.message)
+            raise error_for(item.error.code, item.error.message, item.error.param or None)
         self._samples_left -= item.finished
         self.done = self._samples_left <= 0
         return item

@@ -17,7 +17,9 @@ def error_output(request_id: str, error: Exception) -> engine_pb2.RequestOutput:
     return engine_pb2.RequestOutput(
         request_id=request_id,
         finished=True,
-        error=engine_pb2.RequestError(code=code.value[0], message=str(error)),
+        error=engine_pb2.RequestError(
+            code=code.value[0], message=str(error), param=getattr(error, "param", None) or ""
+        ),
     )
 
 
