@@ -224,7 +224,7 @@ class Child:
         # A process group of its own: a terminal's Ctrl-C reaches only the supervisor, which
         # stops the children in order.
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", *self.args],
+            [sys.executable, "-m", "folio.cli", *self.args],
             stdin=subprocess.DEVNULL,
             stdout=self.output,
             stderr=self.output,
