@@ -38,10 +38,12 @@ model: $(STUBS)
 serve: model
 	$(BIN)/folio serve
 
-# The code's habits, checked before any test runs: ruff's lint rules and its formatting.
+# The code's habits, checked before any test runs: ruff's lint rules and its formatting, and
+# the import layers (import-linter; the contracts are in pyproject.toml).
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 test: model lint
 	$(BIN)/python -m pytest -q
