@@ -9,6 +9,9 @@ compiles each one once); this module never imports the engine or llguidance.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from common.sampling_params import StructuredOutput
 from gateway import protocol as api
 
@@ -26,9 +29,9 @@ def structured_output(body: api.SamplingFields) -> StructuredOutput | None:
         fields = body.structured_outputs
         found.append(
             StructuredOutput(
-                json=fields.json_schema,
+                json=_schema_text(fields.json_schema),
                 regex=fields.regex,
-                choice=fields.choice,
+                choice=None if fields.choice is None else tuple(fields.choice),
                 grammar=fields.grammar,
                 json_object=bool(fields.json_object),
                 source="structured_outputs",
@@ -62,4 +65,8 @@ def _from_response_format(response_format: api.ResponseFormat) -> StructuredOutp
             "response_format of type json_schema needs json_schema.schema", "response_format"
         )
     # strict is implied: the grammar admits only what the schema does.
-    return StructuredOutput(json=spec.json_schema, source="response_format")
+    return StructuredOutput(json=_schema_text(spec.json_schema), source="response_format")
+
+
+def _schema_text(schema: dict[str, Any] | str | None) -> str | None:
+    return json.dumps(schema) if isinstance(schema, dict) else schema

@@ -52,6 +52,7 @@ def _output_to_proto(out: RequestOutput) -> engine_pb2.RequestOutput:
         finished=out.finished,
     )
     if out.finished:
+        assert out.finish_reason is not None  # a finished output says why
         message.finish_reason = finish_reason_to_proto(out.finish_reason)
         message.usage.CopyFrom(
             common_pb2.Usage(

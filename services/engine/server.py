@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from common.grpc_stubs.folio.v1 import engine_pb2 as pb
@@ -37,8 +38,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def __init__(self, service: EngineService) -> None:
         self._service = service
 
-    async def _engine(self, context: grpc.aio.ServicerContext) -> AsyncEngine:
+    async def _engine(self, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncEngine:
         await self._service.abort_unless_available(context)
+        assert self._service.engine is not None  # serving: warm-up built it
         return self._service.engine
 
     async def Generate(
@@ -145,6 +147,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self, request: pb.GetModelInfoRequest, context
     ) -> pb.GetModelInfoResponse:
         llm = (await self._engine(context)).engine
+        assert llm is not None  # serving: the engine thread built it
         config = llm.config
         return pb.GetModelInfoResponse(
             model=llm.model_path.name,
