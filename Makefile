@@ -38,10 +38,14 @@ model: $(STUBS)
 serve: model
 	$(BIN)/folio serve
 
-# The code's habits, checked before any test runs: ruff's lint rules and its formatting.
-lint: $(STAMP)
+# The code's habits, checked before any test runs: ruff's lint rules and its formatting, the
+# import layers (import-linter) and the types (mypy, which reads the stubs' .pyi files); their
+# settings are in pyproject.toml.
+lint: $(STUBS)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 test: model lint
 	$(BIN)/python -m pytest -q

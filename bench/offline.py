@@ -73,6 +73,7 @@ def folio_decode_rate(llm, prompt: list[int], num_tokens: int) -> float:
         count += len(delta.token_ids)
         if first is None:
             first = time.perf_counter()
+    assert first is not None, "no token came"
     return (count - 1) / (time.perf_counter() - first)
 
 

@@ -84,7 +84,8 @@ class RunResult:
     def percentiles(self, values: list[float]) -> tuple[float, float, float]:
         import numpy as np
 
-        return tuple(1000 * float(v) for v in np.percentile(values, [50, 90, 99]))
+        p50, p90, p99 = (1000 * float(v) for v in np.percentile(values, [50, 90, 99]))
+        return p50, p90, p99
 
     def ttft(self) -> tuple[float, float, float]:
         return self.percentiles([s.ttft for s in self.samples])
@@ -246,6 +247,7 @@ async def bench_in_process(config, args: argparse.Namespace) -> dict[str, RunRes
 
     engine = AsyncEngine(lambda: LLMEngine(config))
     await asyncio.wrap_future(engine.start())
+    assert engine.engine is not None  # start() built it
     try:
         return await bench_levels(
             "in-process", engine_client(engine), args, engine.engine.vocab_size

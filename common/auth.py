@@ -13,8 +13,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -124,7 +125,13 @@ class KeyInterceptor(grpc.aio.ServerInterceptor):
         self._message = f"missing or invalid {what}: send metadata authorization: Bearer <key>"
         self._open_services = frozenset(open_services)
 
-    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(details)
         service = details.method.lstrip("/").split("/", 1)[0]
         if handler is None or service in self._open_services:
@@ -133,11 +140,13 @@ class KeyInterceptor(grpc.aio.ServerInterceptor):
             return handler
         return self._refusal(handler)
 
-    def _refusal(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def _refusal(self, handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
         """A handler of the same kind as `handler` (so the request is read as it would be) that
         ends the call with UNAUTHENTICATED."""
 
-        async def refuse(request_or_iterator, context: grpc.aio.ServicerContext):
+        async def refuse(
+            request_or_iterator: object, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, self._message)
 
         factory = _HANDLER_FACTORIES[(handler.request_streaming, handler.response_streaming)]

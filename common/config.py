@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -17,7 +19,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_HOST = "127.0.0.1"
 
 
-def _arg(default, type_, help_, choices=None):
+def _arg(
+    default: Any, type_: Callable[[str], Any], help_: str, choices: Sequence[Any] | None = None
+) -> Any:
     """A config field that also describes its command-line flag."""
     return field(default=default, metadata={"type": type_, "help": help_, "choices": choices})
 
@@ -205,7 +209,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     _add_config_args(parser.add_argument_group("engine"), EngineConfig)
 
 
-def _add_config_args(group, config_type: type) -> None:
+def _add_config_args(group: argparse._ActionsContainer, config_type: type) -> None:
     """One flag per field of `config_type` declared with _arg."""
     for f in fields(config_type):
         if "type" not in f.metadata:
@@ -235,7 +239,7 @@ def engine_args_from_config(config: EngineConfig) -> list[str]:
     return _config_args(config)
 
 
-def _config_args(config) -> list[str]:
+def _config_args(config: Any) -> list[str]:
     """The flags of a config's _arg fields that parse back into their values."""
     args: list[str] = []
     for f in fields(config):

@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from common.errors import InvalidRequestError
+
 
 @dataclass(frozen=True)
 class StructuredOutput:
@@ -22,6 +24,9 @@ class StructuredOutput:
     json, a JSON schema (JSON text; a dict is serialized); regex, which the whole output
     matches; choice, strings the output is exactly one of; grammar, in Lark or llama.cpp's GBNF;
     json_object, any JSON object. Frozen and hashable: it keys the engine's compiled grammars.
+    `source` labels where it came from, as the client named it (e.g. "response_format"): error
+    messages about it start with that label. It is not part of the constraint (left out of eq
+    and hash, so equal constraints from different fields share one compiled grammar).
     """
 
     json: str | None = None
@@ -29,6 +34,7 @@ class StructuredOutput:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool = False
+    source: str | None = field(default=None, compare=False)
 
     KINDS: ClassVar[tuple[str, ...]] = ("json", "regex", "choice", "grammar", "json_object")
     DESCRIPTIONS: ClassVar[dict[str, str]] = {
@@ -50,24 +56,34 @@ class StructuredOutput:
         """The one kind set (validate() first)."""
         return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
 
-    def validate(self, name: str = "structured_output") -> None:
-        """Raise ValueError, its message starting with `name` (the parameter the constraint came
-        in), unless exactly one kind is set, with a value of the right type. Whether its grammar
-        compiles is engine.grammar.check_grammar's to say."""
+    @property
+    def label(self) -> str:
+        """What error messages about this constraint start with: its source, if labelled."""
+        return self.source or "structured_output"
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError (a ValueError), its message starting with the constraint's
+        label and its param the source, unless exactly one kind is set, with a value of the
+        right type. Whether its grammar compiles is engine.grammar.check_grammar's to say."""
+        name = self.label
         kinds = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
         if len(kinds) != 1:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"{name} must set exactly one of json, regex, choice, grammar or "
-                f"json_object, got {' and '.join(kinds) or 'none'}"
+                f"json_object, got {' and '.join(kinds) or 'none'}",
+                self.source,
             )
         kind = kinds[0]
         value = getattr(self, kind)
         if kind == "choice":
             if not value or not all(isinstance(c, str) for c in value):
-                raise ValueError(f"{name}.choice must be a non-empty list of strings")
+                raise InvalidRequestError(
+                    f"{name}.choice must be a non-empty list of strings", self.source
+                )
         elif not isinstance(value, bool if kind == "json_object" else str):
-            raise ValueError(
-                f"{name}.{kind} must be a {'boolean' if kind == 'json_object' else 'string'}"
+            raise InvalidRequestError(
+                f"{name}.{kind} must be a {'boolean' if kind == 'json_object' else 'string'}",
+                self.source,
             )
 
 

@@ -6,11 +6,16 @@ never validates (SamplingParams.validate does) and never imports the engine runt
 
 from __future__ import annotations
 
+from typing import Any
+
 from common.grpc_stubs.folio.v1 import common_pb2
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
 from common.sampling_params import SamplingParams, StructuredOutput
 
 
-def _is_map(field) -> bool:
+def _is_map(field: FieldDescriptor) -> bool:
     return field.message_type is not None and field.message_type.GetOptions().map_entry
 
 
@@ -32,9 +37,10 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
 
 
 def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
+    fields: Message = message  # read by field name, as a plain protobuf message
     for field in message.DESCRIPTOR.fields:
-        if field.has_presence and not message.HasField(field.name):
+        if field.has_presence and not fields.HasField(field.name):
             continue  # unset: the library's default
         value = getattr(message, field.name)
         if _is_map(field):
@@ -56,13 +62,17 @@ def structured_output_to_proto(constraint: StructuredOutput) -> common_pb2.Struc
         message.choice.choices.extend(constraint.choice)
     if constraint.json_object:
         message.json_object = True
+    if constraint.source:
+        message.source = constraint.source
     return message
 
 
 def structured_output_from_proto(message: common_pb2.StructuredOutput) -> StructuredOutput:
     # No kind set gives an empty constraint, which SamplingParams.validate refuses by name.
     kind = message.WhichOneof("kind")
+    source = message.source or None
     if kind is None:
-        return StructuredOutput()
+        return StructuredOutput(source=source)
     value = getattr(message, kind)
-    return StructuredOutput(**{kind: tuple(value.choices) if kind == "choice" else value})
+    kwargs: dict[str, Any] = {kind: tuple(value.choices) if kind == "choice" else value}
+    return StructuredOutput(source=source, **kwargs)

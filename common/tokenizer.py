@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -34,7 +34,7 @@ SPECIAL_TOKEN_NAMES = (
 CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
@@ -51,7 +51,7 @@ def _as_id_list(value: Any) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
-def _load_chat_template(path: Path, tokenizer_config: dict) -> str | None:
+def _load_chat_template(path: Path, tokenizer_config: dict[str, Any]) -> str | None:
     if (path / "chat_template.jinja").is_file():
         return (path / "chat_template.jinja").read_text()
     template = tokenizer_config.get("chat_template")
@@ -87,7 +87,8 @@ class _GenerationTag(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; render
     its body."""
 
-    tags: ClassVar[set[str]] = {"generation"}
+    # An instance attribute on jinja2.ext.Extension, read from the class.
+    tags: set[str] = {"generation"}  # noqa: RUF012
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
@@ -106,7 +107,7 @@ def _compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def validate_messages(messages: Any) -> list[dict]:
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Check a chat conversation; return it with None-valued keys dropped (as transformers does)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
@@ -132,9 +133,9 @@ class Tokenizer:
     def __init__(
         self,
         fast: FastTokenizer,
-        tokenizer_config: dict,
-        model_config: dict,
-        generation_config: dict,
+        tokenizer_config: dict[str, Any],
+        model_config: dict[str, Any],
+        generation_config: dict[str, Any],
         chat_template: str | None,
     ) -> None:
         self._fast = fast
@@ -202,7 +203,9 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._fast.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
         if self._template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         messages = validate_messages(messages)
@@ -218,7 +221,9 @@ class Tokenizer:
             # Templates reject conversations they cannot format (e.g. roles out of order).
             raise ValueError(f"the chat template rejected the messages: {error}") from error
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
         # The template writes its own BOS and control tokens; adding special tokens would double
         # them.
         return self.encode(

@@ -178,7 +178,7 @@ class EngineGroup:
                     [
                         sys.executable,
                         "-m",
-                        "common.cli",
+                        "folio.cli",
                         "engine-worker",
                         "--rank",
                         str(rank),

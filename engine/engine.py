@@ -16,6 +16,7 @@ import torch
 
 from common.config import EngineConfig
 from common.default_model import resolve_model_path
+from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
 from engine.distributed import EngineGroup, start_engine_group
 from engine.errors import InvalidRequestError
@@ -31,7 +32,7 @@ from engine.models.parallel import (
 )
 from engine.outputs import RequestOutput, StepTimings
 from engine.prompt_logprobs import record_prompt_logprobs
-from engine.request import FinishReason, Request
+from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import Scheduler
 from engine.stopping import check_stop
@@ -141,7 +142,7 @@ class LLMEngine:
         try:
             validate_sampling_params(params, self.vocab_size)
         except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from None
+            raise InvalidRequestError(str(exc), getattr(exc, "param", None)) from None
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
         if params.n > self.config.max_num_seqs:

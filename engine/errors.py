@@ -1,22 +1,19 @@
-"""Errors the engine raises to its callers; the services map them to gRPC status codes.
+"""The errors the engine raises to its callers: the contract's own (common/errors.py), under
+the names the engine uses, and the one error only an engine can have. The services map them to
+gRPC status codes there.
 
-Each message names the offending parameter. Raising one of these must leave the engine
-exactly as it was.
+Each message names the offending parameter. Raising one of these (EngineGroupError aside) must
+leave the engine exactly as it was.
 """
 
-
-class EngineError(Exception):
-    """Base class of the errors a caller can act on."""
-
-
-class InvalidRequestError(EngineError, ValueError):
-    """The request itself is wrong (INVALID_ARGUMENT / HTTP 400)."""
+from common.errors import FolioError as EngineError
+from common.errors import InvalidRequestError, QueueFullError, UnavailableError
 
 
-class QueueFullError(EngineError):
-    """The bounded waiting queue is full (RESOURCE_EXHAUSTED / HTTP 429)."""
-
-
-class EngineGroupError(RuntimeError):
+class EngineGroupError(UnavailableError):
     """A tensor-parallel rank died, hung or fell out of step: the engine cannot go on and
-    fails its live requests (INTERNAL); the process should exit so that it is restarted."""
+    fails its live requests (UNAVAILABLE / 503: it is being restarted, retry later); the process
+    exits so that it is restarted."""
+
+
+__all__ = ["EngineError", "EngineGroupError", "InvalidRequestError", "QueueFullError"]

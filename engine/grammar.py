@@ -10,47 +10,60 @@ from __future__ import annotations
 
 import functools
 import json
+from typing import TYPE_CHECKING
 
 import llguidance
 
+from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams, StructuredOutput
+
+if TYPE_CHECKING:  # declared in llguidance's type stubs only
+    from llguidance._lib import JsonCompileOptions
 
 # How JSON is written under a schema: compact, with json.dumps' separators, so a bounded schema
 # bounds the number of tokens (free whitespace lets a sampled model pad forever). A schema's
 # "x-guidance" key overrides these.
-JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_FORMAT: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 
 
 def llguidance_grammar(constraint: StructuredOutput) -> str:
-    """The constraint as an llguidance grammar; ValueError if it cannot be built."""
-    kind = constraint.kind
-    if kind == "json":
+    """The constraint (validated: exactly one kind set) as an llguidance grammar; ValueError
+    if it cannot be built."""
+    if constraint.json is not None:
         try:
             schema = json.loads(constraint.json)
         except ValueError as exc:
             raise ValueError(f"the schema is not valid JSON ({exc})") from None
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT)
-    if kind == "json_object":
+    if constraint.json_object:
         return llguidance.LLMatcher.grammar_from_json_schema(
             {"type": "object"}, defaults=JSON_FORMAT
         )
-    if kind == "regex":
+    if constraint.regex is not None:
         return llguidance.LLMatcher.grammar_from_regex(constraint.regex)
-    if kind == "choice":
+    if constraint.choice is not None:
         # JSON string literals are Lark string literals.
         alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in constraint.choice)
         return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+    assert constraint.grammar is not None  # the one kind left
     return llguidance.grammar_from("grammar", constraint.grammar)
 
 
-def check_grammar(constraint: StructuredOutput, name: str = "structured_output") -> None:
-    """Raise ValueError, its message starting with `name` (the parameter the constraint came
-    in), unless the constraint is well formed and its grammar compiles."""
-    constraint.validate(name)
+def check_grammar(constraint: StructuredOutput) -> None:
+    """Raise InvalidRequestError, its message starting with the constraint's label and its
+    param the constraint's source, unless the constraint is well formed and its grammar
+    compiles: the error names the field the constraint came in."""
+    constraint.validate()
     problem = _grammar_problem(constraint)
     if problem:
-        raise ValueError(
-            f"{name} has an invalid {constraint.DESCRIPTIONS[constraint.kind]}: {problem}"
+        raise InvalidRequestError(
+            f"{constraint.label} has an invalid {constraint.DESCRIPTIONS[constraint.kind]}: "
+            f"{problem}",
+            constraint.source,
         )
 
 
@@ -67,7 +80,7 @@ def _grammar_problem(constraint: StructuredOutput) -> str:
 
 def validate_sampling_params(params: SamplingParams, vocab_size: int | None = None) -> None:
     """SamplingParams.validate, then the grammar of its constraint: ValueError naming the first
-    bad parameter."""
+    bad parameter (an InvalidRequestError with its param for a labelled constraint)."""
     params.validate(vocab_size)
     if params.structured_output is not None:
         check_grammar(params.structured_output)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import FinishReason
+from common.finish_reason import FinishReason
 
 
 @dataclass

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams, sample_request_id
 
 
@@ -30,12 +31,6 @@ class RequestStatus(enum.Enum):
 
 # Numbers requests (samples included) for the step plan: unique within the process, never reused.
 _SEQ_IDS = itertools.count()
-
-
-class FinishReason(enum.StrEnum):
-    STOP = "stop"  # EOS or a stop token
-    LENGTH = "length"  # max_tokens or the context limit
-    ABORT = "abort"  # cancelled by the caller
 
 
 @dataclass

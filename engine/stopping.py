@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Container
 
-from engine.request import FinishReason, Request
+from common.finish_reason import FinishReason
+from engine.request import Request
 
 
 def check_stop(

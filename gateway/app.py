@@ -29,7 +29,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from common.config import MAX_REQUEST_BODY_BYTES, GatewayConfig
-from common.errors import EngineError
+from common.errors import FolioError
 from gateway import completions
 from gateway import protocol as api
 from gateway.auth import Access
@@ -243,7 +243,7 @@ def build_app(
     async def metrics(request: Request) -> Response:
         try:
             stats = await gateway.engine.stats()
-        except EngineError:
+        except FolioError:
             stats = None  # the engine is down: the gateway's own series still count
         return PlainTextResponse(
             gateway.metrics.render(stats), media_type="text/plain; version=0.0.4"

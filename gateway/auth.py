@@ -14,7 +14,7 @@ from starlette.requests import Request
 
 from common.auth import KeySet, bearer_token, grpc_presented_key
 from common.config import GatewayConfig
-from gateway.protocol import Unauthenticated
+from common.errors import Unauthenticated
 from gateway.rate_limit import RateLimiter
 
 # Routes that probes and scrapers reach without a key unless --protect-health-metrics.

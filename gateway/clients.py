@@ -80,14 +80,14 @@ class EngineRequest:
         self.done = False
 
     async def next(self) -> engine_pb2.RequestOutput:
-        """The next output; raises the request's error (an EngineError) if it failed."""
+        """The next output; raises the request's error (a FolioError) if it failed."""
         item = await self._outputs.get()
         if isinstance(item, Exception):
             self.done = True
             raise item
         if item.HasField("error"):
             self.done = True
-            raise error_for(item.error.code, item.error.message)
+            raise error_for(item.error.code, item.error.message, item.error.param or None)
         self._samples_left -= item.finished
         self.done = self._samples_left <= 0
         return item

@@ -26,20 +26,14 @@ from pathlib import Path
 from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
 from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 
-from common.errors import UnavailableError
+from common.errors import InvalidParameter, ModelNotFound, UnavailableError
+from common.finish_reason import finish_reason_from_proto
 from common.sampling_params import SamplingParams
 from common.sampling_proto import sampling_params_to_proto
 from gateway.clients import EngineClient, EngineRequest, TokenizerClient
 from gateway.metrics import Metrics
-from gateway.protocol import InvalidParameter, ModelNotFound
 
 logger = logging.getLogger(__name__)
-
-FINISH_REASONS = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-}
 
 
 @dataclass
@@ -306,7 +300,7 @@ class Gateway:
                 if text.stop_matched:
                     final, reason = await engine_request.abort() or output, "stop"
                 elif output.finished:
-                    final, reason = output, FINISH_REASONS[output.finish_reason]
+                    final, reason = output, finish_reason_from_proto(output.finish_reason)
                 else:
                     if text.text or logprobs or prompt_logprobs:
                         yield TextDelta(text.text, logprobs, prompt_logprobs=prompt_logprobs)

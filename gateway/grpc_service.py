@@ -20,19 +20,14 @@ from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2_grpc
 from common.grpc_stubs.folio.v1 import gateway_pb2 as pb
 
 from common.config import GatewayConfig
-from common.errors import EngineError, status_code_for
+from common.errors import FolioError, status_code_for
+from common.finish_reason import finish_reason_to_proto
+from common.grpc_server import GrpcService
 from common.sampling_proto import sampling_params_from_proto
 from gateway.auth import Access
 from gateway.deadlines import set_deadline, timeout_message, until_deadline
 from gateway.generation import Gateway, TextDelta, TextRequest, new_request_id
 from gateway.rate_limit import giving_back_unused
-from services.grpc_server import GrpcService
-
-FINISH_REASONS = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-}
 
 
 def _response_fields(delta: TextDelta) -> dict:
@@ -53,7 +48,7 @@ def _response_fields(delta: TextDelta) -> dict:
         ],
     )
     if delta.usage is not None:
-        fields["finish_reason"] = FINISH_REASONS[delta.finish_reason]
+        fields["finish_reason"] = finish_reason_to_proto(delta.finish_reason)
         fields["usage"] = common_pb2.Usage(
             prompt_tokens=delta.usage.prompt_tokens,
             completion_tokens=delta.usage.completion_tokens,
@@ -127,7 +122,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             async with contextlib.aclosing(deltas):
                 async for _, delta in deltas:
                     yield delta
-        except (EngineError, ValueError) as exc:
+        except (FolioError, ValueError) as exc:
             if context.done():  # the caller's own deadline passed: its call is already over
                 return
             await context.abort(status_code_for(exc), str(exc))

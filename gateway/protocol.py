@@ -11,45 +11,15 @@ from __future__ import annotations
 from http import HTTPStatus
 from typing import Annotated, Any, Literal
 
-import grpc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.json_schema import models_json_schema
 
-from common.errors import status_code_for
-from engine.errors import QueueFullError
-
-
-class InvalidParameter(ValueError):
-    """A request the gateway refuses (HTTP 400, gRPC INVALID_ARGUMENT); `param` names the field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class ModelNotFound(InvalidParameter):
-    """The request names a model this server does not serve (HTTP 404)."""
-
-
-class UnsupportedMediaType(InvalidParameter):
-    """The body is not declared as JSON (HTTP 415)."""
-
-
-class RequestTooLarge(InvalidParameter):
-    """The body is over the gateway's size limit (HTTP 413)."""
-
-
-class Unauthenticated(Exception):
-    """No valid API key came with the request (HTTP 401 with WWW-Authenticate: Bearer)."""
-
-
-class RateLimitExceeded(QueueFullError):
-    """The caller is over a rate limit (HTTP 429, gRPC RESOURCE_EXHAUSTED). `retry_after`:
-    whole seconds until the request would pass; None when waiting cannot make it pass."""
-
-    def __init__(self, message: str, retry_after: int | None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
+# The errors the gateway raises are the contract's (common/errors.py, one table for every
+# wire); the route modules name the request errors through this module (api.InvalidParameter).
+from common.errors import InvalidParameter as InvalidParameter
+from common.errors import RateLimitExceeded, Unauthenticated, mapping_for
+from common.errors import RequestTooLarge as RequestTooLarge
+from common.errors import UnsupportedMediaType as UnsupportedMediaType
 
 
 class RequestBody(BaseModel):
@@ -388,21 +358,15 @@ class ErrorResponse(ResponseBody):
 
 def error_body(exc: BaseException) -> tuple[int, ErrorResponse]:
     """The HTTP status and OpenAI error body for an exception (anything unknown is a 500)."""
-    if isinstance(exc, ModelNotFound):
-        status, kind, code = 404, "invalid_request_error", "model_not_found"
-    elif isinstance(exc, UnsupportedMediaType):
-        status, kind, code = 415, "invalid_request_error", None
-    elif isinstance(exc, RequestTooLarge):
-        status, kind, code = 413, "invalid_request_error", "request_too_large"
-    elif isinstance(exc, Unauthenticated):
-        status, kind, code = 401, "invalid_request_error", "invalid_api_key"
-    elif isinstance(exc, RateLimitExceeded):
-        status, kind, code = 429, "rate_limit_error", "rate_limit_exceeded"
-    else:
-        status, kind, code = _HTTP_ERRORS.get(status_code_for(exc), _HTTP_ERRORS[None])
-    message = str(exc) if status != 500 else f"internal error: {exc}"
-    return status, ErrorResponse(
-        error=ErrorInfo(message=message, type=kind, param=getattr(exc, "param", None), code=code)
+    row = mapping_for(exc)
+    message = str(exc) if row.http_status != 500 else f"internal error: {exc}"
+    return row.http_status, ErrorResponse(
+        error=ErrorInfo(
+            message=message,
+            type=row.openai_type,
+            param=getattr(exc, "param", None),
+            code=row.openai_code,
+        )
     )
 
 
@@ -413,17 +377,6 @@ def error_headers(exc: BaseException) -> dict[str, str]:
     if isinstance(exc, RateLimitExceeded) and exc.retry_after is not None:
         return {"Retry-After": str(exc.retry_after)}
     return {}
-
-
-# gRPC status (common.errors) -> HTTP status, OpenAI error type, code.
-_HTTP_ERRORS: dict[grpc.StatusCode | None, tuple[int, str, str | None]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "queue_full"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", None),
-    # The gateway's request timeout, or a service's deadline: the gateway gave up waiting.
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout", "request_timeout"),
-    None: (500, "server_error", None),
-}
 
 
 # -- OpenAPI ------------------------------------------------------------------------------------

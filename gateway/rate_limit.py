@@ -19,8 +19,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
+from common.errors import RateLimitExceeded
 from gateway.generation import TextDelta, TextRequest
-from gateway.protocol import RateLimitExceeded
 
 # Buckets of callers that have been idle long enough to be full again carry no state: they are
 # dropped once this many callers are tracked, so that many client addresses cannot grow memory.

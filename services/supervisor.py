@@ -171,7 +171,10 @@ def _grpc_serving(address: str) -> Callable[[], bool]:
 
     def probe() -> bool:
         try:
-            status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+            # types-grpcio-health-checking declares HealthStub without its methods.
+            status = stub.Check(  # type: ignore[attr-defined]
+                health_pb2.HealthCheckRequest(), timeout=1.0
+            ).status
         except grpc.RpcError:
             return False  # not listening yet
         return status == health_pb2.HealthCheckResponse.SERVING
@@ -224,7 +227,7 @@ class Child:
         # A process group of its own: a terminal's Ctrl-C reaches only the supervisor, which
         # stops the children in order.
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", *self.args],
+            [sys.executable, "-m", "folio.cli", *self.args],
             stdin=subprocess.DEVNULL,
             stdout=self.output,
             stderr=self.output,
@@ -246,12 +249,16 @@ class Child:
         return None if self.process is None else self.process.poll()
 
     def terminate(self) -> None:
-        if self.exit_code() is None:
+        if self.process is not None and self.exit_code() is None:
             self.process.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        if self.exit_code() is None:
+        if self.process is not None and self.exit_code() is None:
             self.process.kill()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
 
     def describe_exit(self) -> str:
         code = self.exit_code()
@@ -418,7 +425,7 @@ class Supervisor:
         if child.restart_at is not None:
             if now >= child.restart_at:
                 child.start()
-                print(f"folio: restarted {child.name} (pid {child.process.pid})", flush=True)
+                print(f"folio: restarted {child.name} (pid {child.pid})", flush=True)
         elif child.exit_code() is not None:
             self._schedule_restart(child, now)
         elif child.healthy_since is None and child.healthy():
@@ -427,7 +434,7 @@ class Supervisor:
     def _schedule_restart(self, child: Child, now: float) -> None:
         recovered = child.healthy_since is not None and now - child.healthy_since >= STABLE_SECONDS
         child.deaths_in_a_row = 1 if recovered else child.deaths_in_a_row + 1
-        died = f"{child.describe_exit()} while serving (pid {child.process.pid})"
+        died = f"{child.describe_exit()} while serving (pid {child.pid})"
         if child.deaths_in_a_row > self.config.max_restarts:
             raise ServeError(
                 f"{died}: it died {child.deaths_in_a_row} times in a row, more "
@@ -465,7 +472,8 @@ class Supervisor:
             time.sleep(POLL_SECONDS)
         clean = True
         for child in running:
-            child.process.wait()
+            if child.process is not None:
+                child.process.wait()
             # A child still importing when SIGTERM came dies of it: that is a stop as asked.
             stopped_as_asked = child.exit_code() in (0, -signal.SIGTERM)
             print(

@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.grpc_server import GrpcService
+from common.grpc_server import GrpcService
 
 # Every blocking call gets a deadline: a broken server fails a test instead of hanging it.
 TIMEOUT = 60

@@ -1,7 +1,8 @@
 """Generates the Python stubs of protos/ with grpcio-tools: `python -m common.grpc_stubs.generate`.
 
 protoc writes imports relative to the proto root (`from folio.v1 import common_pb2`); they are
-rewritten to live under this package so that no top-level `folio` package is needed. The output
+rewritten to live under this package, away from the top-level `folio` package (the CLI). Type
+stubs (.pyi, for messages and services) come from mypy-protobuf's protoc plugins. The output
 is a pure function of the .proto files and the grpcio-tools version, so a test can regenerate
 and compare. Never hand-edit the output; never touch protos/.
 """
@@ -30,12 +31,17 @@ def generate(out_dir: Path) -> list[Path]:
     from grpc_tools import protoc
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    # mypy-protobuf's plugins, installed beside this interpreter.
+    scripts = Path(sys.executable).parent
     args = [
         "grpc_tools.protoc",
         f"--proto_path={PROTO_ROOT}",
+        f"--plugin=protoc-gen-mypy={scripts / 'protoc-gen-mypy'}",
+        f"--plugin=protoc-gen-mypy_grpc={scripts / 'protoc-gen-mypy_grpc'}",
         f"--python_out={out_dir}",
-        f"--pyi_out={out_dir}",
+        f"--mypy_out={out_dir}",
         f"--grpc_python_out={out_dir}",
+        f"--mypy_grpc_out={out_dir}",
         *(str(p) for p in proto_files()),
     ]
     if protoc.main(args) != 0:

@@ -7,15 +7,9 @@ import grpc
 from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
 
 from common.errors import status_code_for
+from common.finish_reason import finish_reason_to_proto
 from engine.async_engine import Event, RequestFailed
 from engine.outputs import RequestOutput
-from engine.request import FinishReason
-
-FINISH_REASONS = {
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
-}
 
 
 def error_output(request_id: str, error: Exception) -> engine_pb2.RequestOutput:
@@ -23,7 +17,9 @@ def error_output(request_id: str, error: Exception) -> engine_pb2.RequestOutput:
     return engine_pb2.RequestOutput(
         request_id=request_id,
         finished=True,
-        error=engine_pb2.RequestError(code=code.value[0], message=str(error)),
+        error=engine_pb2.RequestError(
+            code=code.value[0], message=str(error), param=getattr(error, "param", None) or ""
+        ),
     )
 
 
@@ -56,7 +52,8 @@ def _output_to_proto(out: RequestOutput) -> engine_pb2.RequestOutput:
         finished=out.finished,
     )
     if out.finished:
-        message.finish_reason = FINISH_REASONS[out.finish_reason]
+        assert out.finish_reason is not None  # a finished output says why
+        message.finish_reason = finish_reason_to_proto(out.finish_reason)
         message.usage.CopyFrom(
             common_pb2.Usage(
                 prompt_tokens=out.num_prompt_tokens,

@@ -13,6 +13,7 @@ import os
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from common.grpc_stubs.folio.v1 import engine_pb2 as pb
@@ -20,13 +21,13 @@ from common.grpc_stubs.folio.v1 import engine_pb2_grpc
 
 from common.config import TP_FAILURE_EXIT_SECONDS, EngineConfig
 from common.errors import UnavailableError
+from common.grpc_server import GrpcService
 from common.sampling_params import parent_request_id
 from common.sampling_proto import sampling_params_from_proto
 from engine.async_engine import AsyncEngine, RequestFailed
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from services.engine.convert import error_output, event_to_proto
-from services.grpc_server import GrpcService
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def __init__(self, service: EngineService) -> None:
         self._service = service
 
-    async def _engine(self, context: grpc.aio.ServicerContext) -> AsyncEngine:
+    async def _engine(self, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncEngine:
         await self._service.abort_unless_available(context)
+        assert self._service.engine is not None  # serving: warm-up built it
         return self._service.engine
 
     async def Generate(
@@ -150,6 +152,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self, request: pb.GetModelInfoRequest, context
     ) -> pb.GetModelInfoResponse:
         llm = (await self._engine(context)).engine
+        assert llm is not None  # serving: the engine thread built it
         config = llm.config
         return pb.GetModelInfoResponse(
             model=llm.model_path.name,

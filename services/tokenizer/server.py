@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import grpc
 from common.grpc_stubs.folio.v1 import tokenizer_pb2 as pb
@@ -17,8 +18,8 @@ from common.grpc_stubs.folio.v1 import tokenizer_pb2_grpc
 from common.default_model import resolve_model_path
 from common.detokenizer import IncrementalDetokenizer
 from common.errors import status_code_for
+from common.grpc_server import GrpcService
 from common.tokenizer import Tokenizer
-from services.grpc_server import GrpcService
 
 
 def _flag(message, name: str, default: bool) -> bool:
@@ -37,8 +38,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     def __init__(self, service: TokenizerService) -> None:
         self._service = service
 
-    async def _tokenizer(self, context: grpc.aio.ServicerContext) -> Tokenizer:
+    async def _tokenizer(self, context: grpc.aio.ServicerContext[Any, Any]) -> Tokenizer:
         await self._service.abort_unless_available(context)
+        assert self._service.tokenizer is not None  # serving: warm-up loaded it
         return self._service.tokenizer
 
     async def _check_ids(self, ids: Sequence[int], tokenizer: Tokenizer, context) -> None:
@@ -68,7 +70,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 raise ValueError("set either text or chat")
         except ValueError as exc:
             await context.abort(status_code_for(exc), str(exc))
-        token_strs = [tokenizer.id_to_token(i) for i in ids] if request.return_token_strs else []
+        # Every id is in the vocabulary here (encode made them), so each has its string.
+        token_strs = (
+            [tokenizer.id_to_token(i) or "" for i in ids] if request.return_token_strs else []
+        )
         return pb.TokenizeResponse(token_ids=ids, prompt=prompt, token_strs=token_strs)
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
@@ -106,6 +111,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             if ended:
                 yield pb.DetokenizeStreamResponse(finished=True)
                 continue
+            assert detokenizer is not None  # context.abort() raised otherwise
             delta = detokenizer.push(request.token_ids)
             text, stop = delta.text, delta.stop_matched
             if request.finish and stop is None:

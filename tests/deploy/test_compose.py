@@ -1,6 +1,6 @@
 """docker-compose.yml and the Dockerfile against the real CLI (Docker cannot run here).
 
-Each service's command must parse with common.cli's own parser; ports, addresses, health checks,
+Each service's command must parse with folio.cli's own parser; ports, addresses, health checks,
 published ports and the model-cache volume must agree with each other and with the flags; the
 health-check one-liners are run for real against a local health server.
 """
@@ -21,7 +21,7 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common import config
-from common.cli import build_parser
+from folio.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())

@@ -59,7 +59,7 @@ class ServeProcess:
 
     def child_pid(self, role: str) -> int:
         """The pid of the live child running `folio <role>` (tokenizer, engine or gateway)."""
-        pids = [pid for pid, cmdline in self.children().items() if f"common.cli {role} " in cmdline]
+        pids = [pid for pid, cmdline in self.children().items() if f"folio.cli {role} " in cmdline]
         assert len(pids) == 1, f"{role}: {pids} in {self.children()}"
         return pids[0]
 
@@ -116,7 +116,7 @@ def start_serve(log: Path, *args: str, wait: bool = True) -> ServeProcess:
     command = [
         sys.executable,
         "-m",
-        "common.cli",
+        "folio.cli",
         "serve",
         "--port",
         "0",

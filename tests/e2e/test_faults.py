@@ -363,7 +363,7 @@ def test_a_detokenize_stream_whose_tokenizer_died_between_pushes_is_unavailable(
         [
             sys.executable,
             "-m",
-            "common.cli",
+            "folio.cli",
             "tokenizer",
             "--model",
             str(default_model_dir),

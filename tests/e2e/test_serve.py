@@ -33,7 +33,7 @@ def client(server) -> OpenAI:
 
 def test_all_three_services_are_up(folio_server):
     children = folio_server.children()
-    roles = sorted(re.search(r"common\.cli (\w+)", cmd)[1] for cmd in children.values())
+    roles = sorted(re.search(r"folio\.cli (\w+)", cmd)[1] for cmd in children.values())
     assert roles == ["engine", "gateway", "tokenizer"]
     with urllib.request.urlopen(f"{folio_server.url}/health", timeout=10) as response:
         assert response.status == 200

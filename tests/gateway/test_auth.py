@@ -196,7 +196,7 @@ def test_folio_gateway_reads_keys_from_its_environment_and_a_file(services, tmp_
         [
             sys.executable,
             "-m",
-            "common.cli",
+            "folio.cli",
             "gateway",
             "--port",
             "0",

@@ -27,7 +27,7 @@ def test_folio_gateway_serves_then_drains_on_sigterm(services):
         [
             sys.executable,
             "-m",
-            "common.cli",
+            "folio.cli",
             "gateway",
             "--port",
             "0",

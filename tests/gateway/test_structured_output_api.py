@@ -179,6 +179,12 @@ def test_the_engine_grpc_contract_carries_the_constraint(engine_stub, tokenizer)
     _, last = generate("bad", common_pb2.StructuredOutput(regex="a(b"))
     assert last.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert "structured_output" in last.error.message
+    assert last.error.param == ""
+    # A constraint labelled with the field it came in: the engine's refusal names that field.
+    _, last = generate("labelled", common_pb2.StructuredOutput(regex="a(b", source="guided_regex"))
+    assert last.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert last.error.message.startswith("guided_regex has an invalid regular expression")
+    assert last.error.param == "guided_regex"
 
 
 def test_the_gateway_grpc_api_carries_the_constraint(gateway):

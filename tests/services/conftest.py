@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from common.grpc_server import GrpcService
 from grpc_helpers import ServerThread
-from services.grpc_server import GrpcService
 
 
 @pytest.fixture

@@ -16,11 +16,11 @@ from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import EngineConfig
+from common.grpc_server import State
 from common.sampling_params import SamplingParams
 from engine.engine import LLMEngine
 from grpc_helpers import TIMEOUT, RequestStream, ServerThread, assert_health_and_reflection
 from services.engine.server import EngineService
-from services.grpc_server import State
 from tiny_models import VARIANTS, make_checkpoint
 
 ENGINE_ARGS = dict(

@@ -16,9 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from common.auth import KeySet
-from common.cli import build_parser
 from common.config import EngineConfig
 from common.errors import InternalError
+from folio.cli import build_parser
 from gateway.clients import EngineClient, TokenizerClient
 from grpc_helpers import TIMEOUT
 from services.engine.server import EngineService

@@ -25,7 +25,7 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def run_until_serving_then_stop(args: list[str], service_name: str) -> None:
-    command = [sys.executable, "-m", "common.cli", *args, "--port", "0"]
+    command = [sys.executable, "-m", "folio.cli", *args, "--port", "0"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = process.stdout.readline()
@@ -68,7 +68,7 @@ def test_folio_engine_stopped_while_loading_exits_cleanly(default_model_dir):
     command = [
         sys.executable,
         "-m",
-        "common.cli",
+        "folio.cli",
         "engine",
         "--model",
         str(default_model_dir),

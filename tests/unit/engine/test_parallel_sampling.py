@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from common.config import EngineConfig
+from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from engine.llm import LLM
-from engine.request import FinishReason
 from tiny_models import VARIANTS, make_checkpoint
 
 BLOCK = 16

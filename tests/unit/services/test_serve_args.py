@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from common.cli import build_parser
 from common.config import EngineConfig, engine_args_from_config, engine_config_from_args
+from folio.cli import build_parser
 from services.supervisor import Supervisor, serve_config_from_args
 
 

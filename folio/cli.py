@@ -1,7 +1,9 @@
 """The `folio` command line: one subcommand per job, each a thin call into a library.
 
-Argument parsing only; never business logic. Heavy imports (torch, the engine) happen inside
-the subcommand that needs them so `folio --help` stays instant.
+The composition root: the one module that imports every package (common, engine, services,
+gateway, bench) to wire them together. Argument parsing only; never business logic. Heavy
+imports (torch, the engine) happen inside the subcommand that needs them so `folio --help`
+stays instant.
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ def free_port() -> int:
 def start_worker(port: int) -> subprocess.Popen:
     return subprocess.Popen(
         [
-            *(sys.executable, "-m", "common.cli", "engine-worker", "--rank", "1"),
+            *(sys.executable, "-m", "folio.cli", "engine-worker", "--rank", "1"),
             *("--world-size", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)),
         ],
         stdin=subprocess.DEVNULL,

@@ -15,6 +15,7 @@ import enum
 import logging
 import signal
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -49,7 +50,7 @@ class GrpcService:
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._serving = asyncio.Event()
-        self._warm_up_task: asyncio.Task | None = None
+        self._warm_up_task: asyncio.Task[None] | None = None
         self._stop_requested: asyncio.Event | None = None
         self.failure: BaseException | None = None
         self._interceptors: list[grpc.aio.ServerInterceptor] = []
@@ -83,7 +84,7 @@ class GrpcService:
         if self.state is not State.SERVING:
             raise UnavailableError(f"the service is {self.state.value}; retry later")
 
-    async def abort_unless_available(self, context: grpc.aio.ServicerContext) -> None:
+    async def abort_unless_available(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         """End the RPC with UNAVAILABLE unless serving (check_available as a gRPC status)."""
         try:
             self.check_available()
@@ -117,11 +118,14 @@ class GrpcService:
 
     async def wait_serving(self) -> None:
         """Return once warm; raise what warm-up raised if it failed."""
+        warm_up = self._warm_up_task
+        assert warm_up is not None, "start() first"
         serving = asyncio.create_task(self._serving.wait())
-        await asyncio.wait({serving, self._warm_up_task}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({serving, warm_up}, return_when=asyncio.FIRST_COMPLETED)
         serving.cancel()
-        if self._warm_up_task.done() and self._warm_up_task.exception() is not None:
-            raise self._warm_up_task.exception()
+        failure = warm_up.exception() if warm_up.done() else None
+        if failure is not None:
+            raise failure
 
     async def stop(self, grace: float | None) -> None:
         """Drain: NOT_SERVING, refuse new work, let RPCs in flight finish for `grace` seconds."""
@@ -148,17 +152,19 @@ class GrpcService:
             f"folio: {type(self).__name__} listening on {self.address.rsplit(':', 1)[0]}:{port}",
             flush=True,
         )
+        warm_up = self._warm_up_task
+        assert warm_up is not None  # start() made it
         stopped = asyncio.create_task(stop.wait())
         try:
-            await asyncio.wait({stopped, self._warm_up_task}, return_when=asyncio.FIRST_COMPLETED)
-            if self._warm_up_task.done():
-                self._warm_up_task.result()  # a failed warm-up ends the process with its error
+            await asyncio.wait({stopped, warm_up}, return_when=asyncio.FIRST_COMPLETED)
+            if warm_up.done():
+                warm_up.result()  # a failed warm-up ends the process with its error
                 await stopped
         finally:
             await self.stop(grace if self.failure is None else FAILED_DRAIN_SECONDS)
         return 0 if self.failure is None else 1
 
-    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+    async def _set_health(self, status: int) -> None:
         # "" is the whole server, as standard health clients (grpc_health_probe) ask by default.
         for name in ("", *self.service_names):
             await self._health.set(name, status)

@@ -27,8 +27,9 @@ def test_importing_sampling_params_loads_no_engine_torch_or_llguidance():
 def test_shape_errors_are_caught_without_the_engine():
     with pytest.raises(ValueError, match="top_p must be in"):
         SamplingParams(top_p=0.0).validate()
-    with pytest.raises(ValueError, match="response_format must set exactly one of"):
-        StructuredOutput().validate("response_format")
+    with pytest.raises(ValueError, match="response_format must set exactly one of") as error:
+        StructuredOutput(source="response_format").validate()
+    assert error.value.param == "response_format"
 
 
 def test_a_grammar_that_does_not_compile_passes_the_shape_check_but_not_the_engine():
@@ -36,3 +37,13 @@ def test_a_grammar_that_does_not_compile_passes_the_shape_check_but_not_the_engi
     params.validate()  # well formed: a string regex
     with pytest.raises(ValueError, match="structured_output has an invalid regular expression"):
         validate_sampling_params(params)
+
+
+def test_the_source_labels_errors_but_is_not_part_of_the_constraint():
+    labelled = StructuredOutput(regex="a(b", source="guided_regex")
+    assert labelled == StructuredOutput(regex="a(b") and hash(labelled) == hash(
+        StructuredOutput(regex="a(b")
+    )
+    with pytest.raises(ValueError, match=r"^guided_regex has an invalid regular expression") as e:
+        validate_sampling_params(SamplingParams(structured_output=labelled))
+    assert e.value.param == "guided_regex"
