@@ -126,7 +126,7 @@ class EngineConfig:
             f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}",
         )
         require(
-            not self.external_workers or (self.tensor_parallel_size > 1 and self.master_port),
+            not self.external_workers or (self.tensor_parallel_size > 1 and self.master_port > 0),
             "external_workers needs tensor_parallel_size > 1 and a master_port the workers "
             f"know (got tensor_parallel_size {self.tensor_parallel_size}, "
             f"master_port {self.master_port})",

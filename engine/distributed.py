@@ -95,7 +95,8 @@ def join_group(store: dist.Store, rank: int, size: int, device: str, host: str) 
             "nccl", store=store, rank=rank, world_size=size, timeout=_COLLECTIVE_TIMEOUT
         )
     else:
-        options = dist.ProcessGroupGloo._Options()
+        # The private options are the one way to bind gloo's sockets to a chosen address.
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         options._timeout = _COLLECTIVE_TIMEOUT
         dist.init_process_group("gloo", store=store, rank=rank, world_size=size, pg_options=options)
@@ -156,7 +157,7 @@ class EngineGroup:
         listener = _listen(self.host, config.master_port, size * 4)
         self.port = listener.getsockname()[1]
         # The store owns the listening socket from here on (and closes it).
-        self._store = dist.TCPStore(
+        store = dist.TCPStore(
             self.host,
             self.port,
             size,
@@ -167,7 +168,8 @@ class EngineGroup:
         )
         info = asdict(config)
         info.update(model=str(model_path), num_blocks=num_blocks, max_model_len=max_model_len)
-        self._store.set(_ENGINE_KEY, json.dumps(info))
+        store.set(_ENGINE_KEY, json.dumps(info))
+        self._store: dist.TCPStore | None = store
         self.failure: EngineGroupError | None = None
         self._listeners: list[Callable[[EngineGroupError], None]] = []
         self._closed = threading.Event()
@@ -197,14 +199,14 @@ class EngineGroup:
             logger.info(
                 "waiting for %d tensor-parallel workers at %s:%d", size - 1, self.host, self.port
             )
-        self._wait_for_workers()
+        self._wait_for_workers(store)
         self.device = config.device
-        self.tp = join_group(self._store, 0, size, config.device, self.host)
+        self.tp = join_group(store, 0, size, config.device, self.host)
         self.channel = Channel(config.device)
         self._monitor = threading.Thread(target=self._watch, name="folio-tp-monitor", daemon=True)
         self._monitor.start()
 
-    def _wait_for_workers(self) -> None:
+    def _wait_for_workers(self, store: dist.TCPStore) -> None:
         """Until every worker has reached the store; a started worker that exits first fails
         the start with its exit code."""
         pending = set(range(1, self.size))
@@ -217,7 +219,7 @@ class EngineGroup:
                         f"tensor-parallel worker rank {rank} exited with code "
                         f"{process.returncode} while joining the group (see its output)"
                     )
-                if self._store.check([_JOIN_KEY.format(rank)]):
+                if store.check([_JOIN_KEY.format(rank)]):
                     pending.discard(rank)
             time.sleep(0.05)
 
@@ -238,7 +240,8 @@ class EngineGroup:
             time.sleep(TP_HEARTBEAT_SECONDS / 5)
         if self.failure is None:
             self._fail(f"a tensor-parallel step failed on rank 0: {error}")
-        return self.failure
+        # _fail leaves failure unset only once the group is closed: name this step's error then.
+        return self.failure or EngineGroupError(f"a tensor-parallel step failed: {error}")
 
     def add_failure_listener(self, listener: Callable[[EngineGroupError], None]) -> None:
         """`listener(error)` runs once, in the watchman's thread, when the group fails."""

@@ -138,9 +138,9 @@ def encode(plan: StepPlan) -> np.ndarray:
         put(r.block_ids)
     running = plan.running_requests
     put([r.seq_id for r in running])
-    for r in running:
-        put(r.new_token_ids)
-        put(r.new_block_ids)
+    for grown in running:
+        put(grown.new_token_ids)
+        put(grown.new_block_ids)
     put(plan.finished_ids)
     put(plan.preempted_ids)
     put(plan.scheduled_ids)

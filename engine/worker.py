@@ -73,7 +73,7 @@ def serve_engine(rank: int, world_size: int, master_addr: str, master_port: int)
             command, payload = channel.receive()
             if command == STOP:
                 return
-            if command != STEP:
+            if command != STEP or payload is None:
                 raise ValueError(f"unknown command {command} from rank 0")
             plan = step_plan.decode(payload.cpu().numpy())
             runner.forward(runner.prepare(plan))

@@ -26,7 +26,7 @@ from common.sampling_params import parent_request_id
 from common.sampling_proto import sampling_params_from_proto
 from engine.async_engine import AsyncEngine, RequestFailed
 from engine.engine import LLMEngine
-from engine.errors import InvalidRequestError
+from engine.errors import EngineGroupError, InvalidRequestError
 from services.engine.convert import error_output, event_to_proto
 
 logger = logging.getLogger(__name__)
@@ -216,12 +216,15 @@ class EngineService(GrpcService):
         # off the event loop, so health checks get answers meanwhile. `close` joins that
         # thread, so a stop during warm-up waits for the load instead of killing it midway.
         loop = asyncio.get_running_loop()
-        self.engine = AsyncEngine(
-            lambda: LLMEngine(self.config),
-            on_fatal=lambda error: loop.call_soon_threadsafe(self.fail, error),
-        )
+
+        def on_fatal(error: EngineGroupError) -> None:
+            loop.call_soon_threadsafe(self.fail, error)
+
+        self.engine = AsyncEngine(lambda: LLMEngine(self.config), on_fatal=on_fatal)
         await asyncio.wrap_future(self.engine.start())
-        self.engine.engine.add_failure_listener(_exit_unless_stopped_soon)
+        engine = self.engine.engine
+        assert engine is not None  # start() built it
+        engine.add_failure_listener(_exit_unless_stopped_soon)
 
     async def close(self) -> None:
         if self.engine is not None:
