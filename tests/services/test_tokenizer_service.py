@@ -218,9 +218,7 @@ def test_one_multiplexed_stream_detokenizes_many_sequences_as_their_own_streams(
     assert after_stop and all("not live" in e.error and e.finished for e in after_stop)
 
 
-def test_multiplexed_stream_answers_token_texts_releases_and_fails_bad_entries_alone(
-    stub, library
-):
+def test_multiplexed_stream_answers_token_texts_releases_and_fails_bad_entries_alone(stub, library):
     im_end = library.encode("<|im_end|>", add_special_tokens=False)
     hello = library.encode("Hello world", add_special_tokens=False)
     requests = [
