@@ -24,8 +24,10 @@ from common.errors import EngineError, status_code_for
 from common.sampling_proto import sampling_params_from_proto
 from gateway.auth import Access
 from gateway.deadlines import set_deadline, timeout_message, until_deadline
-from gateway.generation import Gateway, TextDelta, TextRequest, new_request_id
+from gateway.generation import Gateway, new_request_id
+from gateway.protocol import InvalidParameter
 from gateway.rate_limit import giving_back_unused
+from gateway.text import TextDelta, TextRequest
 from services.grpc_server import GrpcService
 
 FINISH_REASONS = {
@@ -90,10 +92,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             yield pb.ChatResponse(**_response_fields(delta))
 
     def _text_request(self, info, prompt_ids, request, prompt_param: str) -> TextRequest:
+        params = sampling_params_from_proto(request.sampling_params)
+        if params.n != 1:  # each call streams one sequence's text
+            raise InvalidParameter(f"n must be 1 here (one sequence per call), got {params.n}", "n")
         return self._gateway.text_request(
             info,
             prompt_ids,
-            sampling_params_from_proto(request.sampling_params),
+            params,
             prompt_param=prompt_param,
             stop=list(request.stop),
             include_stop_str_in_output=request.include_stop_str_in_output,

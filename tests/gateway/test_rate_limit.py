@@ -17,9 +17,9 @@ from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from common.config import GatewayConfig
 from common.sampling_params import SamplingParams
 from engine.errors import QueueFullError
-from gateway.generation import TextDelta, TextRequest, Usage
 from gateway.protocol import RateLimitExceeded
 from gateway.rate_limit import MAX_TRACKED_CALLERS, RateLimiter, giving_back_unused
+from gateway.text import TextDelta, TextRequest, Usage
 from gateway_helpers import GatewayThread, check_error
 from grpc_helpers import TIMEOUT
 
