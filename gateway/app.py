@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from common.config import MAX_REQUEST_BODY_BYTES, GatewayConfig
@@ -35,6 +35,7 @@ from gateway import protocol as api
 from gateway.auth import Access
 from gateway.deadlines import set_deadline, timeout_message, until_deadline
 from gateway.generation import Gateway, check_token_ids
+from gateway.metrics import CONTENT_TYPE
 from gateway.rate_limit import giving_back_unused
 from gateway.sse import EventStreamResponse
 
@@ -245,9 +246,7 @@ def build_app(
             stats = await gateway.engine.stats()
         except EngineError:
             stats = None  # the engine is down: the gateway's own series still count
-        return PlainTextResponse(
-            gateway.metrics.render(stats), media_type="text/plain; version=0.0.4"
-        )
+        return Response(gateway.metrics.render(stats), media_type=CONTENT_TYPE)
 
     async def openapi(request: Request) -> Response:
         return Response(document, media_type="application/json")

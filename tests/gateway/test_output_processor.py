@@ -131,8 +131,9 @@ def test_one_tokenizer_message_per_step_and_texts_equal_the_tokenizers(library):
         assert deltas[-1].usage.prompt_tokens == len(PROMPT)
     assert len(harness.processor) == 0  # both ended: forgotten
     assert len(harness.detokenizer.texts) == 0  # and the tokenizer dropped their state
-    assert harness.metrics.generation_tokens.value == sum(map(len, ids.values()))
-    assert harness.metrics.finished == {"length": 2}
+    metrics = harness.metrics
+    assert metrics.value("folio_generation_tokens_total") == sum(map(len, ids.values()))
+    assert metrics.value("folio_requests_total", {"finish_reason": "length"}) == 2
     assert not harness.aborts
 
 
@@ -161,7 +162,7 @@ def test_stop_strings_are_aborted_in_one_message_and_end_when_the_engine_confirm
         assert "".join(d.text for d in texts) == "one two "
         assert texts[-1].finish_reason == "stop"
         assert texts[-1].usage.completion_tokens == stop_at + 1
-    assert harness.metrics.finished == {"stop": 2}
+    assert harness.metrics.value("folio_requests_total", {"finish_reason": "stop"}) == 2
     assert len(harness.processor) == 0
 
 
@@ -184,7 +185,7 @@ def test_samples_are_told_apart_by_index_and_a_stop_aborts_its_sample_alone(libr
     assert by_choice[5][-1].finish_reason == "stop"
     assert "".join(d.text for d in by_choice[5]) == " "
     # The samples share one prefill: the prompt counts once.
-    assert harness.metrics.prompt_tokens.value == len(PROMPT)
+    assert harness.metrics.value("folio_prompt_tokens_total") == len(PROMPT)
     assert len(harness.processor) == 0
 
 
