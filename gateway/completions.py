@@ -18,10 +18,12 @@ from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 
 from common.sampling_params import SamplingParams
 from gateway import protocol as api
-from gateway.generation import Gateway, ModelInfo, new_request_id
+from gateway.generation import Gateway, new_request_id
+from gateway.http_errors import error_body
 from gateway.sse import DONE, event
 from gateway.structured import structured_output
 from gateway.text import TextDelta, TextRequest, TokenLogprob, Usage
+from gateway.validation import ModelInfo, text_request
 
 
 @dataclass
@@ -81,7 +83,6 @@ def _sampling_params(
 
 
 def _text_requests(
-    gateway: Gateway,
     info: ModelInfo,
     prompts: list[list[int]],
     body: api.SamplingFields,
@@ -91,7 +92,7 @@ def _text_requests(
 ) -> list[TextRequest]:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return [
-        gateway.text_request(
+        text_request(
             info,
             ids,
             params,
@@ -121,7 +122,7 @@ async def plan_chat(gateway: Gateway, body: api.ChatCompletionRequest) -> Plan:
         (body.top_logprobs or 0) if body.logprobs else None,
     )
     requests = _text_requests(
-        gateway, info, [list(prompt.token_ids)], body, params, "messages", max_tokens_param
+        info, [list(prompt.token_ids)], body, params, "messages", max_tokens_param
     )
     return Plan(
         True,
@@ -155,7 +156,7 @@ async def plan_completion(gateway: Gateway, body: api.CompletionRequest) -> Plan
     if body.max_tokens == 0 and prompt_logprobs is None:
         prompt_logprobs = 0
     params = _sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
-    requests = _text_requests(gateway, info, ids, body, params, "prompt", "max_tokens")
+    requests = _text_requests(info, ids, body, params, "prompt", "max_tokens")
     echo = None
     if body.echo:
         prompt_texts = await asyncio.gather(*(_prompt_text(gateway, p) for p in prompts))
@@ -342,7 +343,7 @@ async def events(
         if plan.include_usage:
             yield chunk([], _usage(plan, usages))
     except Exception as exc:  # the response has started: the error travels as an event
-        yield event(api.error_body(exc)[1])
+        yield event(error_body(exc)[1])
     finally:
         await stream.aclose()
     yield DONE

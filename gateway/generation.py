@@ -2,11 +2,11 @@
 
 Token ids go to the engine on the shared Generate stream; its output processor
 (gateway/output_processor.py) turns the tokens that come back into text and hands each call its
-deltas. When the caller goes away (the iterator is closed or cancelled) what still runs is
-aborted at once. Business rules that do not depend on the wire format live here too: the served
-model's name, context limits, parameter validation (the library's own SamplingParams.validate,
-so both agree), n choices as one engine request with n samples (the prompt computed once).
-This module never parses HTTP and never builds OpenAI or protobuf response shapes.
+deltas; a prompt's n choices are one engine request with n samples (the prompt computed once).
+When the caller goes away (the iterator is closed or cancelled) what still runs is aborted at
+once. The served model's facts (asked of the engine), the tokenizer calls the front ends make
+and the drain state live here too; what a request must satisfy is validation.py's. This module
+never parses HTTP and never builds OpenAI or protobuf response shapes.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from common.grpc_stubs.folio.v1 import common_pb2
@@ -29,35 +28,15 @@ from common.sampling_proto import sampling_params_to_proto
 from gateway.clients import EngineClient, GenerateStream, TokenizerClient
 from gateway.metrics import Metrics
 from gateway.output_processor import ChoiceItem, OutputProcessor, TokenTexts, TrackedRequest
-from gateway.protocol import InvalidParameter, ModelNotFound
+from gateway.protocol import ModelNotFound
 from gateway.text import TextDelta, TextRequest
+from gateway.validation import ModelInfo
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ModelInfo:
-    name: str  # the served name: --served-model-name or the model directory's name
-    path: str
-    max_model_len: int
-    vocab_size: int
-    created: int
-    max_num_seqs: int  # the most samples one engine request may have
-
-
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def check_token_ids(info: ModelInfo, token_ids: Sequence[int], param: str) -> None:
-    """InvalidParameter naming `param` unless every id is in the model's vocabulary."""
-    for token_id in token_ids:
-        if not 0 <= token_id < info.vocab_size:
-            raise InvalidParameter(
-                f"{param} contains token id {token_id}, outside the "
-                f"vocabulary [0, {info.vocab_size})",
-                param,
-            )
 
 
 class Gateway:
@@ -146,59 +125,6 @@ class Gateway:
                 add_generation_prompt=add_generation_prompt,
                 return_token_strs=return_token_strs,
             )
-        )
-
-    def text_request(
-        self,
-        info: ModelInfo,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        *,
-        stop: Sequence[str] = (),
-        include_stop_str_in_output: bool = False,
-        skip_special_tokens: bool = True,
-        priority: int = 0,
-        prompt_param: str = "prompt",
-        max_tokens_param: str = "max_tokens",
-    ) -> TextRequest:
-        """Validate a sequence against the model; unset max_tokens fills the context.
-
-        Raises InvalidParameter naming the prompt, max_tokens or the sampling parameter.
-        """
-        if any(not s for s in stop):
-            raise InvalidParameter("stop strings must not be empty", "stop")
-        prompt_ids = list(prompt_ids)
-        if not prompt_ids:
-            raise InvalidParameter(f"{prompt_param} must not be empty", prompt_param)
-        check_token_ids(info, prompt_ids, prompt_param)
-        room = info.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise InvalidParameter(
-                f"this model's maximum context length is {info.max_model_len} tokens, but "
-                f"{prompt_param} has {len(prompt_ids)} tokens, which leaves no room to generate",
-                prompt_param,
-            )
-        if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=room)
-        elif isinstance(params.max_tokens, int) and params.max_tokens > room:
-            raise InvalidParameter(
-                f"{max_tokens_param} is {params.max_tokens}, but {prompt_param} has "
-                f"{len(prompt_ids)} tokens and this model's maximum context length is "
-                f"{info.max_model_len} tokens: {max_tokens_param} must be at most {room}",
-                max_tokens_param,
-            )
-        try:
-            params.validate(info.vocab_size)
-        except ValueError as exc:
-            # The library's messages start with the parameter's name.
-            raise InvalidParameter(str(exc), str(exc).split(" ", 1)[0].split("[", 1)[0]) from None
-        return TextRequest(
-            prompt_ids,
-            params,
-            list(stop),
-            include_stop_str_in_output,
-            skip_special_tokens,
-            priority,
         )
 
     # -- generation ---------------------------------------------------------------------------

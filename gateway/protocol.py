@@ -1,5 +1,6 @@
 """The HTTP gateway's public shapes: OpenAI-compatible requests and responses (pydantic v2), the
-OpenAI error body, and the OpenAPI document built from them.
+OpenAI error body, and the gateway's own refusals (exceptions naming the offending field). How a
+failure becomes an HTTP answer is http_errors.py's; the OpenAPI document is openapi.py's.
 
 Shapes and types only. Ranges of sampling parameters are the engine library's
 SamplingParams.validate and context limits are generation.py's; this module never talks to a
@@ -8,14 +9,10 @@ service and never decides what a request means.
 
 from __future__ import annotations
 
-from http import HTTPStatus
 from typing import Annotated, Any, Literal
 
-import grpc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic.json_schema import models_json_schema
 
-from common.errors import status_code_for
 from engine.errors import QueueFullError
 
 
@@ -384,134 +381,3 @@ class ErrorInfo(ResponseBody):
 
 class ErrorResponse(ResponseBody):
     error: ErrorInfo
-
-
-def error_body(exc: BaseException) -> tuple[int, ErrorResponse]:
-    """The HTTP status and OpenAI error body for an exception (anything unknown is a 500)."""
-    if isinstance(exc, ModelNotFound):
-        status, kind, code = 404, "invalid_request_error", "model_not_found"
-    elif isinstance(exc, UnsupportedMediaType):
-        status, kind, code = 415, "invalid_request_error", None
-    elif isinstance(exc, RequestTooLarge):
-        status, kind, code = 413, "invalid_request_error", "request_too_large"
-    elif isinstance(exc, Unauthenticated):
-        status, kind, code = 401, "invalid_request_error", "invalid_api_key"
-    elif isinstance(exc, RateLimitExceeded):
-        status, kind, code = 429, "rate_limit_error", "rate_limit_exceeded"
-    else:
-        status, kind, code = _HTTP_ERRORS.get(status_code_for(exc), _HTTP_ERRORS[None])
-    message = str(exc) if status != 500 else f"internal error: {exc}"
-    return status, ErrorResponse(
-        error=ErrorInfo(message=message, type=kind, param=getattr(exc, "param", None), code=code)
-    )
-
-
-def error_headers(exc: BaseException) -> dict[str, str]:
-    """The HTTP headers an error answer carries besides its body."""
-    if isinstance(exc, Unauthenticated):
-        return {"WWW-Authenticate": "Bearer"}
-    if isinstance(exc, RateLimitExceeded) and exc.retry_after is not None:
-        return {"Retry-After": str(exc.retry_after)}
-    return {}
-
-
-# gRPC status (common.errors) -> HTTP status, OpenAI error type, code.
-_HTTP_ERRORS: dict[grpc.StatusCode | None, tuple[int, str, str | None]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "queue_full"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", None),
-    # The gateway's request timeout, or a service's deadline: the gateway gave up waiting.
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout", "request_timeout"),
-    None: (500, "server_error", None),
-}
-
-
-# -- OpenAPI ------------------------------------------------------------------------------------
-
-
-# The gateway's error statuses as the OpenAPI document describes them; each answer carries
-# the OpenAI error body.
-ERROR_STATUSES: dict[int, str] = {
-    400: "Invalid request; `param` names the offending field",
-    401: "No valid API key came with the request",
-    404: "The model does not exist",
-    413: "The body is over the gateway's size limit",
-    415: "The body is not sent as application/json",
-    429: "The engine's queue is full or the caller is over a rate limit; retry later",
-    500: "Internal error",
-    503: "The engine or the tokenizer is unavailable, or the gateway is draining",
-    504: "The request ran out of time",
-}
-
-
-def openapi_document(endpoints: list[Any], title: str, version: str) -> dict:
-    """OpenAPI 3.1 for `endpoints` (objects with path, method, summary, request, response,
-    stream, media_type, answers and errors attributes); schemas come from the models above.
-    Every status an operation can answer is listed (no `default`), so a client and a fuzzer
-    can tell an undocumented one."""
-    models = {m for e in endpoints for m in (e.request, e.response, e.stream) if m is not None}
-    models.add(ErrorResponse)
-    keyed = [
-        (m, "validation" if issubclass(m, RequestBody) else "serialization")
-        for m in sorted(models, key=lambda m: m.__name__)
-    ]
-    refs, defs = models_json_schema(keyed, ref_template="#/components/schemas/{model}")
-    for e in endpoints:  # parse_request refuses unknown top-level fields
-        if e.request is not None:
-            defs["$defs"][e.request.__name__]["additionalProperties"] = False
-
-    def ref(model: type[BaseModel]) -> dict:
-        return refs[(model, "validation" if issubclass(model, RequestBody) else "serialization")]
-
-    def error(status: int) -> dict:
-        return {
-            "description": ERROR_STATUSES[status],
-            "content": {"application/json": {"schema": ref(ErrorResponse)}},
-        }
-
-    paths: dict[str, dict] = {}
-    for e in endpoints:
-        content: dict[str, Any] = {}
-        if e.response is not None:
-            content[e.media_type] = {"schema": ref(e.response)}
-        if e.stream is not None:
-            # Before OpenAPI 3.2, the schema of an event stream describes one event.
-            content["text/event-stream"] = {
-                "schema": {
-                    "description": "With stream=true, one event per delta: its data is a chunk, or "
-                    "an error body when the stream fails midway; the last event's "
-                    "data is [DONE].",
-                    "type": "object",
-                    "required": ["data"],
-                    "properties": {
-                        "data": {
-                            "anyOf": [
-                                {"const": "[DONE]"},
-                                {
-                                    "type": "string",
-                                    "contentMediaType": "application/json",
-                                    "contentSchema": {"anyOf": [ref(e.stream), ref(ErrorResponse)]},
-                                },
-                            ]
-                        }
-                    },
-                }
-            }
-        responses = {
-            str(status): {"description": HTTPStatus(status).phrase, "content": content}
-            for status in e.answers
-        }
-        responses.update({str(status): error(status) for status in sorted(e.errors)})
-        operation: dict[str, Any] = {"summary": e.summary, "responses": responses}
-        if e.request is not None:
-            operation["requestBody"] = {
-                "required": True,
-                "content": {"application/json": {"schema": ref(e.request)}},
-            }
-        paths.setdefault(e.path, {})[e.method.lower()] = operation
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": title, "version": version},
-        "paths": paths,
-        "components": {"schemas": defs.get("$defs", {})},
-    }
