@@ -146,30 +146,34 @@ class Gateway:
         assert isinstance(processor, OutputProcessor)
         deltas: asyncio.Queue[ChoiceItem] = asyncio.Queue()
         tracked: list[TrackedRequest] = []
-        choice = 0
-        for request in requests:
-            n = request.params.n
-            for first in range(0, n, max_n):
-                count = min(max_n, n - first)
-                # The engine derives sample i's seed as seed + i: a part starting at choice
-                # `first` starts from seed + first, as the choices would in one request.
-                params = dataclasses.replace(
-                    request.params, n=count, seed=request.params.sample_seed(first)
-                )
-                engine_id = (
-                    request_id if len(requests) == 1 and count == n else f"{request_id}-{choice}"
-                )
-                tracked.append(TrackedRequest(engine_id, request, count, choice, arrival, deltas))
-                processor.add(tracked[-1])
-                stream.add(
-                    engine_id,
-                    request.prompt_ids,
-                    sampling_params_to_proto(params),
-                    request.priority,
-                )
-                choice += count
         self._enter()
         try:
+            choice = 0
+            for request in requests:
+                n = request.params.n
+                for first in range(0, n, max_n):
+                    count = min(max_n, n - first)
+                    # The engine derives sample i's seed as seed + i: a part starting at choice
+                    # `first` starts from seed + first, as the choices would in one request.
+                    params = dataclasses.replace(
+                        request.params, n=count, seed=request.params.sample_seed(first)
+                    )
+                    engine_id = (
+                        request_id
+                        if len(requests) == 1 and count == n
+                        else f"{request_id}-{choice}"
+                    )
+                    tracked.append(
+                        TrackedRequest(engine_id, request, count, choice, arrival, deltas)
+                    )
+                    processor.add(tracked[-1])
+                    stream.add(
+                        engine_id,
+                        request.prompt_ids,
+                        sampling_params_to_proto(params),
+                        request.priority,
+                    )
+                    choice += count
             choices_left = choice
             while choices_left:
                 item = await deltas.get()

@@ -107,6 +107,7 @@ class _Sequence:
     choice: int  # its index among the caller's choices
     sequence_id: int = field(default_factory=lambda: next(_sequence_ids))
     opened: bool = False  # its options went to the tokenizer
+    prompt_logprobs_due: bool = False  # asked for: they come with its first output
     num_tokens: int = 0
     last_token_at: float | None = None
     # Its stop string matched: the last delta, sent once the engine confirms the abort.
@@ -125,12 +126,14 @@ class TrackedRequest:
     arrival: float  # time.monotonic() at the gateway
     deltas: asyncio.Queue[ChoiceItem]
     sequences: list[_Sequence] = field(init=False)
-    prompt_logprobs_due: bool = field(init=False)
     options: tok_pb2.DetokenizeOptions = field(init=False)
 
     def __post_init__(self) -> None:
-        self.sequences = [_Sequence(i, self.first_choice + i) for i in range(self.n)]
-        self.prompt_logprobs_due = self.text.params.prompt_logprobs is not None
+        prompt_logprobs = self.text.params.prompt_logprobs is not None
+        self.sequences = [
+            _Sequence(i, self.first_choice + i, prompt_logprobs_due=prompt_logprobs)
+            for i in range(self.n)
+        ]
         self.options = tok_pb2.DetokenizeOptions(
             stop=self.text.stop,
             include_stop_str_in_output=self.text.include_stop_str_in_output,
@@ -230,8 +233,8 @@ class OutputProcessor:
             entries.append(entry)
             text_ids.update(_logprob_ids(output.logprobs))
             first_prompt_token = None
-            if request.prompt_logprobs_due:  # the engine sends them with the first output
-                request.prompt_logprobs_due = False
+            if sequence.prompt_logprobs_due:  # the engine sends them with its first output
+                sequence.prompt_logprobs_due = False
                 first_prompt_token = request.text.prompt_ids[0]
                 text_ids.update(_logprob_ids(output.prompt_logprobs))
                 text_ids.add(first_prompt_token)

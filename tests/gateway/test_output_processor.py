@@ -255,3 +255,27 @@ def test_a_caller_that_leaves_is_aborted_and_its_text_state_released(library):
     assert list(harness.detokenizer.sent[-1].released_sequence_ids) == [sequence_id]
     assert len(harness.detokenizer.texts) == 1  # "other" alone
     assert drain(other)
+
+
+def test_each_sample_gets_the_prompt_logprobs_its_first_output_carries(library):
+    harness = Harness(library)
+    params = SamplingParams(n=2, max_tokens=100, prompt_logprobs=0)
+    request = TrackedRequest("echo", TextRequest(list(PROMPT), params), 2, 0, 0.0, asyncio.Queue())
+    harness.processor.add(request)
+    records = [common_pb2.TokenLogprob(token_id=t, logprob=-1.0) for t in PROMPT[1:]]
+    harness.step(
+        out("echo", [28], 0, prompt_logprobs=records),
+        out("echo", [29], 1, prompt_logprobs=records),
+    )
+    harness.step(out("echo", [30], 0), out("echo", [31], 1))
+    firsts = {}
+    for choice, delta in drain(request):
+        firsts.setdefault(choice, delta)
+        if delta is not firsts[choice]:
+            assert delta.prompt_logprobs is None  # only with the first
+    for choice in (0, 1):
+        prompt = firsts[choice].prompt_logprobs
+        # The prompt's first token leads, with no logprob: nothing precedes it.
+        assert [lp.token_id for lp in prompt] == PROMPT
+        assert prompt[0].logprob is None and [lp.logprob for lp in prompt[1:]] == [-1.0, -1.0]
+        assert prompt[1].token == library.decode([PROMPT[1]], skip_special_tokens=False)
