@@ -14,12 +14,13 @@ anything.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Protocol, TypeVar
 
 import grpc
 from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc, tokenizer_pb2_grpc
 from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.auth import bearer_metadata
@@ -31,6 +32,8 @@ from gateway.deadlines import call_timeout
 UNARY_TIMEOUT = 30.0
 HEALTH_TIMEOUT = 2.0
 CHANNEL_OPTIONS = [*GRPC_MESSAGE_OPTIONS, *RECONNECT_CHANNEL_OPTIONS]
+
+ResponseT = TypeVar("ResponseT", bound=Message)
 
 
 def _error(exc: grpc.aio.AioRpcError, service: str) -> Exception:
@@ -57,7 +60,9 @@ class _ServiceClient:
             return False
         return response.status == health_pb2.HealthCheckResponse.SERVING
 
-    async def _unary(self, method, request):
+    async def _unary(
+        self, method: Callable[..., Awaitable[ResponseT]], request: Message
+    ) -> ResponseT:
         try:
             return await method(
                 request, timeout=call_timeout(UNARY_TIMEOUT), metadata=self._metadata
@@ -195,7 +200,12 @@ class SequenceDetokenizer:
     ) -> None:
         self._stub = stub
         self._metadata = metadata
-        self._call: grpc.aio.StreamStreamCall | None = None
+        self._call: (
+            grpc.aio.StreamStreamCall[
+                tok_pb2.DetokenizeSequencesRequest, tok_pb2.DetokenizeSequencesResponse
+            ]
+            | None
+        ) = None
         self._lock = asyncio.Lock()
 
     async def exchange(
@@ -215,7 +225,7 @@ class SequenceDetokenizer:
                 # The stream had already ended between two messages (the tokenizer went away).
                 self._drop()
                 raise error_for(await call.code(), f"tokenizer: {await call.details()}") from None
-            if response is grpc.aio.EOF:
+            if not isinstance(response, tok_pb2.DetokenizeSequencesResponse):  # EOF
                 self._drop()
                 raise UnavailableError("tokenizer: the DetokenizeSequences stream ended early")
             return response

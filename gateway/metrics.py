@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 # A `_created` series per counter and histogram only doubles what is scraped.
-prometheus_client.disable_created_metrics()
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -7,7 +7,7 @@ Document building only: it never routes or answers a request.
 from __future__ import annotations
 
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
@@ -29,32 +29,39 @@ ERROR_STATUSES: dict[int, str] = {
 }
 
 
-def openapi_document(endpoints: list[Any], title: str, version: str) -> dict:
+JsonObject = dict[str, Any]
+SchemaMode = Literal["validation", "serialization"]
+
+
+def _mode(model: type[BaseModel]) -> SchemaMode:
+    return "validation" if issubclass(model, RequestBody) else "serialization"
+
+
+def openapi_document(endpoints: list[Any], title: str, version: str) -> JsonObject:
     """OpenAPI 3.1 for `endpoints` (objects with path, method, summary, request, response,
     stream, media_type, answers and errors attributes); schemas come from the models above.
     Every status an operation can answer is listed (no `default`), so a client and a fuzzer
     can tell an undocumented one."""
-    models = {m for e in endpoints for m in (e.request, e.response, e.stream) if m is not None}
+    models: set[type[BaseModel]] = {
+        m for e in endpoints for m in (e.request, e.response, e.stream) if m is not None
+    }
     models.add(ErrorResponse)
-    keyed = [
-        (m, "validation" if issubclass(m, RequestBody) else "serialization")
-        for m in sorted(models, key=lambda m: m.__name__)
-    ]
+    keyed = [(m, _mode(m)) for m in sorted(models, key=lambda m: m.__name__)]
     refs, defs = models_json_schema(keyed, ref_template="#/components/schemas/{model}")
     for e in endpoints:  # parse_request refuses unknown top-level fields
         if e.request is not None:
             defs["$defs"][e.request.__name__]["additionalProperties"] = False
 
-    def ref(model: type[BaseModel]) -> dict:
-        return refs[(model, "validation" if issubclass(model, RequestBody) else "serialization")]
+    def ref(model: type[BaseModel]) -> JsonObject:
+        return dict(refs[(model, _mode(model))])
 
-    def error(status: int) -> dict:
+    def error(status: int) -> JsonObject:
         return {
             "description": ERROR_STATUSES[status],
             "content": {"application/json": {"schema": ref(ErrorResponse)}},
         }
 
-    paths: dict[str, dict] = {}
+    paths: dict[str, JsonObject] = {}
     for e in endpoints:
         content: dict[str, Any] = {}
         if e.response is not None:

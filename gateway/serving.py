@@ -21,7 +21,7 @@ from gateway.text import TextDelta, TextRequest
 def serve(
     gateway: Gateway,
     limiter: RateLimiter,
-    caller: str | None,
+    caller: str,
     requests: Sequence[TextRequest],
     request_id: str,
     arrival: float,
