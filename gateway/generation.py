@@ -22,10 +22,11 @@ from pathlib import Path
 from common.grpc_stubs.folio.v1 import common_pb2
 from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 
-from common.errors import UnavailableError
+from common.errors import DeadlineExceededError, UnavailableError
 from common.sampling_params import SamplingParams
 from common.sampling_proto import sampling_params_to_proto
 from gateway.clients import EngineClient, GenerateStream, TokenizerClient
+from gateway.deadlines import at_deadline
 from gateway.metrics import Metrics
 from gateway.output_processor import ChoiceItem, OutputProcessor, TokenTexts, TrackedRequest
 from gateway.protocol import ModelNotFound
@@ -130,13 +131,19 @@ class Gateway:
     # -- generation ---------------------------------------------------------------------------
 
     async def generate_many(
-        self, requests: Sequence[TextRequest], request_id: str, arrival: float
+        self,
+        requests: Sequence[TextRequest],
+        request_id: str,
+        arrival: float,
+        deadline: float | None = None,
+        deadline_message: str = "",
     ) -> AsyncIterator[tuple[int, TextDelta]]:
         """Run prompts side by side, each with its params.n choices; yields (choice index,
         delta) as they come, choice i of prompt p being p * n + i. Each prompt is one engine
         request with n samples (the prompt computed once), split only where n is over what the
         engine runs at once. The first failure ends them all; closing the iterator early
-        aborts what still runs."""
+        aborts what still runs, and so does `deadline` (time.monotonic seconds), which then raises
+        DeadlineExceededError(deadline_message)."""
         self.check_available()
         max_n = SamplingParams.MAX_N
         if any(r.params.n > 1 for r in requests):
@@ -146,6 +153,11 @@ class Gateway:
         assert isinstance(processor, OutputProcessor)
         deltas: asyncio.Queue[ChoiceItem] = asyncio.Queue()
         tracked: list[TrackedRequest] = []
+        timer = None
+        if deadline is not None:  # one timer, not one per delta
+            timer = at_deadline(
+                deadline, lambda: deltas.put_nowait(DeadlineExceededError(deadline_message))
+            )
         self._enter()
         try:
             choice = 0
@@ -183,6 +195,8 @@ class Gateway:
                     choices_left -= 1
                 yield item
         finally:
+            if timer is not None:
+                timer.cancel()
             processor.release(tracked)
             self._leave()
 

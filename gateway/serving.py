@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 
-from gateway.deadlines import timeout_message, until_deadline
+from gateway.deadlines import timeout_message
 from gateway.generation import Gateway
 from gateway.rate_limit import RateLimiter, giving_back_unused
 from gateway.text import TextDelta, TextRequest
@@ -31,10 +31,8 @@ def serve(
     """The deltas of `requests`; closing the iterator early aborts what still runs. `timeout`
     is what the deadline was set from, for the message when it passes."""
     reservation = limiter.reserve_tokens(caller, requests)
-    return until_deadline(
-        giving_back_unused(
-            gateway.generate_many(requests, request_id, arrival), requests, reservation
-        ),
-        deadline,
-        timeout_message(timeout),
+    return giving_back_unused(
+        gateway.generate_many(requests, request_id, arrival, deadline, timeout_message(timeout)),
+        requests,
+        reservation,
     )
