@@ -1,8 +1,10 @@
 """The tokenizer service: TokenizerService over gRPC, a thin adapter on common.tokenizer and
 common.detokenizer.
 
-It owns text: tokenization, chat templates, incremental detokenization with stop strings. It
-translates messages and errors only; it must never import torch or the engine.
+It owns text: tokenization, chat templates, incremental detokenization with stop strings, one
+sequence per DetokenizeStream or many per DetokenizeSequences (SequenceTexts keeps a stream's
+live sequences by id). It translates messages and errors only; it must never import torch or the
+engine.
 """
 
 from __future__ import annotations
