@@ -1,8 +1,10 @@
 """The HTTP gateway's routes (Starlette): OpenAI-compatible completions, models, vLLM-style
 tokenize / detokenize, health, Prometheus metrics and the OpenAPI document.
 
-Routes stay thin: read the body, call completions.py / generation.py, write the answer. One
-table (ENDPOINTS) both routes requests and documents them, so /openapi.json cannot miss a route.
+Routes stay thin, module-level handlers: read the body, call completions.py / generation.py /
+serving.py, write the answer; what they share (the Gateway, the config, the access checks) is
+the app's AppContext. One table (ENDPOINTS) both routes requests and documents them, so
+/openapi.json cannot miss a route.
 A client that disconnects cancels its handler, which aborts its engine requests; so does the
 request timeout (504). Every route checks the caller's API key and request rate first
 (gateway/auth.py). This module holds no business logic.
@@ -25,7 +27,7 @@ from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from common.config import MAX_REQUEST_BODY_BYTES, GatewayConfig
@@ -33,10 +35,14 @@ from common.errors import FolioError
 from gateway import completions
 from gateway import protocol as api
 from gateway.auth import Access
-from gateway.deadlines import set_deadline, timeout_message, until_deadline
-from gateway.generation import Gateway, check_token_ids
-from gateway.rate_limit import giving_back_unused
+from gateway.deadlines import set_deadline
+from gateway.generation import Gateway
+from gateway.http_errors import error_body, error_headers
+from gateway.metrics import CONTENT_TYPE
+from gateway.openapi import openapi_document
+from gateway.serving import serve
 from gateway.sse import EventStreamResponse
+from gateway.validation import check_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +57,11 @@ class ModelResponse(Response):
 
 
 def error_response(exc: BaseException) -> Response:
-    status, body = api.error_body(exc)
+    status, body = error_body(exc)
     if status == 500:
         logger.error("request failed", exc_info=exc)
     response = ModelResponse(body, status)
-    response.headers.update(api.error_headers(exc))
+    response.headers.update(error_headers(exc))
     return response
 
 
@@ -73,7 +79,7 @@ class Endpoint:
     errors: tuple[int, ...] = ()  # the statuses that come with the error body
 
 
-# The error statuses each kind of route can answer (api.ERROR_STATUSES says what they mean):
+# The error statuses each kind of route can answer (openapi.ERROR_STATUSES says what they mean):
 # any route checks the API key and the caller's rate, and may fail; routes that ask the engine
 # or the tokenizer find them unavailable or run out of time; routes that read a body refuse it.
 ANY_ROUTE_ERRORS = (401, 429, 500)
@@ -129,224 +135,264 @@ async def until_disconnect(request: Request, work: Awaitable[Response]) -> Respo
         watcher.cancel()
 
 
+@dataclass
+class AppContext:
+    """What the handlers share, kept on the app (app.state.context)."""
+
+    gateway: Gateway
+    config: GatewayConfig
+    access: Access
+    openapi: str  # the OpenAPI document, serialized once
+
+
+def _context(request: Request) -> AppContext:
+    context: AppContext = request.app.state.context
+    return context
+
+
+async def _completion(
+    request: Request,
+    model: type[api.RequestBody],
+    plan: Callable[[Gateway, Any], Awaitable[completions.Plan]],
+) -> Response:
+    arrival = time.monotonic()
+    context = _context(request)
+    body = await read_body(request, model)
+
+    async def run() -> Response:
+        planned = await plan(context.gateway, body)
+        stream = serve(
+            context.gateway,
+            context.access.limiter,
+            request.state.caller,
+            planned.requests,
+            planned.id,
+            arrival,
+            request.state.deadline,
+            context.config.request_timeout,
+        )
+        if not body.stream:
+            async with contextlib.aclosing(stream):
+                return ModelResponse(await completions.respond(planned, stream))
+        # The first delta before the headers: an engine that refuses the request (queue
+        # full, unavailable) still gets its proper status code.
+        try:
+            first = await anext(stream)
+        except BaseException:
+            await stream.aclose()
+            raise
+        return EventStreamResponse(completions.events(planned, first, stream))
+
+    return await until_disconnect(request, run())
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _completion(request, api.ChatCompletionRequest, completions.plan_chat)
+
+
+async def text_completions(request: Request) -> Response:
+    return await _completion(request, api.CompletionRequest, completions.plan_completion)
+
+
+async def models(request: Request) -> Response:
+    info = await _context(request).gateway.check_model(None)
+    return ModelResponse(
+        api.ModelList(
+            data=[
+                api.ModelCard(
+                    id=info.name,
+                    created=info.created,
+                    root=info.path,
+                    max_model_len=info.max_model_len,
+                )
+            ]
+        )
+    )
+
+
+async def tokenize(request: Request) -> Response:
+    gateway = _context(request).gateway
+    body: api.TokenizeRequest = await read_body(request, api.TokenizeRequest)
+    info = await gateway.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise api.InvalidParameter("set exactly one of prompt and messages", "prompt")
+    if body.messages is not None:
+        messages = [
+            common_pb2.ChatMessage(role=m.role, content=m.text, name=m.name) for m in body.messages
+        ]
+        result = await gateway.tokenize_chat(
+            messages, body.add_generation_prompt, body.return_token_strs
+        )
+    else:
+        result = await gateway.tokenize_text(
+            body.prompt, body.add_special_tokens, body.return_token_strs
+        )
+    return ModelResponse(
+        api.TokenizeResponse(
+            count=len(result.token_ids),
+            max_model_len=info.max_model_len,
+            tokens=list(result.token_ids),
+            token_strs=list(result.token_strs) if body.return_token_strs else None,
+        )
+    )
+
+
+async def detokenize(request: Request) -> Response:
+    gateway = _context(request).gateway
+    body: api.DetokenizeRequest = await read_body(request, api.DetokenizeRequest)
+    check_token_ids(await gateway.check_model(body.model), body.tokens, "tokens")
+    # As vLLM: the exact text of the ids, special tokens included, so tokenize round-trips.
+    result = await gateway.tokenizer.detokenize(
+        tok_pb2.DetokenizeRequest(token_ids=body.tokens, skip_special_tokens=False)
+    )
+    return ModelResponse(api.DetokenizeResponse(prompt=result.text))
+
+
+async def health(request: Request) -> Response:
+    gateway = _context(request).gateway
+    engine, tokenizer = await asyncio.gather(gateway.engine.serving(), gateway.tokenizer.serving())
+    down = [name for name, up in (("engine", engine), ("tokenizer", tokenizer)) if not up]
+    if gateway.draining:
+        down.append("gateway (draining)")
+    if down:
+        return ModelResponse(
+            api.HealthResponse(status="unavailable", detail="not serving: " + ", ".join(down)),
+            503,
+        )
+    return ModelResponse(api.HealthResponse(status="ok"), exclude_none=True)
+
+
+async def metrics(request: Request) -> Response:
+    gateway = _context(request).gateway
+    try:
+        stats = await gateway.engine.stats()
+    except FolioError:
+        stats = None  # the engine is down: the gateway's own series still count
+    return Response(gateway.metrics.render(stats), media_type=CONTENT_TYPE)
+
+
+async def openapi(request: Request) -> Response:
+    return Response(_context(request).openapi, media_type="application/json")
+
+
+ENDPOINTS = [
+    Endpoint(
+        "/v1/chat/completions",
+        "POST",
+        "Chat completion (OpenAI)",
+        chat_completions,
+        api.ChatCompletionRequest,
+        api.ChatCompletionResponse,
+        api.ChatCompletionChunk,
+        errors=BODY_ERRORS,
+    ),
+    Endpoint(
+        "/v1/completions",
+        "POST",
+        "Text completion (OpenAI)",
+        text_completions,
+        api.CompletionRequest,
+        api.CompletionResponse,
+        api.CompletionResponse,
+        errors=BODY_ERRORS,
+    ),
+    Endpoint(
+        "/v1/models",
+        "GET",
+        "The served model",
+        models,
+        None,
+        api.ModelList,
+        errors=SERVICE_ERRORS,
+    ),
+    Endpoint(
+        "/tokenize",
+        "POST",
+        "Text or chat messages to token ids (vLLM)",
+        tokenize,
+        api.TokenizeRequest,
+        api.TokenizeResponse,
+        errors=BODY_ERRORS,
+    ),
+    Endpoint(
+        "/detokenize",
+        "POST",
+        "Token ids to text (vLLM)",
+        detokenize,
+        api.DetokenizeRequest,
+        api.DetokenizeResponse,
+        errors=BODY_ERRORS,
+    ),
+    Endpoint(
+        "/health",
+        "GET",
+        "200 when the engine and tokenizer serve, else 503",
+        health,
+        None,
+        api.HealthResponse,
+        answers=(200, 503),
+        errors=ANY_ROUTE_ERRORS,
+    ),
+    Endpoint(
+        "/metrics",
+        "GET",
+        "Prometheus metrics (text format 0.0.4)",
+        metrics,
+        media_type="text/plain",
+        errors=ANY_ROUTE_ERRORS,
+    ),
+    Endpoint("/openapi.json", "GET", "This document", openapi, errors=ANY_ROUTE_ERRORS),
+]
+
+
+def guarded(handler: Handler) -> Handler:
+    """`handler` behind the caller's key and rate check, with the request's deadline set and
+    any failure answered as the OpenAI error body."""
+
+    async def run(request: Request) -> Response:
+        context = _context(request)
+        try:
+            request.state.caller = context.access.admit_http(request)
+            # Unary calls to the services made for this request carry what is left of it.
+            request.state.deadline = time.monotonic() + context.config.request_timeout
+            set_deadline(request.state.deadline)
+            return await handler(request)
+        except ClientDisconnect:
+            return Response(status_code=499)  # it left while sending its body
+        except Exception as exc:
+            return error_response(exc)
+
+    return run
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+    return ModelResponse(
+        api.ErrorResponse(
+            error=api.ErrorInfo(
+                message=f"{request.method} {request.url.path}: {exc.detail}", type=kind
+            )
+        ),
+        exc.status_code,
+    )
+
+
 def build_app(
     gateway: Gateway, config: GatewayConfig | None = None, access: Access | None = None
 ) -> Starlette:
     """The app; `access` (the keys and rate limits) may be shared with the gRPC API."""
     config = config or GatewayConfig()
-    access = access or Access(config)
-
-    async def completion(
-        request: Request,
-        model: type[api.RequestBody],
-        plan: Callable[[Gateway, Any], Awaitable[completions.Plan]],
-    ) -> Response:
-        arrival = time.monotonic()
-        body = await read_body(request, model)
-
-        async def run() -> Response:
-            planned = await plan(gateway, body)
-            reservation = access.limiter.reserve_tokens(request.state.caller, planned.requests)
-            stream = until_deadline(
-                giving_back_unused(
-                    gateway.generate_many(planned.requests, planned.id, arrival),
-                    planned.requests,
-                    reservation,
-                ),
-                request.state.deadline,
-                timeout_message(config.request_timeout),
-            )
-            if not body.stream:
-                async with contextlib.aclosing(stream):
-                    return ModelResponse(await completions.respond(planned, stream))
-            # The first delta before the headers: an engine that refuses the request (queue
-            # full, unavailable) still gets its proper status code.
-            try:
-                first = await anext(stream)
-            except BaseException:
-                await stream.aclose()
-                raise
-            return EventStreamResponse(completions.events(planned, first, stream))
-
-        return await until_disconnect(request, run())
-
-    async def chat_completions(request: Request) -> Response:
-        return await completion(request, api.ChatCompletionRequest, completions.plan_chat)
-
-    async def text_completions(request: Request) -> Response:
-        return await completion(request, api.CompletionRequest, completions.plan_completion)
-
-    async def models(request: Request) -> Response:
-        info = await gateway.check_model(None)
-        return ModelResponse(
-            api.ModelList(
-                data=[
-                    api.ModelCard(
-                        id=info.name,
-                        created=info.created,
-                        root=info.path,
-                        max_model_len=info.max_model_len,
-                    )
-                ]
-            )
-        )
-
-    async def tokenize(request: Request) -> Response:
-        body: api.TokenizeRequest = await read_body(request, api.TokenizeRequest)
-        info = await gateway.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise api.InvalidParameter("set exactly one of prompt and messages", "prompt")
-        if body.messages is not None:
-            messages = [
-                common_pb2.ChatMessage(role=m.role, content=m.text, name=m.name)
-                for m in body.messages
-            ]
-            result = await gateway.tokenize_chat(
-                messages, body.add_generation_prompt, body.return_token_strs
-            )
-        else:
-            result = await gateway.tokenize_text(
-                body.prompt, body.add_special_tokens, body.return_token_strs
-            )
-        return ModelResponse(
-            api.TokenizeResponse(
-                count=len(result.token_ids),
-                max_model_len=info.max_model_len,
-                tokens=list(result.token_ids),
-                token_strs=list(result.token_strs) if body.return_token_strs else None,
-            )
-        )
-
-    async def detokenize(request: Request) -> Response:
-        body: api.DetokenizeRequest = await read_body(request, api.DetokenizeRequest)
-        check_token_ids(await gateway.check_model(body.model), body.tokens, "tokens")
-        # As vLLM: the exact text of the ids, special tokens included, so tokenize round-trips.
-        result = await gateway.tokenizer.detokenize(
-            tok_pb2.DetokenizeRequest(token_ids=body.tokens, skip_special_tokens=False)
-        )
-        return ModelResponse(api.DetokenizeResponse(prompt=result.text))
-
-    async def health(request: Request) -> Response:
-        engine, tokenizer = await asyncio.gather(
-            gateway.engine.serving(), gateway.tokenizer.serving()
-        )
-        down = [name for name, up in (("engine", engine), ("tokenizer", tokenizer)) if not up]
-        if gateway.draining:
-            down.append("gateway (draining)")
-        if down:
-            return ModelResponse(
-                api.HealthResponse(status="unavailable", detail="not serving: " + ", ".join(down)),
-                503,
-            )
-        return ModelResponse(api.HealthResponse(status="ok"), exclude_none=True)
-
-    async def metrics(request: Request) -> Response:
-        try:
-            stats = await gateway.engine.stats()
-        except FolioError:
-            stats = None  # the engine is down: the gateway's own series still count
-        return PlainTextResponse(
-            gateway.metrics.render(stats), media_type="text/plain; version=0.0.4"
-        )
-
-    async def openapi(request: Request) -> Response:
-        return Response(document, media_type="application/json")
-
-    endpoints = [
-        Endpoint(
-            "/v1/chat/completions",
-            "POST",
-            "Chat completion (OpenAI)",
-            chat_completions,
-            api.ChatCompletionRequest,
-            api.ChatCompletionResponse,
-            api.ChatCompletionChunk,
-            errors=BODY_ERRORS,
-        ),
-        Endpoint(
-            "/v1/completions",
-            "POST",
-            "Text completion (OpenAI)",
-            text_completions,
-            api.CompletionRequest,
-            api.CompletionResponse,
-            api.CompletionResponse,
-            errors=BODY_ERRORS,
-        ),
-        Endpoint(
-            "/v1/models",
-            "GET",
-            "The served model",
-            models,
-            None,
-            api.ModelList,
-            errors=SERVICE_ERRORS,
-        ),
-        Endpoint(
-            "/tokenize",
-            "POST",
-            "Text or chat messages to token ids (vLLM)",
-            tokenize,
-            api.TokenizeRequest,
-            api.TokenizeResponse,
-            errors=BODY_ERRORS,
-        ),
-        Endpoint(
-            "/detokenize",
-            "POST",
-            "Token ids to text (vLLM)",
-            detokenize,
-            api.DetokenizeRequest,
-            api.DetokenizeResponse,
-            errors=BODY_ERRORS,
-        ),
-        Endpoint(
-            "/health",
-            "GET",
-            "200 when the engine and tokenizer serve, else 503",
-            health,
-            None,
-            api.HealthResponse,
-            answers=(200, 503),
-            errors=ANY_ROUTE_ERRORS,
-        ),
-        Endpoint(
-            "/metrics",
-            "GET",
-            "Prometheus metrics (text format 0.0.4)",
-            metrics,
-            media_type="text/plain",
-            errors=ANY_ROUTE_ERRORS,
-        ),
-        Endpoint("/openapi.json", "GET", "This document", openapi, errors=ANY_ROUTE_ERRORS),
+    routes = [
+        Route(e.path, guarded(e.handler), methods=[e.method])
+        for e in ENDPOINTS
+        if e.handler is not None
     ]
-    document = json.dumps(api.openapi_document(endpoints, "Folio", "0.1.0"))
-
-    def guarded(handler: Handler) -> Handler:
-        async def run(request: Request) -> Response:
-            try:
-                request.state.caller = access.admit_http(request)
-                # Unary calls to the services made for this request carry what is left of it.
-                request.state.deadline = time.monotonic() + config.request_timeout
-                set_deadline(request.state.deadline)
-                return await handler(request)
-            except ClientDisconnect:
-                return Response(status_code=499)  # it left while sending its body
-            except Exception as exc:
-                return error_response(exc)
-
-        return run
-
-    async def http_error(request: Request, exc: HTTPException) -> Response:
-        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
-        return ModelResponse(
-            api.ErrorResponse(
-                error=api.ErrorInfo(
-                    message=f"{request.method} {request.url.path}: {exc.detail}", type=kind
-                )
-            ),
-            exc.status_code,
-        )
-
-    routes = [Route(e.path, guarded(e.handler), methods=[e.method]) for e in endpoints]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    app.state.context = AppContext(
+        gateway,
+        config,
+        access or Access(config),
+        json.dumps(openapi_document(ENDPOINTS, "Folio", "0.1.0")),
+    )
+    return app

@@ -4,31 +4,36 @@ Every request of this gateway rides on one long-lived, multiplexed Engine.Genera
 rather than one stream per request: the engine then sends one message per step for all of
 them instead of one per request per step, and per-message cost is what limits Python gRPC at
 high concurrency. A broken stream fails the requests it carried; the next request opens a
-fresh one. Every call carries the internal token when there is one (FOLIO_INTERNAL_TOKEN), and
-unary calls carry what is left of their request's deadline (gateway/deadlines.py). Transport and
-translation only: this module never validates or decides anything.
+fresh one. Likewise one DetokenizeSequences stream carries the text of every sequence: one
+message per engine step, not one per sequence. Every call carries the internal token when there
+is one (FOLIO_INTERNAL_TOKEN), and unary calls carry what is left of their request's deadline
+(gateway/deadlines.py). Transport and translation only: this module never validates or decides
+anything.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Protocol, TypeVar
 
 import grpc
 from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc, tokenizer_pb2_grpc
 from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.auth import bearer_metadata
 from common.config import GRPC_MESSAGE_OPTIONS, RECONNECT_CHANNEL_OPTIONS
 from common.errors import UnavailableError, error_for
-from common.sampling_params import sample_request_id
 from gateway.deadlines import call_timeout
 
 # Unary calls are quick (tokenize, stats); a stuck service must not hang an HTTP request.
 UNARY_TIMEOUT = 30.0
 HEALTH_TIMEOUT = 2.0
 CHANNEL_OPTIONS = [*GRPC_MESSAGE_OPTIONS, *RECONNECT_CHANNEL_OPTIONS]
+
+ResponseT = TypeVar("ResponseT", bound=Message)
 
 
 def _error(exc: grpc.aio.AioRpcError, service: str) -> Exception:
@@ -55,7 +60,9 @@ class _ServiceClient:
             return False
         return response.status == health_pb2.HealthCheckResponse.SERVING
 
-    async def _unary(self, method, request):
+    async def _unary(
+        self, method: Callable[..., Awaitable[ResponseT]], request: Message
+    ) -> ResponseT:
         try:
             return await method(
                 request, timeout=call_timeout(UNARY_TIMEOUT), metadata=self._metadata
@@ -67,65 +74,28 @@ class _ServiceClient:
 # -- engine -------------------------------------------------------------------------------------
 
 
-class EngineRequest:
-    """One request on the shared Generate stream: read its outputs, abort it, let it go. With
-    n > 1 the samples' outputs interleave (told apart by index); it is done when each sample
-    has ended."""
+class OutputSink(Protocol):
+    """Where a Generate stream's outputs go (gateway/output_processor.py)."""
 
-    def __init__(self, stream: _GenerateStream, request_id: str, num_samples: int = 1) -> None:
-        self.request_id = request_id
-        self._stream = stream
-        self._outputs: asyncio.Queue[engine_pb2.RequestOutput | Exception] = asyncio.Queue()
-        self._samples_left = num_samples
-        self.done = False
+    async def process_outputs(self, outputs: Sequence[engine_pb2.RequestOutput]) -> None: ...
 
-    async def next(self) -> engine_pb2.RequestOutput:
-        """The next output; raises the request's error (a FolioError) if it failed."""
-        item = await self._outputs.get()
-        if isinstance(item, Exception):
-            self.done = True
-            raise item
-        if item.HasField("error"):
-            self.done = True
-            raise error_for(item.error.code, item.error.message, item.error.param or None)
-        self._samples_left -= item.finished
-        self.done = self._samples_left <= 0
-        return item
-
-    async def abort(self) -> engine_pb2.RequestOutput | None:
-        """Abort and wait for the engine to confirm with the last output (its blocks are freed
-        then); None if the request had already ended."""
-        if self.done:
-            return None
-        self._stream.send_abort(self.request_id)
-        while not (last := await self.next()).finished or not self.done:
-            pass
-        return last
-
-    def abort_sample(self, index: int) -> None:
-        """Abort one sample of an n > 1 request, without waiting: its last output (ABORT, or
-        its own end if that came first) follows among the others'."""
-        if not self.done:
-            self._stream.send_abort(sample_request_id(self.request_id, index))
-
-    def close(self) -> None:
-        """Stop listening; a request still live is aborted without waiting."""
-        if not self.done:
-            self.done = True
-            self._stream.send_abort(self.request_id)
-        self._stream.forget(self.request_id)
+    def fail_all(self, error: Exception) -> None: ...
 
 
-class _GenerateStream:
+class GenerateStream:
+    """One Engine.Generate stream: adds and aborts out; each GenerateResponse (one engine step)
+    in to `sink`, one at a time, in order. When it breaks, the sink fails what it carried."""
+
     def __init__(
         self,
         stub: engine_pb2_grpc.EngineServiceStub,
+        make_sink: Callable[[GenerateStream], OutputSink],
         on_broken: Callable[[], None],
         metadata: Sequence[tuple[str, str]],
     ) -> None:
         self._outbox: asyncio.Queue[engine_pb2.GenerateRequest] = asyncio.Queue()
-        self._requests: dict[str, EngineRequest] = {}
         self.closed = False
+        self.sink = make_sink(self)
         self._on_broken = on_broken
         self._cancelled = False  # by close(): the stream did not break
         self._call = stub.Generate(self._messages(), metadata=metadata)
@@ -139,19 +109,14 @@ class _GenerateStream:
         error: Exception = UnavailableError("engine: the Generate stream ended")
         try:
             async for response in self._call:
-                for output in response.outputs:
-                    request = self._requests.get(output.request_id)
-                    if request is not None:  # else: already let go (aborted, client left)
-                        request._outputs.put_nowait(output)
+                await self.sink.process_outputs(response.outputs)
         except grpc.aio.AioRpcError as exc:
             error = _error(exc, "engine")
         finally:
             self.closed = True
             if not self._cancelled:
                 self._on_broken()
-            for request in self._requests.values():
-                request._outputs.put_nowait(error)
-            self._requests.clear()
+            self.sink.fail_all(error)
 
     def add(
         self,
@@ -159,9 +124,7 @@ class _GenerateStream:
         prompt_token_ids: Sequence[int],
         params: common_pb2.SamplingParams,
         priority: int,
-    ) -> EngineRequest:
-        request = EngineRequest(self, request_id, params.n if params.HasField("n") else 1)
-        self._requests[request_id] = request
+    ) -> None:
         self._outbox.put_nowait(
             engine_pb2.GenerateRequest(
                 add=engine_pb2.EngineRequest(
@@ -172,16 +135,18 @@ class _GenerateStream:
                 )
             )
         )
-        return request
 
-    def send_abort(self, request_id: str) -> None:
+    def abort(self, request_ids: Sequence[str], samples: Sequence[tuple[str, int]] = ()) -> None:
+        """Abort requests and single samples (request id, index), in one message."""
         if not self.closed:
             self._outbox.put_nowait(
-                engine_pb2.GenerateRequest(abort=engine_pb2.AbortRequest(request_ids=[request_id]))
+                engine_pb2.GenerateRequest(
+                    abort=engine_pb2.AbortRequest(
+                        request_ids=request_ids,
+                        samples=[engine_pb2.SampleRef(request_id=r, index=i) for r, i in samples],
+                    )
+                )
             )
-
-    def forget(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
 
     async def close(self) -> None:
         self._cancelled = True
@@ -195,7 +160,7 @@ class EngineClient(_ServiceClient):
     def __init__(self, address: str, token: str | None = None) -> None:
         super().__init__(address, token)
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
-        self._stream: _GenerateStream | None = None
+        self._stream: GenerateStream | None = None
         # Generate streams that broke (the engine died or restarted): what the gateway learnt
         # from the engine before then may no longer hold.
         self.broken_streams = 0
@@ -203,16 +168,12 @@ class EngineClient(_ServiceClient):
     def _stream_broke(self) -> None:
         self.broken_streams += 1
 
-    def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: common_pb2.SamplingParams,
-        priority: int = 0,
-    ) -> EngineRequest:
+    def stream(self, make_sink: Callable[[GenerateStream], OutputSink]) -> GenerateStream:
+        """The shared Generate stream; a fresh one (its sink from `make_sink`) if there is
+        none or the last one ended."""
         if self._stream is None or self._stream.closed:
-            self._stream = _GenerateStream(self._stub, self._stream_broke, self._metadata)
-        return self._stream.add(request_id, prompt_token_ids, params, priority)
+            self._stream = GenerateStream(self._stub, make_sink, self._stream_broke, self._metadata)
+        return self._stream
 
     async def model_info(self) -> engine_pb2.GetModelInfoResponse:
         return await self._unary(self._stub.GetModelInfo, engine_pb2.GetModelInfoRequest())
@@ -229,66 +190,53 @@ class EngineClient(_ServiceClient):
 # -- tokenizer ----------------------------------------------------------------------------------
 
 
-class DetokenizeSession:
-    """One generation's DetokenizeStream: token ids in, certain text out, one reply per push."""
+class SequenceDetokenizer:
+    """The gateway's one DetokenizeSequences stream: one message out, its answer back, one
+    exchange at a time. A stream that fails is dropped (and with it the tokenizer's state of
+    every sequence on it); the next exchange opens a fresh one."""
 
     def __init__(
-        self,
-        stub: tokenizer_pb2_grpc.TokenizerServiceStub,
-        options: tok_pb2.DetokenizeOptions,
-        metadata: Sequence[tuple[str, str]],
+        self, stub: tokenizer_pb2_grpc.TokenizerServiceStub, metadata: Sequence[tuple[str, str]]
     ) -> None:
         self._stub = stub
         self._metadata = metadata
-        self._options = options
-        self._call = None
-        self._opening: asyncio.Future | None = None
+        self._call: (
+            grpc.aio.StreamStreamCall[
+                tok_pb2.DetokenizeSequencesRequest, tok_pb2.DetokenizeSequencesResponse
+            ]
+            | None
+        ) = None
+        self._lock = asyncio.Lock()
 
-    def open(self) -> None:
-        """Open the stream and send the options now, reading their (empty) reply in the
-        background: called while the engine computes the prompt, it takes the stream's set-up
-        off the path to the first token."""
-        if self._call is None:
-            self._call = self._stub.DetokenizeStream(metadata=self._metadata)
-            self._opening = asyncio.ensure_future(
-                self._exchange(tok_pb2.DetokenizeStreamRequest(options=self._options))
-            )
+    async def exchange(
+        self, request: tok_pb2.DetokenizeSequencesRequest
+    ) -> tok_pb2.DetokenizeSequencesResponse:
+        async with self._lock:
+            if self._call is None:
+                self._call = self._stub.DetokenizeSequences(metadata=self._metadata)
+            call = self._call
+            try:
+                await call.write(request)
+                response = await call.read()
+            except grpc.aio.AioRpcError as exc:
+                self._drop()
+                raise _error(exc, "tokenizer") from None
+            except asyncio.InvalidStateError:
+                # The stream had already ended between two messages (the tokenizer went away).
+                self._drop()
+                raise error_for(await call.code(), f"tokenizer: {await call.details()}") from None
+            if not isinstance(response, tok_pb2.DetokenizeSequencesResponse):  # EOF
+                self._drop()
+                raise UnavailableError("tokenizer: the DetokenizeSequences stream ended early")
+            return response
 
-    async def push(
-        self, token_ids: Sequence[int], finish: bool = False
-    ) -> tok_pb2.DetokenizeStreamResponse:
-        self.open()
-        if self._opening is not None:
-            opening, self._opening = self._opening, None
-            await opening
-        return await self._exchange(
-            tok_pb2.DetokenizeStreamRequest(token_ids=token_ids, finish=finish)
-        )
-
-    async def _exchange(
-        self, request: tok_pb2.DetokenizeStreamRequest
-    ) -> tok_pb2.DetokenizeStreamResponse:
-        try:
-            await self._call.write(request)
-            response = await self._call.read()
-        except grpc.aio.AioRpcError as exc:
-            raise _error(exc, "tokenizer") from None
-        except asyncio.InvalidStateError:
-            # The stream had already ended between two pushes (the tokenizer went away).
-            raise error_for(
-                await self._call.code(), f"tokenizer: {await self._call.details()}"
-            ) from None
-        if response is grpc.aio.EOF:
-            raise UnavailableError("tokenizer: the DetokenizeStream ended early")
-        return response
-
-    def close(self) -> None:
-        if self._opening is not None:
-            self._opening.cancel()
-            # A failure nobody pushed after is not news: the stream is being dropped anyway.
-            self._opening.add_done_callback(lambda done: done.cancelled() or done.exception())
+    def _drop(self) -> None:
         if self._call is not None:
             self._call.cancel()
+            self._call = None
+
+    def close(self) -> None:
+        self._drop()
 
 
 class TokenizerClient(_ServiceClient):
@@ -307,8 +255,8 @@ class TokenizerClient(_ServiceClient):
     async def info(self) -> tok_pb2.GetInfoResponse:
         return await self._unary(self._stub.GetInfo, tok_pb2.GetInfoRequest())
 
-    def detokenize_stream(self, options: tok_pb2.DetokenizeOptions) -> DetokenizeSession:
-        return DetokenizeSession(self._stub, options, self._metadata)
+    def sequence_detokenizer(self) -> SequenceDetokenizer:
+        return SequenceDetokenizer(self._stub, self._metadata)
 
     async def close(self) -> None:
         await self._channel.close()

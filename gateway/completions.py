@@ -1,6 +1,6 @@
 """OpenAI chat and text completions over the generation pipeline: an OpenAI request becomes
-TextRequests (one per prompt and choice), the pipeline's text deltas become a response body or
-server-sent events.
+TextRequests (one per prompt, each with its n choices), the pipeline's text deltas become a
+response body or server-sent events.
 
 Translation between the OpenAI shapes and generation.py only: it never talks to a service
 itself and never touches an HTTP connection (app.py does).
@@ -18,17 +18,12 @@ from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 
 from common.sampling_params import SamplingParams
 from gateway import protocol as api
-from gateway.generation import (
-    Gateway,
-    ModelInfo,
-    TextDelta,
-    TextRequest,
-    TokenLogprob,
-    Usage,
-    new_request_id,
-)
+from gateway.generation import Gateway, new_request_id
+from gateway.http_errors import error_body
 from gateway.sse import DONE, event
 from gateway.structured import structured_output
+from gateway.text import TextDelta, TextRequest, TokenLogprob, Usage
+from gateway.validation import ModelInfo, text_request
 
 
 @dataclass
@@ -38,13 +33,17 @@ class Plan:
     chat: bool
     id: str
     model: str
-    requests: list[TextRequest]  # choice i of prompt p is requests[p * n + i]
+    requests: list[TextRequest]  # one per prompt; choice i of prompt p is p * n + i
     n: int
     logprobs: bool
     include_usage: bool
     created: int
-    # With echo (text completions): per request, the prompt's text, which leads its output.
+    # With echo (text completions): per choice, the prompt's text, which leads its output.
     echo: list[str] | None = None
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.requests) * self.n
 
 
 def _sampling_params(
@@ -75,6 +74,7 @@ def _sampling_params(
         structured_output=structured_output(body),
     )
     return SamplingParams(
+        n=body.n,
         max_tokens=max_tokens,
         min_tokens=body.min_tokens,
         ignore_eos=body.ignore_eos,
@@ -82,8 +82,7 @@ def _sampling_params(
     )
 
 
-def _choices(
-    gateway: Gateway,
+def _text_requests(
     info: ModelInfo,
     prompts: list[list[int]],
     body: api.SamplingFields,
@@ -93,10 +92,10 @@ def _choices(
 ) -> list[TextRequest]:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return [
-        gateway.text_request(
+        text_request(
             info,
             ids,
-            gateway.with_seed_offset(params, i),
+            params,
             prompt_param=prompt_param,
             max_tokens_param=max_tokens_param,
             stop=stop,
@@ -105,7 +104,6 @@ def _choices(
             priority=body.priority,
         )
         for ids in prompts
-        for i in range(body.n)
     ]
 
 
@@ -123,8 +121,8 @@ async def plan_chat(gateway: Gateway, body: api.ChatCompletionRequest) -> Plan:
         body.max_completion_tokens or body.max_tokens,
         (body.top_logprobs or 0) if body.logprobs else None,
     )
-    requests = _choices(
-        gateway, info, [list(prompt.token_ids)], body, params, "messages", max_tokens_param
+    requests = _text_requests(
+        info, [list(prompt.token_ids)], body, params, "messages", max_tokens_param
     )
     return Plan(
         True,
@@ -158,7 +156,7 @@ async def plan_completion(gateway: Gateway, body: api.CompletionRequest) -> Plan
     if body.max_tokens == 0 and prompt_logprobs is None:
         prompt_logprobs = 0
     params = _sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
-    requests = _choices(gateway, info, ids, body, params, "prompt", "max_tokens")
+    requests = _text_requests(info, ids, body, params, "prompt", "max_tokens")
     echo = None
     if body.echo:
         prompt_texts = await asyncio.gather(*(_prompt_text(gateway, p) for p in prompts))
@@ -251,7 +249,7 @@ def _echoed(
 
 async def respond(plan: Plan, stream: AsyncIterator[tuple[int, TextDelta]]):
     """Run the stream to its end; the whole response body."""
-    count = len(plan.requests)
+    count = plan.num_choices
     texts: list[list[str]] = [[] for _ in range(count)]
     logprobs: list[list[TokenLogprob]] = [[] for _ in range(count)]
     reasons: list[str | None] = [None] * count
@@ -294,7 +292,7 @@ async def events(
     plan: Plan, first: tuple[int, TextDelta], stream: AsyncIterator[tuple[int, TextDelta]]
 ) -> AsyncIterator[bytes]:
     """Server-sent events: one per text delta (the first already read), usage, [DONE]."""
-    count = len(plan.requests)
+    count = plan.num_choices
     usages: list[Usage | None] = [None] * count
     offsets = [0] * count  # completions' logprobs.text_offset
     started = [False] * count
@@ -345,7 +343,7 @@ async def events(
         if plan.include_usage:
             yield chunk([], _usage(plan, usages))
     except Exception as exc:  # the response has started: the error travels as an event
-        yield event(api.error_body(exc)[1])
+        yield event(error_body(exc)[1])
     finally:
         await stream.aclose()
     yield DONE

@@ -2,25 +2,22 @@
 deadline when that is sooner.
 
 Every request the gateway sends to the engine rides on one shared Generate stream
-(gateway/clients.py), so a request's deadline cannot be a gRPC deadline there: `until_deadline`
-ends the request's text stream when the deadline passes, which aborts its engine request the way
-a client leaving does, and raises DeadlineExceededError. Unary calls to the tokenizer and the
-engine made in a task that has a deadline (`set_deadline`) carry what is left of it as their gRPC
-deadline, so it reaches those services too. Time only: this module never decides anything else.
+(gateway/clients.py), so a request's deadline cannot be a gRPC deadline there: a timer
+(`at_deadline`) ends the request's text stream with DeadlineExceededError when the deadline
+passes, which aborts its engine request the way a client leaving does. Unary calls to the
+tokenizer and the engine made in a task that has a deadline (`set_deadline`) carry what is left
+of it as their gRPC deadline, so it reaches those services too. Time only: this module never
+decides anything else.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from contextvars import ContextVar
-from typing import TypeVar
 
 from common.errors import DeadlineExceededError
-
-T = TypeVar("T")
 
 # A monotonic time; set per task (a request's handler), so requests never see each other's.
 _deadline: ContextVar[float | None] = ContextVar("folio_request_deadline", default=None)
@@ -47,21 +44,10 @@ def timeout_message(seconds: float) -> str:
     return f"the request did not finish within {seconds:g} s and was aborted"
 
 
-async def until_deadline(
-    stream: AsyncIterator[T], deadline: float, message: str
-) -> AsyncIterator[T]:
-    """`stream` until `deadline` (time.monotonic seconds); then it is closed (aborting what it
-    runs) and DeadlineExceededError(message) is raised. Closing this closes `stream`."""
-    async with contextlib.aclosing(stream):
-        while True:
-            try:
-                async with asyncio.timeout_at(_loop_time(deadline)):
-                    item = await anext(stream)
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                raise DeadlineExceededError(message) from None
-            yield item
+def at_deadline(deadline: float, callback: Callable[[], object]) -> asyncio.TimerHandle:
+    """Call `callback` on the running loop when `deadline` (time.monotonic seconds) passes; at
+    once if it has. One timer for a whole request: cancel the handle when it ends."""
+    return asyncio.get_running_loop().call_at(_loop_time(deadline), callback)
 
 
 def _loop_time(deadline: float) -> float:

@@ -1,9 +1,9 @@
 """The gateway's public gRPC text API: folio.v1.GatewayService (Generate, Chat), server-streaming
 text deltas over the same generation pipeline as the HTTP routes.
 
-A thin adapter: protobuf in, generation.py, protobuf out; errors become status codes through
-common.errors. Calls need an API key in their metadata when the gateway has keys
-(UNAUTHENTICATED otherwise) and are rate limited like HTTP requests (RESOURCE_EXHAUSTED). A
+A thin adapter: protobuf in, serving.py (as the HTTP routes), protobuf out; errors become
+status codes through common.errors. Calls need an API key in their metadata when the gateway
+has keys (UNAUTHENTICATED otherwise) and are rate limited like HTTP requests (RESOURCE_EXHAUSTED). A
 call's deadline, or the gateway's request timeout if sooner, bounds the calls it makes to the
 tokenizer and ends its generation (DEADLINE_EXCEEDED). Cancelling the call closes the pipeline,
 which aborts the engine request. It never holds business logic of its own.
@@ -20,14 +20,16 @@ from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2_grpc
 from common.grpc_stubs.folio.v1 import gateway_pb2 as pb
 
 from common.config import GatewayConfig
-from common.errors import FolioError, status_code_for
+from common.errors import FolioError, InvalidParameter, status_code_for
 from common.finish_reason import finish_reason_to_proto
 from common.grpc_server import GrpcService
 from common.sampling_proto import sampling_params_from_proto
 from gateway.auth import Access
-from gateway.deadlines import set_deadline, timeout_message, until_deadline
-from gateway.generation import Gateway, TextDelta, TextRequest, new_request_id
-from gateway.rate_limit import giving_back_unused
+from gateway.deadlines import set_deadline
+from gateway.generation import Gateway, new_request_id
+from gateway.serving import serve
+from gateway.text import TextDelta, TextRequest
+from gateway.validation import text_request
 
 
 def _response_fields(delta: TextDelta) -> dict:
@@ -85,10 +87,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             yield pb.ChatResponse(**_response_fields(delta))
 
     def _text_request(self, info, prompt_ids, request, prompt_param: str) -> TextRequest:
-        return self._gateway.text_request(
+        params = sampling_params_from_proto(request.sampling_params)
+        if params.n != 1:  # each call streams one sequence's text
+            raise InvalidParameter(f"n must be 1 here (one sequence per call), got {params.n}", "n")
+        return text_request(
             info,
             prompt_ids,
-            sampling_params_from_proto(request.sampling_params),
+            params,
             prompt_param=prompt_param,
             stop=list(request.stop),
             include_stop_str_in_output=request.include_stop_str_in_output,
@@ -109,15 +114,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             self._service.check_available()
             caller = self._access.admit_grpc(context)
             request = await plan()
-            reservation = self._access.limiter.reserve_tokens(caller, [request])
-            deltas = until_deadline(
-                giving_back_unused(
-                    self._gateway.generate_many([request], new_request_id("grpc"), arrival),
-                    [request],
-                    reservation,
-                ),
+            deltas = serve(
+                self._gateway,
+                self._access.limiter,
+                caller,
+                [request],
+                new_request_id("grpc"),
+                arrival,
                 deadline,
-                timeout_message(timeout),
+                timeout,
             )
             async with contextlib.aclosing(deltas):
                 async for _, delta in deltas:

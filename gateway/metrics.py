@@ -1,18 +1,27 @@
-"""The gateway's metrics in the Prometheus text format (version 0.0.4).
+"""The gateway's metrics, through prometheus-client, in the Prometheus text format (0.0.4).
 
-Request-level series (latencies, token counts) are observed here as requests run; engine-level
-ones (load, KV cache, prefix cache, per-phase step time) come from Engine.GetStats when
-scraped. Names follow Prometheus conventions: base units, `_total` for counters, no colons.
-Only counting and formatting here: it never talks to a service.
+Request-level series (latencies, token counts) are observed as requests run (by the output
+processor); engine-level ones (load, KV cache, prefix cache, per-phase step time) come from
+Engine.GetStats when scraped, through a custom collector. Names follow Prometheus conventions:
+base units, `_total` for counters, no colons; no `_created` series. Each Metrics has a registry
+of its own, so several gateways in one process do not share counts. Only counting and
+formatting here: it never talks to a service.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-from collections.abc import Sequence
+from collections.abc import Iterator
 
+import prometheus_client
 from common.grpc_stubs.folio.v1 import engine_pb2
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# A `_created` series per counter and histogram only doubles what is scraped.
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 LATENCY_BUCKETS = (
     0.001,
@@ -60,157 +69,117 @@ REQUEST_BUCKETS = (
 )
 
 
-def _number(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value)) if not float(value).is_integer() else str(int(value))
+class EngineStatsCollector(Collector):
+    """The engine's load and counters from the latest GetStats answer (none while the engine
+    is down: the gateway's own series still count)."""
 
+    def __init__(self) -> None:
+        self.stats: engine_pb2.GetStatsResponse | None = None
 
-def _family(name: str, kind: str, help_: str) -> list[str]:
-    return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
-
-
-class Counter:
-    def __init__(self, name: str, help_: str) -> None:
-        self.name, self.help, self.value = name, help_, 0.0
-
-    def inc(self, amount: float = 1.0) -> None:
-        self.value += amount
-
-    def lines(self) -> list[str]:
-        return [*_family(self.name, "counter", self.help), f"{self.name} {_number(self.value)}"]
-
-
-class Histogram:
-    def __init__(self, name: str, help_: str, buckets: Sequence[float]) -> None:
-        self.name, self.help = name, help_
-        self.bounds = tuple(buckets)
-        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def lines(self) -> list[str]:
-        out = _family(self.name, "histogram", self.help)
-        cumulative = 0
-        for bound, count in zip((*self.bounds, math.inf), self.counts, strict=False):
-            cumulative += count
-            out.append(f'{self.name}_bucket{{le="{_number(bound)}"}} {cumulative}')
-        out += [f"{self.name}_sum {_number(self.sum)}", f"{self.name}_count {cumulative}"]
-        return out
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats
+        if stats is None:
+            return
+        yield GaugeMetricFamily(
+            "folio_num_requests_running",
+            "Requests in the engine's running batch.",
+            value=stats.num_running,
+        )
+        yield GaugeMetricFamily(
+            "folio_num_requests_waiting",
+            "Requests waiting to be scheduled.",
+            value=stats.num_waiting,
+        )
+        yield GaugeMetricFamily(
+            "folio_kv_cache_usage_ratio",
+            "Share of KV cache blocks in use (0 to 1).",
+            value=stats.kv_cache_usage,
+        )
+        yield GaugeMetricFamily(
+            "folio_num_kv_blocks", "KV cache blocks in the pool.", value=stats.num_kv_blocks
+        )
+        yield CounterMetricFamily(
+            "folio_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            value=stats.prefix_cache_queries,
+        )
+        yield CounterMetricFamily(
+            "folio_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            value=stats.prefix_cache_hits,
+        )
+        yield CounterMetricFamily(
+            "folio_num_preemptions",
+            "Requests preempted by the scheduler.",
+            value=stats.num_preemptions,
+        )
+        yield CounterMetricFamily("folio_engine_steps", "Engine steps run.", value=stats.num_steps)
+        phases = CounterMetricFamily(
+            "folio_engine_step_seconds",
+            "Seconds spent in each phase of the engine step.",
+            labels=["phase"],
+        )
+        for phase, seconds in sorted(stats.step_seconds.items()):
+            phases.add_metric([phase], seconds)
+        yield phases
 
 
 class Metrics:
-    """Everything /metrics shows; generation.py feeds the request-level part."""
+    """Everything /metrics shows; the output processor feeds the request-level part."""
 
     def __init__(self) -> None:
-        self.prompt_tokens = Counter("folio_prompt_tokens_total", "Prompt tokens prefilled.")
-        self.generation_tokens = Counter("folio_generation_tokens_total", "Tokens generated.")
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._engine = EngineStatsCollector()
+        self.registry.register(self._engine)
+        self.prompt_tokens = Counter(
+            "folio_prompt_tokens", "Prompt tokens prefilled.", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "folio_generation_tokens", "Tokens generated.", registry=self.registry
+        )
         self.ttft = Histogram(
             "folio_time_to_first_token_seconds",
             "From the request's arrival at the gateway to its first token.",
-            LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.itl = Histogram(
             "folio_inter_token_latency_seconds",
             "Between consecutive tokens of one request.",
-            LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.e2e = Histogram(
             "folio_e2e_request_latency_seconds",
             "From the request's arrival at the gateway to its end.",
-            REQUEST_BUCKETS,
+            buckets=REQUEST_BUCKETS,
+            registry=self.registry,
         )
         self.queue_time = Histogram(
             "folio_request_queue_time_seconds",
             "Time a request waited in the engine before it first ran.",
-            REQUEST_BUCKETS,
+            buckets=REQUEST_BUCKETS,
+            registry=self.registry,
         )
-        self.finished: dict[str, int] = {}
+        self.requests = Counter(
+            "folio_requests",
+            "Requests ended, by finish reason.",
+            ["finish_reason"],
+            registry=self.registry,
+        )
 
     def request_finished(self, finish_reason: str) -> None:
-        self.finished[finish_reason] = self.finished.get(finish_reason, 0) + 1
+        self.requests.labels(finish_reason).inc()
 
-    def render(self, stats: engine_pb2.GetStatsResponse | None) -> str:
-        lines: list[str] = []
-        if stats is not None:
-            lines += self._engine_lines(stats)
-        for metric in (
-            self.prompt_tokens,
-            self.generation_tokens,
-            self.ttft,
-            self.itl,
-            self.e2e,
-            self.queue_time,
-        ):
-            lines += metric.lines()
-        lines += _family("folio_requests_total", "counter", "Requests ended, by finish reason.")
-        lines += [
-            f'folio_requests_total{{finish_reason="{reason}"}} {count}'
-            for reason, count in sorted(self.finished.items())
-        ]
-        return "\n".join(lines) + "\n"
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """One sample's value (0 if it has none yet), e.g. "folio_generation_tokens_total"."""
+        return self.registry.get_sample_value(name, labels) or 0.0
 
-    @staticmethod
-    def _engine_lines(stats: engine_pb2.GetStatsResponse) -> list[str]:
-        def one(name: str, kind: str, help_: str, value: float) -> list[str]:
-            return [*_family(name, kind, help_), f"{name} {_number(value)}"]
-
-        lines = [
-            *one(
-                "folio_num_requests_running",
-                "gauge",
-                "Requests in the engine's running batch.",
-                stats.num_running,
-            ),
-            *one(
-                "folio_num_requests_waiting",
-                "gauge",
-                "Requests waiting to be scheduled.",
-                stats.num_waiting,
-            ),
-            *one(
-                "folio_kv_cache_usage_ratio",
-                "gauge",
-                "Share of KV cache blocks in use (0 to 1).",
-                stats.kv_cache_usage,
-            ),
-            *one(
-                "folio_num_kv_blocks", "gauge", "KV cache blocks in the pool.", stats.num_kv_blocks
-            ),
-            *one(
-                "folio_prefix_cache_queries_total",
-                "counter",
-                "Prompt tokens looked up in the prefix cache.",
-                stats.prefix_cache_queries,
-            ),
-            *one(
-                "folio_prefix_cache_hits_total",
-                "counter",
-                "Prompt tokens found in the prefix cache.",
-                stats.prefix_cache_hits,
-            ),
-            *one(
-                "folio_num_preemptions_total",
-                "counter",
-                "Requests preempted by the scheduler.",
-                stats.num_preemptions,
-            ),
-            *one("folio_engine_steps_total", "counter", "Engine steps run.", stats.num_steps),
-        ]
-        lines += _family(
-            "folio_engine_step_seconds_total",
-            "counter",
-            "Seconds spent in each phase of the engine step.",
-        )
-        lines += [
-            f'folio_engine_step_seconds_total{{phase="{phase}"}} {_number(seconds)}'
-            for phase, seconds in sorted(stats.step_seconds.items())
-        ]
-        return lines
+    def render(self, stats: engine_pb2.GetStatsResponse | None) -> bytes:
+        """The text exposition, with the engine's series from `stats` (None: the engine is
+        down)."""
+        self._engine.stats = stats
+        try:
+            return prometheus_client.generate_latest(self.registry)
+        finally:
+            self._engine.stats = None

@@ -1,5 +1,7 @@
 """The HTTP gateway's public shapes: OpenAI-compatible requests and responses (pydantic v2), the
-OpenAI error body, and the OpenAPI document built from them.
+OpenAI error body; the gateway's refusals (exceptions naming the offending field) are the
+contract's, re-exported here. How a failure becomes an HTTP answer is http_errors.py's; the
+OpenAPI document is openapi.py's.
 
 Shapes and types only. Ranges of sampling parameters are the engine library's
 SamplingParams.validate and context limits are generation.py's; this module never talks to a
@@ -8,17 +10,17 @@ service and never decides what a request means.
 
 from __future__ import annotations
 
-from http import HTTPStatus
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic.json_schema import models_json_schema
 
 # The errors the gateway raises are the contract's (common/errors.py, one table for every
 # wire); the route modules name the request errors through this module (api.InvalidParameter).
 from common.errors import InvalidParameter as InvalidParameter
-from common.errors import RateLimitExceeded, Unauthenticated, mapping_for
+from common.errors import ModelNotFound as ModelNotFound
+from common.errors import RateLimitExceeded as RateLimitExceeded
 from common.errors import RequestTooLarge as RequestTooLarge
+from common.errors import Unauthenticated as Unauthenticated
 from common.errors import UnsupportedMediaType as UnsupportedMediaType
 
 
@@ -354,117 +356,3 @@ class ErrorInfo(ResponseBody):
 
 class ErrorResponse(ResponseBody):
     error: ErrorInfo
-
-
-def error_body(exc: BaseException) -> tuple[int, ErrorResponse]:
-    """The HTTP status and OpenAI error body for an exception (anything unknown is a 500)."""
-    row = mapping_for(exc)
-    message = str(exc) if row.http_status != 500 else f"internal error: {exc}"
-    return row.http_status, ErrorResponse(
-        error=ErrorInfo(
-            message=message,
-            type=row.openai_type,
-            param=getattr(exc, "param", None),
-            code=row.openai_code,
-        )
-    )
-
-
-def error_headers(exc: BaseException) -> dict[str, str]:
-    """The HTTP headers an error answer carries besides its body."""
-    if isinstance(exc, Unauthenticated):
-        return {"WWW-Authenticate": "Bearer"}
-    if isinstance(exc, RateLimitExceeded) and exc.retry_after is not None:
-        return {"Retry-After": str(exc.retry_after)}
-    return {}
-
-
-# -- OpenAPI ------------------------------------------------------------------------------------
-
-
-# The gateway's error statuses as the OpenAPI document describes them; each answer carries
-# the OpenAI error body.
-ERROR_STATUSES: dict[int, str] = {
-    400: "Invalid request; `param` names the offending field",
-    401: "No valid API key came with the request",
-    404: "The model does not exist",
-    413: "The body is over the gateway's size limit",
-    415: "The body is not sent as application/json",
-    429: "The engine's queue is full or the caller is over a rate limit; retry later",
-    500: "Internal error",
-    503: "The engine or the tokenizer is unavailable, or the gateway is draining",
-    504: "The request ran out of time",
-}
-
-
-def openapi_document(endpoints: list[Any], title: str, version: str) -> dict:
-    """OpenAPI 3.1 for `endpoints` (objects with path, method, summary, request, response,
-    stream, media_type, answers and errors attributes); schemas come from the models above.
-    Every status an operation can answer is listed (no `default`), so a client and a fuzzer
-    can tell an undocumented one."""
-    models = {m for e in endpoints for m in (e.request, e.response, e.stream) if m is not None}
-    models.add(ErrorResponse)
-    keyed = [
-        (m, "validation" if issubclass(m, RequestBody) else "serialization")
-        for m in sorted(models, key=lambda m: m.__name__)
-    ]
-    refs, defs = models_json_schema(keyed, ref_template="#/components/schemas/{model}")
-    for e in endpoints:  # parse_request refuses unknown top-level fields
-        if e.request is not None:
-            defs["$defs"][e.request.__name__]["additionalProperties"] = False
-
-    def ref(model: type[BaseModel]) -> dict:
-        return refs[(model, "validation" if issubclass(model, RequestBody) else "serialization")]
-
-    def error(status: int) -> dict:
-        return {
-            "description": ERROR_STATUSES[status],
-            "content": {"application/json": {"schema": ref(ErrorResponse)}},
-        }
-
-    paths: dict[str, dict] = {}
-    for e in endpoints:
-        content: dict[str, Any] = {}
-        if e.response is not None:
-            content[e.media_type] = {"schema": ref(e.response)}
-        if e.stream is not None:
-            # Before OpenAPI 3.2, the schema of an event stream describes one event.
-            content["text/event-stream"] = {
-                "schema": {
-                    "description": "With stream=true, one event per delta: its data is a chunk, or "
-                    "an error body when the stream fails midway; the last event's "
-                    "data is [DONE].",
-                    "type": "object",
-                    "required": ["data"],
-                    "properties": {
-                        "data": {
-                            "anyOf": [
-                                {"const": "[DONE]"},
-                                {
-                                    "type": "string",
-                                    "contentMediaType": "application/json",
-                                    "contentSchema": {"anyOf": [ref(e.stream), ref(ErrorResponse)]},
-                                },
-                            ]
-                        }
-                    },
-                }
-            }
-        responses = {
-            str(status): {"description": HTTPStatus(status).phrase, "content": content}
-            for status in e.answers
-        }
-        responses.update({str(status): error(status) for status in sorted(e.errors)})
-        operation: dict[str, Any] = {"summary": e.summary, "responses": responses}
-        if e.request is not None:
-            operation["requestBody"] = {
-                "required": True,
-                "content": {"application/json": {"schema": ref(e.request)}},
-            }
-        paths.setdefault(e.path, {})[e.method.lower()] = operation
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": title, "version": version},
-        "paths": paths,
-        "components": {"schemas": defs.get("$defs", {})},
-    }

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from common.errors import RateLimitExceeded
-from gateway.generation import TextDelta, TextRequest
+from gateway.text import TextDelta, TextRequest
 
 # Buckets of callers that have been idle long enough to be full again carry no state: they are
 # dropped once this many callers are tracked, so that many client addresses cannot grow memory.
@@ -97,11 +97,11 @@ class RateLimiter:
             )
 
     def reserve_tokens(self, caller: str, requests: Sequence[TextRequest]) -> TokenReservation:
-        """Charge prompt + max_tokens of every sequence to `caller`; RateLimitExceeded if over
-        tokens per minute."""
+        """Charge prompt + max_tokens of every sequence (each of a request's n choices) to
+        `caller`; RateLimitExceeded if over tokens per minute."""
         if self.tokens_per_minute is None:
             return TokenReservation(self, None, 0)
-        amount = sum(len(r.prompt_ids) + r.params.max_tokens for r in requests)
+        amount = sum(r.params.n * (len(r.prompt_ids) + r.params.max_tokens) for r in requests)
         limit = self.tokens_per_minute
         wait = self._take(self._tokens, caller, limit / 60, limit, amount)
         if wait == math.inf:
@@ -154,14 +154,13 @@ async def giving_back_unused(
 ) -> AsyncIterator[tuple[int, TextDelta]]:
     """`stream` (Gateway.generate_many's), giving back each finished sequence's unused
     max_tokens, or everything if it fails before its first delta; closing it closes `stream`."""
+    max_tokens = [r.params.max_tokens for r in requests for _ in range(r.params.n)]  # by choice
     started = False
     try:
         async for index, delta in stream:
             started = True
             if delta.usage is not None:
-                reservation.give_back(
-                    requests[index].params.max_tokens - delta.usage.completion_tokens
-                )
+                reservation.give_back(max_tokens[index] - delta.usage.completion_tokens)
             yield index, delta
     except Exception:
         if not started:  # refused (queue full, unavailable): it cost the engine nothing

@@ -22,7 +22,7 @@ from common.grpc_stubs.folio.v1 import engine_pb2_grpc
 from common.config import TP_FAILURE_EXIT_SECONDS, EngineConfig
 from common.errors import UnavailableError
 from common.grpc_server import GrpcService
-from common.sampling_params import parent_request_id
+from common.sampling_params import parent_request_id, sample_request_id
 from common.sampling_proto import sampling_params_from_proto
 from engine.async_engine import AsyncEngine, RequestFailed
 from engine.engine import LLMEngine
@@ -37,6 +37,15 @@ class _EndOfInput:
     """The client half-closed its side of the stream, or sent something malformed (error)."""
 
     error: str | None = None
+
+
+def _abort_ids(request: pb.AbortRequest) -> list[str]:
+    """The engine library's ids of what an AbortRequest names: requests, and single samples
+    (by SampleRef, or already in the library's own "<request_id>#<index>" form)."""
+    return [
+        *request.request_ids,
+        *(sample_request_id(s.request_id, s.index) for s in request.samples),
+    ]
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
@@ -111,7 +120,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         if action == "abort":
             # Only this stream's requests (or their samples); the unary Abort reaches any.
             engine.abort(
-                [r for r in message.abort.request_ids if r in live or parent_request_id(r) in live]
+                [r for r in _abort_ids(message.abort) if r in live or parent_request_id(r) in live]
             )
         elif action == "add":
             request = message.add
@@ -145,7 +154,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         engine = await self._engine(context)
-        aborted = await asyncio.wrap_future(engine.abort(list(request.request_ids)))
+        aborted = await asyncio.wrap_future(engine.abort(_abort_ids(request)))
         return pb.AbortResponse(aborted_request_ids=aborted)
 
     async def GetModelInfo(

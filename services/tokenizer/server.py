@@ -1,8 +1,10 @@
 """The tokenizer service: TokenizerService over gRPC, a thin adapter on common.tokenizer and
 common.detokenizer.
 
-It owns text: tokenization, chat templates, incremental detokenization with stop strings. It
-translates messages and errors only; it must never import torch or the engine.
+It owns text: tokenization, chat templates, incremental detokenization with stop strings, one
+sequence per DetokenizeStream or many per DetokenizeSequences (SequenceTexts keeps a stream's
+live sequences by id). It translates messages and errors only; it must never import torch or the
+engine.
 """
 
 from __future__ import annotations
@@ -34,6 +36,81 @@ def _chat_messages(conversation: pb.Conversation) -> list[dict]:
     ]
 
 
+def _detokenizer(tokenizer: Tokenizer, options: pb.DetokenizeOptions) -> IncrementalDetokenizer:
+    """Raises ValueError for bad options (an empty stop string)."""
+    return IncrementalDetokenizer(
+        tokenizer,
+        skip_special_tokens=_flag(options, "skip_special_tokens", True),
+        stop=list(options.stop),
+        include_stop_str_in_output=options.include_stop_str_in_output,
+    )
+
+
+def _bad_token(token_ids: Sequence[int], tokenizer: Tokenizer) -> str | None:
+    """Why `token_ids` cannot be decoded, or None. tokenizers silently decodes an unknown id to
+    nothing; a caller's bad id must not vanish."""
+    for token_id in token_ids:
+        if not 0 <= token_id < tokenizer.vocab_size:
+            return (
+                f"token_ids contains {token_id}, outside the vocabulary [0, {tokenizer.vocab_size})"
+            )
+    return None
+
+
+class SequenceTexts:
+    """The sequences of one DetokenizeSequences stream: one incremental detokenizer per live
+    sequence id, each message answered entry by entry."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._live: dict[int, IncrementalDetokenizer] = {}
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def handle(self, request: pb.DetokenizeSequencesRequest) -> pb.DetokenizeSequencesResponse:
+        for sequence_id in request.released_sequence_ids:
+            self._live.pop(sequence_id, None)
+        response = pb.DetokenizeSequencesResponse(
+            sequences=[self._advance(entry) for entry in request.sequences]
+        )
+        if request.token_text_ids:
+            if (bad := _bad_token(request.token_text_ids, self._tokenizer)) is not None:
+                raise ValueError(f"token_text_ids: {bad}")
+            # Special tokens keep their text here: a logprob for "<|im_end|>" must say so.
+            response.token_texts.extend(
+                self._tokenizer.decode([i], skip_special_tokens=False)
+                for i in request.token_text_ids
+            )
+        return response
+
+    def _advance(self, entry: pb.SequenceTokens) -> pb.SequenceText:
+        sequence_id = entry.sequence_id
+        try:
+            if entry.HasField("options"):
+                if sequence_id in self._live:
+                    raise ValueError(f"sequence {sequence_id} is already live on this stream")
+                self._live[sequence_id] = _detokenizer(self._tokenizer, entry.options)
+            detokenizer = self._live.get(sequence_id)
+            if detokenizer is None:
+                raise ValueError(f"sequence {sequence_id} is not live: start it with options")
+            if (bad := _bad_token(entry.token_ids, self._tokenizer)) is not None:
+                raise ValueError(bad)
+        except ValueError as exc:
+            self._live.pop(sequence_id, None)
+            return pb.SequenceText(sequence_id=sequence_id, finished=True, error=str(exc))
+        delta = detokenizer.push(entry.token_ids)
+        text, stop = delta.text, delta.stop_matched
+        if entry.finish and stop is None:
+            text += detokenizer.finish().text
+        finished = entry.finish or stop is not None
+        if finished:
+            del self._live[sequence_id]
+        return pb.SequenceText(
+            sequence_id=sequence_id, text=text, stop_matched=stop or "", finished=finished
+        )
+
+
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     def __init__(self, service: TokenizerService) -> None:
         self._service = service
@@ -44,14 +121,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         return self._service.tokenizer
 
     async def _check_ids(self, ids: Sequence[int], tokenizer: Tokenizer, context) -> None:
-        # tokenizers silently decodes an unknown id to nothing; a caller's bad id must not vanish.
-        for token_id in ids:
-            if not 0 <= token_id < tokenizer.vocab_size:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"token_ids contains {token_id}, outside the vocabulary "
-                    f"[0, {tokenizer.vocab_size})",
-                )
+        if (bad := _bad_token(ids, tokenizer)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         tokenizer = await self._tokenizer(context)
@@ -97,14 +168,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         ended = False
         async for request in request_iterator:
             if detokenizer is None:
-                options = request.options
                 try:
-                    detokenizer = IncrementalDetokenizer(
-                        tokenizer,
-                        skip_special_tokens=_flag(options, "skip_special_tokens", True),
-                        stop=list(options.stop),
-                        include_stop_str_in_output=options.include_stop_str_in_output,
-                    )
+                    detokenizer = _detokenizer(tokenizer, request.options)
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"options: {exc}")
             await self._check_ids(request.token_ids, tokenizer, context)
@@ -118,6 +183,16 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 text += detokenizer.finish().text
             ended = request.finish or stop is not None
             yield pb.DetokenizeStreamResponse(text=text, stop_matched=stop or "", finished=ended)
+
+    async def DetokenizeSequences(
+        self, request_iterator: AsyncIterator[pb.DetokenizeSequencesRequest], context
+    ) -> AsyncIterator[pb.DetokenizeSequencesResponse]:
+        sequences = SequenceTexts(await self._tokenizer(context))
+        async for request in request_iterator:
+            try:
+                yield sequences.handle(request)
+            except ValueError as exc:  # a malformed message, not one sequence's fault
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.GetInfoResponse:
         tokenizer = await self._tokenizer(context)

@@ -355,9 +355,11 @@ def test_many_kills_under_load(default_model_dir, tmp_path):
         server.kill()
 
 
-def test_a_detokenize_stream_whose_tokenizer_died_between_pushes_is_unavailable(default_model_dir):
-    """The gateway's DetokenizeSession when the tokenizer is gone before its next push (the
-    stream had already ended: gRPC refuses the write rather than failing it)."""
+def test_a_detokenize_stream_whose_tokenizer_died_between_messages_is_unavailable(
+    default_model_dir,
+):
+    """The gateway's DetokenizeSequences stream when the tokenizer is gone before its next
+    message (the stream had already ended: gRPC refuses the write rather than failing it)."""
     env = {k: v for k, v in os.environ.items() if k != INTERNAL_TOKEN_ENV}
     process = subprocess.Popen(
         [
@@ -384,13 +386,18 @@ def test_a_detokenize_stream_whose_tokenizer_died_between_pushes_is_unavailable(
             while not await tokenizer.serving():
                 assert time.monotonic() < deadline, "the tokenizer did not start"
                 await asyncio.sleep(0.05)
-            session = tokenizer.detokenize_stream(tok_pb2.DetokenizeOptions())
-            assert (await session.push([28, 29])).text
+            session = tokenizer.sequence_detokenizer()
+            first = tok_pb2.SequenceTokens(
+                sequence_id=1, options=tok_pb2.DetokenizeOptions(), token_ids=[28, 29]
+            )
+            answer = await session.exchange(tok_pb2.DetokenizeSequencesRequest(sequences=[first]))
+            assert answer.sequences[0].text
             process.kill()
             process.wait()
             await asyncio.sleep(1)  # the stream's end has arrived
+            after = tok_pb2.SequenceTokens(sequence_id=1, token_ids=[30])
             with pytest.raises(UnavailableError, match="tokenizer"):
-                await session.push([30])
+                await session.exchange(tok_pb2.DetokenizeSequencesRequest(sequences=[after]))
             session.close()
             await tokenizer.close()
 

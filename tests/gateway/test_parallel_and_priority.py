@@ -1,5 +1,6 @@
 """Parallel sampling and priorities through the services: the engine's gRPC contract for n > 1
-(one request, outputs told apart by index, one sample aborted alone by "<id>#<index>"), the
+(one request, outputs told apart by index, one sample aborted alone by AbortRequest.samples or
+the older "<id>#<index>"), the
 OpenAI n with a seed through the gateway (one engine request sharing the prompt), and
 `priority` passed from HTTP to an engine run with the priority policy."""
 
@@ -167,6 +168,51 @@ def test_engine_streams_each_sample_and_aborts_one_alone(engine_stub, tokenizer)
         assert out.usage.completion_tokens == len(tokens[index]) < 500
     stats = engine_stats(engine_stub)
     assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+
+
+def test_abort_request_samples_abort_one_sample_on_the_stream_and_by_the_unary_abort(
+    engine_stub, tokenizer
+):
+    requests = RequestStream()
+    responses = engine_stub.Generate(iter(requests), timeout=TIMEOUT)
+    params = common_pb2.SamplingParams(
+        n=2, seed=5, temperature=1.0, max_tokens=500, ignore_eos=True
+    )
+    requests.send(
+        engine_pb2.GenerateRequest(
+            add=engine_pb2.EngineRequest(
+                request_id="refs", prompt_token_ids=tokenizer.encode(PROMPT), sampling_params=params
+            )
+        )
+    )
+    counts = {0: 0, 1: 0}
+    ended: dict[int, int] = {}  # index -> finish reason
+
+    def read() -> None:
+        for out in next(responses).outputs:
+            assert not out.HasField("error")
+            counts[out.index] += len(out.token_ids)
+            if out.finished:
+                ended[out.index] = out.finish_reason
+
+    while min(counts.values()) < 2:
+        read()
+    sample_one = engine_pb2.SampleRef(request_id="refs", index=1)
+    requests.send(engine_pb2.GenerateRequest(abort=engine_pb2.AbortRequest(samples=[sample_one])))
+    while 1 not in ended:
+        read()
+    assert ended == {1: common_pb2.FINISH_REASON_ABORT}  # sample 0 goes on
+    sample_zero = engine_pb2.SampleRef(request_id="refs", index=0)
+    answer = engine_stub.Abort(engine_pb2.AbortRequest(samples=[sample_zero]), timeout=TIMEOUT)
+    assert list(answer.aborted_request_ids) == ["refs#0"]
+    requests.close()
+    for response in responses:  # the stream ends once both samples have ended
+        for out in response.outputs:
+            if out.finished:
+                ended[out.index] = out.finish_reason
+    assert ended == {0: common_pb2.FINISH_REASON_ABORT, 1: common_pb2.FINISH_REASON_ABORT}
+    stats = engine_stats(engine_stub)
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
 
 
 def test_the_one_sequence_grpc_api_refuses_n_by_name(gateway):

@@ -17,8 +17,8 @@ from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from common.config import GatewayConfig
 from common.errors import QueueFullError, RateLimitExceeded
 from common.sampling_params import SamplingParams
-from gateway.generation import TextDelta, TextRequest, Usage
 from gateway.rate_limit import MAX_TRACKED_CALLERS, RateLimiter, giving_back_unused
+from gateway.text import TextDelta, TextRequest, Usage
 from gateway_helpers import GatewayThread, check_error
 from grpc_helpers import TIMEOUT
 

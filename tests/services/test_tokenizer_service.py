@@ -169,5 +169,102 @@ def test_bad_input_answers_invalid_argument(stub, library):
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_one_multiplexed_stream_detokenizes_many_sequences_as_their_own_streams(stub, library):
+    texts = {7: "Llama: 🦙, hug: 🤗, 日本語!", 8: "one STO two STOP three", 9: "say STOP now"}
+    ids = {key: library.encode(text, add_special_tokens=False) for key, text in texts.items()}
+    options = {
+        7: tokenizer_pb2.DetokenizeOptions(),
+        8: tokenizer_pb2.DetokenizeOptions(stop=["STOP"]),
+        9: tokenizer_pb2.DetokenizeOptions(stop=["STOP"], include_stop_str_in_output=True),
+    }
+    steps = max(map(len, ids.values()))
+    requests = []
+    for step in range(steps + 1):  # one token of each live sequence per message, then finish
+        entries = [
+            tokenizer_pb2.SequenceTokens(
+                sequence_id=key,
+                options=options[key] if step == 0 else None,
+                token_ids=ids[key][step : step + 1],
+                finish=step == len(ids[key]),
+            )
+            for key in texts
+            if step <= len(ids[key])
+        ]
+        requests.append(tokenizer_pb2.DetokenizeSequencesRequest(sequences=entries))
+    responses = list(stub.DetokenizeSequences(iter(requests), timeout=TIMEOUT))
+    assert len(responses) == len(requests)  # one answer per message
+    out = {key: "" for key in texts}
+    stopped: dict[int, str] = {}
+    after_stop = []  # entries of sequences whose stop string had matched
+    for request, response in zip(requests, responses, strict=True):
+        # One entry per request entry, in order.
+        assert [e.sequence_id for e in response.sequences] == [
+            e.sequence_id for e in request.sequences
+        ]
+        for entry in response.sequences:
+            if entry.sequence_id in stopped:
+                after_stop.append(entry)
+                continue
+            assert "\ufffd" not in entry.text and not entry.error
+            out[entry.sequence_id] += entry.text
+            if entry.stop_matched:
+                assert entry.finished
+                stopped[entry.sequence_id] = entry.stop_matched
+    # Each equals its own DetokenizeStream; a stopped sequence is dropped, so the entries sent
+    # after its stop matched fail alone, naming it, while the others go on.
+    assert out[7] == texts[7] and 7 not in stopped
+    assert out[8] == "one STO two " and stopped[8] == "STOP"
+    assert out[9] == "say STOP" and stopped[9] == "STOP"
+    assert after_stop and all("not live" in e.error and e.finished for e in after_stop)
+
+
+def test_multiplexed_stream_answers_token_texts_releases_and_fails_bad_entries_alone(stub, library):
+    im_end = library.encode("<|im_end|>", add_special_tokens=False)
+    hello = library.encode("Hello world", add_special_tokens=False)
+    requests = [
+        tokenizer_pb2.DetokenizeSequencesRequest(
+            sequences=[
+                tokenizer_pb2.SequenceTokens(
+                    sequence_id=1, options=tokenizer_pb2.DetokenizeOptions(), token_ids=hello
+                ),
+                tokenizer_pb2.SequenceTokens(
+                    sequence_id=2, options=tokenizer_pb2.DetokenizeOptions(stop=[""])
+                ),
+                tokenizer_pb2.SequenceTokens(
+                    sequence_id=3,
+                    options=tokenizer_pb2.DetokenizeOptions(),
+                    token_ids=[library.vocab_size],
+                ),
+            ],
+            token_text_ids=[*hello, *im_end],
+        ),
+        # Released: the next entry of sequence 1 finds it gone.
+        tokenizer_pb2.DetokenizeSequencesRequest(released_sequence_ids=[1]),
+        tokenizer_pb2.DetokenizeSequencesRequest(
+            sequences=[tokenizer_pb2.SequenceTokens(sequence_id=1, token_ids=hello)]
+        ),
+    ]
+    first, released, after = stub.DetokenizeSequences(iter(requests), timeout=TIMEOUT)
+    ok, bad_options, bad_token = first.sequences
+    assert ok.text == "Hello world" and not ok.error and not ok.finished
+    assert "stop strings" in bad_options.error and bad_options.finished
+    assert "outside the vocabulary" in bad_token.error and bad_token.finished
+    assert list(first.token_texts) == [
+        *(library.decode([i]) for i in hello),
+        "<|im_end|>",  # special tokens keep their text
+    ]
+    assert not released.sequences
+    assert "not live" in after.sequences[0].error
+    # A token text outside the vocabulary is the message's fault: the stream fails.
+    with pytest.raises(grpc.RpcError) as error:
+        list(
+            stub.DetokenizeSequences(
+                iter([tokenizer_pb2.DetokenizeSequencesRequest(token_text_ids=[-1])]),
+                timeout=TIMEOUT,
+            )
+        )
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_health_and_reflection(server):
     assert_health_and_reflection(server.channel, "folio.v1.TokenizerService")
