@@ -7,6 +7,7 @@ unless told otherwise."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import grpc
 import pytest
@@ -19,7 +20,7 @@ from common.auth import KeySet
 from common.config import EngineConfig
 from common.errors import InternalError
 from folio.cli import build_parser
-from gateway.clients import EngineClient, TokenizerClient
+from gateway.clients import EngineClient, GenerateStream, TokenizerClient
 from grpc_helpers import TIMEOUT
 from services.engine.server import EngineService
 from services.supervisor import INTERNAL_HOST, Supervisor, serve_config_from_args
@@ -108,27 +109,57 @@ def test_services_refuse_calls_without_the_token(guarded):
         )
 
 
+class _Outputs:
+    """An output sink for the engine client's Generate stream: every output, in order, and the
+    stream's error if it breaks."""
+
+    def __init__(self, stream: GenerateStream) -> None:
+        self.queue: asyncio.Queue[engine_pb2.RequestOutput | Exception] = asyncio.Queue()
+
+    async def process_outputs(self, outputs: Sequence[engine_pb2.RequestOutput]) -> None:
+        for output in outputs:
+            self.queue.put_nowait(output)
+
+    def fail_all(self, error: Exception) -> None:
+        self.queue.put_nowait(error)
+
+
 def test_the_gateway_clients_send_the_token(guarded):
     tokenizer, engine = guarded
 
     async def use(token: str | None) -> list[int]:
         engine_client = EngineClient(f"127.0.0.1:{engine.port}", token)
         tokenizer_client = TokenizerClient(f"127.0.0.1:{tokenizer.port}", token)
+        detokenizer = tokenizer_client.sequence_detokenizer()
         try:
             await engine_client.model_info()
             prompt = await tokenizer_client.tokenize(tok_pb2.TokenizeRequest(text="Hi"))
-            request = engine_client.generate(
-                "r", [1, 2, 3], common_pb2.SamplingParams(max_tokens=3, ignore_eos=True)
-            )
+            stream = engine_client.stream(_Outputs)
+            stream.add("r", [1, 2, 3], common_pb2.SamplingParams(max_tokens=3, ignore_eos=True), 0)
             tokens: list[int] = []
-            while not (output := await request.next()).finished:
+            while True:
+                output = await stream.sink.queue.get()
+                if isinstance(output, Exception):
+                    raise output
+                assert not output.HasField("error"), output.error.message
                 tokens += output.token_ids
-            tokens += output.token_ids
-            session = tokenizer_client.detokenize_stream(tok_pb2.DetokenizeOptions())
-            await session.push(prompt.token_ids, finish=True)
-            session.close()
+                if output.finished:
+                    break
+            await detokenizer.exchange(
+                tok_pb2.DetokenizeSequencesRequest(
+                    sequences=[
+                        tok_pb2.SequenceTokens(
+                            sequence_id=1,
+                            options=tok_pb2.DetokenizeOptions(),
+                            token_ids=prompt.token_ids,
+                            finish=True,
+                        )
+                    ]
+                )
+            )
             return tokens
         finally:
+            detokenizer.close()
             await engine_client.close()
             await tokenizer_client.close()
 
