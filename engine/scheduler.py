@@ -30,6 +30,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from common.config import EngineConfig
 from engine.errors import QueueFullError
@@ -73,7 +74,7 @@ class SchedulerOutput:
         return not self.requests
 
 
-@dataclass
+@dataclass(slots=True)
 class _Shipped:
     """How much of a request the runner's batch holds: token ids and block ids sent so far."""
 
@@ -287,53 +288,50 @@ class Scheduler:
             # free again); departures wait for the next plan the runner receives.
             return out
         decodes = sorted(
-            (r for r, n in chosen.items() if n == 1), key=lambda r: r.num_computed_tokens
+            (r for r, n in chosen.items() if n == 1), key=attrgetter("num_computed_tokens")
         )
-        out.requests = decodes + [r for r, n in chosen.items() if n != 1]
+        requests = out.requests = decodes + [r for r, n in chosen.items() if n != 1]
         plan = out.plan
         plan.num_decodes = len(decodes)
         plan.block_copies = copies
         plan.finished_ids, self._finished_ids = self._finished_ids, []
         plan.preempted_ids, self._preempted_ids = self._preempted_ids, []
-        for index, request in enumerate(out.requests):
-            num_new = chosen[request]
-            start = request.num_computed_tokens
-            self._ship(request, plan)
-            plan.scheduled_ids.append(request.seq_id)
-            plan.num_computed_tokens.append(start)
-            plan.num_new_tokens.append(num_new)
-            if start + num_new == request.num_tokens:
-                sequences = request.samples or (request,)
-                plan.num_samples.append(len(sequences))
-                out.sampling_requests.extend(sequences)
+        plan.scheduled_ids = [r.seq_id for r in requests]
+        plan.num_computed_tokens = computed = [r.num_computed_tokens for r in requests]
+        plan.num_new_tokens = num_new = [chosen[r] for r in requests]
+        # Hot at every step: one pass, locals only (a decode's delta is its one new token).
+        num_samples, sampling = plan.num_samples, out.sampling_requests
+        joining, running, shipped_of = plan.new_requests, plan.running_requests, self._shipped
+        for index, (request, start, count) in enumerate(
+            zip(requests, computed, num_new, strict=True)
+        ):
+            tokens, table = request.token_ids, request.block_table
+            shipped = shipped_of.get(request)
+            if shipped is None:
+                joining.append(
+                    NewRequestPlan(
+                        request.seq_id, list(tokens), list(table), start, request.sampling_params
+                    )
+                )
+                shipped_of[request] = _Shipped(len(tokens), len(table))
             else:
-                plan.num_samples.append(0)
-            if request.needs_prompt_logprobs and (
-                span := plan_span(request, index, start, start + num_new)
+                running.append(
+                    RunningRequestPlan(
+                        request.seq_id, tokens[shipped.num_tokens :], table[shipped.num_blocks :]
+                    )
+                )
+                shipped.num_tokens, shipped.num_blocks = len(tokens), len(table)
+            if start + count == len(tokens):
+                if request.samples:
+                    num_samples.append(len(request.samples))
+                    sampling.extend(request.samples)
+                else:
+                    num_samples.append(1)
+                    sampling.append(request)
+            else:
+                num_samples.append(0)
+            if request.sampling_params.prompt_logprobs is not None and (
+                span := plan_span(request, index, start, start + count)
             ):
                 plan.prompt_logprob_spans.append(span)
         return out
-
-    def _ship(self, request: Request, plan: StepPlan) -> None:
-        """Put into the plan what the runner lacks of the request: all of it if it is new to
-        the batch, else the token and block ids appended since the last plan."""
-        shipped = self._shipped.get(request)
-        tokens, table = request.token_ids, request.block_table
-        if shipped is None:
-            plan.new_requests.append(
-                NewRequestPlan(
-                    request.seq_id,
-                    list(tokens),
-                    list(table),
-                    request.num_computed_tokens,
-                    request.sampling_params,
-                )
-            )
-            self._shipped[request] = _Shipped(len(tokens), len(table))
-            return
-        plan.running_requests.append(
-            RunningRequestPlan(
-                request.seq_id, tokens[shipped.num_tokens :], table[shipped.num_blocks :]
-            )
-        )
-        shipped.num_tokens, shipped.num_blocks = len(tokens), len(table)

@@ -44,7 +44,7 @@ import numpy as np
 from common.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class NewRequestPlan:
     """A request joining the runner's batch (first admission, resume after preemption, or a
     sample of an n > 1 request right after the fork)."""
@@ -57,7 +57,7 @@ class NewRequestPlan:
     sampling_params: SamplingParams | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class RunningRequestPlan:
     """A request the runner already holds that runs this step: what was appended to it."""
 
@@ -66,7 +66,7 @@ class RunningRequestPlan:
     new_block_ids: list[int] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class PromptLogprobSpan:
     """Consecutive prompt tokens of batch entry `batch_index` whose logprobs this step
     computes: prompt tokens first_token .. first_token + count - 1, predicted by the positions
@@ -77,7 +77,7 @@ class PromptLogprobSpan:
     count: int
 
 
-@dataclass
+@dataclass(slots=True)
 class StepPlan:
     new_requests: list[NewRequestPlan] = field(default_factory=list)
     running_requests: list[RunningRequestPlan] = field(default_factory=list)
