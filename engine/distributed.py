@@ -135,15 +135,21 @@ class Channel:
 # -- rank 0 -------------------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """In a started worker before exec (Linux): SIGTERM when the engine dies, even by SIGKILL.
-    (Strictly: when the thread that started it ends; the engine's threads outlive its group.)"""
-    if _prctl is not None:
-        _prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+# The engine's pid, in the environment of the workers it starts (die_with_engine reads it).
+ENGINE_PID_ENV = "FOLIO_TP_ENGINE_PID"
 
 
-# Loaded in the parent: the child between fork and exec should do as little as possible.
-_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+def die_with_engine() -> None:
+    """In a worker the engine started (Linux): SIGTERM when the engine dies, even by SIGKILL.
+    Set by the worker itself once it runs, never between fork and exec: no Python may run
+    there in a process whose gRPC threads are live (grpc's fork handlers abort the child).
+    (Strictly: when the engine thread that started it ends; its threads outlive its group.)"""
+    engine_pid = os.environ.get(ENGINE_PID_ENV)
+    if engine_pid is None or sys.platform != "linux":
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(engine_pid):
+        os.kill(os.getpid(), signal.SIGTERM)  # the engine died before the signal was armed
 
 
 class EngineGroup:
@@ -193,7 +199,7 @@ class EngineGroup:
                         "--once",
                     ],
                     stdin=subprocess.DEVNULL,
-                    preexec_fn=_die_with_parent,
+                    env={**os.environ, ENGINE_PID_ENV: str(os.getpid())},
                 )
         else:
             logger.info(
