@@ -124,7 +124,7 @@ class AsyncEngine:
     async def stats(self) -> tuple[EngineStats, StepTimings]:
         """Counters read between steps, so they are consistent with each other."""
         return await asyncio.wrap_future(
-            self._call(lambda: (self.engine.stats(), dataclasses.replace(self.engine.timings)))
+            self._call(lambda: (self._built().stats(), dataclasses.replace(self._built().timings)))
         )
 
     def shutdown(self, timeout: float | None = None) -> None:
@@ -147,6 +147,12 @@ class AsyncEngine:
         return future
 
     # -- the loop thread ------------------------------------------------------------------------
+
+    def _built(self) -> LLMEngine:
+        """The engine, for the commands: they run only after the loop thread has built it."""
+        if self.engine is None:
+            raise RuntimeError("the engine has not been built yet")
+        return self.engine
 
     def _run(self) -> None:
         try:
@@ -192,7 +198,7 @@ class AsyncEngine:
         sink: _Sink,
     ) -> None:
         try:
-            self.engine.add_request(request_id, prompt_token_ids, params, priority)
+            self._built().add_request(request_id, prompt_token_ids, params, priority)
         except Exception as exc:
             # EngineError is the caller's fault or a full queue; anything else is logged as a bug.
             if not isinstance(exc, EngineError):
@@ -203,7 +209,7 @@ class AsyncEngine:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self._built().step()
         except EngineGroupError as exc:
             self._fatal(exc)
             return
@@ -212,7 +218,7 @@ class AsyncEngine:
             logger.exception("engine step failed; failing every live request")
             failed = list(self._sinks)
             for request_id in failed:
-                self.engine.abort(request_id)
+                self._built().abort(request_id)
             self._deliver([(self._sinks.pop(r), RequestFailed(r, exc)) for r in failed])
             return
         self._deliver(self._route(outputs))
@@ -224,7 +230,7 @@ class AsyncEngine:
         logger.error("the engine cannot go on, failing every live request: %s", error)
         failed = list(self._sinks)
         for request_id in failed:
-            self.engine.abort(request_id)  # frees its blocks; runs nothing on the ranks
+            self._built().abort(request_id)  # frees its blocks; runs nothing on the ranks
         self._deliver([(self._sinks.pop(r), RequestFailed(r, error)) for r in failed])
         self._stopping = True
         if self._on_fatal is not None:
@@ -232,9 +238,10 @@ class AsyncEngine:
 
     def _abort(self, request_ids: list[str]) -> list[str]:
         """Abort by request id, or one sample of an n > 1 request by its sample id."""
-        aborted, outputs = [], []
+        aborted: list[str] = []
+        outputs: list[RequestOutput] = []
         for request_id in request_ids:
-            ended = self.engine.abort(request_id)
+            ended = self._built().abort(request_id)
             if ended:
                 aborted.append(request_id)
                 outputs.extend(ended)
@@ -244,9 +251,9 @@ class AsyncEngine:
     def _route(self, outputs: list[RequestOutput]) -> list[tuple[_Sink, Event]]:
         """Each output with its request's sink; a sink is let go once its request has left the
         engine (with n > 1, after the last sample's last output)."""
-        events = [(self._sinks[out.request_id], out) for out in outputs]
+        events: list[tuple[_Sink, Event]] = [(self._sinks[out.request_id], out) for out in outputs]
         for out in outputs:
-            if out.finished and out.request_id not in self.engine.requests:
+            if out.finished and out.request_id not in self._built().requests:
                 self._sinks.pop(out.request_id, None)
         return events
 

@@ -308,6 +308,7 @@ class LLMEngine:
         now = time.monotonic()
         outputs = []
         for row, request in enumerate(sampling_requests):
+            reason: FinishReason | None
             if request.sampling_params.max_tokens == 0:
                 # Scoring only: the prompt is computed (for its logprobs), nothing generated.
                 new_token_ids, logprobs, reason = [], None, FinishReason.LENGTH
@@ -343,9 +344,7 @@ class LLMEngine:
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_output_tokens=request.num_output_tokens,
                     num_cached_tokens=request.num_cached_tokens,
-                    queue_seconds=request.times.first_scheduled - request.times.arrival
-                    if reason is not None
-                    else 0.0,
+                    queue_seconds=_queue_seconds(request) if reason is not None else 0.0,
                 )
             )
         return outputs
@@ -363,3 +362,11 @@ class LLMEngine:
             (token_id, logprob, top)
             for token_id, (logprob, top) in zip(request.prompt_token_ids[1:], records, strict=False)
         ]
+
+
+def _queue_seconds(request: Request) -> float:
+    """Seconds from arrival to first being scheduled, of a request that has been scheduled."""
+    first_scheduled = request.times.first_scheduled
+    if first_scheduled is None:
+        raise ValueError(f"request {request.request_id!r} has not been scheduled")
+    return first_scheduled - request.times.arrival

@@ -136,13 +136,14 @@ class KVCacheManager:
         num_fresh = max(0, num_needed - len(request.block_table) - len(cached_blocks))
         # The block the new tokens start in, if it is partly written and shared (a forked
         # prompt's last block): it must be copied before this request writes into it.
-        shared = num_computed // self.block_size
+        first_new = num_computed // self.block_size
+        shared: int | None = None
         if (
-            num_new_tokens == 0
-            or shared >= len(request.block_table)
-            or self._ref_counts[request.block_table[shared]] == 1
+            num_new_tokens != 0
+            and first_new < len(request.block_table)
+            and self._ref_counts[request.block_table[first_new]] != 1
         ):
-            shared = None
+            shared = first_new
         # Taking an evictable cached block removes it from what fresh blocks can come from.
         num_revived = sum(1 for block in cached_blocks if self._ref_counts[block] == 0)
         if num_fresh + (shared is not None) > self.num_free_blocks - num_revived:
@@ -156,7 +157,7 @@ class KVCacheManager:
                 del self._evictable[block]
             self._ref_counts[block] += 1
             request.block_table.append(block)
-            request.block_hashes.append(self._block_hash[block])
+            request.block_hashes.append(self._hash_of(block))
         for _ in range(num_fresh):
             request.block_table.append(self._take_fresh())
         if shared is not None:
@@ -232,7 +233,7 @@ class KVCacheManager:
         if not self._evictable:
             return False
         for block in self._evictable:
-            del self._cached[self._block_hash[block]]
+            del self._cached[self._hash_of(block)]
             self._block_hash[block] = None
             self._free.append(block)
         self._evictable.clear()
@@ -240,6 +241,13 @@ class KVCacheManager:
 
     def _evict(self) -> int:
         block, _ = self._evictable.popitem(last=False)
-        del self._cached[self._block_hash[block]]
+        del self._cached[self._hash_of(block)]
         self._block_hash[block] = None
         return block
+
+    def _hash_of(self, block: int) -> bytes:
+        """The hash of a block registered in the cache (every cached or evictable block is)."""
+        block_hash = self._block_hash[block]
+        if block_hash is None:
+            raise RuntimeError(f"block {block} is not registered in the prefix cache")
+        return block_hash

@@ -42,8 +42,11 @@ def record_prompt_logprobs(
     num_top: list[int] = []
     for span in spans:
         request = scheduled[span.batch_index]
+        top = request.sampling_params.prompt_logprobs
+        if top is None:
+            raise ValueError(f"request {request.request_id!r} did not ask for prompt logprobs")
         targets += request.prompt_token_ids[span.first_token : span.first_token + span.count]
-        num_top += [request.sampling_params.prompt_logprobs] * span.count
+        num_top += [top] * span.count
     records = token_logprobs(logits, targets, num_top)
     begin = 0
     for span in spans:

@@ -224,8 +224,8 @@ class Sampler:
 
         if biased:
             local, ids = self._scatter_index([rows[i].bias_ids for i in biased])
-            values = [v for i in biased for v in rows[i].bias_values]
-            bias = torch.tensor(values, dtype=logits.dtype, device=self.device)
+            bias_values = [v for i in biased for v in rows[i].bias_values]
+            bias = torch.tensor(bias_values, dtype=logits.dtype, device=self.device)
             logits[self._index(biased)[local], ids] += bias
 
         if banned:
@@ -345,14 +345,15 @@ class Sampler:
         self, logits: torch.Tensor, token_ids: list[int], rows: Sequence[SamplingRow]
     ) -> list[Logprobs | None]:
         out: list[Logprobs | None] = [None] * len(rows)
-        asked = [i for i, row in enumerate(rows) if row.logprobs is not None]
+        asked: list[int] = []
+        num_top: list[int] = []
+        for i, row in enumerate(rows):
+            if row.logprobs is not None:
+                asked.append(i)
+                num_top.append(row.logprobs)
         if not asked:
             return out
-        records = token_logprobs(
-            logits[self._index(asked)],
-            [token_ids[i] for i in asked],
-            [rows[i].logprobs for i in asked],
-        )
+        records = token_logprobs(logits[self._index(asked)], [token_ids[i] for i in asked], num_top)
         for i, record in zip(asked, records, strict=False):
             out[i] = record
         return out

@@ -218,11 +218,11 @@ class Scheduler:
                 self.num_running_seqs + request.num_seqs > self.max_num_seqs
                 or not self.kv_cache.allocate(request, num_new, cached_blocks)
             ):
-                victim = self._less_urgent_victim(request)
-                if victim is None:
+                less_urgent = self._less_urgent_victim(request)
+                if less_urgent is None:
                     admitting = False
                     break
-                preempt(victim)
+                preempt(less_urgent)
             else:
                 self.waiting.pop()
                 request.num_computed_tokens = num_cached

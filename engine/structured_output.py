@@ -79,7 +79,10 @@ class StructuredOutputManager:
     def add(self, request: Request) -> None:
         """Compile the request's constraint (cached) and give it a matcher (one per sample when
         n > 1); InvalidRequestError if it does not compile against this model's tokenizer."""
-        compiled = self.compile(request.sampling_params.structured_output)
+        constraint = request.sampling_params.structured_output
+        if constraint is None:
+            raise ValueError(f"request {request.request_id!r} has no structured output to compile")
+        compiled = self.compile(constraint)
         for sequence in request.samples or [request]:
             self._states[sequence] = _MatcherState(compiled.deep_copy())
 

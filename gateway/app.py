@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 from common.grpc_stubs.folio.v1 import common_pb2
 from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
@@ -47,6 +47,7 @@ from gateway.validation import check_token_ids
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[Request], Awaitable[Response]]
+SamplingRequestT = TypeVar("SamplingRequestT", bound=api.SamplingFields)
 
 
 class ModelResponse(Response):
@@ -87,7 +88,7 @@ SERVICE_ERRORS = (*ANY_ROUTE_ERRORS, 503, 504)
 BODY_ERRORS = (400, 404, 413, 415, *SERVICE_ERRORS)
 
 
-async def read_body(request: Request, model: type[api.RequestBody]):
+async def read_body(request: Request, model: type[api.RequestT]) -> api.RequestT:
     media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media_type and media_type != "application/json" and not media_type.endswith("+json"):
         raise api.UnsupportedMediaType(
@@ -152,8 +153,8 @@ def _context(request: Request) -> AppContext:
 
 async def _completion(
     request: Request,
-    model: type[api.RequestBody],
-    plan: Callable[[Gateway, Any], Awaitable[completions.Plan]],
+    model: type[SamplingRequestT],
+    plan: Callable[[Gateway, SamplingRequestT], Awaitable[completions.Plan]],
 ) -> Response:
     arrival = time.monotonic()
     context = _context(request)
@@ -212,21 +213,21 @@ async def models(request: Request) -> Response:
 
 async def tokenize(request: Request) -> Response:
     gateway = _context(request).gateway
-    body: api.TokenizeRequest = await read_body(request, api.TokenizeRequest)
+    body = await read_body(request, api.TokenizeRequest)
     info = await gateway.check_model(body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise api.InvalidParameter("set exactly one of prompt and messages", "prompt")
-    if body.messages is not None:
+    if body.messages is not None and body.prompt is None:
         messages = [
             common_pb2.ChatMessage(role=m.role, content=m.text, name=m.name) for m in body.messages
         ]
         result = await gateway.tokenize_chat(
             messages, body.add_generation_prompt, body.return_token_strs
         )
-    else:
+    elif body.prompt is not None and body.messages is None:
         result = await gateway.tokenize_text(
             body.prompt, body.add_special_tokens, body.return_token_strs
         )
+    else:
+        raise api.InvalidParameter("set exactly one of prompt and messages", "prompt")
     return ModelResponse(
         api.TokenizeResponse(
             count=len(result.token_ids),
@@ -239,7 +240,7 @@ async def tokenize(request: Request) -> Response:
 
 async def detokenize(request: Request) -> Response:
     gateway = _context(request).gateway
-    body: api.DetokenizeRequest = await read_body(request, api.DetokenizeRequest)
+    body = await read_body(request, api.DetokenizeRequest)
     check_token_ids(await gateway.check_model(body.model), body.tokens, "tokens")
     # As vLLM: the exact text of the ids, special tokens included, so tokenize round-trips.
     result = await gateway.tokenizer.detokenize(

@@ -9,6 +9,8 @@ With API keys configured, every HTTP route but /health and /metrics (those too w
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 from starlette.requests import Request
 
@@ -55,7 +57,7 @@ class Access:
             self.limiter.admit_request(caller)
         return caller
 
-    def admit_grpc(self, context: grpc.aio.ServicerContext) -> str:
+    def admit_grpc(self, context: grpc.aio.ServicerContext[Any, Any]) -> str:
         """Charge one request to a gRPC call's caller (the interceptor checked its key)."""
         caller = self.caller(
             grpc_presented_key(context.invocation_metadata()), _peer_host(context.peer())

@@ -53,7 +53,10 @@ class _ServiceClient:
 
     async def serving(self) -> bool:
         try:
-            response = await health_pb2_grpc.HealthStub(self._channel).Check(
+            # types-grpcio-health-checking declares HealthStub without its methods.
+            response: health_pb2.HealthCheckResponse = await health_pb2_grpc.HealthStub(
+                self._channel
+            ).Check(  # type: ignore[attr-defined]
                 health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT
             )
         except grpc.aio.AioRpcError:
@@ -88,10 +91,10 @@ class GenerateStream:
 
     def __init__(
         self,
-        stub: engine_pb2_grpc.EngineServiceStub,
+        stub: engine_pb2_grpc.EngineServiceAsyncStub,
         make_sink: Callable[[GenerateStream], OutputSink],
         on_broken: Callable[[], None],
-        metadata: Sequence[tuple[str, str]],
+        metadata: tuple[tuple[str, str], ...],
     ) -> None:
         self._outbox: asyncio.Queue[engine_pb2.GenerateRequest] = asyncio.Queue()
         self.closed = False
@@ -196,7 +199,9 @@ class SequenceDetokenizer:
     every sequence on it); the next exchange opens a fresh one."""
 
     def __init__(
-        self, stub: tokenizer_pb2_grpc.TokenizerServiceStub, metadata: Sequence[tuple[str, str]]
+        self,
+        stub: tokenizer_pb2_grpc.TokenizerServiceAsyncStub,
+        metadata: tuple[tuple[str, str], ...],
     ) -> None:
         self._stub = stub
         self._metadata = metadata
@@ -212,9 +217,9 @@ class SequenceDetokenizer:
         self, request: tok_pb2.DetokenizeSequencesRequest
     ) -> tok_pb2.DetokenizeSequencesResponse:
         async with self._lock:
-            if self._call is None:
-                self._call = self._stub.DetokenizeSequences(metadata=self._metadata)
             call = self._call
+            if call is None:
+                call = self._call = self._stub.DetokenizeSequences(metadata=self._metadata)
             try:
                 await call.write(request)
                 response = await call.read()

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from common.grpc_stubs.folio.v1 import common_pb2
 from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
@@ -24,6 +25,11 @@ from gateway.sse import DONE, event
 from gateway.structured import structured_output
 from gateway.text import TextDelta, TextRequest, TokenLogprob, Usage
 from gateway.validation import ModelInfo, text_request
+
+T = TypeVar("T")
+
+# What a field the request leaves unset (None) becomes: the engine library's default.
+_DEFAULT_PARAMS = SamplingParams()
 
 
 @dataclass
@@ -58,28 +64,30 @@ def _sampling_params(
             logit_bias = {int(token): bias for token, bias in body.logit_bias.items()}
         except ValueError:
             raise api.InvalidParameter("logit_bias keys must be token ids", "logit_bias") from None
-    optional = dict(
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
-        seed=body.seed,
-        logit_bias=logit_bias,
-        stop_token_ids=body.stop_token_ids,
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-        structured_output=structured_output(body),
-    )
+    default = _DEFAULT_PARAMS
     return SamplingParams(
         n=body.n,
         max_tokens=max_tokens,
         min_tokens=body.min_tokens,
         ignore_eos=body.ignore_eos,
-        **{k: v for k, v in optional.items() if v is not None},
+        temperature=_or_default(body.temperature, default.temperature),
+        top_p=_or_default(body.top_p, default.top_p),
+        top_k=_or_default(body.top_k, default.top_k),
+        min_p=_or_default(body.min_p, default.min_p),
+        presence_penalty=_or_default(body.presence_penalty, default.presence_penalty),
+        frequency_penalty=_or_default(body.frequency_penalty, default.frequency_penalty),
+        repetition_penalty=_or_default(body.repetition_penalty, default.repetition_penalty),
+        seed=body.seed,
+        logit_bias=logit_bias,
+        stop_token_ids=_or_default(body.stop_token_ids, []),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        structured_output=structured_output(body),
     )
+
+
+def _or_default(value: T | None, default: T) -> T:
+    return default if value is None else value
 
 
 def _text_requests(
@@ -209,19 +217,24 @@ def _utf8(text: str) -> list[int] | None:
 
 
 def _chat_logprobs(logprobs: list[TokenLogprob]) -> api.ChatLogprobs:
-    return api.ChatLogprobs(
-        content=[
-            api.ChatTokenLogprob(
-                token=lp.token,
-                logprob=lp.logprob,
-                bytes=_utf8(lp.token),
-                top_logprobs=[
-                    api.TopLogprob(token=text, logprob=value, bytes=_utf8(text))
-                    for _, text, value in lp.top
-                ],
-            )
-            for lp in logprobs
-        ]
+    return api.ChatLogprobs(content=[_chat_token_logprob(lp) for lp in logprobs])
+
+
+def _chat_token_logprob(lp: TokenLogprob) -> api.ChatTokenLogprob:
+    # A chat answer never echoes its prompt: its tokens are generated ones, which all have a
+    # logprob (only a prompt's first token has none).
+    if lp.logprob is None:
+        raise ValueError(
+            f"token {lp.token_id} has no logprob: only a prompt's first token lacks one"
+        )
+    return api.ChatTokenLogprob(
+        token=lp.token,
+        logprob=lp.logprob,
+        bytes=_utf8(lp.token),
+        top_logprobs=[
+            api.TopLogprob(token=text, logprob=value, bytes=_utf8(text))
+            for _, text, value in lp.top
+        ],
     )
 
 
@@ -247,7 +260,9 @@ def _echoed(
     return plan.echo[index] + delta.text, (delta.prompt_logprobs or []) + delta.logprobs
 
 
-async def respond(plan: Plan, stream: AsyncIterator[tuple[int, TextDelta]]):
+async def respond(
+    plan: Plan, stream: AsyncIterator[tuple[int, TextDelta]]
+) -> api.ChatCompletionResponse | api.CompletionResponse:
     """Run the stream to its end; the whole response body."""
     count = plan.num_choices
     texts: list[list[str]] = [[] for _ in range(count)]
@@ -262,7 +277,7 @@ async def respond(plan: Plan, stream: AsyncIterator[tuple[int, TextDelta]]):
             reasons[index], usages[index] = delta.finish_reason, delta.usage
     usage = _usage(plan, usages)
     if plan.chat:
-        choices = [
+        chat_choices = [
             api.ChatChoice(
                 index=i,
                 message=api.AssistantMessage(content="".join(texts[i])),
@@ -272,7 +287,7 @@ async def respond(plan: Plan, stream: AsyncIterator[tuple[int, TextDelta]]):
             for i in range(count)
         ]
         return api.ChatCompletionResponse(
-            id=plan.id, created=plan.created, model=plan.model, choices=choices, usage=usage
+            id=plan.id, created=plan.created, model=plan.model, choices=chat_choices, usage=usage
         )
     choices = [
         api.CompletionChoice(
@@ -289,27 +304,43 @@ async def respond(plan: Plan, stream: AsyncIterator[tuple[int, TextDelta]]):
 
 
 async def events(
-    plan: Plan, first: tuple[int, TextDelta], stream: AsyncIterator[tuple[int, TextDelta]]
-) -> AsyncIterator[bytes]:
+    plan: Plan,
+    first: tuple[int, TextDelta],
+    stream: AsyncGenerator[tuple[int, TextDelta], None],
+) -> AsyncGenerator[bytes, None]:
     """Server-sent events: one per text delta (the first already read), usage, [DONE]."""
     count = plan.num_choices
     usages: list[Usage | None] = [None] * count
     offsets = [0] * count  # completions' logprobs.text_offset
     started = [False] * count
 
-    def chunk(choices: list, usage: api.Usage | None = None) -> bytes:
-        shape = api.ChatCompletionChunk if plan.chat else api.CompletionResponse
+    def chat_chunk(choices: list[api.ChatChunkChoice], usage: api.Usage | None = None) -> bytes:
         return event(
-            shape(id=plan.id, created=plan.created, model=plan.model, choices=choices, usage=usage)
+            api.ChatCompletionChunk(
+                id=plan.id, created=plan.created, model=plan.model, choices=choices, usage=usage
+            )
         )
 
-    def choice(index: int, delta: TextDelta):
+    def completion_chunk(
+        choices: list[api.CompletionChoice], usage: api.Usage | None = None
+    ) -> bytes:
+        return event(
+            api.CompletionResponse(
+                id=plan.id, created=plan.created, model=plan.model, choices=choices, usage=usage
+            )
+        )
+
+    def delta_chunk(index: int, delta: TextDelta) -> bytes:
         if plan.chat:
-            return api.ChatChunkChoice(
-                index=index,
-                delta=api.DeltaMessage(content=delta.text),
-                logprobs=_chat_logprobs(delta.logprobs) if plan.logprobs else None,
-                finish_reason=delta.finish_reason,
+            return chat_chunk(
+                [
+                    api.ChatChunkChoice(
+                        index=index,
+                        delta=api.DeltaMessage(content=delta.text),
+                        logprobs=_chat_logprobs(delta.logprobs) if plan.logprobs else None,
+                        finish_reason=delta.finish_reason,
+                    )
+                ]
             )
         text, token_logprobs = _echoed(plan, index, delta, first=not started[index])
         started[index] = True
@@ -317,13 +348,17 @@ async def events(
         if plan.logprobs:
             logprobs = _completion_logprobs(token_logprobs, offsets[index])
             offsets[index] += sum(len(lp.token) for lp in token_logprobs)
-        return api.CompletionChoice(
-            index=index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason
+        return completion_chunk(
+            [
+                api.CompletionChoice(
+                    index=index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason
+                )
+            ]
         )
 
     try:
         if plan.chat:  # OpenAI opens each choice with the assistant's role
-            yield chunk(
+            yield chat_chunk(
                 [
                     api.ChatChunkChoice(
                         index=i, delta=api.DeltaMessage(role="assistant", content="")
@@ -335,13 +370,14 @@ async def events(
         while True:
             if delta.finish_reason is not None:
                 usages[index] = delta.usage
-            yield chunk([choice(index, delta)])
+            yield delta_chunk(index, delta)
             try:
                 index, delta = await anext(stream)
             except StopAsyncIteration:
                 break
         if plan.include_usage:
-            yield chunk([], _usage(plan, usages))
+            usage = _usage(plan, usages)
+            yield chat_chunk([], usage) if plan.chat else completion_chunk([], usage)
     except Exception as exc:  # the response has started: the error travels as an event
         yield event(error_body(exc)[1])
     finally:

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 
 from common.grpc_stubs.folio.v1 import common_pb2
@@ -136,7 +136,7 @@ class Gateway:
         arrival: float,
         deadline: float | None = None,
         deadline_message: str = "",
-    ) -> AsyncIterator[tuple[int, TextDelta]]:
+    ) -> AsyncGenerator[tuple[int, TextDelta], None]:
         """Run prompts side by side, each with its params.n choices; yields (choice index,
         delta) as they come, choice i of prompt p being p * n + i. Each prompt is one engine
         request with n samples (the prompt computed once), split only where n is over what the

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypedDict
 
 import grpc
 from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2_grpc
@@ -28,28 +29,28 @@ from gateway.auth import Access
 from gateway.deadlines import set_deadline
 from gateway.generation import Gateway, new_request_id
 from gateway.serving import serve
-from gateway.text import TextDelta, TextRequest
-from gateway.validation import text_request
+from gateway.text import TextDelta, TextRequest, TokenLogprob
+from gateway.validation import ModelInfo, text_request
+
+_Context = grpc.aio.ServicerContext[Any, Any]
 
 
-def _response_fields(delta: TextDelta) -> dict:
-    """The fields GatewayServiceGenerateResponse and ChatResponse share, for one delta."""
-    fields = dict(
-        text=delta.text,
-        logprobs=[
-            pb.TextLogprob(
-                token=lp.token,
-                token_id=lp.token_id,
-                logprob=lp.logprob,
-                top_logprobs=[
-                    pb.TextTopLogprob(token=text, token_id=token_id, logprob=value)
-                    for token_id, text, value in lp.top
-                ],
-            )
-            for lp in delta.logprobs
-        ],
-    )
+class _ResponseFields(TypedDict, total=False):
+    """The fields GatewayServiceGenerateResponse and ChatResponse share."""
+
+    text: str
+    logprobs: list[pb.TextLogprob]
+    finish_reason: common_pb2.FinishReason.ValueType
+    usage: common_pb2.Usage
+
+
+def _response_fields(delta: TextDelta) -> _ResponseFields:
+    """The response fields of one delta."""
+    fields = _ResponseFields(text=delta.text, logprobs=[_text_logprob(lp) for lp in delta.logprobs])
     if delta.usage is not None:
+        # A sequence's last delta carries both its usage and its finish reason.
+        if delta.finish_reason is None:
+            raise ValueError("a delta with usage must have a finish reason")
         fields["finish_reason"] = finish_reason_to_proto(delta.finish_reason)
         fields["usage"] = common_pb2.Usage(
             prompt_tokens=delta.usage.prompt_tokens,
@@ -57,6 +58,20 @@ def _response_fields(delta: TextDelta) -> dict:
             cached_tokens=delta.usage.cached_tokens,
         )
     return fields
+
+
+def _text_logprob(lp: TokenLogprob) -> pb.TextLogprob:
+    message = pb.TextLogprob(
+        token=lp.token,
+        token_id=lp.token_id,
+        top_logprobs=[
+            pb.TextTopLogprob(token=text, token_id=token_id, logprob=value)
+            for token_id, text, value in lp.top
+        ],
+    )
+    if lp.logprob is not None:  # a prompt's first token has none: the field stays unset
+        message.logprob = lp.logprob
+    return message
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
@@ -67,7 +82,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self._request_timeout = service.config.request_timeout
 
     async def Generate(
-        self, request: pb.GatewayServiceGenerateRequest, context
+        self, request: pb.GatewayServiceGenerateRequest, context: _Context
     ) -> AsyncIterator[pb.GatewayServiceGenerateResponse]:
         async def plan() -> TextRequest:
             info = await self._gateway.check_model(request.model)
@@ -77,7 +92,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         async for delta in self._stream(plan, context):
             yield pb.GatewayServiceGenerateResponse(**_response_fields(delta))
 
-    async def Chat(self, request: pb.ChatRequest, context) -> AsyncIterator[pb.ChatResponse]:
+    async def Chat(
+        self, request: pb.ChatRequest, context: _Context
+    ) -> AsyncIterator[pb.ChatResponse]:
         async def plan() -> TextRequest:
             info = await self._gateway.check_model(request.model)
             prompt = await self._gateway.tokenize_chat(request.messages)
@@ -86,7 +103,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         async for delta in self._stream(plan, context):
             yield pb.ChatResponse(**_response_fields(delta))
 
-    def _text_request(self, info, prompt_ids, request, prompt_param: str) -> TextRequest:
+    def _text_request(
+        self,
+        info: ModelInfo,
+        prompt_ids: Sequence[int],
+        request: pb.GatewayServiceGenerateRequest | pb.ChatRequest,
+        prompt_param: str,
+    ) -> TextRequest:
         params = sampling_params_from_proto(request.sampling_params)
         if params.n != 1:  # each call streams one sequence's text
             raise InvalidParameter(f"n must be 1 here (one sequence per call), got {params.n}", "n")
@@ -101,7 +124,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         )
 
     async def _stream(
-        self, plan: Callable[[], Awaitable[TextRequest]], context
+        self, plan: Callable[[], Awaitable[TextRequest]], context: _Context
     ) -> AsyncIterator[TextDelta]:
         """The pipeline's deltas; an error ends the call with its status code."""
         arrival = time.monotonic()

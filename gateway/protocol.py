@@ -10,7 +10,7 @@ service and never decides what a request means.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -50,11 +50,14 @@ NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenIds = list[int]
 # Bounds of the protobuf fields these travel in.
-INT32 = dict(ge=-(2**31), le=2**31 - 1)
-INT64 = dict(ge=-(2**63), le=2**63 - 1)
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-def parse_request(model: type[RequestBody], body: bytes) -> Any:
+RequestT = TypeVar("RequestT", bound=RequestBody)
+
+
+def parse_request(model: type[RequestT], body: bytes) -> RequestT:
     """Validate a JSON body; raise InvalidParameter naming the first offending field."""
     try:
         text = body.decode("utf-8")
@@ -140,12 +143,14 @@ class SamplingFields(RequestBody):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = Field(None, **INT32)
+    top_k: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = Field(None, description="With n > 1, choice i uses seed + i.", **INT64)
+    seed: int | None = Field(
+        None, description="With n > 1, choice i uses seed + i.", ge=INT64_MIN, le=INT64_MAX
+    )
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(1, ge=1, le=64)
@@ -157,7 +162,7 @@ class SamplingFields(RequestBody):
     user: str | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = Field(0, **INT32)
+    priority: int = Field(0, ge=INT32_MIN, le=INT32_MAX)
     # Structured output (gateway/structured.py): at most one of these.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 
 from common.errors import RateLimitExceeded
@@ -101,7 +101,7 @@ class RateLimiter:
         `caller`; RateLimitExceeded if over tokens per minute."""
         if self.tokens_per_minute is None:
             return TokenReservation(self, None, 0)
-        amount = sum(r.params.n * (len(r.prompt_ids) + r.params.max_tokens) for r in requests)
+        amount = sum(r.params.n * (len(r.prompt_ids) + r.max_tokens) for r in requests)
         limit = self.tokens_per_minute
         wait = self._take(self._tokens, caller, limit / 60, limit, amount)
         if wait == math.inf:
@@ -148,13 +148,13 @@ def _who(caller: str) -> str:
 
 
 async def giving_back_unused(
-    stream: AsyncIterator[tuple[int, TextDelta]],
+    stream: AsyncGenerator[tuple[int, TextDelta], None],
     requests: Sequence[TextRequest],
     reservation: TokenReservation,
-) -> AsyncIterator[tuple[int, TextDelta]]:
+) -> AsyncGenerator[tuple[int, TextDelta], None]:
     """`stream` (Gateway.generate_many's), giving back each finished sequence's unused
     max_tokens, or everything if it fails before its first delta; closing it closes `stream`."""
-    max_tokens = [r.params.max_tokens for r in requests for _ in range(r.params.n)]  # by choice
+    max_tokens = [r.max_tokens for r in requests for _ in range(r.params.n)]  # by choice
     started = False
     try:
         async for index, delta in stream:

@@ -14,8 +14,10 @@ import contextlib
 import signal
 import socket
 import time
+from collections.abc import Iterator
 
 import uvicorn
+from starlette.applications import Starlette
 
 from common.config import GatewayConfig
 from gateway.app import build_app
@@ -51,7 +53,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 class _Uvicorn(uvicorn.Server):
     @contextlib.contextmanager
-    def capture_signals(self):
+    def capture_signals(self) -> Iterator[None]:
         # The gateway drains on signals itself; uvicorn must not take them over.
         yield
 
@@ -79,9 +81,9 @@ class GatewayServer:
         self._internal_token = internal_token
         self.gateway: Gateway | None = None
         self._grpc: GatewayGrpcService | None = None
-        self.app = None  # the Starlette app, once started
+        self.app: Starlette | None = None  # once started
         self._http: _Uvicorn | None = None
-        self._http_task: asyncio.Task | None = None
+        self._http_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Listen on both ports (0 picks free ones; self.port and self.grpc_port say which)."""
@@ -104,24 +106,39 @@ class GatewayServer:
         config = uvicorn.Config(
             self.app, lifespan="off", access_log=False, log_level="warning", timeout_keep_alive=30
         )
-        self._http = _Uvicorn(config)
-        self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
-        while not self._http.started:
-            if self._http_task.done():
-                self._http_task.result()
+        self._http = http = _Uvicorn(config)
+        self._http_task = http_task = asyncio.create_task(http.serve(sockets=[sock]))
+        while not http.started:
+            if http_task.done():
+                http_task.result()
                 raise RuntimeError("the HTTP server stopped during start-up")
             await asyncio.sleep(0.01)
 
+    def _started(self) -> tuple[Gateway, GatewayGrpcService, _Uvicorn, asyncio.Task[None]]:
+        """What start() made; RuntimeError before then."""
+        if (
+            self.gateway is None
+            or self._grpc is None
+            or self._http is None
+            or self._http_task is None
+        ):
+            raise RuntimeError("the gateway server has not been started")
+        return self.gateway, self._grpc, self._http, self._http_task
+
     async def stop(self, grace: float) -> None:
         """Drain: refuse new requests, let those in flight finish for `grace` s, then close."""
+        gateway, grpc_service, http, http_task = self._started()
         deadline = time.monotonic() + grace
-        await asyncio.gather(self.gateway.drain(grace), self._grpc.stop(grace))
-        # Responses may still be writing their last events: uvicorn waits for them.
-        self._http.config.timeout_graceful_shutdown = max(deadline - time.monotonic(), 0.5)
-        self._http.should_exit = True
-        await self._http_task
-        await self.gateway.engine.close()
-        await self.gateway.tokenizer.close()
+        await asyncio.gather(gateway.drain(grace), grpc_service.stop(grace))
+        # Responses may still be writing their last events: uvicorn waits for them. It declares
+        # this an int but hands it to asyncio.wait_for, which takes fractions of a second.
+        http.config.timeout_graceful_shutdown = max(  # type: ignore[assignment]
+            deadline - time.monotonic(), 0.5
+        )
+        http.should_exit = True
+        await http_task
+        await gateway.engine.close()
+        await gateway.tokenizer.close()
 
     async def run(self, grace: float) -> None:
         """Serve until SIGTERM or SIGINT, then drain for at most `grace` seconds."""
@@ -135,11 +152,12 @@ class GatewayServer:
             f"(gRPC {self.host}:{self.grpc_port})",
             flush=True,
         )
+        http_task = self._started()[3]
         stopped = asyncio.create_task(stop.wait())
         try:
-            await asyncio.wait({stopped, self._http_task}, return_when=asyncio.FIRST_COMPLETED)
-            if self._http_task.done():
-                self._http_task.result()  # the HTTP server died: end with its error
+            await asyncio.wait({stopped, http_task}, return_when=asyncio.FIRST_COMPLETED)
+            if http_task.done():
+                http_task.result()  # the HTTP server died: end with its error
         finally:
             stopped.cancel()
             await self.stop(grace)

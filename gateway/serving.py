@@ -10,7 +10,7 @@ request means.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 from gateway.deadlines import timeout_message
 from gateway.generation import Gateway
@@ -27,7 +27,7 @@ def serve(
     arrival: float,
     deadline: float,
     timeout: float,
-) -> AsyncIterator[tuple[int, TextDelta]]:
+) -> AsyncGenerator[tuple[int, TextDelta], None]:
     """The deltas of `requests`; closing the iterator early aborts what still runs. `timeout`
     is what the deadline was set from, for the message when it passes."""
     reservation = limiter.reserve_tokens(caller, requests)

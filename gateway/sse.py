@@ -7,6 +7,8 @@ the garbage collector gets to it. It never decides what the events say.
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
+
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -21,12 +23,14 @@ def event(body: BaseModel) -> bytes:
 class EventStreamResponse(StreamingResponse):
     media_type = "text/event-stream"
 
-    def __init__(self, content) -> None:
+    def __init__(self, content: AsyncGenerator[bytes, None]) -> None:
         # no-cache / no buffering: proxies must pass each event on as it comes.
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        # Starlette types body_iterator as any iterable: keep the generator, to close it.
+        self._events = content
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
+            await self._events.aclose()

@@ -23,6 +23,13 @@ class TextRequest:
     skip_special_tokens: bool = True
     priority: int = 0
 
+    @property
+    def max_tokens(self) -> int:
+        """params.max_tokens, which fitting to the context always sets."""
+        if self.params.max_tokens is None:
+            raise ValueError("a TextRequest's max_tokens is set when it is fitted to the context")
+        return self.params.max_tokens
+
 
 @dataclass
 class TokenLogprob:
