@@ -41,7 +41,13 @@ class EngineConfig:
     model: str | None = _arg(
         None, str, "a local Hugging Face model directory (default: SmolLM2-135M-Instruct)"
     )
-    dtype: str = _arg("auto", str, "weights and activations; auto = bfloat16", choices=DTYPES)
+    dtype: str = _arg(
+        "auto",
+        str,
+        "weights and activations; auto = bfloat16 where the device computes it natively, else "
+        "float32",
+        choices=DTYPES,
+    )
     device: str = _arg("cpu", str, "torch device")
     block_size: int = _arg(16, int, "tokens per KV cache block (a power of two)")
     kv_cache_memory_bytes: int = _arg(2 * 1024**3, int, "memory budget of the KV cache pool")

@@ -33,9 +33,15 @@ from engine.step_plan import StepPlan
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    # bf16 matmul is ~5x fp32 on AVX-512-bf16 CPUs and native on Ampere/Hopper.
-    return torch.bfloat16 if name == "auto" else _DTYPES[name]
+def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
+    """ "auto" is bfloat16 where the device computes it natively (Ampere/Hopper, CPUs with
+    AVX-512 bf16 or AMX: ~5x fp32 matmul there) and float32 elsewhere: on an AVX2-only CPU,
+    bf16 matmuls are emulated and run tens of times slower than fp32."""
+    if name != "auto":
+        return _DTYPES[name]
+    if torch.device(device).type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.float32
+    return torch.bfloat16
 
 
 class StepBuffer:
@@ -83,7 +89,7 @@ class ModelRunner:
         tp: TensorParallel = SINGLE,
     ) -> None:
         self.device = torch.device(config.device)
-        self.dtype = resolve_dtype(config.dtype)
+        self.dtype = resolve_dtype(config.dtype, config.device)
         self.block_size = config.block_size
         self.model, self.model_config = load_model(
             model_path, self.dtype, self.device, config.attention_backend, tp
