@@ -155,14 +155,17 @@ class AsyncEngine:
         return self.engine
 
     def _run(self) -> None:
+        # The waiter may have given up (a stop during start-up cancels it): nobody to tell then.
         try:
             self.engine = self._build_engine()
         except BaseException as exc:
-            self._ready.set_exception(exc)
+            if self._ready.set_running_or_notify_cancel():
+                self._ready.set_exception(exc)
             return
         # A rank that dies while the loop waits for work: the loop wakes to fail and stop.
         self.engine.add_failure_listener(lambda error: self._inbox.put(lambda: self._fatal(error)))
-        self._ready.set_result(None)
+        if self._ready.set_running_or_notify_cancel():
+            self._ready.set_result(None)
         try:
             while not self._stopping:
                 self._drain_inbox(wait=not self.engine.has_unfinished)
