@@ -23,6 +23,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from common import event_loop
+
 # Runs one request, (request id, prompt token ids, output length), and times it.
 Client = Callable[[str, list[int], int], Awaitable["Sample"]]
 
@@ -306,7 +308,7 @@ def run_serve_benchmark(args: argparse.Namespace) -> None:
     )
     print("TTFT, TPOT and ITL in ms as p50/p90/p99", flush=True)
     if args.url:
-        served = asyncio.run(bench_gateway(args.url.rstrip("/"), args, vocab_size))
+        served = event_loop.run(bench_gateway(args.url.rstrip("/"), args, vocab_size))
     else:
         with tempfile.NamedTemporaryFile(
             "w", prefix="folio-bench-serve-", suffix=".log", delete=False
@@ -323,7 +325,7 @@ def run_serve_benchmark(args: argparse.Namespace) -> None:
                     for child in (supervisor.gateway, supervisor.tokenizer)
                     if child.process is not None
                 }
-                served = asyncio.run(bench_gateway(supervisor.url, args, vocab_size, pids))
+                served = event_loop.run(bench_gateway(supervisor.url, args, vocab_size, pids))
             finally:
                 supervisor.stop()  # frees the cores before the in-process run
     if "c=32" in served and "gateway" in served["c=32"].cpu_ms_per_token:
@@ -333,7 +335,7 @@ def run_serve_benchmark(args: argparse.Namespace) -> None:
         )
     if args.skip_in_process:
         return
-    local = asyncio.run(bench_in_process(config, args))
+    local = event_loop.run(bench_in_process(config, args))
     labels = list(served)
     first = labels[0]
     # The targets: throughput at least 95% of in-process at c=32 and 90% at c=128, TTFT at c=1.

@@ -66,11 +66,12 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def _run_service(service, drain_seconds: float) -> int:
-    import asyncio
     import logging
 
+    from common import event_loop
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return asyncio.run(service.run(drain_seconds))
+    return event_loop.run(service.run(drain_seconds))
 
 
 def _require_internal_token(service):

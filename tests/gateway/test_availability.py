@@ -20,6 +20,8 @@ from gateway_helpers import ENGINE_ARGS, GatewayThread, engine_stats
 from grpc_helpers import TIMEOUT, RequestStream, ServerThread
 from services.engine.server import EngineService
 
+DRAIN_SECONDS = 120
+
 
 def test_folio_gateway_serves_then_drains_on_sigterm(services):
     engine, tokenizer = services
@@ -37,11 +39,11 @@ def test_folio_gateway_serves_then_drains_on_sigterm(services):
             f"127.0.0.1:{engine.port}",
             "--tokenizer-address",
             f"127.0.0.1:{tokenizer.port}",
-            # A generous drain: on a loaded machine the 150 tokens below take tens of seconds.
             "--served-model-name",
             "folio-test",
+            # A generous drain: on a loaded 2-core machine the tokens below can take a minute.
             "--drain-seconds",
-            "120",
+            str(DRAIN_SECONDS),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -67,7 +69,7 @@ def test_folio_gateway_serves_then_drains_on_sigterm(services):
             body = {
                 "model": "folio-test",
                 "prompt": "Once upon a time",
-                "max_tokens": 150,
+                "max_tokens": 60,
                 "ignore_eos": True,
                 "stream": True,
             }
@@ -89,7 +91,8 @@ def test_folio_gateway_serves_then_drains_on_sigterm(services):
             time.sleep(0.01)
         refused = httpx.post(url + "/v1/completions", json={"prompt": "Hi"}, timeout=TIMEOUT)
         assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
-        reader.join(TIMEOUT)
+        reader.join(DRAIN_SECONDS)
+        assert not reader.is_alive(), "the stream did not end within the drain"
         assert events[-1] == "data: [DONE]"
         assert '"finish_reason":"length"' in events[-2]
         assert process.wait(timeout=30) == 0
