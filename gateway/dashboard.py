@@ -51,7 +51,7 @@ class DashboardSample(BaseModel):
 
 
 @dataclass
-class _Reading:
+class Reading:
     """The cumulative counters at one moment, to subtract from the next."""
 
     monotonic: float
@@ -65,7 +65,7 @@ def _rate(now: float, before: float, seconds: float) -> float:
     return max(now - before, 0.0) / seconds
 
 
-def sample(previous: _Reading, current: _Reading, wall_time: float) -> DashboardSample:
+def sample(previous: Reading, current: Reading, wall_time: float) -> DashboardSample:
     """What changed from `previous` to `current`, as the feed shows it."""
     seconds = max(current.monotonic - previous.monotonic, 1e-9)
     stats, before = current.stats, previous.stats
@@ -101,11 +101,11 @@ def sample(previous: _Reading, current: _Reading, wall_time: float) -> Dashboard
     )
 
 
-async def _read(gateway: Gateway) -> _Reading:
+async def _read(gateway: Gateway) -> Reading:
     # The feed outlives any request deadline: each reading gets its own.
     set_deadline(time.monotonic() + STATS_TIMEOUT_SECONDS)
     stats = await gateway.engine_stats()
-    return _Reading(
+    return Reading(
         monotonic=time.monotonic(),
         generation_tokens=gateway.metrics.value(GENERATION_TOKENS),
         prompt_tokens=gateway.metrics.value(PROMPT_TOKENS),
