@@ -251,15 +251,19 @@ def test_the_dashboard_moves_while_requests_run(gateway, engine_stub, tab):
                     && number('kv-cache') > 0 && number('steps') > 0;
             }""",
         )
-        # Drawn, not only written: the tokens chart has its first series' colour on it.
+        # Drawn, not only written: the tokens chart's line (its first series' colour) rises
+        # above the zero line it follows while nothing is generated (18 px from the bottom).
         wait_until(
             page,
             """() => {
                 const canvas = document.getElementById('chart-tokens');
+                const zeroRow = canvas.height - 18 * window.devicePixelRatio;
                 const pixels = canvas.getContext('2d')
-                    .getImageData(0, 0, canvas.width, canvas.height).data;
+                    .getImageData(0, 0, canvas.width, zeroRow - 4).data;
                 for (let i = 0; i < pixels.length; i += 4) {
-                    if (pixels[i] === 47 && pixels[i + 1] === 126 && pixels[i + 2] === 216) {
+                    const distance = Math.abs(pixels[i] - 47) + Math.abs(pixels[i + 1] - 126)
+                        + Math.abs(pixels[i + 2] - 216);
+                    if (distance < 30 && pixels[i + 3] > 200) {
                         return true;
                     }
                 }
@@ -440,6 +444,21 @@ def test_the_pages_ask_for_a_key_when_the_server_wants_one(browser, protected):
         assert page.get_by_label("API key").is_hidden()
     finally:
         tab.context.close()
+
+
+def test_the_feed_ends_when_the_gateway_drains(services):
+    server = start_gateway(services)
+    closing = threading.Thread(target=server.close)
+    with httpx.stream("GET", server.url + "/dashboard/feed", timeout=TIMEOUT) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        closing.start()
+        # The stream ends as a stream does (a cut connection would raise here), not by the
+        # server giving up on it at the end of its grace period.
+        for _ in lines:
+            pass
+    closing.join(TIMEOUT)
+    assert not closing.is_alive()
 
 
 def test_no_webui_turns_the_pages_off(services):
