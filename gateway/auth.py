@@ -52,7 +52,8 @@ class Access:
         return name
 
     def admit_http(self, request: Request) -> str | None:
-        """Check the key and charge one request; the caller, or None for an open probe path.
+        """Check the key and charge one request; the caller, or None for an open path (a web
+        page or file, or a probe path without --protect-health-metrics).
         Raises Unauthenticated or RateLimitExceeded. Probes are never rate limited: a busy
         key must not make its server look unhealthy."""
         path = request.url.path
