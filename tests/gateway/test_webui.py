@@ -182,7 +182,14 @@ def test_the_playground_streams_an_answer(gateway, tab):
     assert answer in page.get_by_role("log").inner_text()
     # A follow-up carries the conversation so far.
     page.get_by_label("Max tokens").fill("2")
-    send(page, "And another one?")
+    with page.expect_request("**/v1/chat/completions") as follow_up:
+        send(page, "And another one?")
+    assert follow_up.value.post_data_json["messages"] == [
+        {"role": "system", "content": system},
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And another one?"},
+    ]
     page.locator(".message.assistant .stats").nth(1).wait_for()
     assert page.locator(".message.user").count() == 2
     assert page.get_by_role("button", name="Send").is_enabled()
@@ -192,6 +199,7 @@ def test_the_playground_streams_an_answer(gateway, tab):
 
 
 def test_stop_aborts_the_answer_on_the_engine(gateway, engine_stub, tab):
+    wait_engine_idle(engine_stub)
     page = open_playground(tab, gateway.url)
 
     def unfinishable(route: Route) -> None:
