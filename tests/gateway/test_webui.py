@@ -3,8 +3,9 @@ download) against the real gateway and engine: the playground loads without cons
 streams an answer equal to the API's for the same settings and shows its time to first token and
 tokens per second; Stop leaves the engine idle; the dashboard's numbers move while requests run;
 a server with keys asks for one, and the pages then work with it. Without a browser: the feed's
-events, its protection (as /metrics: open unless --protect-health-metrics, then the key as a
-header, query parameter or cookie) and --no-webui. Screenshots of both pages are left in
+samples (their arithmetic, and live), its protection (as /metrics: open unless
+--protect-health-metrics, then the key as a header, query parameter or cookie), its clean end
+when the gateway drains, and --no-webui. Screenshots of both pages are left in
 test-artifacts/webui/ (git-ignored)."""
 
 from __future__ import annotations
