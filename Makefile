@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine with Python 3.11:
 #   make serve   create .venv, install, prepare the default model, serve it (folio serve)
-#   make test    the same set-up, then the whole test suite
+#   make test    the same set-up (and chromium, with apt as root), then the whole test suite
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,7 +12,7 @@ PROTO_LOADER_VERSION := 0.8.1
 PROTOS := $(wildcard protos/folio/v1/*.proto)
 STUBS := common/grpc_stubs/folio/.generated
 
-.PHONY: serve test lint model stubs bench clean
+.PHONY: serve test lint model stubs browser bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -47,7 +47,16 @@ lint: $(STUBS)
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 
-test: model lint
+# The web page tests (tests/gateway/test_webui.py) drive Debian's chromium through Playwright,
+# never Playwright's own browser download: installed with apt where this runs as root (as CI
+# does), once; elsewhere it must be there already.
+browser:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] \
+		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
+		>/dev/null; } || { echo "the web page tests need chromium: apt-get install chromium" >&2; \
+		exit 1; }
+
+test: model lint browser
 	$(BIN)/python -m pytest -q
 
 bench: model

@@ -167,6 +167,8 @@ INTERNAL_TOKEN_ENV = "FOLIO_INTERNAL_TOKEN"
 API_KEYS_ENV = "FOLIO_API_KEYS"
 # How long the gateway lets one request run, queueing and generation included.
 REQUEST_TIMEOUT_SECONDS = 600.0
+# How often the gateway's dashboard feed (/dashboard/feed) sends a sample of the engine's load.
+DASHBOARD_FEED_INTERVAL_SECONDS = 0.5
 # How often `folio serve` restarts a service that keeps dying before it gives up.
 MAX_RESTARTS = 5
 # Entries of oneDNN's two kernel caches (its primitive cache and PyTorch's ideep LRU cache) in
@@ -284,6 +286,12 @@ class GatewayConfig:
         "tokens per minute per API key (per client address without keys): prompt "
         "plus max_tokens, what a sequence did not generate given back; default: "
         "unlimited",
+    )
+    webui: bool = _arg(
+        True,
+        bool,
+        "serve the web pages: the playground at / and the live dashboard at /dashboard "
+        "(--no-webui: the API only)",
     )
     request_timeout: float = _arg(
         REQUEST_TIMEOUT_SECONDS,

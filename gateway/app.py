@@ -1,10 +1,11 @@
 """The HTTP gateway's routes (Starlette): OpenAI-compatible completions, models, vLLM-style
-tokenize / detokenize, health, Prometheus metrics and the OpenAPI document.
+tokenize / detokenize, health, Prometheus metrics, the OpenAPI document, and the web pages (the
+playground and the dashboard, gateway/pages.py) with the dashboard's feed (gateway/dashboard.py).
 
 Routes stay thin, module-level handlers: read the body, call completions.py / generation.py /
 serving.py, write the answer; what they share (the Gateway, the config, the access checks) is
-the app's AppContext. One table (ENDPOINTS) both routes requests and documents them, so
-/openapi.json cannot miss a route.
+the app's AppContext. One table (ENDPOINTS, and WEBUI_ENDPOINTS unless --no-webui) both routes
+requests and documents them, so /openapi.json cannot miss a route.
 A client that disconnects cancels its handler, which aborts its engine requests; so does the
 request timeout (504). Every route checks the caller's API key and request rate first
 (gateway/auth.py). This module holds no business logic.
@@ -30,9 +31,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from common.config import MAX_REQUEST_BODY_BYTES, GatewayConfig
-from common.errors import FolioError
-from gateway import completions
+from common.config import DASHBOARD_FEED_INTERVAL_SECONDS, MAX_REQUEST_BODY_BYTES, GatewayConfig
+from gateway import completions, dashboard
 from gateway import protocol as api
 from gateway.auth import Access
 from gateway.deadlines import set_deadline
@@ -40,6 +40,7 @@ from gateway.generation import Gateway
 from gateway.http_errors import error_body, error_headers
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document
+from gateway.pages import HEADERS, WebFile, load_web_files
 from gateway.serving import serve
 from gateway.sse import EventStreamResponse
 from gateway.validation import check_token_ids
@@ -265,15 +266,24 @@ async def health(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     gateway = _context(request).gateway
-    try:
-        stats = await gateway.engine.stats()
-    except FolioError:
-        stats = None  # the engine is down: the gateway's own series still count
-    return Response(gateway.metrics.render(stats), media_type=CONTENT_TYPE)
+    return Response(gateway.metrics.render(await gateway.engine_stats()), media_type=CONTENT_TYPE)
 
 
 async def openapi(request: Request) -> Response:
     return Response(_context(request).openapi, media_type="application/json")
+
+
+async def dashboard_feed(request: Request) -> Response:
+    gateway = _context(request).gateway
+    gateway.check_available()
+    return EventStreamResponse(dashboard.feed(gateway, DASHBOARD_FEED_INTERVAL_SECONDS))
+
+
+def web_file(file: WebFile) -> Handler:
+    async def serve_file(request: Request) -> Response:
+        return Response(file.content, media_type=file.media_type, headers=HEADERS)
+
+    return serve_file
 
 
 ENDPOINTS = [
@@ -345,6 +355,33 @@ ENDPOINTS = [
     Endpoint("/openapi.json", "GET", "This document", openapi, errors=ANY_ROUTE_ERRORS),
 ]
 
+# The web pages (off with --no-webui): open to anyone, but for their feed, protected as /metrics.
+WEB_PAGE_SUMMARIES = {
+    "/": "The playground (web page)",
+    "/dashboard": "The live dashboard (web page)",
+}
+WEBUI_ENDPOINTS = [
+    *(
+        Endpoint(
+            path,
+            "GET",
+            WEB_PAGE_SUMMARIES.get(path, "A script or style of the web pages"),
+            web_file(file),
+            media_type=file.media_type.split(";")[0],
+        )
+        for path, file in load_web_files().items()
+    ),
+    Endpoint(
+        "/dashboard/feed",
+        "GET",
+        "The dashboard's live numbers: server-sent events, one sample every "
+        f"{DASHBOARD_FEED_INTERVAL_SECONDS:g} s, for as long as the client reads",
+        dashboard_feed,
+        media_type="text/event-stream",
+        errors=(*ANY_ROUTE_ERRORS, 503),
+    ),
+]
+
 
 def guarded(handler: Handler) -> Handler:
     """`handler` behind the caller's key and rate check, with the request's deadline set and
@@ -384,9 +421,10 @@ def build_app(
 ) -> Starlette:
     """The app; `access` (the keys and rate limits) may be shared with the gRPC API."""
     config = config or GatewayConfig()
+    endpoints = ENDPOINTS + WEBUI_ENDPOINTS if config.webui else ENDPOINTS
     routes = [
         Route(e.path, guarded(e.handler), methods=[e.method])
-        for e in ENDPOINTS
+        for e in endpoints
         if e.handler is not None
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
@@ -394,6 +432,6 @@ def build_app(
         gateway,
         config,
         access or Access(config),
-        json.dumps(openapi_document(ENDPOINTS, "Folio", "0.1.0")),
+        json.dumps(openapi_document(endpoints, "Folio", "0.1.0")),
     )
     return app

@@ -2,9 +2,12 @@
 of its HTTP routes and of its gRPC API (where common.auth.KeyInterceptor refuses calls without a
 key before they reach the servicer).
 
-With API keys configured, every HTTP route but /health and /metrics (those too with
---protect-health-metrics) needs `Authorization: Bearer <key>`; a caller is then its key's name
-("key-0"), else its client address. A key is never logged, echoed or kept in plain text here.
+With API keys configured, every HTTP route but /health, /metrics and /dashboard/feed (those too
+with --protect-health-metrics) needs `Authorization: Bearer <key>`; a caller is then its key's
+name ("key-0"), else its client address. The web pages and their files are open: they hold no
+data, and the API calls they make carry the key. A browser's EventSource cannot send headers, so
+the dashboard's feed also takes the key as the `api_key` query parameter or the
+`folio_api_key` cookie. A key is never logged, echoed or kept in plain text here.
 """
 
 from __future__ import annotations
@@ -17,10 +20,16 @@ from starlette.requests import Request
 from common.auth import KeySet, bearer_token, grpc_presented_key
 from common.config import GatewayConfig
 from common.errors import Unauthenticated
+from gateway.pages import PAGES, STATIC_PREFIX
 from gateway.rate_limit import RateLimiter
 
-# Routes that probes and scrapers reach without a key unless --protect-health-metrics.
-PROBE_PATHS = frozenset({"/health", "/metrics"})
+# Routes that probes, scrapers and dashboards reach without a key unless
+# --protect-health-metrics.
+PROBE_PATHS = frozenset({"/health", "/metrics", "/dashboard/feed"})
+# Where a key may also come as a query parameter or a cookie (read by EventSource).
+BROWSER_KEY_PATHS = frozenset({"/dashboard/feed"})
+KEY_QUERY_PARAMETER = "api_key"
+KEY_COOKIE = "folio_api_key"
 UNAUTHENTICATED_MESSAGE = "missing or invalid API key: send it as Authorization: Bearer <key>"
 
 
@@ -43,15 +52,18 @@ class Access:
         return name
 
     def admit_http(self, request: Request) -> str | None:
-        """Check the key and charge one request; the caller, or None for an open probe path.
+        """Check the key and charge one request; the caller, or None for an open path (a web
+        page or file, or a probe path without --protect-health-metrics).
         Raises Unauthenticated or RateLimitExceeded. Probes are never rate limited: a busy
         key must not make its server look unhealthy."""
-        probe = request.url.path in PROBE_PATHS
+        path = request.url.path
+        if is_web_file(path):
+            return None
+        probe = path in PROBE_PATHS
         if probe and not self.protect_health_metrics:
             return None
         caller = self.caller(
-            bearer_token(request.headers.get("authorization")),
-            request.client.host if request.client else None,
+            _presented_key(request), request.client.host if request.client else None
         )
         if not probe:
             self.limiter.admit_request(caller)
@@ -64,6 +76,18 @@ class Access:
         )
         self.limiter.admit_request(caller)
         return caller
+
+
+def is_web_file(path: str) -> bool:
+    """A web page or one of its scripts and styles (gateway/pages.py)."""
+    return path in PAGES or path.startswith(STATIC_PREFIX)
+
+
+def _presented_key(request: Request) -> str | None:
+    key = bearer_token(request.headers.get("authorization"))
+    if key is None and request.url.path in BROWSER_KEY_PATHS:
+        key = request.query_params.get(KEY_QUERY_PARAMETER) or request.cookies.get(KEY_COOKIE)
+    return key
 
 
 def _peer_host(peer: str) -> str:

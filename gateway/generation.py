@@ -19,10 +19,10 @@ import uuid
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 
-from common.grpc_stubs.folio.v1 import common_pb2
+from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
 from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 
-from common.errors import DeadlineExceededError, ModelNotFound, UnavailableError
+from common.errors import DeadlineExceededError, FolioError, ModelNotFound, UnavailableError
 from common.sampling_params import SamplingParams
 from common.sampling_proto import sampling_params_to_proto
 from gateway.clients import EngineClient, GenerateStream, TokenizerClient
@@ -95,6 +95,14 @@ class Gateway:
                 f"the model {name!r} does not exist; this server serves {info.name!r}", "model"
             )
         return info
+
+    async def engine_stats(self) -> engine_pb2.GetStatsResponse | None:
+        """The engine's load and counters (GetStats), as /metrics and the dashboard show them;
+        None while the engine is down (the gateway's own numbers still count then)."""
+        try:
+            return await self.engine.stats()
+        except FolioError:
+            return None
 
     def check_available(self) -> None:
         if self.draining:
