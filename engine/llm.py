@@ -10,6 +10,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from common.config import EngineConfig
 from common.detokenizer import IncrementalDetokenizer
@@ -89,7 +90,7 @@ class LLM:
             if out.prompt_logprobs is not None:
                 result.prompt_logprobs = [None] + [(lp, top) for _, lp, top in out.prompt_logprobs]
             result.num_cached_tokens = out.num_cached_tokens
-            if out.finished:
+            if out.finish_reason is not None:  # set on the last output
                 result.finish_reason = out.finish_reason.value
         for result in results:
             result.text = self.tokenizer.decode(result.token_ids)
@@ -117,7 +118,7 @@ class LLM:
                 text=text,
                 token_ids=list(out.new_token_ids),
                 finished=out.finished,
-                finish_reason=out.finish_reason.value if out.finished else None,
+                finish_reason=out.finish_reason.value if out.finish_reason is not None else None,
             )
 
     def chat(
@@ -126,7 +127,10 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[CompletionOutput]:
         """Generate replies to one conversation or a list of them, through the chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = cast(
+            list[list[dict]],
+            [messages] if messages and isinstance(messages[0], dict) else list(messages),
+        )
         return self.generate([self.tokenizer.encode_chat(c) for c in conversations], params)
 
     def _encode_all(self, prompts: list[PromptInput]) -> list[list[int]]:

@@ -103,7 +103,7 @@ class ModelRunner:
                 2,
                 num_blocks,
                 self.block_size,
-                self.model.model.layers[0].self_attn.num_kv_heads,  # this rank's share
+                self.model.num_kv_heads,  # this rank's share
                 cfg.head_dim,
                 dtype=self.dtype,
                 device=self.device,
@@ -216,13 +216,14 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, model_input: ModelInput) -> torch.Tensor:
+    def forward(self, model_input: ModelInput) -> torch.Tensor | None:
         """Logits [rows of logits_indices, vocab] in float32: one per sampling request, then
         one per prompt-logprob position (None on tensor-parallel ranks other than 0)."""
         if model_input.block_copies:
             sources, dests = torch.tensor(model_input.block_copies, device=self.device).unbind(1)
             self.model.backend.copy_blocks(self.kv_caches, sources, dests)
         if model_input.graph_size is not None:
+            assert self.graphs is not None, "a graph size was planned without graphs"
             hidden = self.graphs.replay(model_input.graph_size)
         else:
             hidden = self.run_model(

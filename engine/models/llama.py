@@ -246,6 +246,7 @@ class LlamaAttention(nn.Module):
         # q and k heads side by side, so norm and RoPE are one op each for both.
         qk = qkv[:, :split].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm:
+            assert self.qk_norm_weight is not None, "finalize_weights() was not called"
             qk = torch_rms_norm(qk, self.qk_norm_weight, self.eps)
         self.backend.rotary_(qk, self.num_heads, rope.positions, rope.table, rope.cos_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
@@ -325,14 +326,20 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-def vocab_rows(config: ModelConfig, dtype, device, tp: TensorParallel) -> nn.Module:
-    """A bare module holding one [vocab rows, hidden] weight under the checkpoint's name
-    (model.embed_tokens.weight, lm_head.weight); with several ranks, this rank's rows."""
-    module = nn.Module()
+class VocabRows(nn.Module):
+    """One [vocab rows, hidden] weight under the checkpoint's name (model.embed_tokens.weight,
+    lm_head.weight); with several ranks, this rank's rows (checkpoint_rows tells the loader)."""
+
+    def __init__(self, weight: torch.Tensor, checkpoint_rows: list[CheckpointSlice] | None):
+        super().__init__()
+        self.weight = weight
+        self.checkpoint_rows = checkpoint_rows
+
+
+def vocab_rows(config: ModelConfig, dtype, device, tp: TensorParallel) -> VocabRows:
     rows, padded = vocab_slice(config.vocab_size, tp)
-    module.weight = _empty(padded, config.hidden_size, dtype=dtype, device=device)
-    module.checkpoint_rows = [rows] if tp.size > 1 else None
-    return module
+    weight = _empty(padded, config.hidden_size, dtype=dtype, device=device)
+    return VocabRows(weight, [rows] if tp.size > 1 else None)
 
 
 class LlamaModel(nn.Module):
@@ -362,6 +369,7 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    rope: torch.Tensor  # a buffer: [max positions, 2, rotary dims / 2] cos and sin
 
     def __init__(
         self,
@@ -376,19 +384,22 @@ class LlamaForCausalLM(nn.Module):
         self.backend = backend
         self.tp = tp
         self.model = LlamaModel(config, backend, dtype, device, tp)
-        if config.tie_word_embeddings:
-            self.lm_head = nn.Module()
-            self.lm_head.weight = self.model.embed_tokens.weight
-        else:
-            self.lm_head = vocab_rows(config, dtype, device, tp)
+        # This rank's share of the KV heads: the KV cache's shape.
+        self.num_kv_heads = kv_heads_slice(config.num_key_value_heads, tp).count
+        self.lm_head = (
+            VocabRows(self.model.embed_tokens.weight, None)
+            if config.tie_word_embeddings
+            else vocab_rows(config, dtype, device, tp)
+        )
         self.lm_head_packed: torch.Tensor | None = None
         self.register_buffer("rope", rope_table(config, dtype, device), persistent=False)
 
     def finalize_weights(self) -> None:
         """Derives what the forward needs from freshly loaded weights."""
         for module in self.modules():
-            if module is not self and hasattr(module, "finalize_weights"):
-                module.finalize_weights()
+            finalize = getattr(module, "finalize_weights", None)
+            if module is not self and finalize is not None:
+                finalize()
         # The embedding (often tied to lm_head) stays plain for the lookup; logits get a packed
         # copy.
         self.lm_head_packed = prepack(self.lm_head.weight)

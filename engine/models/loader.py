@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import safe_open
@@ -76,7 +77,7 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
     """Copies every checkpoint tensor into its (possibly fused) parameter, converting dtype."""
     params = dict(model.named_parameters())  # a tied lm_head appears only as embed_tokens
     tied = model.config.tie_word_embeddings
-    expected = set()
+    expected: set[tuple[str, int | None]] = set()
     for name in params:
         module = model.get_submodule(name.rpartition(".")[0])
         sizes = getattr(module, "output_sizes", [None])
@@ -97,7 +98,7 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
                 module = model.get_submodule(name.rpartition(".")[0])
                 target = params[name].data
                 if shard is not None:
-                    sizes = module.output_sizes
+                    sizes = cast(list[int], module.output_sizes)
                     target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
                 tensor = _read(f, key, module, name.endswith(".weight"), shard or 0)
                 if tensor.shape[0] < target.shape[0] and getattr(module, "checkpoint_rows", None):
@@ -137,6 +138,7 @@ def _read(f, key: str, module, is_weight: bool, shard: int) -> torch.Tensor:
     if rows is not None:
         _check_full(key, shape, 0, rows[shard])
         return tensor[rows[shard].start : rows[shard].start + rows[shard].count]
+    assert columns is not None
     _check_full(key, shape, 1, columns)
     return tensor[:, columns.start : columns.start + columns.count]
 
