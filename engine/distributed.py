@@ -21,7 +21,6 @@ samples or touches the KV cache manager.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
 import errno
 import json
@@ -47,6 +46,7 @@ from common.config import (
     TP_HEARTBEAT_TIMEOUT_SECONDS,
     EngineConfig,
 )
+from common.parent_death import child_env
 from engine import step_plan
 from engine.errors import EngineGroupError
 from engine.models.parallel import TensorParallel
@@ -135,23 +135,6 @@ class Channel:
 # -- rank 0 -------------------------------------------------------------------------------------
 
 
-# The engine's pid, in the environment of the workers it starts (die_with_engine reads it).
-ENGINE_PID_ENV = "FOLIO_TP_ENGINE_PID"
-
-
-def die_with_engine() -> None:
-    """In a worker the engine started (Linux): SIGTERM when the engine dies, even by SIGKILL.
-    Set by the worker itself once it runs, never between fork and exec: no Python may run
-    there in a process whose gRPC threads are live (grpc's fork handlers abort the child).
-    (Strictly: when the engine thread that started it ends; its threads outlive its group.)"""
-    engine_pid = os.environ.get(ENGINE_PID_ENV)
-    if engine_pid is None or sys.platform != "linux":
-        return
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != int(engine_pid):
-        os.kill(os.getpid(), signal.SIGTERM)  # the engine died before the signal was armed
-
-
 class EngineGroup:
     """Rank 0's side of the group: rendezvous host, step broadcaster, workers' watchman."""
 
@@ -199,7 +182,7 @@ class EngineGroup:
                         "--once",
                     ],
                     stdin=subprocess.DEVNULL,
-                    env={**os.environ, ENGINE_PID_ENV: str(os.getpid())},
+                    env=child_env(),  # they die with the engine
                 )
         else:
             logger.info(

@@ -26,7 +26,6 @@ from engine.distributed import (
     Channel,
     beat,
     connect_store,
-    die_with_engine,
     engine_info,
     join_group,
     leave_group,
@@ -88,7 +87,6 @@ def run_worker(rank: int, world_size: int, master_addr: str, master_port: int, o
     went away; without, it serves engine after engine until killed."""
     if not 0 < rank < world_size:
         raise ValueError(f"rank must be in 1..{world_size - 1} (rank 0 is the engine), got {rank}")
-    die_with_engine()
     waiting_logged = False
     while True:
         try:

@@ -21,6 +21,7 @@ from common.config import (
     engine_config_from_args,
     gateway_config_from_args,
 )
+from common.parent_death import die_with_parent
 
 
 def _prepare_model(args: argparse.Namespace) -> int:
@@ -249,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    die_with_parent()  # a service of `folio serve`, a worker of an engine: not alone
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -14,7 +14,6 @@ no service logic and never imports torch or the engine.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import secrets
 import signal
@@ -48,6 +47,7 @@ from common.config import (
     gateway_args_from_config,
     gateway_config_from_args,
 )
+from common.parent_death import child_env
 
 # The engine and the tokenizer are internal: only the gateway listens beyond loopback.
 INTERNAL_HOST = "127.0.0.1"
@@ -195,16 +195,6 @@ def _http_ok(url: str, headers: dict[str, str]) -> Callable[[], bool]:
     return probe
 
 
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): get SIGTERM if the supervisor dies, even by SIGKILL."""
-    if _prctl is not None:
-        _prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-# Loaded in the parent: the child between fork and exec should do as little as possible.
-_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
-
-
 @dataclass(eq=False)
 class Child:
     """One service process: how to start it and how to tell it is healthy."""
@@ -231,9 +221,8 @@ class Child:
             stdin=subprocess.DEVNULL,
             stdout=self.output,
             stderr=self.output,
-            env={**os.environ, **self.env},
+            env=child_env(self.env),  # it dies with the supervisor, even a SIGKILLed one
             process_group=0,
-            preexec_fn=_die_with_parent,
         )
 
     def healthy(self) -> bool:
