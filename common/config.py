@@ -77,6 +77,12 @@ class EngineConfig:
     tensor_parallel_size: int = _arg(
         1, int, "processes (ranks) the model is sharded over; rank 0 is the engine itself"
     )
+    kv_events_replay_batches: int = _arg(
+        1024,
+        int,
+        "KV-cache event batches (about one per step that cached or evicted blocks) kept for "
+        "subscribers that reconnect; one whose gap is older gets a snapshot instead",
+    )
     master_addr: str = _arg(
         DEFAULT_HOST,
         str,
@@ -126,6 +132,10 @@ class EngineConfig:
         require(
             self.kv_cache_memory_bytes > 0,
             f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}",
+        )
+        require(
+            self.kv_events_replay_batches >= 1,
+            f"kv_events_replay_batches must be >= 1, got {self.kv_events_replay_batches}",
         )
         require(
             self.tensor_parallel_size >= 1,

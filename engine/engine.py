@@ -22,6 +22,7 @@ from engine.distributed import EngineGroup, start_engine_group
 from engine.errors import InvalidRequestError
 from engine.grammar import validate_sampling_params
 from engine.kv_cache_manager import KVCacheManager, num_blocks_for_budget
+from engine.kv_events import KVEventPublisher
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.models.config import ModelConfig
 from engine.models.parallel import (
@@ -76,6 +77,8 @@ class LLMEngine:
         )
         self.max_model_len = self._max_model_len(config, model_config, num_blocks)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # What the prefix cache stores and evicts, numbered per step for subscribers (routers).
+        self.kv_events = KVEventPublisher(config.kv_events_replay_batches)
         self.scheduler = Scheduler(config, self.kv_cache)
         self.group: EngineGroup | None = None
         if tp_size > 1:
@@ -249,6 +252,11 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        outputs = self._step()
+        self.kv_events.publish(self.kv_cache.take_kv_events())
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()

@@ -8,6 +8,7 @@ them when the stream goes away; everything else is the library's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -27,7 +28,8 @@ from common.sampling_proto import sampling_params_from_proto
 from engine.async_engine import AsyncEngine, RequestFailed
 from engine.engine import LLMEngine
 from engine.errors import EngineGroupError, InvalidRequestError
-from services.engine.convert import error_output, event_to_proto
+from engine.kv_events import KVEventBatch
+from services.engine.convert import error_output, event_to_proto, kv_event_batch_to_proto
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +193,32 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             step_seconds=timings.as_dict(),
         )
 
+    async def SubscribeKvEvents(
+        self, request: pb.SubscribeKvEventsRequest, context
+    ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
+        llm = (await self._engine(context)).engine
+        assert llm is not None  # serving: the engine thread built it
+        loop = asyncio.get_running_loop()
+        # None: the service is stopping (a drain must not wait for subscribers to leave).
+        batches: asyncio.Queue[KVEventBatch | None] = asyncio.Queue()
+
+        def deliver(batch: KVEventBatch) -> None:  # in the engine thread
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens
+                loop.call_soon_threadsafe(batches.put_nowait, batch)
+
+        backlog, subscription = llm.kv_events.subscribe(
+            request.start_sequence_number, request.epoch, deliver
+        )
+        self._service.kv_subscribers.add(batches)
+        try:
+            for batch in backlog:
+                yield kv_event_batch_to_proto(batch)
+            while (next_batch := await batches.get()) is not None:
+                yield kv_event_batch_to_proto(next_batch)
+        finally:
+            subscription.close()
+            self._service.kv_subscribers.discard(batches)
+
 
 def _exit_unless_stopped_soon(error: Exception) -> None:
     """A tensor-parallel group failed: the loop fails the requests and the service stops; if a
@@ -216,6 +244,8 @@ class EngineService(GrpcService):
         super().__init__(host, port)
         self.config = config
         self.engine: AsyncEngine | None = None
+        # The queues of the live SubscribeKvEvents streams.
+        self.kv_subscribers: set[asyncio.Queue[KVEventBatch | None]] = set()
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
         engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(self), server)
@@ -234,6 +264,13 @@ class EngineService(GrpcService):
         engine = self.engine.engine
         assert engine is not None  # start() built it
         engine.add_failure_listener(_exit_unless_stopped_soon)
+
+    async def stop(self, grace: float | None) -> None:
+        # KV event streams never end on their own: end them first, so the drain waits only for
+        # requests in flight.
+        for batches in self.kv_subscribers:
+            batches.put_nowait(None)
+        await super().stop(grace)
 
     async def close(self) -> None:
         if self.engine is not None:
