@@ -16,6 +16,7 @@ from typing import Any
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ROUTING_POLICIES = ("cache_aware", "least_load", "round_robin")
 DEFAULT_HOST = "127.0.0.1"
 
 
@@ -32,6 +33,11 @@ def cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "folio"
     )
     return Path(root)
+
+
+def default_step_cost_path() -> Path:
+    """Where `folio bench profile` writes the step cost model simulated engines read."""
+    return cache_dir() / "step_cost.json"
 
 
 @dataclass
@@ -302,7 +308,19 @@ class GatewayConfig:
         "then it is aborted (HTTP 504, gRPC DEADLINE_EXCEEDED)",
     )
 
+    routing_policy: str = _arg(
+        "cache_aware",
+        str,
+        "with several engine replicas, which one a request goes to: the one holding most of "
+        "its prompt's prefix in its KV cache unless overloaded, the least loaded, or each in turn",
+        choices=ROUTING_POLICIES,
+    )
+
     def __post_init__(self) -> None:
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ValueError(
+                f"routing_policy must be one of {ROUTING_POLICIES}, got {self.routing_policy!r}"
+            )
         for name in ("rate_limit_rps", "rate_limit_tpm"):
             value = getattr(self, name)
             if value is not None and not value > 0:

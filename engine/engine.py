@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,26 +30,15 @@ from engine.models.parallel import (
     check_tensor_parallel_size,
     kv_heads_slice,
 )
-from engine.outputs import RequestOutput, StepTimings
+from engine.outputs import EngineStats, RequestOutput, StepTimings
 from engine.prompt_logprobs import record_prompt_logprobs
-from engine.request import Request
+from engine.request import Request, aborted_output, validate_prompt
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import Scheduler
 from engine.stopping import check_stop
 from engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_kv_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
 
 
 class LLMEngine:
@@ -170,20 +158,7 @@ class LLMEngine:
         return request
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        if len(prompt_token_ids) == 0:
-            raise InvalidRequestError("prompt_token_ids must not be empty")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt_token_ids has {len(prompt_token_ids)} tokens, but the model's context "
-                f"(max_model_len) is {self.max_model_len} tokens, which must include at least "
-                "one generated token"
-            )
-        for token_id in prompt_token_ids:
-            if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
-                raise InvalidRequestError(
-                    f"prompt_token_ids contains {token_id!r}, outside the vocabulary "
-                    f"[0, {self.vocab_size})"
-                )
+        validate_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Stop a request and free its KV blocks. Returns its last outputs (finish reason
@@ -195,20 +170,7 @@ class LLMEngine:
         ended = list(request.samples) or [request]
         for r in ended:
             self._retire(r)
-        return [
-            RequestOutput(
-                request_id=r.caller_id,
-                index=r.sample_index,
-                new_token_ids=[],
-                finished=True,
-                finish_reason=FinishReason.ABORT,
-                num_prompt_tokens=r.num_prompt_tokens,
-                num_output_tokens=r.num_output_tokens,
-                num_cached_tokens=r.num_cached_tokens,
-                queue_seconds=(r.times.first_scheduled or time.monotonic()) - r.times.arrival,
-            )
-            for r in ended
-        ]
+        return [aborted_output(r) for r in ended]
 
     def _retire(self, request: Request) -> None:
         """Drop a finished or aborted request from the engine and free its KV blocks; the
@@ -237,6 +199,11 @@ class LLMEngine:
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    @property
+    def dtype_name(self) -> str:
+        """The weights' and activations' dtype, e.g. "float32"."""
+        return str(self.runner.dtype).removeprefix("torch.")
 
     def stats(self) -> EngineStats:
         return EngineStats(

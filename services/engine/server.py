@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +26,7 @@ from common.errors import UnavailableError
 from common.grpc_server import GrpcService
 from common.sampling_params import parent_request_id, sample_request_id
 from common.sampling_proto import sampling_params_from_proto
-from engine.async_engine import AsyncEngine, RequestFailed
-from engine.engine import LLMEngine
+from engine.async_engine import AsyncEngine, RequestFailed, SteppedEngine
 from engine.errors import EngineGroupError, InvalidRequestError
 from engine.kv_events import KVEventBatch
 from services.engine.convert import error_output, event_to_proto, kv_event_batch_to_proto
@@ -171,7 +171,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             vocab_size=llm.vocab_size,
             max_model_len=llm.max_model_len,
             eos_token_ids=sorted(llm.eos_token_ids),
-            dtype=str(llm.runner.dtype).removeprefix("torch."),
+            dtype=llm.dtype_name,
             device=config.device,
             block_size=config.block_size,
             num_kv_blocks=llm.kv_cache.num_blocks,
@@ -220,6 +220,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             self._service.kv_subscribers.discard(batches)
 
 
+def _real_engine(config: EngineConfig) -> SteppedEngine:
+    # Imported here: torch and the model code load only in a process that runs a real engine.
+    from engine.engine import LLMEngine
+
+    return LLMEngine(config)
+
+
 def _exit_unless_stopped_soon(error: Exception) -> None:
     """A tensor-parallel group failed: the loop fails the requests and the service stops; if a
     step stuck in a collective keeps the loop from it, the process ends anyway (exit 1), so
@@ -240,9 +247,18 @@ def _exit_unless_stopped_soon(error: Exception) -> None:
 class EngineService(GrpcService):
     service_names = (pb.DESCRIPTOR.services_by_name["EngineService"].full_name,)
 
-    def __init__(self, config: EngineConfig, host: str, port: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        host: str,
+        port: int,
+        build_engine: Callable[[], SteppedEngine] | None = None,
+    ) -> None:
+        """`build_engine` makes the engine in its loop thread (default: the real LLMEngine on
+        `config`; the simulated engine passes its own)."""
         super().__init__(host, port)
         self.config = config
+        self._build_engine = build_engine or functools.partial(_real_engine, config)
         self.engine: AsyncEngine | None = None
         # The queues of the live SubscribeKvEvents streams.
         self.kv_subscribers: set[asyncio.Queue[KVEventBatch | None]] = set()
@@ -259,7 +275,7 @@ class EngineService(GrpcService):
         def on_fatal(error: EngineGroupError) -> None:
             loop.call_soon_threadsafe(self.fail, error)
 
-        self.engine = AsyncEngine(lambda: LLMEngine(self.config), on_fatal=on_fatal)
+        self.engine = AsyncEngine(self._build_engine, on_fatal=on_fatal)
         await asyncio.wrap_future(self.engine.start())
         engine = self.engine.engine
         assert engine is not None  # start() built it
