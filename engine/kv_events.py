@@ -120,12 +120,13 @@ class KVEventPublisher:
         """Register `deliver` for every batch published from now on; returns what comes before
         them: the batches from `start_sequence_number` on (0 and 1 both mean from the first),
         or one snapshot when those are no longer all in the buffer or `epoch` (the epoch the
-        subscriber knew, "" for none) is not this engine's."""
+        subscriber knew, "" for none) is another engine's."""
         with self._lock:
-            # Numbers of another epoch mean nothing here: such a subscriber needs everything.
-            start = max(start_sequence_number, 1) if epoch in ("", self.epoch) else 1
+            # Numbers of another epoch mean nothing here: such a subscriber gets a snapshot at
+            # once, whose AllBlocksCleared makes it forget the engine that was there before.
+            start = max(start_sequence_number, 1)
             oldest = self._replay[0].sequence_number if self._replay else 1
-            if oldest <= start <= self._last_sequence_number + 1:
+            if epoch in ("", self.epoch) and oldest <= start <= self._last_sequence_number + 1:
                 backlog = [b for b in self._replay if b.sequence_number >= start]
             else:
                 backlog = [self._snapshot()]

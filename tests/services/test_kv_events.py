@@ -196,13 +196,15 @@ def test_a_gap_older_than_the_replay_buffer_gets_a_snapshot_of_the_cache(server,
 
 
 def test_evictions_are_reported_and_the_index_matches_the_cache(server, stub):
-    subscriber = Subscriber(stub, start=0, epoch="another-engine")  # from scratch
+    subscriber = Subscriber(stub, start=5, epoch="another-engine")
     try:
         # Distinct prompts of 5 blocks each fill the 24-block pool: older cached blocks go.
         last_tokens: list[int] = []
         for _ in range(6):
             last_tokens = run(stub, fresh_prompt(18))
         subscriber.read_until(subscriber.holds(cached_prefix(last_tokens)))
+        # Another engine's epoch: a snapshot first, whatever its numbers said.
+        assert subscriber.batches[0].snapshot
         assert subscriber.removed, "a full pool evicted no cached block"
         assert set(subscriber.removed) <= set(subscriber.stored) | {
             h for b in subscriber.batches[:1] for e in b.events for h in e.block_stored.block_hashes
