@@ -16,6 +16,7 @@ from typing import Any
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ROUTING_POLICIES = ("cache_aware", "least_load", "round_robin")
 DEFAULT_HOST = "127.0.0.1"
 
 
@@ -32,6 +33,11 @@ def cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "folio"
     )
     return Path(root)
+
+
+def default_step_cost_path() -> Path:
+    """Where `folio bench profile` writes the step cost model simulated engines read."""
+    return cache_dir() / "step_cost.json"
 
 
 @dataclass
@@ -76,6 +82,12 @@ class EngineConfig:
     seed: int = _arg(0, int, "seed of the generator shared by unseeded sampled requests")
     tensor_parallel_size: int = _arg(
         1, int, "processes (ranks) the model is sharded over; rank 0 is the engine itself"
+    )
+    kv_events_replay_batches: int = _arg(
+        1024,
+        int,
+        "KV-cache event batches (about one per step that cached or evicted blocks) kept for "
+        "subscribers that reconnect; one whose gap is older gets a snapshot instead",
     )
     master_addr: str = _arg(
         DEFAULT_HOST,
@@ -126,6 +138,10 @@ class EngineConfig:
         require(
             self.kv_cache_memory_bytes > 0,
             f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}",
+        )
+        require(
+            self.kv_events_replay_batches >= 1,
+            f"kv_events_replay_batches must be >= 1, got {self.kv_events_replay_batches}",
         )
         require(
             self.tensor_parallel_size >= 1,
@@ -300,7 +316,19 @@ class GatewayConfig:
         "then it is aborted (HTTP 504, gRPC DEADLINE_EXCEEDED)",
     )
 
+    routing_policy: str = _arg(
+        "cache_aware",
+        str,
+        "with several engine replicas, which one a request goes to: the one holding most of "
+        "its prompt's prefix in its KV cache unless overloaded, the least loaded, or each in turn",
+        choices=ROUTING_POLICIES,
+    )
+
     def __post_init__(self) -> None:
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ValueError(
+                f"routing_policy must be one of {ROUTING_POLICIES}, got {self.routing_policy!r}"
+            )
         for name in ("rate_limit_rps", "rate_limit_tpm"):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -80,10 +80,12 @@ def threads_per_rank(config: EngineConfig) -> int | None:
 
 
 def rank_device(device: str, rank: int) -> str:
-    """Each rank's own GPU on a CUDA machine; the CPU is shared."""
-    if torch.device(device).type != "cuda":
+    """Each rank's own GPU on a CUDA machine, counted from the engine's (an engine replica on
+    cuda:4 with 2 ranks: cuda:4 and cuda:5); the CPU is shared."""
+    base = torch.device(device)
+    if base.type != "cuda":
         return device
-    return f"cuda:{rank % torch.cuda.device_count()}"
+    return f"cuda:{((base.index or 0) + rank) % torch.cuda.device_count()}"
 
 
 def join_group(store: dist.Store, rank: int, size: int, device: str, host: str) -> TensorParallel:

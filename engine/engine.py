@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from engine.distributed import EngineGroup, start_engine_group
 from engine.errors import InvalidRequestError
 from engine.grammar import validate_sampling_params
 from engine.kv_cache_manager import KVCacheManager, num_blocks_for_budget
+from engine.kv_events import KVEventPublisher
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.models.config import ModelConfig
 from engine.models.parallel import (
@@ -30,26 +30,15 @@ from engine.models.parallel import (
     check_tensor_parallel_size,
     kv_heads_slice,
 )
-from engine.outputs import RequestOutput, StepTimings
+from engine.outputs import EngineStats, RequestOutput, StepTimings
 from engine.prompt_logprobs import record_prompt_logprobs
-from engine.request import Request
+from engine.request import Request, aborted_output, validate_prompt
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import Scheduler
 from engine.stopping import check_stop
 from engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_kv_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
 
 
 class LLMEngine:
@@ -76,6 +65,8 @@ class LLMEngine:
         )
         self.max_model_len = self._max_model_len(config, model_config, num_blocks)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # What the prefix cache stores and evicts, numbered per step for subscribers (routers).
+        self.kv_events = KVEventPublisher(config.kv_events_replay_batches)
         self.scheduler = Scheduler(config, self.kv_cache)
         self.group: EngineGroup | None = None
         if tp_size > 1:
@@ -167,20 +158,7 @@ class LLMEngine:
         return request
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        if len(prompt_token_ids) == 0:
-            raise InvalidRequestError("prompt_token_ids must not be empty")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt_token_ids has {len(prompt_token_ids)} tokens, but the model's context "
-                f"(max_model_len) is {self.max_model_len} tokens, which must include at least "
-                "one generated token"
-            )
-        for token_id in prompt_token_ids:
-            if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
-                raise InvalidRequestError(
-                    f"prompt_token_ids contains {token_id!r}, outside the vocabulary "
-                    f"[0, {self.vocab_size})"
-                )
+        validate_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Stop a request and free its KV blocks. Returns its last outputs (finish reason
@@ -192,20 +170,7 @@ class LLMEngine:
         ended = list(request.samples) or [request]
         for r in ended:
             self._retire(r)
-        return [
-            RequestOutput(
-                request_id=r.caller_id,
-                index=r.sample_index,
-                new_token_ids=[],
-                finished=True,
-                finish_reason=FinishReason.ABORT,
-                num_prompt_tokens=r.num_prompt_tokens,
-                num_output_tokens=r.num_output_tokens,
-                num_cached_tokens=r.num_cached_tokens,
-                queue_seconds=(r.times.first_scheduled or time.monotonic()) - r.times.arrival,
-            )
-            for r in ended
-        ]
+        return [aborted_output(r) for r in ended]
 
     def _retire(self, request: Request) -> None:
         """Drop a finished or aborted request from the engine and free its KV blocks; the
@@ -235,6 +200,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    @property
+    def dtype_name(self) -> str:
+        """The weights' and activations' dtype, e.g. "float32"."""
+        return str(self.runner.dtype).removeprefix("torch.")
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
@@ -249,6 +219,11 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        outputs = self._step()
+        self.kv_events.publish(self.kv_cache.take_kv_events())
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()

@@ -11,23 +11,21 @@ samples. A request about to write into a block that others still hold gets a fre
 instead (copy-on-write); the copy of the shared block's content is recorded for the executor,
 which performs it before the step's forward (`take_block_copies`).
 
+As it registers and evicts cached blocks it records KV events (engine.kv_events) for the engine
+to publish after the step: routers index them to find which engine holds a prompt's prefix.
+
 This module only moves block ids around: it never touches KV tensors (the executor owns them)
 and never decides which request runs or gets preempted (the scheduler does).
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
+from common.block_hash import ROOT_HASH, hash_block
+from engine.kv_events import BlockRemoved, BlockStored, KVEvent
 from engine.request import Request
-
-
-def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
-    """Chained hash of one full block: it identifies the whole prefix ending at this block."""
-    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
 
 
 def num_blocks_for_budget(
@@ -80,6 +78,8 @@ class KVCacheManager:
         # Cumulative, in tokens, counted on each admission (a request's first allocate).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Stored and removed blocks since the last take_kv_events, in order.
+        self._kv_events: list[KVEvent] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -106,7 +106,7 @@ class KVCacheManager:
         tokens = request.token_ids
         size = self.block_size
         blocks: list[int] = []
-        parent = b""
+        parent = ROOT_HASH
         for i in range((len(tokens) - 1) // size):
             parent = hash_block(parent, tokens[i * size : (i + 1) * size])
             block = self._cached.get(parent)
@@ -205,16 +205,22 @@ class KVCacheManager:
         tokens = request.token_ids
         hashes = request.block_hashes
         num_full = min(num_computed_tokens // size, len(request.block_table))
+        stored: BlockStored | None = None  # this call's current run of newly cached blocks
         for i in range(len(hashes), num_full):
-            block_hash = hash_block(
-                hashes[-1] if hashes else b"", tokens[i * size : (i + 1) * size]
-            )
+            parent = hashes[-1] if hashes else ROOT_HASH
+            block_tokens = tokens[i * size : (i + 1) * size]
+            block_hash = hash_block(parent, block_tokens)
             hashes.append(block_hash)
             # Another block may already hold this content; keep that one as the cached copy.
             if block_hash not in self._cached:
                 block = request.block_table[i]
                 self._cached[block_hash] = block
                 self._block_hash[block] = block_hash
+                if stored is None or stored.block_hashes[-1] != parent:
+                    stored = BlockStored([], parent, [], size)
+                    self._kv_events.append(stored)
+                stored.block_hashes.append(block_hash)
+                stored.token_ids += block_tokens
 
     def free(self, request: Request) -> None:
         """Release all of the request's blocks, tail first so that eviction drops tails first."""
@@ -233,17 +239,32 @@ class KVCacheManager:
         if not self._evictable:
             return False
         for block in self._evictable:
-            del self._cached[self._hash_of(block)]
-            self._block_hash[block] = None
+            self._uncache(block)
             self._free.append(block)
         self._evictable.clear()
         return True
 
+    def take_kv_events(self) -> list[KVEvent]:
+        """The blocks stored in and removed from the prefix cache since the last call, in
+        order; clears them."""
+        events, self._kv_events = self._kv_events, []
+        return events
+
     def _evict(self) -> int:
         block, _ = self._evictable.popitem(last=False)
-        del self._cached[self._hash_of(block)]
-        self._block_hash[block] = None
+        self._uncache(block)
         return block
+
+    def _uncache(self, block: int) -> None:
+        block_hash = self._hash_of(block)
+        del self._cached[block_hash]
+        self._block_hash[block] = None
+        # Evictions in a row (one allocation, a reset) are one event.
+        last = self._kv_events[-1] if self._kv_events else None
+        if isinstance(last, BlockRemoved):
+            last.block_hashes.append(block_hash)
+        else:
+            self._kv_events.append(BlockRemoved([block_hash]))
 
     def _hash_of(self, block: int) -> bytes:
         """The hash of a block registered in the cache (every cached or evictable block is)."""

@@ -61,3 +61,16 @@ class StepTimings:
 
     def as_dict(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in self.PHASES}
+
+
+@dataclass
+class EngineStats:
+    """Load and cumulative counters, read between steps."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_kv_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int

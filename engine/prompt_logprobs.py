@@ -15,12 +15,13 @@ This module never runs the model and never chooses tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.request import Request
-from engine.sampler import token_logprobs
 from engine.step_plan import PromptLogprobSpan
+
+if TYPE_CHECKING:
+    import torch
 
 
 def plan_span(request: Request, batch_index: int, start: int, end: int) -> PromptLogprobSpan | None:
@@ -38,6 +39,10 @@ def record_prompt_logprobs(
 ) -> None:
     """Append each span's logprob records to its request (scheduled[span.batch_index]); logits
     has one row per span token, spans in order, columns cut to the vocabulary."""
+    # The sampler (torch) is imported where logprobs are computed, not at the top: the
+    # scheduler imports this module for plan_span and stays torch-free.
+    from engine.sampler import token_logprobs
+
     targets: list[int] = []
     num_top: list[int] = []
     for span in spans:

@@ -4,7 +4,8 @@ A request advances `num_computed_tokens` towards `num_tokens` (prompt plus outpu
 prefill, chunked prefill, decode and recompute after preemption are all that one motion.
 A request with n > 1 (a parent) computes its prompt once, then forks into n samples: requests
 of their own (ids from sample_request_id) that start with the parent's computed prompt and
-report under the parent's id with their index. This module holds state only: scheduling, KV
+report under the parent's id with their index. This module holds state (and the shape checks of a
+prompt, the last output of an aborted request) only: scheduling, KV
 allocation and sampling live elsewhere.
 """
 
@@ -15,11 +16,15 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
+from common.errors import InvalidRequestError
 from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams, sample_request_id
+from engine.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(enum.Enum):
@@ -84,6 +89,10 @@ class Request:
         self.token_ids = list(self.prompt_token_ids)
         self.seq_id = next(_SEQ_IDS)
         if self.sampling_params.seed is not None:
+            # Imported here: only a seeded request needs torch, so that the scheduler and the
+            # KV cache manager (and the simulated engine on them) stay torch-free.
+            import torch
+
             self.generator = torch.Generator()
             self.generator.manual_seed(self.sampling_params.seed)
         params = self.sampling_params
@@ -138,3 +147,36 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
+
+
+def validate_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """InvalidRequestError unless the prompt is non-empty, leaves room for one generated token
+    and holds only ids inside the vocabulary."""
+    if len(prompt_token_ids) == 0:
+        raise InvalidRequestError("prompt_token_ids must not be empty")
+    if len(prompt_token_ids) >= max_model_len:
+        raise InvalidRequestError(
+            f"prompt_token_ids has {len(prompt_token_ids)} tokens, but the model's context "
+            f"(max_model_len) is {max_model_len} tokens, which must include at least "
+            "one generated token"
+        )
+    for token_id in prompt_token_ids:
+        if not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
+            raise InvalidRequestError(
+                f"prompt_token_ids contains {token_id!r}, outside the vocabulary [0, {vocab_size})"
+            )
+
+
+def aborted_output(request: Request) -> RequestOutput:
+    """The last output of an aborted request (or sample)."""
+    return RequestOutput(
+        request_id=request.caller_id,
+        index=request.sample_index,
+        new_token_ids=[],
+        finished=True,
+        finish_reason=FinishReason.ABORT,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=request.num_output_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+        queue_seconds=(request.times.first_scheduled or time.monotonic()) - request.times.arrival,
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from common.config import (
     ENGINE_PORT,
@@ -18,6 +19,7 @@ from common.config import (
     add_engine_args,
     add_gateway_args,
     add_service_args,
+    default_step_cost_path,
     engine_config_from_args,
     gateway_config_from_args,
 )
@@ -66,6 +68,20 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_profile(args: argparse.Namespace) -> int:
+    from bench.profile import run_profile
+
+    run_profile(args)
+    return 0
+
+
+def _bench_routing(args: argparse.Namespace) -> int:
+    from bench.routing import run_routing_benchmark
+
+    run_routing_benchmark(args)
+    return 0
+
+
 def _run_service(service, drain_seconds: float) -> int:
     import logging
 
@@ -93,10 +109,36 @@ def _tokenizer(args: argparse.Namespace) -> int:
 
 
 def _engine(args: argparse.Namespace) -> int:
+    if args.simulate:
+        return _simulated_engines(args)
+    if args.replicas != 1:
+        raise ValueError(
+            "--replicas needs --simulate (real replicas: folio serve --engine-replicas N)"
+        )
     from services.engine.server import EngineService
 
     service = EngineService(engine_config_from_args(args), args.host, args.port)
     return _run_service(_require_internal_token(service), args.drain_seconds)
+
+
+def _simulated_engines(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from engine.simulated import StepCostModel
+    from services.engine.simulate import run_simulated, simulated_services
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cost = StepCostModel.load(args.step_cost)
+    services = simulated_services(
+        engine_config_from_args(args),
+        cost,
+        args.host,
+        args.port,
+        args.replicas,
+        _require_internal_token,
+    )
+    return asyncio.run(run_simulated(services, args.drain_seconds))
 
 
 def _engine_worker(args: argparse.Namespace) -> int:
@@ -117,7 +159,7 @@ def _gateway(args: argparse.Namespace) -> int:
         args.host,
         args.port,
         args.grpc_port,
-        args.engine_address,
+        args.engine_address,  # one or more replicas
         args.tokenizer_address,
         args.served_model_name,
         config,
@@ -130,6 +172,14 @@ def _serve(args: argparse.Namespace) -> int:
     from services.supervisor import serve, serve_config_from_args
 
     return serve(serve_config_from_args(args))
+
+
+class _AppendReplacingDefault(argparse.Action):
+    """A repeatable flag whose default list is replaced, not extended, by the values given."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        given = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, [*([] if given is self.default else given), values])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,6 +213,26 @@ def build_parser() -> argparse.ArgumentParser:
     engine = sub.add_parser("engine", help="run the engine gRPC service")
     add_service_args(engine, ENGINE_PORT)
     add_engine_args(engine)
+    simulate = engine.add_argument_group("simulation")
+    simulate.add_argument(
+        "--simulate",
+        action="store_true",
+        help="no model: the real scheduler and KV cache, each step as long as the step cost "
+        "model says, placeholder tokens (for routing studies at scale)",
+    )
+    simulate.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="with --simulate: simulated engines in this process, on consecutive ports from "
+        "--port (0: free ones)",
+    )
+    simulate.add_argument(
+        "--step-cost",
+        type=Path,
+        default=default_step_cost_path(),
+        help="the step cost model `folio bench profile` wrote",
+    )
     engine.set_defaults(func=_engine)
 
     worker = sub.add_parser(
@@ -199,8 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gateway.add_argument(
         "--engine-address",
-        default=f"{DEFAULT_HOST}:{ENGINE_PORT}",
-        help="HOST:PORT of the engine service",
+        action=_AppendReplacingDefault,
+        default=[f"{DEFAULT_HOST}:{ENGINE_PORT}"],
+        help="HOST:PORT of the engine service; repeat it for each engine replica (the gateway "
+        "routes between them by --routing-policy)",
     )
     gateway.add_argument(
         "--tokenizer-address",
@@ -245,6 +317,28 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_bench_args(served)
     add_engine_args(served)
     served.set_defaults(func=_bench_serve)
+    profile = bench_sub.add_parser(
+        "profile", help="time the engine's steps; fit the simulated engine's step cost model"
+    )
+    from bench.profile import add_profile_args
+
+    add_profile_args(profile)
+    add_engine_args(profile)
+    profile.set_defaults(func=_bench_profile)
+    routing = bench_sub.add_parser(
+        "routing", help="multi-turn chats over engine replicas under each routing policy"
+    )
+    from bench.routing import add_routing_bench_args
+
+    add_routing_bench_args(routing)
+    routing.add_argument(
+        "--step-cost",
+        type=Path,
+        default=default_step_cost_path(),
+        help="with --simulate: the step cost model `folio bench profile` wrote",
+    )
+    add_engine_args(routing)
+    routing.set_defaults(func=_bench_routing, num_kv_blocks=1024)
     return parser
 
 

@@ -14,7 +14,7 @@ anything.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Protocol, TypeVar
 
 import grpc
@@ -167,9 +167,13 @@ class EngineClient(_ServiceClient):
         # Generate streams that broke (the engine died or restarted): what the gateway learnt
         # from the engine before then may no longer hold.
         self.broken_streams = 0
+        # Told when a Generate stream breaks (before its requests fail).
+        self.on_stream_broken: Callable[[], None] | None = None
 
     def _stream_broke(self) -> None:
         self.broken_streams += 1
+        if self.on_stream_broken is not None:
+            self.on_stream_broken()
 
     def stream(self, make_sink: Callable[[GenerateStream], OutputSink]) -> GenerateStream:
         """The shared Generate stream; a fresh one (its sink from `make_sink`) if there is
@@ -183,6 +187,18 @@ class EngineClient(_ServiceClient):
 
     async def stats(self) -> engine_pb2.GetStatsResponse:
         return await self._unary(self._stub.GetStats, engine_pb2.GetStatsRequest())
+
+    def kv_events(
+        self, start_sequence_number: int, epoch: str
+    ) -> AsyncIterable[engine_pb2.SubscribeKvEventsResponse]:
+        """The engine's KV event batches from `start_sequence_number` of `epoch` on (a replay,
+        or a snapshot), then live; raises grpc.aio.AioRpcError when the stream breaks."""
+        return self._stub.SubscribeKvEvents(
+            engine_pb2.SubscribeKvEventsRequest(
+                start_sequence_number=start_sequence_number, epoch=epoch
+            ),
+            metadata=self._metadata,
+        )
 
     async def close(self) -> None:
         if self._stream is not None:

@@ -1,12 +1,13 @@
 """The gateway's text-level generation pipeline, shared by the HTTP routes and the gRPC API.
 
-Token ids go to the engine on the shared Generate stream; its output processor
-(gateway/output_processor.py) turns the tokens that come back into text and hands each call its
-deltas; a prompt's n choices are one engine request with n samples (the prompt computed once).
-When the caller goes away (the iterator is closed or cancelled) what still runs is aborted at
-once. The served model's facts (asked of the engine), the tokenizer calls the front ends make
-and the drain state live here too; what a request must satisfy is validation.py's. This module
-never parses HTTP and never builds OpenAI or protobuf response shapes.
+Token ids go to an engine replica (gateway/replicas.py picks it) on that replica's shared
+Generate stream; its output processor (gateway/output_processor.py) turns the tokens that come
+back into text and hands each call its deltas; a prompt's n choices are one engine request with
+n samples (the prompt computed once). When the caller goes away (the iterator is closed or
+cancelled) what still runs is aborted at once. The served model's facts (asked of the engine),
+the tokenizer calls the front ends make and the drain state live here too; what a request must
+satisfy is validation.py's. This module never parses HTTP and never builds OpenAI or protobuf
+response shapes.
 """
 
 from __future__ import annotations
@@ -28,7 +29,15 @@ from common.sampling_proto import sampling_params_to_proto
 from gateway.clients import EngineClient, GenerateStream, TokenizerClient
 from gateway.deadlines import at_deadline
 from gateway.metrics import Metrics
-from gateway.output_processor import ChoiceItem, OutputProcessor, TokenTexts, TrackedRequest
+from gateway.output_processor import (
+    ChoiceItem,
+    OutputProcessor,
+    RetryHook,
+    TokenTexts,
+    TrackedRequest,
+)
+from gateway.replicas import EnginePool
+from gateway.routing import make_policy
 from gateway.text import TextDelta, TextRequest
 from gateway.validation import ModelInfo
 
@@ -44,12 +53,14 @@ class Gateway:
 
     def __init__(
         self,
-        engine: EngineClient,
+        engines: Sequence[EngineClient],
         tokenizer: TokenizerClient,
         metrics: Metrics,
         served_model_name: str | None = None,
+        routing_policy: str = "cache_aware",
     ) -> None:
-        self.engine = engine
+        """`engines`: one client per engine replica; `routing_policy` picks among them."""
+        self.engine = EnginePool(engines, make_policy(routing_policy), self._output_processor)
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.served_model_name = served_model_name
@@ -155,9 +166,6 @@ class Gateway:
         max_n = SamplingParams.MAX_N
         if any(r.params.n > 1 for r in requests):
             max_n = min(max_n, (await self.model()).max_num_seqs)
-        stream = self.engine.stream(self._output_processor)
-        processor = stream.sink
-        assert isinstance(processor, OutputProcessor)
         deltas: asyncio.Queue[ChoiceItem] = asyncio.Queue()
         tracked: list[TrackedRequest] = []
         timer = None
@@ -185,12 +193,8 @@ class Gateway:
                     tracked.append(
                         TrackedRequest(engine_id, request, count, choice, arrival, deltas)
                     )
-                    processor.add(tracked[-1])
-                    stream.add(
-                        engine_id,
-                        request.prompt_ids,
-                        sampling_params_to_proto(params),
-                        request.priority,
+                    self.engine.submit(
+                        tracked[-1], sampling_params_to_proto(params), request.priority
                     )
                     choice += count
             choices_left = choice
@@ -204,11 +208,13 @@ class Gateway:
         finally:
             if timer is not None:
                 timer.cancel()
-            processor.release(tracked)
+            self.engine.release(tracked)
             self._leave()
 
-    def _output_processor(self, stream: GenerateStream) -> OutputProcessor:
-        return OutputProcessor(self._detokenizer, stream.abort, self.metrics, self._token_texts)
+    def _output_processor(self, stream: GenerateStream, retry: RetryHook) -> OutputProcessor:
+        return OutputProcessor(
+            self._detokenizer, stream.abort, self.metrics, self._token_texts, retry
+        )
 
     # -- metrics and drain --------------------------------------------------------------------
 

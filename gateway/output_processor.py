@@ -48,6 +48,9 @@ AbortSink = Callable[[list[str], list[tuple[str, int]]], None]
 # What a caller reads: (choice index, delta), or the error that ended its call.
 ChoiceItem = tuple[int, TextDelta] | Exception
 
+# Offered each request a broken engine stream had not started: True if it runs elsewhere now.
+RetryHook = Callable[["TrackedRequest"], bool]
+
 
 class TokenTexts:
     """Each token id's text on its own (special tokens kept), as logprobs show it; learnt from
@@ -139,6 +142,11 @@ class TrackedRequest:
     def live(self) -> list[_Sequence]:
         return [s for s in self.sequences if not s.done]
 
+    @property
+    def started(self) -> bool:
+        """Something of it reached the tokenizer or its caller: it can no longer run anew."""
+        return any(s.opened or s.done for s in self.sequences)
+
 
 @dataclass
 class _Step:
@@ -160,8 +168,10 @@ class OutputProcessor:
         abort: AbortSink,
         metrics: Metrics,
         token_texts: TokenTexts,
+        retry: RetryHook | None = None,
     ) -> None:
         self._detokenizer = detokenizer
+        self._retry = retry
         self._abort = abort
         self._metrics = metrics
         self._token_texts = token_texts
@@ -190,9 +200,11 @@ class OutputProcessor:
             self._abort(aborted, [])
 
     def fail_all(self, error: Exception) -> None:
-        """The engine stream ended: every request it carried fails with `error`."""
+        """The engine stream ended: every request it carried fails with `error`, except those
+        not started yet that the retry hook placed elsewhere."""
         for request in self._requests.values():
-            request.deltas.put_nowait(error)
+            if self._retry is None or request.started or not self._retry(request):
+                request.deltas.put_nowait(error)
         self._requests.clear()
 
     async def process_outputs(self, outputs: Sequence[engine_pb2.RequestOutput]) -> None:

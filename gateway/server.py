@@ -14,7 +14,7 @@ import contextlib
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import uvicorn
 from starlette.applications import Starlette
@@ -26,6 +26,7 @@ from gateway.clients import EngineClient, TokenizerClient
 from gateway.generation import Gateway
 from gateway.grpc_service import GatewayGrpcService
 from gateway.metrics import Metrics
+from gateway.replica_metrics import ReplicaCollector
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -64,17 +65,20 @@ class GatewayServer:
         host: str,
         port: int,
         grpc_port: int,
-        engine_address: str,
+        engine_address: str | Sequence[str],
         tokenizer_address: str,
         served_model_name: str | None = None,
         config: GatewayConfig | None = None,
         internal_token: str | None = None,
     ) -> None:
-        """`internal_token`: what the engine and tokenizer require of callers, if anything."""
+        """`engine_address`: one engine, or each replica's. `internal_token`: what the engine
+        and tokenizer require of callers, if anything."""
         self.host = host
         self.port = port
         self.grpc_port = grpc_port
-        self._engine_address = engine_address
+        self._engine_addresses = (
+            [engine_address] if isinstance(engine_address, str) else list(engine_address)
+        )
         self._tokenizer_address = tokenizer_address
         self._served_model_name = served_model_name
         self.config = config or GatewayConfig()
@@ -88,12 +92,17 @@ class GatewayServer:
     async def start(self) -> None:
         """Listen on both ports (0 picks free ones; self.port and self.grpc_port say which)."""
         # gRPC channels belong to the running loop: create the clients here, not in __init__.
+        metrics = Metrics()
         self.gateway = Gateway(
-            EngineClient(self._engine_address, self._internal_token),
+            [EngineClient(address, self._internal_token) for address in self._engine_addresses],
             TokenizerClient(self._tokenizer_address, self._internal_token),
-            Metrics(),
+            metrics,
             self._served_model_name,
+            self.config.routing_policy,
         )
+        pool = self.gateway.engine
+        metrics.registry.register(ReplicaCollector(pool.replicas, pool.index))
+        pool.start()
         access = Access(self.config)
         self._grpc = GatewayGrpcService(
             self.gateway, self.host, self.grpc_port, self.config, access

@@ -14,6 +14,8 @@ no service logic and never imports torch or the engine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import os
 import secrets
 import signal
@@ -78,8 +80,31 @@ class ServeConfig:
     max_restarts: int = MAX_RESTARTS
     startup_timeout: float = 600.0
     served_model_name: str | None = None
+    engine_replicas: int = 1
     engine: EngineConfig = field(default_factory=EngineConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
+
+    def __post_init__(self) -> None:
+        if self.engine_replicas < 1:
+            raise ValueError(f"engine_replicas must be >= 1, got {self.engine_replicas}")
+
+
+def replica_engine_config(engine: EngineConfig, replica: int, num_replicas: int) -> EngineConfig:
+    """Engine replica `replica`'s share of the machine: on CPU the cores split between the
+    replicas (each rank of a tensor-parallel replica its part), unless --num-threads says
+    otherwise; on CUDA its own GPUs, T of them with tensor parallel size T, counted from the
+    configured device (cuda or cuda:0: replica i gets cuda:i*T ... cuda:i*T+T-1)."""
+    if num_replicas == 1:
+        return engine
+    size = engine.tensor_parallel_size
+    if engine.device.startswith("cuda"):
+        _, _, index = engine.device.partition(":")
+        base = int(index) if index else 0
+        return dataclasses.replace(engine, device=f"cuda:{base + replica * size}")
+    if engine.num_threads is None:
+        cores = len(os.sched_getaffinity(0))
+        return dataclasses.replace(engine, num_threads=max(1, cores // (num_replicas * size)))
+    return engine
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -122,6 +147,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--served-model-name", default=None, help="the model name the API shows")
     group.add_argument(
+        "--engine-replicas",
+        type=int,
+        default=1,
+        help="engine processes, each with its own port (the first on --engine-port) and its "
+        "share of the CPU cores or its own GPUs; the gateway routes between them "
+        "(--routing-policy)",
+    )
+    group.add_argument(
         "--startup-timeout",
         type=float,
         default=600.0,
@@ -140,6 +173,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_restarts=args.max_restarts,
         startup_timeout=args.startup_timeout,
         served_model_name=args.served_model_name,
+        engine_replicas=args.engine_replicas,
         engine=engine_config_from_args(args),
         gateway=gateway_config_from_args(args, load_api_keys(args.api_key, args.api_key_file)),
     )
@@ -271,9 +305,16 @@ class Supervisor:
         self.host = config.host
         self.port = config.port or _free_port(config.host, held)
         self.grpc_port = config.grpc_port or _free_port(config.host, held)
-        self.engine_address = (
-            f"{INTERNAL_HOST}:{config.engine_port or _free_port(INTERNAL_HOST, held)}"
-        )
+        # The first replica on --engine-port; the others on free ports (the next numbers up
+        # may well be the tokenizer's).
+        self.engine_addresses = [
+            f"{INTERNAL_HOST}:{config.engine_port or _free_port(INTERNAL_HOST, held)}",
+            *(
+                f"{INTERNAL_HOST}:{_free_port(INTERNAL_HOST, held)}"
+                for _ in range(config.engine_replicas - 1)
+            ),
+        ]
+        self.engine_address = self.engine_addresses[0]
         self.tokenizer_address = (
             f"{INTERNAL_HOST}:{config.tokenizer_port or _free_port(INTERNAL_HOST, held)}"
         )
@@ -304,22 +345,30 @@ class Supervisor:
             drain,
             output,
         )
-        self.engine = Child(
-            "engine",
-            [
-                "engine",
-                "--host",
-                INTERNAL_HOST,
-                "--port",
-                self._port(self.engine_address),
-                "--drain-seconds",
-                str(drain),
-                *engine_args_from_config(engine),
-            ],
-            lambda: _grpc_serving(self.engine_address),
-            drain,
-            output,
-        )
+        replicas = config.engine_replicas
+        self.engines = [
+            Child(
+                "engine" if replicas == 1 else f"engine-{i}",
+                [
+                    "engine",
+                    "--host",
+                    INTERNAL_HOST,
+                    "--port",
+                    self._port(address),
+                    "--drain-seconds",
+                    str(drain),
+                    *engine_args_from_config(replica_engine_config(engine, i, replicas)),
+                ],
+                functools.partial(_grpc_serving, address),
+                drain,
+                output,
+            )
+            for i, address in enumerate(self.engine_addresses)
+        ]
+        self.engine = self.engines[0]
+        engine_addresses = [
+            arg for address in self.engine_addresses for arg in ("--engine-address", address)
+        ]
         self.gateway = Child(
             "gateway",
             [
@@ -330,8 +379,7 @@ class Supervisor:
                 str(self.port),
                 "--grpc-port",
                 str(self.grpc_port),
-                "--engine-address",
-                self.engine_address,
+                *engine_addresses,
                 "--tokenizer-address",
                 self.tokenizer_address,
                 "--drain-seconds",
@@ -343,7 +391,7 @@ class Supervisor:
             drain,
             output,
         )
-        self.children = [self.tokenizer, self.engine, self.gateway]
+        self.children = [self.tokenizer, *self.engines, self.gateway]
         # The engine and tokenizer admit only the gateway, by a token made for this run unless
         # the operator set one (to reach the internal services with their own clients too).
         # Secrets travel in the environment: a command line is visible to every user (ps).
@@ -446,7 +494,7 @@ class Supervisor:
         True if every child that was still running exited 0 on SIGTERM.
         """
         clean = self._stop_group([self.gateway])
-        return self._stop_group([self.engine, self.tokenizer]) and clean
+        return self._stop_group([*self.engines, self.tokenizer]) and clean
 
     def _stop_group(self, children: list[Child]) -> bool:
         running = [c for c in children if c.process is not None and c.exit_code() is None]
@@ -481,7 +529,7 @@ def serve(config: ServeConfig) -> int:
         signal.signal(sig, lambda *_: supervisor.request_stop())
     print(
         f"folio: starting tokenizer ({supervisor.tokenizer_address}), engine "
-        f"({supervisor.engine_address}) and gateway ({supervisor.url})",
+        f"({','.join(supervisor.engine_addresses)}) and gateway ({supervisor.url})",
         flush=True,
     )
     failed = False

@@ -31,7 +31,7 @@ class GatewayThread(LoopThread):
 
     def __init__(
         self,
-        engine_address: str,
+        engine_address: str | list[str],
         tokenizer_address: str,
         config: GatewayConfig | None = None,
         internal_token: str | None = None,

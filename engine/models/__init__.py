@@ -1,7 +1,4 @@
-"""Model code for the engine: configs, the Llama-family model, and the safetensors loader."""
-
-from engine.models.config import ModelConfig
-from engine.models.llama import LlamaForCausalLM
-from engine.models.loader import MODEL_REGISTRY, load_model
-
-__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "ModelConfig", "load_model"]
+"""Model code for the engine: configs (models/config.py, torch-free: the simulated engine reads
+them too), the Llama-family model (models/llama.py) and the safetensors loader (models/loader.py).
+Import from those modules: this package imports nothing, so reading a config never loads torch.
+"""

@@ -9,6 +9,7 @@ from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
 from common.errors import status_code_for
 from common.finish_reason import finish_reason_to_proto
 from engine.async_engine import Event, RequestFailed
+from engine.kv_events import BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from engine.outputs import RequestOutput
 
 
@@ -63,3 +64,30 @@ def _output_to_proto(out: RequestOutput) -> engine_pb2.RequestOutput:
         )
         message.queue_seconds = out.queue_seconds
     return message
+
+
+def _kv_event_to_proto(event: KVEvent) -> engine_pb2.KvEvent:
+    if isinstance(event, BlockStored):
+        return engine_pb2.KvEvent(
+            block_stored=engine_pb2.BlockStored(
+                block_hashes=event.block_hashes,
+                parent_block_hash=event.parent_block_hash,
+                token_ids=event.token_ids,
+                block_size=event.block_size,
+            )
+        )
+    if isinstance(event, BlockRemoved):
+        return engine_pb2.KvEvent(
+            block_removed=engine_pb2.BlockRemoved(block_hashes=event.block_hashes)
+        )
+    return engine_pb2.KvEvent(all_blocks_cleared=engine_pb2.AllBlocksCleared())
+
+
+def kv_event_batch_to_proto(batch: KVEventBatch) -> engine_pb2.SubscribeKvEventsResponse:
+    return engine_pb2.SubscribeKvEventsResponse(
+        sequence_number=batch.sequence_number,
+        epoch=batch.epoch,
+        timestamp=batch.timestamp,
+        events=[_kv_event_to_proto(e) for e in batch.events],
+        snapshot=batch.snapshot,
+    )

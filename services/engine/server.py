@@ -8,10 +8,12 @@ them when the stream goes away; everything else is the library's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,10 +26,10 @@ from common.errors import UnavailableError
 from common.grpc_server import GrpcService
 from common.sampling_params import parent_request_id, sample_request_id
 from common.sampling_proto import sampling_params_from_proto
-from engine.async_engine import AsyncEngine, RequestFailed
-from engine.engine import LLMEngine
+from engine.async_engine import AsyncEngine, RequestFailed, SteppedEngine
 from engine.errors import EngineGroupError, InvalidRequestError
-from services.engine.convert import error_output, event_to_proto
+from engine.kv_events import KVEventBatch
+from services.engine.convert import error_output, event_to_proto, kv_event_batch_to_proto
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +171,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             vocab_size=llm.vocab_size,
             max_model_len=llm.max_model_len,
             eos_token_ids=sorted(llm.eos_token_ids),
-            dtype=str(llm.runner.dtype).removeprefix("torch."),
+            dtype=llm.dtype_name,
             device=config.device,
             block_size=config.block_size,
             num_kv_blocks=llm.kv_cache.num_blocks,
@@ -190,6 +192,39 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             num_steps=timings.steps,
             step_seconds=timings.as_dict(),
         )
+
+    async def SubscribeKvEvents(
+        self, request: pb.SubscribeKvEventsRequest, context
+    ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
+        llm = (await self._engine(context)).engine
+        assert llm is not None  # serving: the engine thread built it
+        loop = asyncio.get_running_loop()
+        # None: the service is stopping (a drain must not wait for subscribers to leave).
+        batches: asyncio.Queue[KVEventBatch | None] = asyncio.Queue()
+
+        def deliver(batch: KVEventBatch) -> None:  # in the engine thread
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens
+                loop.call_soon_threadsafe(batches.put_nowait, batch)
+
+        backlog, subscription = llm.kv_events.subscribe(
+            request.start_sequence_number, request.epoch, deliver
+        )
+        self._service.kv_subscribers.add(batches)
+        try:
+            for batch in backlog:
+                yield kv_event_batch_to_proto(batch)
+            while (next_batch := await batches.get()) is not None:
+                yield kv_event_batch_to_proto(next_batch)
+        finally:
+            subscription.close()
+            self._service.kv_subscribers.discard(batches)
+
+
+def _real_engine(config: EngineConfig) -> SteppedEngine:
+    # Imported here: torch and the model code load only in a process that runs a real engine.
+    from engine.engine import LLMEngine
+
+    return LLMEngine(config)
 
 
 def _exit_unless_stopped_soon(error: Exception) -> None:
@@ -212,10 +247,21 @@ def _exit_unless_stopped_soon(error: Exception) -> None:
 class EngineService(GrpcService):
     service_names = (pb.DESCRIPTOR.services_by_name["EngineService"].full_name,)
 
-    def __init__(self, config: EngineConfig, host: str, port: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        host: str,
+        port: int,
+        build_engine: Callable[[], SteppedEngine] | None = None,
+    ) -> None:
+        """`build_engine` makes the engine in its loop thread (default: the real LLMEngine on
+        `config`; the simulated engine passes its own)."""
         super().__init__(host, port)
         self.config = config
+        self._build_engine = build_engine or functools.partial(_real_engine, config)
         self.engine: AsyncEngine | None = None
+        # The queues of the live SubscribeKvEvents streams.
+        self.kv_subscribers: set[asyncio.Queue[KVEventBatch | None]] = set()
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
         engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(self), server)
@@ -229,11 +275,18 @@ class EngineService(GrpcService):
         def on_fatal(error: EngineGroupError) -> None:
             loop.call_soon_threadsafe(self.fail, error)
 
-        self.engine = AsyncEngine(lambda: LLMEngine(self.config), on_fatal=on_fatal)
+        self.engine = AsyncEngine(self._build_engine, on_fatal=on_fatal)
         await asyncio.wrap_future(self.engine.start())
         engine = self.engine.engine
         assert engine is not None  # start() built it
         engine.add_failure_listener(_exit_unless_stopped_soon)
+
+    async def stop(self, grace: float | None) -> None:
+        # KV event streams never end on their own: end them first, so the drain waits only for
+        # requests in flight.
+        for batches in self.kv_subscribers:
+            batches.put_nowait(None)
+        await super().stop(grace)
 
     async def close(self) -> None:
         if self.engine is not None:

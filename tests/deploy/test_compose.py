@@ -69,7 +69,7 @@ def test_ports_are_the_cli_defaults_and_health_checks_probe_them():
 
 def test_gateway_points_at_the_other_services_by_name():
     gateway = parsed("gateway")
-    assert gateway.engine_address == f"engine:{parsed('engine').port}"
+    assert gateway.engine_address == [f"engine:{parsed('engine').port}"]
     assert gateway.tokenizer_address == f"tokenizer:{parsed('tokenizer').port}"
     depends = SERVICES["gateway"]["depends_on"]
     assert {name: d["condition"] for name, d in depends.items()} == {

@@ -189,5 +189,5 @@ def test_every_service_listens_on_loopback_by_default():
         assert build_parser().parse_args(command).host == "127.0.0.1", command
     assert INTERNAL_HOST == "127.0.0.1"
     gateway = build_parser().parse_args(["gateway"])
-    assert gateway.engine_address.startswith("127.0.0.1:")
+    assert gateway.engine_address[0].startswith("127.0.0.1:")
     assert gateway.tokenizer_address.startswith("127.0.0.1:")

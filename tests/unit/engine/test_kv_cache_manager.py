@@ -15,6 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from common.block_hash import ROOT_HASH, prefix_block_hashes
 from common.sampling_params import SamplingParams
 from engine.kv_cache_manager import KVCacheManager, num_blocks_for_budget
 from engine.request import Request
@@ -398,3 +399,16 @@ def test_num_blocks_for_budget(num_layers, num_kv_heads, head_dim, block_size, d
         num_blocks_for_budget(
             one_block - 1, num_layers, num_kv_heads, head_dim, block_size, dtype_bytes
         )
+
+
+def test_cached_blocks_use_the_shared_chained_hash_and_are_recorded_as_kv_events():
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    request = Request("r", list(range(10, 21)), SamplingParams())
+    assert manager.allocate(request, request.num_tokens)
+    manager.cache_blocks(request, request.num_tokens)
+    expected = prefix_block_hashes(request.token_ids, 4)
+    assert request.block_hashes == expected
+    [stored] = manager.take_kv_events()
+    assert stored.block_hashes == expected and stored.parent_block_hash == ROOT_HASH
+    assert stored.token_ids == request.token_ids[:8]
+    assert manager.take_kv_events() == []

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from engine.models import ModelConfig, load_model
+from engine.models.config import ModelConfig
+from engine.models.loader import load_model
 from paged import BlockPool, build_metadata
 from tiny_models import VARIANTS, make_checkpoint
 

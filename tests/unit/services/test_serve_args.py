@@ -72,7 +72,7 @@ def test_serve_flags_reach_each_child():
         50153,
     )
     assert (gateway.engine_address, gateway.tokenizer_address) == (
-        "127.0.0.1:50151",
+        ["127.0.0.1:50151"],
         "127.0.0.1:50152",
     )
     assert {tokenizer.drain_seconds, engine.drain_seconds, gateway.drain_seconds} == {3.0}

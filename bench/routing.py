@@ -1,0 +1,574 @@
+"""`folio bench routing`: a multi-turn chat workload with shared system prompts against N engine
+replicas behind one gateway, once per routing policy, each on a fresh stack (cold caches).
+
+Per policy it prints the prefix-cache hit rate (prompt tokens found in the engines' caches),
+TTFT p50/p99 as the client sees it (streamed chat completions), throughput, and how evenly the
+requests spread over the replicas (the busiest replica's share against the mean share). Real
+replicas run under `folio serve --engine-replicas N`; simulated ones (--simulate) in one
+`folio engine --simulate --replicas N` process beside a tokenizer and a gateway, and then the
+share of the modelled step time the simulated steps overran (the machine's CPU deciding rather
+than the model) is printed too. With real replicas a one-engine run of the same workload gives
+the hit rate to compare with. Conversations arrive as a Poisson process at the offered request
+rate; each next turn is sent when the previous answer is complete and quotes it.
+
+A benchmark, not a test: it asserts nothing and never runs in the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.config import ROUTING_POLICIES
+
+SERVING = re.compile(r"serving on (http://\S+) ")
+GATEWAY = re.compile(r"gateway listening on (http://\S+) ")
+ENGINES = re.compile(r"simulated engines listening on (\S+):([\d,]+)")
+TOKENIZER = re.compile(r"TokenizerService listening on (\S+)")
+
+
+def add_routing_bench_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("routing workload")
+    group.add_argument("--replicas", type=int, default=2, help="engine replicas")
+    group.add_argument(
+        "--simulate", action="store_true", help="simulated engines (engine/simulated.py)"
+    )
+    group.add_argument(
+        "--policies", default=",".join(ROUTING_POLICIES), help="comma-separated policies"
+    )
+    group.add_argument("--conversations", type=int, default=200)
+    group.add_argument("--min-turns", type=int, default=4)
+    group.add_argument("--max-turns", type=int, default=8)
+    group.add_argument("--system-prompts", type=int, default=8)
+    group.add_argument("--system-tokens", type=int, default=256)
+    group.add_argument("--user-tokens", type=int, default=48)
+    group.add_argument("--output-tokens", type=int, default=48)
+    group.add_argument(
+        "--rate-per-replica",
+        type=float,
+        default=None,
+        help="offered requests/s per replica (default 1 real, 4 simulated)",
+    )
+    group.add_argument("--workload-seed", type=int, default=0)
+    group.add_argument(
+        "--skip-single",
+        action="store_true",
+        help="real replicas: skip the one-engine run whose hit rate is the reference",
+    )
+    group.add_argument(
+        "--startup-timeout", type=float, default=600.0, help="seconds to wait for a stack"
+    )
+
+
+# -- the workload ------------------------------------------------------------------------------
+
+
+@dataclass
+class Conversation:
+    system: str
+    user_turns: list[str]
+    start: float  # seconds after the run's start
+
+
+def _words_of(tokenizer, rng: random.Random, vocabulary: list[str], num_tokens: int) -> str:
+    """Text of about `num_tokens` tokens, from random common words."""
+    words: list[str] = []
+    while len(tokenizer.encode(" ".join(words), add_special_tokens=False)) < num_tokens:
+        words += rng.choices(vocabulary, k=max(1, (num_tokens - len(words)) // 2))
+    while len(tokenizer.encode(" ".join(words), add_special_tokens=False)) > num_tokens:
+        words.pop()
+    return " ".join(words)
+
+
+VOCABULARY = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "was",
+    "for",
+    "on",
+    "that",
+    "with",
+    "as",
+    "by",
+    "at",
+    "from",
+    "his",
+    "her",
+    "are",
+    "this",
+    "be",
+    "or",
+    "an",
+    "which",
+    "they",
+    "had",
+    "not",
+    "were",
+    "have",
+    "their",
+    "one",
+    "all",
+    "would",
+    "there",
+    "been",
+    "has",
+    "when",
+    "who",
+    "more",
+    "will",
+    "if",
+    "no",
+    "out",
+    "so",
+    "said",
+    "what",
+    "up",
+    "its",
+    "about",
+    "into",
+    "than",
+    "them",
+    "can",
+    "only",
+    "other",
+    "new",
+    "some",
+    "could",
+    "time",
+    "these",
+    "two",
+    "may",
+    "then",
+    "do",
+    "first",
+    "any",
+    "my",
+    "now",
+    "such",
+    "like",
+    "our",
+    "over",
+    "man",
+    "me",
+    "even",
+    "most",
+    "made",
+    "after",
+    "also",
+    "did",
+    "many",
+    "before",
+    "must",
+    "through",
+    "back",
+    "years",
+    "where",
+    "much",
+    "your",
+    "way",
+    "well",
+    "down",
+    "should",
+    "because",
+    "each",
+    "just",
+    "those",
+    "people",
+    "how",
+    "too",
+    "little",
+    "state",
+    "good",
+    "very",
+    "make",
+    "world",
+    "still",
+    "own",
+    "see",
+    "men",
+    "work",
+    "long",
+    "get",
+    "here",
+    "between",
+    "both",
+    "life",
+    "being",
+    "under",
+    "never",
+    "day",
+    "same",
+    "another",
+    "know",
+    "while",
+    "last",
+    "might",
+    "us",
+    "great",
+    "old",
+    "year",
+    "off",
+    "come",
+    "since",
+    "against",
+    "go",
+    "came",
+    "right",
+    "used",
+    "take",
+    "three",
+]
+
+
+def make_workload(args: argparse.Namespace, tokenizer, rate: float) -> list[Conversation]:
+    rng = random.Random(args.workload_seed)
+    systems = [
+        _words_of(tokenizer, rng, VOCABULARY, args.system_tokens)
+        for _ in range(args.system_prompts)
+    ]
+    mean_turns = (args.min_turns + args.max_turns) / 2
+    conversation_rate = rate / mean_turns
+    start = 0.0
+    conversations = []
+    for _ in range(args.conversations):
+        start += rng.expovariate(conversation_rate)
+        turns = rng.randint(args.min_turns, args.max_turns)
+        conversations.append(
+            Conversation(
+                rng.choice(systems),
+                [_words_of(tokenizer, rng, VOCABULARY, args.user_tokens) for _ in range(turns)],
+                start,
+            )
+        )
+    return conversations
+
+
+# -- the client --------------------------------------------------------------------------------
+
+
+@dataclass
+class Results:
+    ttfts: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    requests: int = 0
+    failures: int = 0
+    seconds: float = 0.0
+
+
+async def _turn(client, url: str, model: str, messages: list[dict], args, results: Results):
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": args.output_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    text: list[str] = []
+    first: float | None = None
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                for choice in chunk.get("choices", []):
+                    delta = choice.get("delta", {}).get("content")
+                    if delta:
+                        if first is None:
+                            first = time.perf_counter()
+                        text.append(delta)
+                if chunk.get("usage"):
+                    results.output_tokens += chunk["usage"]["completion_tokens"]
+    except Exception as exc:
+        results.failures += 1
+        print(f"  request failed: {exc}", file=sys.stderr)
+        return None
+    results.requests += 1
+    if first is not None:
+        results.ttfts.append(first - sent)
+    return "".join(text)
+
+
+async def _conversation(client, url, model, conversation: Conversation, args, results, t0):
+    await asyncio.sleep(max(0.0, t0 + conversation.start - time.perf_counter()))
+    messages = [{"role": "system", "content": conversation.system}]
+    for user in conversation.user_turns:
+        messages.append({"role": "user", "content": user})
+        answer = await _turn(client, url, model, messages, args, results)
+        if answer is None:
+            return
+        messages.append({"role": "assistant", "content": answer})
+
+
+async def _drive(url: str, conversations: list[Conversation], args) -> Results:
+    import httpx
+
+    results = Results()
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
+        model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+        t0 = time.perf_counter()
+        await asyncio.gather(
+            *(_conversation(client, url, model, c, args, results, t0) for c in conversations)
+        )
+        results.seconds = time.perf_counter() - t0
+    return results
+
+
+# -- the stacks --------------------------------------------------------------------------------
+
+
+def _metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=60).text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+class _Process:
+    """A child `folio` process whose output goes to a file, waited for by a regex."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log_dir: Path, name: str) -> None:
+        self.log = log_dir / f"{name}.log"
+        self._file = self.log.open("w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "folio.cli", *args],
+            stdout=self._file,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+
+    def wait_for(self, pattern: re.Pattern[str], timeout: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = pattern.search(self.log.read_text(errors="replace"))
+            if match:
+                return match
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.log} shows no {pattern.pattern!r}:\n{self.log.read_text()}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._file.close()
+
+
+def _engine_flags(args: argparse.Namespace) -> list[str]:
+    from common.config import engine_args_from_config, engine_config_from_args
+
+    return engine_args_from_config(engine_config_from_args(args))
+
+
+@contextlib.contextmanager
+def _stack(args: argparse.Namespace, policy: str, replicas: int, log_dir: Path) -> Iterator[str]:
+    """A gateway over `replicas` engines; yields its URL."""
+    env = {**os.environ, "FOLIO_INTERNAL_TOKEN": "", "FOLIO_API_KEYS": ""}
+    processes: list[_Process] = []
+    try:
+        if not args.simulate:
+            serve = _Process(
+                [
+                    "serve",
+                    "--port",
+                    "0",
+                    "--grpc-port",
+                    "0",
+                    "--engine-port",
+                    "0",
+                    "--tokenizer-port",
+                    "0",
+                    "--engine-replicas",
+                    str(replicas),
+                    "--routing-policy",
+                    policy,
+                    "--drain-seconds",
+                    "1",
+                    *_engine_flags(args),
+                ],
+                env,
+                log_dir,
+                f"serve-{policy}-{replicas}",
+            )
+            processes.append(serve)
+            yield serve.wait_for(SERVING, args.startup_timeout)[1]
+            return
+        model = ["--model", args.model] if args.model else []
+        engines = _Process(
+            [
+                "engine",
+                "--simulate",
+                "--replicas",
+                str(replicas),
+                "--port",
+                "0",
+                "--drain-seconds",
+                "1",
+                "--step-cost",
+                str(args.step_cost),
+                *_engine_flags(args),
+            ],
+            env,
+            log_dir,
+            f"engines-{policy}",
+        )
+        tokenizer = _Process(
+            ["tokenizer", *model, "--port", "0", "--drain-seconds", "1"], env, log_dir, "tokenizer"
+        )
+        processes += [engines, tokenizer]
+        host, ports = engines.wait_for(ENGINES, args.startup_timeout).groups()
+        tokenizer_address = tokenizer.wait_for(TOKENIZER, args.startup_timeout)[1]
+        addresses = [a for port in ports.split(",") for a in ("--engine-address", f"{host}:{port}")]
+        gateway = _Process(
+            [
+                "gateway",
+                "--port",
+                "0",
+                "--grpc-port",
+                "0",
+                *addresses,
+                "--tokenizer-address",
+                tokenizer_address,
+                "--routing-policy",
+                policy,
+                "--drain-seconds",
+                "1",
+            ],
+            env,
+            log_dir,
+            f"gateway-{policy}",
+        )
+        processes.append(gateway)
+        url = gateway.wait_for(GATEWAY, args.startup_timeout)[1]
+        import httpx
+
+        deadline = time.monotonic() + args.startup_timeout
+        while httpx.get(url + "/health", timeout=60).status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the gateway never became healthy")
+            time.sleep(0.2)
+        yield url
+    finally:
+        for process in reversed(processes):
+            process.stop()
+
+
+# -- the report --------------------------------------------------------------------------------
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _run_one(args, policy: str, replicas: int, conversations, log_dir: Path) -> dict:
+    with _stack(args, policy, replicas, log_dir) as url:
+        results = asyncio.run(_drive(url, conversations, args))
+        metrics = _metrics(url)
+    hits = metrics.get(("folio_prefix_cache_hits_total", ()), 0.0)
+    queries = metrics.get(("folio_prefix_cache_queries_total", ()), 0.0)
+    routed = [
+        value
+        for (name, labels), value in metrics.items()
+        if name == "folio_replica_requests_routed_total"
+    ] or [float(results.requests)]
+    mean = sum(routed) / len(routed) if routed else 0.0
+    modelled = metrics.get(("folio_engine_step_seconds_total", (("phase", "forward"),)), 0.0)
+    overrun = metrics.get(("folio_engine_step_seconds_total", (("phase", "overrun"),)), None)
+    return {
+        "policy": policy if replicas > 1 else "(one engine)",
+        "replicas": replicas,
+        "hit_rate": hits / queries if queries else float("nan"),
+        "ttft_p50": statistics.median(results.ttfts) if results.ttfts else float("nan"),
+        "ttft_p99": _percentile(results.ttfts, 0.99),
+        "requests_per_s": results.requests / results.seconds,
+        "tokens_per_s": results.output_tokens / results.seconds,
+        "max_share": max(routed) / mean if mean else float("nan"),
+        "failures": results.failures,
+        "overrun": None if overrun is None or not modelled else overrun / modelled,
+    }
+
+
+def run_routing_benchmark(args: argparse.Namespace) -> None:
+    from common.default_model import resolve_model_path
+    from common.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(resolve_model_path(args.model))
+    rate = args.rate_per_replica or (4.0 if args.simulate else 1.0)
+    policies = [p for p in args.policies.split(",") if p]
+    conversations = make_workload(args, tokenizer, rate * args.replicas)
+    turns = sum(len(c.user_turns) for c in conversations)
+    kind = "simulated" if args.simulate else "real"
+    print(
+        f"{args.conversations} conversations ({turns} requests), {args.system_prompts} system "
+        f"prompts of {args.system_tokens} tokens, user turns of {args.user_tokens} tokens, "
+        f"{args.output_tokens} generated tokens per turn, Poisson arrivals at {rate:g} "
+        f"requests/s per replica; {args.replicas} {kind} replicas, KV pool of "
+        f"{args.num_kv_blocks} blocks of {args.block_size} tokens each",
+        flush=True,
+    )
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="folio-bench-routing-") as tmp:
+        log_dir = Path(tmp)
+        runs = [(p, args.replicas) for p in policies]
+        if not args.simulate and not args.skip_single:
+            runs.insert(0, ("round_robin", 1))
+        for policy, replicas in runs:
+            row = _run_one(args, policy, replicas, conversations, log_dir)
+            rows.append(row)
+            print(_format(row), flush=True)
+    print("\nsummary:")
+    print(
+        f"  {'policy':14s} {'hit rate':>9s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'req/s':>7s} "
+        f"{'tok/s':>7s} {'max/mean share':>15s}"
+    )
+    for row in rows:
+        print("  " + _format(row))
+
+
+def _format(row: dict) -> str:
+    text = (
+        f"{row['policy']:14s} {row['hit_rate'] * 100:8.1f}% {row['ttft_p50'] * 1e3:7.0f}ms "
+        f"{row['ttft_p99'] * 1e3:7.0f}ms {row['requests_per_s']:7.2f} {row['tokens_per_s']:7.1f} "
+        f"{row['max_share']:15.2f}"
+    )
+    if row["failures"]:
+        text += f"  ({row['failures']} failed)"
+    if row["overrun"] is not None:
+        text += f"  steps overran the model by {row['overrun'] * 100:.1f}%"
+    return text

@@ -1,0 +1,95 @@
+"""The routing policies as pure decisions over a prefix index and loads made up in the test:
+cache_aware follows the longest held prefix, breaks ties and unheld prompts by load, skips a
+replica over the load threshold and says why; least_load and round_robin do what they say; the
+index follows stored, removed and cleared blocks and matches leading blocks only."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from common.block_hash import prefix_block_hashes
+from gateway.routing import (
+    BALANCE_ABS,
+    CacheAware,
+    LeastLoad,
+    PrefixIndex,
+    ReplicaLoad,
+    RoundRobin,
+    make_policy,
+)
+
+BLOCK = 4
+PROMPT = list(range(100, 132))  # 8 full blocks
+HASHES = prefix_block_hashes(PROMPT, BLOCK)
+
+
+def index_with(holdings: dict[int, int]) -> PrefixIndex:
+    """Replica -> how many leading blocks of PROMPT it holds."""
+    index = PrefixIndex()
+    for replica, count in holdings.items():
+        index.stored(replica, HASHES[:count])
+    return index
+
+
+def idle(*replicas: int) -> dict[int, ReplicaLoad]:
+    return {r: ReplicaLoad() for r in replicas}
+
+
+def test_the_index_matches_leading_blocks_only_and_follows_removals_and_clears():
+    index = index_with({0: 8, 1: 3})
+    index.stored(2, HASHES[4:])  # later blocks without the first ones: no prefix match
+    assert index.match(HASHES) == {0: 8, 1: 3}
+    index.removed(0, [HASHES[5]])
+    assert index.match(HASHES) == {0: 5, 1: 3}
+    index.clear(1)
+    assert index.match(HASHES) == {0: 5}
+    assert index.num_blocks(1) == 0 and index.num_blocks(2) == 4
+    assert index.match(prefix_block_hashes([7] * 32, BLOCK)) == {}
+
+
+def test_cache_aware_goes_where_the_longest_prefix_is():
+    decision = CacheAware().choose([0, 1, 2], HASHES, index_with({0: 2, 1: 7, 2: 4}), idle(0, 1, 2))
+    assert decision.replica == 1 and decision.matched_blocks == 7
+    assert "holds 7/8 leading blocks" in decision.reason
+
+
+def test_cache_aware_breaks_ties_and_unheld_prompts_by_load():
+    loads = {0: ReplicaLoad(in_flight=3), 1: ReplicaLoad(running=1), 2: ReplicaLoad(waiting=2)}
+    tie = CacheAware().choose([0, 1, 2], HASHES, index_with({0: 8, 1: 8, 2: 8}), loads)
+    assert tie.replica == 1
+    # Nobody holds a worthwhile share of the prompt: load alone decides.
+    unheld = CacheAware().choose([0, 1, 2], HASHES, index_with({0: 1}), loads)
+    assert unheld.replica == 1 and "no replica holds enough" in unheld.reason
+
+
+def test_cache_aware_skips_a_replica_over_the_load_threshold():
+    loads = {0: ReplicaLoad(in_flight=int(BALANCE_ABS) + 20), 1: ReplicaLoad(), 2: ReplicaLoad()}
+    decision = CacheAware().choose([0, 1, 2], HASHES, index_with({0: 8, 1: 2}), loads)
+    assert decision.replica != 0
+    assert "1 over the load threshold" in decision.reason
+    # Everyone overloaded alike: nobody is skipped, the prefix decides again.
+    busy = {r: ReplicaLoad(in_flight=50) for r in (0, 1, 2)}
+    assert CacheAware().choose([0, 1, 2], HASHES, index_with({0: 8}), busy).replica == 0
+
+
+def test_cache_aware_chooses_only_among_the_candidates():
+    decision = CacheAware().choose([1, 2], HASHES, index_with({0: 8, 2: 5}), idle(0, 1, 2))
+    assert decision.replica == 2
+
+
+def test_least_load_and_round_robin():
+    loads = {0: ReplicaLoad(running=4), 1: ReplicaLoad(waiting=1), 2: ReplicaLoad(running=1)}
+    least = LeastLoad()
+    picks = [least.choose([0, 1, 2], HASHES, index_with({0: 8}), loads).replica for _ in range(4)]
+    assert picks == [1, 2, 1, 2]  # ties take turns
+    turns = RoundRobin()
+    picks = [turns.choose([0, 1, 2], [], PrefixIndex(), loads).replica for _ in range(6)]
+    assert Counter(picks) == {0: 2, 1: 2, 2: 2}
+
+
+def test_make_policy_names():
+    assert make_policy("cache_aware").name == "cache_aware"
+    with pytest.raises(ValueError, match="routing policy"):
+        make_policy("random")
