@@ -260,6 +260,10 @@ def _config_args(config: Any) -> list[str]:
     return args
 
 
+# The tool-call parsers the gateway has (gateway/tools/parsers.py), by their vLLM names.
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+
+
 @dataclass
 class GatewayConfig:
     """Who may call the gateway, how often and for how long."""
@@ -292,7 +296,21 @@ class GatewayConfig:
         "then it is aborted (HTTP 504, gRPC DEADLINE_EXCEEDED)",
     )
 
+    tool_call_parser: str | None = _arg(
+        None,
+        str,
+        "how tool calls are read from the model's output, named as vLLM names its parsers "
+        "(the chat template must know tools); default: the format the chat template teaches, "
+        "else a generic format in a system message",
+        choices=TOOL_CALL_PARSERS,
+    )
+
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
         for name in ("rate_limit_rps", "rate_limit_tpm"):
             value = getattr(self, name)
             if value is not None and not value > 0:
