@@ -244,10 +244,14 @@ class Tokenizer:
             raise ValueError(f"the chat template rejected the messages: {error}") from error
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         # The template writes its own BOS and control tokens; adding special tokens would double
         # them.
         return self.encode(
-            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+            self.apply_chat_template(messages, add_generation_prompt, tools),
+            add_special_tokens=False,
         )
