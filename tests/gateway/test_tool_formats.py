@@ -1,9 +1,9 @@
 """The tool-call formats on their own: each family's parser on canned model text (read whole and
 read a character at a time, which must agree), and each family's shipped chat template
 (tests/fixtures/chat_templates) on a tiny random model with SmolLM2's vocabulary: the tokenizer
-detects its format, renders the tools and an earlier call (which the family's parser reads back),
-and the family's grammar, compiled by the engine, makes the model write calls that its parser
-reads and that satisfy their schemas."""
+detects its format and renders the tools and an earlier call as transformers does (the family's
+parser reads the call back), and the family's grammar, compiled by the engine, makes the model
+write calls that its parser reads and that satisfy their schemas."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
-from transformers import LlamaConfig
+from transformers import AutoTokenizer, LlamaConfig
 
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
@@ -196,6 +196,10 @@ def test_family_templates_and_grammars_on_a_tiny_model(
     ]
     prompt = tokenizer.apply_chat_template(conversation, tools=OPENAI_TOOLS)
     assert "Weather in a city." in prompt and "21 degrees" in prompt
+    reference = AutoTokenizer.from_pretrained(directory)
+    assert prompt == reference.apply_chat_template(
+        conversation, tools=OPENAI_TOOLS, tokenize=False, add_generation_prompt=True
+    )
     without_tools = tokenizer.apply_chat_template(conversation[:1])
     assert "get_weather" not in without_tools
     # The family's parser reads the call as the template wrote it.
