@@ -80,6 +80,7 @@ class Endpoint:
     request: type[BaseModel] | None = None
     response: type[BaseModel] | None = None
     stream: type[BaseModel] | None = None  # the event shape, when it can stream
+    stream_done: bool = True  # the stream ends with [DONE] (the Responses API's does not)
     media_type: str = "application/json"
     answers: tuple[int, ...] = (200,)  # the statuses that come with `response`
     errors: tuple[int, ...] = ()  # the statuses that come with the error body
@@ -350,6 +351,7 @@ ENDPOINTS = [
         rapi.ResponsesRequest,
         rapi.Response,
         rapi.ResponseEvent,
+        stream_done=False,
         errors=BODY_ERRORS,
     ),
     Endpoint(

@@ -27,6 +27,7 @@ from gateway.sse import DONE, event
 from gateway.structured import structured_output
 from gateway.text import TextDelta, TextRequest, TokenLogprob, Usage
 from gateway.tools.chat import ChatInput, ToolPlan, ToolReader, chat_input
+from gateway.tools.grammar import ToolGrammar
 from gateway.tools.parsers import CallStart, ContentDelta, ToolEvent, collect
 from gateway.validation import ModelInfo, text_request
 
@@ -57,20 +58,25 @@ class Plan:
     def num_choices(self) -> int:
         return len(self.requests) * self.n
 
-    async def outputs(
+    def outputs(
         self, stream: AsyncGenerator[tuple[int, TextDelta], None]
     ) -> AsyncGenerator[tuple[int, TextDelta], None]:
-        """The served stream, the engine's refusal of a tool grammar naming the tool."""
-        grammar = self.tools.grammar if self.tools is not None else None
-        try:
-            async for item in stream:
-                yield item
-        except InvalidRequestError as exc:
-            if grammar is None:
-                raise
-            raise grammar.naming_tool(exc) from None
-        finally:
-            await stream.aclose()
+        """The served stream; with a tool grammar, the engine's refusal of it names the tool."""
+        if self.tools is None or self.tools.grammar is None:
+            return stream
+        return _naming_tools(stream, self.tools.grammar)
+
+
+async def _naming_tools(
+    stream: AsyncGenerator[tuple[int, TextDelta], None], grammar: ToolGrammar
+) -> AsyncGenerator[tuple[int, TextDelta], None]:
+    try:
+        async for item in stream:
+            yield item
+    except InvalidRequestError as exc:
+        raise grammar.naming_tool(exc) from None
+    finally:
+        await stream.aclose()
 
 
 def _sampling_params(

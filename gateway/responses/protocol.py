@@ -23,7 +23,7 @@ class FunctionTool(api.RequestBody):
     strict: bool | None = None
 
 
-class NamedFunction(api.RequestBody):
+class FunctionChoice(api.RequestBody):
     type: Literal["function"]
     name: str
 
@@ -56,7 +56,7 @@ class ResponsesRequest(api.RequestBody):
     temperature: float | None = None
     top_p: float | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = Field(
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = Field(
         None, description="none, auto, required, or a named function."
     )
     parallel_tool_calls: bool = True
@@ -135,7 +135,7 @@ class Response(api.ResponseBody):
     parallel_tool_calls: bool
     temperature: float | None = None
     top_p: float | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice
     tools: list[FunctionTool]
     text: TextConfig
     store: Literal[False] = False

@@ -136,7 +136,7 @@ def chat_request(body: rapi.ResponsesRequest) -> api.ChatCompletionRequest:
             }
             for tool in body.tools
         ]
-    if isinstance(body.tool_choice, rapi.NamedFunction):
+    if isinstance(body.tool_choice, rapi.FunctionChoice):
         chat["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice.name}}
     elif body.tool_choice is not None:
         chat["tool_choice"] = body.tool_choice
