@@ -278,6 +278,10 @@ def _config_args(config: Any) -> list[str]:
     return args
 
 
+# The tool-call parsers the gateway has (gateway/tools/parsers.py), by their vLLM names.
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+
+
 @dataclass
 class GatewayConfig:
     """Who may call the gateway, how often and for how long."""
@@ -323,11 +327,24 @@ class GatewayConfig:
         "its prompt's prefix in its KV cache unless overloaded, the least loaded, or each in turn",
         choices=ROUTING_POLICIES,
     )
+    tool_call_parser: str | None = _arg(
+        None,
+        str,
+        "how tool calls are read from the model's output, named as vLLM names its parsers "
+        "(the chat template must know tools); default: the format the chat template teaches, "
+        "else a generic format in a system message",
+        choices=TOOL_CALL_PARSERS,
+    )
 
     def __post_init__(self) -> None:
         if self.routing_policy not in ROUTING_POLICIES:
             raise ValueError(
                 f"routing_policy must be one of {ROUTING_POLICIES}, got {self.routing_policy!r}"
+            )
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
             )
         for name in ("rate_limit_rps", "rate_limit_tpm"):
             value = getattr(self, name)

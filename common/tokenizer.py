@@ -107,6 +107,22 @@ def _compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+# Marks of the tool-call formats chat templates teach, by the vLLM parser that reads each.
+TOOL_CALL_FORMAT_MARKS = (
+    ("hermes", "<tool_call>"),
+    ("mistral", "[TOOL_CALLS]"),
+    ("llama3_json", "<|python_tag|>"),
+)
+
+
+def tool_call_format(chat_template: str | None) -> str:
+    """The tool-call format a chat template teaches ("hermes", "llama3_json", "mistral"), or ""
+    when it knows no tools or none of these formats."""
+    if not chat_template or "tools" not in chat_template:
+        return ""
+    return next((name for name, mark in TOOL_CALL_FORMAT_MARKS if mark in chat_template), "")
+
+
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Check a chat conversation; return it with None-valued keys dropped (as transformers does)."""
     if not isinstance(messages, (list, tuple)) or not messages:
@@ -145,6 +161,7 @@ class Tokenizer:
             if (text := _token_text(tokenizer_config.get(name))) is not None
         }
         self.chat_template = chat_template
+        self.tool_call_format = tool_call_format(chat_template)
         self._template = _compile_chat_template(chat_template) if chat_template else None
 
         bos_text = self.special_tokens.get("bos_token")
@@ -204,15 +221,20 @@ class Tokenizer:
         return self._fast.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
+        """The conversation as the template writes it; `tools` (OpenAI's tool definitions,
+        {"type": "function", "function": {...}}) go to templates that know tools."""
         if self._template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         messages = validate_messages(messages)
         try:
             return self._template.render(
                 messages=messages,
-                tools=None,
+                tools=tools or None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
@@ -222,10 +244,14 @@ class Tokenizer:
             raise ValueError(f"the chat template rejected the messages: {error}") from error
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         # The template writes its own BOS and control tokens; adding special tokens would double
         # them.
         return self.encode(
-            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+            self.apply_chat_template(messages, add_generation_prompt, tools),
+            add_special_tokens=False,
         )

@@ -18,7 +18,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -41,14 +41,19 @@ from gateway.http_errors import error_body, error_headers
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document
 from gateway.pages import HEADERS, WebFile, load_web_files
+from gateway.responses import events as response_events
+from gateway.responses import protocol as rapi
+from gateway.responses import translate
 from gateway.serving import serve
 from gateway.sse import EventStreamResponse
+from gateway.text import TextDelta
 from gateway.validation import check_token_ids
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[Request], Awaitable[Response]]
 SamplingRequestT = TypeVar("SamplingRequestT", bound=api.SamplingFields)
+Deltas = AsyncGenerator[tuple[int, TextDelta], None]
 
 
 class ModelResponse(Response):
@@ -76,6 +81,7 @@ class Endpoint:
     request: type[BaseModel] | None = None
     response: type[BaseModel] | None = None
     stream: type[BaseModel] | None = None  # the event shape, when it can stream
+    stream_done: bool = True  # the stream ends with [DONE] (the Responses API's does not)
     media_type: str = "application/json"
     answers: tuple[int, ...] = (200,)  # the statuses that come with `response`
     errors: tuple[int, ...] = ()  # the statuses that come with the error body
@@ -163,7 +169,30 @@ async def _completion(
 
     async def run() -> Response:
         planned = await plan(context.gateway, body)
-        stream = serve(
+        return await _answer(
+            request,
+            planned,
+            arrival,
+            body.stream,
+            lambda stream: completions.respond(planned, stream),
+            lambda first, stream: completions.events(planned, first, stream),
+        )
+
+    return await until_disconnect(request, run())
+
+
+async def _answer(
+    request: Request,
+    planned: completions.Plan,
+    arrival: float,
+    stream_events: bool,
+    whole: Callable[[Deltas], Awaitable[BaseModel]],
+    events: Callable[[tuple[int, TextDelta], Deltas], AsyncGenerator[bytes, None]],
+) -> Response:
+    """Serve a planned request; answer the whole body, or stream its events."""
+    context = _context(request)
+    stream = planned.outputs(
+        serve(
             context.gateway,
             context.access.limiter,
             request.state.caller,
@@ -173,23 +202,50 @@ async def _completion(
             request.state.deadline,
             context.config.request_timeout,
         )
-        if not body.stream:
-            async with contextlib.aclosing(stream):
-                return ModelResponse(await completions.respond(planned, stream))
-        # The first delta before the headers: an engine that refuses the request (queue
-        # full, unavailable) still gets its proper status code.
-        try:
-            first = await anext(stream)
-        except BaseException:
-            await stream.aclose()
-            raise
-        return EventStreamResponse(completions.events(planned, first, stream))
-
-    return await until_disconnect(request, run())
+    )
+    if not stream_events:
+        async with contextlib.aclosing(stream):
+            return ModelResponse(await whole(stream))
+    # The first delta before the headers: an engine that refuses the request (queue full,
+    # unavailable) still gets its proper status code.
+    try:
+        first = await anext(stream)
+    except BaseException:
+        await stream.aclose()
+        raise
+    return EventStreamResponse(events(first, stream))
 
 
 async def chat_completions(request: Request) -> Response:
-    return await _completion(request, api.ChatCompletionRequest, completions.plan_chat)
+    parser = _context(request).config.tool_call_parser
+    return await _completion(
+        request,
+        api.ChatCompletionRequest,
+        lambda gateway, body: completions.plan_chat(gateway, body, parser),
+    )
+
+
+async def create_response(request: Request) -> Response:
+    arrival = time.monotonic()
+    context = _context(request)
+    body = await read_body(request, rapi.ResponsesRequest)
+
+    async def run() -> Response:
+        chat = translate.chat_request(body)
+        planned = await completions.plan_chat(
+            context.gateway, chat, context.config.tool_call_parser
+        )
+        head = translate.ResponseHead.of(body, planned.model)
+        return await _answer(
+            request,
+            planned,
+            arrival,
+            body.stream,
+            lambda stream: response_events.respond(head, planned.tools, stream),
+            lambda first, stream: response_events.events(head, planned.tools, first, stream),
+        )
+
+    return await until_disconnect(request, run())
 
 
 async def text_completions(request: Request) -> Response:
@@ -295,6 +351,17 @@ ENDPOINTS = [
         api.ChatCompletionRequest,
         api.ChatCompletionResponse,
         api.ChatCompletionChunk,
+        errors=BODY_ERRORS,
+    ),
+    Endpoint(
+        "/v1/responses",
+        "POST",
+        "Response (OpenAI Responses API, stateless: nothing is stored)",
+        create_response,
+        rapi.ResponsesRequest,
+        rapi.Response,
+        rapi.ResponseEvent,
+        stream_done=False,
         errors=BODY_ERRORS,
     ),
     Endpoint(

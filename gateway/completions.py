@@ -9,6 +9,7 @@ itself and never touches an HTTP connection (app.py does).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import TypeVar
 from common.grpc_stubs.folio.v1 import common_pb2
 from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 
+from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
 from gateway import protocol as api
 from gateway.generation import Gateway, new_request_id
@@ -24,6 +26,9 @@ from gateway.http_errors import error_body
 from gateway.sse import DONE, event
 from gateway.structured import structured_output
 from gateway.text import TextDelta, TextRequest, TokenLogprob, Usage
+from gateway.tools.chat import ChatInput, ToolPlan, ToolReader, chat_input
+from gateway.tools.grammar import ToolGrammar
+from gateway.tools.parsers import CallStart, ContentDelta, ToolEvent, collect
 from gateway.validation import ModelInfo, text_request
 
 T = TypeVar("T")
@@ -46,10 +51,32 @@ class Plan:
     created: int
     # With echo (text completions): per choice, the prompt's text, which leads its output.
     echo: list[str] | None = None
+    # With tools (chat): how each answer is read into content and calls.
+    tools: ToolPlan | None = None
 
     @property
     def num_choices(self) -> int:
         return len(self.requests) * self.n
+
+    def outputs(
+        self, stream: AsyncGenerator[tuple[int, TextDelta], None]
+    ) -> AsyncGenerator[tuple[int, TextDelta], None]:
+        """The served stream; with a tool grammar, the engine's refusal of it names the tool."""
+        if self.tools is None or self.tools.grammar is None:
+            return stream
+        return _naming_tools(stream, self.tools.grammar)
+
+
+async def _naming_tools(
+    stream: AsyncGenerator[tuple[int, TextDelta], None], grammar: ToolGrammar
+) -> AsyncGenerator[tuple[int, TextDelta], None]:
+    try:
+        async for item in stream:
+            yield item
+    except InvalidRequestError as exc:
+        raise grammar.naming_tool(exc) from None
+    finally:
+        await stream.aclose()
 
 
 def _sampling_params(
@@ -115,19 +142,65 @@ def _text_requests(
     ]
 
 
-async def plan_chat(gateway: Gateway, body: api.ChatCompletionRequest) -> Plan:
+def _uses_tools(body: api.ChatCompletionRequest) -> bool:
+    return (
+        bool(body.tools)
+        or body.tool_choice is not None
+        or any(
+            m.tool_calls or m.tool_call_id is not None or m.role in ("tool", "function")
+            for m in body.messages
+        )
+    )
+
+
+async def _chat_input(
+    gateway: Gateway, body: api.ChatCompletionRequest, tool_call_parser: str | None
+) -> ChatInput:
+    if not _uses_tools(body):
+        return ChatInput(
+            [
+                common_pb2.ChatMessage(role=m.role, content=m.text, name=m.name)
+                for m in body.messages
+            ]
+        )
+    return chat_input(body, await gateway.tool_call_format(), tool_call_parser)
+
+
+def _with_tools(params: SamplingParams, chat: ChatInput) -> SamplingParams:
+    """The tools' grammar on top of the request's own constraint: a forced call cannot also
+    follow a response format; under auto the response format wins (and no call is made)."""
+    tools = chat.constraint
+    if tools is None:
+        return params
+    if params.structured_output is None:
+        return dataclasses.replace(params, structured_output=tools)
+    if chat.plan is not None and chat.plan.grammar is not None and chat.plan.grammar.allows_answer:
+        chat.plan = dataclasses.replace(chat.plan, grammar=None)
+        return params
+    raise api.InvalidParameter(
+        f"tool_choice forces a call, which {params.structured_output.label} would constrain "
+        "too: set only one",
+        "tool_choice",
+    )
+
+
+async def plan_chat(
+    gateway: Gateway, body: api.ChatCompletionRequest, tool_call_parser: str | None = None
+) -> Plan:
+    """`tool_call_parser`: the server's --tool-call-parser, if set."""
     info = await gateway.check_model(body.model)
     if body.top_logprobs and not body.logprobs:
         raise api.InvalidParameter("top_logprobs needs logprobs set to true", "top_logprobs")
-    messages = [
-        common_pb2.ChatMessage(role=m.role, content=m.text, name=m.name) for m in body.messages
-    ]
-    prompt = await gateway.tokenize_chat(messages, body.add_generation_prompt)
+    chat = await _chat_input(gateway, body, tool_call_parser)
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     params = _sampling_params(
         body,
         body.max_completion_tokens or body.max_tokens,
         (body.top_logprobs or 0) if body.logprobs else None,
+    )
+    params = _with_tools(params, chat)
+    prompt = await gateway.tokenize_chat(
+        chat.messages, body.add_generation_prompt, tools=chat.tools
     )
     requests = _text_requests(
         info, [list(prompt.token_ids)], body, params, "messages", max_tokens_param
@@ -141,6 +214,7 @@ async def plan_chat(gateway: Gateway, body: api.ChatCompletionRequest) -> Plan:
         body.logprobs,
         _include_usage(body),
         int(time.time()),
+        tools=chat.plan,
     )
 
 
@@ -260,6 +334,60 @@ def _echoed(
     return plan.echo[index] + delta.text, (delta.prompt_logprobs or []) + delta.logprobs
 
 
+def _chat_choice(
+    plan: Plan, index: int, text: str, reason: str | None, logprobs: list[TokenLogprob]
+) -> api.ChatChoice:
+    message = api.AssistantMessage(content=text)
+    if plan.tools is not None:
+        reader = ToolReader(plan.tools)
+        answer = collect(reader.read(text, final=True))
+        message = api.AssistantMessage(
+            content=answer.content if answer.content or not answer.calls else None,
+            tool_calls=[
+                api.ResponseToolCall(
+                    id=call.id,
+                    function=api.ResponseFunctionCall(name=call.name, arguments=call.arguments),
+                )
+                for call in answer.calls
+            ]
+            or None,
+        )
+        if reason is not None:
+            reason = reader.finish_reason(reason)
+    return api.ChatChoice(
+        index=index,
+        message=message,
+        logprobs=_chat_logprobs(logprobs) if plan.logprobs else None,
+        finish_reason=reason,
+    )
+
+
+def _delta_message(events: list[ToolEvent]) -> api.DeltaMessage:
+    """Tool events as one streamed delta: content, and per call its id and name (first) and
+    pieces of its arguments."""
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    calls: list[api.DeltaToolCall] = []
+    for e in events:
+        if isinstance(e, ContentDelta):
+            continue
+        if isinstance(e, CallStart):
+            calls.append(
+                api.DeltaToolCall(
+                    index=e.index,
+                    id=e.id,
+                    type="function",
+                    function=api.DeltaFunctionCall(name=e.name),
+                )
+            )
+        elif calls and calls[-1].index == e.index:
+            calls[-1].function.arguments += e.text
+        else:
+            calls.append(
+                api.DeltaToolCall(index=e.index, function=api.DeltaFunctionCall(arguments=e.text))
+            )
+    return api.DeltaMessage(content=content or None, tool_calls=calls or None)
+
+
 async def respond(
     plan: Plan, stream: AsyncIterator[tuple[int, TextDelta]]
 ) -> api.ChatCompletionResponse | api.CompletionResponse:
@@ -278,13 +406,7 @@ async def respond(
     usage = _usage(plan, usages)
     if plan.chat:
         chat_choices = [
-            api.ChatChoice(
-                index=i,
-                message=api.AssistantMessage(content="".join(texts[i])),
-                logprobs=_chat_logprobs(logprobs[i]) if plan.logprobs else None,
-                finish_reason=reasons[i],
-            )
-            for i in range(count)
+            _chat_choice(plan, i, "".join(texts[i]), reasons[i], logprobs[i]) for i in range(count)
         ]
         return api.ChatCompletionResponse(
             id=plan.id, created=plan.created, model=plan.model, choices=chat_choices, usage=usage
@@ -313,6 +435,7 @@ async def events(
     usages: list[Usage | None] = [None] * count
     offsets = [0] * count  # completions' logprobs.text_offset
     started = [False] * count
+    readers = [ToolReader(plan.tools) for _ in range(count)] if plan.tools is not None else None
 
     def chat_chunk(choices: list[api.ChatChunkChoice], usage: api.Usage | None = None) -> bytes:
         return event(
@@ -330,15 +453,24 @@ async def events(
             )
         )
 
-    def delta_chunk(index: int, delta: TextDelta) -> bytes:
+    def delta_chunk(index: int, delta: TextDelta) -> bytes | None:
         if plan.chat:
+            message = api.DeltaMessage(content=delta.text)
+            reason = delta.finish_reason
+            if readers is not None:
+                reader = readers[index]
+                message = _delta_message(reader.read(delta.text, reason is not None))
+                if reason is not None:
+                    reason = reader.finish_reason(reason)
+                elif message.content is None and message.tool_calls is None and not delta.logprobs:
+                    return None  # text held back: nothing to say yet
             return chat_chunk(
                 [
                     api.ChatChunkChoice(
                         index=index,
-                        delta=api.DeltaMessage(content=delta.text),
+                        delta=message,
                         logprobs=_chat_logprobs(delta.logprobs) if plan.logprobs else None,
-                        finish_reason=delta.finish_reason,
+                        finish_reason=reason,
                     )
                 ]
             )
@@ -370,7 +502,9 @@ async def events(
         while True:
             if delta.finish_reason is not None:
                 usages[index] = delta.usage
-            yield delta_chunk(index, delta)
+            chunk = delta_chunk(index, delta)
+            if chunk is not None:
+                yield chunk
             try:
                 index, delta = await anext(stream)
             except StopAsyncIteration:

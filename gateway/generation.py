@@ -67,6 +67,7 @@ class Gateway:
         self.draining = False
         self._info: ModelInfo | None = None
         self._info_broken_streams = 0  # engine.broken_streams when _info was read
+        self._tool_call_format: str | None = None  # the chat template's, once asked
         self._detokenizer = tokenizer.sequence_detokenizer()
         self._token_texts = TokenTexts()  # for logprobs; bounded by the vocabulary
         self._in_flight = 0
@@ -115,6 +116,13 @@ class Gateway:
         except FolioError:
             return None
 
+    async def tool_call_format(self) -> str:
+        """The tool-call format the model's chat template teaches ("" for none), asked of the
+        tokenizer once."""
+        if self._tool_call_format is None:
+            self._tool_call_format = (await self.tokenizer.info()).tool_call_format
+        return self._tool_call_format
+
     def check_available(self) -> None:
         if self.draining:
             raise UnavailableError("the gateway is draining; retry on another instance")
@@ -137,10 +145,11 @@ class Gateway:
         messages: Sequence[common_pb2.ChatMessage],
         add_generation_prompt: bool = True,
         return_token_strs: bool = False,
+        tools: Sequence[common_pb2.Tool] = (),
     ) -> tok_pb2.TokenizeResponse:
         return await self.tokenizer.tokenize(
             tok_pb2.TokenizeRequest(
-                chat=tok_pb2.Conversation(messages=messages),
+                chat=tok_pb2.Conversation(messages=messages, tools=tools),
                 add_generation_prompt=add_generation_prompt,
                 return_token_strs=return_token_strs,
             )

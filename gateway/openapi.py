@@ -37,9 +37,51 @@ def _mode(model: type[BaseModel]) -> SchemaMode:
     return "validation" if issubclass(model, RequestBody) else "serialization"
 
 
+def _chunk_event(chunk: JsonObject, error: JsonObject) -> JsonObject:
+    """An event of a completions stream: a chunk, an error body, or [DONE] last."""
+    return {
+        "description": "With stream=true, one event per delta: its data is a chunk, or an error "
+        "body when the stream fails midway; the last event's data is [DONE].",
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "anyOf": [
+                    {"const": "[DONE]"},
+                    {
+                        "type": "string",
+                        "contentMediaType": "application/json",
+                        "contentSchema": {"anyOf": [chunk, error]},
+                    },
+                ]
+            }
+        },
+    }
+
+
+def _typed_event(event: JsonObject) -> JsonObject:
+    """An event of a Responses stream: named by its type, with the event as its data (a
+    failure midway is an event of type error); no [DONE]."""
+    return {
+        "description": "With stream=true, the documented sequence of events, each named by its "
+        "type and numbered by its sequence_number; a failure midway is an event of type error.",
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {
+            "event": {"type": "string"},
+            "data": {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": event,
+            },
+        },
+    }
+
+
 def openapi_document(endpoints: list[Any], title: str, version: str) -> JsonObject:
     """OpenAPI 3.1 for `endpoints` (objects with path, method, summary, request, response,
-    stream, media_type, answers and errors attributes); schemas come from the models above.
+    stream, stream_done, media_type, answers and errors attributes); schemas come from the
+    models above.
     Every status an operation can answer is listed (no `default`), so a client and a fuzzer
     can tell an undocumented one."""
     models: set[type[BaseModel]] = {
@@ -69,25 +111,9 @@ def openapi_document(endpoints: list[Any], title: str, version: str) -> JsonObje
         if e.stream is not None:
             # Before OpenAPI 3.2, the schema of an event stream describes one event.
             content["text/event-stream"] = {
-                "schema": {
-                    "description": "With stream=true, one event per delta: its data is a chunk, or "
-                    "an error body when the stream fails midway; the last event's "
-                    "data is [DONE].",
-                    "type": "object",
-                    "required": ["data"],
-                    "properties": {
-                        "data": {
-                            "anyOf": [
-                                {"const": "[DONE]"},
-                                {
-                                    "type": "string",
-                                    "contentMediaType": "application/json",
-                                    "contentSchema": {"anyOf": [ref(e.stream), ref(ErrorResponse)]},
-                                },
-                            ]
-                        }
-                    },
-                }
+                "schema": _chunk_event(ref(e.stream), ref(ErrorResponse))
+                if e.stream_done
+                else _typed_event(ref(e.stream))
             }
         responses = {
             str(status): {"description": HTTPStatus(status).phrase, "content": content}

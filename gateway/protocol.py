@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 # The errors the gateway raises are the contract's (common/errors.py, one table for every
 # wire); the route modules name the request errors through this module (api.InvalidParameter).
@@ -39,9 +39,7 @@ class ResponseBody(BaseModel):
 # OpenAI fields this server does not implement, with the values that mean "not used": any other
 # value gets a 400 instead of an answer that silently ignores it.
 NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
     "functions": (None, []),
-    "tool_choice": (None, "none"),
     "function_call": (None, "none"),
     "suffix": (None, ""),
     "best_of": (None, 1),
@@ -176,10 +174,37 @@ class ContentPart(RequestBody):
     text: str
 
 
+# The roles OpenAI accepts ("function" is the legacy form of "tool").
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+class FunctionCall(RequestBody):
+    name: str
+    arguments: str = Field(description="The call's arguments as JSON text.")
+
+
+class ToolCall(RequestBody):
+    """A call an assistant message made, sent back in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(RequestBody):
     role: NonEmptyStr
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # An assistant's calls, and a tool message's answer to one of them.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in CHAT_ROLES:
+            raise ValueError(f"unknown role {role!r}: a role is one of {', '.join(CHAT_ROLES)}")
+        return role
 
     @property
     def text(self) -> str:
@@ -188,12 +213,40 @@ class ChatMessage(RequestBody):
         return self.content or ""
 
 
+class FunctionDefinition(RequestBody):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="A JSON schema of the arguments (an object)."
+    )
+    strict: bool | None = None
+
+
+class ToolDefinition(RequestBody):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestBody):
+    name: str
+
+
+class NamedToolChoice(RequestBody):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Overrides max_tokens.")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto, required, or a named function."
+    )
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(SamplingFields):
@@ -252,9 +305,25 @@ class ChatLogprobs(ResponseBody):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ResponseFunctionCall(ResponseBody):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(ResponseBody):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
+def is_unset(value: object) -> bool:
+    return value is None
+
+
 class AssistantMessage(ResponseBody):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = Field(default=None, exclude_if=is_unset)
 
 
 class ChatChoice(ResponseBody):
@@ -273,9 +342,25 @@ class ChatCompletionResponse(ResponseBody):
     usage: Usage
 
 
+class DeltaFunctionCall(ResponseBody):
+    name: str | None = Field(default=None, exclude_if=is_unset)
+    arguments: str = ""
+
+
+class DeltaToolCall(ResponseBody):
+    """A piece of a streamed call: the first carries its id and name, the next ones pieces of
+    its arguments."""
+
+    index: int
+    id: str | None = Field(default=None, exclude_if=is_unset)
+    type: Literal["function"] | None = Field(default=None, exclude_if=is_unset)
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(ResponseBody):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=is_unset)
 
 
 class ChatChunkChoice(ResponseBody):

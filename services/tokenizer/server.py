@@ -10,6 +10,7 @@ engine.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -30,10 +31,46 @@ def _flag(message, name: str, default: bool) -> bool:
 
 
 def _chat_messages(conversation: pb.Conversation) -> list[dict]:
-    return [
-        {"role": m.role, "content": m.content, **({"name": m.name} if m.HasField("name") else {})}
-        for m in conversation.messages
-    ]
+    messages = []
+    for m in conversation.messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.HasField("name"):
+            message["name"] = m.name
+        if m.HasField("tool_call_id"):
+            message["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": _arguments(call.arguments)},
+                }
+                for call in m.tool_calls
+            ]
+        messages.append(message)
+    return messages
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as templates expect them: the parsed object (as transformers'
+    examples pass them), or the text itself when it is not a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def _chat_tools(conversation: pb.Conversation) -> list[dict]:
+    """The tools as OpenAI writes them, which is what chat templates read."""
+    tools = []
+    for tool in conversation.tools:
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.HasField("description"):
+            function["description"] = tool.description
+        function["parameters"] = json.loads(tool.parameters) if tool.parameters else {}
+        tools.append({"type": "function", "function": function})
+    return tools
 
 
 def _detokenizer(tokenizer: Tokenizer, options: pb.DetokenizeOptions) -> IncrementalDetokenizer:
@@ -130,7 +167,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         try:
             if kind == "chat":
                 prompt = tokenizer.apply_chat_template(
-                    _chat_messages(request.chat), _flag(request, "add_generation_prompt", True)
+                    _chat_messages(request.chat),
+                    _flag(request, "add_generation_prompt", True),
+                    _chat_tools(request.chat),
                 )
                 # As Tokenizer.encode_chat: the template writes its own special tokens.
                 ids = tokenizer.encode(prompt, add_special_tokens=False)
@@ -210,6 +249,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             bos_token_id=tokenizer.bos_token_id,
             max_model_len=tokenizer.max_model_len,
             has_chat_template=tokenizer.chat_template is not None,
+            tool_call_format=tokenizer.tool_call_format,
         )
 
 

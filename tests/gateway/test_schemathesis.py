@@ -62,14 +62,15 @@ def node_id_for_schemathesis(request):
 
 def cheap(path: str, body: object, model: str) -> None:
     """Bound a generated body's work in place: few tokens, few choices, the served model."""
-    if not isinstance(body, dict) or not path.endswith("completions"):
+    if not isinstance(body, dict) or not path.endswith(("completions", "responses")):
         return
-    for field in ("max_tokens", "max_completion_tokens", "min_tokens"):
+    limit = "max_output_tokens" if path.endswith("responses") else "max_tokens"
+    for field in ("max_tokens", "max_completion_tokens", "min_tokens", "max_output_tokens"):
         value = body.get(field)
         if type(value) is int and value > MAX_TOKENS:
             body[field] = MAX_TOKENS
-    if body.get("max_tokens") is None:
-        body["max_tokens"] = MAX_TOKENS  # unset or null fills the context
+    if body.get(limit) is None:
+        body[limit] = MAX_TOKENS  # unset or null fills the context
     if type(body.get("n")) is int and body["n"] > MAX_CHOICES:
         body["n"] = MAX_CHOICES
     prompt = body.get("prompt")

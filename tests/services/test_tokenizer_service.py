@@ -1,9 +1,15 @@
 """The tokenizer service over real gRPC on loopback with the default model's tokenizer: results
 equal the tokenizer library's, the streaming detokenizer never splits a character (an emoji
 spread over three tokens) and holds back a partial stop string, bad input answers
-INVALID_ARGUMENT, and health and reflection are served."""
+INVALID_ARGUMENT, and health and reflection are served. A template that knows tools (Qwen2.5's)
+gets the tools and the conversation's calls as the library gives them, and its tool-call format
+is reported."""
 
 from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
 
 import grpc
 import pytest
@@ -94,6 +100,7 @@ def test_get_info_equals_the_library(stub, library):
     assert info.bos_token_id == library.bos_token_id
     assert info.max_model_len == library.max_model_len
     assert info.has_chat_template
+    assert info.tool_call_format == ""  # SmolLM2's template knows no tools
     assert set(info.special_token_ids) == library.special_token_ids
     named = {t.name: (t.text, t.token_id) for t in info.special_tokens}
     assert named["eos_token"] == (library.special_tokens["eos_token"], library.eos_token_ids[0])
@@ -268,3 +275,80 @@ def test_multiplexed_stream_answers_token_texts_releases_and_fails_bad_entries_a
 
 def test_health_and_reflection(server):
     assert_health_and_reflection(server.channel, "folio.v1.TokenizerService")
+
+
+@pytest.fixture(scope="module")
+def qwen_template_server(default_model_dir, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("qwen-template")
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(default_model_dir / name, directory / name)
+    # A model directory has weights; the tokenizer never reads them.
+    (directory / "model.safetensors").symlink_to(default_model_dir / "model.safetensors")
+    template = Path(__file__).parent.parent / "fixtures" / "chat_templates" / "qwen2_5.jinja"
+    shutil.copy(template, directory / "chat_template.jinja")
+    server = ServerThread(TokenizerService(str(directory), "127.0.0.1", 0))
+    yield server, Tokenizer.from_dir(directory)
+    server.close()
+
+
+def test_tools_and_calls_reach_a_template_that_knows_tools(qwen_template_server):
+    server, library = qwen_template_server
+    stub = tokenizer_pb2_grpc.TokenizerServiceStub(server.channel)
+    info = stub.GetInfo(tokenizer_pb2.GetInfoRequest(), timeout=TIMEOUT)
+    assert info.tool_call_format == "hermes"
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    arguments = {"city": "Paris"}
+    conversation = tokenizer_pb2.Conversation(
+        messages=[
+            common_pb2.ChatMessage(role="user", content="Weather?"),
+            common_pb2.ChatMessage(
+                role="assistant",
+                content="",
+                tool_calls=[
+                    common_pb2.ToolCall(
+                        id="call_1", name="get_weather", arguments=json.dumps(arguments)
+                    )
+                ],
+            ),
+            common_pb2.ChatMessage(role="tool", content="21 C", tool_call_id="call_1"),
+        ],
+        tools=[
+            common_pb2.Tool(
+                name="get_weather", description="Weather in a city.", parameters=json.dumps(schema)
+            )
+        ],
+    )
+    answer = stub.Tokenize(tokenizer_pb2.TokenizeRequest(chat=conversation), timeout=TIMEOUT)
+    # What the library renders from OpenAI's dicts (arguments parsed, as templates expect).
+    expected = library.apply_chat_template(
+        [
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "content": "21 C", "tool_call_id": "call_1"},
+        ],
+        tools=[
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "description": "Weather in a city.",
+                    "parameters": schema,
+                },
+            }
+        ],
+    )
+    assert answer.prompt == expected
+    assert '"description": "Weather in a city."' in expected
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in expected
+    assert "<tool_response>\n21 C\n</tool_response>" in expected
+    assert list(answer.token_ids) == library.encode(expected, add_special_tokens=False)
