@@ -3,6 +3,8 @@ on an event loop of its own, so tests can use blocking clients."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import grpc
@@ -54,6 +56,34 @@ class GatewayThread(LoopThread):
         self.grpc_channel.close()
         self.call(self.server.stop(grace=1))
         self.stop_loop()
+
+
+def spawn_gateway(
+    engine_port: int, tokenizer_port: int, *args: str, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """`folio gateway` as a process of its own on free ports, in front of the given services,
+    with `args` added; text pipes, and its first line says where it listens."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "folio.cli",
+            "gateway",
+            "--port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--engine-address",
+            f"127.0.0.1:{engine_port}",
+            "--tokenizer-address",
+            f"127.0.0.1:{tokenizer_port}",
+            *args,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def engine_stats(stub: engine_pb2_grpc.EngineServiceStub) -> engine_pb2.GetStatsResponse:

@@ -9,8 +9,6 @@ import contextlib
 import logging
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -23,7 +21,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from common.auth import KeySet, bearer_token, load_api_keys
 from common.config import GatewayConfig
-from gateway_helpers import GatewayThread, check_error
+from gateway_helpers import GatewayThread, check_error, spawn_gateway
 from grpc_helpers import TIMEOUT
 
 KEYS = ("sk-folio-test-first-0123456789", "sk-folio-test-second-abcdef")
@@ -192,27 +190,12 @@ def test_folio_gateway_reads_keys_from_its_environment_and_a_file(services, tmp_
     engine, tokenizer = services
     key_file = tmp_path / "keys"
     key_file.write_text(KEYS[1] + "\n")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "folio.cli",
-            "gateway",
-            "--port",
-            "0",
-            "--grpc-port",
-            "0",
-            "--engine-address",
-            f"127.0.0.1:{engine.port}",
-            "--tokenizer-address",
-            f"127.0.0.1:{tokenizer.port}",
-            "--api-key-file",
-            str(key_file),
-        ],
+    process = spawn_gateway(
+        engine.port,
+        tokenizer.port,
+        "--api-key-file",
+        str(key_file),
         env={**os.environ, "FOLIO_API_KEYS": KEYS[0]},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
     )
     try:
         line = process.stdout.readline()

@@ -7,8 +7,6 @@ from __future__ import annotations
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -16,7 +14,7 @@ import httpx
 from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 from common.config import EngineConfig
-from gateway_helpers import ENGINE_ARGS, GatewayThread, engine_stats
+from gateway_helpers import ENGINE_ARGS, GatewayThread, engine_stats, spawn_gateway
 from grpc_helpers import TIMEOUT, RequestStream, ServerThread
 from services.engine.server import EngineService
 
@@ -25,29 +23,14 @@ DRAIN_SECONDS = 120
 
 def test_folio_gateway_serves_then_drains_on_sigterm(services):
     engine, tokenizer = services
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "folio.cli",
-            "gateway",
-            "--port",
-            "0",
-            "--grpc-port",
-            "0",
-            "--engine-address",
-            f"127.0.0.1:{engine.port}",
-            "--tokenizer-address",
-            f"127.0.0.1:{tokenizer.port}",
-            "--served-model-name",
-            "folio-test",
-            # A generous drain: on a loaded 2-core machine the tokens below can take a minute.
-            "--drain-seconds",
-            str(DRAIN_SECONDS),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    process = spawn_gateway(
+        engine.port,
+        tokenizer.port,
+        "--served-model-name",
+        "folio-test",
+        # A generous drain: on a loaded 2-core machine the tokens below can take a minute.
+        "--drain-seconds",
+        str(DRAIN_SECONDS),
     )
     try:
         line = process.stdout.readline()
