@@ -3,7 +3,7 @@ asyncio's own loop otherwise.
 
 uvloop makes each loop wake-up, callback and socket write cheaper; the gateway pays those per
 token (a queue hand-off and an SSE write per streamed chunk, gRPC completions per engine step),
-and its CPU per output token fell by about a fifth with it (README, "Benchmarks"). It never
+and its CPU per output token fell by about a fifth with it (README, "Benchmark"). It never
 changes what a coroutine computes, only how fast the loop runs it.
 """
 
