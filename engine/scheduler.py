@@ -35,6 +35,7 @@ from operator import attrgetter
 from common.config import EngineConfig
 from engine.errors import QueueFullError
 from engine.kv_cache_manager import KVCacheManager
+from engine.outputs import EngineStats
 from engine.prompt_logprobs import plan_span
 from engine.request import Request, RequestStatus
 from engine.step_plan import NewRequestPlan, RunningRequestPlan, StepPlan
@@ -162,6 +163,19 @@ class Scheduler:
     @property
     def num_running_seqs(self) -> int:
         return sum(r.num_seqs for r in self.running)
+
+    def stats(self) -> EngineStats:
+        """Its queues' load and the KV cache's counters, between steps."""
+        kv_cache = self.kv_cache
+        return EngineStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=kv_cache.usage,
+            num_kv_blocks=kv_cache.num_blocks,
+            prefix_cache_queries=kv_cache.prefix_cache_queries,
+            prefix_cache_hits=kv_cache.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
 
     def add_request(self, request: Request) -> None:
         self.waiting.add(request)

@@ -163,15 +163,7 @@ class SimulatedEngine:
         del self.requests[request.request_id]
 
     def stats(self) -> EngineStats:
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=self.kv_cache.usage,
-            num_kv_blocks=self.kv_cache.num_blocks,
-            prefix_cache_queries=self.kv_cache.prefix_cache_queries,
-            prefix_cache_hits=self.kv_cache.prefix_cache_hits,
-            num_preemptions=self.scheduler.num_preemptions,
-        )
+        return self.scheduler.stats()
 
     def close(self) -> None:
         pass
