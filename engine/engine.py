@@ -129,7 +129,7 @@ class LLMEngine:
         computed once, then each sample reports under request_id with its index."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
-        self._validate_prompt(prompt_token_ids)
+        validate_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
         try:
             validate_sampling_params(params, self.vocab_size)
         except ValueError as exc:
@@ -156,9 +156,6 @@ class LLMEngine:
         for sample in request.samples:
             self.requests[sample.request_id] = sample
         return request
-
-    def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        validate_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Stop a request and free its KV blocks. Returns its last outputs (finish reason
