@@ -58,6 +58,14 @@ class GatewayThread(LoopThread):
         self.stop_loop()
 
 
+def start_gateway(services, **config) -> GatewayThread:
+    """A GatewayThread before the (engine, tokenizer) services, with GatewayConfig(**config)."""
+    engine, tokenizer = services
+    return GatewayThread(
+        f"127.0.0.1:{engine.port}", f"127.0.0.1:{tokenizer.port}", GatewayConfig(**config)
+    )
+
+
 def spawn_gateway(
     engine_port: int, tokenizer_port: int, *args: str, env: dict[str, str] | None = None
 ) -> subprocess.Popen:

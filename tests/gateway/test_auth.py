@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from common.auth import KeySet, bearer_token, load_api_keys
 from common.config import GatewayConfig
-from gateway_helpers import GatewayThread, check_error, spawn_gateway
+from gateway_helpers import check_error, spawn_gateway, start_gateway
 from grpc_helpers import TIMEOUT
 
 KEYS = ("sk-folio-test-first-0123456789", "sk-folio-test-second-abcdef")
@@ -39,13 +39,6 @@ ROUTES = [
 
 def bearer(key: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {key}"),)
-
-
-def start_gateway(services, **config) -> GatewayThread:
-    engine, tokenizer = services
-    return GatewayThread(
-        f"127.0.0.1:{engine.port}", f"127.0.0.1:{tokenizer.port}", GatewayConfig(**config)
-    )
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,11 @@ import openai
 import pytest
 from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-from common.config import GatewayConfig
 from common.errors import QueueFullError, RateLimitExceeded
 from common.sampling_params import SamplingParams
 from gateway.rate_limit import MAX_TRACKED_CALLERS, RateLimiter, giving_back_unused
 from gateway.text import TextDelta, TextRequest, Usage
-from gateway_helpers import GatewayThread, check_error
+from gateway_helpers import check_error, start_gateway
 from grpc_helpers import TIMEOUT
 
 KEYS = ("sk-rate-limit-a", "sk-rate-limit-b")
@@ -32,13 +31,6 @@ COUNTING = {"prompt": "1, 2, 3, 4,", "stop": [","], "temperature": 0}
 
 def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
-
-
-def start_gateway(services, **config) -> GatewayThread:
-    engine, tokenizer = services
-    return GatewayThread(
-        f"127.0.0.1:{engine.port}", f"127.0.0.1:{tokenizer.port}", GatewayConfig(**config)
-    )
 
 
 def check_rate_limited(response: httpx.Response, retry_after: tuple[int, int] | None) -> str:

@@ -21,11 +21,16 @@ import pytest
 from common.grpc_stubs.folio.v1 import engine_pb2
 from playwright.sync_api import Browser, Page, Route, sync_playwright
 
-from common.config import GatewayConfig, gateway_config_from_args
+from common.config import gateway_config_from_args
 from folio.cli import build_parser
 from gateway.dashboard import Reading
 from gateway.dashboard import sample as dashboard_sample
-from gateway_helpers import GatewayThread, check_error, engine_stats, wait_engine_idle
+from gateway_helpers import (
+    check_error,
+    engine_stats,
+    start_gateway,
+    wait_engine_idle,
+)
 from grpc_helpers import TIMEOUT
 from services.supervisor import Supervisor, serve_config_from_args
 
@@ -378,13 +383,6 @@ def test_a_sample_is_the_change_over_its_interval():
     assert (down.engine_up, down.running, down.kv_cache_usage) == (False, None, None)
     restarted = dashboard_sample(after, Reading(11.0, 130, 60, stats(num_steps=2)), 1235.0)
     assert restarted.steps_per_second == 0 and restarted.step_phase_ms == {}
-
-
-def start_gateway(services, **config) -> GatewayThread:
-    engine, tokenizer = services
-    return GatewayThread(
-        f"127.0.0.1:{engine.port}", f"127.0.0.1:{tokenizer.port}", GatewayConfig(**config)
-    )
 
 
 @pytest.fixture(scope="module")
