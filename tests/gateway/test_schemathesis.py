@@ -14,6 +14,11 @@ import os
 
 import pytest
 import schemathesis
+
+# Imported now, at collection, not lazily by from_url in the test: pytest rewrites a plugin's
+# modules as they load, and on CPython 3.11.7 that ast.parse failed with "AST constructor
+# recursion depth mismatch" once, while the gateway's threads were running.
+import schemathesis.specs.openapi.schemas
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.config import SchemathesisConfig
