@@ -58,15 +58,23 @@ def check_a_new_request_completes(gateway) -> None:
     assert body["usage"]["completion_tokens"] == 5
 
 
-async def leave_after(client: httpx.AsyncClient, route: str, body: dict) -> str:
-    """Stream a request and give up after CLIENT_TIMEOUT; how it ended."""
+async def leave_after(
+    client: httpx.AsyncClient,
+    route: str,
+    body: dict,
+    patience: float = CLIENT_TIMEOUT,
+    at_first_chunk: bool = False,
+) -> str:
+    """Stream a request and give up after `patience` seconds (or at its first chunk); how it
+    ended."""
     try:
-        async with asyncio.timeout(CLIENT_TIMEOUT):
-            async with client.stream("POST", route, json=body) as response:
+        async with asyncio.timeout(patience):
+            async with client.stream("POST", route, json=body, timeout=patience) as response:
                 if response.status_code != 200:
                     return f"status {response.status_code}: {(await response.aread())[:200]!r}"
                 async for _ in response.aiter_raw():
-                    pass
+                    if at_first_chunk:
+                        return "gave up"
     except (TimeoutError, httpx.TimeoutException):
         return "gave up"
     return "finished"
@@ -98,11 +106,20 @@ def test_200_http_clients_that_time_out_free_the_engine(gateway, tokenizer, idle
                         body,
                     )
                     for body in bodies
-                )
+                ),
+                # One that surely ran in the engine: it leaves at its first token, however
+                # loaded the machine (the others may all leave before any step).
+                leave_after(
+                    client,
+                    "/v1/completions",
+                    bodies[1],
+                    patience=TIMEOUT,
+                    at_first_chunk=True,
+                ),
             )
 
     outcomes = asyncio.run(run())
-    assert outcomes == ["gave up"] * requests, sorted(set(outcomes))
+    assert outcomes == ["gave up"] * (requests + 1), sorted(set(outcomes))
     samples = wait_for_idle_engine(gateway.url, idle_kv_usage, FREED_WITHIN)
     # Requests reached the engine and ran there before their clients left (on a loaded
     # machine most leave while queued in the engine, or before their prompts got there).
