@@ -1,0 +1,199 @@
+#!/usr/bin/env bash
+# Runs docker-compose.yml for real on this machine: builds the image, starts the three services,
+# waits for the gateway's /health and checks one chat completion on http://127.0.0.1:8000.
+#
+# Docker is used when its daemon answers and `docker compose` exists; otherwise podman with
+# podman-compose (the Debian package and the PyPI package: podman-compose==1.6.0). On a machine
+# that reaches only package registries (no container registry), as Folio's CI machines do:
+#   - the Dockerfile's base image is built here from Debian packages (debootstrap of bookworm,
+#     python3 in a venv on PATH) and tagged with the Dockerfile's FROM name;
+#   - torch comes from a PEP 503 index served on 127.0.0.1 holding the CPU wheel pip finds for
+#     the pinned version (PyPI's Linux wheel is the multi-gigabyte CUDA build), handed to the
+#     build as TORCH_INDEX_URL; the build uses the host's network to reach it;
+#   - podman runs with runc and ulimits no higher than the host's (its defaults exceed what this
+#     sandbox allows), set in a containers.conf of its own (CONTAINERS_CONF), never in /etc.
+# Idempotent: the base image, the wheelhouse and the image's layers are reused by later runs;
+# the containers and their network are removed on exit, the model-cache volume is kept (the
+# first start converts the model into it). Podman 4.3 ignores compose's healthcheck conditions
+# (the gateway then starts first and reconnects); tests/deploy/test_compose.py checks them.
+#
+#   deploy/compose-smoke.sh            # as root; exit 0 once a chat completion came back
+# Environment: FOLIO_SMOKE_DIR (work folder, default /var/tmp/folio-compose-smoke),
+# FOLIO_SMOKE_TIMEOUT (seconds to wait for /health, default 1200).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+WORK=${FOLIO_SMOKE_DIR:-/var/tmp/folio-compose-smoke}
+TIMEOUT=${FOLIO_SMOKE_TIMEOUT:-1200}
+PROJECT=folio-smoke
+HTTP=http://127.0.0.1:8000
+BASE_IMAGE=$(sed -n 's/^FROM \([^ ]*\).*/\1/p' "$ROOT/Dockerfile" | head -n 1)
+IMAGE=$(sed -n 's/^ *image: *\([^ ]*\).*/\1/p' "$ROOT/docker-compose.yml" | head -n 1)
+TORCH_PIN=$(grep -o '"torch==[^"]*"' "$ROOT/pyproject.toml" | tr -d '"')
+PYTHON=$(command -v python3)
+mkdir -p "$WORK"
+
+log() { printf 'compose-smoke: %s\n' "$*" >&2; }
+die() {
+    log "error: $*"
+    exit 1
+}
+
+# -- which container engine ---------------------------------------------------------------------
+if docker info >/dev/null 2>&1 && docker compose version >/dev/null 2>&1; then
+    ENGINE=docker
+    COMPOSE=(docker compose)
+elif command -v podman >/dev/null; then
+    ENGINE=podman
+    command -v podman-compose >/dev/null ||
+        die "podman is installed but podman-compose is not on PATH (pip install podman-compose==1.6.0)"
+    COMPOSE=(podman-compose)
+    # runc as the runtime; ulimits at most the host's (podman's defaults for root are higher,
+    # and runc then fails with "error setting rlimit ... operation not permitted"). Processes:
+    # here runc could not set more than kernel.pid_max either.
+    nproc=$(ulimit -Hu)
+    pid_max=$(cat /proc/sys/kernel/pid_max)
+    if [ "$nproc" = unlimited ] || [ "$nproc" -gt "$pid_max" ]; then nproc=$pid_max; fi
+    nofile=$(ulimit -Hn)
+    export CONTAINERS_CONF="$WORK/containers.conf"
+    cat >"$CONTAINERS_CONF" <<EOF
+[containers]
+default_ulimits = ["nofile=$nofile:$nofile", "nproc=$nproc:$nproc"]
+
+[engine]
+runtime = "runc"
+EOF
+else
+    die "neither a running docker (with compose) nor podman is installed (apt-get install podman)"
+fi
+log "using $ENGINE; image $IMAGE from base $BASE_IMAGE"
+compose() { "${COMPOSE[@]}" -p "$PROJECT" -f "$ROOT/docker-compose.yml" "$@"; }
+
+# -- the base image, from Debian packages ------------------------------------------------------
+if "$ENGINE" image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
+    log "base image $BASE_IMAGE: present"
+else
+    command -v debootstrap >/dev/null || die "debootstrap is missing (apt-get install debootstrap)"
+    [ "$(id -u)" = 0 ] || die "building the base image (debootstrap, chroot) needs root"
+    ROOTFS="$WORK/rootfs"
+    rm -rf "$ROOTFS"
+    log "base image $BASE_IMAGE: debootstrap of bookworm into $ROOTFS"
+    debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+        bookworm "$ROOTFS" http://deb.debian.org/debian >"$WORK/debootstrap.log" 2>&1 ||
+        die "debootstrap failed; see $WORK/debootstrap.log"
+    # CAs this host added (an egress proxy's, on a sandboxed machine) are trusted inside too,
+    # and pip, whose own CA bundle would not hold them, uses the system's.
+    if compgen -G "/usr/local/share/ca-certificates/*.crt" >/dev/null; then
+        cp /usr/local/share/ca-certificates/*.crt "$ROOTFS/usr/local/share/ca-certificates/"
+        chroot "$ROOTFS" update-ca-certificates >/dev/null
+    fi
+    chroot "$ROOTFS" python3 -m venv /opt/venv
+    rm -rf "$ROOTFS"/var/cache/apt/archives/*.deb "$ROOTFS"/var/lib/apt/lists/*
+    tar -C "$ROOTFS" -c . | "$ENGINE" import \
+        --change 'ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+        --change 'ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt' \
+        --change 'CMD ["python3"]' - "$BASE_IMAGE" >/dev/null
+    rm -rf "$ROOTFS"
+fi
+
+# -- torch's CPU wheel on a local PEP 503 index ------------------------------------------------
+WHEELS="$WORK/wheels"
+INDEX="$WORK/index/simple"
+if ! compgen -G "$WHEELS/torch-*.whl" >/dev/null; then
+    log "downloading $TORCH_PIN (the CPU wheel pip finds here) and its dependencies"
+    "$PYTHON" -m pip download --quiet --only-binary=:all: -d "$WHEELS" "$TORCH_PIN"
+fi
+case $(basename "$(compgen -G "$WHEELS/torch-*.whl" | head -n 1)") in
+    *+cpu-*) ;;
+    *) die "the torch wheel pip found is not the CPU build: $(ls "$WHEELS"/torch-*.whl)" ;;
+esac
+rm -rf "$INDEX"
+for wheel in "$WHEELS"/*.whl; do
+    file=$(basename "$wheel")
+    # PEP 503 names: the distribution name normalized (lower case, runs of -_. as one -).
+    name=$(echo "${file%%-*}" | tr '[:upper:]' '[:lower:]' | sed -E 's/[-_.]+/-/g')
+    mkdir -p "$INDEX/$name"
+    ln -sf "$wheel" "$INDEX/$name/$file"
+done
+for project in "$INDEX"/*/; do
+    {
+        echo '<!DOCTYPE html><html><body>'
+        for wheel in "$project"*.whl; do
+            printf '<a href="%s">%s</a>\n' "$(basename "$wheel")" "$(basename "$wheel")"
+        done
+        echo '</body></html>'
+    } >"$project/index.html"
+done
+
+INDEX_PORT=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+"$PYTHON" -m http.server --bind 127.0.0.1 --directory "$WORK/index" "$INDEX_PORT" >"$WORK/index.log" 2>&1 &
+INDEX_PID=$!
+STARTED=0
+# The project's containers with their anonymous volumes (the image's VOLUME where nothing is
+# mounted: the gateway's), then its network; `compose down` alone would leave those volumes.
+remove_containers() {
+    compose stop >/dev/null 2>&1 || true
+    mapfile -t ids < <("$ENGINE" ps -aq --filter "label=com.docker.compose.project=$PROJECT")
+    [ "${#ids[@]}" = 0 ] || "$ENGINE" rm -f -v "${ids[@]}" >/dev/null
+    compose down >/dev/null 2>&1 || true
+}
+cleanup() {
+    status=$?
+    kill "$INDEX_PID" 2>/dev/null || true
+    if [ "$STARTED" = 1 ]; then
+        if [ "$status" != 0 ]; then
+            log "failed; the services' last log lines:"
+            compose logs --tail 30 >&2 2>&1 || true
+        fi
+        log "removing the containers (the model-cache volume stays)"
+        remove_containers
+    fi
+    exit "$status"
+}
+trap cleanup EXIT
+for _ in $(seq 50); do
+    curl -fsS "http://127.0.0.1:$INDEX_PORT/simple/torch/" >/dev/null 2>&1 && break
+    sleep 0.1
+done
+
+# -- build, start, check ------------------------------------------------------------------------
+log "building $IMAGE (torch from http://127.0.0.1:$INDEX_PORT/simple)"
+build_pull=()
+[ "$ENGINE" = podman ] && build_pull=(--pull=never)
+"$ENGINE" build "${build_pull[@]}" --network host \
+    --build-arg "TORCH_INDEX_URL=http://127.0.0.1:$INDEX_PORT/simple" -t "$IMAGE" "$ROOT"
+
+remove_containers # left over from an interrupted run
+if curl -s -o /dev/null "$HTTP/health"; then
+    die "something already listens on port 8000; stop it first"
+fi
+# The engine and the tokenizer require this of the gateway on the compose network.
+export FOLIO_INTERNAL_TOKEN=${FOLIO_INTERNAL_TOKEN:-$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')}
+STARTED=1
+log "starting the services"
+compose up -d --no-build
+
+log "waiting for $HTTP/health (the first start converts the model into the volume)"
+deadline=$((SECONDS + TIMEOUT))
+until curl -fsS "$HTTP/health" >/dev/null 2>&1; do
+    [ "$SECONDS" -lt "$deadline" ] || die "no healthy gateway after ${TIMEOUT}s"
+    sleep 2
+done
+
+log "asking for one chat completion"
+response=$(curl -fsS "$HTTP/v1/chat/completions" -H 'Content-Type: application/json' -d '{
+  "model": "SmolLM2-135M-Instruct",
+  "messages": [{"role": "user", "content": "Say hello."}],
+  "max_tokens": 16, "temperature": 0
+}')
+"$PYTHON" - "$response" <<'EOF'
+import json
+import sys
+
+body = json.loads(sys.argv[1])
+content = body["choices"][0]["message"]["content"]
+assert body["object"] == "chat.completion", body
+assert content and body["usage"]["completion_tokens"] > 0, body
+print(f"compose-smoke: served by {body['model']}: {content!r}", file=sys.stderr)
+EOF
+log "ok after ${SECONDS}s"
