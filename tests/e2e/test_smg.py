@@ -135,15 +135,24 @@ def wait_until(condition, what: str, seconds: float = TIMEOUT):
 
 
 def counters(stack: ServeProcess) -> dict[str, float]:
-    """The stack's requests ended and prompt tokens found in its prefix cache."""
+    """The stack's requests ended, prompt tokens found in its prefix cache and requests running
+    in its engine."""
     text = httpx.get(stack.url + "/metrics", timeout=TIMEOUT).text
-    found = {"requests": 0.0, "prefix_hits": 0.0}
+    found = {"requests": 0.0, "prefix_hits": 0.0, "running": 0.0}
     for family in text_string_to_metric_families(text):
         if family.name == "folio_requests":
             found["requests"] = sum(s.value for s in family.samples)
         elif family.name == "folio_prefix_cache_hits":
             found["prefix_hits"] = family.samples[0].value
+        elif family.name == "folio_num_requests_running":
+            found["running"] = family.samples[0].value
     return found
+
+
+def engine_loads(url: str) -> dict[str, dict]:
+    """What SMG last polled of each worker's load: worker URL -> its one load snapshot."""
+    workers = httpx.get(url + "/workers", timeout=TIMEOUT).json()["workers"]
+    return {w["url"]: w["engine_load"]["loads"][0] for w in workers if w.get("engine_load")}
 
 
 def chat(url: str, model: str, messages: list[dict]) -> httpx.Response:
@@ -177,13 +186,32 @@ def test_smg_routes_across_two_folio_stacks_and_survives_losing_one(stacks, smg,
         assert worker["runtime_type"] == "sglang"
         assert worker["labels"]["served_model_name"] == model
         assert int(worker["labels"]["max_total_tokens"]) > 0
-    wait_until(
-        lambda: all(
-            w.get("engine_load", {}).get("loads", [{}])[0].get("max_total_num_tokens")
-            for w in httpx.get(smg + "/workers", timeout=TIMEOUT).json()["workers"]
-        ),
-        "SMG to poll both stacks' loads",
-    )
+    # The load SMG polls is the engine's: a request running on a stack (sent to it directly)
+    # shows in SMG's view of that stack, and in no other.
+    busy = stacks[0]
+    ended = counters(busy)["requests"]
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Count slowly."}],
+        "max_tokens": 1900,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    loads: dict[str, dict] = {}
+    with httpx.stream("POST", busy.url + "/v1/chat/completions", json=body, timeout=TIMEOUT) as r:
+        assert r.status_code == 200
+        for number, _ in enumerate(r.iter_lines()):  # read on, as a client does
+            if number % 20 == 0:
+                loads = engine_loads(smg)
+                if loads.get(busy.url, {}).get("num_running_reqs"):
+                    break
+    assert loads[busy.url]["num_running_reqs"] == 1, f"SMG never saw it run: {loads}"
+    assert loads[stacks[1].url]["num_running_reqs"] == 0
+    assert loads[busy.url]["max_total_num_tokens"] > 0
+    assert 0 < loads[busy.url]["token_usage"] < 1
+    # Leaving aborted it (an abort is not a request ended): the engine is idle again.
+    wait_until(lambda: counters(busy)["running"] == 0, "the engine to drop the request")
+    assert counters(busy)["requests"] == ended
 
     # Conversations with different openings (SMG matches a request's text against what each
     # worker was sent): it spreads them, and keeps each on its stack.
