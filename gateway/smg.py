@@ -4,9 +4,10 @@
 and no vLLM /version, for SGLang) and GET /v1/loads (polled every --load-monitor-interval; its
 `token_usage` drives the cache_aware, power_of_two and least_load policies).
 
-The shapes are those SMG 1.13.0 deserializes (model_gateway/src/workflow/steps/local/
+The shapes are those SMG deserializes (lightseekorg/smg: model_gateway/src/workflow/steps/local/
 discover_metadata.rs: ServerInfo, ModelInfo; crates/protocols/src/worker.rs: WorkerLoadResponse,
-SchedulerLoadSnapshot; model_gateway/src/worker/monitor.rs polls /v1/loads): fields SMG reads
+SchedulerLoadSnapshot; model_gateway/src/worker/monitor.rs polls /v1/loads), checked against
+what the 1.13.0 wheel asks and shows in its /workers (tests/e2e/test_smg.py): fields SMG reads
 and Folio knows are filled, the rest left out (SMG takes them as unknown, or zero for loads).
 The whole gateway is one worker and one data-parallel rank: its engine replicas are pooled as
 /metrics pools them (summed; KV usage the pool-weighted mean). Answers only: the numbers come
