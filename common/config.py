@@ -292,8 +292,8 @@ class GatewayConfig:
     protect_health_metrics: bool = _arg(
         False,
         bool,
-        "require an API key for /health, /metrics and gRPC health too (default: "
-        "open, for probes and scrapers)",
+        "require an API key for /health, /metrics, what SMG polls (/server_info, /model_info, "
+        "/v1/loads) and gRPC health too (default: open, for probes, scrapers and routers)",
     )
     rate_limit_rps: float | None = _arg(
         None,

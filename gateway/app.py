@@ -1,5 +1,6 @@
 """The HTTP gateway's routes (Starlette): OpenAI-compatible completions, models, vLLM-style
-tokenize / detokenize, health, Prometheus metrics, the OpenAPI document, and the web pages (the
+tokenize / detokenize, health, Prometheus metrics, what SMG discovers and polls (SGLang-style
+server and model info, loads: gateway/smg.py), the OpenAPI document, and the web pages (the
 playground and the dashboard, gateway/pages.py) with the dashboard's feed (gateway/dashboard.py).
 
 Routes stay thin, module-level handlers: read the body, call completions.py / generation.py /
@@ -32,7 +33,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from common.config import DASHBOARD_FEED_INTERVAL_SECONDS, MAX_REQUEST_BODY_BYTES, GatewayConfig
-from gateway import completions, dashboard
+from gateway import completions, dashboard, smg
 from gateway import protocol as api
 from gateway.auth import Access
 from gateway.deadlines import set_deadline
@@ -325,6 +326,18 @@ async def metrics(request: Request) -> Response:
     return Response(gateway.metrics.render(await gateway.engine_stats()), media_type=CONTENT_TYPE)
 
 
+async def server_info(request: Request) -> Response:
+    return ModelResponse(await smg.server_info(_context(request).gateway), exclude_none=True)
+
+
+async def model_info(request: Request) -> Response:
+    return ModelResponse(await smg.model_info(_context(request).gateway))
+
+
+async def loads(request: Request) -> Response:
+    return ModelResponse(await smg.loads(_context(request).gateway))
+
+
 async def openapi(request: Request) -> Response:
     return Response(_context(request).openapi, media_type="application/json")
 
@@ -418,6 +431,33 @@ ENDPOINTS = [
         metrics,
         media_type="text/plain",
         errors=ANY_ROUTE_ERRORS,
+    ),
+    Endpoint(
+        "/server_info",
+        "GET",
+        "The served model and the engines' capacity, as SGLang answers it (for SMG)",
+        server_info,
+        None,
+        smg.ServerInfo,
+        errors=SERVICE_ERRORS,
+    ),
+    Endpoint(
+        "/model_info",
+        "GET",
+        "The served model, as SGLang answers it (for SMG)",
+        model_info,
+        None,
+        smg.ModelInfo,
+        errors=SERVICE_ERRORS,
+    ),
+    Endpoint(
+        "/v1/loads",
+        "GET",
+        "The engines' load, as SGLang answers it (SMG's load-aware policies poll it)",
+        loads,
+        None,
+        smg.Loads,
+        errors=SERVICE_ERRORS,
     ),
     Endpoint("/openapi.json", "GET", "This document", openapi, errors=ANY_ROUTE_ERRORS),
 ]

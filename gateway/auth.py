@@ -2,8 +2,9 @@
 of its HTTP routes and of its gRPC API (where common.auth.KeyInterceptor refuses calls without a
 key before they reach the servicer).
 
-With API keys configured, every HTTP route but /health, /metrics and /dashboard/feed (those too
-with --protect-health-metrics) needs `Authorization: Bearer <key>`; a caller is then its key's
+With API keys configured, every HTTP route but the probe paths (/health, /metrics,
+/dashboard/feed and what SMG polls: /server_info, /model_info, /v1/loads; those too with
+--protect-health-metrics) needs `Authorization: Bearer <key>`; a caller is then its key's
 name ("key-0"), else its client address. The web pages and their files are open: they hold no
 data, and the API calls they make carry the key. A browser's EventSource cannot send headers, so
 the dashboard's feed also takes the key as the `api_key` query parameter or the
@@ -23,9 +24,11 @@ from common.errors import Unauthenticated
 from gateway.pages import PAGES, STATIC_PREFIX
 from gateway.rate_limit import RateLimiter
 
-# Routes that probes, scrapers and dashboards reach without a key unless
-# --protect-health-metrics.
-PROBE_PATHS = frozenset({"/health", "/metrics", "/dashboard/feed"})
+# Routes that probes, scrapers, dashboards and routers in front (SMG) reach without a key unless
+# --protect-health-metrics. They show what /metrics shows.
+PROBE_PATHS = frozenset(
+    {"/health", "/metrics", "/dashboard/feed", "/server_info", "/model_info", "/v1/loads"}
+)
 # Where a key may also come as a query parameter or a cookie (read by EventSource).
 BROWSER_KEY_PATHS = frozenset({"/dashboard/feed"})
 KEY_QUERY_PARAMETER = "api_key"

@@ -2,10 +2,11 @@
 
 Request-level series (latencies, token counts) are observed as requests run (by the output
 processor); engine-level ones (load, KV cache, prefix cache, per-phase step time) come from
-Engine.GetStats when scraped, through a custom collector. Names follow Prometheus conventions:
-base units, `_total` for counters, no colons; no `_created` series. Each Metrics has a registry
-of its own, so several gateways in one process do not share counts. Only counting and
-formatting here: it never talks to a service.
+Engine.GetStats when scraped, through a custom collector, which also writes the same load
+under vLLM's names (gateway/vllm_metrics.py) for the endpoint pickers that read those. Folio's
+own names follow Prometheus conventions: base units, `_total` for counters, no colons; no
+`_created` series. Each Metrics has a registry of its own, so several gateways in one process
+do not share counts. Only counting and formatting here: it never talks to a service.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from common.grpc_stubs.folio.v1 import engine_pb2
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from gateway.vllm_metrics import vllm_families
 
 # A `_created` series per counter and histogram only doubles what is scraped.
 prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -122,6 +125,7 @@ class EngineStatsCollector(Collector):
         for phase, seconds in sorted(stats.step_seconds.items()):
             phases.add_metric([phase], seconds)
         yield phases
+        yield from vllm_families(stats)
 
 
 class Metrics:

@@ -180,12 +180,15 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         )
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
-        stats, timings = await (await self._engine(context)).stats()
+        running = await self._engine(context)
+        stats, timings = await running.stats()
+        assert running.engine is not None  # serving: the engine thread built it
         return pb.GetStatsResponse(
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
             kv_cache_usage=stats.kv_cache_usage,
             num_kv_blocks=stats.num_kv_blocks,
+            block_size=running.engine.config.block_size,
             prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prefix_cache_hits,
             num_preemptions=stats.num_preemptions,

@@ -165,6 +165,7 @@ def test_abort_mid_stream_frees_kv_blocks(server, stub):
         next(responses)
     stats = stub.GetStats(engine_pb2.GetStatsRequest(), timeout=TIMEOUT)
     assert stats.num_running == 1 and stats.kv_cache_usage > 0
+    assert (stats.block_size, stats.num_kv_blocks) == (4, 1024)  # ENGINE_ARGS
     requests.send(engine_pb2.GenerateRequest(abort=engine_pb2.AbortRequest(request_ids=["long"])))
     requests.close()
     _, last, _ = collect(responses)

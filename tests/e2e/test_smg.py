@@ -1,0 +1,254 @@
+"""Folio behind SMG (the Shepherd Model Gateway, PyPI `smg`, pinned in the test extras): two real
+`folio serve` stacks of a tiny random-weight Llama with the default model's tokenizer (cheap to
+run, real in every process), and `smg launch --policy cache_aware` in front of them. SMG
+discovers both as SGLang-style workers (/server_info, /model_info) and polls their load
+(/v1/loads); requests flow through it to both stacks; a conversation's turns stay on one stack,
+whose prefix cache they hit; when one stack dies SMG takes it out and serves from the other."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from serve_process import ServeProcess, start_serve, wait_serving
+from transformers import LlamaConfig
+
+from tiny_models import make_checkpoint
+
+SMG = Path(sys.executable).parent / "smg"
+TIMEOUT = 120
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+# SmolLM2's vocabulary and special ids, on a model small enough to start in a moment.
+TINY_SMOLLM2 = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=49152,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+STACK_ARGS = ("--dtype", "float32", "--num-kv-blocks", "256", "--max-num-seqs", "8")
+SYSTEM = (
+    "You are a careful assistant for a small library. You answer questions about opening "
+    "hours, loans, renewals and the reading room, briefly and politely, in plain words."
+)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(default_model_dir, tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-smollm2")
+    make_checkpoint(directory, LlamaConfig, TINY_SMOLLM2)
+    for name in TOKENIZER_FILES:
+        shutil.copy(default_model_dir / name, directory / name)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def stacks(tiny_model, tmp_path_factory) -> list[ServeProcess]:
+    logs = tmp_path_factory.mktemp("stacks")
+    servers = [
+        start_serve(logs / f"serve-{i}.log", "--model", str(tiny_model), *STACK_ARGS, wait=False)
+        for i in range(2)
+    ]
+    try:
+        for server in servers:
+            wait_serving(server)
+        yield servers
+    finally:
+        for server in servers:
+            server.kill()
+
+
+@pytest.fixture(scope="module")
+def smg(stacks, tmp_path_factory) -> str:
+    port = free_port()
+    log = tmp_path_factory.mktemp("smg") / "smg.log"
+    command = [
+        str(SMG),
+        "launch",
+        "--worker-urls",
+        *(s.url for s in stacks),
+        "--policy",
+        "cache_aware",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        # Poll load and health every second, and take a worker out at its first failed check,
+        # so the test sees in seconds what SMG does in production over a minute.
+        "--load-monitor-interval",
+        "1",
+        "--health-check-interval-secs",
+        "1",
+        "--health-failure-threshold",
+        "1",
+        "--log-level",
+        "info",
+    ]
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: readiness(url).get("healthy_workers") == 2, "SMG to take both stacks")
+        yield url
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{log.read_text(errors='replace')}") from None
+    finally:
+        os.killpg(process.pid, 9)
+        process.wait()
+
+
+def readiness(url: str) -> dict:
+    try:
+        return httpx.get(url + "/readiness", timeout=TIMEOUT).json()
+    except httpx.HTTPError:
+        return {}
+
+
+def wait_until(condition, what: str, seconds: float = TIMEOUT):
+    deadline = time.monotonic() + seconds
+    while not (found := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return found
+
+
+def counters(stack: ServeProcess) -> dict[str, float]:
+    """The stack's requests ended, prompt tokens found in its prefix cache and requests running
+    in its engine."""
+    text = httpx.get(stack.url + "/metrics", timeout=TIMEOUT).text
+    found = {"requests": 0.0, "prefix_hits": 0.0, "running": 0.0}
+    for family in text_string_to_metric_families(text):
+        if family.name == "folio_requests":
+            found["requests"] = sum(s.value for s in family.samples)
+        elif family.name == "folio_prefix_cache_hits":
+            found["prefix_hits"] = family.samples[0].value
+        elif family.name == "folio_num_requests_running":
+            found["running"] = family.samples[0].value
+    return found
+
+
+def engine_loads(url: str) -> dict[str, dict]:
+    """What SMG last polled of each worker's load: worker URL -> its one load snapshot."""
+    workers = httpx.get(url + "/workers", timeout=TIMEOUT).json()["workers"]
+    return {w["url"]: w["engine_load"]["loads"][0] for w in workers if w.get("engine_load")}
+
+
+def chat(url: str, model: str, messages: list[dict]) -> httpx.Response:
+    return httpx.post(
+        url + "/v1/chat/completions",
+        json={"model": model, "messages": messages, "max_tokens": 4, "temperature": 0},
+        timeout=TIMEOUT,
+    )
+
+
+def served_by(stacks: list[ServeProcess], before: list[dict[str, float]]) -> int:
+    """The one stack that ended one request since `before` (read until it shows)."""
+
+    def counted() -> list[float] | None:
+        growth = [
+            counters(s)["requests"] - b["requests"] for s, b in zip(stacks, before, strict=True)
+        ]
+        return growth if sum(growth) else None
+
+    growth = wait_until(counted, "the request to be counted")
+    assert sorted(growth) == [0, 1], growth
+    return growth.index(1)
+
+
+def test_smg_routes_across_two_folio_stacks_and_survives_losing_one(stacks, smg, tiny_model):
+    model = tiny_model.name
+    # SMG found both as SGLang-style workers and reads their load from /v1/loads.
+    workers = httpx.get(smg + "/workers", timeout=TIMEOUT).json()["workers"]
+    assert {w["url"] for w in workers} == {s.url for s in stacks}
+    for worker in workers:
+        assert worker["runtime_type"] == "sglang"
+        assert worker["labels"]["served_model_name"] == model
+        assert int(worker["labels"]["max_total_tokens"]) > 0
+    # The load SMG polls is the engine's: a request running on a stack (sent to it directly)
+    # shows in SMG's view of that stack, and in no other.
+    busy = stacks[0]
+    ended = counters(busy)["requests"]
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Count slowly."}],
+        "max_tokens": 1900,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    loads: dict[str, dict] = {}
+    with httpx.stream("POST", busy.url + "/v1/chat/completions", json=body, timeout=TIMEOUT) as r:
+        assert r.status_code == 200
+        for number, _ in enumerate(r.iter_lines()):  # read on, as a client does
+            if number % 20 == 0:
+                loads = engine_loads(smg)
+                if len(loads) == 2 and loads[busy.url]["num_running_reqs"]:
+                    break
+    assert loads[busy.url]["num_running_reqs"] == 1, f"SMG never saw it run: {loads}"
+    assert loads[stacks[1].url]["num_running_reqs"] == 0
+    assert loads[busy.url]["max_total_num_tokens"] > 0
+    assert 0 < loads[busy.url]["token_usage"] < 1
+    # Leaving aborted it (an abort is not a request ended): the engine is idle again.
+    wait_until(lambda: counters(busy)["running"] == 0, "the engine to drop the request")
+    assert counters(busy)["requests"] == ended
+
+    # Conversations with different openings (SMG matches a request's text against what each
+    # worker was sent): it spreads them, and keeps each on its stack.
+    homes = set()
+    for topic in ("Opening hours", "Loans", "Renewals", "The reading room"):
+        messages = [
+            {"role": "system", "content": f"{topic} are today's subject. {SYSTEM}"},
+            {"role": "user", "content": f"Tell me about {topic.lower()}, please."},
+        ]
+        home = None
+        for turn in range(3):
+            before = [counters(s) for s in stacks]
+            response = chat(smg, model, messages)
+            assert response.status_code == 200, response.text
+            stack = served_by(stacks, before)
+            home = stack if home is None else home
+            assert stack == home, f"turn {turn} of {topic!r} left its stack"
+            after = counters(stacks[stack])
+            if turn:
+                assert after["prefix_hits"] > before[stack]["prefix_hits"]
+            content = response.json()["choices"][0]["message"]["content"]
+            messages += [
+                {"role": "assistant", "content": content},
+                {"role": "user", "content": f"And what else about {topic.lower()}?"},
+            ]
+        homes.add(home)
+        if len(homes) == 2:
+            break
+    assert homes == {0, 1}, "one stack served every conversation"
+
+    # One host dies: SMG's health checks take it out and the other serves everything.
+    lost, survivor = stacks[0], stacks[1]
+    lost.kill()
+    wait_until(lambda: readiness(smg).get("healthy_workers") == 1, "SMG to drop the dead stack")
+    before = counters(survivor)["requests"]
+    for i in range(3):
+        messages = [{"role": "user", "content": f"Question {i} after the outage?"}]
+        response = chat(smg, model, messages)
+        assert response.status_code == 200, response.text
+    assert counters(survivor)["requests"] - before == 3
