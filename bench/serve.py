@@ -363,7 +363,9 @@ def compare_workers(by_workers: dict[int, dict[str, RunResult]]) -> None:
         return
     (first, base), *others = by_workers.items()
     for label, result in base.items():
-        figures = [f"{first} worker(s) {result.token_throughput:.1f} tok/s"] + [
+        figures = [
+            f"{first} worker{'s' if first > 1 else ''} {result.token_throughput:.1f} tok/s"
+        ] + [
             f"{workers} workers {runs[label].token_throughput:.1f} tok/s "
             f"(x{runs[label].token_throughput / result.token_throughput:.2f})"
             for workers, runs in others

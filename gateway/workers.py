@@ -45,7 +45,7 @@ STARTUP_SECONDS = 120.0
 # A worker that died while serving starts again this much later.
 RESTART_DELAY_SECONDS = 1.0
 # After SIGTERM, how much longer than the drain time a worker gets before it is killed.
-KILL_MARGIN_SECONDS = 10.0
+KILL_MARGIN_SECONDS = 5.0
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
