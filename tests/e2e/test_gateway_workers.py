@@ -6,6 +6,7 @@ restarted, and SIGTERM drains the streams in flight on every worker."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,9 +36,9 @@ TIMEOUT = 60
 WORKERS = {"0", "1"}
 # One request per key per 100 s: a second one is refused however slow the machine.
 SLOW_RPS = "0.01"
-KEYS = tuple(f"sk-workers-{i}" for i in range(12))
+KEYS = ("sk-workers-a", "sk-workers-b", "sk-workers-c")
 # Streams last about this long, whatever the machine's speed: still running when SIGTERM comes.
-STREAM_SECONDS = 4.0
+STREAM_SECONDS = 2.0
 LISTENING = re.compile(r"gateway listening on (http://\S+) \(gRPC (\S+)\)")
 
 
@@ -160,18 +162,33 @@ def fresh(method: str, url: str, **kwargs) -> httpx.Response:
         return client.request(method, url, **kwargs)
 
 
-def until_both_workers(send, most: int = 60) -> list[httpx.Response]:
-    """Call `send()` (a fresh connection each time) until both workers have answered."""
-    responses: list[httpx.Response] = []
-    while {r.headers[WORKER_HEADER] for r in responses} != WORKERS:
-        assert len(responses) < most, [r.headers[WORKER_HEADER] for r in responses]
-        responses.append(send())
-    return responses
+@contextlib.contextmanager
+def client_on_each_worker(
+    url: str, headers: dict[str, str] | None = None, most: int = 500
+) -> Iterator[dict[str, httpx.Client]]:
+    """A client per worker, by its index: a kept-alive connection stays with the worker that
+    accepted it, so new connections are opened until each worker holds one."""
+    clients: dict[str, httpx.Client] = {}
+    try:
+        for _ in range(most):
+            client = httpx.Client(base_url=url, timeout=TIMEOUT, headers=headers)
+            worker = client.get("/health").headers[WORKER_HEADER]
+            if worker in clients:
+                client.close()
+            else:
+                clients[worker] = client
+            if set(clients) == WORKERS:
+                break
+        assert set(clients) == WORKERS, f"{most} connections all went to {set(clients)}"
+        yield clients
+    finally:
+        for client in clients.values():
+            client.close()
 
 
-def scrape(url: str) -> tuple[str, dict[tuple[str, tuple], float]]:
-    """(the worker that answered, its /metrics samples by (name, labels)); each series once."""
-    response = fresh("GET", url + "/metrics")
+def scrape(client: httpx.Client) -> dict[tuple[str, tuple], float]:
+    """The /metrics samples of the client's worker by (name, labels); each series once."""
+    response = client.get("/metrics")
     assert response.status_code == 200
     samples: dict[tuple[str, tuple], float] = {}
     for family in text_string_to_metric_families(response.text):
@@ -179,7 +196,7 @@ def scrape(url: str) -> tuple[str, dict[tuple[str, tuple], float]]:
             key = (sample.name, tuple(sorted(sample.labels.items())))
             assert key not in samples, f"{key} twice in one scrape"
             samples[key] = sample.value
-    return response.headers[WORKER_HEADER], samples
+    return samples
 
 
 GATEWAY_SERIES = (
@@ -196,67 +213,61 @@ def gateway_counts(samples: dict) -> dict[str, float]:
 
 
 def test_both_workers_serve_and_every_scrape_shows_their_sums(stack):
-    # The engine-derived series of a scrape are live; the gateway's own are summed from files.
-    _, before = scrape(stack.url)
-    responses = until_both_workers(
-        lambda: fresh(
-            "POST",
-            stack.url + "/v1/completions",
-            json={"prompt": "Hello", "max_tokens": 3, "ignore_eos": True, "temperature": 0},
-        )
-    )
-    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
-    # The gRPC text API shares its port between the workers too.
-    with grpc.insecure_channel(stack.grpc_address) as channel:
-        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-        request = gateway_pb2.GatewayServiceGenerateRequest(
-            prompt="Hello",
-            sampling_params=common_pb2.SamplingParams(max_tokens=3, ignore_eos=True),
-        )
-        grpc_usage = list(stub.Generate(request, timeout=TIMEOUT))[-1].usage
-    sent = len(responses) + 1
-    completion = sum(r.json()["usage"]["completion_tokens"] for r in responses)
-    prompt = sum(r.json()["usage"]["prompt_tokens"] for r in responses)
-    expected_delta = {
-        "folio_requests_total": sent,
-        "folio_generation_tokens_total": completion + grpc_usage.completion_tokens,
-        "folio_prompt_tokens_total": prompt + grpc_usage.prompt_tokens,
-        "folio_e2e_request_latency_seconds_count": sent,
-        "folio_time_to_first_token_seconds_count": sent,
-    }
-    counts_before = gateway_counts(before)
-    # Whichever worker answers the scrape, it shows both workers' sums.
-    seen: set[str] = set()
-    deadline = time.monotonic() + TIMEOUT
-    while seen != WORKERS:
-        assert time.monotonic() < deadline, f"scrapes answered only by {seen}"
-        worker, samples = scrape(stack.url)
-        seen.add(worker)
-        counts = gateway_counts(samples)
-        assert {k: counts[k] - counts_before[k] for k in counts} == expected_delta, worker
-        # The engine's own series come from GetStats, once.
-        assert samples[("folio_num_kv_blocks", ())] == 1024
+    body = {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True, "temperature": 0}
+    with client_on_each_worker(stack.url) as clients:
+        before = {worker: gateway_counts(scrape(c)) for worker, c in clients.items()}
+        assert before["0"] == before["1"]
+        # Each worker serves requests of its own: 2 on worker 0, 3 on worker 1.
+        responses = [clients[worker].post("/v1/completions", json=body) for worker in "01011"]
+        assert [r.headers[WORKER_HEADER] for r in responses] == list("01011")
+        assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+        # The gRPC text API shares its port between the workers too.
+        with grpc.insecure_channel(stack.grpc_address) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            request = gateway_pb2.GatewayServiceGenerateRequest(
+                prompt="Hello",
+                sampling_params=common_pb2.SamplingParams(max_tokens=3, ignore_eos=True),
+            )
+            grpc_usage = list(stub.Generate(request, timeout=TIMEOUT))[-1].usage
+        sent = len(responses) + 1
+        completion = sum(r.json()["usage"]["completion_tokens"] for r in responses)
+        prompt = sum(r.json()["usage"]["prompt_tokens"] for r in responses)
+        expected_delta = {
+            "folio_requests_total": sent,
+            "folio_generation_tokens_total": completion + grpc_usage.completion_tokens,
+            "folio_prompt_tokens_total": prompt + grpc_usage.prompt_tokens,
+            "folio_e2e_request_latency_seconds_count": sent,
+            "folio_time_to_first_token_seconds_count": sent,
+        }
+        # Whichever worker answers the scrape, it shows both workers' sums; the engine's own
+        # series come from GetStats, once.
+        for worker, client in clients.items():
+            samples = scrape(client)
+            counts = gateway_counts(samples)
+            assert {k: counts[k] - before[worker][k] for k in counts} == expected_delta, worker
+            assert samples[("folio_num_kv_blocks", ())] == 1024
 
 
 def test_a_key_rate_limit_is_the_whole_servers(limited_gateway):
-    url = limited_gateway.url
-    responses = until_both_workers(lambda: fresh("GET", url + "/v1/models", headers=auth(KEYS[0])))
-    # With a bucket per worker each worker would admit the key once; together they admit once.
-    assert [r.status_code for r in responses].count(200) == 1, [
-        (r.headers[WORKER_HEADER], r.status_code) for r in responses
-    ]
-    assert {r.status_code for r in responses} == {200, 429}
-    # The gRPC API charges the same bucket, whichever worker takes the call.
-    with grpc.insecure_channel(limited_gateway.grpc_address) as channel:
-        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-        request = gateway_pb2.GatewayServiceGenerateRequest(
-            prompt="Hi", sampling_params=common_pb2.SamplingParams(max_tokens=1)
-        )
-        with pytest.raises(grpc.RpcError) as refused:
-            list(stub.Generate(request, metadata=(("authorization", f"Bearer {KEYS[0]}"),)))
-        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    # Another key has its own bucket.
-    assert fresh("GET", url + "/v1/models", headers=auth(KEYS[1])).status_code == 200
+    with client_on_each_worker(limited_gateway.url) as clients:
+        # A bucket per worker would admit the key once on each; together they admit it once.
+        assert clients["0"].get("/v1/models", headers=auth(KEYS[0])).status_code == 200
+        refused = clients["1"].get("/v1/models", headers=auth(KEYS[0]))
+        assert refused.status_code == 429, refused.text
+        assert "requests per second" in refused.json()["error"]["message"]
+        # The gRPC API charges the same bucket, whichever worker takes the call.
+        with grpc.insecure_channel(limited_gateway.grpc_address) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            request = gateway_pb2.GatewayServiceGenerateRequest(
+                prompt="Hi", sampling_params=common_pb2.SamplingParams(max_tokens=1)
+            )
+            metadata = (("authorization", f"Bearer {KEYS[0]}"),)
+            with pytest.raises(grpc.RpcError) as failure:
+                list(stub.Generate(request, metadata=metadata, timeout=TIMEOUT))
+            assert failure.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Another key has its own bucket, on either worker.
+        assert clients["1"].get("/v1/models", headers=auth(KEYS[1])).status_code == 200
+        assert clients["0"].get("/v1/models", headers=auth(KEYS[1])).status_code == 429
 
 
 def test_a_worker_that_dies_is_restarted(limited_gateway):
@@ -281,10 +292,9 @@ def test_a_worker_that_dies_is_restarted(limited_gateway):
 
 @dataclass
 class Stream:
-    """A streamed completion on a connection of its own, read in a thread."""
+    """A streamed completion on `client`'s connection, read in a thread."""
 
-    url: str
-    key: str
+    client: httpx.Client
     max_tokens: int
     worker: str | None = None
     started: threading.Event = field(default_factory=threading.Event)
@@ -303,12 +313,7 @@ class Stream:
         }
         start = time.monotonic()
         try:
-            with (
-                httpx.Client(timeout=TIMEOUT) as client,
-                client.stream(
-                    "POST", self.url + "/v1/completions", json=body, headers=auth(self.key)
-                ) as response,
-            ):
+            with self.client.stream("POST", "/v1/completions", json=body) as response:
                 assert response.status_code == 200, response.read()
                 self.worker = response.headers[WORKER_HEADER]
                 for line in response.iter_lines():
@@ -322,52 +327,51 @@ class Stream:
             self.ended = True
             self.started.set()
 
+    def check_whole(self) -> None:
+        assert self.ended and self.error is None, self.error
+        assert self.events[-1] == "[DONE]", self.events[-3:]
+        usage = json.loads(self.events[-2])["usage"]
+        assert usage["completion_tokens"] == self.max_tokens, (self.worker, usage)
 
-def stream_length(url: str) -> int:
+
+def stream_length(client: httpx.Client) -> int:
     """Tokens a stream needs to last about STREAM_SECONDS on this machine now."""
-    probe = Stream(url, KEYS[-1], 16)
+    probe = Stream(client, 16)
     probe.run()
-    assert probe.error is None, probe.error
-    usage = json.loads(probe.events[-2])["usage"]
-    seconds_per_token = probe.seconds / usage["completion_tokens"]
-    return max(32, min(3000, int(STREAM_SECONDS / seconds_per_token)))
+    probe.check_whole()
+    return max(32, min(3000, int(STREAM_SECONDS * 16 / probe.seconds)))
 
 
 def test_sigterm_drains_the_streams_of_every_worker(stack, tmp_path):
     gateway = spawn_workers(stack, tmp_path / "gateway.log", "--drain-seconds", "120")
     try:
-        max_tokens = stream_length(gateway.url)
-        streams: list[Stream] = []
-        while {s.worker for s in streams} != WORKERS:
-            assert len(streams) < len(KEYS) - 1, [s.worker for s in streams]
-            stream = Stream(gateway.url, KEYS[len(streams)], max_tokens)
-            threading.Thread(target=stream.run, daemon=True).start()
-            assert stream.started.wait(TIMEOUT) and stream.error is None, stream.error
-            streams.append(stream)
-        assert not any(s.ended for s in streams), "a stream ended before SIGTERM"
-        gateway.process.send_signal(signal.SIGTERM)
-        # Draining: no new work on either worker (503), the streams go on.
-        deadline = time.monotonic() + TIMEOUT
-        refused: set[str] = set()
-        while refused != WORKERS and not all(s.ended for s in streams):
-            assert time.monotonic() < deadline
-            try:
-                response = fresh(
-                    "POST",
-                    gateway.url + "/v1/completions",
-                    json={"prompt": "Hi", "max_tokens": 1},
-                    headers=auth(KEYS[-1]),
-                )
-            except httpx.TransportError:
-                break  # a worker already finished and closed
-            assert response.status_code == 503, response.text
-            refused.add(response.headers[WORKER_HEADER])
-        assert gateway.process.wait(TIMEOUT * 3) == 0, gateway.output()
-        for stream in streams:
-            assert stream.ended and stream.error is None, stream.error
-            assert stream.events[-1] == "[DONE]", stream.events[-3:]
-            usage = json.loads(stream.events[-2])["usage"]
-            assert usage["completion_tokens"] == max_tokens, (stream.worker, usage)
+        with (
+            client_on_each_worker(gateway.url, auth(KEYS[2])) as streaming,
+            client_on_each_worker(gateway.url, auth(KEYS[2])) as probing,
+        ):
+            max_tokens = stream_length(streaming["0"])
+            streams = [Stream(streaming[worker], max_tokens) for worker in sorted(WORKERS)]
+            for stream in streams:
+                threading.Thread(target=stream.run, daemon=True).start()
+            for stream in streams:
+                assert stream.started.wait(TIMEOUT) and stream.error is None, stream.error
+            assert [s.worker for s in streams] == sorted(WORKERS)
+            assert not any(s.ended for s in streams), "a stream ended before SIGTERM"
+            gateway.process.send_signal(signal.SIGTERM)
+            # Each worker drains: it refuses new work (503) once it has the signal.
+            for worker, client in probing.items():
+                deadline = time.monotonic() + TIMEOUT
+                while (
+                    status := client.post(
+                        "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}
+                    ).status_code
+                ) != 503:
+                    assert status == 200 and time.monotonic() < deadline, (worker, status)
+                    time.sleep(0.02)
+            # The streams go on to their end; then every worker exits, and the parent.
+            assert gateway.process.wait(TIMEOUT * 3) == 0, gateway.output()
+            for stream in streams:
+                stream.check_whole()
         assert "while serving" not in gateway.output()  # no worker died on the way
     finally:
         gateway.close()
