@@ -101,23 +101,7 @@ class WorkerGroup:
             (shared_state / "metrics").mkdir()
             port, grpc_port = http.getsockname()[1], grpc_reservation.getsockname()[1]
             workers = [
-                _Worker(
-                    i,
-                    [
-                        *self.command,
-                        # Later flags win: each worker is one process on the reserved port.
-                        "--workers",
-                        "1",
-                        "--grpc-port",
-                        str(grpc_port),
-                        "--worker-index",
-                        str(i),
-                        "--listen-fd",
-                        str(http.fileno()),
-                        "--shared-state",
-                        str(shared_state),
-                    ],
-                )
+                _Worker(i, self.worker_command(i, grpc_port, http.fileno(), shared_state))
                 for i in range(self.workers)
             ]
             env = {METRICS_DIR_ENV: str(shared_state / "metrics")}
@@ -137,6 +121,25 @@ class WorkerGroup:
             http.close()
             grpc_reservation.close()
             shutil.rmtree(shared_state, ignore_errors=True)
+
+    def worker_command(
+        self, index: int, grpc_port: int, listen_fd: int, shared_state: Path
+    ) -> list[str]:
+        """Worker `index`'s command line (after `folio`): the group's flags, then its own."""
+        return [
+            *self.command,
+            # Later flags win: each worker is one process on the reserved port.
+            "--workers",
+            "1",
+            "--grpc-port",
+            str(grpc_port),
+            "--worker-index",
+            str(index),
+            "--listen-fd",
+            str(listen_fd),
+            "--shared-state",
+            str(shared_state),
+        ]
 
     def _start(self, worker: _Worker, http: socket.socket, env: dict[str, str]) -> None:
         worker.serving = False
