@@ -5,7 +5,9 @@ Starts a `folio serve` on free ports (or attaches to one with --url), drives the
 /v1/completions with N concurrent streaming clients (a sweep, default 1 and 32) or at a Poisson
 request rate, and reports TTFT, TPOT and ITL (p50, p90, p99) and request and token throughput,
 and, for a stack it started, the CPU time the gateway and the tokenizer spent per output token
-(from /proc: user + system time of the process, all threads). Then it runs the same requests on
+(from /proc: user + system time of the process and its children, all threads). With
+--gateway-workers 1,2 it starts one stack per number of gateway worker processes, runs the
+sweep on each and compares their throughput. Then it runs the same requests on
 engine.async_engine in this process and prints the gateway / in-process throughput ratio at each
 concurrency and the TTFT the service hops add at concurrency 1 (p50). A benchmark, not a test:
 it asserts nothing and never runs in the suite.
@@ -51,6 +53,12 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=int, default=64)
     g.add_argument("--workload-seed", type=int, default=1234)
     g.add_argument("--skip-in-process", action="store_true", help="measure the served stack only")
+    g.add_argument(
+        "--gateway-workers",
+        default="1",
+        help="gateway processes of the stack it starts (folio serve --gateway-workers), a "
+        "sweep: one stack for each",
+    )
 
 
 @dataclass
@@ -72,12 +80,25 @@ class Sample:
         return (self.token_times[-1] - self.token_times[0]) / (self.num_tokens - 1)
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far, all its threads (/proc/<pid>/stat)."""
+def _stat_fields(pid: int | str) -> list[str]:
     with open(f"/proc/{pid}/stat") as stat:
         # The command name (field 2) may hold spaces: count fields after its closing ")".
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return stat.read().rsplit(")", 1)[1].split()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time so far of a process and its live children (a gateway's workers),
+    all their threads (/proc/<pid>/stat)."""
+    fields = _stat_fields(pid)
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    children = 0.0
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and int(_stat_fields(entry)[1]) == pid:
+                children += cpu_seconds(int(entry))
+        except OSError:
+            continue  # gone meanwhile
+    return own + children
 
 
 @dataclass
@@ -262,16 +283,18 @@ async def bench_levels(
 
 
 async def bench_gateway(
-    url: str, args: argparse.Namespace, vocab_size: int, pids: dict[str, int] | None = None
+    url: str,
+    args: argparse.Namespace,
+    vocab_size: int,
+    pids: dict[str, int] | None = None,
+    name: str = "gateway",
 ) -> dict[str, RunResult]:
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=600, limits=limits) as session:
         model = (await session.get(f"{url}/v1/models")).json()["data"][0]["id"]
-        return await bench_levels(
-            "gateway", http_client(session, url, model), args, vocab_size, pids
-        )
+        return await bench_levels(name, http_client(session, url, model), args, vocab_size, pids)
 
 
 async def bench_in_process(config, args: argparse.Namespace) -> dict[str, RunResult]:
@@ -296,9 +319,62 @@ def _vocab_size(config) -> int:
     return ModelConfig.from_dir(resolve_model_path(config.model)).vocab_size
 
 
+def serve_and_bench(
+    config, args: argparse.Namespace, vocab_size: int, gateway_workers: int
+) -> dict[str, RunResult]:
+    """Start a `folio serve` with `gateway_workers` gateway processes, run the sweep, stop it."""
+    from services.supervisor import ServeConfig, Supervisor
+
+    with tempfile.NamedTemporaryFile(
+        "w", prefix="folio-bench-serve-", suffix=".log", delete=False
+    ) as log:
+        supervisor = Supervisor(
+            ServeConfig(
+                port=0,
+                grpc_port=0,
+                engine_port=0,
+                tokenizer_port=0,
+                gateway_workers=gateway_workers,
+                engine=config,
+            ),
+            output=log,
+        )
+        print(
+            f"starting folio serve --gateway-workers {gateway_workers} (service logs in "
+            f"{log.name})",
+            flush=True,
+        )
+        try:
+            supervisor.start()
+            pids = {
+                child.name: child.process.pid
+                for child in (supervisor.gateway, supervisor.tokenizer)
+                if child.process is not None
+            }
+            name = "gateway" if gateway_workers == 1 else f"gateway x{gateway_workers}"
+            return event_loop.run(bench_gateway(supervisor.url, args, vocab_size, pids, name))
+        finally:
+            supervisor.stop()  # frees the cores for the next run
+
+
+def compare_workers(by_workers: dict[int, dict[str, RunResult]]) -> None:
+    """Each run's token throughput with each number of gateway workers, against the first."""
+    if len(by_workers) < 2:
+        return
+    (first, base), *others = by_workers.items()
+    for label, result in base.items():
+        figures = [
+            f"{first} worker{'s' if first > 1 else ''} {result.token_throughput:.1f} tok/s"
+        ] + [
+            f"{workers} workers {runs[label].token_throughput:.1f} tok/s "
+            f"(x{runs[label].token_throughput / result.token_throughput:.2f})"
+            for workers, runs in others
+        ]
+        print(f"gateway throughput at {label}: " + ", ".join(figures))
+
+
 def run_serve_benchmark(args: argparse.Namespace) -> None:
     from common.config import engine_config_from_args
-    from services.supervisor import ServeConfig, Supervisor
 
     config = engine_config_from_args(args)
     vocab_size = _vocab_size(config)
@@ -310,24 +386,12 @@ def run_serve_benchmark(args: argparse.Namespace) -> None:
     if args.url:
         served = event_loop.run(bench_gateway(args.url.rstrip("/"), args, vocab_size))
     else:
-        with tempfile.NamedTemporaryFile(
-            "w", prefix="folio-bench-serve-", suffix=".log", delete=False
-        ) as log:
-            supervisor = Supervisor(
-                ServeConfig(port=0, grpc_port=0, engine_port=0, tokenizer_port=0, engine=config),
-                output=log,
-            )
-            print(f"starting folio serve (service logs in {log.name})", flush=True)
-            try:
-                supervisor.start()
-                pids = {
-                    child.name: child.process.pid
-                    for child in (supervisor.gateway, supervisor.tokenizer)
-                    if child.process is not None
-                }
-                served = event_loop.run(bench_gateway(supervisor.url, args, vocab_size, pids))
-            finally:
-                supervisor.stop()  # frees the cores before the in-process run
+        by_workers = {
+            workers: serve_and_bench(config, args, vocab_size, workers)
+            for workers in (int(w) for w in args.gateway_workers.split(","))
+        }
+        served = next(iter(by_workers.values()))
+        compare_workers(by_workers)
     if "c=32" in served and "gateway" in served["c=32"].cpu_ms_per_token:
         print(
             f"gateway CPU per output token at c=32: "

@@ -54,6 +54,11 @@ class GrpcService:
         self._stop_requested: asyncio.Event | None = None
         self.failure: BaseException | None = None
         self._interceptors: list[grpc.aio.ServerInterceptor] = []
+        self._options: list[tuple[str, Any]] = list(GRPC_MESSAGE_OPTIONS)
+
+    def share_port(self) -> None:
+        """From `start` on, listen with SO_REUSEPORT: processes of one group serve one port."""
+        self._options.append(("grpc.so_reuseport", 1))
 
     def require_keys(self, keys: KeySet, what: str, open_health: bool = True) -> None:
         """From `start` on, every call must present one of `keys` (authorization: Bearer),
@@ -95,7 +100,7 @@ class GrpcService:
 
     async def start(self) -> int:
         """Listen (NOT_SERVING), start warming up in the background; return the bound port."""
-        server = grpc.aio.server(interceptors=self._interceptors, options=GRPC_MESSAGE_OPTIONS)
+        server = grpc.aio.server(interceptors=self._interceptors, options=self._options)
         self.add_servicers(server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(

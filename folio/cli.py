@@ -152,9 +152,30 @@ def _engine_worker(args: argparse.Namespace) -> int:
 
 def _gateway(args: argparse.Namespace) -> int:
     from common.auth import internal_token, load_api_keys
-    from gateway.server import GatewayServer
 
+    if args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
     config = gateway_config_from_args(args, load_api_keys(args.api_key, args.api_key_file))
+    if args.workers > 1:
+        from gateway.workers import WorkerGroup
+
+        group = WorkerGroup(
+            args.command_line,  # each worker runs these flags (and its own, given after them)
+            args.host,
+            args.port,
+            args.grpc_port,
+            args.workers,
+            args.drain_seconds,
+        )
+        return group.run()
+    from gateway.server import GatewayServer
+    from gateway.workers import WorkerSetup
+
+    worker = (
+        None
+        if args.worker_index is None
+        else WorkerSetup(args.worker_index, args.listen_fd, Path(args.shared_state))
+    )
     server = GatewayServer(
         args.host,
         args.port,
@@ -164,6 +185,7 @@ def _gateway(args: argparse.Namespace) -> int:
         args.served_model_name,
         config,
         internal_token(),
+        worker,
     )
     return _run_service(server, args.drain_seconds)
 
@@ -290,6 +312,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the model name clients use (default: the model directory's name)",
     )
+    gateway.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="gateway processes sharing the HTTP and gRPC ports, each with its own engine and "
+        "tokenizer streams; metrics and rate limits stay the whole server's",
+    )
+    # Set by the parent of --workers for each worker; not for users.
+    gateway.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
+    gateway.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
+    gateway.add_argument("--shared-state", default=None, help=argparse.SUPPRESS)
     add_gateway_args(gateway)
     gateway.set_defaults(func=_gateway)
 
@@ -344,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.command_line = list(sys.argv[1:] if argv is None else argv)
     die_with_parent()  # a service of `folio serve`, a worker of an engine: not alone
     try:
         return args.func(args)

@@ -13,6 +13,8 @@ the dashboard's feed also takes the key as the `api_key` query parameter or the
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,7 +24,8 @@ from common.auth import KeySet, bearer_token, grpc_presented_key
 from common.config import GatewayConfig
 from common.errors import Unauthenticated
 from gateway.pages import PAGES, STATIC_PREFIX
-from gateway.rate_limit import RateLimiter
+from gateway.rate_limit import LocalBuckets, RateLimiter
+from gateway.shared_buckets import SharedBuckets
 
 # Routes that probes, scrapers, dashboards and routers in front (SMG) reach without a key unless
 # --protect-health-metrics. They show what /metrics shows.
@@ -39,9 +42,16 @@ UNAUTHENTICATED_MESSAGE = "missing or invalid API key: send it as Authorization:
 class Access:
     """The gateway's keys and rate limits, shared by its HTTP and gRPC APIs."""
 
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, shared_state: Path | None = None) -> None:
+        """`shared_state`: the directory where the workers of one gateway keep the rate-limit
+        buckets they share; None: a gateway of one process keeps them in memory."""
         self.keys = KeySet(config.api_keys)
-        self.limiter = RateLimiter(config.rate_limit_rps, config.rate_limit_tpm)
+        buckets = (
+            LocalBuckets
+            if shared_state is None
+            else functools.partial(SharedBuckets.in_directory, shared_state)
+        )
+        self.limiter = RateLimiter(config.rate_limit_rps, config.rate_limit_tpm, buckets=buckets)
         self.protect_health_metrics = config.protect_health_metrics
 
     def caller(self, presented_key: str | None, address: str | None) -> str:

@@ -6,7 +6,11 @@ Engine.GetStats when scraped, through a custom collector, which also writes the 
 under vLLM's names (gateway/vllm_metrics.py) for the endpoint pickers that read those. Folio's
 own names follow Prometheus conventions: base units, `_total` for counters, no colons; no
 `_created` series. Each Metrics has a registry of its own, so several gateways in one process
-do not share counts. Only counting and formatting here: it never talks to a service.
+do not share counts. A gateway of several worker processes (gateway/workers.py) counts in
+prometheus-client's multiprocess mode: each worker writes its request-level series to files in
+PROMETHEUS_MULTIPROC_DIR and a scrape, whichever worker answers it, sums every worker's; the
+engine-level series stay live, from GetStats. Only counting and formatting here: it never talks
+to a service.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import prometheus_client
 from common.grpc_stubs.folio.v1 import engine_pb2
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from gateway.vllm_metrics import vllm_families
@@ -131,7 +136,9 @@ class EngineStatsCollector(Collector):
 class Metrics:
     """Everything /metrics shows; the output processor feeds the request-level part."""
 
-    def __init__(self) -> None:
+    def __init__(self, multiprocess: bool = False) -> None:
+        """`multiprocess`: this process is one of a gateway's workers (PROMETHEUS_MULTIPROC_DIR
+        was set before prometheus_client was first imported)."""
         self.registry = CollectorRegistry(auto_describe=False)
         self._engine = EngineStatsCollector()
         self.registry.register(self._engine)
@@ -171,6 +178,12 @@ class Metrics:
             ["finish_reason"],
             registry=self.registry,
         )
+        if multiprocess:
+            # The instruments above write to this worker's files: what is scraped reads every
+            # worker's files, and the live collectors (register them here again).
+            self.registry = CollectorRegistry(auto_describe=False)
+            MultiProcessCollector(self.registry)  # type: ignore[no-untyped-call]
+            self.registry.register(self._engine)
 
     def request_finished(self, finish_reason: str) -> None:
         self.requests.labels(finish_reason).inc()

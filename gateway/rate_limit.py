@@ -8,8 +8,10 @@ limit. When a sequence finishes, the max_tokens it did not generate are given ba
 request the engine refuses before producing anything (queue full) gets all back. A refusal
 says how many whole seconds until the same request would pass (HTTP Retry-After); a request
 larger than a whole minute's tokens can never pass and is told so. Buckets start full: a caller's
-first minute may use the whole allowance at once. This module decides admission only: it never
-reads credentials or talks to a service.
+first minute may use the whole allowance at once. The buckets live in this process
+(LocalBuckets), or, for a gateway of several worker processes, in a file they all share
+(gateway/shared_buckets.py): a limit is then the whole server's, not each worker's. This module
+decides admission only: it never reads credentials or talks to a service.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import math
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from common.errors import RateLimitExceeded
 from gateway.text import TextDelta, TextRequest
@@ -54,17 +57,68 @@ class TokenBucket:
         self.level = min(self.capacity, self.level + amount)
 
 
+class Buckets(Protocol):
+    """One limit's token buckets, by caller, all with the same rate and capacity; a caller's
+    bucket starts full."""
+
+    def take(self, caller: str, amount: float, now: float) -> float:
+        """TokenBucket.take on the caller's bucket."""
+        ...
+
+    def give_back(self, caller: str, amount: float, now: float) -> None: ...
+
+
+# Makes the buckets of one limit: (the limit's name, rate per second, capacity).
+BucketsFactory = Callable[[str, float, float], Buckets]
+
+
+class LocalBuckets:
+    """Buckets in this process's memory."""
+
+    def __init__(self, name: str, rate: float, capacity: float) -> None:
+        self.rate = rate
+        self.capacity = capacity
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def take(self, caller: str, amount: float, now: float) -> float:
+        bucket = self._buckets.get(caller)
+        if bucket is None:
+            if len(self._buckets) >= MAX_TRACKED_CALLERS:
+                self._forget_full(now)
+            bucket = self._buckets[caller] = TokenBucket(
+                self.rate, self.capacity, self.capacity, now
+            )
+        return bucket.take(amount, now)
+
+    def give_back(self, caller: str, amount: float, now: float) -> None:
+        bucket = self._buckets.get(caller)
+        if bucket is not None:  # else forgotten when full: it starts full again anyway
+            bucket.give_back(amount, now)
+
+    def _forget_full(self, now: float) -> None:
+        for caller, bucket in list(self._buckets.items()):
+            bucket.refill(now)
+            if bucket.level >= bucket.capacity:
+                del self._buckets[caller]
+
+
 class TokenReservation:
     """`amount` tokens taken for one request; what its sequences did not use goes back."""
 
-    def __init__(self, limiter: RateLimiter, bucket: TokenBucket | None, amount: int) -> None:
+    def __init__(
+        self, limiter: RateLimiter, buckets: Buckets | None, caller: str, amount: int
+    ) -> None:
         self._limiter = limiter
-        self._bucket = bucket
+        self._buckets = buckets
+        self._caller = caller
         self.amount = amount
 
     def give_back(self, amount: int) -> None:
-        if self._bucket is not None and amount > 0:
-            self._bucket.give_back(amount, self._limiter.clock())
+        if self._buckets is not None and amount > 0:
+            self._buckets.give_back(self._caller, amount, self._limiter.clock())
 
 
 class RateLimiter:
@@ -75,20 +129,29 @@ class RateLimiter:
         requests_per_second: float | None,
         tokens_per_minute: int | None,
         clock: Callable[[], float] = time.monotonic,
+        buckets: BucketsFactory = LocalBuckets,
     ) -> None:
+        """`clock`: monotonic seconds, the same for every process sharing `buckets`."""
         self.requests_per_second = requests_per_second
         self.tokens_per_minute = tokens_per_minute
         self.clock = clock
-        self._requests: dict[str, TokenBucket] = {}
-        self._tokens: dict[str, TokenBucket] = {}
+        # A second's worth of burst, and at least one request (a rate below 1/s still admits).
+        self._requests = (
+            None
+            if requests_per_second is None
+            else buckets("requests", requests_per_second, max(requests_per_second, 1.0))
+        )
+        self._tokens = (
+            None
+            if tokens_per_minute is None
+            else buckets("tokens", tokens_per_minute / 60, tokens_per_minute)
+        )
 
     def admit_request(self, caller: str) -> None:
         """Charge one request to `caller`; RateLimitExceeded if over requests per second."""
-        if self.requests_per_second is None:
+        if self._requests is None:
             return
-        # A second's worth of burst, and at least one request (a rate below 1/s still admits).
-        capacity = max(self.requests_per_second, 1.0)
-        wait = self._take(self._requests, caller, self.requests_per_second, capacity, 1)
+        wait = self._requests.take(caller, 1, self.clock())
         if wait:
             raise RateLimitExceeded(
                 f"rate limit reached: {self.requests_per_second:g} requests per second for "
@@ -99,11 +162,11 @@ class RateLimiter:
     def reserve_tokens(self, caller: str, requests: Sequence[TextRequest]) -> TokenReservation:
         """Charge prompt + max_tokens of every sequence (each of a request's n choices) to
         `caller`; RateLimitExceeded if over tokens per minute."""
-        if self.tokens_per_minute is None:
-            return TokenReservation(self, None, 0)
+        if self._tokens is None or self.tokens_per_minute is None:
+            return TokenReservation(self, None, caller, 0)
         amount = sum(r.params.n * (len(r.prompt_ids) + r.max_tokens) for r in requests)
         limit = self.tokens_per_minute
-        wait = self._take(self._tokens, caller, limit / 60, limit, amount)
+        wait = self._tokens.take(caller, amount, self.clock())
         if wait == math.inf:
             raise RateLimitExceeded(
                 f"request too large: it may use {amount} tokens (prompt plus max_tokens for each "
@@ -117,30 +180,7 @@ class RateLimiter:
                 f"request may use {amount}; retry in {math.ceil(wait)} s",
                 math.ceil(wait),
             )
-        return TokenReservation(self, self._tokens[caller], amount)
-
-    def _take(
-        self,
-        buckets: dict[str, TokenBucket],
-        caller: str,
-        rate: float,
-        capacity: float,
-        amount: float,
-    ) -> float:
-        now = self.clock()
-        bucket = buckets.get(caller)
-        if bucket is None:
-            if len(buckets) >= MAX_TRACKED_CALLERS:
-                self._forget_full(buckets, now)
-            bucket = buckets[caller] = TokenBucket(rate, capacity, capacity, now)
-        return bucket.take(amount, now)
-
-    @staticmethod
-    def _forget_full(buckets: dict[str, TokenBucket], now: float) -> None:
-        for caller, bucket in list(buckets.items()):
-            bucket.refill(now)
-            if bucket.level >= bucket.capacity:
-                del buckets[caller]
+        return TokenReservation(self, self._tokens, caller, amount)
 
 
 def _who(caller: str) -> str:

@@ -50,6 +50,7 @@ class Replica:
     in_flight: int = 0  # requests placed here that have not been released
     routed: int = 0  # requests placed here, ever (retries included)
     stats: engine_pb2.GetStatsResponse | None = None  # its latest GetStats answer
+    placed_since_stats: int = 0  # requests placed here since `stats` came
 
     @property
     def name(self) -> str:
@@ -58,12 +59,19 @@ class Replica:
 
     @property
     def load(self) -> ReplicaLoad:
+        """What the engine reports, not this gateway's own in-flight count: the workers of a
+        gateway, and several gateways, then weigh the replica alike."""
         stats = self.stats
         if stats is None:
-            return ReplicaLoad(self.in_flight)
+            return ReplicaLoad(self.placed_since_stats)
         return ReplicaLoad(
-            self.in_flight, stats.num_running, stats.num_waiting, stats.kv_cache_usage
+            self.placed_since_stats, stats.num_running, stats.num_waiting, stats.kv_cache_usage
         )
+
+    def reported(self, stats: engine_pb2.GetStatsResponse | None) -> None:
+        """The engine's latest answer (None: none to trust); it counts what was placed so far."""
+        self.stats = stats
+        self.placed_since_stats = 0
 
 
 @dataclass(eq=False)
@@ -148,7 +156,7 @@ class EnginePool:
             if isinstance(answer, BaseException):
                 error = answer
                 continue
-            replica.stats = answer
+            replica.reported(answer)
             total.num_running += answer.num_running
             total.num_waiting += answer.num_waiting
             total.num_kv_blocks += answer.num_kv_blocks
@@ -200,6 +208,7 @@ class EnginePool:
         placement.tried.add(replica.index)
         self._placements[request] = placement
         replica.in_flight += 1
+        replica.placed_since_stats += 1
         replica.routed += 1
         stream = replica.client.stream(self._processor_for(replica))
         processor = stream.sink
@@ -265,13 +274,13 @@ class EnginePool:
         if replica.healthy and self.several:
             logger.warning("engine replica %s out of rotation: %s", replica.name, why)
             replica.healthy = False
-            replica.stats = None
+            replica.reported(None)
 
     async def _monitor(self, replica: Replica) -> None:
         while True:
             if replica.healthy:
                 try:
-                    replica.stats = await replica.client.stats()
+                    replica.reported(await replica.client.stats())
                 except FolioError as exc:
                     self._lost(replica, str(exc))
             elif await replica.client.serving():

@@ -34,18 +34,21 @@ MIN_MATCH_SHARE = 0.25
 
 @dataclass(frozen=True)
 class ReplicaLoad:
-    """What a replica has on its hands: requests this gateway sent it that have not ended, and
-    what the engine last said (GetStats) it runs and queues, with its KV cache usage."""
+    """What a replica has on its hands: what the engine last said (GetStats) it runs and
+    queues, with its KV cache usage, and the requests this gateway sent it since that answer
+    (which the answer could not count yet)."""
 
-    in_flight: int = 0
+    unreported: int = 0
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
 
     @property
     def requests(self) -> float:
-        # The gateway's own count is current; the engine's covers other gateways too.
-        return float(max(self.in_flight, self.running + self.waiting))
+        # The engine's count covers every gateway (and every worker of one) alike, so they all
+        # weigh a replica the same; only what this one sent since adds to it, so that a burst
+        # between two polls does not all go to the replica that was idle at the last one.
+        return float(self.running + self.waiting + self.unreported)
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,11 @@ loop, sharing one Gateway (clients, metrics, drain state) and one Access (API ke
 limits: a key's limits hold across both APIs).
 
 Start-up binds both ports and prints the ready line; SIGTERM / SIGINT drain: new requests get
-503 / UNAVAILABLE, requests in flight get up to drain_seconds, then both servers stop. Wiring
-and life cycle only: no request handling here.
+503 / UNAVAILABLE, requests in flight get up to drain_seconds, then both servers stop. As one of
+the workers of `folio gateway --workers N` (gateway/workers.py), it serves on the HTTP socket
+its parent made, shares the gRPC port, counts its metrics in multiprocess mode and keeps its
+rate-limit buckets in the group's shared state. Wiring and life cycle only: no request handling
+here.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Iterator, Sequence
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.config import GatewayConfig
 from gateway.app import build_app
@@ -27,29 +31,31 @@ from gateway.generation import Gateway
 from gateway.grpc_service import GatewayGrpcService
 from gateway.metrics import Metrics
 from gateway.replica_metrics import ReplicaCollector
+from gateway.sockets import listening_socket
+from gateway.workers import WorkerSetup
+
+WORKER_HEADER = "x-folio-gateway-worker"
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket listening on (host, port), made so that its connections get TCP_NODELAY.
+class _NamingWorker:
+    """The app, each HTTP response naming the worker that answered (x-folio-gateway-worker:
+    its index), to tell which process served a request."""
 
-    asyncio turns Nagle's algorithm off only for sockets whose protocol is IPPROTO_TCP, and a
-    socket made without naming it (socket.create_server) reports protocol 0, as do the
-    connections it accepts. With Nagle on, an SSE event written right after the response
-    headers waited for the client's delayed ACK: 40 ms added to every streamed time to first
-    token on a kept-alive connection.
-    """
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(socket.SOMAXCONN)
-    except OSError:
-        sock.close()
-        raise
-    return sock
+    def __init__(self, app: ASGIApp, index: int) -> None:
+        self._app = app
+        self._header = (WORKER_HEADER.encode(), str(index).encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+
+        async def send_naming_worker(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self._header]}
+            await send(message)
+
+        await self._app(scope, receive, send_naming_worker)
 
 
 class _Uvicorn(uvicorn.Server):
@@ -70,9 +76,11 @@ class GatewayServer:
         served_model_name: str | None = None,
         config: GatewayConfig | None = None,
         internal_token: str | None = None,
+        worker: WorkerSetup | None = None,
     ) -> None:
         """`engine_address`: one engine, or each replica's. `internal_token`: what the engine
-        and tokenizer require of callers, if anything."""
+        and tokenizer require of callers, if anything. `worker`: this gateway is one of a
+        group's workers (then `port` is unused: it serves on the inherited socket)."""
         self.host = host
         self.port = port
         self.grpc_port = grpc_port
@@ -83,6 +91,7 @@ class GatewayServer:
         self._served_model_name = served_model_name
         self.config = config or GatewayConfig()
         self._internal_token = internal_token
+        self.worker = worker
         self.gateway: Gateway | None = None
         self._grpc: GatewayGrpcService | None = None
         self.app: Starlette | None = None  # once started
@@ -92,7 +101,8 @@ class GatewayServer:
     async def start(self) -> None:
         """Listen on both ports (0 picks free ones; self.port and self.grpc_port say which)."""
         # gRPC channels belong to the running loop: create the clients here, not in __init__.
-        metrics = Metrics()
+        worker = self.worker
+        metrics = Metrics(multiprocess=worker is not None)
         self.gateway = Gateway(
             [EngineClient(address, self._internal_token) for address in self._engine_addresses],
             TokenizerClient(self._tokenizer_address, self._internal_token),
@@ -103,17 +113,23 @@ class GatewayServer:
         pool = self.gateway.engine
         metrics.registry.register(ReplicaCollector(pool.replicas, pool.index))
         pool.start()
-        access = Access(self.config)
+        access = Access(self.config, None if worker is None else worker.shared_state)
         self._grpc = GatewayGrpcService(
             self.gateway, self.host, self.grpc_port, self.config, access
         )
+        if worker is not None:
+            self._grpc.share_port()
         self.grpc_port = await self._grpc.start()
         # Bound here rather than by uvicorn, so that a busy port raises instead of exiting.
-        sock = listening_socket(self.host, self.port)
+        sock = (
+            listening_socket(self.host, self.port)
+            if worker is None
+            else socket.socket(fileno=worker.listen_fd)
+        )
         self.port = sock.getsockname()[1]
         self.app = build_app(self.gateway, self.config, access)
         config = uvicorn.Config(
-            self.app,
+            self.app if worker is None else _NamingWorker(self.app, worker.index),
             # httptools: uvicorn's C parser and writer; h11's pure-Python state machine cost
             # more CPU per streamed chunk.
             http="httptools",
@@ -163,11 +179,14 @@ class GatewayServer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await self.start()
-        print(
-            f"folio: gateway listening on http://{self.host}:{self.port} "
-            f"(gRPC {self.host}:{self.grpc_port})",
-            flush=True,
-        )
+        if self.worker is None:
+            print(
+                f"folio: gateway listening on http://{self.host}:{self.port} "
+                f"(gRPC {self.host}:{self.grpc_port})",
+                flush=True,
+            )
+        else:  # the parent says where the group listens, once every worker serves
+            self.worker.mark_ready()
         http_task = self._started()[3]
         stopped = asyncio.create_task(stop.wait())
         try:

@@ -81,12 +81,15 @@ class ServeConfig:
     startup_timeout: float = 600.0
     served_model_name: str | None = None
     engine_replicas: int = 1
+    gateway_workers: int = 1
     engine: EngineConfig = field(default_factory=EngineConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
     def __post_init__(self) -> None:
         if self.engine_replicas < 1:
             raise ValueError(f"engine_replicas must be >= 1, got {self.engine_replicas}")
+        if self.gateway_workers < 1:
+            raise ValueError(f"gateway_workers must be >= 1, got {self.gateway_workers}")
 
 
 def replica_engine_config(engine: EngineConfig, replica: int, num_replicas: int) -> EngineConfig:
@@ -155,6 +158,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "(--routing-policy)",
     )
     group.add_argument(
+        "--gateway-workers",
+        type=int,
+        default=1,
+        help="gateway processes sharing the HTTP and gRPC ports (folio gateway --workers)",
+    )
+    group.add_argument(
         "--startup-timeout",
         type=float,
         default=600.0,
@@ -174,6 +183,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         startup_timeout=args.startup_timeout,
         served_model_name=args.served_model_name,
         engine_replicas=args.engine_replicas,
+        gateway_workers=args.gateway_workers,
         engine=engine_config_from_args(args),
         gateway=gateway_config_from_args(args, load_api_keys(args.api_key, args.api_key_file)),
     )
@@ -369,6 +379,7 @@ class Supervisor:
         engine_addresses = [
             arg for address in self.engine_addresses for arg in ("--engine-address", address)
         ]
+        workers = ["--workers", str(config.gateway_workers)] if config.gateway_workers > 1 else []
         self.gateway = Child(
             "gateway",
             [
@@ -385,6 +396,7 @@ class Supervisor:
                 "--drain-seconds",
                 str(drain),
                 *served_name,
+                *workers,
                 *gateway_args_from_config(config.gateway),
             ],
             lambda: _http_ok(f"{self.url}/health", self._probe_headers()),

@@ -2,11 +2,16 @@
 with Retry-After and the OpenAI error body (the openai client raises RateLimitError), or
 RESOURCE_EXHAUSTED over gRPC; callers are API keys (or client addresses without keys), each with
 buckets of its own shared by both APIs; what a sequence did not generate is given back. The
-buckets themselves are checked against a clock the test moves."""
+buckets themselves are checked against a clock the test moves, both in one process's memory and
+in the file the workers of one gateway share (gateway/shared_buckets.py), where processes taking
+from one bucket at once never take more than it holds."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import subprocess
+import sys
 
 import grpc
 import httpx
@@ -16,7 +21,8 @@ from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from common.errors import QueueFullError, RateLimitExceeded
 from common.sampling_params import SamplingParams
-from gateway.rate_limit import MAX_TRACKED_CALLERS, RateLimiter, giving_back_unused
+from gateway.rate_limit import MAX_TRACKED_CALLERS, LocalBuckets, RateLimiter, giving_back_unused
+from gateway.shared_buckets import SharedBuckets
 from gateway.text import TextDelta, TextRequest, Usage
 from gateway_helpers import check_error, start_gateway
 from grpc_helpers import TIMEOUT
@@ -152,9 +158,19 @@ def sequence(prompt_tokens: int, max_tokens: int) -> TextRequest:
     return TextRequest(list(range(1, prompt_tokens + 1)), SamplingParams(max_tokens=max_tokens))
 
 
-def test_buckets_refill_at_their_rate():
+@pytest.fixture(params=["local", "shared"])
+def buckets(request, tmp_path):
+    """Where the limiter keeps its buckets: in memory, or in files as the workers share them."""
+    if request.param == "local":
+        return LocalBuckets
+    return functools.partial(SharedBuckets.in_directory, tmp_path)
+
+
+def test_buckets_refill_at_their_rate(buckets):
     clock = Clock()
-    limiter = RateLimiter(requests_per_second=2, tokens_per_minute=600, clock=clock)
+    limiter = RateLimiter(
+        requests_per_second=2, tokens_per_minute=600, clock=clock, buckets=buckets
+    )
     limiter.admit_request("key-0")
     limiter.admit_request("key-0")  # a second's burst
     with pytest.raises(RateLimitExceeded) as failure:
@@ -186,9 +202,11 @@ def test_buckets_refill_at_their_rate():
         limiter.reserve_tokens("key-0", [sequence(1, 1)])
 
 
-def test_idle_callers_are_forgotten_beyond_the_tracking_bound():
+def test_idle_callers_are_forgotten_beyond_the_tracking_bound(buckets):
     clock = Clock()
-    limiter = RateLimiter(requests_per_second=1, tokens_per_minute=None, clock=clock)
+    limiter = RateLimiter(
+        requests_per_second=1, tokens_per_minute=None, clock=clock, buckets=buckets
+    )
     for i in range(MAX_TRACKED_CALLERS):
         limiter.admit_request(f"client-{i}")
     clock.now += 1  # every bucket is full again
@@ -197,9 +215,11 @@ def test_idle_callers_are_forgotten_beyond_the_tracking_bound():
     limiter.admit_request("client-0")  # a forgotten caller starts over with a full bucket
 
 
-def test_unused_tokens_come_back_when_sequences_finish_or_are_refused():
+def test_unused_tokens_come_back_when_sequences_finish_or_are_refused(buckets):
     clock = Clock()
-    limiter = RateLimiter(requests_per_second=None, tokens_per_minute=600, clock=clock)
+    limiter = RateLimiter(
+        requests_per_second=None, tokens_per_minute=600, clock=clock, buckets=buckets
+    )
     requests = [sequence(100, 200), sequence(100, 200)]
 
     async def finished_one_then_refused():
@@ -223,3 +243,36 @@ def test_unused_tokens_come_back_when_sequences_finish_or_are_refused():
     clock.now += 60
     asyncio.run(run(refused()))
     limiter.reserve_tokens("key-0", [sequence(300, 300)])  # refused before it ran: all back
+
+
+# Takes one token at a time from a bucket that never refills, as fast as it can once the test
+# says go; prints how many it got. Clock: one fixed time, the same in every process.
+TAKER = """
+import sys, time
+from pathlib import Path
+from gateway.shared_buckets import SharedBuckets
+directory = Path(sys.argv[1])
+buckets = SharedBuckets.in_directory(directory, "tokens", 1e-9, 15000)
+print("ready", flush=True)
+while not (directory / "go").exists():
+    time.sleep(0.001)
+print(sum(buckets.take("key-0", 1, 1000.0) == 0.0 for _ in range(10000)))
+"""
+
+
+def test_processes_sharing_a_bucket_never_take_more_than_it_holds(tmp_path):
+    takers = [
+        subprocess.Popen(
+            [sys.executable, "-c", TAKER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    for taker in takers:
+        assert taker.stdout is not None and taker.stdout.readline() == "ready\n"
+    (tmp_path / "go").touch()
+    taken = [int(taker.communicate(timeout=TIMEOUT)[0]) for taker in takers]
+    assert sum(taken) == 15000, taken  # 30000 tries at once, 15000 tokens: each taken once
+    # What they left is what the next one finds.
+    buckets = SharedBuckets.in_directory(tmp_path, "tokens", 1e-9, 15000)
+    assert buckets.take("key-0", 1, 1000.0) > 0
+    assert buckets.take("key-1", 15000, 1000.0) == 0.0

@@ -56,7 +56,7 @@ def test_cache_aware_goes_where_the_longest_prefix_is():
 
 
 def test_cache_aware_breaks_ties_and_unheld_prompts_by_load():
-    loads = {0: ReplicaLoad(in_flight=3), 1: ReplicaLoad(running=1), 2: ReplicaLoad(waiting=2)}
+    loads = {0: ReplicaLoad(unreported=3), 1: ReplicaLoad(running=1), 2: ReplicaLoad(waiting=2)}
     tie = CacheAware().choose([0, 1, 2], HASHES, index_with({0: 8, 1: 8, 2: 8}), loads)
     assert tie.replica == 1
     # Nobody holds a worthwhile share of the prompt: load alone decides.
@@ -65,12 +65,12 @@ def test_cache_aware_breaks_ties_and_unheld_prompts_by_load():
 
 
 def test_cache_aware_skips_a_replica_over_the_load_threshold():
-    loads = {0: ReplicaLoad(in_flight=int(BALANCE_ABS) + 20), 1: ReplicaLoad(), 2: ReplicaLoad()}
+    loads = {0: ReplicaLoad(unreported=int(BALANCE_ABS) + 20), 1: ReplicaLoad(), 2: ReplicaLoad()}
     decision = CacheAware().choose([0, 1, 2], HASHES, index_with({0: 8, 1: 2}), loads)
     assert decision.replica != 0
     assert "1 over the load threshold" in decision.reason
     # Everyone overloaded alike: nobody is skipped, the prefix decides again.
-    busy = {r: ReplicaLoad(in_flight=50) for r in (0, 1, 2)}
+    busy = {r: ReplicaLoad(unreported=50) for r in (0, 1, 2)}
     assert CacheAware().choose([0, 1, 2], HASHES, index_with({0: 8}), busy).replica == 0
 
 

@@ -1,13 +1,20 @@
 """`folio serve` hands its engine flags to `folio engine`: what it passes must parse back, through
 the real `folio engine` parser, into the same EngineConfig; and every port it is given ends up on
-the right child's command line."""
+the right child's command line; `--gateway-workers` reaches the gateway, and each of its workers
+runs the group's flags as one process on the group's gRPC port."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from common.config import EngineConfig, engine_args_from_config, engine_config_from_args
+from common.config import (
+    EngineConfig,
+    engine_args_from_config,
+    engine_config_from_args,
+    gateway_config_from_args,
+)
 from folio.cli import build_parser
+from gateway.workers import WorkerGroup
 from services.supervisor import Supervisor, serve_config_from_args
 
 
@@ -77,6 +84,29 @@ def test_serve_flags_reach_each_child():
     )
     assert {tokenizer.drain_seconds, engine.drain_seconds, gateway.drain_seconds} == {3.0}
     assert supervisor.url == "http://127.0.0.1:8100"
+
+
+def test_gateway_workers_reach_the_gateway_and_each_worker_is_one_process(tmp_path):
+    parser = build_parser()
+    default = Supervisor(serve_config_from_args(parser.parse_args(["serve"])))
+    assert parser.parse_args(default.gateway.args).workers == 1
+    args = parser.parse_args(["serve", "--gateway-workers", "3", "--grpc-port", "0"])
+    gateway_args = Supervisor(serve_config_from_args(args)).gateway.args
+    gateway = parser.parse_args(gateway_args)
+    assert gateway.workers == 3
+    group = WorkerGroup(
+        gateway_args, gateway.host, gateway.port, gateway.grpc_port, 3, gateway.drain_seconds
+    )
+    worker = parser.parse_args(group.worker_command(2, 50999, 7, tmp_path))
+    assert (worker.workers, worker.grpc_port) == (1, 50999)
+    assert (worker.worker_index, worker.listen_fd, worker.shared_state) == (2, 7, str(tmp_path))
+    # Everything else as the group was told.
+    assert (worker.port, worker.engine_address, worker.tokenizer_address) == (
+        gateway.port,
+        gateway.engine_address,
+        gateway.tokenizer_address,
+    )
+    assert gateway_config_from_args(worker, ()) == gateway_config_from_args(gateway, ())
 
 
 def test_port_zero_picks_distinct_free_ports():
