@@ -16,6 +16,7 @@ from typing import Any
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8", "int4")
 ROUTING_POLICIES = ("cache_aware", "least_load", "round_robin")
 DEFAULT_HOST = "127.0.0.1"
 
@@ -55,6 +56,13 @@ class EngineConfig:
         choices=DTYPES,
     )
     device: str = _arg("cpu", str, "torch device")
+    quantization: str | None = _arg(
+        None,
+        str,
+        "weight-only quantization of the linear layers on the CPU: int8 (per output channel) or "
+        "int4 (groups of 32, GGUF Q4_1's scheme); default off",
+        choices=QUANTIZATIONS,
+    )
     block_size: int = _arg(16, int, "tokens per KV cache block (a power of two)")
     kv_cache_memory_bytes: int = _arg(2 * 1024**3, int, "memory budget of the KV cache pool")
     num_kv_blocks: int | None = _arg(
@@ -108,6 +116,14 @@ class EngineConfig:
                 raise ValueError(message)
 
         require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        require(
+            self.quantization is None or self.quantization in QUANTIZATIONS,
+            f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}",
+        )
+        require(
+            self.quantization is None or self.device == "cpu",
+            f"quantization runs on the CPU only, got device {self.device!r}",
+        )
         require(
             self.attention_backend in ATTENTION_BACKENDS,
             f"attention_backend must be one of {ATTENTION_BACKENDS}, "

@@ -92,7 +92,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, config.device)
         self.block_size = config.block_size
         self.model, self.model_config = load_model(
-            model_path, self.dtype, self.device, config.attention_backend, tp
+            model_path, self.dtype, self.device, config.attention_backend, tp, config.quantization
         )
         cfg: ModelConfig = self.model_config
         self.num_blocks = num_blocks

@@ -33,6 +33,7 @@ from engine.models.parallel import (
     split_evenly,
     vocab_slice,
 )
+from engine.models.quantization import QuantizedWeight, quantize
 
 
 @dataclass
@@ -77,8 +78,14 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias=None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    packed: torch.Tensor | QuantizedWeight | None,
+    bias=None,
 ) -> torch.Tensor:
+    if isinstance(packed, QuantizedWeight):
+        out = packed.matmul(x)
+        return out if bias is None else out.add_(bias)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -102,10 +109,10 @@ class Linear(nn.Module):
         self.checkpoint_rows = checkpoint_rows
         self.weight = _empty(sum(output_sizes), in_features, dtype=dtype, device=device)
         self.bias = _empty(sum(output_sizes), dtype=dtype, device=device) if bias else None
-        self.packed: torch.Tensor | None = None
+        self.packed: torch.Tensor | QuantizedWeight | None = None
 
-    def finalize_weights(self) -> None:
-        self.packed = prepack(self.weight)
+    def finalize_weights(self, quantization: str | None = None) -> None:
+        self.packed = quantize(self.weight, quantization) if quantization else prepack(self.weight)
         if self.packed is not None:
             # The packed copy is the only one the forward reads; don't hold the weights twice.
             self.weight.data = self.weight.data.new_empty(0)
@@ -391,18 +398,22 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else vocab_rows(config, dtype, device, tp)
         )
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_packed: torch.Tensor | QuantizedWeight | None = None
         self.register_buffer("rope", rope_table(config, dtype, device), persistent=False)
 
-    def finalize_weights(self) -> None:
-        """Derives what the forward needs from freshly loaded weights."""
+    def finalize_weights(self, quantization: str | None = None) -> None:
+        """Derives what the forward needs from freshly loaded weights; with `quantization`, the
+        linear layers are quantized (engine.models.quantization) and the vocabulary projection
+        goes to int8."""
         for module in self.modules():
-            finalize = getattr(module, "finalize_weights", None)
-            if module is not self and finalize is not None:
+            if isinstance(module, Linear):
+                module.finalize_weights(quantization)
+            elif module is not self and (finalize := getattr(module, "finalize_weights", None)):
                 finalize()
         # The embedding (often tied to lm_head) stays plain for the lookup; logits get a packed
         # copy.
-        self.lm_head_packed = prepack(self.lm_head.weight)
+        head = self.lm_head.weight
+        self.lm_head_packed = quantize(head, "int8") if quantization else prepack(head)
 
     @torch.inference_mode()
     def forward(

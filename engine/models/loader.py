@@ -43,8 +43,10 @@ def load_model(
     device: str | torch.device,
     attention_backend: str = "auto",
     tp: TensorParallel = SINGLE,
+    quantization: str | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """The model of a local directory, or this rank's shard of it."""
+    """The model of a local directory, or this rank's shard of it; `quantization` ("int8",
+    "int4") quantizes its linear layers' weights after loading."""
     path = Path(path)
     config = ModelConfig.from_dir(path)
     check_tensor_parallel_size(config.num_attention_heads, config.num_key_value_heads, tp.size)
@@ -58,7 +60,7 @@ def load_model(
         bound_cpu_kernel_caches(CPU_KERNEL_CACHE_CAPACITY)
     model = model_class(config, get_attention_backend(attention_backend, device), dtype, device, tp)
     load_weights(model, _checkpoint_files(path))
-    model.finalize_weights()
+    model.finalize_weights(quantization)
     return model, config
 
 

@@ -1,0 +1,55 @@
+"""Perplexity of a model served by the offline engine on a text, window by window: how much
+accuracy a setting (a quantization, a dtype) costs, measured rather than assumed.
+
+`python -m bench.perplexity [--quantization int8|int4] [--dtype D] [FILE]` prints the token
+count and perplexity; tests call `perplexity` directly. Measures only: never changes a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from common.sampling_params import SamplingParams
+from engine.llm import LLM
+
+DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "perplexity_text.txt"
+
+
+def token_logprobs(llm: LLM, token_ids: Sequence[int], window: int = 512) -> list[float]:
+    """Each token's log-probability given the tokens before it in its window (windows do not
+    overlap; the first token of each has no context and is not scored)."""
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    windows = [list(token_ids[i : i + window]) for i in range(0, len(token_ids), window)]
+    windows = [w for w in windows if len(w) > 1]
+    logprobs: list[float] = []
+    for result in llm.generate(windows, [params] * len(windows)):
+        assert result.prompt_logprobs is not None
+        logprobs.extend(entry[0] for entry in result.prompt_logprobs if entry is not None)
+    return logprobs
+
+
+def perplexity(logprobs: Sequence[float]) -> float:
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("file", nargs="?", type=Path, default=DEFAULT_TEXT)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default=None, choices=("int8", "int4"))
+    args = parser.parse_args(argv)
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization)
+    ids = llm.tokenizer.encode(args.file.read_text())
+    scores = token_logprobs(llm, ids)
+    print(
+        f"{args.file.name}: {len(scores)} tokens scored, quantization={args.quantization}, "
+        f"perplexity {perplexity(scores):.4f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Weight-only quantization of linear layers on the CPU: int8 per output channel, or int4 in
+groups of 32 input features; the activations stay in the model's dtype.
+
+int4 uses the scheme of GGUF's Q4_1 (each group of 32 weights: a scale and a minimum, codes
+0-15), so the default model, whose weights come from a Q4_1 GGUF, is served on exactly the 4-bit
+grid it was published on. The vocabulary projection is quantized to int8 in both modes, as that
+GGUF keeps its embedding in 8 bits.
+
+Which kernel multiplies, as measured on these machines: float32 activations go through Folio's
+AVX2 kernels (engine/kernels/cpu_quant.cpp), which read the small weights once per step; torch's
+weight-only kernels are made for bfloat16 on AVX-512 and run float32 several times slower than
+a plain float32 matmul, so they serve the other dtypes (and CPUs the AVX2 kernels cannot run
+on). Prefill-sized products dequantize and run one dense matmul. This module only converts
+weights and multiplies by them; it never decides which layers are quantized (the model does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from common.config import QUANTIZATIONS
+from engine.kernels import cpu_quant
+
+INT4_GROUP_SIZE = 32
+
+# Above this many rows (prefill) a product dequantizes the weight and runs a dense matmul: the
+# weight-only kernels are made for decode-sized batches and lose to a dense matmul on hundreds
+# of rows, while dequantizing costs about one pass over the weight.
+MAX_KERNEL_ROWS = 16
+
+
+@dataclass
+class QuantizedWeight:
+    """An [out, in] weight; `matmul(x)` is x @ weight.T."""
+
+    method: str  # "int8" or "int4"
+    # int8: [out, in] int8 codes. int4: [out, in / 2] uint8, two 4-bit codes to a byte (the
+    # even input feature in the low half).
+    codes: torch.Tensor
+    # int8: [out] scales; int4: [out, in / 32] scales, the weight being code * scale + minimum.
+    scale: torch.Tensor
+    minimum: torch.Tensor | None
+    # Folio's AVX2 ops (float32 activations), or None to use torch's kernels, for which int4
+    # also keeps torch's own packing of the codes and its [in / 32, out, 2] scales and zeros.
+    kernels: Any
+    torch_int4: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] > MAX_KERNEL_ROWS:
+            out = flat @ self.dequantized(flat.dtype).t()
+        elif self.kernels is not None:
+            out = self._folio_kernel(flat.contiguous())
+        elif self.method == "int8":
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scale)
+        else:
+            assert self.torch_int4 is not None
+            packed, scales_and_zeros = self.torch_int4
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                flat, packed, INT4_GROUP_SIZE, scales_and_zeros
+            )
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _folio_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.method == "int8":
+            return self.kernels.int8_linear(x, self.codes, self.scale)
+        return self.kernels.int4_linear(x, self.codes, self.scale, self.minimum)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The float weight [out, in] this one stands for."""
+        if self.method == "int8":
+            return self.codes.to(dtype) * self.scale.to(dtype)[:, None]
+        assert self.minimum is not None
+        out_features = self.codes.shape[0]
+        codes = torch.stack((self.codes & 0xF, self.codes >> 4), dim=-1).to(dtype)
+        groups = codes.view(out_features, -1, INT4_GROUP_SIZE)
+        weight = torch.addcmul(
+            self.minimum.to(dtype)[..., None], groups, self.scale.to(dtype)[..., None]
+        )
+        return weight.view(out_features, -1)
+
+
+def check_quantizable(method: str, weight: torch.Tensor) -> None:
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
+    if weight.device.type != "cpu":
+        raise ValueError(f"weight-only quantization runs on the CPU only, not {weight.device}")
+    if method == "int4" and weight.shape[1] % INT4_GROUP_SIZE:
+        raise ValueError(
+            f"int4 needs input features divisible by {INT4_GROUP_SIZE}; a weight has "
+            f"{weight.shape[1]}"
+        )
+
+
+def quantize(weight: torch.Tensor, method: str, use_folio_kernels: bool = True) -> QuantizedWeight:
+    """The weight [out, in] quantized; multiplied by Folio's kernels when the weight (so the
+    activations) is float32 and they load, else by torch's."""
+    check_quantizable(method, weight)
+    kernels = None
+    if use_folio_kernels and weight.dtype == torch.float32:
+        kernels = cpu_quant.load()
+    # Scales in the activations' dtype for torch's kernels; float32 for Folio's.
+    scale_dtype = torch.float32 if kernels is not None else weight.dtype
+    w = weight.detach().float()
+    if method == "int8":
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+        codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return QuantizedWeight("int8", codes, scale.to(scale_dtype), None, kernels)
+    groups = w.view(w.shape[0], -1, INT4_GROUP_SIZE)
+    low = groups.amin(dim=-1)
+    scale = (groups.amax(dim=-1) - low).clamp(min=1e-12) / 15
+    codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+    codes = codes.to(torch.int32).view(w.shape)
+    pairs = codes.to(torch.uint8).view(w.shape[0], -1, 2)
+    nibbles = pairs[..., 0] | (pairs[..., 1] << 4)
+    quantized = QuantizedWeight(
+        "int4", nibbles, scale.to(scale_dtype), low.to(scale_dtype), kernels
+    )
+    if kernels is None:
+        if w.shape[0] % 16:
+            raise ValueError(
+                f"int4 on {weight.dtype} (torch's kernel) needs output features divisible by "
+                f"16; a weight has {w.shape[0]}"
+            )
+        # torch's kernel reads a code c as (c - 8) * scale + zero: the zero point sits 8 steps
+        # above the group's minimum.
+        zero = low + 8 * scale
+        scales_and_zeros = torch.stack((scale.t(), zero.t()), dim=-1).contiguous()
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        quantized.torch_int4 = (packed, scales_and_zeros.to(weight.dtype))
+    return quantized

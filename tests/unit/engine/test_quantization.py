@@ -1,0 +1,118 @@
+"""Weight-only quantization: its error on Gaussian weights, agreement of every kernel path
+(Folio's AVX2 kernels, torch's weight-only kernels, dequantize-then-matmul), the exact Q4_1
+grid, and a quantized tiny model through the loader."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine.models.quantization as quantization
+from common.config import EngineConfig
+from engine.kernels import cpu_quant
+from engine.models.llama import Linear
+from engine.models.loader import load_model
+from engine.models.quantization import QuantizedWeight, quantize
+from tiny_models import VARIANTS, make_checkpoint
+
+# The default model's linear shapes [out, in] (SmolLM2-135M: hidden 576, 9 heads and 3 KV heads
+# of 64, MLP 1536) and its vocabulary projection.
+DEFAULT_MODEL_LINEARS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+VOCAB_PROJECTION = (49152, 576)
+MAX_ERROR = {"int8": 0.01, "int4": 0.10}
+
+needs_folio_kernels = pytest.mark.skipif(
+    cpu_quant.load() is None, reason="this CPU has no AVX2 or no C++ compiler is installed"
+)
+
+
+def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((approx - exact).norm() / exact.norm())
+
+
+def gaussian(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_output_error_on_gaussian_weights(method):
+    shapes = DEFAULT_MODEL_LINEARS + ([VOCAB_PROJECTION] if method == "int8" else [])
+    for i, (out_features, in_features) in enumerate(shapes):
+        weight = gaussian((out_features, in_features), i)
+        for rows in (1, 4, 64):  # decode kernels, and the dequantized path of a prefill
+            x = gaussian((rows, in_features), 100 + i)
+            error = relative_error(quantize(weight, method).matmul(x), x @ weight.t())
+            print(f"{method} {out_features}x{in_features} rows={rows}: {error:.4%}")
+            assert error <= MAX_ERROR[method], (method, out_features, in_features, rows, error)
+
+
+@needs_folio_kernels
+@pytest.mark.parametrize(
+    ("method", "in_features"),
+    [("int8", 64), ("int8", 72), ("int8", 160), ("int4", 64), ("int4", 160)],
+)
+def test_every_kernel_path_computes_the_same_product(method, in_features):
+    """Folio's kernel (odd row counts, a row tail, for int8 an input tail not a multiple of
+    32) equals torch's kernel and the dequantized dense product of the same codes."""
+    weight = gaussian((48, in_features), 1)
+    folio = quantize(weight, method)
+    torch_only = quantize(weight, method, use_folio_kernels=False)
+    assert folio.kernels is not None and torch_only.kernels is None
+    dense = folio.dequantized(torch.float32)
+    torch.testing.assert_close(dense, torch_only.dequantized(torch.float32))
+    for rows in (1, 2, 3, 5, quantization.MAX_KERNEL_ROWS):
+        x = gaussian((rows, in_features), rows)
+        expected = x @ dense.t()
+        torch.testing.assert_close(folio.matmul(x), expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(torch_only.matmul(x), expected, atol=1e-3, rtol=1e-3)
+    # Leading dimensions are kept: [2, 3, in] -> [2, 3, out].
+    x = gaussian((2, 3, in_features), 9)
+    assert folio.matmul(x).shape == (2, 3, 48)
+
+
+def test_int4_reproduces_a_q4_1_grid_exactly():
+    """Weights already on a Q4_1 grid (each group: min + code * scale, codes 0..15 with both
+    ends present, as a Q4_1 GGUF dequantizes) come back unchanged."""
+    out_features, in_features = 24, 128
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (out_features, in_features // 32, 32), generator=g)
+    codes[..., 0], codes[..., 1] = 0, 15
+    scale = torch.rand(out_features, in_features // 32, 1, generator=g) * 0.02 + 0.001
+    minimum = -torch.rand(out_features, in_features // 32, 1, generator=g) * 0.1
+    weight = (minimum + codes * scale).view(out_features, in_features)
+    torch.testing.assert_close(
+        quantize(weight, "int4").dequantized(torch.float32), weight, atol=1e-6, rtol=0
+    )
+
+
+def test_unquantizable_weights_are_refused():
+    with pytest.raises(ValueError, match="divisible by 32; a weight has 72"):
+        quantize(torch.zeros(8, 72), "int4")
+    with pytest.raises(ValueError, match="divisible by 16; a weight has 40"):
+        quantize(torch.zeros(40, 64), "int4", use_folio_kernels=False)
+    with pytest.raises(ValueError, match=r"one of .*int3"):
+        quantize(torch.zeros(8, 64), "int3")
+    with pytest.raises(ValueError, match=r"quantization must be one of .*got 'int3'"):
+        EngineConfig(quantization="int3")
+    with pytest.raises(ValueError, match="quantization runs on the CPU only, got device 'cuda'"):
+        EngineConfig(quantization="int8", device="cuda")
+
+
+@pytest.mark.parametrize(("method", "max_error"), [("int8", 0.05), ("int4", 0.35)])
+def test_a_quantized_tiny_model_tracks_the_float_one(tmp_path, method, max_error):
+    from test_models import Runner, random_tokens
+
+    make_checkpoint(tmp_path, *VARIANTS["qwen2-bias-tied"])  # biases on q/k/v
+    exact_model, config = load_model(tmp_path, torch.float32, "cpu")
+    model, _ = load_model(tmp_path, torch.float32, "cpu", quantization=method)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(isinstance(m.packed, QuantizedWeight) for m in linears)
+    assert all(m.weight.numel() == 0 for m in linears)  # only the quantized copy is kept
+    assert isinstance(model.lm_head_packed, QuantizedWeight)
+    assert model.lm_head_packed.method == "int8"
+    prompt = random_tokens(12, 5)
+    (exact,) = Runner(exact_model, config).step([("a", prompt)])
+    (approx,) = Runner(model, config).step([("a", prompt)])  # 12 rows: the kernels' path
+    error = relative_error(approx, exact)
+    print(f"{method}: logits relative error {error:.3%}")
+    assert 0 < error <= max_error
