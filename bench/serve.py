@@ -7,10 +7,15 @@ request rate, and reports TTFT, TPOT and ITL (p50, p90, p99) and request and tok
 and, for a stack it started, the CPU time the gateway and the tokenizer spent per output token
 (from /proc: user + system time of the process and its children, all threads). With
 --gateway-workers 1,2 it starts one stack per number of gateway worker processes, runs the
-sweep on each and compares their throughput. Then it runs the same requests on
-engine.async_engine in this process and prints the gateway / in-process throughput ratio at each
-concurrency and the TTFT the service hops add at concurrency 1 (p50). A benchmark, not a test:
-it asserts nothing and never runs in the suite.
+sweep on each and compares their throughput. With --compare-url it runs the same workload on
+another OpenAI-compatible server (llama.cpp's llama-server, say) and prints Folio / peer ratios of
+tok/s and the p50 TTFT and TPOT at each concurrency: both get the same text prompts (the random
+token prompts decoded with the model's tokenizer), max_tokens and ignore_eos, and a server that
+streams no usage has its tokens counted one per non-empty chunk; a server that ended a request
+before the output length (it ignored ignore_eos) is reported. Then it runs the same requests
+(as token ids) on engine.async_engine in this process and prints the gateway / in-process
+throughput ratio at each concurrency and the TTFT the service hops add at concurrency 1 (p50).
+A benchmark, not a test: it asserts nothing and never runs in the suite.
 """
 
 from __future__ import annotations
@@ -24,11 +29,16 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from common import event_loop
 
-# Runs one request, (request id, prompt token ids, output length), and times it.
-Client = Callable[[str, list[int], int], Awaitable["Sample"]]
+# A prompt as token ids, or as text for a server that takes no token ids.
+Prompt = list[int] | str
+# Runs one request, (request id, prompt, output length), and times it.
+Client = Callable[[str, Prompt, int], Awaitable["Sample"]]
+# The prompts of one run: (how many, the run's name) -> prompts.
+PromptMaker = Callable[[int, str], list[Prompt]]
 
 
 def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +69,17 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
         help="gateway processes of the stack it starts (folio serve --gateway-workers), a "
         "sweep: one stack for each",
     )
+    g.add_argument(
+        "--compare-url",
+        default=None,
+        help="also run the workload on this OpenAI-compatible server (e.g. llama-server) and "
+        "print Folio / it ratios; both then get text prompts",
+    )
+    g.add_argument(
+        "--compare-model",
+        default=None,
+        help="model name sent to --compare-url (default: the first id of its /v1/models)",
+    )
 
 
 @dataclass
@@ -68,6 +89,8 @@ class Sample:
     start: float
     token_times: list[float] = field(default_factory=list)
     num_tokens: int = 0
+    # Told by the server's usage; None where it streams none (tokens are then counted by chunk).
+    prompt_tokens: int | None = None
 
     @property
     def ttft(self) -> float:
@@ -126,8 +149,10 @@ class RunResult:
     def ttft(self) -> tuple[float, float, float]:
         return self.percentiles([s.ttft for s in self.samples])
 
+    def tpot(self) -> tuple[float, float, float]:
+        return self.percentiles([t for s in self.samples if (t := s.tpot) is not None])
+
     def report(self) -> str:
-        tpot = [t for s in self.samples if (t := s.tpot) is not None]
         itl = [
             b - a
             for s in self.samples
@@ -140,25 +165,46 @@ class RunResult:
         return (
             f"{self.label:<24} {len(self.samples) / self.seconds:6.2f} req/s "
             f"{self.token_throughput:7.1f} tok/s   TTFT {fmt(self.ttft())}   "
-            f"TPOT {fmt(self.percentiles(tpot))}   ITL {fmt(self.percentiles(itl))}{cpu}"
+            f"TPOT {fmt(self.tpot())}   ITL {fmt(self.percentiles(itl))}{cpu}"
         )
 
 
-def make_prompts(
-    args: argparse.Namespace, count: int, vocab_size: int, run: str, num_special: int = 32
-) -> list[list[int]]:
+def token_prompts(args: argparse.Namespace, vocab_size: int, num_special: int = 32) -> PromptMaker:
     """Random prompts of their own for each run (`run` names it): a run must not find its
     prompts in the prefix cache because the warm-up or an earlier run sent them."""
-    rng = random.Random(f"{args.workload_seed}-{run}")
-    return [
-        [rng.randrange(num_special, vocab_size) for _ in range(args.prompt_len)]
-        for _ in range(count)
-    ]
+
+    def make(count: int, run: str) -> list[Prompt]:
+        rng = random.Random(f"{args.workload_seed}-{run}")
+        return [
+            [rng.randrange(num_special, vocab_size) for _ in range(args.prompt_len)]
+            for _ in range(count)
+        ]
+
+    return make
+
+
+def text_prompts(args: argparse.Namespace, tokenizer) -> PromptMaker:
+    """The same random prompts as text, for servers that take no token ids: decoded, encoded
+    again and cut at the prompt length (random tokens decode to text that encodes differently),
+    so any server with this tokenizer sees about `prompt_len` tokens."""
+    ids = token_prompts(args, tokenizer.vocab_size)
+
+    def make(count: int, run: str) -> list[Prompt]:
+        return [
+            tokenizer.decode(
+                tokenizer.encode(tokenizer.decode(prompt), add_special_tokens=False)[
+                    : args.prompt_len
+                ]
+            )
+            for prompt in ids(count, run)
+        ]
+
+    return make
 
 
 async def drive(
     client: Client,
-    prompts: list[list[int]],
+    prompts: list[Prompt],
     output_len: int,
     concurrency: int | None,
     rate: float | None,
@@ -169,7 +215,7 @@ async def drive(
     limit = asyncio.Semaphore(concurrency or len(prompts))
     arrivals = random.Random(seed)
 
-    async def one(i: int, prompt: list[int], delay: float) -> Sample:
+    async def one(i: int, prompt: Prompt, delay: float) -> Sample:
         await asyncio.sleep(delay)
         async with limit:
             return await client(f"bench-{i}", prompt, output_len)
@@ -187,7 +233,12 @@ async def drive(
 
 
 def http_client(session, url: str, model: str) -> Client:
-    async def run(request_id: str, prompt: list[int], output_len: int) -> Sample:
+    """Streams /v1/completions. Asks for exactly `output_len` tokens (max_tokens and ignore_eos,
+    which llama-server and vLLM honour too) and usage in the stream; a chunk with text is a token
+    arriving, and where no usage comes (llama-server without include_usage support, say) the
+    tokens are those chunks."""
+
+    async def run(request_id: str, prompt: Prompt, output_len: int) -> Sample:
         body = {
             "model": model,
             "prompt": prompt,
@@ -205,10 +256,15 @@ def http_client(session, url: str, model: str) -> Client:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[len("data: ") :])
-                if chunk.get("choices"):
-                    sample.token_times.append(time.perf_counter())  # one event per token
-                if chunk.get("usage"):
-                    sample.num_tokens = chunk["usage"]["completion_tokens"]
+                if any(choice.get("text") for choice in chunk.get("choices") or ()):
+                    sample.token_times.append(time.perf_counter())  # a token's text arrived
+                if usage := chunk.get("usage"):
+                    sample.num_tokens = usage["completion_tokens"]
+                    sample.prompt_tokens = usage.get("prompt_tokens")
+        if not sample.token_times:
+            raise RuntimeError(f"{url} streamed no text for {request_id}")
+        if not sample.num_tokens:
+            sample.num_tokens = len(sample.token_times)
         return sample
 
     return run
@@ -218,7 +274,8 @@ def engine_client(engine) -> Client:
     from common.sampling_params import SamplingParams
     from engine.async_engine import RequestFailed
 
-    async def run(request_id: str, prompt: list[int], output_len: int) -> Sample:
+    async def run(request_id: str, prompt: Prompt, output_len: int) -> Sample:
+        assert isinstance(prompt, list), "the engine takes token ids"
         events: asyncio.Queue = asyncio.Queue()
         sample = Sample(time.perf_counter())
         engine.add_request(
@@ -254,19 +311,19 @@ async def bench_levels(
     name: str,
     client: Client,
     args: argparse.Namespace,
-    vocab_size: int,
+    prompts: PromptMaker,
     pids: dict[str, int] | None = None,
 ) -> dict[str, RunResult]:
     """Each run of the sweep; `pids` (name -> process id) get their CPU time per output token
-    measured over each run."""
+    measured over each run. Says which requests ended before the output length."""
     results = {}
     pids = pids or {}
-    await drive(client, make_prompts(args, 2, vocab_size, "warm-up"), 8, 2, None, 0)
+    await drive(client, prompts(2, "warm-up"), 8, 2, None, 0)
     for label, concurrency, count in levels(args):
         cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         samples, seconds = await drive(
             client,
-            make_prompts(args, count, vocab_size, label),
+            prompts(count, label),
             args.output_len,
             concurrency,
             args.request_rate,
@@ -279,22 +336,33 @@ async def bench_levels(
         }
         results[label] = result
         print(result.report(), flush=True)
+        if short := [s.num_tokens for s in samples if s.num_tokens < args.output_len]:
+            print(
+                f"{name} {label}: {len(short)} of {len(samples)} requests ended before "
+                f"{args.output_len} tokens (fewest {min(short)}): the server ignored ignore_eos "
+                "(or streamed several tokens a chunk and no usage); its figures count what came",
+                flush=True,
+            )
     return results
 
 
 async def bench_gateway(
     url: str,
     args: argparse.Namespace,
-    vocab_size: int,
+    prompts: PromptMaker,
     pids: dict[str, int] | None = None,
     name: str = "gateway",
+    model: str | None = None,
 ) -> dict[str, RunResult]:
+    """The sweep on an OpenAI-compatible server at `url`: Folio's gateway or a peer. `model`
+    defaults to the first id of its /v1/models."""
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=600, limits=limits) as session:
-        model = (await session.get(f"{url}/v1/models")).json()["data"][0]["id"]
-        return await bench_levels(name, http_client(session, url, model), args, vocab_size, pids)
+        if model is None:
+            model = (await session.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        return await bench_levels(name, http_client(session, url, model), args, prompts, pids)
 
 
 async def bench_in_process(config, args: argparse.Namespace) -> dict[str, RunResult]:
@@ -306,21 +374,28 @@ async def bench_in_process(config, args: argparse.Namespace) -> dict[str, RunRes
     assert engine.engine is not None  # start() built it
     try:
         return await bench_levels(
-            "in-process", engine_client(engine), args, engine.engine.vocab_size
+            "in-process", engine_client(engine), args, token_prompts(args, engine.engine.vocab_size)
         )
     finally:
         engine.shutdown()
 
 
-def _vocab_size(config) -> int:
+def workload_prompts(config, args: argparse.Namespace) -> PromptMaker:
+    """Token ids for Folio alone; text, the same for both, when it is compared with a peer."""
     from common.default_model import resolve_model_path
+
+    model_dir = resolve_model_path(config.model)
+    if args.compare_url:
+        from common.tokenizer import Tokenizer
+
+        return text_prompts(args, Tokenizer.from_dir(model_dir))
     from engine.models.config import ModelConfig
 
-    return ModelConfig.from_dir(resolve_model_path(config.model)).vocab_size
+    return token_prompts(args, ModelConfig.from_dir(model_dir).vocab_size)
 
 
 def serve_and_bench(
-    config, args: argparse.Namespace, vocab_size: int, gateway_workers: int
+    config, args: argparse.Namespace, prompts: PromptMaker, gateway_workers: int
 ) -> dict[str, RunResult]:
     """Start a `folio serve` with `gateway_workers` gateway processes, run the sweep, stop it."""
     from services.supervisor import ServeConfig, Supervisor
@@ -352,7 +427,7 @@ def serve_and_bench(
                 if child.process is not None
             }
             name = "gateway" if gateway_workers == 1 else f"gateway x{gateway_workers}"
-            return event_loop.run(bench_gateway(supervisor.url, args, vocab_size, pids, name))
+            return event_loop.run(bench_gateway(supervisor.url, args, prompts, pids, name))
         finally:
             supervisor.stop()  # frees the cores for the next run
 
@@ -373,32 +448,116 @@ def compare_workers(by_workers: dict[int, dict[str, RunResult]]) -> None:
         print(f"gateway throughput at {label}: " + ", ".join(figures))
 
 
-def run_serve_benchmark(args: argparse.Namespace) -> None:
+@dataclass
+class Figures:
+    """A run's token throughput and its p50 TTFT and TPOT (ms)."""
+
+    tok_s: float
+    ttft_ms: float
+    tpot_ms: float
+
+    @classmethod
+    def of(cls, result: RunResult) -> Figures:
+        return cls(result.token_throughput, result.ttft()[0], result.tpot()[0])
+
+
+@dataclass
+class Comparison:
+    """One run of the sweep on Folio and on the peer server."""
+
+    label: str
+    folio_run: RunResult
+    peer_run: RunResult
+
+    @property
+    def folio(self) -> Figures:
+        return Figures.of(self.folio_run)
+
+    @property
+    def peer(self) -> Figures:
+        return Figures.of(self.peer_run)
+
+    @property
+    def ratio(self) -> Figures:
+        """Folio / peer: above 1 is Folio ahead in tok/s, below 1 ahead in TTFT and TPOT."""
+        return Figures(
+            self.folio.tok_s / self.peer.tok_s,
+            self.folio.ttft_ms / self.peer.ttft_ms,
+            self.folio.tpot_ms / self.peer.tpot_ms,
+        )
+
+
+def _mean_prompt_tokens(results: dict[str, RunResult]) -> str:
+    counts = [s.prompt_tokens for r in results.values() for s in r.samples]
+    told = [n for n in counts if n is not None]
+    if len(told) < len(counts):
+        return "not told (no usage in its stream: tokens counted one per chunk with text)"
+    return f"{sum(told) / len(told):.1f}"
+
+
+def compare_servers(
+    folio: dict[str, RunResult], peer: dict[str, RunResult], peer_name: str
+) -> list[Comparison]:
+    """Print each run's figures on both servers and Folio / peer; return them."""
+    comparisons = [Comparison(label, result, peer[label]) for label, result in folio.items()]
+    print(f"Folio vs {peer_name}, same workload (Folio / {peer_name} in brackets):")
+    for c in comparisons:
+        ours, theirs, ratio = c.folio, c.peer, c.ratio
+        print(
+            f"  {c.label:<10} tok/s {ours.tok_s:.1f} vs {theirs.tok_s:.1f} (x{ratio.tok_s:.2f})"
+            f"   TTFT p50 {ours.ttft_ms:.1f} vs {theirs.ttft_ms:.1f} ms (x{ratio.ttft_ms:.2f})"
+            f"   TPOT p50 {ours.tpot_ms:.1f} vs {theirs.tpot_ms:.1f} ms (x{ratio.tpot_ms:.2f})"
+        )
+    print(
+        f"  prompt tokens, mean: Folio {_mean_prompt_tokens(folio)}, "
+        f"{peer_name} {_mean_prompt_tokens(peer)}",
+        flush=True,
+    )
+    return comparisons
+
+
+def run_serve_benchmark(args: argparse.Namespace) -> list[Comparison]:
+    """The benchmark; returns the comparison with --compare-url's server (empty without)."""
     from common.config import engine_config_from_args
 
     config = engine_config_from_args(args)
-    vocab_size = _vocab_size(config)
+    prompts = workload_prompts(config, args)
     print(
-        f"workload: prompts of {args.prompt_len} random tokens, {args.output_len} output tokens, "
-        f"greedy, ignore_eos; runs: " + ", ".join(f"{label} x {n}" for label, _, n in levels(args))
+        f"workload: prompts of {args.prompt_len} random tokens"
+        + (" as text" if args.compare_url else "")
+        + f", {args.output_len} output tokens, greedy, ignore_eos; runs: "
+        + ", ".join(f"{label} x {n}" for label, _, n in levels(args))
     )
     print("TTFT, TPOT and ITL in ms as p50/p90/p99", flush=True)
     if args.url:
-        served = event_loop.run(bench_gateway(args.url.rstrip("/"), args, vocab_size))
+        served = event_loop.run(bench_gateway(args.url.rstrip("/"), args, prompts))
     else:
         by_workers = {
-            workers: serve_and_bench(config, args, vocab_size, workers)
+            workers: serve_and_bench(config, args, prompts, workers)
             for workers in (int(w) for w in args.gateway_workers.split(","))
         }
         served = next(iter(by_workers.values()))
         compare_workers(by_workers)
+    comparisons = []
+    if args.compare_url:
+        peer_name = urlsplit(args.compare_url).netloc or args.compare_url
+        peer = event_loop.run(
+            bench_gateway(
+                args.compare_url.rstrip("/"),
+                args,
+                prompts,
+                name=peer_name,
+                model=args.compare_model,
+            )
+        )
+        comparisons = compare_servers(served, peer, peer_name)
     if "c=32" in served and "gateway" in served["c=32"].cpu_ms_per_token:
         print(
             f"gateway CPU per output token at c=32: "
             f"{served['c=32'].cpu_ms_per_token['gateway']:.3f} ms (target <= 0.15 ms)"
         )
     if args.skip_in_process:
-        return
+        return comparisons
     local = event_loop.run(bench_in_process(config, args))
     labels = list(served)
     first = labels[0]
@@ -416,3 +575,4 @@ def run_serve_benchmark(args: argparse.Namespace) -> None:
         f"TTFT added by the service hops at {first}, p50: {added:.1f} ms"
         + (" (target <= 10 ms)" if sweep else "")
     )
+    return comparisons

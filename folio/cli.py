@@ -343,7 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(offline)
     offline.set_defaults(func=_bench_offline)
     served = bench_sub.add_parser(
-        "serve", help="gateway over HTTP vs the in-process engine, same workload"
+        "serve",
+        help="gateway over HTTP vs the in-process engine (and --compare-url's server), same "
+        "workload",
     )
     from bench.serve import add_serve_bench_args
 

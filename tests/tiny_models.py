@@ -4,6 +4,9 @@ tests; it must stay small enough that building one takes milliseconds."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
@@ -66,6 +69,27 @@ def make_checkpoint(directory, config_class, kwargs, seed=0):
                 p.normal_(0.0, 0.15)
     model.save_pretrained(directory, safe_serialization=True)
     return model.eval()
+
+
+def make_tiny_smollm2(directory: Path, default_model_dir: Path) -> Path:
+    """A tiny random Llama with SmolLM2's vocabulary, special ids and tokenizer (copied from the
+    prepared default model): a served stack on it starts in a moment. Returns `directory`."""
+    make_checkpoint(
+        directory,
+        LlamaConfig,
+        dict(
+            SMALL,
+            vocab_size=49152,  # SmolLM2's tokenizer
+            max_position_embeddings=4096,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(default_model_dir / name, directory / name)
+    return directory
 
 
 def hf_greedy(reference, tokens: list[int], steps: int) -> list[int]:

@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,11 +25,10 @@ import pytest
 from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from serve_process import ServeProcess, alive, start_serve
-from transformers import LlamaConfig
 
 from common.config import API_KEYS_ENV, INTERNAL_TOKEN_ENV
 from gateway.server import WORKER_HEADER
-from tiny_models import SMALL, make_checkpoint
+from tiny_models import make_tiny_smollm2
 
 TIMEOUT = 60
 WORKERS = {"0", "1"}
@@ -44,23 +42,7 @@ LISTENING = re.compile(r"gateway listening on (http://\S+) \(gRPC (\S+)\)")
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-workers")
-    make_checkpoint(
-        directory,
-        LlamaConfig,
-        dict(
-            SMALL,
-            vocab_size=49152,  # SmolLM2's tokenizer
-            max_position_embeddings=4096,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            bos_token_id=1,
-            eos_token_id=2,
-        ),
-    )
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(default_model_dir / name, directory / name)
-    return directory
+    return make_tiny_smollm2(tmp_path_factory.mktemp("tiny-workers"), default_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
-from transformers import AutoTokenizer, LlamaConfig
+from transformers import AutoTokenizer
 
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
@@ -21,7 +21,7 @@ from engine.llm import LLM
 from gateway import protocol as api
 from gateway.tools.grammar import tool_grammar
 from gateway.tools.parsers import PARSERS, ArgumentsDelta, CallStart, collect, parse_whole
-from tiny_models import SMALL, make_checkpoint
+from tiny_models import make_tiny_smollm2
 
 TEMPLATES = Path(__file__).parent.parent / "fixtures" / "chat_templates"
 FAMILIES = {"qwen2_5": "hermes", "llama3_1": "llama3_json", "mistral_v0_3": "mistral"}
@@ -138,22 +138,8 @@ OPENAI_TOOLS = [tool.model_dump(exclude_none=True) for tool in TOOLS]
 
 
 @pytest.fixture(scope="module")
-def weights_dir(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-tools")
-    make_checkpoint(
-        directory,
-        LlamaConfig,
-        dict(
-            SMALL,
-            vocab_size=49152,  # SmolLM2's tokenizer
-            max_position_embeddings=2048,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            bos_token_id=1,
-            eos_token_id=2,
-        ),
-    )
-    return directory
+def weights_dir(tmp_path_factory, default_model_dir) -> Path:
+    return make_tiny_smollm2(tmp_path_factory.mktemp("tiny-tools"), default_model_dir)
 
 
 def family_dir(weights_dir: Path, default_model_dir: Path, template: str, tmp_path: Path) -> Path:
