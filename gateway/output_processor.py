@@ -210,9 +210,13 @@ class OutputProcessor:
     async def process_outputs(self, outputs: Sequence[engine_pb2.RequestOutput]) -> None:
         """One engine step: every output's text in one tokenizer round trip, then each caller
         its delta and one Abort for the stop strings that matched."""
-        entries: list[tok_pb2.SequenceTokens] = []
+        # Entries are added in place: a list handed to the message's constructor is copied.
+        message = tok_pb2.DetokenizeSequencesRequest()
+        entries = message.sequences
         steps: list[_Step] = []
         text_ids: set[int] = set()
+        now = time.monotonic()  # the step's tokens all arrived now
+        step_tokens = 0
         for output in outputs:
             request = self._requests.get(output.request_id)
             if request is None:  # already let go (aborted, the caller left)
@@ -231,18 +235,19 @@ class OutputProcessor:
                 if output.finished:
                     self._finish(request, sequence, sequence.stopped, output)
                 continue
-            if output.token_ids:
-                self._observe_tokens(request, sequence, len(output.token_ids))
-            entry = tok_pb2.SequenceTokens(
-                sequence_id=sequence.sequence_id,
-                token_ids=output.token_ids,
-                finish=output.finished,
+            token_ids = output.token_ids
+            if token_ids:
+                count = len(token_ids)
+                self._observe_tokens(request, sequence, count, now)
+                step_tokens += count
+            entry = entries.add(
+                sequence_id=sequence.sequence_id, token_ids=token_ids, finish=output.finished
             )
             if not sequence.opened:
                 entry.options.CopyFrom(request.options)
                 sequence.opened = True
-            entries.append(entry)
-            text_ids.update(_logprob_ids(output.logprobs))
+            if output.logprobs:
+                text_ids.update(_logprob_ids(output.logprobs))
             first_prompt_token = None
             if sequence.prompt_logprobs_due:  # the engine sends them with its first output
                 sequence.prompt_logprobs_due = False
@@ -250,22 +255,23 @@ class OutputProcessor:
                 text_ids.update(_logprob_ids(output.prompt_logprobs))
                 text_ids.add(first_prompt_token)
             steps.append(_Step(request, sequence, output, first_prompt_token))
-        if not entries:
+        if step_tokens:  # one counter update per step, not one per sequence
+            self._metrics.generation_tokens.inc(step_tokens)
+        if not steps:
             return
-        missing = sorted(self._token_texts.missing(text_ids))
-        released, self._released_sequences = self._released_sequences, []
+        missing = sorted(self._token_texts.missing(text_ids)) if text_ids else []
+        message.token_text_ids.extend(missing)
+        message.released_sequence_ids.extend(self._released_sequences)
+        self._released_sequences = []
         try:
-            answer = await self._detokenizer.exchange(
-                tok_pb2.DetokenizeSequencesRequest(
-                    sequences=entries, released_sequence_ids=released, token_text_ids=missing
-                )
-            )
+            answer = await self._detokenizer.exchange(message)
         except FolioError as exc:
             # The tokenizer's stream is gone, and with it the text state of every sequence.
             lost = [r for r in self._requests.values() if any(s.opened for s in r.live)]
             self._fail(lost, exc, True)
             return
-        self._token_texts.learn(missing, answer.token_texts)
+        if missing:
+            self._token_texts.learn(missing, answer.token_texts)
         self._deliver(steps, answer.sequences)
 
     def _deliver(self, steps: Sequence[_Step], texts: Sequence[tok_pb2.SequenceText]) -> None:
@@ -339,14 +345,16 @@ class OutputProcessor:
         if abort and failed:
             self._abort([r.request_id for r in failed], [])
 
-    def _observe_tokens(self, request: TrackedRequest, sequence: _Sequence, count: int) -> None:
-        now = time.monotonic()
+    def _observe_tokens(
+        self, request: TrackedRequest, sequence: _Sequence, count: int, now: float
+    ) -> None:
+        """A sequence's `count` new tokens, arrived at `now`: TTFT or ITL (the step's tokens
+        are counted once for the step, by process_outputs)."""
         if sequence.last_token_at is None:
             self._metrics.ttft.observe(now - request.arrival)
             if sequence.index == 0:  # the samples of one request share one prefill
                 self._metrics.prompt_tokens.inc(len(request.text.prompt_ids))
         else:
             self._metrics.itl.observe((now - sequence.last_token_at) / count)
-        self._metrics.generation_tokens.inc(count)
         sequence.last_token_at = now
         sequence.num_tokens += count
