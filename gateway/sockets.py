@@ -17,13 +17,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
     headers waited for the client's delayed ACK: 40 ms added to every streamed time to first
     token on a kept-alive connection.
     """
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
+    sock = _bound_tcp_socket(host, port, socket.SO_REUSEADDR)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
         sock.listen(socket.SOMAXCONN)
     except OSError:
         sock.close()
@@ -34,12 +29,18 @@ def listening_socket(host: str, port: int) -> socket.socket:
 def reserve_port(host: str, port: int) -> socket.socket:
     """A bound SO_REUSEPORT socket that never listens: it holds (host, port) for listeners
     that set SO_REUSEPORT too, and refuses everyone else; port 0 picks a free one."""
+    return _bound_tcp_socket(host, port, socket.SO_REUSEPORT)
+
+
+def _bound_tcp_socket(host: str, port: int, reuse_option: int) -> socket.socket:
+    """A TCP socket (protocol named: IPPROTO_TCP) with `reuse_option` set, bound to (host,
+    port)."""
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE
     )[0]
     sock = socket.socket(family, kind, proto)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.setsockopt(socket.SOL_SOCKET, reuse_option, 1)
         sock.bind(address)
     except OSError:
         sock.close()

@@ -66,27 +66,32 @@ def start_gateway(services, **config) -> GatewayThread:
     )
 
 
+def gateway_command(engine_address: str, tokenizer_address: str, *args: str) -> list[str]:
+    """`folio gateway` on free ports in front of the given services, with `args` added."""
+    return [
+        sys.executable,
+        "-m",
+        "folio.cli",
+        "gateway",
+        "--port",
+        "0",
+        "--grpc-port",
+        "0",
+        "--engine-address",
+        engine_address,
+        "--tokenizer-address",
+        tokenizer_address,
+        *args,
+    ]
+
+
 def spawn_gateway(
     engine_port: int, tokenizer_port: int, *args: str, env: dict[str, str] | None = None
 ) -> subprocess.Popen:
     """`folio gateway` as a process of its own on free ports, in front of the given services,
     with `args` added; text pipes, and its first line says where it listens."""
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "folio.cli",
-            "gateway",
-            "--port",
-            "0",
-            "--grpc-port",
-            "0",
-            "--engine-address",
-            f"127.0.0.1:{engine_port}",
-            "--tokenizer-address",
-            f"127.0.0.1:{tokenizer_port}",
-            *args,
-        ],
+        gateway_command(f"127.0.0.1:{engine_port}", f"127.0.0.1:{tokenizer_port}", *args),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

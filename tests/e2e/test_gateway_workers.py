@@ -12,7 +12,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from serve_process import ServeProcess, alive, start_serve
 
 from common.config import API_KEYS_ENV, INTERNAL_TOKEN_ENV
 from gateway.server import WORKER_HEADER
+from gateway_helpers import gateway_command
 from tiny_models import make_tiny_smollm2
 
 TIMEOUT = 60
@@ -90,23 +90,7 @@ def spawn_workers(stack: ServeProcess, log: Path, *args: str) -> GatewayProcess:
     """`folio gateway --workers 2` in front of the stack's engine and tokenizer."""
     with log.open("w") as out:
         process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "folio.cli",
-                "gateway",
-                "--port",
-                "0",
-                "--grpc-port",
-                "0",
-                "--engine-address",
-                stack.engine_address,
-                "--tokenizer-address",
-                stack.tokenizer_address,
-                "--workers",
-                "2",
-                *args,
-            ],
+            gateway_command(stack.engine_address, stack.tokenizer_address, "--workers", "2", *args),
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
