@@ -32,7 +32,7 @@ from engine.models.parallel import (
 )
 from engine.outputs import EngineStats, RequestOutput, StepTimings
 from engine.prompt_logprobs import record_prompt_logprobs
-from engine.request import Request, aborted_output, validate_prompt
+from engine.request import Request, aborted_output, check_new_request
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import Scheduler
 from engine.stopping import check_stop
@@ -127,15 +127,16 @@ class LLMEngine:
         """Validate and queue a request; raises InvalidRequestError or QueueFullError. With
         params.n > 1 its samples are registered too (ids from sample_request_id): the prompt is
         computed once, then each sample reports under request_id with its index."""
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
-        validate_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
-        try:
-            validate_sampling_params(params, self.vocab_size)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc), getattr(exc, "param", None)) from None
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        check_new_request(
+            request_id,
+            prompt_token_ids,
+            params,
+            priority,
+            ids_in_use=self.requests,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            validate_params=validate_sampling_params,
+        )
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(
                 f"n is {params.n}, but this engine runs at most {self.config.max_num_seqs} "

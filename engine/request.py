@@ -15,6 +15,7 @@ import dataclasses
 import enum
 import itertools
 import time
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -147,6 +148,31 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
+
+
+def check_new_request(
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    priority: int,
+    *,
+    ids_in_use: Container[str],
+    max_model_len: int,
+    vocab_size: int,
+    validate_params: Callable[[SamplingParams, int], None],
+) -> None:
+    """The checks every engine (real or simulated) makes of a new request, in this order: its
+    id is free, its prompt valid, `validate_params(params, vocab_size)` passes (its ValueError
+    becomes an InvalidRequestError naming the parameter), its priority is an integer."""
+    if request_id in ids_in_use:
+        raise InvalidRequestError(f"request_id {request_id!r} is already in use")
+    validate_prompt(prompt_token_ids, max_model_len, vocab_size)
+    try:
+        validate_params(params, vocab_size)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), getattr(exc, "param", None)) from None
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
 
 
 def validate_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:

@@ -30,7 +30,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.kv_events import KVEventPublisher
 from engine.models.config import ModelConfig
 from engine.outputs import EngineStats, RequestOutput, StepTimings
-from engine.request import Request, aborted_output, validate_prompt
+from engine.request import Request, aborted_output, check_new_request
 from engine.scheduler import Scheduler
 from engine.stopping import check_stop
 
@@ -125,13 +125,16 @@ class SimulatedEngine:
         params: SamplingParams,
         priority: int = 0,
     ) -> Request:
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
-        validate_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
-        try:
-            params.validate(self.vocab_size)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc), getattr(exc, "param", None)) from None
+        check_new_request(
+            request_id,
+            prompt_token_ids,
+            params,
+            priority,
+            ids_in_use=self.requests,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            validate_params=SamplingParams.validate,
+        )
         for name, value in (
             ("n", params.n > 1),
             ("logprobs", params.logprobs is not None),
