@@ -8,7 +8,6 @@ whose prefix cache they hit; when one stack dies SMG takes it out and serves fro
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -19,27 +18,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serve_process import ServeProcess, start_serve, wait_serving
-from transformers import LlamaConfig
 
-from tiny_models import make_checkpoint
+from tiny_models import make_tiny_smollm2
 
 SMG = Path(sys.executable).parent / "smg"
 TIMEOUT = 120
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-# SmolLM2's vocabulary and special ids, on a model small enough to start in a moment.
-TINY_SMOLLM2 = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=49152,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=2,
-)
 STACK_ARGS = ("--dtype", "float32", "--num-kv-blocks", "256", "--max-num-seqs", "8")
 SYSTEM = (
     "You are a careful assistant for a small library. You answer questions about opening "
@@ -55,11 +38,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def tiny_model(default_model_dir, tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-smollm2")
-    make_checkpoint(directory, LlamaConfig, TINY_SMOLLM2)
-    for name in TOKENIZER_FILES:
-        shutil.copy(default_model_dir / name, directory / name)
-    return directory
+    return make_tiny_smollm2(tmp_path_factory.mktemp("tiny-smollm2"), default_model_dir)
 
 
 @pytest.fixture(scope="module")
