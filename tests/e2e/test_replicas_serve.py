@@ -5,6 +5,7 @@ gateway healthy."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -13,6 +14,8 @@ import time
 import httpx
 import pytest
 from serve_process import ENGINE_ARGS, ServeProcess, start_serve
+
+import polling
 
 TIMEOUT = 120
 SYSTEM = (
@@ -49,12 +52,8 @@ def replica_series(url: str, name: str) -> dict[str, float]:
     return series
 
 
-def wait_until(condition, what: str, seconds: float = TIMEOUT):
-    deadline = time.monotonic() + seconds
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return value
+# Polls with this file's deadline and pace.
+wait_until = functools.partial(polling.wait_until, seconds=TIMEOUT, interval=0.1)
 
 
 def test_a_conversation_stays_on_the_replica_that_caches_it(replicas_server):

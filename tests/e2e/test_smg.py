@@ -7,11 +7,11 @@ whose prefix cache they hit; when one stack dies SMG takes it out and serves fro
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -19,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serve_process import ServeProcess, start_serve, wait_serving
 
+import polling
 from tiny_models import make_tiny_smollm2
 
 SMG = Path(sys.executable).parent / "smg"
@@ -105,12 +106,8 @@ def readiness(url: str) -> dict:
         return {}
 
 
-def wait_until(condition, what: str, seconds: float = TIMEOUT):
-    deadline = time.monotonic() + seconds
-    while not (found := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-    return found
+# Polls with this file's deadline and pace.
+wait_until = functools.partial(polling.wait_until, seconds=TIMEOUT, interval=0.2)
 
 
 def counters(stack: ServeProcess) -> dict[str, float]:

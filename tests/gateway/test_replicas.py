@@ -7,12 +7,13 @@ the rotation (the gateway stays healthy and serves) and comes back once it serve
 
 from __future__ import annotations
 
+import functools
 import threading
-import time
 
 import httpx
 import pytest
 
+import polling
 from common.config import EngineConfig, GatewayConfig
 from engine.simulated import SimulatedEngine, StepCostModel
 from gateway_helpers import GatewayThread, read_metrics
@@ -63,12 +64,8 @@ def replica_series(url: str, name: str) -> dict[str, float]:
     }
 
 
-def wait_until(condition, what: str, seconds: float = TIMEOUT):
-    deadline = time.monotonic() + seconds
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
+# Polls with this file's deadline.
+wait_until = functools.partial(polling.wait_until, seconds=TIMEOUT)
 
 
 def test_cache_aware_keeps_a_conversation_on_the_replica_holding_its_prefix(

@@ -11,13 +11,14 @@ step times, no model), the real tokenizer service and the real gateway:
 
 from __future__ import annotations
 
+import functools
 import threading
-import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import polling
 from common.config import EngineConfig, GatewayConfig
 from engine.simulated import StepCostModel
 from gateway_helpers import GatewayThread
@@ -95,12 +96,8 @@ def generate_in_background(url: str, count: int) -> list[threading.Thread]:
     return threads
 
 
-def wait_until(condition, what: str, seconds: float = TIMEOUT):
-    deadline = time.monotonic() + seconds
-    while not (found := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return found
+# Polls with this file's deadline.
+wait_until = functools.partial(polling.wait_until, seconds=TIMEOUT)
 
 
 def busy_scrape(url: str) -> dict[str, list] | None:
