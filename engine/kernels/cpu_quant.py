@@ -50,4 +50,20 @@ def load() -> Any:
         logger.warning("quantized CPU kernels unavailable (%s); using torch's", error)
         return None
     logger.info("quantized CPU kernels ready in %.1f s", time.perf_counter() - started)
+    _register_output_shapes()
     return torch.ops.folio_quant
+
+
+def _register_output_shapes() -> None:
+    """What torch.compile traces the ops with: [rows, out features] of the activations' dtype."""
+
+    def int8_shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], codes.shape[0])
+
+    def int4_shape(
+        x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
+    ) -> torch.Tensor:
+        return x.new_empty(x.shape[0], codes.shape[0])
+
+    torch.library.register_fake("folio_quant::int8_linear")(int8_shape)
+    torch.library.register_fake("folio_quant::int4_linear")(int4_shape)
