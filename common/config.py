@@ -86,6 +86,12 @@ class EngineConfig:
     enable_cuda_graphs: bool = _arg(
         True, bool, "replay captured CUDA graphs for decode steps (GPU, triton backend)"
     )
+    enforce_eager: bool = _arg(
+        os.environ.get("FOLIO_ENFORCE_EAGER") == "1",
+        bool,
+        "run every step eagerly: no torch.compile of decode steps on the CPU, no CUDA graphs "
+        "(FOLIO_ENFORCE_EAGER=1 makes this the default)",
+    )
     num_threads: int | None = _arg(None, int, "CPU threads for torch (default: torch's choice)")
     seed: int = _arg(0, int, "seed of the generator shared by unseeded sampled requests")
     tensor_parallel_size: int = _arg(

@@ -31,7 +31,7 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     @classmethod
     def capture_if_enabled(cls, runner, config: EngineConfig) -> DecodeGraphs | None:
-        if runner.device.type != "cuda" or not config.enable_cuda_graphs:
+        if runner.device.type != "cuda" or not config.enable_cuda_graphs or config.enforce_eager:
             return None
         from engine.attention.triton_backend import TritonAttentionBackend
 

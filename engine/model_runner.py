@@ -2,9 +2,10 @@
 
 Owns the model weights and the paged KV cache tensors. Inputs are written into persistent
 host buffers (numpy views over torch tensors, so no per-step allocation of the big arrays)
-and, on a GPU, copied once per step into persistent device buffers; decode-only steps on a
-GPU replay a captured CUDA graph. Only the rows that will be sampled, and the prompt positions
-of requests that asked for prompt logprobs, are projected to logits.
+and, on a GPU, copied once per step into persistent device buffers; decode-only steps replay
+a captured CUDA graph on a GPU and run a compiled program on the CPU. Only the rows that will
+be sampled, and the prompt positions of requests that asked for prompt logprobs, are
+projected to logits.
 It reads only the plain-data step plan (engine.step_plan), never a live Request: the requests'
 token ids and block tables live in its persistent batch (engine.input_batch), which the plan
 updates, so a runner in another process (a tensor-parallel rank) works the same way: rank 0's
@@ -23,6 +24,7 @@ import torch
 
 from common.config import EngineConfig
 from engine.attention.metadata import AttentionMetadata
+from engine.compiled_decode import CompiledDecode
 from engine.cuda_graphs import DecodeGraphs
 from engine.input_batch import PersistentBatch
 from engine.models.config import ModelConfig
@@ -125,8 +127,10 @@ class ModelRunner:
         self.logits_indices = StepBuffer((max_tokens + max_seqs,), torch.int64, dev)
         self._arange = np.arange(max(max_model_len, max_tokens), dtype=np.int64)
         self.batch = PersistentBatch(max_seqs, max_model_len, self.max_blocks_per_seq)
-        # Graph capture does not cover the collectives of tensor parallelism.
-        self.graphs = DecodeGraphs.capture_if_enabled(self, config) if tp.size == 1 else None
+        # Neither graph capture nor compilation covers the collectives of tensor parallelism.
+        single = tp.size == 1
+        self.graphs = DecodeGraphs.capture_if_enabled(self, config) if single else None
+        self.compiled_decode = CompiledDecode.compile_if_enabled(self, config) if single else None
 
     def prepare(self, plan: StepPlan) -> ModelInput:
         """Apply the plan to the persistent batch, then write the step's flat inputs: a few
@@ -236,4 +240,6 @@ class ModelRunner:
     def run_model(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        if self.compiled_decode is not None and meta.num_decodes == meta.num_reqs:
+            return self.compiled_decode(input_ids, positions, self.kv_caches, meta)
         return self.model(input_ids, positions, self.kv_caches, meta)

@@ -8,6 +8,10 @@ from pathlib import Path
 if os.environ.get("FOLIO_KERNEL_DEVICE", "cpu") == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
+# Engines run eagerly in tests unless one asks otherwise (--no-enforce-eager, enforce_eager=False):
+# compiling decode steps costs minutes on these machines. Read when common.config is imported.
+os.environ.setdefault("FOLIO_ENFORCE_EAGER", "1")
+
 import pytest
 
 from common.default_model import prepare_default_model

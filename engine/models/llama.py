@@ -20,6 +20,7 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend, torch_rms_norm
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.step import attention, running_step
 from engine.models.config import ModelConfig
 from engine.models.parallel import (
     SINGLE,
@@ -245,7 +246,6 @@ class LlamaAttention(nn.Module):
         x: torch.Tensor,
         rope: RopeInputs,
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
@@ -258,7 +258,7 @@ class LlamaAttention(nn.Module):
         self.backend.rotary_(qk, self.num_heads, rope.positions, rope.table, rope.cos_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, split:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        out = attention(q, k, v, kv_cache, self.scale)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
     def finalize_weights(self) -> None:
@@ -316,7 +316,6 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         rope: RopeInputs,
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x is the previous layer's output, not yet added to the residual stream: each norm
         adds its input to the residual first (one fused op on GPU). Returns (output, residual)."""
@@ -326,7 +325,7 @@ class LlamaDecoderLayer(nn.Module):
             h = norm(x, self.input_layernorm.weight, self.input_layernorm.eps)
         else:
             h = norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual)
-        h = self.self_attn(h, rope, kv_cache, meta)
+        h = self.self_attn(h, rope, kv_cache)
         h = norm(
             h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, residual
         )
@@ -424,13 +423,20 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """[T] tokens of a ragged batch (decodes first) -> [T, hidden] after the final norm."""
-        self.backend.prepare(attn_metadata)
+        with running_step(self.backend, attn_metadata):
+            return self.hidden_states(input_ids, positions, kv_caches)
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """The layers, inside a running step (engine.attention.step): the part torch.compile
+        compiles (engine.compiled_decode)."""
         table = self.rope[positions]
         rope = RopeInputs(positions, self.rope, (table[:, 0:1], table[:, 1:2]))
         x = embed(input_ids, self.model.embed_tokens.weight, self.tp)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, rope, kv_cache, attn_metadata)
+            x, residual = layer(x, residual, rope, kv_cache)
         norm = self.model.norm
         return self.backend.rms_norm(x, norm.weight, norm.eps, residual)
 

@@ -16,6 +16,8 @@ from common.config import INTERNAL_TOKEN_ENV
 
 # Three processes loading on two cores; the first start may also convert the default model.
 STARTUP_TIMEOUT = 180
+# ... and compile decode steps (about 100 s on a loaded 2-core machine with a cold cache).
+COMPILED_STARTUP_TIMEOUT = 600
 STARTING = re.compile(r"starting tokenizer \((\S+)\), engine \((\S+)\) and gateway")
 SERVING = re.compile(r"serving on (http://\S+) \(OpenAI API under /v1; gateway gRPC (\S+)\)")
 # Small engine settings: quick to start, and checked to reach the engine process.
@@ -111,7 +113,9 @@ def alive(pid: int) -> bool:
         return False
 
 
-def start_serve(log: Path, *args: str, wait: bool = True) -> ServeProcess:
+def start_serve(
+    log: Path, *args: str, wait: bool = True, timeout: float = STARTUP_TIMEOUT
+) -> ServeProcess:
     """`folio serve` on free ports in a session of its own (as a terminal would run it)."""
     command = [
         sys.executable,
@@ -140,12 +144,12 @@ def start_serve(log: Path, *args: str, wait: bool = True) -> ServeProcess:
         )
     server = ServeProcess(process, log, internal_token=token)
     if wait:
-        wait_serving(server)
+        wait_serving(server, timeout)
     return server
 
 
-def wait_serving(server: ServeProcess) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT
+def wait_serving(server: ServeProcess, timeout: float = STARTUP_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
     while not (serving := SERVING.search(server.output())):
         if server.process.poll() is not None or time.monotonic() > deadline:
             server.kill()

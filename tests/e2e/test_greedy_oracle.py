@@ -1,6 +1,7 @@
 """The correctness oracle: the engine's greedy tokens equal transformers `generate` on
 SmolLM2-135M-Instruct in float32, whatever the batching does (one batch, chunked prefill,
-prefix-cache hits, preemption under a tiny KV pool) and with the model sharded over 3 ranks."""
+prefix-cache hits, preemption under a tiny KV pool), with decode steps compiled, and with the
+model sharded over 3 ranks."""
 
 from __future__ import annotations
 
@@ -74,6 +75,28 @@ def test_one_batch_matches_transformers(default_model_dir, prompts, reference):
     llm, got = run(default_model_dir, prompts)
     assert got == reference
     assert llm.engine.kv_cache.usage == 0
+
+
+def test_compiled_decode_matches_transformers(default_model_dir, prompts, reference):
+    """Decode steps through torch.compile's programs (the suite runs eagerly otherwise): the
+    one-row program and the program for larger batches."""
+    llm = LLM(model=str(default_model_dir), dtype="float32", enforce_eager=False)
+    compiled = llm.engine.runner.compiled_decode
+    assert compiled is not None
+    rows_run = []
+    program = compiled._forward
+
+    def counted(input_ids, *rest):
+        rows_run.append(len(input_ids))
+        return program(input_ids, *rest)
+
+    compiled._forward = counted
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    assert [r.token_ids for r in llm.generate(prompts, params)] == reference
+    assert max(rows_run) == len(prompts)
+    rows_run.clear()
+    assert [r.token_ids for r in llm.generate(prompts[-1:], params)] == reference[-1:]
+    assert rows_run == [1] * (len(reference[-1]) - 1)
 
 
 def test_chunked_prefill_matches_transformers(default_model_dir, prompts, reference):

@@ -22,6 +22,7 @@ from openai import OpenAI
 from serve_process import ENGINE_ARGS, STARTING, alive, processes_with, start_serve
 
 from common.tokenizer import Tokenizer
+from engine import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_MODULES = ROOT / ".tools" / "node_modules"
@@ -105,6 +106,20 @@ def test_openai_client_chat(folio_server, default_model_dir):
     expected_prompt = Tokenizer.from_dir(default_model_dir).encode_chat(messages)
     assert whole.usage.prompt_tokens == len(expected_prompt)
     assert 0 < whole.usage.completion_tokens <= 16
+
+
+def test_decode_steps_run_compiled(folio_server, default_model_dir):
+    """The shared server compiled its decode steps at start-up, and its greedy tokens equal an
+    eager engine's."""
+    assert re.search(r"compiled decode steps \(batches of 2, 1 rows\)", folio_server.output())
+    prompt = "Once upon a time, in a land far away,"
+    openai = client(folio_server)
+    model = openai.models.list().data[0].id
+    served = openai.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0)
+    with LLM(model=str(default_model_dir), enforce_eager=True) as eager:
+        expected = eager.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24))
+    assert served.choices[0].text == expected[0].text
+    assert served.usage.completion_tokens == len(expected[0].token_ids)
 
 
 def stopped_cleanly(server, children: dict[int, str]) -> None:

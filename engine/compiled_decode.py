@@ -1,0 +1,105 @@
+"""Decode steps on the CPU as compiled programs: the CPU's counterpart of CUDA graphs
+(engine.cuda_graphs), with torch.compile and inductor's C++ backend.
+
+What compiles is the model's layers between attentions (projections, quantized linears, norms,
+rotary embedding, SiLU-and-mul, residual adds): one program for one-row steps and one for any
+larger batch (a third above the quantized kernels' row limit, where the linears change
+kernel); attention stays the backend's own op (engine.attention.step), since it plans each step
+from host-side lengths. Every program is compiled at start-up by warm-up steps, before any
+request, so no request waits on the compiler; inductor's caches live under the Folio cache
+directory, so a restart loads them instead of compiling again. Prefill and mixed steps run
+eagerly. `--enforce-eager` turns all of this off. This module never builds a real step's
+inputs (the model runner does) and is never used with a GPU or with tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.config import EngineConfig, cache_dir
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.step import running_step
+from engine.models.llama import Linear
+from engine.models.quantization import MAX_KERNEL_ROWS, QuantizedWeight
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def inductor_cache_dir() -> str:
+    return str(cache_dir() / "inductor")
+
+
+class CompiledDecode:
+    @classmethod
+    def compile_if_enabled(cls, runner: ModelRunner, config: EngineConfig) -> CompiledDecode | None:
+        if config.enforce_eager or runner.device.type != "cpu":
+            return None
+        return cls(runner)
+
+    def __init__(self, runner: ModelRunner) -> None:
+        # Read by inductor whenever it looks up or stores compiled code. Set, not defaulted:
+        # torch fills in its own /tmp default the first time it asks.
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
+        self.model = runner.model
+        self._forward = torch.compile(self.model.hidden_states)
+        started = time.perf_counter()
+        # Two rows first, marked dynamic, so that the program for 2+ rows covers every size;
+        # one row is its own program (torch specializes sizes of 1).
+        sizes = [2, 1]
+        linears = [m for m in self.model.modules() if isinstance(m, Linear)]
+        if any(isinstance(m.packed, QuantizedWeight) for m in linears):
+            sizes.append(MAX_KERNEL_ROWS + 1)
+        for rows in sizes:
+            self._warm_up(runner, rows, dynamic=rows == 2)
+        logger.info(
+            "compiled decode steps (batches of %s rows) in %.1f s; inductor cache %s",
+            ", ".join(map(str, sizes)),
+            time.perf_counter() - started,
+            os.environ["TORCHINDUCTOR_CACHE_DIR"],
+        )
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        with torch.inference_mode(), running_step(self.model.backend, meta):
+            return self._forward(input_ids, positions, kv_caches)
+
+    def _warm_up(self, runner: ModelRunner, rows: int, dynamic: bool) -> None:
+        """One decode step of `rows` one-token requests at position 0, written into the first
+        blocks of the pool: no request has run yet, so no cached block is overwritten."""
+        bs = runner.block_size
+        runner.input_ids.np[:rows] = 0
+        runner.positions.np[:rows] = 0
+        runner.slot_mapping.np[:rows] = range(rows)
+        runner.block_tables.np[:rows, 0] = [row // bs for row in range(rows)]
+        runner.seq_lens.np[:rows] = 1
+        runner.query_start_loc.np[: rows + 1] = range(rows + 1)
+        meta = AttentionMetadata(
+            slot_mapping=runner.slot_mapping.upload(rows),
+            query_start_loc=runner.query_start_loc.upload(rows + 1),
+            seq_lens=runner.seq_lens.upload(rows),
+            block_tables=runner.block_tables.upload(rows, 1),
+            query_lens_cpu=[1] * rows,
+            seq_lens_cpu=[1] * rows,
+            num_decodes=rows,
+            max_query_len=1,
+            max_seq_len=1,
+            block_size=bs,
+        )
+        input_ids, positions = runner.input_ids.upload(rows), runner.positions.upload(rows)
+        if dynamic:
+            torch._dynamo.mark_dynamic(input_ids, 0)
+            torch._dynamo.mark_dynamic(positions, 0)
+        self(input_ids, positions, runner.kv_caches, meta)
