@@ -1,8 +1,12 @@
-"""Checks two lm-evaluation-harness runs of the tiny task agree: Folio's (local-completions)
-against lm-eval's own transformers model (hf). Every choice's loglikelihood within 1e-3, the
-same is_greedy flags and the same per-document metrics. Reads only the runs' sample files.
+"""Compares two lm-evaluation-harness runs of the tiny task, reading only their sample files.
+
+Checks that Folio's run (local-completions) agrees with lm-eval's own transformers model (hf):
+every choice's loglikelihood within 1e-3, the same is_greedy flags and the same per-document
+metrics. With --report, prints a quantized run's loglikelihoods next to the unquantized run's,
+choice by choice, and which answers changed (a report: exit 0).
 
     python tests/lm_eval_task/compare.py FOLIO_OUTPUT_DIR HF_OUTPUT_DIR
+    python tests/lm_eval_task/compare.py --report UNQUANTIZED_DIR QUANTIZED_DIR
 """
 
 from __future__ import annotations
@@ -51,5 +55,35 @@ def main(folio_dir: str, hf_dir: str) -> int:
     return 1 if problems else 0
 
 
+def report(base_dir: str, other_dir: str) -> int:
+    base, other = samples(base_dir), samples(other_dir)
+    assert base.keys() == other.keys(), "the runs scored different documents"
+    diffs, changed = [], 0
+    print(f"{'doc':>3}  {'choice':24s} {'unquantized':>12s} {'quantized':>10s} {'diff':>8s}")
+    for doc_id in sorted(base):
+        ours = [float(ll) for ll, _ in base[doc_id]["filtered_resps"]]
+        theirs = [float(ll) for ll, _ in other[doc_id]["filtered_resps"]]
+        for choice, ll, q_ll in zip(base[doc_id]["doc"]["choices"], ours, theirs, strict=True):
+            diffs.append(q_ll - ll)
+            print(f"{doc_id:3d}  {choice[:24]:24s} {ll:12.4f} {q_ll:10.4f} {q_ll - ll:+8.4f}")
+        if ours.index(max(ours)) != theirs.index(max(theirs)):
+            changed += 1
+            print(f"     doc {doc_id}: the chosen answer changed")
+    magnitudes = [abs(d) for d in diffs]
+    accuracy = {
+        name: sum(d["acc"] for d in run.values()) / len(run)
+        for name, run in (("unquantized", base), ("quantized", other))
+    }
+    print(
+        f"{len(base)} documents, {len(diffs)} choices: loglikelihood difference mean "
+        f"{sum(magnitudes) / len(magnitudes):.4f}, largest {max(magnitudes):.4f}; answers changed "
+        f"{changed}/{len(base)}; acc {accuracy['unquantized']:.3f} unquantized, "
+        f"{accuracy['quantized']:.3f} quantized"
+    )
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--report":
+        sys.exit(report(*sys.argv[2:]))
     sys.exit(main(*sys.argv[1:]))
