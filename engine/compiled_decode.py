@@ -73,8 +73,8 @@ class CompiledDecode:
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        with torch.inference_mode(), running_step(self.model.backend, meta):
-            return self._forward(input_ids, positions, kv_caches)
+        with torch.inference_mode(), running_step(self.model.backend, meta, kv_caches):
+            return self._forward(input_ids, positions)
 
     def _warm_up(self, runner: ModelRunner, rows: int, dynamic: bool) -> None:
         """One decode step of `rows` one-token requests at position 0, written into the first

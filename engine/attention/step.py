@@ -1,10 +1,12 @@
-"""The step being run, as the model's layers see it: which backend and which metadata their
-attention uses, set once per forward instead of passed through every layer.
+"""The step being run, as the model's layers see it: the backend, the step's metadata and the
+KV caches their attention uses, set once per forward instead of passed through every layer.
 
 Attention is also one opaque op here (torch.ops.folio.attention), so that torch.compile traces
 the layers around it and leaves the attention itself, which plans each step from host-side
-lengths, to the backend (engine.compiled_decode). The layers call `attention` whatever runs
-them; eagerly it goes straight to the backend. This module never computes attention itself.
+lengths, to the backend (engine.compiled_decode). The op names its layer's cache by index, so
+the caches are no inputs of a compiled program: its code does not depend on the pool's size.
+The layers call `attention` whatever runs them; eagerly it goes straight to the backend. This
+module never computes attention itself.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from engine.attention.metadata import AttentionMetadata
 class Step:
     backend: AttentionBackend
     meta: AttentionMetadata
+    kv_caches: list[torch.Tensor]
 
 
 # Per thread: an engine runs its steps in one thread, and two engines in one process (tests,
@@ -32,10 +35,12 @@ _current = threading.local()
 
 
 @contextmanager
-def running_step(backend: AttentionBackend, meta: AttentionMetadata) -> Iterator[None]:
-    """The layers' attention reads this step's metadata while the block runs."""
+def running_step(
+    backend: AttentionBackend, meta: AttentionMetadata, kv_caches: list[torch.Tensor]
+) -> Iterator[None]:
+    """The layers' attention reads this step's metadata and caches while the block runs."""
     backend.prepare(meta)
-    _current.step = Step(backend, meta)
+    _current.step = Step(backend, meta, kv_caches)
     try:
         yield
     finally:
@@ -50,25 +55,32 @@ def _current_step() -> Step:
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float
 ) -> torch.Tensor:
-    """The running step's attention for one layer (AttentionBackend.forward's contract)."""
+    """Layer `layer`'s attention in the running step (AttentionBackend.forward's contract, over
+    that layer's KV cache)."""
     if torch.compiler.is_compiling():
-        return torch.ops.folio.attention(q, k, v, kv_cache, scale)
+        return torch.ops.folio.attention(q, k, v, layer, scale)
+    return _attend(q, k, v, layer, scale)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float):
     step = _current_step()
-    return step.backend.forward(q, k, v, kv_cache, step.meta, scale)
+    return step.backend.forward(q, k, v, step.kv_caches[layer], step.meta, scale)
 
 
-@torch.library.custom_op("folio::attention", mutates_args=("kv_cache",))
+# The op writes the step's K/V into a cache it reaches through the running step, which no
+# compiled program sees; declaring no mutation is safe because every layer's attention depends
+# on the previous layer's output, so the compiled code keeps them in order.
+@torch.library.custom_op("folio::attention", mutates_args=())
 def _attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float
 ) -> torch.Tensor:
-    step = _current_step()
-    return step.backend.forward(q, k, v, kv_cache, step.meta, scale)
+    return _attend(q, k, v, layer, scale)
 
 
 @_attention_op.register_fake
 def _attention_shape(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float
 ) -> torch.Tensor:
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -214,12 +214,15 @@ class LlamaAttention(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
+        layer_index: int,
         backend: AttentionBackend,
         dtype,
         device,
         tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
+        # Which of the step's KV caches is this layer's.
+        self.layer_index = layer_index
         self.head_dim = d = config.head_dim
         q_rows = scaled(split_evenly(config.num_attention_heads, tp), d)
         kv_rows = scaled(kv_heads_slice(config.num_key_value_heads, tp), d)
@@ -245,7 +248,6 @@ class LlamaAttention(nn.Module):
         self,
         x: torch.Tensor,
         rope: RopeInputs,
-        kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
@@ -258,7 +260,7 @@ class LlamaAttention(nn.Module):
         self.backend.rotary_(qk, self.num_heads, rope.positions, rope.table, rope.cos_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, split:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = attention(q, k, v, kv_cache, self.scale)
+        out = attention(q, k, v, self.layer_index, self.scale)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
     def finalize_weights(self) -> None:
@@ -296,6 +298,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
+        layer_index: int,
         backend: AttentionBackend,
         dtype,
         device,
@@ -303,7 +306,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.backend = backend
-        self.self_attn = LlamaAttention(config, backend, dtype, device, tp)
+        self.self_attn = LlamaAttention(config, layer_index, backend, dtype, device, tp)
         self.mlp = LlamaMLP(config, backend, dtype, device, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(
@@ -315,7 +318,6 @@ class LlamaDecoderLayer(nn.Module):
         x: torch.Tensor,
         residual: torch.Tensor | None,
         rope: RopeInputs,
-        kv_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x is the previous layer's output, not yet added to the residual stream: each norm
         adds its input to the residual first (one fused op on GPU). Returns (output, residual)."""
@@ -325,7 +327,7 @@ class LlamaDecoderLayer(nn.Module):
             h = norm(x, self.input_layernorm.weight, self.input_layernorm.eps)
         else:
             h = norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual)
-        h = self.self_attn(h, rope, kv_cache)
+        h = self.self_attn(h, rope)
         h = norm(
             h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, residual
         )
@@ -360,8 +362,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = vocab_rows(config, dtype, device, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, dtype, device, tp)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, backend, dtype, device, tp)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -423,20 +425,18 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """[T] tokens of a ragged batch (decodes first) -> [T, hidden] after the final norm."""
-        with running_step(self.backend, attn_metadata):
-            return self.hidden_states(input_ids, positions, kv_caches)
+        with running_step(self.backend, attn_metadata, kv_caches):
+            return self.hidden_states(input_ids, positions)
 
-    def hidden_states(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor]
-    ) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The layers, inside a running step (engine.attention.step): the part torch.compile
         compiles (engine.compiled_decode)."""
         table = self.rope[positions]
         rope = RopeInputs(positions, self.rope, (table[:, 0:1], table[:, 1:2]))
         x = embed(input_ids, self.model.embed_tokens.weight, self.tp)
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, rope, kv_cache)
+        for layer in self.model.layers:
+            x, residual = layer(x, residual, rope)
         norm = self.model.norm
         return self.backend.rms_norm(x, norm.weight, norm.eps, residual)
 
