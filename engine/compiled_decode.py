@@ -9,7 +9,8 @@ from host-side lengths. Every program is compiled at start-up by warm-up steps, 
 request, so no request waits on the compiler; inductor's caches live under the Folio cache
 directory, so a restart loads them instead of compiling again. Prefill and mixed steps run
 eagerly. `--enforce-eager` turns all of this off. This module never builds a real step's
-inputs (the model runner does) and is never used with a GPU or with tensor parallelism.
+inputs (the model runner does) and is never used with a GPU, the Triton backend or tensor
+parallelism.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from common.config import EngineConfig, cache_dir
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.step import running_step
+from engine.attention.torch_backend import TorchAttentionBackend
 from engine.models.llama import Linear
 from engine.models.quantization import MAX_KERNEL_ROWS, QuantizedWeight
 
@@ -41,6 +43,9 @@ class CompiledDecode:
     @classmethod
     def compile_if_enabled(cls, runner: ModelRunner, config: EngineConfig) -> CompiledDecode | None:
         if config.enforce_eager or runner.device.type != "cpu":
+            return None
+        if not isinstance(runner.model.backend, TorchAttentionBackend):
+            # The Triton kernels on a CPU are the interpreter's (tests): nothing to compile.
             return None
         return cls(runner)
 
