@@ -128,9 +128,10 @@ class ModelRunner:
         self._arange = np.arange(max(max_model_len, max_tokens), dtype=np.int64)
         self.batch = PersistentBatch(max_seqs, max_model_len, self.max_blocks_per_seq)
         # Neither graph capture nor compilation covers the collectives of tensor parallelism.
+        # Compiled first: graph capture runs the model through run_model, which reads it.
         single = tp.size == 1
-        self.graphs = DecodeGraphs.capture_if_enabled(self, config) if single else None
         self.compiled_decode = CompiledDecode.compile_if_enabled(self, config) if single else None
+        self.graphs = DecodeGraphs.capture_if_enabled(self, config) if single else None
 
     def prepare(self, plan: StepPlan) -> ModelInput:
         """Apply the plan to the persistent batch, then write the step's flat inputs: a few
