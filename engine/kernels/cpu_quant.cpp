@@ -58,7 +58,9 @@ inline int64_t round_up(int64_t value, int64_t multiple) {
 // x[r, 32 b + i] ~ q[r, 32 b + i] * d[r, b], |q| <= kLimit (int8: 127, so that negating q stays
 // in range; int16: 32767); q_sum[r, b] = d[r, b] * sum_i q[r, 32 b + i] (the int4 minimums'
 // term). d and q_sum rows are padded with zeros to a multiple of 8 blocks, so that they are
-// read eight at a time.
+// read eight at a time. int8 codes (int4 weights') are stored in pairs of blocks b, b + 1 as
+// the halves b[0:16], (b+1)[0:16], b[16:32], (b+1)[16:32], the order in which 32 bytes of the
+// weight's codes unpack (Int4Row); a last, unpaired block stays in order.
 template <typename Code>
 struct QuantizedActivations {
   static constexpr float kLimit = std::is_same_v<Code, int8_t> ? 127.0f : 32767.0f;
@@ -73,15 +75,26 @@ struct QuantizedActivations {
         k32(k - k % kBlock),
         blocks(k / kBlock),
         padded_blocks(round_up(k / kBlock, 8)) {
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t b = 0; b < blocks; ++b)
-        quantize_block(x + r * k + b * kBlock, &q[r * k32 + b * kBlock],
-                       &d[r * padded_blocks + b], &q_sum[r * padded_blocks + b]);
+    const bool paired = std::is_same_v<Code, int8_t>;
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        Code* block = &q[r * k32 + b * kBlock];
+        Code* first = block;
+        Code* second = block + kBlock / 2;
+        if (paired && b + 1 - b % 2 < blocks) {  // a block of a pair
+          Code* pair = block - (b % 2) * kBlock;
+          first = pair + (b % 2) * (kBlock / 2);
+          second = first + kBlock;
+        }
+        quantize_block(x + r * k + b * kBlock, first, second, &d[r * padded_blocks + b],
+                       &q_sum[r * padded_blocks + b]);
+      }
+    }
   }
 
   // Scale kLimit / max|x| (that quotient, then a product rounded to nearest even: the unit tests
   // mirror these exact steps).
-  static void quantize_block(const float* x, Code* q, float* d, float* q_sum) {
+  static void quantize_block(const float* x, Code* first, Code* second, float* d, float* q_sum) {
     const __m256 sign_bit = _mm256_set1_ps(-0.0f);
     __m256 v[4];
     __m256 amax = _mm256_setzero_ps();
@@ -99,15 +112,17 @@ struct QuantizedActivations {
     // Packing works within 128-bit lanes; the permutations put the features back in order.
     const __m256i words01 = _mm256_packs_epi32(i[0], i[1]);  // 0-3, 8-11 | 4-7, 12-15
     const __m256i words23 = _mm256_packs_epi32(i[2], i[3]);
-    __m256i* out = reinterpret_cast<__m256i*>(q);
     if constexpr (std::is_same_v<Code, int8_t>) {
       // 4-byte runs: features 0-3, 8-11, 16-19, 24-27 | 4-7, 12-15, 20-23, 28-31.
-      const __m256i bytes = _mm256_packs_epi16(words01, words23);
-      _mm256_storeu_si256(out, _mm256_permutevar8x32_epi32(
-                                   bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      const __m256i bytes = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(words01, words23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(first), _mm256_castsi256_si128(bytes));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(second), _mm256_extracti128_si256(bytes, 1));
     } else {
-      _mm256_storeu_si256(out, _mm256_permute4x64_epi64(words01, 0xD8));
-      _mm256_storeu_si256(out + 1, _mm256_permute4x64_epi64(words23, 0xD8));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(first),
+                          _mm256_permute4x64_epi64(words01, 0xD8));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(second),
+                          _mm256_permute4x64_epi64(words23, 0xD8));
     }
   }
 };
@@ -120,10 +135,12 @@ inline __m128i load_128(const void* p) {
   return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
 }
 
-// One int8 weight row against int16 activations: the 32 weights of block b, sign-extended to
-// int16, times the block's codes, as eight int32 partial sums (each at most 4 * 127 * 32767).
+// One int8 weight row against int16 activations, a block at a time: the 32 weights of block b,
+// sign-extended to int16, times the block's codes, as eight int32 partial sums (each at most
+// 4 * 127 * 32767), scaled by the block's scale.
 struct Int8Row {
   using Code = int16_t;
+  static constexpr int kStep = 1;
   const int8_t* w;
   struct Weights {
     __m256i low, high;
@@ -136,56 +153,83 @@ struct Int8Row {
     return _mm256_add_epi32(_mm256_madd_epi16(wv.low, load_256(q)),
                             _mm256_madd_epi16(wv.high, load_256(q + 16)));
   }
+  static inline __m256 scales(const float* scale) { return _mm256_broadcast_ss(scale); }
 };
 
-// One int4 row against int8 activations: group b's 32 codes (16 bytes: code i in the low half
-// of byte i, code i + 16 in the high half, GGUF Q4_1's order) as unsigned bytes, times the
-// block's signed codes: maddubs pairs stay below 2 * 15 * 127, exact in int16.
+// One int4 row against int8 activations, two groups at a time. A group's 16 bytes hold code i
+// in the low half of byte i and code i + 16 in the high half (GGUF Q4_1's order), so 32 bytes
+// unpack to the low codes of both groups and their high codes, the order in which the
+// activations of a pair of blocks are stored. maddubs multiplies the unsigned codes by the
+// signed activations (pairs summed to at most 2 * 15 * 127; the low and high halves' sums
+// added stay within int16), madd sums to int32: the lower four partial sums belong to the
+// first group, the upper four to the second, each scaled by its own group's scale.
 struct Int4Row {
   using Code = int8_t;
+  static constexpr int kStep = 2;
   const uint8_t* codes;
-  using Weights = __m256i;
+  struct Weights {
+    __m256i low, high;
+  };
   inline Weights load(int64_t b) const {
-    const __m128i packed = load_128(codes + b * (kBlock / 2));
-    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+    const __m256i packed = load_256(codes + b * (kBlock / 2));
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    return {_mm256_and_si256(packed, nibble),
+            _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble)};
   }
   static inline __m256i dot(const Weights& wv, const int8_t* q) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(wv, load_256(q)), _mm256_set1_epi16(1));
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(wv.low, load_256(q)),
+                                           _mm256_maddubs_epi16(wv.high, load_256(q + 32)));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+  }
+  static inline __m256 scales(const float* scale) {
+    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scale)));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two),
+                                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  }
+  // A last, unpaired group (its activations in order): codes 0-15 | 16-31.
+  inline __m256i dot_single(int64_t b, const int8_t* q) const {
+    const __m128i packed = load_128(codes + b * (kBlock / 2));
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+    const __m256i w = _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, load_256(q)), _mm256_set1_epi16(1));
   }
 };
 
-// sums[r0 + r] += sum over blocks b of scale[r][b] * (block b of the weight row . block b of
-// activation row r0 + r), for r < ROWS; q holds the activation rows (k32 apart), scale[r] is
-// row r0 + r's per-block scales (`scale_stride` apart).
+// sums[r] += sum over blocks b of scale[r][b] * (block b of the weight row . block b of
+// activation row r), for r < ROWS; q holds the activation rows (k32 apart), scale[r] is row r's
+// per-block scales (`scale_stride` apart). Row::kStep blocks a step.
 template <int ROWS, typename Row>
 inline void dot_rows(const Row& row, const typename Row::Code* q, int64_t k32,
                      const float* scale, int64_t scale_stride, int64_t blocks, float* sums) {
+  constexpr int64_t kStep = Row::kStep;
   // Two accumulators per row for one or two rows, so that consecutive FMAs do not wait on each
   // other; more rows interleave by themselves.
   constexpr int kChains = ROWS <= 2 ? 2 : 1;
   __m256 acc[kChains][ROWS];
   for (int c = 0; c < kChains; ++c)
     for (int r = 0; r < ROWS; ++r) acc[c][r] = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + kChains <= blocks; b += kChains) {
-#pragma GCC unroll 2
-    for (int c = 0; c < kChains; ++c) {
-      const typename Row::Weights wv = row.load(b + c);
-#pragma GCC unroll 4
-      for (int r = 0; r < ROWS; ++r) {
-        const __m256 products = _mm256_cvtepi32_ps(Row::dot(wv, q + r * k32 + (b + c) * kBlock));
-        acc[c][r] = _mm256_fmadd_ps(
-            products, _mm256_broadcast_ss(scale + r * scale_stride + b + c), acc[c][r]);
-      }
-    }
-  }
-  if (b < blocks) {  // kChains == 2 and an odd number of blocks
+  auto step = [&](int c, int64_t b) {
     const typename Row::Weights wv = row.load(b);
+#pragma GCC unroll 4
     for (int r = 0; r < ROWS; ++r) {
       const __m256 products = _mm256_cvtepi32_ps(Row::dot(wv, q + r * k32 + b * kBlock));
-      acc[0][r] =
-          _mm256_fmadd_ps(products, _mm256_broadcast_ss(scale + r * scale_stride + b), acc[0][r]);
+      acc[c][r] =
+          _mm256_fmadd_ps(products, Row::scales(scale + r * scale_stride + b), acc[c][r]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + kChains * kStep <= blocks; b += kChains * kStep) {
+#pragma GCC unroll 2
+    for (int c = 0; c < kChains; ++c) step(c, b + c * kStep);
+  }
+  for (; b + kStep <= blocks; b += kStep) step(0, b);
+  if constexpr (kStep == 2) {
+    if (b < blocks) {
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256 products = _mm256_cvtepi32_ps(row.dot_single(b, q + r * k32 + b * kBlock));
+        acc[0][r] = _mm256_fmadd_ps(products, _mm256_broadcast_ss(scale + r * scale_stride + b),
+                                    acc[0][r]);
+      }
     }
   }
   for (int r = 0; r < ROWS; ++r) {
