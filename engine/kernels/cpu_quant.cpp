@@ -1,10 +1,17 @@
 // Weight-only quantized matrix products for float32 activations on x86 CPUs with AVX2 and FMA:
 // out[m, n] = sum_k x[m, k] * w[n, k], with w stored as int8 per output channel or as 4-bit
-// codes in groups of 32 (GGUF Q4_1's scheme: w = code * scale + min). Built for decode-sized
-// batches (a few rows): each weight row is read from memory once, converted to float in
-// registers and applied to up to four activation rows, so the product runs at the speed of
-// reading the (4x or 8x smaller) weights. Parallel over output channels with torch's pool.
-// This file only multiplies; quantizing and choosing the kernel is engine/models/quantization.
+// codes in groups of 32 (GGUF Q4_1's scheme: w = code * scale + min, scale and min float16).
+//
+// Built for decode-sized batches (a few rows), as integer dot products: each call first
+// quantizes the activations in blocks of 32 features (x ~ q * d, one float scale d per block),
+// to int8 against int4 weights (llama.cpp's Q4_1 x Q8_1 scheme) and to int16 against int8
+// weights (int8 x int8 would add about 0.5% of error to the int8 layers' 0.8%; int16 keeps it
+// at float's level and runs as fast). A block's 32 products are summed exactly in int32
+// (_mm256_maddubs_epi16 / _mm256_madd_epi16), converted to float once and scaled, so no weight
+// is ever widened to float. Each weight row is read from memory once and applied to every
+// activation row, four at a time; parallel over output channels with torch's pool.
+// This file only multiplies; quantizing weights and choosing the kernel is
+// engine/models/quantization.
 
 #include <immintrin.h>
 #include <ATen/Parallel.h>
@@ -12,16 +19,15 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kGroup = 32;  // int4 group size (engine.models.quantization.INT4_GROUP_SIZE)
-// Activation rows sharing one pass over a weight row, each with kChains accumulators (one per
-// 8 of 32 consecutive weights) so that FMAs do not wait on each other: 2 x 4 accumulators and
-// the 4 converted weight vectors fit AVX2's 16 registers.
-constexpr int kTile = 2;
-constexpr int kChains = 4;
+// Activation block and int4 group size (engine.models.quantization.INT4_GROUP_SIZE).
+constexpr int64_t kBlock = 32;
+// Activation rows sharing one pass over a weight row, each with its own accumulators.
+constexpr int kTile = 4;
 
 inline float horizontal_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -30,73 +36,238 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Eight int8 weights widened to float.
-inline __m256 int8_to_float(const int8_t* p) {
-  __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+inline float horizontal_max(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
 
-// Eight unsigned 4-bit codes, one per byte (the low 8 bytes of `bytes`), widened to float.
-inline __m256 codes_to_float(__m128i bytes) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+inline int32_t horizontal_sum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+  return _mm_cvtsi128_si32(s);
 }
 
-// 32 consecutive weights of one row as floats, for k in [i, i + 32).
+inline int64_t round_up(int64_t value, int64_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
+
+// One call's activations, each row's first k32 features (a multiple of 32) in blocks of 32:
+// x[r, 32 b + i] ~ q[r, 32 b + i] * d[r, b], |q| <= kLimit (int8: 127, so that negating q stays
+// in range; int16: 32767); q_sum[r, b] = d[r, b] * sum_i q[r, 32 b + i] (the int4 minimums'
+// term). d and q_sum rows are padded with zeros to a multiple of 8 blocks, so that they are
+// read eight at a time. int8 codes (int4 weights') are stored in pairs of blocks b, b + 1 as
+// the halves b[0:16], (b+1)[0:16], b[16:32], (b+1)[16:32], the order in which 32 bytes of the
+// weight's codes unpack (Int4Row); a last, unpaired block stays in order.
+template <typename Code>
+struct QuantizedActivations {
+  static constexpr float kLimit = std::is_same_v<Code, int8_t> ? 127.0f : 32767.0f;
+  std::vector<Code> q;
+  std::vector<float> d, q_sum;
+  int64_t k32, blocks, padded_blocks;
+
+  QuantizedActivations(const float* x, int64_t m, int64_t k)
+      : q(m * (k - k % kBlock)),
+        d(m * round_up(k / kBlock, 8), 0.0f),
+        q_sum(d.size(), 0.0f),
+        k32(k - k % kBlock),
+        blocks(k / kBlock),
+        padded_blocks(round_up(k / kBlock, 8)) {
+    const bool paired = std::is_same_v<Code, int8_t>;
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        Code* block = &q[r * k32 + b * kBlock];
+        Code* first = block;
+        Code* second = block + kBlock / 2;
+        if (paired && b + 1 - b % 2 < blocks) {  // a block of a pair
+          Code* pair = block - (b % 2) * kBlock;
+          first = pair + (b % 2) * (kBlock / 2);
+          second = first + kBlock;
+        }
+        quantize_block(x + r * k + b * kBlock, first, second, &d[r * padded_blocks + b],
+                       &q_sum[r * padded_blocks + b]);
+      }
+    }
+  }
+
+  // Scale kLimit / max|x| (that quotient, then a product rounded to nearest even: the unit tests
+  // mirror these exact steps).
+  static void quantize_block(const float* x, Code* first, Code* second, float* d, float* q_sum) {
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(x + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[j]));
+    }
+    const float max_abs = horizontal_max(amax);
+    const __m256 inverse = _mm256_set1_ps(max_abs > 0.0f ? kLimit / max_abs : 0.0f);
+    __m256i i[4];
+    for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));
+    *d = max_abs / kLimit;
+    *q_sum = *d * static_cast<float>(horizontal_sum(
+                      _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]))));
+    // Packing works within 128-bit lanes; the permutations put the features back in order.
+    const __m256i words01 = _mm256_packs_epi32(i[0], i[1]);  // 0-3, 8-11 | 4-7, 12-15
+    const __m256i words23 = _mm256_packs_epi32(i[2], i[3]);
+    if constexpr (std::is_same_v<Code, int8_t>) {
+      // 4-byte runs: features 0-3, 8-11, 16-19, 24-27 | 4-7, 12-15, 20-23, 28-31.
+      const __m256i bytes = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(words01, words23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(first), _mm256_castsi256_si128(bytes));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(second), _mm256_extracti128_si256(bytes, 1));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(first),
+                          _mm256_permute4x64_epi64(words01, 0xD8));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(second),
+                          _mm256_permute4x64_epi64(words23, 0xD8));
+    }
+  }
+};
+
+inline __m256i load_256(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+inline __m128i load_128(const void* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+
+// One int8 weight row against int16 activations, a block at a time: the 32 weights of block b,
+// sign-extended to int16, times the block's codes, as eight int32 partial sums (each at most
+// 4 * 127 * 32767), scaled by the block's scale.
 struct Int8Row {
+  using Code = int16_t;
+  static constexpr int kStep = 1;
   const int8_t* w;
-  inline void load(int64_t i, __m256 (&wv)[kChains]) const {
-    for (int j = 0; j < kChains; ++j) wv[j] = int8_to_float(w + i + 8 * j);
+  struct Weights {
+    __m256i low, high;
+  };
+  inline Weights load(int64_t b) const {
+    return {_mm256_cvtepi8_epi16(load_128(w + b * kBlock)),
+            _mm256_cvtepi8_epi16(load_128(w + b * kBlock + 16))};
   }
+  static inline __m256i dot(const Weights& wv, const int16_t* q) {
+    return _mm256_add_epi32(_mm256_madd_epi16(wv.low, load_256(q)),
+                            _mm256_madd_epi16(wv.high, load_256(q + 16)));
+  }
+  static inline __m256 scales(const float* scale) { return _mm256_broadcast_ss(scale); }
 };
 
+// One int4 row against int8 activations, two groups at a time. A group's 16 bytes hold code i
+// in the low half of byte i and code i + 16 in the high half (GGUF Q4_1's order), so 32 bytes
+// unpack to the low codes of both groups and their high codes, the order in which the
+// activations of a pair of blocks are stored. maddubs multiplies the unsigned codes by the
+// signed activations (pairs summed to at most 2 * 15 * 127; the low and high halves' sums
+// added stay within int16), madd sums to int32: the lower four partial sums belong to the
+// first group, the upper four to the second, each scaled by its own group's scale.
 struct Int4Row {
-  const uint8_t* codes;  // this row's 4-bit codes, two to a byte
-  const float* scale;    // this row's per-group scales and minimums
-  const float* min;
-  inline void load(int64_t i, __m256 (&wv)[kChains]) const {
-    const int64_t g = i / kGroup;
-    const __m256 sv = _mm256_set1_ps(scale[g]);
-    const __m256 mv = _mm256_set1_ps(min[g]);
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i / 2));
-    const __m128i low_mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(packed, low_mask);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low_mask);
-    const __m128i first = _mm_unpacklo_epi8(lo, hi);  // codes 0-15 of the group, in order
-    const __m128i second = _mm_unpackhi_epi8(lo, hi);  // codes 16-31
-    wv[0] = _mm256_fmadd_ps(codes_to_float(first), sv, mv);
-    wv[1] = _mm256_fmadd_ps(codes_to_float(_mm_srli_si128(first, 8)), sv, mv);
-    wv[2] = _mm256_fmadd_ps(codes_to_float(second), sv, mv);
-    wv[3] = _mm256_fmadd_ps(codes_to_float(_mm_srli_si128(second, 8)), sv, mv);
+  using Code = int8_t;
+  static constexpr int kStep = 2;
+  const uint8_t* codes;
+  struct Weights {
+    __m256i low, high;
+  };
+  inline Weights load(int64_t b) const {
+    const __m256i packed = load_256(codes + b * (kBlock / 2));
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    return {_mm256_and_si256(packed, nibble),
+            _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble)};
+  }
+  static inline __m256i dot(const Weights& wv, const int8_t* q) {
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(wv.low, load_256(q)),
+                                           _mm256_maddubs_epi16(wv.high, load_256(q + 32)));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+  }
+  static inline __m256 scales(const float* scale) {
+    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scale)));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two),
+                                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  }
+  // A last, unpaired group (its activations in order): codes 0-15 | 16-31.
+  inline __m256i dot_single(int64_t b, const int8_t* q) const {
+    const __m128i packed = load_128(codes + b * (kBlock / 2));
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+    const __m256i w = _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, load_256(q)), _mm256_set1_epi16(1));
   }
 };
 
-// Dot products of one weight row with ROWS activation rows over k in [0, k32), k32 a multiple
-// of 32.
+// sums[r] += sum over blocks b of scale[r][b] * (block b of the weight row . block b of
+// activation row r), for r < ROWS; q holds the activation rows (k32 apart), scale[r] is row r's
+// per-block scales (`scale_stride` apart). Row::kStep blocks a step.
 template <int ROWS, typename Row>
-inline void dot_rows(const Row& row, const float* x, int64_t k, int64_t k32, float* sums) {
-  __m256 acc[ROWS][kChains];
-  for (int r = 0; r < ROWS; ++r)
-    for (int j = 0; j < kChains; ++j) acc[r][j] = _mm256_setzero_ps();
-  __m256 wv[kChains];
-  for (int64_t i = 0; i < k32; i += 8 * kChains) {
-    row.load(i, wv);
-    for (int r = 0; r < ROWS; ++r)
-      for (int j = 0; j < kChains; ++j)
-        acc[r][j] = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(x + r * k + i + 8 * j), acc[r][j]);
+inline void dot_rows(const Row& row, const typename Row::Code* q, int64_t k32,
+                     const float* scale, int64_t scale_stride, int64_t blocks, float* sums) {
+  constexpr int64_t kStep = Row::kStep;
+  // Two accumulators per row for one or two rows, so that consecutive FMAs do not wait on each
+  // other; more rows interleave by themselves.
+  constexpr int kChains = ROWS <= 2 ? 2 : 1;
+  __m256 acc[kChains][ROWS];
+  for (int c = 0; c < kChains; ++c)
+    for (int r = 0; r < ROWS; ++r) acc[c][r] = _mm256_setzero_ps();
+  auto step = [&](int c, int64_t b) {
+    const typename Row::Weights wv = row.load(b);
+#pragma GCC unroll 4
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 products = _mm256_cvtepi32_ps(Row::dot(wv, q + r * k32 + b * kBlock));
+      acc[c][r] =
+          _mm256_fmadd_ps(products, Row::scales(scale + r * scale_stride + b), acc[c][r]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + kChains * kStep <= blocks; b += kChains * kStep) {
+#pragma GCC unroll 2
+    for (int c = 0; c < kChains; ++c) step(c, b + c * kStep);
+  }
+  for (; b + kStep <= blocks; b += kStep) step(0, b);
+  if constexpr (kStep == 2) {
+    if (b < blocks) {
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256 products = _mm256_cvtepi32_ps(row.dot_single(b, q + r * k32 + b * kBlock));
+        acc[0][r] = _mm256_fmadd_ps(products, _mm256_broadcast_ss(scale + r * scale_stride + b),
+                                    acc[0][r]);
+      }
+    }
   }
   for (int r = 0; r < ROWS; ++r) {
-    sums[r] = horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
-                                           _mm256_add_ps(acc[r][2], acc[r][3])));
+    __m256 total = acc[0][r];
+    for (int c = 1; c < kChains; ++c) total = _mm256_add_ps(total, acc[c][r]);
+    sums[r] += horizontal_sum(total);
   }
 }
 
-// out[m, n] for every activation row m of one weight row n, tiles of kTile activation rows.
+// sums[r] += the scaled dot products of one weight row with every activation row r < m,
+// kTile rows at a time.
 template <typename Row>
-inline void one_weight_row(const Row& row, const float* x, int64_t m, int64_t k, int64_t k32,
-                           float* sums) {
-  int64_t m0 = 0;
-  for (; m0 + kTile <= m; m0 += kTile) dot_rows<kTile>(row, x + m0 * k, k, k32, sums + m0);
-  if (m0 < m) dot_rows<1>(row, x + m0 * k, k, k32, sums + m0);
+inline void one_weight_row(const Row& row, const QuantizedActivations<typename Row::Code>& xq,
+                           int64_t m, const float* scale, int64_t scale_stride, float* sums) {
+  auto tile = [&](auto rows, int64_t r0) {
+    dot_rows<decltype(rows)::value>(row, xq.q.data() + r0 * xq.k32, xq.k32,
+                                    scale + r0 * scale_stride, scale_stride, xq.blocks,
+                                    sums + r0);
+  };
+  int64_t r0 = 0;
+  for (; r0 + kTile <= m; r0 += kTile) tile(std::integral_constant<int, kTile>{}, r0);
+  switch (m - r0) {
+    case 3: tile(std::integral_constant<int, 3>{}, r0); break;
+    case 2: tile(std::integral_constant<int, 2>{}, r0); break;
+    case 1: tile(std::integral_constant<int, 1>{}, r0); break;
+    default: break;
+  }
+}
+
+// out[0 .. 8) = h[0 .. 8) as float32, where `readable` of them can be read; past `count` the
+// values are zeros or whatever follows (finite scales, multiplied by zero-padded ones).
+inline void halves_to_floats(const at::Half* h, int64_t count, int64_t readable, float* out) {
+  if (readable >= 8) {
+    _mm256_storeu_ps(out, _mm256_cvtph_ps(load_128(h)));
+    return;
+  }
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(h);
+  for (int64_t i = 0; i < 8; ++i) out[i] = i < count ? _cvtsh_ss(bits[i]) : 0.0f;
 }
 
 void check_inputs(const at::Tensor& x, const at::Tensor& w, int64_t k) {
@@ -106,16 +277,18 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w, int64_t k) {
   TORCH_CHECK(w.is_contiguous(), "the weight must be contiguous");
 }
 
-// Runs `fill(row, sums)` for every output channel in parallel and writes out[:, row].
+// Runs `fill(row, sums, scratch)` for every output channel in parallel, sums zeroed first, and
+// writes out[:, row]; scratch holds `scratch_floats` floats of the worker's own.
 template <typename Fill>
-at::Tensor for_each_output(const at::Tensor& x, int64_t n, const Fill& fill) {
-  const int64_t m = x.size(0);
+at::Tensor for_each_output(int64_t m, int64_t n, const at::Tensor& x, int64_t scratch_floats,
+                           const Fill& fill) {
   at::Tensor out = at::empty({m, n}, x.options());
   float* os = out.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> sums(m);
+    std::vector<float> sums(m), scratch(scratch_floats);
     for (int64_t row = begin; row < end; ++row) {
-      fill(row, sums.data());
+      std::fill(sums.begin(), sums.end(), 0.0f);
+      fill(row, sums.data(), scratch.data());
       for (int64_t r = 0; r < m; ++r) os[r * n + row] = sums[r];
     }
   });
@@ -124,7 +297,8 @@ at::Tensor for_each_output(const at::Tensor& x, int64_t n, const Fill& fill) {
 
 }  // namespace
 
-// x [M, K] float32, w [N, K] int8, scales [N] float32 -> [M, N] float32.
+// x [M, K] float32, w [N, K] int8, scales [N] float32 -> [M, N] float32. Input features past the
+// last whole block of 32 are multiplied in float.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
   const int64_t k = w.size(1), m = x.size(0);
   check_inputs(x, w, k);
@@ -134,37 +308,60 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const float* xs = x.data_ptr<float>();
   const int8_t* ws = w.data_ptr<int8_t>();
   const float* ss = scales.data_ptr<float>();
-  const int64_t k32 = k - k % 32;
-  return for_each_output(x, w.size(0), [&](int64_t row, float* sums) {
+  const QuantizedActivations<int16_t> xq(xs, m, k);
+  return for_each_output(m, w.size(0), x, 0, [&](int64_t row, float* sums, float*) {
     const int8_t* wr = ws + row * k;
-    one_weight_row(Int8Row{wr}, xs, m, k, k32, sums);
+    one_weight_row(Int8Row{wr}, xq, m, xq.d.data(), xq.padded_blocks, sums);
     for (int64_t r = 0; r < m; ++r) {
-      for (int64_t i = k32; i < k; ++i) sums[r] += xs[r * k + i] * wr[i];
+      for (int64_t i = xq.k32; i < k; ++i) sums[r] += xs[r * k + i] * wr[i];
       sums[r] *= ss[row];
     }
   });
 }
 
-// x [M, K] float32; codes [N, K/2] uint8 (code k in the low half of byte k/2 when k is even,
-// the high half when odd); scale and min [N, K/32] float32 -> [M, N] float32.
+// x [M, K] float32; codes [N, K/2] uint8 (in each group of 32 input features, 16 bytes: byte i
+// holds feature i in its low half, feature i + 16 in its high half); scale and min [N, K/32]
+// float16 -> [M, N] float32.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                        const at::Tensor& min) {
   const int64_t k = codes.size(1) * 2, n = codes.size(0), m = x.size(0);
   check_inputs(x, codes, k);
-  TORCH_CHECK(k % kGroup == 0, "int4 needs input features divisible by ", kGroup);
-  TORCH_CHECK(codes.scalar_type() == at::kByte && scale.scalar_type() == at::kFloat &&
-                  min.scalar_type() == at::kFloat && scale.is_contiguous() &&
-                  min.is_contiguous() && scale.numel() == n * (k / kGroup) &&
+  TORCH_CHECK(k % kBlock == 0, "int4 needs input features divisible by ", kBlock);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && scale.scalar_type() == at::kHalf &&
+                  min.scalar_type() == at::kHalf && scale.is_contiguous() &&
+                  min.is_contiguous() && scale.numel() == n * (k / kBlock) &&
                   min.numel() == scale.numel(),
-              "int4_linear takes uint8 codes and float32 scales and minimums per group");
-  const float* xs = x.data_ptr<float>();
+              "int4_linear takes uint8 codes and float16 scales and minimums per group");
   const uint8_t* cs = codes.data_ptr<uint8_t>();
-  const float* scales = scale.data_ptr<float>();
-  const float* mins = min.data_ptr<float>();
-  const int64_t groups = k / kGroup;
-  return for_each_output(x, n, [&](int64_t row, float* sums) {
-    Int4Row weights{cs + row * (k / 2), scales + row * groups, mins + row * groups};
-    one_weight_row(weights, xs, m, k, k, sums);
+  const at::Half* scales = scale.data_ptr<at::Half>();
+  const at::Half* mins = min.data_ptr<at::Half>();
+  const int64_t groups = k / kBlock;
+  const QuantizedActivations<int8_t> xq(x.data_ptr<float>(), m, k);
+  const int64_t stride = xq.padded_blocks;
+  // scratch: this row's scales and minimums in float32 (zero-padded like the activations'
+  // scales), then [M, padded groups] products of the weight's and the activations' scales.
+  return for_each_output(m, n, x, (2 + m) * stride, [&](int64_t row, float* sums, float* scratch) {
+    float* weight_scale = scratch;
+    float* weight_min = scratch + stride;
+    float* combined_scale = scratch + 2 * stride;
+    for (int64_t g = 0; g < groups; g += 8) {
+      // Past this row's last group lie the next row's, finite, read eight at a time.
+      const int64_t at = row * groups + g, readable = n * groups - at;
+      halves_to_floats(scales + at, groups - g, readable, weight_scale + g);
+      halves_to_floats(mins + at, groups - g, readable, weight_min + g);
+    }
+    for (int64_t r = 0; r < m; ++r) {
+      __m256 min_term = _mm256_setzero_ps();
+      for (int64_t g = 0; g < groups; g += 8) {
+        const int64_t at = r * stride + g;
+        _mm256_storeu_ps(combined_scale + at, _mm256_mul_ps(_mm256_loadu_ps(weight_scale + g),
+                                                            _mm256_loadu_ps(xq.d.data() + at)));
+        min_term = _mm256_fmadd_ps(_mm256_loadu_ps(weight_min + g),
+                                   _mm256_loadu_ps(xq.q_sum.data() + at), min_term);
+      }
+      sums[r] += horizontal_sum(min_term);
+    }
+    one_weight_row(Int4Row{cs + row * (k / 2)}, xq, m, combined_scale, stride, sums);
   });
 }
 

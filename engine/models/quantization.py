@@ -37,10 +37,12 @@ class QuantizedWeight:
     """An [out, in] weight; `matmul(x)` is x @ weight.T."""
 
     method: str  # "int8" or "int4"
-    # int8: [out, in] int8 codes. int4: [out, in / 2] uint8, two 4-bit codes to a byte (the
-    # even input feature in the low half).
+    # int8: [out, in] int8 codes. int4: [out, in / 2] uint8, two 4-bit codes to a byte: in each
+    # group of 32 input features, byte i holds feature i in its low half and feature i + 16 in
+    # its high half (GGUF Q4_1's order).
     codes: torch.Tensor
-    # int8: [out] scales; int4: [out, in / 32] scales, the weight being code * scale + minimum.
+    # int8: [out] scales; int4: [out, in / 32] scales, the weight being code * scale + minimum,
+    # both float16 values (as in Q4_1), stored as float16 for Folio's kernels.
     scale: torch.Tensor
     minimum: torch.Tensor | None
     # Folio's AVX2 ops (float32 activations), or None to use torch's kernels, for which int4
@@ -49,7 +51,8 @@ class QuantizedWeight:
     torch_int4: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
+        # A decode step calls this ~120 times: a matrix skips the reshaping (a few us each).
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if flat.shape[0] > MAX_KERNEL_ROWS:
             out = flat @ self.dequantized(flat.dtype).t()
         elif self.kernels is not None:
@@ -62,7 +65,7 @@ class QuantizedWeight:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 flat, packed, INT4_GROUP_SIZE, scales_and_zeros
             )
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
     def _folio_kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.method == "int8":
@@ -75,8 +78,8 @@ class QuantizedWeight:
             return self.codes.to(dtype) * self.scale.to(dtype)[:, None]
         assert self.minimum is not None
         out_features = self.codes.shape[0]
-        codes = torch.stack((self.codes & 0xF, self.codes >> 4), dim=-1).to(dtype)
-        groups = codes.view(out_features, -1, INT4_GROUP_SIZE)
+        packed = self.codes.view(out_features, -1, INT4_GROUP_SIZE // 2)
+        groups = torch.cat((packed & 0xF, packed >> 4), dim=-1).to(dtype)
         weight = torch.addcmul(
             self.minimum.to(dtype)[..., None], groups, self.scale.to(dtype)[..., None]
         )
@@ -102,20 +105,24 @@ def quantize(weight: torch.Tensor, method: str, use_folio_kernels: bool = True) 
     kernels = None
     if use_folio_kernels and weight.dtype == torch.float32:
         kernels = cpu_quant.load()
-    # Scales in the activations' dtype for torch's kernels; float32 for Folio's.
-    scale_dtype = torch.float32 if kernels is not None else weight.dtype
+    # Scales in the activations' dtype for torch's kernels; for Folio's, float32 (int8) and
+    # float16 (int4, whose per-group scales and minimums would otherwise be a third of the bytes
+    # its kernel reads).
     w = weight.detach().float()
     if method == "int8":
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
         codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        scale_dtype = torch.float32 if kernels is not None else weight.dtype
         return QuantizedWeight("int8", codes, scale.to(scale_dtype), None, kernels)
     groups = w.view(w.shape[0], -1, INT4_GROUP_SIZE)
-    low = groups.amin(dim=-1)
-    scale = (groups.amax(dim=-1) - low).clamp(min=1e-12) / 15
-    codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
-    codes = codes.to(torch.int32).view(w.shape)
-    pairs = codes.to(torch.uint8).view(w.shape[0], -1, 2)
-    nibbles = pairs[..., 0] | (pairs[..., 1] << 4)
+    # Scale and minimum on the float16 grid first, the codes then chosen for those values.
+    low = groups.amin(dim=-1).half().float()
+    scale = ((groups.amax(dim=-1) - low) / 15).half().float()
+    codes = torch.round((groups - low[..., None]) / scale.clamp(min=1e-12)[..., None]).clamp(0, 15)
+    codes = codes.to(torch.int32)
+    halves = codes.to(torch.uint8).view(w.shape[0], -1, 2, INT4_GROUP_SIZE // 2)
+    nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).view(w.shape[0], -1)
+    scale_dtype = torch.float16 if kernels is not None else weight.dtype
     quantized = QuantizedWeight(
         "int4", nibbles, scale.to(scale_dtype), low.to(scale_dtype), kernels
     )
@@ -129,6 +136,6 @@ def quantize(weight: torch.Tensor, method: str, use_folio_kernels: bool = True) 
         # above the group's minimum.
         zero = low + 8 * scale
         scales_and_zeros = torch.stack((scale.t(), zero.t()), dim=-1).contiguous()
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(w.shape), 1)
         quantized.torch_int4 = (packed, scales_and_zeros.to(weight.dtype))
     return quantized

@@ -34,6 +34,20 @@ def gaussian(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
+def as_the_kernels_read(x: torch.Tensor, method: str) -> torch.Tensor:
+    """x as Folio's kernels quantize it, mirroring cpu_quant.cpp's float32 steps: each row's whole
+    blocks of 32 features as codes round(x * (limit / max|x|)) times max|x| / limit, limit 127
+    (int8 codes, against int4 weights) or 32767 (int16, against int8 weights); features past
+    the last whole block stay float."""
+    limit = 127.0 if method == "int4" else 32767.0
+    k32 = x.shape[-1] // 32 * 32
+    blocks = x[:, :k32].reshape(x.shape[0], -1, 32)
+    max_abs = blocks.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(max_abs > 0, limit / max_abs, torch.zeros_like(max_abs))
+    codes = torch.round(blocks * inverse)
+    return torch.cat(((codes * (max_abs / limit)).view(x.shape[0], k32), x[:, k32:]), dim=-1)
+
+
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_output_error_on_gaussian_weights(method):
     shapes = DEFAULT_MODEL_LINEARS + ([VOCAB_PROJECTION] if method == "int8" else [])
@@ -53,7 +67,8 @@ def test_output_error_on_gaussian_weights(method):
 )
 def test_every_kernel_path_computes_the_same_product(method, in_features):
     """Folio's kernel (odd row counts, a row tail, for int8 an input tail not a multiple of
-    32) equals torch's kernel and the dequantized dense product of the same codes."""
+    32, a row of zeros, an outlier) equals the dequantized dense product of the same codes with
+    the activations quantized as it quantizes them; torch's kernel equals the dense product."""
     weight = gaussian((48, in_features), 1)
     folio = quantize(weight, method)
     torch_only = quantize(weight, method, use_folio_kernels=False)
@@ -62,9 +77,12 @@ def test_every_kernel_path_computes_the_same_product(method, in_features):
     torch.testing.assert_close(dense, torch_only.dequantized(torch.float32))
     for rows in (1, 2, 3, 5, quantization.MAX_KERNEL_ROWS):
         x = gaussian((rows, in_features), rows)
-        expected = x @ dense.t()
+        if rows > 1:
+            x[0] = 0
+            x[-1, 3] = 100.0
+        expected = as_the_kernels_read(x, method) @ dense.t()
         torch.testing.assert_close(folio.matmul(x), expected, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(torch_only.matmul(x), expected, atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(torch_only.matmul(x), x @ dense.t(), atol=1e-3, rtol=1e-3)
     # Leading dimensions are kept: [2, 3, in] -> [2, 3, out].
     x = gaussian((2, 3, in_features), 9)
     assert folio.matmul(x).shape == (2, 3, 48)
@@ -72,13 +90,15 @@ def test_every_kernel_path_computes_the_same_product(method, in_features):
 
 def test_int4_reproduces_a_q4_1_grid_exactly():
     """Weights already on a Q4_1 grid (each group: min + code * scale, codes 0..15 with both
-    ends present, as a Q4_1 GGUF dequantizes) come back unchanged."""
+    ends present, scale and min float16 values, as a Q4_1 GGUF dequantizes) come back
+    unchanged."""
     out_features, in_features = 24, 128
     g = torch.Generator().manual_seed(3)
     codes = torch.randint(0, 16, (out_features, in_features // 32, 32), generator=g)
     codes[..., 0], codes[..., 1] = 0, 15
-    scale = torch.rand(out_features, in_features // 32, 1, generator=g) * 0.02 + 0.001
-    minimum = -torch.rand(out_features, in_features // 32, 1, generator=g) * 0.1
+    scale = (torch.rand(out_features, in_features // 32, 1, generator=g) * 0.02 + 0.001).half()
+    minimum = (-torch.rand(out_features, in_features // 32, 1, generator=g) * 0.1).half()
+    scale, minimum = scale.float(), minimum.float()
     weight = (minimum + codes * scale).view(out_features, in_features)
     torch.testing.assert_close(
         quantize(weight, "int4").dequantized(torch.float32), weight, atol=1e-6, rtol=0
