@@ -355,10 +355,13 @@ async def bench_gateway(
     model: str | None = None,
 ) -> dict[str, RunResult]:
     """The sweep on an OpenAI-compatible server at `url`: Folio's gateway or a peer. `model`
-    defaults to the first id of its /v1/models."""
+    defaults to the first id of its /v1/models. A peer gets a new connection per request:
+    llama-server closes idle kept-alive connections after seconds, and a request sent on one
+    just closed fails before the server sees it."""
     import httpx
 
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    keep_alive = None if name == "gateway" else 0
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=keep_alive)
     async with httpx.AsyncClient(timeout=600, limits=limits) as session:
         if model is None:
             model = (await session.get(f"{url}/v1/models")).json()["data"][0]["id"]
