@@ -82,28 +82,7 @@ class CompiledDecode:
             return self._forward(input_ids, positions)
 
     def _warm_up(self, runner: ModelRunner, rows: int, dynamic: bool) -> None:
-        """One decode step of `rows` one-token requests at position 0, written into the first
-        blocks of the pool: no request has run yet, so no cached block is overwritten."""
-        bs = runner.block_size
-        runner.input_ids.np[:rows] = 0
-        runner.positions.np[:rows] = 0
-        runner.slot_mapping.np[:rows] = range(rows)
-        runner.block_tables.np[:rows, 0] = [row // bs for row in range(rows)]
-        runner.seq_lens.np[:rows] = 1
-        runner.query_start_loc.np[: rows + 1] = range(rows + 1)
-        meta = AttentionMetadata(
-            slot_mapping=runner.slot_mapping.upload(rows),
-            query_start_loc=runner.query_start_loc.upload(rows + 1),
-            seq_lens=runner.seq_lens.upload(rows),
-            block_tables=runner.block_tables.upload(rows, 1),
-            query_lens_cpu=[1] * rows,
-            seq_lens_cpu=[1] * rows,
-            num_decodes=rows,
-            max_query_len=1,
-            max_seq_len=1,
-            block_size=bs,
-        )
-        input_ids, positions = runner.input_ids.upload(rows), runner.positions.upload(rows)
+        input_ids, positions, meta = runner.placeholder_decode(rows)
         if dynamic:
             torch._dynamo.mark_dynamic(input_ids, 0)
             torch._dynamo.mark_dynamic(positions, 0)

@@ -15,7 +15,6 @@ import logging
 import torch
 
 from common.config import EngineConfig
-from engine.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -47,20 +46,7 @@ class DecodeGraphs:
         pool = None
         # Largest first, so the smaller graphs fit in the memory pool the largest one reserved.
         for size in reversed(sizes):
-            runner.pad_decode_rows(0, size)
-            meta = AttentionMetadata(
-                slot_mapping=runner.slot_mapping.upload(size),
-                query_start_loc=runner.query_start_loc.upload(size + 1),
-                seq_lens=runner.seq_lens.upload(size),
-                block_tables=runner.block_tables.upload(size, runner.max_blocks_per_seq),
-                query_lens_cpu=[1] * size,
-                seq_lens_cpu=[1] * size,
-                num_decodes=size,
-                max_query_len=1,
-                max_seq_len=1,
-                block_size=runner.block_size,
-            )
-            ids, pos = runner.input_ids.upload(size), runner.positions.upload(size)
+            ids, pos, meta = runner.placeholder_decode(size)
             with torch.inference_mode():
                 # Warm up on a side stream (kernel compilation, library handles), then capture.
                 side = torch.cuda.Stream()

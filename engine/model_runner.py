@@ -24,6 +24,7 @@ import torch
 
 from common.config import EngineConfig
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
 from engine.compiled_decode import CompiledDecode
 from engine.cuda_graphs import DecodeGraphs
 from engine.input_batch import PersistentBatch
@@ -206,6 +207,29 @@ class ModelRunner:
             graph_size=graph_size,
             block_copies=plan.block_copies,
         )
+
+    def placeholder_decode(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Inputs of a decode step of `rows` one-token requests at position 0, for graph capture
+        and compilation warm-ups before any request runs. Their K/V go nowhere (slot -1) where
+        the backend skips such slots (Triton); the torch backend cannot, so there they go to the
+        first blocks of the pool, which no request holds yet."""
+        self.pad_decode_rows(0, rows)
+        if isinstance(self.model.backend, TorchAttentionBackend):
+            self.slot_mapping.np[:rows] = np.arange(rows)
+            self.block_tables.np[:rows, 0] = np.arange(rows) // self.block_size
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping.upload(rows),
+            query_start_loc=self.query_start_loc.upload(rows + 1),
+            seq_lens=self.seq_lens.upload(rows),
+            block_tables=self.block_tables.upload(rows, self.max_blocks_per_seq),
+            query_lens_cpu=[1] * rows,
+            seq_lens_cpu=[1] * rows,
+            num_decodes=rows,
+            max_query_len=1,
+            max_seq_len=1,
+            block_size=self.block_size,
+        )
+        return self.input_ids.upload(rows), self.positions.upload(rows), meta
 
     def pad_decode_rows(self, num_reqs: int, graph_size: int) -> None:
         """Rows num_reqs..graph_size of a graph batch: one token that writes nowhere (slot -1)
