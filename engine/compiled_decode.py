@@ -27,7 +27,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.step import running_step
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.models.llama import Linear
-from engine.models.quantization import MAX_KERNEL_ROWS, QuantizedWeight
+from engine.models.quantization import QuantizedWeight
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
@@ -47,9 +47,9 @@ class CompiledDecode:
         if not isinstance(runner.model.backend, TorchAttentionBackend):
             # The Triton kernels on a CPU are the interpreter's (tests): nothing to compile.
             return None
-        return cls(runner)
+        return cls(runner, config)
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, config: EngineConfig) -> None:
         # Read by inductor whenever it looks up or stores compiled code. Set, not defaulted:
         # torch fills in its own /tmp default the first time it asks.
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
@@ -59,9 +59,13 @@ class CompiledDecode:
         # Two rows first, marked dynamic, so that the program for 2+ rows covers every size;
         # one row is its own program (torch specializes sizes of 1).
         sizes = [2, 1]
-        linears = [m for m in self.model.modules() if isinstance(m, Linear)]
-        if any(isinstance(m.packed, QuantizedWeight) for m in linears):
-            sizes.append(MAX_KERNEL_ROWS + 1)
+        quantized = [
+            m.packed
+            for m in self.model.modules()
+            if isinstance(m, Linear) and isinstance(m.packed, QuantizedWeight)
+        ]
+        if quantized and quantized[0].max_kernel_rows < config.max_num_seqs:
+            sizes.append(quantized[0].max_kernel_rows + 1)
         for rows in sizes:
             self._warm_up(runner, rows, dynamic=rows == 2)
         logger.info(

@@ -239,15 +239,15 @@ inline void dot_rows(const Row& row, const typename Row::Code* q, int64_t k32,
   }
 }
 
-// sums[r] += the scaled dot products of one weight row with every activation row r < m,
-// kTile rows at a time.
+// sums[r] += the scaled dot products of one weight row with activation rows r < m of q (k32
+// apart), kTile rows at a time.
 template <typename Row>
-inline void one_weight_row(const Row& row, const QuantizedActivations<typename Row::Code>& xq,
-                           int64_t m, const float* scale, int64_t scale_stride, float* sums) {
+inline void one_weight_row(const Row& row, const typename Row::Code* q, int64_t k32,
+                           int64_t blocks, int64_t m, const float* scale, int64_t scale_stride,
+                           float* sums) {
   auto tile = [&](auto rows, int64_t r0) {
-    dot_rows<decltype(rows)::value>(row, xq.q.data() + r0 * xq.k32, xq.k32,
-                                    scale + r0 * scale_stride, scale_stride, xq.blocks,
-                                    sums + r0);
+    dot_rows<decltype(rows)::value>(row, q + r0 * k32, k32, scale + r0 * scale_stride,
+                                    scale_stride, blocks, sums + r0);
   };
   int64_t r0 = 0;
   for (; r0 + kTile <= m; r0 += kTile) tile(std::integral_constant<int, kTile>{}, r0);
@@ -277,19 +277,33 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w, int64_t k) {
   TORCH_CHECK(w.is_contiguous(), "the weight must be contiguous");
 }
 
-// Runs `fill(row, sums, scratch)` for every output channel in parallel, sums zeroed first, and
-// writes out[:, row]; scratch holds `scratch_floats` floats of the worker's own.
+// Activation rows a chunk holds: as many whole tiles as fit in 16 KB (half of L1), at least one
+// tile, at most m.
+inline int64_t chunk_rows(int64_t m, int64_t row_bytes) {
+  constexpr int64_t kChunkBytes = 16 * 1024;
+  return std::min(m, std::max<int64_t>(kTile, kChunkBytes / row_bytes / kTile * kTile));
+}
+
+// Runs `fill(row, first, rows, sums, scratch)` for every output channel `row` and every chunk of
+// activation rows [first, first + rows), in parallel over output channels, sums zeroed first,
+// and writes out[first .. first + rows, row]; scratch holds `scratch_floats` floats of the
+// worker's own. A chunk's quantized rows (`row_bytes` each) fit in L1 together, so each weight
+// row is read from memory once per chunk and the activations stay in L1 across weight rows.
 template <typename Fill>
-at::Tensor for_each_output(int64_t m, int64_t n, const at::Tensor& x, int64_t scratch_floats,
-                           const Fill& fill) {
+at::Tensor for_each_output(int64_t m, int64_t n, const at::Tensor& x, int64_t row_bytes,
+                           int64_t scratch_floats, const Fill& fill) {
+  const int64_t chunk = chunk_rows(m, row_bytes);
   at::Tensor out = at::empty({m, n}, x.options());
   float* os = out.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> sums(m), scratch(scratch_floats);
-    for (int64_t row = begin; row < end; ++row) {
-      std::fill(sums.begin(), sums.end(), 0.0f);
-      fill(row, sums.data(), scratch.data());
-      for (int64_t r = 0; r < m; ++r) os[r * n + row] = sums[r];
+    std::vector<float> sums(chunk), scratch(scratch_floats);
+    for (int64_t first = 0; first < m; first += chunk) {
+      const int64_t rows = std::min(chunk, m - first);
+      for (int64_t row = begin; row < end; ++row) {
+        std::fill(sums.begin(), sums.begin() + rows, 0.0f);
+        fill(row, first, rows, sums.data(), scratch.data());
+        for (int64_t r = 0; r < rows; ++r) os[(first + r) * n + row] = sums[r];
+      }
     }
   });
   return out;
@@ -309,11 +323,15 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const int8_t* ws = w.data_ptr<int8_t>();
   const float* ss = scales.data_ptr<float>();
   const QuantizedActivations<int16_t> xq(xs, m, k);
-  return for_each_output(m, w.size(0), x, 0, [&](int64_t row, float* sums, float*) {
+  const int64_t row_bytes = xq.k32 * static_cast<int64_t>(sizeof(int16_t));
+  return for_each_output(m, w.size(0), x, row_bytes, 0,
+                         [&](int64_t row, int64_t first, int64_t rows, float* sums, float*) {
     const int8_t* wr = ws + row * k;
-    one_weight_row(Int8Row{wr}, xq, m, xq.d.data(), xq.padded_blocks, sums);
-    for (int64_t r = 0; r < m; ++r) {
-      for (int64_t i = xq.k32; i < k; ++i) sums[r] += xs[r * k + i] * wr[i];
+    one_weight_row(Int8Row{wr}, xq.q.data() + first * xq.k32, xq.k32, xq.blocks, rows,
+                   xq.d.data() + first * xq.padded_blocks, xq.padded_blocks, sums);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = xs + (first + r) * k;
+      for (int64_t i = xq.k32; i < k; ++i) sums[r] += xr[i] * wr[i];
       sums[r] *= ss[row];
     }
   });
@@ -338,9 +356,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const int64_t groups = k / kBlock;
   const QuantizedActivations<int8_t> xq(x.data_ptr<float>(), m, k);
   const int64_t stride = xq.padded_blocks;
+  const int64_t row_bytes = xq.k32;
   // scratch: this row's scales and minimums in float32 (zero-padded like the activations'
-  // scales), then [M, padded groups] products of the weight's and the activations' scales.
-  return for_each_output(m, n, x, (2 + m) * stride, [&](int64_t row, float* sums, float* scratch) {
+  // scales), then [chunk rows, padded groups] products of the weight's and the activations'
+  // scales.
+  const int64_t scratch_floats = (2 + chunk_rows(m, row_bytes)) * stride;
+  return for_each_output(m, n, x, row_bytes, scratch_floats,
+                         [&](int64_t row, int64_t first, int64_t rows, float* sums,
+                             float* scratch) {
     float* weight_scale = scratch;
     float* weight_min = scratch + stride;
     float* combined_scale = scratch + 2 * stride;
@@ -350,18 +373,20 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
       halves_to_floats(scales + at, groups - g, readable, weight_scale + g);
       halves_to_floats(mins + at, groups - g, readable, weight_min + g);
     }
-    for (int64_t r = 0; r < m; ++r) {
+    for (int64_t r = 0; r < rows; ++r) {
       __m256 min_term = _mm256_setzero_ps();
       for (int64_t g = 0; g < groups; g += 8) {
-        const int64_t at = r * stride + g;
-        _mm256_storeu_ps(combined_scale + at, _mm256_mul_ps(_mm256_loadu_ps(weight_scale + g),
-                                                            _mm256_loadu_ps(xq.d.data() + at)));
+        const int64_t at = (first + r) * stride + g;
+        _mm256_storeu_ps(combined_scale + r * stride + g,
+                         _mm256_mul_ps(_mm256_loadu_ps(weight_scale + g),
+                                       _mm256_loadu_ps(xq.d.data() + at)));
         min_term = _mm256_fmadd_ps(_mm256_loadu_ps(weight_min + g),
                                    _mm256_loadu_ps(xq.q_sum.data() + at), min_term);
       }
       sums[r] += horizontal_sum(min_term);
     }
-    one_weight_row(Int4Row{cs + row * (k / 2)}, xq, m, combined_scale, stride, sums);
+    one_weight_row(Int4Row{cs + row * (k / 2)}, xq.q.data() + first * xq.k32, xq.k32, xq.blocks,
+                   rows, combined_scale, stride, sums);
   });
 }
 

@@ -41,7 +41,10 @@ def load() -> Any:
         cpp_extension.load(
             name="folio_cpu_quant",
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"],
+            # Without OpenMP, at::parallel_for runs on the calling thread alone. The loader
+            # binds libgomp.so.1 to the copy torch has loaded, so the pool is torch's own.
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=False,

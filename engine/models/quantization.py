@@ -10,7 +10,7 @@ Which kernel multiplies, as measured on these machines: float32 activations go t
 AVX2 kernels (engine/kernels/cpu_quant.cpp), which read the small weights once per step; torch's
 weight-only kernels are made for bfloat16 on AVX-512 and run float32 several times slower than
 a plain float32 matmul, so they serve the other dtypes (and CPUs the AVX2 kernels cannot run
-on). Prefill-sized products dequantize and run one dense matmul. This module only converts
+on). Long prefills' products dequantize and run one dense matmul. This module only converts
 weights and multiplies by them; it never decides which layers are quantized (the model does).
 """
 
@@ -26,10 +26,12 @@ from engine.kernels import cpu_quant
 
 INT4_GROUP_SIZE = 32
 
-# Above this many rows (prefill) a product dequantizes the weight and runs a dense matmul: the
-# weight-only kernels are made for decode-sized batches and lose to a dense matmul on hundreds
-# of rows, while dequantizing costs about one pass over the weight.
-MAX_KERNEL_ROWS = 16
+# Above this many rows a product dequantizes the weight and runs a dense matmul instead.
+# Dequantizing costs about what Folio's kernels take for ~100 rows, and a dense float32 matmul
+# runs ~1.5x faster per row than they do, so they win up to ~256 rows (bench/quant_kernels.py
+# --rows, on these 2-core machines); torch's kernels lose to the dense matmul from ~16 rows.
+MAX_FOLIO_KERNEL_ROWS = 256
+MAX_TORCH_KERNEL_ROWS = 16
 
 
 @dataclass
@@ -53,7 +55,7 @@ class QuantizedWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         # A decode step calls this ~120 times: a matrix skips the reshaping (a few us each).
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if flat.shape[0] > MAX_KERNEL_ROWS:
+        if flat.shape[0] > self.max_kernel_rows:
             out = flat @ self.dequantized(flat.dtype).t()
         elif self.kernels is not None:
             out = self._folio_kernel(flat.contiguous())
@@ -66,6 +68,10 @@ class QuantizedWeight:
                 flat, packed, INT4_GROUP_SIZE, scales_and_zeros
             )
         return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+
+    @property
+    def max_kernel_rows(self) -> int:
+        return MAX_TORCH_KERNEL_ROWS if self.kernels is None else MAX_FOLIO_KERNEL_ROWS
 
     def _folio_kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.method == "int8":

@@ -53,7 +53,9 @@ def test_output_error_on_gaussian_weights(method):
     shapes = DEFAULT_MODEL_LINEARS + ([VOCAB_PROJECTION] if method == "int8" else [])
     for i, (out_features, in_features) in enumerate(shapes):
         weight = gaussian((out_features, in_features), i)
-        for rows in (1, 4, 64):  # decode kernels, and the dequantized path of a prefill
+        # Decode-sized and prefill-sized products through the kernels, and the dequantized
+        # path of a long prefill.
+        for rows in (1, 4, 64, quantization.MAX_FOLIO_KERNEL_ROWS + 1):
             x = gaussian((rows, in_features), 100 + i)
             error = relative_error(quantize(weight, method).matmul(x), x @ weight.t())
             print(f"{method} {out_features}x{in_features} rows={rows}: {error:.4%}")
@@ -63,19 +65,28 @@ def test_output_error_on_gaussian_weights(method):
 @needs_folio_kernels
 @pytest.mark.parametrize(
     ("method", "in_features"),
-    [("int8", 64), ("int8", 72), ("int8", 160), ("int4", 64), ("int4", 160)],
+    [
+        ("int8", 64),
+        ("int8", 72),
+        ("int8", 160),
+        ("int8", 1064),
+        ("int4", 64),
+        ("int4", 160),
+        ("int4", 1056),
+    ],
 )
 def test_every_kernel_path_computes_the_same_product(method, in_features):
     """Folio's kernel (odd row counts, a row tail, for int8 an input tail not a multiple of
-    32, a row of zeros, an outlier) equals the dequantized dense product of the same codes with
-    the activations quantized as it quantizes them; torch's kernel equals the dense product."""
+    32, a row of zeros, an outlier; with 1,056+ features, rows in several L1-sized chunks)
+    equals the dequantized dense product of the same codes with the activations quantized as it
+    quantizes them; torch's kernel equals the dense product."""
     weight = gaussian((48, in_features), 1)
     folio = quantize(weight, method)
     torch_only = quantize(weight, method, use_folio_kernels=False)
     assert folio.kernels is not None and torch_only.kernels is None
     dense = folio.dequantized(torch.float32)
     torch.testing.assert_close(dense, torch_only.dequantized(torch.float32))
-    for rows in (1, 2, 3, 5, quantization.MAX_KERNEL_ROWS):
+    for rows in (1, 2, 3, 5, 16, 37):
         x = gaussian((rows, in_features), rows)
         if rows > 1:
             x[0] = 0
