@@ -1,10 +1,12 @@
-"""Attention over the paged KV cache in plain torch: the CPU backend.
+"""Attention over the paged KV cache in torch: the CPU backend.
 
-Decodes (the first meta.num_decodes requests, one query token each) run together, in a few
-groups of similar context length to limit padding: each group's blocks are gathered into one
-workspace and go through two batched matmuls. Prefills and
-extends run one request at a time through scaled_dot_product_attention. It must never keep
-per-request K/V between steps; the gather workspace is scratch, overwritten every layer.
+Decodes (the first meta.num_decodes requests, one query token each) run together: in float32
+with Folio's CPU kernels loaded, as one call of the AVX2 paged decode attention
+(engine/kernels/cpu_attention.cpp), which reads the cache in place; otherwise in plain torch, in
+a few groups of similar context length to limit padding, each group's blocks gathered into one
+workspace and put through two batched matmuls. Prefills and extends run one request at a time
+through scaled_dot_product_attention. It must never keep per-request K/V between steps; the
+gather workspace is scratch, overwritten every layer.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
+from engine.kernels import cpu_extension
 
 
 @dataclass
@@ -51,9 +54,14 @@ class _Plan:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def __init__(self) -> None:
+    def __init__(self, use_folio_kernels: bool = True) -> None:
         self._plan: _Plan | None = None
         self._workspace = torch.empty(0)
+        self._decode_kernel = (
+            torch.ops.folio_cpu_attention.paged_decode_attention
+            if use_folio_kernels and cpu_extension.load()
+            else None
+        )
 
     def prepare(self, meta: AttentionMetadata) -> None:
         # The runner may refill the same metadata object in place: never trust an old plan.
@@ -69,21 +77,46 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
-        slots = kv_cache.view(2, -1, k.shape[1], head_dim)
-        slots[0].index_copy_(0, meta.slot_mapping, k)
-        slots[1].index_copy_(0, meta.slot_mapping, v)
+        n = meta.num_decodes
+        # The kernel writes the decodes' K/V itself.
+        kernel = self._decode_kernel if n and self._kernel_fits(q) else None
+        written = n if kernel is not None else 0
+        if written < num_tokens:
+            slots = kv_cache.view(2, -1, k.shape[1], head_dim)
+            slots[0].index_copy_(0, meta.slot_mapping[written:], k[written:])
+            slots[1].index_copy_(0, meta.slot_mapping[written:], v[written:])
+        decoded = None
+        if kernel is not None:
+            decoded = kernel(
+                q[:n],
+                k[:n],
+                v[:n],
+                kv_cache,
+                meta.slot_mapping[:n],
+                meta.block_tables[:n],
+                meta.seq_lens[:n],
+                scale,
+            )
+            if n == num_tokens:
+                return decoded
 
         plan = self._plan
         if plan is None or plan.meta is not meta:
-            plan = self._plan = _make_plan(meta, q, k.shape[1])
+            plan = self._plan = _make_plan(meta, q, k.shape[1], plan_decodes=kernel is None)
 
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        if decoded is not None:
+            out[:n].copy_(decoded)
         for d in plan.decodes:
             self._decode(q[d.start : d.end], kv_cache, d, scale, out[d.start : d.end])
         for p in plan.prefills:
             rows = slice(p.start, p.end)
             _prefill(q[rows], k[rows], v[rows], kv_cache, p, scale, out[rows])
         return out
+
+    @staticmethod
+    def _kernel_fits(q: torch.Tensor) -> bool:
+        return q.dtype == torch.float32 and q.device.type == "cpu" and q.shape[-1] % 8 == 0
 
     def _decode(
         self,
@@ -184,15 +217,18 @@ def _prefill(
     out.copy_(result[0].transpose(0, 1))
 
 
-def _make_plan(meta: AttentionMetadata, q: torch.Tensor, num_kv_heads: int) -> _Plan:
-    """Everything about this step that does not depend on the layer, built once per step."""
+def _make_plan(
+    meta: AttentionMetadata, q: torch.Tensor, num_kv_heads: int, plan_decodes: bool
+) -> _Plan:
+    """Everything about this step that does not depend on the layer, built once per step
+    (without the decodes when the kernel attends to them)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     dtype, device = q.dtype, q.device
     block_size = meta.block_size
 
     decodes = []
     n = meta.num_decodes
-    for lo, hi in split_by_length(meta.seq_lens_cpu[:n]):
+    for lo, hi in split_by_length(meta.seq_lens_cpu[:n]) if plan_decodes else []:
         max_len = max(meta.seq_lens_cpu[lo:hi])
         blocks = math.ceil(max_len / block_size)
         positions = torch.arange(blocks * block_size, device=device)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from common.config import QUANTIZATIONS
-from engine.kernels import cpu_quant
+from engine.kernels import cpu_extension
 
 INT4_GROUP_SIZE = 32
 
@@ -110,7 +110,7 @@ def quantize(weight: torch.Tensor, method: str, use_folio_kernels: bool = True) 
     check_quantizable(method, weight)
     kernels = None
     if use_folio_kernels and weight.dtype == torch.float32:
-        kernels = cpu_quant.load()
+        kernels = torch.ops.folio_quant if cpu_extension.load() else None
     # Scales in the activations' dtype for torch's kernels; for Folio's, float32 (int8) and
     # float16 (int4, whose per-group scales and minimums would otherwise be a third of the bytes
     # its kernel reads).

@@ -9,7 +9,7 @@ import torch
 
 import engine.models.quantization as quantization
 from common.config import EngineConfig
-from engine.kernels import cpu_quant
+from engine.kernels import cpu_extension
 from engine.models.llama import Linear
 from engine.models.loader import load_model
 from engine.models.quantization import QuantizedWeight, quantize
@@ -22,7 +22,7 @@ VOCAB_PROJECTION = (49152, 576)
 MAX_ERROR = {"int8": 0.01, "int4": 0.10}
 
 needs_folio_kernels = pytest.mark.skipif(
-    cpu_quant.load() is None, reason="this CPU has no AVX2 or no C++ compiler is installed"
+    not cpu_extension.load(), reason="this CPU has no AVX2 or no C++ compiler is installed"
 )
 
 

@@ -9,6 +9,7 @@ import torch
 
 from engine.attention.backend import get_attention_backend
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.kernels import cpu_extension
 from paged import BlockPool, build_metadata
 
 
@@ -35,17 +36,28 @@ def reference_attention(q, keys, values, query_lens, seq_lens, scale):
 
 
 def run_case(
-    query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32, seed=0
+    query_lens,
+    seq_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    dtype=torch.float32,
+    seed=0,
+    folio_kernels=True,
 ):
     """Builds a pool with prefixes already cached, runs two layers through one backend, checks
-    both."""
+    both. q, k and v are views of one fused tensor, as the model's projections hand them over."""
     torch.manual_seed(seed)
     num_blocks = sum(math.ceil(s / block_size) for s in seq_lens) + 7
     pool = BlockPool(num_blocks, seed=seed)
     tables = [pool.grow([], s, block_size) for s in seq_lens]
     meta = build_metadata(query_lens, seq_lens, tables, block_size)
+    # The runner's tables are the first columns of a wider buffer: rows are strided.
+    columns = meta.block_tables.shape[1]
+    meta.block_tables = torch.nn.functional.pad(meta.block_tables, (0, 3))[:, :columns]
     scale = head_dim**-0.5
-    backend = TorchAttentionBackend()
+    backend = TorchAttentionBackend(use_folio_kernels=folio_kernels)
     backend.prepare(meta)
 
     for _layer in range(2):
@@ -65,6 +77,8 @@ def run_case(
             [v[s - q :] for v, q, s in zip(values, query_lens, seq_lens, strict=False)]
         )
         q = torch.randn(sum(query_lens), num_heads, head_dim).to(dtype)
+        fused = torch.cat((q, new_k, new_v), dim=1)
+        q, new_k, new_v = fused.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
 
         out = backend.forward(q, new_k, new_v, cache, meta, scale)
 
@@ -88,22 +102,47 @@ def run_case(
 MIXED = dict(query_lens=[1, 1, 1, 1, 7, 3, 9], seq_lens=[1, 16, 5, 37, 7, 29, 13])
 
 
+# Decodes through Folio's AVX2 paged decode kernel, and through plain torch.
+KERNEL_PATHS = [
+    pytest.param(
+        True,
+        id="folio-kernel",
+        marks=pytest.mark.skipif(
+            not cpu_extension.load(), reason="this CPU has no AVX2 or no C++ compiler"
+        ),
+    ),
+    pytest.param(False, id="torch"),
+]
+
+
+@pytest.mark.parametrize("folio_kernels", KERNEL_PATHS)
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 2)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_mixed_batch_matches_reference(num_heads, num_kv_heads, head_dim, block_size):
+def test_mixed_batch_matches_reference(
+    num_heads, num_kv_heads, head_dim, block_size, folio_kernels
+):
     run_case(
         **MIXED,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         block_size=block_size,
+        folio_kernels=folio_kernels,
     )
 
 
-def test_decode_only_gqa_like_smollm2():
+@pytest.mark.parametrize("folio_kernels", KERNEL_PATHS)
+def test_decode_only_gqa_like_smollm2(folio_kernels):
+    # 2,000 positions x 9 heads: enough work for the kernel to split over threads.
     run_case(
-        [1] * 5, [300, 1, 77, 16, 129], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16
+        [1] * 6,
+        [300, 1, 77, 16, 129, 2000],
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=16,
+        folio_kernels=folio_kernels,
     )
 
 

@@ -1,10 +1,11 @@
-"""Loads the AVX2 weight-only quantized matmul kernels (cpu_quant.cpp) as a torch extension,
-compiled once per machine into the Folio cache directory and reused after that.
+"""Loads Folio's AVX2 CPU kernels as one torch extension, compiled once per machine into the
+Folio cache directory and reused after that: the weight-only quantized matmuls (cpu_quant.cpp,
+ops torch.ops.folio_quant.int8_linear and int4_linear) and the paged decode attention
+(cpu_attention.cpp, torch.ops.folio_cpu_attention.paged_decode_attention).
 
-`load()` registers the ops torch.ops.folio_quant.int8_linear and int4_linear and returns that
-namespace, or None where they cannot run (a CPU without AVX2 and FMA, no C++ compiler): callers
-then use torch's own weight-only kernels. It never quantizes weights
-and never picks between kernels (engine.models.quantization does).
+`load()` registers the ops and returns True, or False where they cannot run (a CPU without AVX2
+and FMA, no C++ compiler): callers then use torch's own ops. This module never quantizes weights
+and never picks between kernels (engine.models.quantization and the torch attention backend do).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import functools
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -21,7 +21,7 @@ from common.config import cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_quant.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_quant.cpp", "cpu_attention.cpp")]
 
 
 def cpu_has_avx2() -> bool:
@@ -29,18 +29,18 @@ def cpu_has_avx2() -> bool:
 
 
 @functools.cache
-def load() -> Any:
+def load() -> bool:
     if not cpu_has_avx2():
-        return None
+        return False
     from torch.utils import cpp_extension
 
-    build_dir = cache_dir() / "torch_extensions" / f"cpu_quant-torch{torch.__version__}"
+    build_dir = cache_dir() / "torch_extensions" / f"cpu_kernels-torch{torch.__version__}"
     build_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     try:
         cpp_extension.load(
-            name="folio_cpu_quant",
-            sources=[str(SOURCE)],
+            name="folio_cpu_kernels",
+            sources=[str(source) for source in SOURCES],
             # Without OpenMP, at::parallel_for runs on the calling thread alone. The loader
             # binds libgomp.so.1 to the copy torch has loaded, so the pool is torch's own.
             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
@@ -50,11 +50,11 @@ def load() -> Any:
             verbose=False,
         )
     except (OSError, RuntimeError, ImportError) as error:
-        logger.warning("quantized CPU kernels unavailable (%s); using torch's", error)
-        return None
-    logger.info("quantized CPU kernels ready in %.1f s", time.perf_counter() - started)
+        logger.warning("Folio's CPU kernels unavailable (%s); using torch's ops", error)
+        return False
+    logger.info("Folio's CPU kernels ready in %.1f s", time.perf_counter() - started)
     _register_output_shapes()
-    return torch.ops.folio_quant
+    return True
 
 
 def _register_output_shapes() -> None:

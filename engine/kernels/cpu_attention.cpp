@@ -1,0 +1,192 @@
+// Paged attention of decode rows on x86 CPUs with AVX2 and FMA, in float32: row b is request
+// b's one new token, which attends to the request's whole context in the paged KV cache.
+//
+// One call does a layer's work for every decode row: it writes each row's new K and V into its
+// cache slot, then, for each (row, KV head) pair, scores the pair's query heads against the
+// cached keys, read in place through the block table, takes the softmax and mixes the values.
+// The query heads of one KV head share each key and value as it is loaded. Work is split over
+// torch's thread pool by (row, KV head) pairs only when there is enough of it to pay for the
+// pool's wake-up. This file computes attention only; choosing it over the backend's plain
+// torch path is engine/attention/torch_backend.py's job.
+
+#include <immintrin.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Below this many (context position x query head) scores a call stays on the calling thread.
+constexpr int64_t kParallelScores = 16384;
+
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i < d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  return horizontal_sum(_mm256_add_ps(acc0, acc1));
+}
+
+// out[0 .. d) += weight * v[0 .. d)
+inline void add_scaled(float* out, const float* v, float weight, int64_t d) {
+  const __m256 w = _mm256_set1_ps(weight);
+  for (int64_t i = 0; i < d; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
+}
+
+struct Layout {
+  int64_t heads, kv_heads, group, head_dim, block_size;
+  int64_t q_row, k_row, v_row;  // row strides of q, k, v
+  int64_t block_floats;         // one cache block: block_size * kv_heads * head_dim
+  int64_t value_offset;         // from a key to its value: num_blocks * block_floats
+  int64_t max_blocks;           // columns of the block table
+  int64_t table_row;            // row stride of the block table
+};
+
+// Writes K and V of `rows` decode rows into their slots.
+void write_new_tokens(const Layout& l, const float* k, const float* v, const int64_t* slots,
+                      int64_t rows, float* cache) {
+  const int64_t token_floats = l.kv_heads * l.head_dim;
+  for (int64_t b = 0; b < rows; ++b) {
+    float* key = cache + slots[b] * token_floats;
+    std::memcpy(key, k + b * l.k_row, token_floats * sizeof(float));
+    std::memcpy(key + l.value_offset, v + b * l.v_row, token_floats * sizeof(float));
+  }
+}
+
+// Calls visit(t, row) for t < length, row pointing at position t's K (or V, from
+// cache + value_offset) of KV head kv, a block of the table at a time.
+template <typename Visit>
+inline void for_each_position(const Layout& l, const float* cache, const int32_t* table,
+                              int64_t length, int64_t kv, const Visit& visit) {
+  const int64_t token_floats = l.kv_heads * l.head_dim;
+  for (int64_t first = 0, i = 0; first < length; first += l.block_size, ++i) {
+    const float* row = cache + table[i] * l.block_floats + kv * l.head_dim;
+    const int64_t end = std::min(l.block_size, length - first);
+    for (int64_t o = 0; o < end; ++o, row += token_floats) visit(first + o, row);
+  }
+}
+
+// Attention of row b's query heads of KV head `kv` over its `length` cached positions; scores
+// is scratch of group * length floats.
+void attend(const Layout& l, const float* q, const float* cache, const int32_t* table,
+            int64_t length, int64_t kv, float scale, float* scores, float* out) {
+  const int64_t d = l.head_dim, group = l.group;
+  const float* q0 = q + kv * group * d;
+  for_each_position(l, cache, table, length, kv, [&](int64_t t, const float* key) {
+    for (int64_t g = 0; g < group; ++g) scores[g * length + t] = dot(q0 + g * d, key, d) * scale;
+  });
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * length;
+    const float top = *std::max_element(s, s + length);
+    float total = 0.0f;
+    for (int64_t t = 0; t < length; ++t) total += (s[t] = std::exp(s[t] - top));
+    const float inverse = 1.0f / total;
+    for (int64_t t = 0; t < length; ++t) s[t] *= inverse;
+  }
+  float* o0 = out + kv * group * d;
+  std::fill(o0, o0 + group * d, 0.0f);
+  for_each_position(l, cache + l.value_offset, table, length, kv,
+                    [&](int64_t t, const float* value) {
+    for (int64_t g = 0; g < group; ++g) add_scaled(o0 + g * d, value, scores[g * length + t], d);
+  });
+}
+
+}  // namespace
+
+// q [B, H, D], k and v [B, KVH, D] (rows may be strided, each row contiguous), float32;
+// kv_cache [2, num_blocks, block_size, KVH, D] float32; slot_mapping [B] int64; block_tables
+// [B, max_blocks] int32; seq_lens [B] int32, each counting the new token -> [B, H, D].
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  at::Tensor kv_cache, const at::Tensor& slot_mapping,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                  double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat,
+              "paged_decode_attention runs on float32 only");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && kv_cache.dim() == 5,
+              "q, k, v must be [rows, heads, head_dim], the cache 5-dimensional");
+  const int64_t rows = q.size(0), d = q.size(2);
+  TORCH_CHECK(d % 8 == 0, "head_dim must be a multiple of 8, got ", d);
+  for (const at::Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == d, "q, k and v rows must be contiguous");
+  TORCH_CHECK(kv_cache.is_contiguous() && block_tables.stride(1) == 1 &&
+                  slot_mapping.is_contiguous() && seq_lens.is_contiguous(),
+              "the cache, slot_mapping, seq_lens and each block table row must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && block_tables.scalar_type() == at::kInt &&
+                  seq_lens.scalar_type() == at::kInt,
+              "slot_mapping is int64, block_tables and seq_lens int32");
+  TORCH_CHECK(k.size(0) == rows && v.size(0) == rows && slot_mapping.size(0) >= rows &&
+                  block_tables.size(0) >= rows && seq_lens.size(0) >= rows,
+              "one K, V, slot, block table and length per decode row");
+  Layout l;
+  l.heads = q.size(1);
+  l.kv_heads = kv_cache.size(3);
+  TORCH_CHECK(k.size(1) == l.kv_heads && kv_cache.size(4) == d && l.heads % l.kv_heads == 0,
+              "head counts of q, k and the cache disagree");
+  l.group = l.heads / l.kv_heads;
+  l.head_dim = d;
+  l.block_size = kv_cache.size(2);
+  l.q_row = q.stride(0);
+  l.k_row = k.stride(0);
+  l.v_row = v.stride(0);
+  l.block_floats = l.block_size * l.kv_heads * d;
+  l.value_offset = kv_cache.size(1) * l.block_floats;
+  l.max_blocks = block_tables.size(1);
+  l.table_row = block_tables.stride(0);
+
+  float* cache = kv_cache.data_ptr<float>();
+  write_new_tokens(l, k.data_ptr<float>(), v.data_ptr<float>(), slot_mapping.data_ptr<int64_t>(),
+                   rows, cache);
+
+  const int32_t* lengths = seq_lens.data_ptr<int32_t>();
+  int64_t longest = 0, total = 0;
+  for (int64_t b = 0; b < rows; ++b) {
+    TORCH_CHECK(lengths[b] >= 1 && lengths[b] <= l.max_blocks * l.block_size,
+                "decode row ", b, " has context length ", lengths[b], ", outside its block table");
+    longest = std::max<int64_t>(longest, lengths[b]);
+    total += lengths[b];
+  }
+  at::Tensor out = at::empty({rows, l.heads, d}, q.options());
+  const float* qs = q.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  float* os = out.data_ptr<float>();
+  const int64_t pairs = rows * l.kv_heads;
+  const int64_t grain = total * l.heads < kParallelScores ? pairs : 1;
+  at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(l.group * longest);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t b = pair / l.kv_heads, kv = pair % l.kv_heads;
+      attend(l, qs + b * l.q_row, cache, tables + b * l.table_row, lengths[b], kv,
+             static_cast<float>(scale), scores.data(), os + b * l.heads * d);
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY(folio_cpu_attention, library) {
+  library.def(
+      "paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, "
+      "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(folio_cpu_attention, CPU, library) {
+  library.impl("paged_decode_attention", &paged_decode_attention);
+}
