@@ -36,6 +36,7 @@ inline float horizontal_sum(__m256 v) {
 inline float dot(const float* a, const float* b, int64_t d) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t i = 0;
+#pragma GCC unroll 4
   for (; i + 16 <= d; i += 16) {
     acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
     acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
@@ -44,11 +45,44 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return horizontal_sum(_mm256_add_ps(acc0, acc1));
 }
 
-// out[0 .. d) += weight * v[0 .. d)
-inline void add_scaled(float* out, const float* v, float weight, int64_t d) {
-  const __m256 w = _mm256_set1_ps(weight);
-  for (int64_t i = 0; i < d; i += 8)
-    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
+// e^x for x <= 0, eight at a time: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6
+// Taylor polynomial (relative error ~2e-7, float32's own rounding), 2^n through the exponent
+// bits. Inputs below -87 give 0's neighbourhood (e^-87 ~ 1.6e-38), never a denormal.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - n ln2, with ln2 split in two so that n * ln2_high is exact.
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), exponent));
+}
+
+// s[0 .. length) becomes softmax(s).
+inline void softmax(float* s, int64_t length) {
+  const float top = *std::max_element(s, s + length);
+  const __m256 shift = _mm256_set1_ps(top);
+  __m256 total8 = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= length; t += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
+    _mm256_storeu_ps(s + t, e);
+    total8 = _mm256_add_ps(total8, e);
+  }
+  float total = horizontal_sum(total8);
+  for (; t < length; ++t) total += (s[t] = std::exp(s[t] - top));
+  const __m256 inverse = _mm256_set1_ps(1.0f / total);
+  for (t = 0; t + 8 <= length; t += 8)
+    _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inverse));
+  for (; t < length; ++t) s[t] *= 1.0f / total;
 }
 
 struct Layout {
@@ -84,6 +118,21 @@ inline void for_each_position(const Layout& l, const float* cache, const int32_t
   }
 }
 
+// out[0 .. 8 CHUNKS) = sum over t < length of p[t] * values[t][0 .. 8 CHUNKS), values read like
+// for_each_position's rows; the sums stay in registers across the whole context.
+template <int CHUNKS>
+inline void mix_values(const Layout& l, const float* values, const int32_t* table, int64_t length,
+                       int64_t kv, const float* p, float* out) {
+  __m256 acc[CHUNKS];
+  for (int c = 0; c < CHUNKS; ++c) acc[c] = _mm256_setzero_ps();
+  for_each_position(l, values, table, length, kv, [&](int64_t t, const float* value) {
+    const __m256 w = _mm256_set1_ps(p[t]);
+    for (int c = 0; c < CHUNKS; ++c)
+      acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(value + 8 * c), acc[c]);
+  });
+  for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
+}
+
 // Attention of row b's query heads of KV head `kv` over its `length` cached positions; scores
 // is scratch of group * length floats.
 void attend(const Layout& l, const float* q, const float* cache, const int32_t* table,
@@ -93,20 +142,25 @@ void attend(const Layout& l, const float* q, const float* cache, const int32_t* 
   for_each_position(l, cache, table, length, kv, [&](int64_t t, const float* key) {
     for (int64_t g = 0; g < group; ++g) scores[g * length + t] = dot(q0 + g * d, key, d) * scale;
   });
+  for (int64_t g = 0; g < group; ++g) softmax(scores + g * length, length);
+  // out = probabilities . V, per head and per slab of up to 64 features.
   for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * length;
-    const float top = *std::max_element(s, s + length);
-    float total = 0.0f;
-    for (int64_t t = 0; t < length; ++t) total += (s[t] = std::exp(s[t] - top));
-    const float inverse = 1.0f / total;
-    for (int64_t t = 0; t < length; ++t) s[t] *= inverse;
+    float* o = out + (kv * group + g) * d;
+    for (int64_t d0 = 0; d0 < d; d0 += 64) {
+      const float* values = cache + l.value_offset + d0;
+      const float* p = scores + g * length;
+      switch (std::min<int64_t>(8, (d - d0) / 8)) {
+        case 8: mix_values<8>(l, values, table, length, kv, p, o + d0); break;
+        case 7: mix_values<7>(l, values, table, length, kv, p, o + d0); break;
+        case 6: mix_values<6>(l, values, table, length, kv, p, o + d0); break;
+        case 5: mix_values<5>(l, values, table, length, kv, p, o + d0); break;
+        case 4: mix_values<4>(l, values, table, length, kv, p, o + d0); break;
+        case 3: mix_values<3>(l, values, table, length, kv, p, o + d0); break;
+        case 2: mix_values<2>(l, values, table, length, kv, p, o + d0); break;
+        default: mix_values<1>(l, values, table, length, kv, p, o + d0); break;
+      }
+    }
   }
-  float* o0 = out + kv * group * d;
-  std::fill(o0, o0 + group * d, 0.0f);
-  for_each_position(l, cache + l.value_offset, table, length, kv,
-                    [&](int64_t t, const float* value) {
-    for (int64_t g = 0; g < group; ++g) add_scaled(o0 + g * d, value, scores[g * length + t], d);
-  });
 }
 
 }  // namespace
