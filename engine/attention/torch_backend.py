@@ -87,15 +87,11 @@ class TorchAttentionBackend(AttentionBackend):
             slots[1].index_copy_(0, meta.slot_mapping[written:], v[written:])
         decoded = None
         if kernel is not None:
+            # The kernel reads the first n rows of the step's tables; a decode-only step (the
+            # compiled one) passes everything as it is, without slicing.
+            qkv = (q, k, v) if n == num_tokens else (q[:n], k[:n], v[:n])
             decoded = kernel(
-                q[:n],
-                k[:n],
-                v[:n],
-                kv_cache,
-                meta.slot_mapping[:n],
-                meta.block_tables[:n],
-                meta.seq_lens[:n],
-                scale,
+                *qkv, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, scale
             )
             if n == num_tokens:
                 return decoded
