@@ -10,6 +10,7 @@
 // torch path is engine/attention/torch_backend.py's job.
 
 #include <immintrin.h>
+#include "avx2.h"
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -23,15 +24,10 @@
 
 namespace {
 
+using folio::horizontal_sum;
+
 // Below this many (context position x query head) scores a call stays on the calling thread.
 constexpr int64_t kParallelScores = 16384;
-
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 inline float dot(const float* a, const float* b, int64_t d) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();

@@ -14,6 +14,7 @@
 // engine/models/quantization.
 
 #include <immintrin.h>
+#include "avx2.h"
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -24,17 +25,12 @@
 
 namespace {
 
+using folio::horizontal_sum;
+
 // Activation block and int4 group size (engine.models.quantization.INT4_GROUP_SIZE).
 constexpr int64_t kBlock = 32;
 // Activation rows sharing one pass over a weight row, each with its own accumulators.
 constexpr int kTile = 4;
-
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 inline float horizontal_max(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -1,0 +1,16 @@
+// Small AVX2 helpers shared by Folio's C++ CPU kernels (cpu_quant.cpp, cpu_attention.cpp).
+#pragma once
+
+#include <immintrin.h>
+
+namespace folio {
+
+// The sum of v's eight floats.
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+}  // namespace folio
