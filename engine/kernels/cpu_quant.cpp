@@ -2,14 +2,15 @@
 // out[m, n] = sum_k x[m, k] * w[n, k], with w stored as int8 per output channel or as 4-bit
 // codes in groups of 32 (GGUF Q4_1's scheme: w = code * scale + min, scale and min float16).
 //
-// Built for decode-sized batches (a few rows), as integer dot products: each call first
-// quantizes the activations in blocks of 32 features (x ~ q * d, one float scale d per block),
-// to int8 against int4 weights (llama.cpp's Q4_1 x Q8_1 scheme) and to int16 against int8
-// weights (int8 x int8 would add about 0.5% of error to the int8 layers' 0.8%; int16 keeps it
-// at float's level and runs as fast). A block's 32 products are summed exactly in int32
-// (_mm256_maddubs_epi16 / _mm256_madd_epi16), converted to float once and scaled, so no weight
-// is ever widened to float. Each weight row is read from memory once and applied to every
-// activation row, four at a time; parallel over output channels with torch's pool.
+// Integer dot products for decode batches and prefills alike (up to a few hundred rows; the caller
+// dequantizes beyond): each call first quantizes the activations in blocks of 32 features (x ~ q*d,
+// one float scale d per block), to int8 against int4 weights (llama.cpp's Q4_1 x Q8_1 scheme)
+// and to int16 against int8 weights (int8 x int8 would add about 0.5% of error to the int8 layers'
+// 0.8%; int16 keeps it at float's level and runs as fast). A block's 32 products are summed exactly
+// in int32 (_mm256_maddubs_epi16 / _mm256_madd_epi16), converted to float once and scaled, so no
+// weight is ever widened to float. Each weight row is read from memory once per chunk of activation
+// rows that fits in L1 and applied to each of them, four at a time; parallel over output channels
+// with torch's pool.
 // This file only multiplies; quantizing weights and choosing the kernel is
 // engine/models/quantization.
 
@@ -277,6 +278,8 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w, int64_t k) {
 // tile, at most m.
 inline int64_t chunk_rows(int64_t m, int64_t row_bytes) {
   constexpr int64_t kChunkBytes = 16 * 1024;
+  // (No whole block of 32 features, row_bytes 0: everything is multiplied in float, one chunk.)
+  if (row_bytes == 0) return m;
   return std::min(m, std::max<int64_t>(kTile, kChunkBytes / row_bytes / kTile * kTile));
 }
 

@@ -66,6 +66,7 @@ def test_output_error_on_gaussian_weights(method):
 @pytest.mark.parametrize(
     ("method", "in_features"),
     [
+        ("int8", 16),
         ("int8", 64),
         ("int8", 72),
         ("int8", 160),
@@ -77,9 +78,9 @@ def test_output_error_on_gaussian_weights(method):
 )
 def test_every_kernel_path_computes_the_same_product(method, in_features):
     """Folio's kernel (odd row counts, a row tail, for int8 an input tail not a multiple of
-    32, a row of zeros, an outlier; with 1,056+ features, rows in several L1-sized chunks)
-    equals the dequantized dense product of the same codes with the activations quantized as it
-    quantizes them; torch's kernel equals the dense product."""
+    32 or no whole block, a row of zeros, an outlier; with 1,056+ features, rows in several
+    L1-sized chunks) equals the dequantized dense product of the same codes with the activations
+    quantized as it quantizes them; torch's kernel equals the dense product."""
     weight = gaussian((48, in_features), 1)
     folio = quantize(weight, method)
     torch_only = quantize(weight, method, use_folio_kernels=False)
