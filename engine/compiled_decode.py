@@ -70,13 +70,16 @@ class CompiledDecode:
         # Two rows first, marked dynamic, so that the program for 2+ rows covers every size;
         # one row is its own program (torch specializes sizes of 1).
         sizes = [2, 1]
-        quantized = [
-            m.packed
-            for m in self.model.modules()
-            if isinstance(m, Linear) and isinstance(m.packed, QuantizedWeight)
-        ]
-        if quantized and quantized[0].max_kernel_rows < config.max_num_seqs:
-            sizes.append(quantized[0].max_kernel_rows + 1)
+        quantized = next(
+            (
+                m.packed
+                for m in self.model.modules()
+                if isinstance(m, Linear) and isinstance(m.packed, QuantizedWeight)
+            ),
+            None,
+        )
+        if quantized is not None and quantized.max_kernel_rows < config.max_num_seqs:
+            sizes.append(quantized.max_kernel_rows + 1)
         for rows in sizes:
             self._warm_up(runner, rows, dynamic=rows == 2)
         logger.info(
