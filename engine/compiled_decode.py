@@ -96,7 +96,12 @@ class CompiledDecode:
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        with torch.inference_mode(), running_step(self.model.backend, meta, kv_caches):
+        backend = self.model.backend
+        with (
+            torch.inference_mode(),
+            running_step(backend, meta, kv_caches),
+            backend.bound_decode_step(meta, kv_caches),
+        ):
             return self._forward(input_ids, positions)
 
     def _warm_up(self, runner: ModelRunner, rows: int, dynamic: bool) -> None:

@@ -12,6 +12,8 @@ keep per-request state between steps: everything it needs comes from AttentionMe
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +83,19 @@ class AttentionBackend(ABC):
         (masks, gather indices) here and reuse it in every layer's forward. Does nothing by
         default."""
         return None
+
+    def decode_step_op(self, q: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+        """An op (q, k, v, layer, scale) -> out that a compiled decode-only program may call for
+        a layer's attention instead of going through Python, reading the caches and tables that
+        `bound_decode_step` binds around the program; None (the default) where the backend has
+        none for queries like q."""
+        return None
+
+    def bound_decode_step(
+        self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]
+    ) -> AbstractContextManager[None]:
+        """Binds a decode-only step for decode_step_op's calls while a compiled program runs."""
+        return nullcontext()
 
     @abstractmethod
     def forward(

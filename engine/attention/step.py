@@ -3,8 +3,10 @@ KV caches their attention uses, set once per forward instead of passed through e
 
 Attention is also one opaque op here (torch.ops.folio.attention), so that torch.compile traces
 the layers around it and leaves the attention itself, which plans each step from host-side
-lengths, to the backend (engine.compiled_decode). The op names its layer's cache by index, so
-the caches are no inputs of a compiled program: its code does not depend on the pool's size.
+lengths, to the backend (engine.compiled_decode); a backend with a C++ op of its own for
+decode-only steps has the compiled programs call that one instead. Either op names its layer's
+cache by index, so the caches are no inputs of a compiled program: its code does not depend on
+the pool's size.
 The layers call `attention` whatever runs them; eagerly it goes straight to the backend. This
 module never computes attention itself.
 """
@@ -55,11 +57,20 @@ def _current_step() -> Step:
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float
+    backend: AttentionBackend,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    scale: float,
 ) -> torch.Tensor:
     """Layer `layer`'s attention in the running step (AttentionBackend.forward's contract, over
-    that layer's KV cache)."""
+    that layer's KV cache). A compiled program calls the backend's own decode-step op where it
+    has one for q (no Python in between), else folio::attention."""
     if torch.compiler.is_compiling():
+        op = backend.decode_step_op(q)
+        if op is not None:
+            return op(q, k, v, layer, scale)
         return torch.ops.folio.attention(q, k, v, layer, scale)
     return _attend(q, k, v, layer, scale)
 

@@ -12,6 +12,8 @@ gather workspace is scratch, overwritten every layer.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +111,25 @@ class TorchAttentionBackend(AttentionBackend):
             rows = slice(p.start, p.end)
             _prefill(q[rows], k[rows], v[rows], kv_cache, p, scale, out[rows])
         return out
+
+    def decode_step_op(self, q: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+        if self._decode_kernel is None or not self._kernel_fits(q):
+            return None
+        return torch.ops.folio_cpu_attention.decode_step_attention
+
+    @contextmanager
+    def bound_decode_step(
+        self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]
+    ) -> Iterator[None]:
+        if self._decode_kernel is None:
+            yield
+            return
+        ops = torch.ops.folio_cpu_attention
+        ops.bind_decode_step(kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        try:
+            yield
+        finally:
+            ops.unbind_decode_step()
 
     @staticmethod
     def _kernel_fits(q: torch.Tensor) -> bool:

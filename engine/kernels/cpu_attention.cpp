@@ -6,7 +6,9 @@
 // cached keys, read in place through the block table, takes the softmax and mixes the values.
 // The query heads of one KV head share each key and value as it is loaded. Work is split over
 // torch's thread pool by (row, KV head) pairs only when there is enough of it to pay for the
-// pool's wake-up. This file computes attention only; choosing it over the backend's plain
+// pool's wake-up. A compiled decode program calls decode_step_attention instead, which reads the
+// caches and tables of the step bound to its thread (bind_decode_step). This file computes
+// attention only; choosing it over the backend's plain
 // torch path is engine/attention/torch_backend.py's job.
 
 #include <immintrin.h>
@@ -231,12 +233,51 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, cons
   return out;
 }
 
+namespace {
+
+// The decode-only step this thread is running, bound by the attention backend around a compiled
+// decode program, so that the program's calls name a layer's cache by index and reach the step's
+// tables without a trip through Python (each such trip cost ~25 us, 30 a step).
+struct DecodeStep {
+  std::vector<at::Tensor> kv_caches;
+  at::Tensor slot_mapping, block_tables, seq_lens;
+};
+
+thread_local DecodeStep bound_step;
+
+void bind_decode_step(at::TensorList kv_caches, const at::Tensor& slot_mapping,
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+  bound_step = {kv_caches.vec(), slot_mapping, block_tables, seq_lens};
+}
+
+// Drops the step's references, so that no cache outlives its engine.
+void unbind_decode_step() { bound_step = DecodeStep{}; }
+
+}  // namespace
+
+// paged_decode_attention over layer `layer`'s cache and the bound step's tables.
+at::Tensor decode_step_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 int64_t layer, double scale) {
+  const DecodeStep& step = bound_step;
+  TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(step.kv_caches.size()),
+              "decode_step_attention: no decode step bound with a cache for layer ", layer);
+  return paged_decode_attention(q, k, v, step.kv_caches[layer], step.slot_mapping,
+                                step.block_tables, step.seq_lens, scale);
+}
+
 TORCH_LIBRARY(folio_cpu_attention, library) {
   library.def(
       "paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+  library.def("decode_step_attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor");
+  library.def(
+      "bind_decode_step(Tensor[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
+      "Tensor seq_lens) -> ()");
+  library.def("unbind_decode_step() -> ()", &unbind_decode_step);
 }
 
 TORCH_LIBRARY_IMPL(folio_cpu_attention, CPU, library) {
   library.impl("paged_decode_attention", &paged_decode_attention);
+  library.impl("decode_step_attention", &decode_step_attention);
+  library.impl("bind_decode_step", &bind_decode_step);
 }

@@ -1,7 +1,8 @@
 """Loads Folio's AVX2 CPU kernels as one torch extension, compiled once per machine into the
 Folio cache directory and reused after that: the weight-only quantized matmuls (cpu_quant.cpp,
 ops torch.ops.folio_quant.int8_linear and int4_linear) and the paged decode attention
-(cpu_attention.cpp, torch.ops.folio_cpu_attention.paged_decode_attention).
+(cpu_attention.cpp, torch.ops.folio_cpu_attention.paged_decode_attention, and
+decode_step_attention for compiled decode programs).
 
 `load()` registers the ops and returns True, or False where they cannot run (a CPU without AVX2
 and FMA, no C++ compiler): callers then use torch's own ops. This module never quantizes weights
@@ -58,7 +59,8 @@ def load() -> bool:
 
 
 def _register_output_shapes() -> None:
-    """What torch.compile traces the ops with: [rows, out features] of the activations' dtype."""
+    """What torch.compile traces the ops with: [rows, out features] of the activations' dtype,
+    and attention's output shaped like its query."""
 
     def int8_shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], codes.shape[0])
@@ -68,5 +70,11 @@ def _register_output_shapes() -> None:
     ) -> torch.Tensor:
         return x.new_empty(x.shape[0], codes.shape[0])
 
+    def attention_shape(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float
+    ) -> torch.Tensor:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
     torch.library.register_fake("folio_quant::int8_linear")(int8_shape)
     torch.library.register_fake("folio_quant::int4_linear")(int4_shape)
+    torch.library.register_fake("folio_cpu_attention::decode_step_attention")(attention_shape)

@@ -260,7 +260,7 @@ class LlamaAttention(nn.Module):
         self.backend.rotary_(qk, self.num_heads, rope.positions, rope.table, rope.cos_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, split:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = attention(q, k, v, self.layer_index, self.scale)
+        out = attention(self.backend, q, k, v, self.layer_index, self.scale)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
     def finalize_weights(self) -> None:

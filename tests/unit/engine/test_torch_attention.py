@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import pytest
 import torch
@@ -217,3 +218,36 @@ def test_triton_backend_needs_cuda_or_the_interpreter():
     )
     assert result.returncode != 0
     assert "needs a CUDA device" in result.stderr
+
+
+@pytest.mark.skipif(not cpu_extension.load(), reason="this CPU has no AVX2 or no C++ compiler")
+def test_decode_step_op_reads_the_bound_step():
+    """What a compiled decode program calls: layer i's attention over the cache and tables of
+    the step bound around it, equal to the backend's own call; nothing is kept after it."""
+    seq_lens, block_size, num_blocks = [3, 40, 17], 16, 12
+    pool = BlockPool(num_blocks, seed=1)
+    meta = build_metadata(
+        [1] * 3, seq_lens, [pool.grow([], s, block_size) for s in seq_lens], block_size
+    )
+    caches = [torch.randn(2, num_blocks, block_size, 3, 64) for _ in range(2)]
+    expected_caches = [cache.clone() for cache in caches]
+    q, k, v = torch.randn(3, 9, 64), torch.randn(3, 3, 64), torch.randn(3, 3, 64)
+    backend = TorchAttentionBackend()
+    op = backend.decode_step_op(q)
+    assert op is not None and backend.decode_step_op(q.bfloat16()) is None
+
+    backend.prepare(meta)
+    expected = backend.forward(q, k, v, expected_caches[1], meta, 0.125)
+    with backend.bound_decode_step(meta, caches):
+        out = op(q, k, v, 1, 0.125)
+        with pytest.raises(RuntimeError, match="no decode step bound with a cache for layer 2"):
+            op(q, k, v, 2, 0.125)
+    assert torch.equal(out, expected)
+    # Layer 1's new K/V written as the backend writes them; layer 0's cache untouched.
+    assert torch.equal(caches[1], expected_caches[1])
+    assert torch.equal(caches[0], expected_caches[0])
+    with pytest.raises(RuntimeError, match="no decode step bound"):
+        op(q, k, v, 0, 0.125)
+    released = weakref.ref(caches[0])
+    del caches
+    assert released() is None
