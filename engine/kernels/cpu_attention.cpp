@@ -4,12 +4,13 @@
 // One call does a layer's work for every decode row: it writes each row's new K and V into its
 // cache slot, then, for each (row, KV head) pair, scores the pair's query heads against the
 // cached keys, read in place through the block table, takes the softmax and mixes the values.
-// The query heads of one KV head share each key and value as it is loaded. Work is split over
-// torch's thread pool by (row, KV head) pairs only when there is enough of it to pay for the
-// pool's wake-up. A compiled decode program calls decode_step_attention instead, which reads the
-// caches and tables of the step bound to its thread (bind_decode_step). This file computes
-// attention only; choosing it over the backend's plain
-// torch path is engine/attention/torch_backend.py's job.
+// Keys are scored eight positions at a time (one tree of horizontal adds for eight dot
+// products), and each value is loaded once for up to three query heads of its KV head. Work is
+// split over torch's thread pool by (row, KV head) pairs only when there is enough of it to pay
+// for the pool's wake-up. A compiled decode program calls decode_step_attention instead, which
+// reads the caches and tables of the step bound to its thread (bind_decode_step). This file
+// computes attention only; choosing it over the backend's plain torch path is
+// engine/attention/torch_backend.py's job.
 
 #include <immintrin.h>
 #include "avx2.h"
@@ -116,19 +117,55 @@ inline void for_each_position(const Layout& l, const float* cache, const int32_t
   }
 }
 
-// out[0 .. 8 CHUNKS) = sum over t < length of p[t] * values[t][0 .. 8 CHUNKS), values read like
-// for_each_position's rows; the sums stay in registers across the whole context.
-template <int CHUNKS>
+// For query heads g < HEADS of one KV head: out[g * head_dim + 8 c ..] = sum over t < length of
+// p[g * p_stride + t] * values[t][8 c ..], c < CHUNKS, values read like for_each_position's
+// rows. Each value vector is loaded once for all the heads, and the sums stay in registers
+// across the whole context (HEADS x CHUNKS accumulators, at most 12 of AVX2's 16 registers).
+template <int HEADS, int CHUNKS>
 inline void mix_values(const Layout& l, const float* values, const int32_t* table, int64_t length,
-                       int64_t kv, const float* p, float* out) {
-  __m256 acc[CHUNKS];
-  for (int c = 0; c < CHUNKS; ++c) acc[c] = _mm256_setzero_ps();
+                       int64_t kv, const float* p, int64_t p_stride, float* out) {
+  __m256 acc[HEADS][CHUNKS];
+  for (int g = 0; g < HEADS; ++g)
+    for (int c = 0; c < CHUNKS; ++c) acc[g][c] = _mm256_setzero_ps();
   for_each_position(l, values, table, length, kv, [&](int64_t t, const float* value) {
-    const __m256 w = _mm256_set1_ps(p[t]);
-    for (int c = 0; c < CHUNKS; ++c)
-      acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(value + 8 * c), acc[c]);
+    __m256 w[HEADS];
+    for (int g = 0; g < HEADS; ++g) w[g] = _mm256_set1_ps(p[g * p_stride + t]);
+    for (int c = 0; c < CHUNKS; ++c) {
+      const __m256 v = _mm256_loadu_ps(value + 8 * c);
+      for (int g = 0; g < HEADS; ++g) acc[g][c] = _mm256_fmadd_ps(w[g], v, acc[g][c]);
+    }
   });
-  for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
+  for (int g = 0; g < HEADS; ++g)
+    for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(out + g * l.head_dim + 8 * c, acc[g][c]);
+}
+
+// mix_values for HEADS heads over a slab of `chunks` (1 to 4) vectors of 8 features.
+template <int HEADS>
+inline void mix_slab(int64_t chunks, const Layout& l, const float* values, const int32_t* table,
+                     int64_t length, int64_t kv, const float* p, int64_t p_stride, float* out) {
+  switch (chunks) {
+    case 4: mix_values<HEADS, 4>(l, values, table, length, kv, p, p_stride, out); break;
+    case 3: mix_values<HEADS, 3>(l, values, table, length, kv, p, p_stride, out); break;
+    case 2: mix_values<HEADS, 2>(l, values, table, length, kv, p, p_stride, out); break;
+    default: mix_values<HEADS, 1>(l, values, table, length, kv, p, p_stride, out); break;
+  }
+}
+
+// The eight dot products q . key[j] (j < 8, keys `stride` floats apart, d features), as one
+// vector: eight accumulators summed across in one tree of horizontal adds instead of eight.
+inline __m256 dot_8_keys(const float* q, const float* key, int64_t stride, int64_t d) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) {
+    const __m256 query = _mm256_loadu_ps(q + i);
+    for (int j = 0; j < 8; ++j)
+      acc[j] = _mm256_fmadd_ps(query, _mm256_loadu_ps(key + j * stride + i), acc[j]);
+  }
+  // Lane j of each half: partial sums of acc[j] (j < 4 from `low`, j >= 4 from `high`).
+  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                       _mm256_permute2f128_ps(low, high, 0x31));
 }
 
 // Attention of row b's query heads of KV head `kv` over its `length` cached positions; scores
@@ -136,26 +173,35 @@ inline void mix_values(const Layout& l, const float* values, const int32_t* tabl
 void attend(const Layout& l, const float* q, const float* cache, const int32_t* table,
             int64_t length, int64_t kv, float scale, float* scores, float* out) {
   const int64_t d = l.head_dim, group = l.group;
+  const int64_t token_floats = l.kv_heads * d;
   const float* q0 = q + kv * group * d;
-  for_each_position(l, cache, table, length, kv, [&](int64_t t, const float* key) {
-    for (int64_t g = 0; g < group; ++g) scores[g * length + t] = dot(q0 + g * d, key, d) * scale;
-  });
+  const __m256 scale8 = _mm256_set1_ps(scale);
+  // Scores eight positions of a block at a time, the rest one by one.
+  for (int64_t first = 0, i = 0; first < length; first += l.block_size, ++i) {
+    const float* key = cache + table[i] * l.block_floats + kv * d;
+    const int64_t end = std::min(l.block_size, length - first);
+    int64_t o = 0;
+    for (; o + 8 <= end; o += 8, key += 8 * token_floats)
+      for (int64_t g = 0; g < group; ++g)
+        _mm256_storeu_ps(scores + g * length + first + o,
+                         _mm256_mul_ps(dot_8_keys(q0 + g * d, key, token_floats, d), scale8));
+    for (; o < end; ++o, key += token_floats)
+      for (int64_t g = 0; g < group; ++g)
+        scores[g * length + first + o] = dot(q0 + g * d, key, d) * scale;
+  }
   for (int64_t g = 0; g < group; ++g) softmax(scores + g * length, length);
-  // out = probabilities . V, per head and per slab of up to 64 features.
-  for (int64_t g = 0; g < group; ++g) {
-    float* o = out + (kv * group + g) * d;
-    for (int64_t d0 = 0; d0 < d; d0 += 64) {
+  // out = probabilities . V, up to three heads and 32 features at a time.
+  for (int64_t g0 = 0; g0 < group; g0 += 3) {
+    const int64_t heads = std::min<int64_t>(3, group - g0);
+    const float* p = scores + g0 * length;
+    float* o = out + (kv * group + g0) * d;
+    for (int64_t d0 = 0; d0 < d; d0 += 32) {
       const float* values = cache + l.value_offset + d0;
-      const float* p = scores + g * length;
-      switch (std::min<int64_t>(8, (d - d0) / 8)) {
-        case 8: mix_values<8>(l, values, table, length, kv, p, o + d0); break;
-        case 7: mix_values<7>(l, values, table, length, kv, p, o + d0); break;
-        case 6: mix_values<6>(l, values, table, length, kv, p, o + d0); break;
-        case 5: mix_values<5>(l, values, table, length, kv, p, o + d0); break;
-        case 4: mix_values<4>(l, values, table, length, kv, p, o + d0); break;
-        case 3: mix_values<3>(l, values, table, length, kv, p, o + d0); break;
-        case 2: mix_values<2>(l, values, table, length, kv, p, o + d0); break;
-        default: mix_values<1>(l, values, table, length, kv, p, o + d0); break;
+      const int64_t chunks = std::min<int64_t>(4, (d - d0) / 8);
+      switch (heads) {
+        case 3: mix_slab<3>(chunks, l, values, table, length, kv, p, length, o + d0); break;
+        case 2: mix_slab<2>(chunks, l, values, table, length, kv, p, length, o + d0); break;
+        default: mix_slab<1>(chunks, l, values, table, length, kv, p, length, o + d0); break;
       }
     }
   }

@@ -147,6 +147,20 @@ def test_decode_only_gqa_like_smollm2(folio_kernels):
     )
 
 
+@pytest.mark.parametrize("folio_kernels", KERNEL_PATHS)
+@pytest.mark.parametrize("head_dim", [24, 40, 48])
+def test_pairs_of_heads_and_short_head_dims(head_dim, folio_kernels):
+    # Two query heads to a KV head, and head dims whose last slab of 32 features is partial.
+    run_case(
+        **MIXED,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        block_size=16,
+        folio_kernels=folio_kernels,
+    )
+
+
 def test_prefill_only():
     run_case([5, 12, 1], [5, 20, 9], num_heads=4, num_kv_heads=2, head_dim=64, block_size=4)
 
