@@ -152,7 +152,7 @@ inline void mix_slab(int64_t chunks, const Layout& l, const float* values, const
 }
 
 // The eight dot products q . key[j] (j < 8, keys `stride` floats apart, d features), as one
-// vector: eight accumulators summed across in one tree of horizontal adds instead of eight.
+// vector.
 inline __m256 dot_8_keys(const float* q, const float* key, int64_t stride, int64_t d) {
   __m256 acc[8];
   for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
@@ -161,11 +161,7 @@ inline __m256 dot_8_keys(const float* q, const float* key, int64_t stride, int64
     for (int j = 0; j < 8; ++j)
       acc[j] = _mm256_fmadd_ps(query, _mm256_loadu_ps(key + j * stride + i), acc[j]);
   }
-  // Lane j of each half: partial sums of acc[j] (j < 4 from `low`, j >= 4 from `high`).
-  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
-                       _mm256_permute2f128_ps(low, high, 0x31));
+  return folio::sum_each(acc);
 }
 
 // Attention of row b's query heads of KV head `kv` over its `length` cached positions; scores
@@ -315,7 +311,8 @@ TORCH_LIBRARY(folio_cpu_attention, library) {
   library.def(
       "paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
-  library.def("decode_step_attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor");
+  library.def(
+      "decode_step_attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor");
   library.def(
       "bind_decode_step(Tensor[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
       "Tensor seq_lens) -> ()");

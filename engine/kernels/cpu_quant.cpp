@@ -229,10 +229,18 @@ inline void dot_rows(const Row& row, const typename Row::Code* q, int64_t k32,
       }
     }
   }
+  __m256 total[ROWS];
   for (int r = 0; r < ROWS; ++r) {
-    __m256 total = acc[0][r];
-    for (int c = 1; c < kChains; ++c) total = _mm256_add_ps(total, acc[c][r]);
-    sums[r] += horizontal_sum(total);
+    total[r] = acc[0][r];
+    for (int c = 1; c < kChains; ++c) total[r] = _mm256_add_ps(total[r], acc[c][r]);
+  }
+  if constexpr (ROWS == 4) {  // a whole tile: its four sums in one tree of horizontal adds
+    const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(total[0], total[1]),
+                                        _mm256_hadd_ps(total[2], total[3]));
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+    _mm_storeu_ps(sums, _mm_add_ps(_mm_loadu_ps(sums), four));
+  } else {
+    for (int r = 0; r < ROWS; ++r) sums[r] += horizontal_sum(total[r]);
   }
 }
 
@@ -360,6 +368,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   // scales), then [chunk rows, padded groups] products of the weight's and the activations'
   // scales.
   const int64_t scratch_floats = (2 + chunk_rows(m, row_bytes)) * stride;
+  const float* act_scale = xq.d.data();
+  const float* act_sum = xq.q_sum.data();
   return for_each_output(m, n, x, row_bytes, scratch_floats,
                          [&](int64_t row, int64_t first, int64_t rows, float* sums,
                              float* scratch) {
@@ -372,17 +382,25 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
       halves_to_floats(scales + at, groups - g, readable, weight_scale + g);
       halves_to_floats(mins + at, groups - g, readable, weight_min + g);
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      __m256 min_term = _mm256_setzero_ps();
-      for (int64_t g = 0; g < groups; g += 8) {
-        const int64_t at = (first + r) * stride + g;
-        _mm256_storeu_ps(combined_scale + r * stride + g,
-                         _mm256_mul_ps(_mm256_loadu_ps(weight_scale + g),
-                                       _mm256_loadu_ps(xq.d.data() + at)));
-        min_term = _mm256_fmadd_ps(_mm256_loadu_ps(weight_min + g),
-                                   _mm256_loadu_ps(xq.q_sum.data() + at), min_term);
+    // Each activation row's combined scales, and its minimums' term, eight rows' terms summed
+    // across at once.
+    for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+      const int64_t tile = std::min<int64_t>(8, rows - r0);
+      __m256 min_term[8];
+      for (int j = 0; j < 8; ++j) min_term[j] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < tile; ++j) {
+        const int64_t at = (first + r0 + j) * stride;
+        float* combined = combined_scale + (r0 + j) * stride;
+        for (int64_t g = 0; g < groups; g += 8) {
+          _mm256_storeu_ps(combined + g, _mm256_mul_ps(_mm256_loadu_ps(weight_scale + g),
+                                                       _mm256_loadu_ps(act_scale + at + g)));
+          min_term[j] = _mm256_fmadd_ps(_mm256_loadu_ps(weight_min + g),
+                                        _mm256_loadu_ps(act_sum + at + g), min_term[j]);
+        }
       }
-      sums[r] += horizontal_sum(min_term);
+      float totals[8];
+      _mm256_storeu_ps(totals, folio::sum_each(min_term));
+      for (int64_t j = 0; j < tile; ++j) sums[r0 + j] += totals[j];
     }
     one_weight_row(Int4Row{cs + row * (k / 2)}, xq.q.data() + first * xq.k32, xq.k32, xq.blocks,
                    rows, combined_scale, stride, sums);
