@@ -260,14 +260,21 @@ def test_bad_request_fails_alone_naming_the_parameter(server, stub, bad, paramet
 def test_reused_request_id_on_a_stream_is_refused(server, stub):
     requests = RequestStream()
     responses = stub.Generate(iter(requests), timeout=TIMEOUT)
-    requests.send(add("same", prompt(8, seed=6), greedy(5)))
+    # The first request runs LONG so that it is still in flight when its id comes again.
+    requests.send(add("same", prompt(8, seed=6), greedy(LONG)))
     next(responses)
     requests.send(add("same", prompt(8, seed=7), greedy(5)))
+    outputs = []
+    for response in responses:
+        outputs += [out for out in response.outputs if out.finished]
+        if outputs:
+            break
+    requests.send(engine_pb2.GenerateRequest(abort=engine_pb2.AbortRequest(request_ids=["same"])))
     requests.close()
-    outputs = [out for response in responses for out in response.outputs if out.finished]
+    outputs += [out for response in responses for out in response.outputs if out.finished]
     assert [(o.error.code, o.finish_reason) for o in outputs] == [
         (INVALID_ARGUMENT, common_pb2.FINISH_REASON_UNSPECIFIED),
-        (0, common_pb2.FINISH_REASON_LENGTH),
+        (0, common_pb2.FINISH_REASON_ABORT),
     ]
     assert "request_id" in outputs[0].error.message
 
