@@ -54,37 +54,42 @@ inline int64_t round_up(int64_t value, int64_t multiple) {
 // One call's activations, each row's first k32 features (a multiple of 32) in blocks of 32:
 // x[r, 32 b + i] ~ q[r, 32 b + i] * d[r, b], |q| <= kLimit (int8: 127, so that negating q stays
 // in range; int16: 32767); q_sum[r, b] = d[r, b] * sum_i q[r, 32 b + i] (the int4 minimums'
-// term). d and q_sum rows are padded with zeros to a multiple of 8 blocks, so that they are
-// read eight at a time. int8 codes (int4 weights') are stored in pairs of blocks b, b + 1 as
-// the halves b[0:16], (b+1)[0:16], b[16:32], (b+1)[16:32], the order in which 32 bytes of the
-// weight's codes unpack (Int4Row); a last, unpaired block stays in order.
+// term). d and q_sum rows are padded with zeros to a multiple of 8 blocks, and q_sum has 7
+// rows of zeros more, so that both are read eight at a time. int8 codes (int4 weights') are
+// stored in pairs of blocks b, b + 1 as the halves b[0:16], (b+1)[0:16], b[16:32], (b+1)[16:32],
+// the order in which 32 bytes of the weight's codes unpack (Int4Row); a last, unpaired block
+// stays in order. For int4 weights d4[r, 4 b .. 4 b + 4) holds four copies of d[r, b]: a pair
+// of blocks' scales as one vector, laid out like Int4Row::dot's partial sums.
 template <typename Code>
 struct QuantizedActivations {
-  static constexpr float kLimit = std::is_same_v<Code, int8_t> ? 127.0f : 32767.0f;
+  static constexpr bool kPaired = std::is_same_v<Code, int8_t>;
+  static constexpr float kLimit = kPaired ? 127.0f : 32767.0f;
   std::vector<Code> q;
-  std::vector<float> d, q_sum;
+  std::vector<float> d, q_sum, d4;
   int64_t k32, blocks, padded_blocks;
 
   QuantizedActivations(const float* x, int64_t m, int64_t k)
       : q(m * (k - k % kBlock)),
         d(m * round_up(k / kBlock, 8), 0.0f),
-        q_sum(d.size(), 0.0f),
+        q_sum((m + 7) * round_up(k / kBlock, 8), 0.0f),
+        d4(kPaired ? m * (k / kBlock) * 4 : 0),
         k32(k - k % kBlock),
         blocks(k / kBlock),
         padded_blocks(round_up(k / kBlock, 8)) {
-    const bool paired = std::is_same_v<Code, int8_t>;
     for (int64_t r = 0; r < m; ++r) {
       for (int64_t b = 0; b < blocks; ++b) {
         Code* block = &q[r * k32 + b * kBlock];
         Code* first = block;
         Code* second = block + kBlock / 2;
-        if (paired && b + 1 - b % 2 < blocks) {  // a block of a pair
+        if (kPaired && b + 1 - b % 2 < blocks) {  // a block of a pair
           Code* pair = block - (b % 2) * kBlock;
           first = pair + (b % 2) * (kBlock / 2);
           second = first + kBlock;
         }
-        quantize_block(x + r * k + b * kBlock, first, second, &d[r * padded_blocks + b],
+        float* scale = &d[r * padded_blocks + b];
+        quantize_block(x + r * k + b * kBlock, first, second, scale,
                        &q_sum[r * padded_blocks + b]);
+        if constexpr (kPaired) std::fill_n(&d4[(r * blocks + b) * 4], 4, *scale);
       }
     }
   }
@@ -134,7 +139,8 @@ inline __m128i load_128(const void* p) {
 
 // One int8 weight row against int16 activations, a block at a time: the 32 weights of block b,
 // sign-extended to int16, times the block's codes, as eight int32 partial sums (each at most
-// 4 * 127 * 32767), scaled by the block's scale.
+// 4 * 127 * 32767), scaled by the block's scale (the row's own scale is applied afterwards).
+// `act_scale` is an activation row's d.
 struct Int8Row {
   using Code = int16_t;
   static constexpr int kStep = 1;
@@ -150,7 +156,10 @@ struct Int8Row {
     return _mm256_add_epi32(_mm256_madd_epi16(wv.low, load_256(q)),
                             _mm256_madd_epi16(wv.high, load_256(q + 16)));
   }
-  static inline __m256 scales(const float* scale) { return _mm256_broadcast_ss(scale); }
+  static inline __m256 accumulate(__m256 acc, __m256 products, const Weights&,
+                                  const float* act_scale, int64_t b) {
+    return _mm256_fmadd_ps(products, _mm256_broadcast_ss(act_scale + b), acc);
+  }
 };
 
 // One int4 row against int8 activations, two groups at a time. A group's 16 bytes hold code i
@@ -159,42 +168,49 @@ struct Int8Row {
 // activations of a pair of blocks are stored. maddubs multiplies the unsigned codes by the
 // signed activations (pairs summed to at most 2 * 15 * 127; the low and high halves' sums
 // added stay within int16), madd sums to int32: the lower four partial sums belong to the
-// first group, the upper four to the second, each scaled by its own group's scale.
+// first group, the upper four to the second, each scaled by its own group's scale times the
+// activation block's (`act_scale`: an activation row's d4). `scale` is the row's group scales
+// as float32.
 struct Int4Row {
   using Code = int8_t;
   static constexpr int kStep = 2;
   const uint8_t* codes;
+  const float* scale;
   struct Weights {
     __m256i low, high;
+    __m256 scale;  // groups b and b + 1's scales, four copies each
   };
   inline Weights load(int64_t b) const {
     const __m256i packed = load_256(codes + b * (kBlock / 2));
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     return {_mm256_and_si256(packed, nibble),
-            _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble)};
+            _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble),
+            _mm256_set_m128(_mm_broadcast_ss(scale + b + 1), _mm_broadcast_ss(scale + b))};
   }
   static inline __m256i dot(const Weights& wv, const int8_t* q) {
     const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(wv.low, load_256(q)),
                                            _mm256_maddubs_epi16(wv.high, load_256(q + 32)));
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
   }
-  static inline __m256 scales(const float* scale) {
-    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scale)));
-    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two),
-                                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  static inline __m256 accumulate(__m256 acc, __m256 products, const Weights& wv,
+                                  const float* act_scale, int64_t b) {
+    return _mm256_fmadd_ps(_mm256_mul_ps(products, _mm256_loadu_ps(act_scale + 4 * b)), wv.scale,
+                           acc);
   }
-  // A last, unpaired group (its activations in order): codes 0-15 | 16-31.
-  inline __m256i dot_single(int64_t b, const int8_t* q) const {
+  // A last, unpaired group (its activations in order): codes 0-15 | 16-31, scaled.
+  inline __m256 dot_single(int64_t b, const int8_t* q, const float* act_scale) const {
     const __m128i packed = load_128(codes + b * (kBlock / 2));
     const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
     const __m256i w = _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, load_256(q)), _mm256_set1_epi16(1));
+    const __m256i sums =
+        _mm256_madd_epi16(_mm256_maddubs_epi16(w, load_256(q)), _mm256_set1_epi16(1));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(act_scale[4 * b] * scale[b]));
   }
 };
 
-// sums[r] += sum over blocks b of scale[r][b] * (block b of the weight row . block b of
-// activation row r), for r < ROWS; q holds the activation rows (k32 apart), scale[r] is row r's
-// per-block scales (`scale_stride` apart). Row::kStep blocks a step.
+// sums[r] += sum over blocks b of the scales of block b (Row::accumulate's) * (block b of the
+// weight row . block b of activation row r), for r < ROWS; q holds the activation rows (k32
+// apart), scale[r] is row r's activation scales (`scale_stride` apart). Row::kStep blocks a step.
 template <int ROWS, typename Row>
 inline void dot_rows(const Row& row, const typename Row::Code* q, int64_t k32,
                      const float* scale, int64_t scale_stride, int64_t blocks, float* sums) {
@@ -210,8 +226,7 @@ inline void dot_rows(const Row& row, const typename Row::Code* q, int64_t k32,
 #pragma GCC unroll 4
     for (int r = 0; r < ROWS; ++r) {
       const __m256 products = _mm256_cvtepi32_ps(Row::dot(wv, q + r * k32 + b * kBlock));
-      acc[c][r] =
-          _mm256_fmadd_ps(products, Row::scales(scale + r * scale_stride + b), acc[c][r]);
+      acc[c][r] = Row::accumulate(acc[c][r], products, wv, scale + r * scale_stride, b);
     }
   };
   int64_t b = 0;
@@ -223,9 +238,8 @@ inline void dot_rows(const Row& row, const typename Row::Code* q, int64_t k32,
   if constexpr (kStep == 2) {
     if (b < blocks) {
       for (int r = 0; r < ROWS; ++r) {
-        const __m256 products = _mm256_cvtepi32_ps(row.dot_single(b, q + r * k32 + b * kBlock));
-        acc[0][r] = _mm256_fmadd_ps(products, _mm256_broadcast_ss(scale + r * scale_stride + b),
-                                    acc[0][r]);
+        acc[0][r] = _mm256_add_ps(
+            acc[0][r], row.dot_single(b, q + r * k32 + b * kBlock, scale + r * scale_stride));
       }
     }
   }
@@ -363,47 +377,47 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const int64_t groups = k / kBlock;
   const QuantizedActivations<int8_t> xq(x.data_ptr<float>(), m, k);
   const int64_t stride = xq.padded_blocks;
-  const int64_t row_bytes = xq.k32;
-  // scratch: this row's scales and minimums in float32 (zero-padded like the activations'
-  // scales), then [chunk rows, padded groups] products of the weight's and the activations'
-  // scales.
-  const int64_t scratch_floats = (2 + chunk_rows(m, row_bytes)) * stride;
-  const float* act_scale = xq.d.data();
-  const float* act_sum = xq.q_sum.data();
-  return for_each_output(m, n, x, row_bytes, scratch_floats,
+  // scratch: this row's scales and minimums in float32, zero-padded like the activations'.
+  return for_each_output(m, n, x, xq.k32, 2 * stride,
                          [&](int64_t row, int64_t first, int64_t rows, float* sums,
                              float* scratch) {
-    float* weight_scale = scratch;
-    float* weight_min = scratch + stride;
-    float* combined_scale = scratch + 2 * stride;
+    // Locals, so that the stores below cannot be taken to change them.
+    const float* const act_sum = xq.q_sum.data() + first * stride;
+    float* const weight_scale = scratch;
+    float* const weight_min = scratch + stride;
     for (int64_t g = 0; g < groups; g += 8) {
       // Past this row's last group lie the next row's, finite, read eight at a time.
       const int64_t at = row * groups + g, readable = n * groups - at;
       halves_to_floats(scales + at, groups - g, readable, weight_scale + g);
       halves_to_floats(mins + at, groups - g, readable, weight_min + g);
     }
-    // Each activation row's combined scales, and its minimums' term, eight rows' terms summed
-    // across at once.
-    for (int64_t r0 = 0; r0 < rows; r0 += 8) {
-      const int64_t tile = std::min<int64_t>(8, rows - r0);
+    // The minimums' term: one row alone (decode), or eight activation rows at a time (rows
+    // past the chunk's are zeros or the next chunk's, read and dropped), summed across in one
+    // tree.
+    if (rows == 1) {
+      __m256 min_term = _mm256_setzero_ps();
+      for (int64_t g = 0; g < groups; g += 8) {
+        min_term = _mm256_fmadd_ps(_mm256_loadu_ps(weight_min + g),
+                                   _mm256_loadu_ps(act_sum + g), min_term);
+      }
+      sums[0] += horizontal_sum(min_term);
+    }
+    for (int64_t r0 = 0; rows > 1 && r0 < rows; r0 += 8) {
       __m256 min_term[8];
       for (int j = 0; j < 8; ++j) min_term[j] = _mm256_setzero_ps();
-      for (int64_t j = 0; j < tile; ++j) {
-        const int64_t at = (first + r0 + j) * stride;
-        float* combined = combined_scale + (r0 + j) * stride;
-        for (int64_t g = 0; g < groups; g += 8) {
-          _mm256_storeu_ps(combined + g, _mm256_mul_ps(_mm256_loadu_ps(weight_scale + g),
-                                                       _mm256_loadu_ps(act_scale + at + g)));
-          min_term[j] = _mm256_fmadd_ps(_mm256_loadu_ps(weight_min + g),
-                                        _mm256_loadu_ps(act_sum + at + g), min_term[j]);
+      for (int64_t g = 0; g < groups; g += 8) {
+        const __m256 w = _mm256_loadu_ps(weight_min + g);
+        for (int j = 0; j < 8; ++j) {
+          min_term[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(act_sum + (r0 + j) * stride + g),
+                                        min_term[j]);
         }
       }
       float totals[8];
       _mm256_storeu_ps(totals, folio::sum_each(min_term));
-      for (int64_t j = 0; j < tile; ++j) sums[r0 + j] += totals[j];
+      for (int64_t j = 0; j < std::min<int64_t>(8, rows - r0); ++j) sums[r0 + j] += totals[j];
     }
-    one_weight_row(Int4Row{cs + row * (k / 2)}, xq.q.data() + first * xq.k32, xq.k32, xq.blocks,
-                   rows, combined_scale, stride, sums);
+    one_weight_row(Int4Row{cs + row * (k / 2), weight_scale}, xq.q.data() + first * xq.k32,
+                   xq.k32, xq.blocks, rows, xq.d4.data() + first * groups * 4, groups * 4, sums);
   });
 }
 
