@@ -1,8 +1,9 @@
 """Loads Folio's AVX2 CPU kernels as one torch extension, compiled once per machine into the
 Folio cache directory and reused after that: the weight-only quantized matmuls (cpu_quant.cpp,
-ops torch.ops.folio_quant.int8_linear and int4_linear) and the paged decode attention
+ops torch.ops.folio_quant.int8_linear and int4_linear), the paged decode attention
 (cpu_attention.cpp, torch.ops.folio_cpu_attention.paged_decode_attention, and
-decode_step_attention for compiled decode programs).
+decode_step_attention for compiled decode programs), and dense linears over oneDNN-packed
+weights that compiled programs can call (cpu_linear.cpp, torch.ops.folio_linear.packed_linear).
 
 `load()` registers the ops and returns True, or False where they cannot run (a CPU without AVX2
 and FMA, no C++ compiler): callers then use torch's own ops. This module never quantizes weights
@@ -22,7 +23,10 @@ from common.config import cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_quant.cpp", "cpu_attention.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("cpu_quant.cpp", "cpu_attention.cpp", "cpu_linear.cpp")
+]
 
 
 def cpu_has_avx2() -> bool:
@@ -70,6 +74,11 @@ def _register_output_shapes() -> None:
     ) -> torch.Tensor:
         return x.new_empty(x.shape[0], codes.shape[0])
 
+    def packed_linear_shape(
+        x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], packed.shape[0])
+
     def attention_shape(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float
     ) -> torch.Tensor:
@@ -78,3 +87,4 @@ def _register_output_shapes() -> None:
     torch.library.register_fake("folio_quant::int8_linear")(int8_shape)
     torch.library.register_fake("folio_quant::int4_linear")(int4_shape)
     torch.library.register_fake("folio_cpu_attention::decode_step_attention")(attention_shape)
+    torch.library.register_fake("folio_linear::packed_linear")(packed_linear_shape)

@@ -35,6 +35,7 @@ from engine.models.parallel import (
     vocab_slice,
 )
 from engine.models.quantization import QuantizedWeight, quantize
+from engine.kernels import cpu_extension
 
 
 @dataclass
@@ -51,17 +52,21 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    """oneDNN's prepacked layout for bf16 CPU matmuls (what torch.compile's freezing uses):
-    about 2x faster at batch 1 and 1.1-1.2x at large batches, with identical results.
-    float32 keeps plain F.linear, the exact path the correctness oracle checks. oneDNN refuses
-    the bf16 layout on CPUs without native bf16 support (AVX2-only ones): they keep F.linear."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    """oneDNN's prepacked layout for CPU matmuls, multiplied through Folio's packed_linear op
+    (engine/kernels/cpu_linear.cpp: compiled decode programs can call it), so only where
+    Folio's CPU kernels load. bfloat16: about 2x faster at batch 1 and 1.1-1.2x at large
+    batches, with identical results; oneDNN refuses the layout on CPUs without native bf16
+    support (AVX2-only ones), which keep F.linear. float32: torch's F.linear calls MKL, whose
+    small-batch sgemm runs far below these AMD CPUs' bandwidth (the default model's linears at
+    8 rows: 66 ms, oneDNN's 41; its vocabulary projection 30 ms vs 8) and no faster from ~256
+    rows; results differ from MKL's by float32 rounding (summation order) only."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight") or not cpu_extension.load():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return weight.dtype == torch.float32
 
 
 def bound_cpu_kernel_caches(capacity: int) -> None:
@@ -88,7 +93,7 @@ def linear(
         out = packed.matmul(x)
         return out if bias is None else out.add_(bias)
     if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return torch.ops.folio_linear.packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)
 
 

@@ -142,23 +142,28 @@ def test_half_precision_tracks_transformers(tmp_path, dtype):
         assert ours <= 2 * theirs + 1e-2, (ours, theirs)
 
 
-def test_prepacked_bf16_linears_match_plain_ones(tmp_path, monkeypatch):
-    """The oneDNN-packed bf16 path (CPU) gives the logits of plain F.linear in bf16."""
+@pytest.mark.parametrize(
+    ("dtype", "tolerance"), [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["f32", "bf16"]
+)
+def test_prepacked_linears_match_plain_ones(tmp_path, monkeypatch, dtype, tolerance):
+    """The oneDNN-packed path (CPU, Folio's packed_linear op) gives the logits of plain
+    F.linear, float32 within rounding."""
     import engine.models.llama as llama
 
     make_checkpoint(tmp_path, *VARIANTS["qwen2-bias-tied"])
     prompts = [random_tokens(9, 7), random_tokens(4, 8)]
-    packed_model, config = load_model(tmp_path, torch.bfloat16, "cpu")
+    packed_model, config = load_model(tmp_path, dtype, "cpu")
     if not llama.can_prepack(packed_model.model.embed_tokens.weight):
-        pytest.skip("this torch build has no oneDNN bf16 prepacking")
+        pytest.skip(f"this torch build or CPU has no oneDNN {dtype} prepacking")
     assert packed_model.model.layers[0].mlp.down_proj.packed is not None
+    assert packed_model.lm_head_packed is not None
     packed = Runner(packed_model, config).step([(str(i), p) for i, p in enumerate(prompts)])
     monkeypatch.setattr(llama, "prepack", lambda weight: None)
-    plain_model, _ = load_model(tmp_path, torch.bfloat16, "cpu")
+    plain_model, _ = load_model(tmp_path, dtype, "cpu")
     assert plain_model.model.layers[0].mlp.down_proj.packed is None
     plain = Runner(plain_model, config).step([(str(i), p) for i, p in enumerate(prompts)])
-    for a, b in zip(packed, plain, strict=False):
-        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    for a, b in zip(packed, plain, strict=True):
+        torch.testing.assert_close(a, b, atol=tolerance, rtol=tolerance)
 
 
 def test_sharded_checkpoint(tmp_path):
