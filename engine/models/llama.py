@@ -21,6 +21,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend, torch_rms_norm
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.step import attention, running_step
+from engine.kernels import cpu_extension
 from engine.models.config import ModelConfig
 from engine.models.parallel import (
     SINGLE,
@@ -35,7 +36,6 @@ from engine.models.parallel import (
     vocab_slice,
 )
 from engine.models.quantization import QuantizedWeight, quantize
-from engine.kernels import cpu_extension
 
 
 @dataclass
