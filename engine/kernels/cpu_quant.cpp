@@ -401,20 +401,21 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
                                    _mm256_loadu_ps(act_sum + g), min_term);
       }
       sums[0] += horizontal_sum(min_term);
-    }
-    for (int64_t r0 = 0; rows > 1 && r0 < rows; r0 += 8) {
-      __m256 min_term[8];
-      for (int j = 0; j < 8; ++j) min_term[j] = _mm256_setzero_ps();
-      for (int64_t g = 0; g < groups; g += 8) {
-        const __m256 w = _mm256_loadu_ps(weight_min + g);
-        for (int j = 0; j < 8; ++j) {
-          min_term[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(act_sum + (r0 + j) * stride + g),
-                                        min_term[j]);
+    } else {
+      for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+        __m256 min_term[8];
+        for (int j = 0; j < 8; ++j) min_term[j] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g += 8) {
+          const __m256 w = _mm256_loadu_ps(weight_min + g);
+          for (int j = 0; j < 8; ++j) {
+            min_term[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(act_sum + (r0 + j) * stride + g),
+                                          min_term[j]);
+          }
         }
+        float totals[8];
+        _mm256_storeu_ps(totals, folio::sum_each(min_term));
+        for (int64_t j = 0; j < std::min<int64_t>(8, rows - r0); ++j) sums[r0 + j] += totals[j];
       }
-      float totals[8];
-      _mm256_storeu_ps(totals, folio::sum_each(min_term));
-      for (int64_t j = 0; j < std::min<int64_t>(8, rows - r0); ++j) sums[r0 + j] += totals[j];
     }
     one_weight_row(Int4Row{cs + row * (k / 2), weight_scale}, xq.q.data() + first * xq.k32,
                    xq.k32, xq.blocks, rows, xq.d4.data() + first * groups * 4, groups * 4, sums);
