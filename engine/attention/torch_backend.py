@@ -1,7 +1,7 @@
 """Attention over the paged KV cache in torch: the CPU backend.
 
 Decodes (the first meta.num_decodes requests, one query token each) run together: in float32
-with Folio's CPU kernels loaded, as one call of the AVX2 paged decode attention
+or bfloat16 with Folio's CPU kernels loaded, as one call of the AVX2 paged decode attention
 (engine/kernels/cpu_attention.cpp), which reads the cache in place; otherwise in plain torch, in
 a few groups of similar context length to limit padding, each group's blocks gathered into one
 workspace and put through two batched matmuls. Prefills and extends run one request at a time
@@ -133,7 +133,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _kernel_fits(q: torch.Tensor) -> bool:
-        return q.dtype == torch.float32 and q.device.type == "cpu" and q.shape[-1] % 8 == 0
+        return (
+            q.dtype in (torch.float32, torch.bfloat16)
+            and q.device.type == "cpu"
+            and q.shape[-1] % 8 == 0
+        )
 
     def _decode(
         self,

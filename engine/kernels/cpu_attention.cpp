@@ -1,5 +1,7 @@
-// Paged attention of decode rows on x86 CPUs with AVX2 and FMA, in float32: row b is request
-// b's one new token, which attends to the request's whole context in the paged KV cache.
+// Paged attention of decode rows on x86 CPUs with AVX2 and FMA: row b is request b's one new
+// token, which attends to the request's whole context in the paged KV cache. q, k, v and the
+// cache are float32 or bfloat16 (all the same); the arithmetic is float32 either way, bfloat16
+// values widened as they are loaded and the output rounded to nearest even once at the end.
 //
 // One call does a layer's work for every decode row: it writes each row's new K and V into its
 // cache slot, then, for each (row, KV head) pair, scores the pair's query heads against the
@@ -17,6 +19,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -29,18 +32,29 @@ namespace {
 
 using folio::horizontal_sum;
 
+using bf16 = c10::BFloat16;
+
+// Eight consecutive values as floats.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  // A bfloat16 is the high half of the float it stands for.
+  const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+}
+
 // Below this many (context position x query head) scores a call stays on the calling thread.
 constexpr int64_t kParallelScores = 16384;
 
-inline float dot(const float* a, const float* b, int64_t d) {
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t d) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t i = 0;
 #pragma GCC unroll 4
   for (; i + 16 <= d; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), acc1);
   }
-  for (; i < d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  for (; i < d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
   return horizontal_sum(_mm256_add_ps(acc0, acc1));
 }
 
@@ -87,33 +101,34 @@ inline void softmax(float* s, int64_t length) {
 struct Layout {
   int64_t heads, kv_heads, group, head_dim, block_size;
   int64_t q_row, k_row, v_row;  // row strides of q, k, v
-  int64_t block_floats;         // one cache block: block_size * kv_heads * head_dim
-  int64_t value_offset;         // from a key to its value: num_blocks * block_floats
+  int64_t block_values;         // one cache block: block_size * kv_heads * head_dim
+  int64_t value_offset;         // from a key to its value: num_blocks * block_values
   int64_t max_blocks;           // columns of the block table
   int64_t table_row;            // row stride of the block table
 };
 
 // Writes K and V of `rows` decode rows into their slots.
-void write_new_tokens(const Layout& l, const float* k, const float* v, const int64_t* slots,
-                      int64_t rows, float* cache) {
-  const int64_t token_floats = l.kv_heads * l.head_dim;
+template <typename T>
+void write_new_tokens(const Layout& l, const T* k, const T* v, const int64_t* slots, int64_t rows,
+                      T* cache) {
+  const int64_t token_values = l.kv_heads * l.head_dim;
   for (int64_t b = 0; b < rows; ++b) {
-    float* key = cache + slots[b] * token_floats;
-    std::memcpy(key, k + b * l.k_row, token_floats * sizeof(float));
-    std::memcpy(key + l.value_offset, v + b * l.v_row, token_floats * sizeof(float));
+    T* key = cache + slots[b] * token_values;
+    std::memcpy(key, k + b * l.k_row, token_values * sizeof(T));
+    std::memcpy(key + l.value_offset, v + b * l.v_row, token_values * sizeof(T));
   }
 }
 
 // Calls visit(t, row) for t < length, row pointing at position t's K (or V, from
 // cache + value_offset) of KV head kv, a block of the table at a time.
-template <typename Visit>
-inline void for_each_position(const Layout& l, const float* cache, const int32_t* table,
+template <typename T, typename Visit>
+inline void for_each_position(const Layout& l, const T* cache, const int32_t* table,
                               int64_t length, int64_t kv, const Visit& visit) {
-  const int64_t token_floats = l.kv_heads * l.head_dim;
+  const int64_t token_values = l.kv_heads * l.head_dim;
   for (int64_t first = 0, i = 0; first < length; first += l.block_size, ++i) {
-    const float* row = cache + table[i] * l.block_floats + kv * l.head_dim;
+    const T* row = cache + table[i] * l.block_values + kv * l.head_dim;
     const int64_t end = std::min(l.block_size, length - first);
-    for (int64_t o = 0; o < end; ++o, row += token_floats) visit(first + o, row);
+    for (int64_t o = 0; o < end; ++o, row += token_values) visit(first + o, row);
   }
 }
 
@@ -121,17 +136,17 @@ inline void for_each_position(const Layout& l, const float* cache, const int32_t
 // p[g * p_stride + t] * values[t][8 c ..], c < CHUNKS, values read like for_each_position's
 // rows. Each value vector is loaded once for all the heads, and the sums stay in registers
 // across the whole context (HEADS x CHUNKS accumulators, at most 12 of AVX2's 16 registers).
-template <int HEADS, int CHUNKS>
-inline void mix_values(const Layout& l, const float* values, const int32_t* table, int64_t length,
+template <typename T, int HEADS, int CHUNKS>
+inline void mix_values(const Layout& l, const T* values, const int32_t* table, int64_t length,
                        int64_t kv, const float* p, int64_t p_stride, float* out) {
   __m256 acc[HEADS][CHUNKS];
   for (int g = 0; g < HEADS; ++g)
     for (int c = 0; c < CHUNKS; ++c) acc[g][c] = _mm256_setzero_ps();
-  for_each_position(l, values, table, length, kv, [&](int64_t t, const float* value) {
+  for_each_position(l, values, table, length, kv, [&](int64_t t, const T* value) {
     __m256 w[HEADS];
     for (int g = 0; g < HEADS; ++g) w[g] = _mm256_set1_ps(p[g * p_stride + t]);
     for (int c = 0; c < CHUNKS; ++c) {
-      const __m256 v = _mm256_loadu_ps(value + 8 * c);
+      const __m256 v = load8(value + 8 * c);
       for (int g = 0; g < HEADS; ++g) acc[g][c] = _mm256_fmadd_ps(w[g], v, acc[g][c]);
     }
   });
@@ -140,48 +155,72 @@ inline void mix_values(const Layout& l, const float* values, const int32_t* tabl
 }
 
 // mix_values for HEADS heads over a slab of `chunks` (1 to 4) vectors of 8 features.
-template <int HEADS>
-inline void mix_slab(int64_t chunks, const Layout& l, const float* values, const int32_t* table,
+template <typename T, int HEADS>
+inline void mix_slab(int64_t chunks, const Layout& l, const T* values, const int32_t* table,
                      int64_t length, int64_t kv, const float* p, int64_t p_stride, float* out) {
   switch (chunks) {
-    case 4: mix_values<HEADS, 4>(l, values, table, length, kv, p, p_stride, out); break;
-    case 3: mix_values<HEADS, 3>(l, values, table, length, kv, p, p_stride, out); break;
-    case 2: mix_values<HEADS, 2>(l, values, table, length, kv, p, p_stride, out); break;
-    default: mix_values<HEADS, 1>(l, values, table, length, kv, p, p_stride, out); break;
+    case 4: mix_values<T, HEADS, 4>(l, values, table, length, kv, p, p_stride, out); break;
+    case 3: mix_values<T, HEADS, 3>(l, values, table, length, kv, p, p_stride, out); break;
+    case 2: mix_values<T, HEADS, 2>(l, values, table, length, kv, p, p_stride, out); break;
+    default: mix_values<T, HEADS, 1>(l, values, table, length, kv, p, p_stride, out); break;
   }
 }
 
-// The eight dot products q . key[j] (j < 8, keys `stride` floats apart, d features), as one
+// The eight dot products q . key[j] (j < 8, keys `stride` values apart, d features), as one
 // vector.
-inline __m256 dot_8_keys(const float* q, const float* key, int64_t stride, int64_t d) {
+template <typename T>
+inline __m256 dot_8_keys(const float* q, const T* key, int64_t stride, int64_t d) {
   __m256 acc[8];
   for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t i = 0; i < d; i += 8) {
     const __m256 query = _mm256_loadu_ps(q + i);
-    for (int j = 0; j < 8; ++j)
-      acc[j] = _mm256_fmadd_ps(query, _mm256_loadu_ps(key + j * stride + i), acc[j]);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(query, load8(key + j * stride + i), acc[j]);
   }
   return folio::sum_each(acc);
 }
 
-// Attention of row b's query heads of KV head `kv` over its `length` cached positions; scores
-// is scratch of group * length floats.
-void attend(const Layout& l, const float* q, const float* cache, const int32_t* table,
-            int64_t length, int64_t kv, float scale, float* scores, float* out) {
+// Per-thread scratch of attend: the scores of a KV head's query heads over the longest context,
+// and those heads' queries and outputs as floats.
+struct Scratch {
+  std::vector<float> scores, q, out;
+  Scratch(const Layout& l, int64_t longest)
+      : scores(l.group * longest), q(l.group * l.head_dim), out(l.group * l.head_dim) {}
+};
+
+inline void to_floats(const float* from, int64_t n, float* to) {
+  std::memcpy(to, from, n * sizeof(float));
+}
+inline void to_floats(const bf16* from, int64_t n, float* to) {
+  for (int64_t i = 0; i < n; ++i) to[i] = static_cast<float>(from[i]);
+}
+inline void from_floats(const float* from, int64_t n, float* to) {
+  std::memcpy(to, from, n * sizeof(float));
+}
+inline void from_floats(const float* from, int64_t n, bf16* to) {
+  for (int64_t i = 0; i < n; ++i) to[i] = bf16(from[i]);  // round to nearest even
+}
+
+// Attention of one row's query heads of KV head `kv` (q, out: the row's heads) over its
+// `length` cached positions.
+template <typename T>
+void attend(const Layout& l, const T* q, const T* cache, const int32_t* table, int64_t length,
+            int64_t kv, float scale, Scratch& scratch, T* out) {
   const int64_t d = l.head_dim, group = l.group;
-  const int64_t token_floats = l.kv_heads * d;
-  const float* q0 = q + kv * group * d;
+  const int64_t token_values = l.kv_heads * d;
+  float* scores = scratch.scores.data();
+  const float* q0 = scratch.q.data();
+  to_floats(q + kv * group * d, group * d, scratch.q.data());
   const __m256 scale8 = _mm256_set1_ps(scale);
   // Scores eight positions of a block at a time, the rest one by one.
   for (int64_t first = 0, i = 0; first < length; first += l.block_size, ++i) {
-    const float* key = cache + table[i] * l.block_floats + kv * d;
+    const T* key = cache + table[i] * l.block_values + kv * d;
     const int64_t end = std::min(l.block_size, length - first);
     int64_t o = 0;
-    for (; o + 8 <= end; o += 8, key += 8 * token_floats)
+    for (; o + 8 <= end; o += 8, key += 8 * token_values)
       for (int64_t g = 0; g < group; ++g)
         _mm256_storeu_ps(scores + g * length + first + o,
-                         _mm256_mul_ps(dot_8_keys(q0 + g * d, key, token_floats, d), scale8));
-    for (; o < end; ++o, key += token_floats)
+                         _mm256_mul_ps(dot_8_keys(q0 + g * d, key, token_values, d), scale8));
+    for (; o < end; ++o, key += token_values)
       for (int64_t g = 0; g < group; ++g)
         scores[g * length + first + o] = dot(q0 + g * d, key, d) * scale;
   }
@@ -190,31 +229,59 @@ void attend(const Layout& l, const float* q, const float* cache, const int32_t* 
   for (int64_t g0 = 0; g0 < group; g0 += 3) {
     const int64_t heads = std::min<int64_t>(3, group - g0);
     const float* p = scores + g0 * length;
-    float* o = out + (kv * group + g0) * d;
+    float* o = scratch.out.data() + g0 * d;
     for (int64_t d0 = 0; d0 < d; d0 += 32) {
-      const float* values = cache + l.value_offset + d0;
+      const T* values = cache + l.value_offset + d0;
       const int64_t chunks = std::min<int64_t>(4, (d - d0) / 8);
       switch (heads) {
-        case 3: mix_slab<3>(chunks, l, values, table, length, kv, p, length, o + d0); break;
-        case 2: mix_slab<2>(chunks, l, values, table, length, kv, p, length, o + d0); break;
-        default: mix_slab<1>(chunks, l, values, table, length, kv, p, length, o + d0); break;
+        case 3: mix_slab<T, 3>(chunks, l, values, table, length, kv, p, length, o + d0); break;
+        case 2: mix_slab<T, 2>(chunks, l, values, table, length, kv, p, length, o + d0); break;
+        default: mix_slab<T, 1>(chunks, l, values, table, length, kv, p, length, o + d0); break;
       }
     }
   }
+  from_floats(scratch.out.data(), group * d, out + kv * group * d);
+}
+
+// Writes the rows' new K/V, then attends every (row, KV head) pair.
+template <typename T>
+void decode_rows(const Layout& l, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                 const at::Tensor& block_tables, const int32_t* lengths, int64_t longest,
+                 int64_t total, float scale, at::Tensor& out) {
+  const int64_t rows = q.size(0);
+  T* cache = kv_cache.data_ptr<T>();
+  write_new_tokens(l, k.data_ptr<T>(), v.data_ptr<T>(), slot_mapping.data_ptr<int64_t>(), rows,
+                   cache);
+  const T* qs = q.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  T* os = out.data_ptr<T>();
+  const int64_t pairs = rows * l.kv_heads;
+  const int64_t grain = total * l.heads < kParallelScores ? pairs : 1;
+  at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
+    Scratch scratch(l, longest);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t b = pair / l.kv_heads, kv = pair % l.kv_heads;
+      attend(l, qs + b * l.q_row, cache, tables + b * l.table_row, lengths[b], kv, scale,
+             scratch, os + b * l.heads * l.head_dim);
+    }
+  });
 }
 
 }  // namespace
 
-// q [B, H, D], k and v [B, KVH, D] (rows may be strided, each row contiguous), float32;
-// kv_cache [2, num_blocks, block_size, KVH, D] float32; slot_mapping [B] int64; block_tables
+// q [B, H, D], k and v [B, KVH, D] (rows may be strided, each row contiguous); kv_cache
+// [2, num_blocks, block_size, KVH, D]; all float32 or all bfloat16; slot_mapping [B] int64; block_tables
 // [B, max_blocks] int32; seq_lens [B] int32, each counting the new token -> [B, H, D].
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   at::Tensor kv_cache, const at::Tensor& slot_mapping,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                   double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
-                  v.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat,
-              "paged_decode_attention runs on float32 only");
+  const at::ScalarType dtype = q.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k.scalar_type() == dtype &&
+                  v.scalar_type() == dtype && kv_cache.scalar_type() == dtype,
+              "paged_decode_attention runs on float32 or bfloat16, the same for q, k, v and the "
+              "cache");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && kv_cache.dim() == 5,
               "q, k, v must be [rows, heads, head_dim], the cache 5-dimensional");
   const int64_t rows = q.size(0), d = q.size(2);
@@ -241,14 +308,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, cons
   l.q_row = q.stride(0);
   l.k_row = k.stride(0);
   l.v_row = v.stride(0);
-  l.block_floats = l.block_size * l.kv_heads * d;
-  l.value_offset = kv_cache.size(1) * l.block_floats;
+  l.block_values = l.block_size * l.kv_heads * d;
+  l.value_offset = kv_cache.size(1) * l.block_values;
   l.max_blocks = block_tables.size(1);
   l.table_row = block_tables.stride(0);
-
-  float* cache = kv_cache.data_ptr<float>();
-  write_new_tokens(l, k.data_ptr<float>(), v.data_ptr<float>(), slot_mapping.data_ptr<int64_t>(),
-                   rows, cache);
 
   const int32_t* lengths = seq_lens.data_ptr<int32_t>();
   int64_t longest = 0, total = 0;
@@ -259,19 +322,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, cons
     total += lengths[b];
   }
   at::Tensor out = at::empty({rows, l.heads, d}, q.options());
-  const float* qs = q.data_ptr<float>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  float* os = out.data_ptr<float>();
-  const int64_t pairs = rows * l.kv_heads;
-  const int64_t grain = total * l.heads < kParallelScores ? pairs : 1;
-  at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(l.group * longest);
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t b = pair / l.kv_heads, kv = pair % l.kv_heads;
-      attend(l, qs + b * l.q_row, cache, tables + b * l.table_row, lengths[b], kv,
-             static_cast<float>(scale), scores.data(), os + b * l.heads * d);
-    }
-  });
+  const float scale_f = static_cast<float>(scale);
+  if (dtype == at::kFloat)
+    decode_rows<float>(l, q, k, v, kv_cache, slot_mapping, block_tables, lengths, longest, total,
+                       scale_f, out);
+  else
+    decode_rows<bf16>(l, q, k, v, kv_cache, slot_mapping, block_tables, lengths, longest, total,
+                      scale_f, out);
   return out;
 }
 

@@ -170,9 +170,61 @@ def test_single_token_prefill_counts_as_decode():
     run_case([1, 1, 4], [1, 6, 4], num_heads=6, num_kv_heads=2, head_dim=64, block_size=4)
 
 
+@pytest.mark.parametrize("folio_kernels", KERNEL_PATHS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision(dtype):
-    run_case(**MIXED, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
+def test_half_precision(dtype, folio_kernels):
+    # bfloat16 decodes go through the kernel when it loads; float16 ones always through torch.
+    run_case(
+        **MIXED,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
+        folio_kernels=folio_kernels,
+    )
+
+
+@pytest.mark.parametrize("folio_kernels", KERNEL_PATHS)
+def test_bfloat16_decode_only_gqa_like_smollm2(folio_kernels):
+    run_case(
+        [1] * 4,
+        [300, 1, 37, 2000],
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.bfloat16,
+        folio_kernels=folio_kernels,
+    )
+
+
+@pytest.mark.skipif(not cpu_extension.load(), reason="this CPU has no AVX2 or no C++ compiler")
+def test_bfloat16_kernel_is_the_float32_kernel_rounded_once():
+    """bfloat16 inputs are widened exactly and the float32 result rounded once at the end: the
+    output is the float32 kernel's on the same values, rounded to bfloat16 (at most one unit in
+    the last place apart, where summation order moves a value across a rounding boundary)."""
+    seq_lens, block_size, num_blocks = [3, 40, 17, 200], 16, 24
+    pool = BlockPool(num_blocks, seed=2)
+    meta = build_metadata(
+        [1] * 4, seq_lens, [pool.grow([], s, block_size) for s in seq_lens], block_size
+    )
+    torch.manual_seed(3)
+    cache = torch.randn(2, num_blocks, block_size, 3, 64).bfloat16()
+    q, k, v = (torch.randn(4, heads, 64).bfloat16() for heads in (9, 3, 3))
+    kernel = torch.ops.folio_cpu_attention.paged_decode_attention
+    wide_cache = cache.float()
+    expected = kernel(q.float(), k.float(), v.float(), wide_cache, *_tables(meta), 0.125).bfloat16()
+    out = kernel(q, k, v, cache, *_tables(meta), 0.125)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(cache.float(), wide_cache)  # the same K/V written, bit for bit
+    ulp = (expected.float().abs() * 2**-7).clamp(min=2**-133)
+    assert ((out.float() - expected.float()).abs() <= ulp).all()
+    assert (out == expected).float().mean() > 0.9
+
+
+def _tables(meta):
+    return meta.slot_mapping, meta.block_tables, meta.seq_lens
 
 
 def test_prepare_invalidates_plan_for_reused_metadata():
@@ -248,7 +300,8 @@ def test_decode_step_op_reads_the_bound_step():
     q, k, v = torch.randn(3, 9, 64), torch.randn(3, 3, 64), torch.randn(3, 3, 64)
     backend = TorchAttentionBackend()
     op = backend.decode_step_op(q)
-    assert op is not None and backend.decode_step_op(q.bfloat16()) is None
+    assert backend.decode_step_op(q.bfloat16()) is not None
+    assert op is not None and backend.decode_step_op(q.half()) is None
 
     backend.prepare(meta)
     expected = backend.forward(q, k, v, expected_caches[1], meta, 0.125)
