@@ -2,8 +2,9 @@
 Folio cache directory and reused after that: the weight-only quantized matmuls (cpu_quant.cpp,
 ops torch.ops.folio_quant.int8_linear and int4_linear), the paged decode attention
 (cpu_attention.cpp, torch.ops.folio_cpu_attention.paged_decode_attention, and
-decode_step_attention for compiled decode programs), and dense linears over oneDNN-packed
-weights that compiled programs can call (cpu_linear.cpp, torch.ops.folio_linear.packed_linear).
+decode_step_attention for compiled decode programs), and dense linears that compiled programs
+can call (cpu_linear.cpp: torch.ops.folio_linear.packed_linear over oneDNN-packed weights, and
+bf16_linear, AVX-512 BF16 products over Folio's own tiles, on CPUs that have those).
 
 `load()` registers the ops and returns True, or False where they cannot run (a CPU without AVX2
 and FMA, no C++ compiler): callers then use torch's own ops. This module never quantizes weights
@@ -79,6 +80,11 @@ def _register_output_shapes() -> None:
     ) -> torch.Tensor:
         return x.new_empty(*x.shape[:-1], packed.shape[0])
 
+    def bf16_linear_shape(
+        x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], out_features)
+
     def attention_shape(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float
     ) -> torch.Tensor:
@@ -88,3 +94,4 @@ def _register_output_shapes() -> None:
     torch.library.register_fake("folio_quant::int4_linear")(int4_shape)
     torch.library.register_fake("folio_cpu_attention::decode_step_attention")(attention_shape)
     torch.library.register_fake("folio_linear::packed_linear")(packed_linear_shape)
+    torch.library.register_fake("folio_linear::bf16_linear")(bf16_linear_shape)

@@ -51,22 +51,47 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
+@dataclass
+class Bf16Tiles:
+    """A bfloat16 weight [out_features, in] in the tiles of Folio's bf16_linear op
+    (engine/kernels/cpu_linear.cpp: AVX-512 BF16 dot products)."""
+
+    tiles: torch.Tensor
+    out_features: int
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.folio_linear.bf16_linear(x, self.tiles, bias, self.out_features)
+
+
 def can_prepack(weight: torch.Tensor) -> bool:
     """oneDNN's prepacked layout for CPU matmuls, multiplied through Folio's packed_linear op
     (engine/kernels/cpu_linear.cpp: compiled decode programs can call it), so only where
-    Folio's CPU kernels load. bfloat16: about 2x faster at batch 1 and 1.1-1.2x at large
-    batches, with identical results; oneDNN refuses the layout on CPUs without native bf16
-    support (AVX2-only ones), which keep F.linear. float32: torch's F.linear calls MKL, whose
-    small-batch sgemm runs far below these AMD CPUs' bandwidth (the default model's linears at
-    8 rows: 66 ms, oneDNN's 41; its vocabulary projection 30 ms vs 8) and no faster from ~256
-    rows; results differ from MKL's by float32 rounding (summation order) only."""
+    Folio's CPU kernels load; float32 only, bfloat16 has tiles of its own (bf16_tiles). torch's
+    F.linear calls MKL, whose small-batch sgemm runs far below these AMD CPUs' bandwidth (the
+    default model's linears at 8 rows: 66 ms, oneDNN's 41; its vocabulary projection 30 ms vs
+    8) and no faster from ~256 rows; results differ from MKL's by float32 rounding (summation
+    order) only."""
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight") or not cpu_extension.load():
         return False
-    if weight.dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return weight.dtype == torch.float32
+
+
+def can_tile_bf16(weight: torch.Tensor) -> bool:
+    """Folio's bf16_linear runs on CPUs with AVX-512 BF16 (elsewhere bfloat16 is not the
+    default dtype: it is emulated there), for an even number of input features. The default
+    model's linears, measured against oneDNN's bfloat16 kernels on its prepacked weights (2
+    threads, one step's 121 products): 1 row 9.2 against 14.7 ms (1.6x; ~29 GB/s, this CPU's
+    read bandwidth), 16 rows 16.9 against 19.1, 110 rows 74.7 against 79.0, and never slower up
+    to 256 rows, so it serves every batch."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.shape[-1] % 2 == 0
+        and cpu_extension.load()
+        and torch.ops.folio_linear.cpu_has_avx512_bf16()
+    )
 
 
 def bound_cpu_kernel_caches(capacity: int) -> None:
@@ -79,19 +104,27 @@ def bound_cpu_kernel_caches(capacity: int) -> None:
         os.environ.setdefault(name, str(capacity))
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+PackedWeight = torch.Tensor | Bf16Tiles | QuantizedWeight
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor | Bf16Tiles | None:
+    """The weight in the layout the fastest CPU kernel for it reads, or None (F.linear)."""
+    if can_tile_bf16(weight):
+        return Bf16Tiles(torch.ops.folio_linear.pack_bf16_weight(weight), weight.shape[0])
     return torch.ops.mkldnn._reorder_linear_weight(weight, None) if can_prepack(weight) else None
 
 
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
-    packed: torch.Tensor | QuantizedWeight | None,
+    packed: PackedWeight | None,
     bias=None,
 ) -> torch.Tensor:
     if isinstance(packed, QuantizedWeight):
         out = packed.matmul(x)
         return out if bias is None else out.add_(bias)
+    if isinstance(packed, Bf16Tiles):
+        return packed.matmul(x, bias)
     if packed is not None:
         return torch.ops.folio_linear.packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)
@@ -115,7 +148,7 @@ class Linear(nn.Module):
         self.checkpoint_rows = checkpoint_rows
         self.weight = _empty(sum(output_sizes), in_features, dtype=dtype, device=device)
         self.bias = _empty(sum(output_sizes), dtype=dtype, device=device) if bias else None
-        self.packed: torch.Tensor | QuantizedWeight | None = None
+        self.packed: PackedWeight | None = None
 
     def finalize_weights(self, quantization: str | None = None) -> None:
         self.packed = quantize(self.weight, quantization) if quantization else prepack(self.weight)
@@ -404,7 +437,7 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else vocab_rows(config, dtype, device, tp)
         )
-        self.lm_head_packed: torch.Tensor | QuantizedWeight | None = None
+        self.lm_head_packed: PackedWeight | None = None
         self.register_buffer("rope", rope_table(config, dtype, device), persistent=False)
 
     def finalize_weights(self, quantization: str | None = None) -> None:

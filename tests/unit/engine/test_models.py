@@ -145,17 +145,19 @@ def test_half_precision_tracks_transformers(tmp_path, dtype):
 @pytest.mark.parametrize(
     ("dtype", "tolerance"), [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["f32", "bf16"]
 )
-def test_prepacked_linears_match_plain_ones(tmp_path, monkeypatch, dtype, tolerance):
-    """The oneDNN-packed path (CPU, Folio's packed_linear op) gives the logits of plain
-    F.linear, float32 within rounding."""
+def test_packed_linears_match_plain_ones(tmp_path, monkeypatch, dtype, tolerance):
+    """The CPU's packed paths (float32: oneDNN's layout through Folio's packed_linear op;
+    bfloat16: Folio's tiles through bf16_linear) give the logits of plain F.linear, within
+    rounding. The qwen2 variant has biases on q/k/v."""
     import engine.models.llama as llama
 
     make_checkpoint(tmp_path, *VARIANTS["qwen2-bias-tied"])
     prompts = [random_tokens(9, 7), random_tokens(4, 8)]
     packed_model, config = load_model(tmp_path, dtype, "cpu")
-    if not llama.can_prepack(packed_model.model.embed_tokens.weight):
-        pytest.skip(f"this torch build or CPU has no oneDNN {dtype} prepacking")
-    assert packed_model.model.layers[0].mlp.down_proj.packed is not None
+    packed_layer = packed_model.model.layers[0].self_attn.qkv_proj.packed
+    if packed_layer is None:
+        pytest.skip(f"this torch build or CPU packs no {dtype} weights")
+    assert isinstance(packed_layer, llama.Bf16Tiles) == (dtype == torch.bfloat16)
     assert packed_model.lm_head_packed is not None
     packed = Runner(packed_model, config).step([(str(i), p) for i, p in enumerate(prompts)])
     monkeypatch.setattr(llama, "prepack", lambda weight: None)
@@ -164,6 +166,34 @@ def test_prepacked_linears_match_plain_ones(tmp_path, monkeypatch, dtype, tolera
     plain = Runner(plain_model, config).step([(str(i), p) for i, p in enumerate(prompts)])
     for a, b in zip(packed, plain, strict=True):
         torch.testing.assert_close(a, b, atol=tolerance, rtol=tolerance)
+
+
+def test_bf16_tiles_compute_the_float32_product_rounded_once():
+    """bf16_linear on shapes off its tiles (outputs not a multiple of 16, 2 to 19 rows, so
+    every row and tile tail), with a bias and strided activation rows: the float32 product of
+    the same bfloat16 values, rounded once (a bfloat16 unit apart at most, from summation
+    order)."""
+    import engine.models.llama as llama
+
+    weight = torch.randn(40, 18, generator=torch.Generator().manual_seed(0)).bfloat16()
+    if not llama.can_tile_bf16(weight):
+        pytest.skip("this CPU has no AVX-512 BF16 (or Folio's kernels do not load)")
+    generator = torch.Generator().manual_seed(1)
+    bias = torch.randn(40, generator=generator).bfloat16()
+    tiles = llama.prepack(weight)
+    assert isinstance(tiles, llama.Bf16Tiles)
+    for rows in (1, 2, 7, 8, 9, 19):
+        x = torch.randn(rows, 30, generator=generator).bfloat16()[:, 5:23]  # rows 30 apart
+        out = tiles.matmul(x, bias)
+        exact = x.float() @ weight.float().t() + bias.float()
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, 40)
+        unit = exact.abs() * 2**-7 + 1e-5
+        assert ((out.float() - exact).abs() <= unit).all(), rows
+    batched = tiles.matmul(x.reshape(1, rows, 18))
+    assert batched.shape == (1, rows, 40)
+    assert torch.equal(batched[0], tiles.matmul(x))
+    with pytest.raises(RuntimeError, match="activations have 17 features, the weight 18"):
+        tiles.matmul(torch.zeros(1, 17).bfloat16())
 
 
 def test_sharded_checkpoint(tmp_path):
