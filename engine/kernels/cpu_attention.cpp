@@ -1,5 +1,7 @@
-// Paged attention of decode rows on x86 CPUs with AVX2 and FMA: row b is request b's one new
-// token, which attends to the request's whole context in the paged KV cache. q, k, v and the
+// Paged attention of decode rows on x86 CPUs with AVX2 and FMA: row b is one new token, which
+// attends to its first seq_lens[b] context positions in the paged KV cache (a decode's whole
+// context; the attention backend also passes each token of a prefill as a row, the context
+// ending at that token). q, k, v and the
 // cache are float32 or bfloat16 (all the same); the arithmetic is float32 either way, bfloat16
 // values widened as they are loaded and the output rounded to nearest even once at the end.
 //
@@ -260,7 +262,10 @@ void decode_rows(const Layout& l, const at::Tensor& q, const at::Tensor& k, cons
   const int64_t grain = total * l.heads < kParallelScores ? pairs : 1;
   at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
     Scratch scratch(l, longest);
-    for (int64_t pair = begin; pair < end; ++pair) {
+    for (int64_t i = begin; i < end; ++i) {
+      // Pairs from both ends in turn: a prefill's rows get longer one position at a time, and
+      // the threads' contiguous shares of i then hold as many long rows as short ones.
+      const int64_t pair = i % 2 == 0 ? i / 2 : pairs - 1 - i / 2;
       const int64_t b = pair / l.kv_heads, kv = pair % l.kv_heads;
       attend(l, qs + b * l.q_row, cache, tables + b * l.table_row, lengths[b], kv, scale,
              scratch, os + b * l.heads * l.head_dim);

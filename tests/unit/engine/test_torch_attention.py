@@ -148,6 +148,23 @@ def test_decode_only_gqa_like_smollm2(folio_kernels):
 
 
 @pytest.mark.parametrize("folio_kernels", KERNEL_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_prefill_and_extend(folio_kernels, dtype):
+    # Enough work for the kernel to split over threads, where each prefill token is a row of
+    # its own context length.
+    run_case(
+        [1, 120, 24],
+        [50, 120, 64],
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
+        folio_kernels=folio_kernels,
+    )
+
+
+@pytest.mark.parametrize("folio_kernels", KERNEL_PATHS)
 @pytest.mark.parametrize("head_dim", [24, 40, 48])
 def test_pairs_of_heads_and_short_head_dims(head_dim, folio_kernels):
     # Two query heads to a KV head, and head dims whose last slab of 32 features is partial.
