@@ -103,10 +103,10 @@ class TorchAttentionBackend(AttentionBackend):
             if meta.num_decodes == num_tokens:
                 tables, lengths = meta.block_tables, meta.seq_lens
             else:
-                rows = self._token_rows
-                if rows is None or rows.meta is not meta:
-                    rows = self._token_rows = _token_rows(meta)
-                tables, lengths = rows.block_tables, rows.seq_lens
+                token_rows = self._token_rows
+                if token_rows is None or token_rows.meta is not meta:
+                    token_rows = self._token_rows = _token_rows(meta)
+                tables, lengths = token_rows.block_tables, token_rows.seq_lens
             return self._decode_kernel(q, k, v, kv_cache, meta.slot_mapping, tables, lengths, scale)
 
         slots = kv_cache.view(2, -1, k.shape[1], head_dim)
