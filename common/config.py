@@ -52,7 +52,7 @@ class EngineConfig:
         "auto",
         str,
         "weights and activations; auto = bfloat16 where the device computes it natively, else "
-        "float32",
+        "float32 (float32 on a CPU with --quantization, whose kernels take it)",
         choices=DTYPES,
     )
     device: str = _arg("cpu", str, "torch device")

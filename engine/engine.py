@@ -49,7 +49,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         model_config = ModelConfig.from_dir(self.model_path)
         self.model_config = model_config
-        dtype = resolve_dtype(config.dtype, config.device)
+        dtype = resolve_dtype(config.dtype, config.device, config.quantization)
         tp_size = config.tensor_parallel_size
         check_tensor_parallel_size(
             model_config.num_attention_heads, model_config.num_key_value_heads, tp_size

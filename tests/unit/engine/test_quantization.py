@@ -148,3 +148,16 @@ def test_a_quantized_tiny_model_tracks_the_float_one(tmp_path, method, max_error
     error = relative_error(approx, exact)
     print(f"{method}: logits relative error {error:.3%}")
     assert 0 < error <= max_error
+
+
+def test_auto_dtype_of_a_quantized_cpu_model_takes_the_kernels_input():
+    """ "auto" follows the hardware (bfloat16 only where the CPU computes it natively), except
+    for a quantized model where Folio's integer kernels load: float32, which they take."""
+    from engine.model_runner import resolve_dtype
+
+    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if native_bf16 else torch.float32)
+    expected = torch.float32 if cpu_extension.load() else resolve_dtype("auto", "cpu")
+    for method in ("int8", "int4"):
+        assert resolve_dtype("auto", "cpu", method) == expected
+        assert resolve_dtype("bfloat16", "cpu", method) == torch.bfloat16
