@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -164,20 +165,24 @@ def test_smg_routes_across_two_folio_stacks_and_survives_losing_one(stacks, smg,
         assert int(worker["labels"]["max_total_tokens"]) > 0
     # The load SMG polls is the engine's: a request running on a stack (sent to it directly)
     # shows in SMG's view of that stack, and in no other.
+    # The request runs ~9 s on an idle 2-core machine (3,900 tokens of the tiny model), many of
+    # SMG's 1 s polls; SMG is asked ~5 times a second while it streams.
     busy = stacks[0]
     ended = counters(busy)["requests"]
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "Count slowly."}],
-        "max_tokens": 1900,
+        "max_tokens": 3900,
         "ignore_eos": True,
         "stream": True,
     }
     loads: dict[str, dict] = {}
     with httpx.stream("POST", busy.url + "/v1/chat/completions", json=body, timeout=TIMEOUT) as r:
         assert r.status_code == 200
-        for number, _ in enumerate(r.iter_lines()):  # read on, as a client does
-            if number % 20 == 0:
+        asked = 0.0
+        for _ in r.iter_lines():  # read on, as a client does
+            if time.monotonic() - asked > 0.2:
+                asked = time.monotonic()
                 loads = engine_loads(smg)
                 if len(loads) == 2 and loads[busy.url]["num_running_reqs"]:
                     break
