@@ -1,12 +1,12 @@
 """Attention over the paged KV cache in torch: the CPU backend.
 
-In float32 or bfloat16 with Folio's CPU kernels loaded, a layer's whole step is one call of the
-AVX2 paged decode attention (engine/kernels/cpu_attention.cpp), which writes the new K/V and
-reads the cache in place: each decode is a row, and so is each token of a prefill or extend, as
-the decode of a request whose context ends at that token (one table row and length per token,
-made once per step). That beats scaled_dot_product_attention on these CPUs at the prompt
-lengths measured (a whole prompt, SmolLM2's 9 heads, bfloat16, 2 threads: 110 tokens 0.25
-against 0.43 ms a layer, 512 tokens 4.9 against 5.5 ms).
+In float32 or bfloat16 with Folio's CPU kernels loaded, a layer's whole step is one call of
+Folio's paged attention (engine/kernels/cpu_attention.cpp), which writes the new K/V and reads
+the cache in place: decodes one query at a time, prefill and extend tokens in blocks (bfloat16
+on CPUs with AVX-512 BF16) or each as the decode of a context ending at itself. That beats
+scaled_dot_product_attention at every prompt length measured (a whole prompt, SmolLM2's 9
+heads, bfloat16, 2 threads, a layer: 110 tokens 0.18 against 0.50 ms, 512 tokens 1.6-2.4
+against 4.5-5.5, 2048 tokens 23-25 against 42-44; each token as a decode: 0.26, 3.1-4.7, 54-60).
 Otherwise, in plain torch: decodes (the first meta.num_decodes requests, one query token each)
 run together, in a few groups of similar context length to limit padding, each group's blocks
 gathered into one workspace and put through two batched matmuls; prefills and extends run one
@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -61,21 +60,9 @@ class _Plan:
     prefills: list[_PrefillPlan]
 
 
-@dataclass
-class _TokenRows:
-    """The kernel's rows for a step with prefill tokens: one per token."""
-
-    meta: AttentionMetadata
-    # [num_tokens, max_blocks] int32: each token's request's block table row.
-    block_tables: torch.Tensor
-    # [num_tokens] int32: each token's context length, itself included.
-    seq_lens: torch.Tensor
-
-
 class TorchAttentionBackend(AttentionBackend):
     def __init__(self, use_folio_kernels: bool = True) -> None:
         self._plan: _Plan | None = None
-        self._token_rows: _TokenRows | None = None
         self._workspace = torch.empty(0)
         self._decode_kernel = (
             torch.ops.folio_cpu_attention.paged_decode_attention
@@ -86,7 +73,6 @@ class TorchAttentionBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         # The runner may refill the same metadata object in place: never trust an old plan.
         self._plan = None
-        self._token_rows = None
 
     def forward(
         self,
@@ -99,15 +85,22 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         if self._decode_kernel is not None and self._kernel_fits(q):
-            # The kernel writes the new K/V itself.
+            # The kernels write the new K/V themselves.
             if meta.num_decodes == num_tokens:
-                tables, lengths = meta.block_tables, meta.seq_lens
-            else:
-                token_rows = self._token_rows
-                if token_rows is None or token_rows.meta is not meta:
-                    token_rows = self._token_rows = _token_rows(meta)
-                tables, lengths = token_rows.block_tables, token_rows.seq_lens
-            return self._decode_kernel(q, k, v, kv_cache, meta.slot_mapping, tables, lengths, scale)
+                return self._decode_kernel(
+                    q, k, v, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, scale
+                )
+            return torch.ops.folio_cpu_attention.paged_attention(
+                q,
+                k,
+                v,
+                kv_cache,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.query_start_loc,
+                meta.seq_lens,
+                scale,
+            )
 
         slots = kv_cache.view(2, -1, k.shape[1], head_dim)
         slots[0].index_copy_(0, meta.slot_mapping, k)
@@ -248,23 +241,6 @@ def _prefill(
             enable_gqa=True,
         )
     out.copy_(result[0].transpose(0, 1))
-
-
-def _token_rows(meta: AttentionMetadata) -> _TokenRows:
-    query_lens = np.array(meta.query_lens_cpu, dtype=np.int64)
-    ends = np.array(meta.seq_lens_cpu, dtype=np.int64)
-    request = np.repeat(np.arange(len(query_lens)), query_lens)
-    # Token j of request i (of q_i new tokens, context s_i) sees s_i - q_i + j + 1 positions.
-    offset_in_request = np.arange(len(request)) - np.repeat(
-        np.cumsum(query_lens) - query_lens, query_lens
-    )
-    lengths = ends[request] - query_lens[request] + offset_in_request + 1
-    index = torch.from_numpy(request).to(meta.block_tables.device)
-    return _TokenRows(
-        meta,
-        meta.block_tables.index_select(0, index),
-        torch.from_numpy(lengths.astype(np.int32)).to(meta.seq_lens.device),
-    )
 
 
 def _make_plan(meta: AttentionMetadata, q: torch.Tensor, num_kv_heads: int) -> _Plan:

@@ -1,23 +1,26 @@
-// Paged attention of decode rows on x86 CPUs with AVX2 and FMA: row b is one new token, which
-// attends to its first seq_lens[b] context positions in the paged KV cache (a decode's whole
-// context; the attention backend also passes each token of a prefill as a row, the context
-// ending at that token). q, k, v and the
-// cache are float32 or bfloat16 (all the same); the arithmetic is float32 either way, bfloat16
-// values widened as they are loaded and the output rounded to nearest even once at the end.
+// Paged attention on x86 CPUs with AVX2 and FMA, over the paged KV cache in place: one call does
+// a layer's work for a step. It writes each new token's K and V into its cache slot, then
+// attends each token to its context up to itself. q, k, v and the cache are float32 or bfloat16
+// (all the same); the arithmetic is float32, bfloat16 values widened as they are loaded and the
+// output rounded to nearest even once at the end.
 //
-// One call does a layer's work for every decode row: it writes each row's new K and V into its
-// cache slot, then, for each (row, KV head) pair, scores the pair's query heads against the
-// cached keys, read in place through the block table, takes the softmax and mixes the values.
-// Keys are scored eight positions at a time (one tree of horizontal adds for eight dot
-// products), and each value is loaded once for up to three query heads of its KV head. Work is
-// split over torch's thread pool by (row, KV head) pairs only when there is enough of it to pay
-// for the pool's wake-up. A compiled decode program calls decode_step_attention instead, which
-// reads the caches and tables of the step bound to its thread (bind_decode_step). This file
-// computes attention only; choosing it over the backend's plain torch path is
-// engine/attention/torch_backend.py's job.
+// - paged_decode_attention: one query token a request (a decode-only step). For each (row, KV
+//   head) pair, the pair's query heads are scored against the cached keys, read through the
+//   block table, eight positions at a time (one tree of horizontal adds for eight dot
+//   products); then the softmax, and the values mixed, each loaded once for up to three query
+//   heads. A compiled decode program calls decode_step_attention instead, which reads the
+//   caches and tables of the step bound to its thread (bind_decode_step).
+// - paged_attention: any step. Decodes as above; a prefill's or extend's tokens in bfloat16 on
+//   CPUs with AVX-512 BF16 in blocks (see "Prefill blocks" below), otherwise each token as a
+//   decode whose context ends at itself.
+//
+// Work is split over torch's thread pool only when there is enough of it to pay for the pool's
+// wake-up. This file computes attention only; choosing it over the backend's plain torch path
+// is engine/attention/torch_backend.py's job.
 
 #include <immintrin.h>
 #include "avx2.h"
+#include "bf16_tiles.h"
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -28,6 +31,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -245,48 +251,191 @@ void attend(const Layout& l, const T* q, const T* cache, const int32_t* table, i
   from_floats(scratch.out.data(), group * d, out + kv * group * d);
 }
 
-// Writes the rows' new K/V, then attends every (row, KV head) pair.
+// ---- Prefill blocks: bfloat16 on CPUs with AVX-512 BF16 ----
+// A prefill's tokens attend a block of kQueryBlock tokens at a time per KV head: the block's
+// query heads (tokens x group rows) times the context's keys, and the probabilities times its
+// values, as two products over bf16_tiles.h's tiles, into which each (request, KV head)'s
+// context is packed once per call: keys as tiles of 16 positions (pairs of features), values
+// as tiles of 16 features (pairs of positions). Scores and the softmax stay float32; the
+// probabilities are rounded to bfloat16 for the second product, as bfloat16 attention on GPUs
+// does.
+
+constexpr int64_t kQueryBlock = 8;  // tokens of a query block
+
+// One (request, KV head)'s context, packed.
+struct PackedContext {
+  uint16_t* keys;        // ceil(length / 16) tiles of 16 positions x head_dim / 2 pairs
+  uint16_t* values;      // head_dim / 16 tiles of 16 features x value_pairs pairs of positions
+  int64_t value_pairs;   // ceil(length / 2)
+};
+
+inline int64_t packed_keys_size(int64_t length, int64_t d) {
+  return (length + folio::kTileRows - 1) / folio::kTileRows * folio::kTileRows * d;
+}
+inline int64_t packed_values_size(int64_t length, int64_t d) { return (length + 1) / 2 * 2 * d; }
+
+void pack_context(const Layout& l, const bf16* cache, const int32_t* table, int64_t length,
+                  int64_t kv, const PackedContext& to) {
+  const int64_t d = l.head_dim, half = d / 2, tile = folio::kTileRows;
+  uint32_t* keys = reinterpret_cast<uint32_t*>(to.keys);  // pairs of features as one word
+  for_each_position(l, cache, table, length, kv, [&](int64_t t, const bf16* key) {
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(key);
+    uint32_t* column = keys + (t / tile) * half * tile + t % tile;
+    for (int64_t p = 0; p < half; ++p) column[p * tile] = pairs[p];
+  });
+  for (int64_t t = length; t % tile != 0; ++t)  // the last tile's missing positions
+    for (int64_t p = 0; p < half; ++p) keys[(t / tile) * half * tile + p * tile + t % tile] = 0;
+  uint16_t* values = to.values;
+  const int64_t tile_values = to.value_pairs * 2 * tile;
+  const auto put = [&](int64_t t, const uint16_t* value) {
+    for (int64_t f = 0; f < d; ++f)
+      values[(f / tile) * tile_values + (t / 2) * 2 * tile + 2 * (f % tile) + t % 2] =
+          value == nullptr ? 0 : value[f];
+  };
+  for_each_position(l, cache + l.value_offset, table, length, kv, [&](int64_t t, const bf16* v) {
+    put(t, reinterpret_cast<const uint16_t*>(v));
+  });
+  if (length % 2 != 0) put(length, nullptr);
+}
+
+// Scores of rows m0 + m against positions of tiles t0 + n, scaled.
+struct StoreScores {
+  float* scores;
+  int64_t stride;
+  float scale;
+  int64_t m0, t0;
+  FOLIO_AVX512_BF16 void operator()(int m, int n, __m512 sums) const {
+    _mm512_storeu_ps(scores + (m0 + m) * stride + (t0 + n) * folio::kTileRows,
+                     _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
+  }
+};
+
+// Output features of tiles t0 + n of rows m0 + m, each row where `row_out` says.
+struct StoreRows {
+  uint16_t* out;
+  const int64_t* row_out;
+  int64_t m0, t0;
+  FOLIO_AVX512_BF16 void operator()(int m, int n, __m512 sums) const {
+    folio::store_bf16(out + row_out[m0 + m] + (t0 + n) * folio::kTileRows, sums,
+                      folio::kTileRows);
+  }
+};
+
+// to[0 .. padded) = from[0 .. valid) as bfloat16, then zeros.
+FOLIO_AVX512_BF16 void probabilities_bf16(const float* from, int64_t valid, int64_t padded,
+                                          uint16_t* to) {
+  for (int64_t t = 0; t < padded; t += 16) {
+    const int64_t n = std::min<int64_t>(16, padded - t);
+    const int64_t live = std::clamp<int64_t>(valid - t, 0, 16);
+    const __m512 p = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << live) - 1), from + t);
+    folio::store_bf16(to + t, p, n);
+  }
+}
+
+struct BlockScratch {
+  std::vector<uint16_t> q, probabilities;
+  std::vector<float> scores;
+  std::vector<int64_t> row_out;
+  BlockScratch(const Layout& l, int64_t longest)
+      : q(kQueryBlock * l.group * l.head_dim),
+        probabilities(kQueryBlock * l.group * (longest + 2)),
+        scores(kQueryBlock * l.group * (longest + folio::kTileRows)),
+        row_out(kQueryBlock * l.group) {}
+};
+
+// Attention of `tokens` consecutive tokens of one request (the first at flat index token0, its
+// context first_length positions long, each next one a position longer) for KV head kv's
+// query heads.
+void attend_block(const Layout& l, const bf16* q, int64_t token0, int64_t tokens,
+                  int64_t first_length, const PackedContext& context, int64_t kv, float scale,
+                  BlockScratch& s, bf16* out) {
+  const int64_t d = l.head_dim, group = l.group, rows = tokens * group;
+  const int64_t length = first_length + tokens - 1, tile = folio::kTileRows;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t head = (token0 + r / group) * l.heads + kv * group + r % group;
+    std::memcpy(s.q.data() + r * d, q + (token0 + r / group) * l.q_row + (kv * group + r % group) * d,
+                d * sizeof(bf16));
+    s.row_out[r] = head * d;
+  }
+  const int64_t key_tiles = (length + tile - 1) / tile, stride = key_tiles * tile;
+  for (int64_t t0 = 0; t0 < key_tiles; t0 += 2)
+    for (int64_t m0 = 0; m0 < rows; m0 += 8)
+      folio::multiply_tiles_upto<2, 8>(std::min<int64_t>(2, key_tiles - t0),
+                                       std::min<int64_t>(8, rows - m0), s.q.data() + m0 * d, d,
+                                       context.keys + t0 * tile * d, tile * d, d / 2, nullptr,
+                                       StoreScores{s.scores.data(), stride, scale, m0, t0});
+  const int64_t pairs = (length + 1) / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = s.scores.data() + r * stride;
+    const int64_t valid = first_length + r / group;
+    softmax(row, valid);
+    probabilities_bf16(row, valid, 2 * pairs, s.probabilities.data() + r * 2 * pairs);
+  }
+  const int64_t value_tiles = d / tile, tile_values = context.value_pairs * 2 * tile;
+  for (int64_t t0 = 0; t0 < value_tiles; t0 += 4)
+    for (int64_t m0 = 0; m0 < rows; m0 += 4)
+      folio::multiply_tiles_upto<4, 4>(
+          std::min<int64_t>(4, value_tiles - t0), std::min<int64_t>(4, rows - m0),
+          s.probabilities.data() + m0 * 2 * pairs, 2 * pairs, context.values + t0 * tile_values,
+          tile_values, pairs, nullptr,
+          StoreRows{reinterpret_cast<uint16_t*>(out), s.row_out.data(), m0, t0});
+}
+
+// ---- One call's work ----
+
+// A piece of a call's work: query tokens first_token .. first_token + tokens of one request
+// (flat indices) for KV head kv, the first seeing first_length positions. One token goes
+// through attend; a prefill block (tokens > 1) through attend_block over `context`.
+struct Item {
+  int64_t request, kv, first_token, tokens, first_length;
+  const PackedContext* context;
+};
+
+// Does every item, the tokens' new K/V already in the cache.
 template <typename T>
-void decode_rows(const Layout& l, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                 at::Tensor& kv_cache, const at::Tensor& slot_mapping,
-                 const at::Tensor& block_tables, const int32_t* lengths, int64_t longest,
-                 int64_t total, float scale, at::Tensor& out) {
-  const int64_t rows = q.size(0);
-  T* cache = kv_cache.data_ptr<T>();
-  write_new_tokens(l, k.data_ptr<T>(), v.data_ptr<T>(), slot_mapping.data_ptr<int64_t>(), rows,
-                   cache);
+void attend_items(const Layout& l, const at::Tensor& q, const at::Tensor& kv_cache,
+                  const int32_t* tables, const std::vector<Item>& items, int64_t longest,
+                  int64_t total, float scale, at::Tensor& out) {
+  const T* cache = kv_cache.data_ptr<T>();
   const T* qs = q.data_ptr<T>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
   T* os = out.data_ptr<T>();
-  const int64_t pairs = rows * l.kv_heads;
-  const int64_t grain = total * l.heads < kParallelScores ? pairs : 1;
-  at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
+  const int64_t count = items.size();
+  const int64_t grain = total * l.heads < kParallelScores ? count : 1;
+  at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
     Scratch scratch(l, longest);
+    std::optional<BlockScratch> blocks;
     for (int64_t i = begin; i < end; ++i) {
-      // Pairs from both ends in turn: a prefill's rows get longer one position at a time, and
-      // the threads' contiguous shares of i then hold as many long rows as short ones.
-      const int64_t pair = i % 2 == 0 ? i / 2 : pairs - 1 - i / 2;
-      const int64_t b = pair / l.kv_heads, kv = pair % l.kv_heads;
-      attend(l, qs + b * l.q_row, cache, tables + b * l.table_row, lengths[b], kv, scale,
-             scratch, os + b * l.heads * l.head_dim);
+      // Items from both ends in turn: a prefill's tokens see one position more each, and the
+      // threads' contiguous shares of i then hold as many long items as short ones.
+      const Item& item = items[i % 2 == 0 ? i / 2 : count - 1 - i / 2];
+      const int32_t* table = tables + item.request * l.table_row;
+      if (item.context == nullptr) {
+        const int64_t b = item.first_token;
+        attend(l, qs + b * l.q_row, cache, table, item.first_length, item.kv, scale, scratch,
+               os + b * l.heads * l.head_dim);
+      } else if constexpr (std::is_same_v<T, bf16>) {
+        if (!blocks) blocks.emplace(l, longest);
+        attend_block(l, qs, item.first_token, item.tokens, item.first_length, *item.context,
+                     item.kv, scale, *blocks, os);
+      }
     }
   });
 }
 
 }  // namespace
 
-// q [B, H, D], k and v [B, KVH, D] (rows may be strided, each row contiguous); kv_cache
-// [2, num_blocks, block_size, KVH, D]; all float32 or all bfloat16; slot_mapping [B] int64; block_tables
-// [B, max_blocks] int32; seq_lens [B] int32, each counting the new token -> [B, H, D].
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  at::Tensor kv_cache, const at::Tensor& slot_mapping,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                  double scale) {
+namespace {
+
+// The layout of a call's tensors, checked: q [N, H, D], k and v [N, KVH, D] (rows may be
+// strided, each row contiguous); kv_cache [2, num_blocks, block_size, KVH, D]; all float32 or
+// all bfloat16; slot_mapping [N] int64; block_tables [requests, max_blocks] int32.
+Layout check_layout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                    const at::Tensor& block_tables) {
   const at::ScalarType dtype = q.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k.scalar_type() == dtype &&
                   v.scalar_type() == dtype && kv_cache.scalar_type() == dtype,
-              "paged_decode_attention runs on float32 or bfloat16, the same for q, k, v and the "
-              "cache");
+              "paged attention runs on float32 or bfloat16, the same for q, k, v and the cache");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && kv_cache.dim() == 5,
               "q, k, v must be [rows, heads, head_dim], the cache 5-dimensional");
   const int64_t rows = q.size(0), d = q.size(2);
@@ -294,14 +443,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, cons
   for (const at::Tensor* t : {&q, &k, &v})
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == d, "q, k and v rows must be contiguous");
   TORCH_CHECK(kv_cache.is_contiguous() && block_tables.stride(1) == 1 &&
-                  slot_mapping.is_contiguous() && seq_lens.is_contiguous(),
-              "the cache, slot_mapping, seq_lens and each block table row must be contiguous");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && block_tables.scalar_type() == at::kInt &&
-                  seq_lens.scalar_type() == at::kInt,
-              "slot_mapping is int64, block_tables and seq_lens int32");
-  TORCH_CHECK(k.size(0) == rows && v.size(0) == rows && slot_mapping.size(0) >= rows &&
-                  block_tables.size(0) >= rows && seq_lens.size(0) >= rows,
-              "one K, V, slot, block table and length per decode row");
+                  slot_mapping.is_contiguous(),
+              "the cache, slot_mapping and each block table row must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && block_tables.scalar_type() == at::kInt,
+              "slot_mapping is int64, block_tables int32");
+  TORCH_CHECK(k.size(0) == rows && v.size(0) == rows && slot_mapping.size(0) >= rows,
+              "one K, V and slot per query token");
   Layout l;
   l.heads = q.size(1);
   l.kv_heads = kv_cache.size(3);
@@ -317,24 +464,138 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, cons
   l.value_offset = kv_cache.size(1) * l.block_values;
   l.max_blocks = block_tables.size(1);
   l.table_row = block_tables.stride(0);
+  return l;
+}
 
+void write_tokens(const Layout& l, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& slot_mapping, at::Tensor& kv_cache) {
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  if (kv_cache.scalar_type() == at::kFloat)
+    write_new_tokens(l, k.data_ptr<float>(), v.data_ptr<float>(), slots, k.size(0),
+                     kv_cache.data_ptr<float>());
+  else
+    write_new_tokens(l, k.data_ptr<bf16>(), v.data_ptr<bf16>(), slots, k.size(0),
+                     kv_cache.data_ptr<bf16>());
+}
+
+at::Tensor run_items(const Layout& l, const at::Tensor& q, const at::Tensor& kv_cache,
+                     const at::Tensor& block_tables, const std::vector<Item>& items,
+                     int64_t longest, int64_t total, double scale) {
+  at::Tensor out = at::empty({q.size(0), l.heads, l.head_dim}, q.options());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const float scale_f = static_cast<float>(scale);
+  if (q.scalar_type() == at::kFloat)
+    attend_items<float>(l, q, kv_cache, tables, items, longest, total, scale_f, out);
+  else
+    attend_items<bf16>(l, q, kv_cache, tables, items, longest, total, scale_f, out);
+  return out;
+}
+
+void check_length(const Layout& l, int64_t request, int64_t length) {
+  TORCH_CHECK(length >= 1 && length <= l.max_blocks * l.block_size, "request ", request,
+              " has context length ", length, ", outside its block table");
+}
+
+}  // namespace
+
+// Decode rows: row b of q is request b's one new token; seq_lens [B] int32, each counting the
+// new token -> [B, H, D].
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  at::Tensor kv_cache, const at::Tensor& slot_mapping,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                  double scale) {
+  const Layout l = check_layout(q, k, v, kv_cache, slot_mapping, block_tables);
+  const int64_t rows = q.size(0);
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
+                  block_tables.size(0) >= rows && seq_lens.size(0) >= rows,
+              "one block table and int32 length per decode row");
   const int32_t* lengths = seq_lens.data_ptr<int32_t>();
+  std::vector<Item> items;
+  items.reserve(rows * l.kv_heads);
   int64_t longest = 0, total = 0;
   for (int64_t b = 0; b < rows; ++b) {
-    TORCH_CHECK(lengths[b] >= 1 && lengths[b] <= l.max_blocks * l.block_size,
-                "decode row ", b, " has context length ", lengths[b], ", outside its block table");
+    check_length(l, b, lengths[b]);
     longest = std::max<int64_t>(longest, lengths[b]);
     total += lengths[b];
+    for (int64_t kv = 0; kv < l.kv_heads; ++kv) items.push_back({b, kv, b, 1, lengths[b], nullptr});
   }
-  at::Tensor out = at::empty({rows, l.heads, d}, q.options());
-  const float scale_f = static_cast<float>(scale);
-  if (dtype == at::kFloat)
-    decode_rows<float>(l, q, k, v, kv_cache, slot_mapping, block_tables, lengths, longest, total,
-                       scale_f, out);
-  else
-    decode_rows<bf16>(l, q, k, v, kv_cache, slot_mapping, block_tables, lengths, longest, total,
-                      scale_f, out);
-  return out;
+  write_tokens(l, k, v, slot_mapping, kv_cache);
+  return run_items(l, q, kv_cache, block_tables, items, longest, total, scale);
+}
+
+// Any step: request i's tokens are rows query_start_loc[i] .. query_start_loc[i + 1] of q
+// ([R + 1] int32), its context seq_lens[i] positions after them ([R] int32), the new tokens
+// last; each token sees the context up to itself -> [N, H, D].
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           at::Tensor kv_cache, const at::Tensor& slot_mapping,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, double scale) {
+  const Layout l = check_layout(q, k, v, kv_cache, slot_mapping, block_tables);
+  const int64_t requests = seq_lens.size(0);
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
+                  seq_lens.is_contiguous() && query_start_loc.is_contiguous() &&
+                  query_start_loc.size(0) == requests + 1 && block_tables.size(0) >= requests,
+              "int32 query_start_loc [R + 1] and seq_lens [R], and a block table per request");
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lengths = seq_lens.data_ptr<int32_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[requests] == q.size(0),
+              "query_start_loc must run from 0 to the number of query tokens");
+  const bool blocks = q.scalar_type() == at::kBFloat16 && folio::cpu_has_avx512_bf16() &&
+                      l.head_dim % folio::kTileRows == 0;
+  // Where each prefill request's packed contexts go.
+  std::vector<int64_t> packed_at(requests, -1);
+  int64_t packed_size = 0;
+  for (int64_t i = 0; i < requests; ++i) {
+    const int64_t query = starts[i + 1] - starts[i];
+    TORCH_CHECK(query >= 1 && lengths[i] >= query, "request ", i, " has ", query,
+                " query tokens and a context of ", lengths[i]);
+    check_length(l, i, lengths[i]);
+    if (blocks && query > 1) {
+      packed_at[i] = packed_size;
+      packed_size += l.kv_heads * (packed_keys_size(lengths[i], l.head_dim) +
+                                   packed_values_size(lengths[i], l.head_dim));
+    }
+  }
+  at::Tensor packed = at::empty({packed_size}, q.options());
+  uint16_t* packed_data = reinterpret_cast<uint16_t*>(packed.data_ptr());
+  std::vector<PackedContext> contexts;
+  std::vector<std::pair<int64_t, int64_t>> to_pack;  // (request, kv head) of each context
+  contexts.reserve(requests * l.kv_heads);  // never reallocated: items point into it
+  std::vector<Item> items;
+  int64_t longest = 0, total = 0;
+  for (int64_t i = 0; i < requests; ++i) {
+    const int64_t first = starts[i], query = starts[i + 1] - first;
+    const int64_t cached = lengths[i] - query;
+    longest = std::max<int64_t>(longest, lengths[i]);
+    total += query * cached + query * (query + 1) / 2;
+    for (int64_t kv = 0; kv < l.kv_heads; ++kv) {
+      if (packed_at[i] < 0) {
+        for (int64_t j = 0; j < query; ++j)
+          items.push_back({i, kv, first + j, 1, cached + j + 1, nullptr});
+        continue;
+      }
+      const int64_t keys = packed_keys_size(lengths[i], l.head_dim);
+      const int64_t values = packed_values_size(lengths[i], l.head_dim);
+      uint16_t* at = packed_data + packed_at[i] + kv * (keys + values);
+      contexts.push_back({at, at + keys, (lengths[i] + 1) / 2});
+      to_pack.emplace_back(i, kv);
+      for (int64_t j = 0; j < query; j += kQueryBlock)
+        items.push_back({i, kv, first + j, std::min<int64_t>(kQueryBlock, query - j),
+                         cached + j + 1, &contexts.back()});
+    }
+  }
+  write_tokens(l, k, v, slot_mapping, kv_cache);  // before any context is packed
+  if (!to_pack.empty()) {
+    const bf16* cache = kv_cache.data_ptr<bf16>();
+    const int32_t* tables = block_tables.data_ptr<int32_t>();
+    at::parallel_for(0, to_pack.size(), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) {
+        const auto [i, kv] = to_pack[c];
+        pack_context(l, cache, tables + i * l.table_row, lengths[i], kv, contexts[c]);
+      }
+    });
+  }
+  return run_items(l, q, kv_cache, block_tables, items, longest, total, scale);
 }
 
 namespace {
@@ -374,6 +635,9 @@ TORCH_LIBRARY(folio_cpu_attention, library) {
       "paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
   library.def(
+      "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor");
+  library.def(
       "decode_step_attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor");
   library.def(
       "bind_decode_step(Tensor[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
@@ -383,6 +647,7 @@ TORCH_LIBRARY(folio_cpu_attention, library) {
 
 TORCH_LIBRARY_IMPL(folio_cpu_attention, CPU, library) {
   library.impl("paged_decode_attention", &paged_decode_attention);
+  library.impl("paged_attention", &paged_attention);
   library.impl("decode_step_attention", &decode_step_attention);
   library.impl("bind_decode_step", &bind_decode_step);
 }

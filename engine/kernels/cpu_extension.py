@@ -1,8 +1,9 @@
 """Loads Folio's AVX2 CPU kernels as one torch extension, compiled once per machine into the
 Folio cache directory and reused after that: the weight-only quantized matmuls (cpu_quant.cpp,
-ops torch.ops.folio_quant.int8_linear and int4_linear), the paged decode attention
-(cpu_attention.cpp, torch.ops.folio_cpu_attention.paged_decode_attention, and
-decode_step_attention for compiled decode programs), and dense linears that compiled programs
+ops torch.ops.folio_quant.int8_linear and int4_linear), paged attention (cpu_attention.cpp,
+torch.ops.folio_cpu_attention.paged_attention for any step, paged_decode_attention for
+decode-only ones, and decode_step_attention for compiled decode programs), and dense linears
+that compiled programs
 can call (cpu_linear.cpp: torch.ops.folio_linear.packed_linear over oneDNN-packed weights, and
 bf16_linear, AVX-512 BF16 products over Folio's own tiles, on CPUs that have those).
 

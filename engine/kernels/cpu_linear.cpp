@@ -14,6 +14,7 @@
 // Choosing between them, and packing, is engine/models/llama.py's job.
 
 #include <immintrin.h>
+#include "bf16_tiles.h"
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -27,8 +28,6 @@
 #include <optional>
 #include <vector>
 
-// Only these functions use AVX-512: the rest of the extension must run on AVX2-only CPUs.
-#define FOLIO_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 namespace {
 
@@ -43,21 +42,17 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
   return stack.back().toTensor();
 }
 
-constexpr int64_t kTileRows = 16;  // output rows of a tile: one vector of float32 sums
+using folio::kTileRows;
+
 // A block of 2 tiles x 8 activation rows (16 sums in registers) measured best from 4 rows up
 // (against 4 x 4, 3 x 8, 4 x 6, 1 x 16, 2 x 12 on the default model's shapes) and no worse at 1.
 constexpr int kTilesPerBlock = 2;  // tiles a thread multiplies together
 constexpr int kRowsPerBlock = 8;   // activation rows multiplied together
 
-bool cpu_has_avx512_bf16() {
-  static const bool supported = __builtin_cpu_supports("avx512bf16") &&
-                                __builtin_cpu_supports("avx512bw") &&
-                                __builtin_cpu_supports("avx512vl");
-  return supported;
-}
+bool cpu_has_avx512_bf16() { return folio::cpu_has_avx512_bf16(); }
 
-// weight [out, in] bfloat16, in even -> [ceil(out / 16), in / 2, 32]: tile t, pair p holds
-// (weight[16 t + j][2 p], weight[16 t + j][2 p + 1]) for j < 16; rows past `out` are zero.
+// weight [out, in] bfloat16, in even -> [ceil(out / 16), in / 2, 32] (bf16_tiles.h's tiles);
+// rows past `out` are zero.
 at::Tensor pack_bf16_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
               "pack_bf16_weight takes a 2-d bfloat16 weight");
@@ -79,76 +74,20 @@ at::Tensor pack_bf16_weight(const at::Tensor& weight) {
   return packed;
 }
 
-struct Bf16Product {
-  const uint16_t* x;  // [rows, in] activations
-  int64_t x_row;      // their row stride
-  const uint16_t* w;  // packed tiles
-  int64_t pairs;      // in / 2
-  const uint16_t* bias;
-  uint16_t* y;  // [rows, out]
+// Output rows m0 + m, tiles t0 + n: plus the bias, rounded to bfloat16, the tile's valid
+// columns stored.
+struct StoreOutputs {
+  uint16_t* y;
   int64_t out;
-  int64_t rows;
-};
-
-// Rows m0 .. m0 + ROWS of tiles t0 .. t0 + TILES.
-template <int TILES, int ROWS>
-FOLIO_AVX512_BF16 void multiply_block(const Bf16Product& a, int64_t t0, int64_t m0) {
-  __m512 acc[ROWS][TILES];
-  for (int m = 0; m < ROWS; ++m)
-    for (int n = 0; n < TILES; ++n) acc[m][n] = _mm512_setzero_ps();
-  const int64_t tile_values = a.pairs * 2 * kTileRows;
-  const uint16_t* w = a.w + t0 * tile_values;
-  const uint16_t* x = a.x + m0 * a.x_row;
-  // Rows past the first block reread these tiles from L2; meanwhile the next tiles come in.
-  const uint16_t* next = m0 + ROWS < a.rows ? w + TILES * tile_values : nullptr;
-  for (int64_t p = 0; p < a.pairs; ++p) {
-    if (next != nullptr)
-      for (int n = 0; n < TILES; ++n)
-        _mm_prefetch(reinterpret_cast<const char*>(next + n * tile_values + p * 2 * kTileRows),
-                     _MM_HINT_T1);
-    __m512bh tile[TILES];
-    for (int n = 0; n < TILES; ++n)
-      tile[n] = (__m512bh)_mm512_loadu_si512(w + n * tile_values + p * 2 * kTileRows);
-    for (int m = 0; m < ROWS; ++m) {
-      int32_t pair;
-      __builtin_memcpy(&pair, x + m * a.x_row + 2 * p, sizeof(pair));
-      const __m512bh activations = (__m512bh)_mm512_set1_epi32(pair);
-      for (int n = 0; n < TILES; ++n)
-        acc[m][n] = _mm512_dpbf16_ps(acc[m][n], tile[n], activations);
-    }
-  }
-  for (int n = 0; n < TILES; ++n) {
+  const uint16_t* bias;
+  int64_t m0, t0;
+  FOLIO_AVX512_BF16 void operator()(int m, int n, __m512 sums) const {
     const int64_t first = (t0 + n) * kTileRows;
-    const int64_t valid = std::min<int64_t>(kTileRows, a.out - first);
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-    __m512 bias = _mm512_setzero_ps();
-    if (a.bias != nullptr) {
-      const __m256i halves = _mm256_maskz_loadu_epi16(mask, a.bias + first);
-      bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
-    }
-    for (int m = 0; m < ROWS; ++m) {
-      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m][n], bias));
-      _mm256_mask_storeu_epi16(a.y + (m0 + m) * a.out + first, mask, (__m256i)rounded);
-    }
+    const int64_t valid = std::min<int64_t>(kTileRows, out - first);
+    if (bias != nullptr) sums = _mm512_add_ps(sums, folio::load_bf16(bias + first, valid));
+    folio::store_bf16(y + (m0 + m) * out + first, sums, valid);
   }
-}
-
-// multiply_block for `rows` (1 to ROWS) rows, each count its own unrolled code.
-template <int TILES, int ROWS = kRowsPerBlock>
-void multiply_rows(const Bf16Product& a, int64_t t0, int64_t m0, int64_t rows) {
-  if constexpr (ROWS > 1) {
-    if (rows < ROWS) return multiply_rows<TILES, ROWS - 1>(a, t0, m0, rows);
-  }
-  multiply_block<TILES, ROWS>(a, t0, m0);
-}
-
-template <int TILES = kTilesPerBlock>
-void multiply_tiles(const Bf16Product& a, int64_t tiles, int64_t t0, int64_t m0, int64_t rows) {
-  if constexpr (TILES > 1) {
-    if (tiles < TILES) return multiply_tiles<TILES - 1>(a, tiles, t0, m0, rows);
-  }
-  multiply_rows<TILES>(a, t0, m0, rows);
-}
+};
 
 // x [..., in] bfloat16 @ weight.T (+ bias [out]) -> [..., out] bfloat16, for a weight packed by
 // pack_bf16_weight with `out` real output rows.
@@ -176,24 +115,29 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed,
     TORCH_CHECK(bias_values.scalar_type() == at::kBFloat16 && bias_values.numel() == out,
                 "bf16_linear: the bias must be bfloat16 with one value per output");
   }
-  const Bf16Product a{reinterpret_cast<const uint16_t*>(flat.data_ptr<at::BFloat16>()),
-                      flat.stride(0),
-                      reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
-                      in / 2,
-                      bias.has_value()
-                          ? reinterpret_cast<const uint16_t*>(bias_values.data_ptr<at::BFloat16>())
-                          : nullptr,
-                      reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
-                      out,
-                      rows};
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(flat.data_ptr<at::BFloat16>());
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const uint16_t* bias_data =
+      bias.has_value() ? reinterpret_cast<const uint16_t*>(bias_values.data_ptr<at::BFloat16>())
+                       : nullptr;
+  uint16_t* ys = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t pairs = in / 2, tile_values = pairs * 2 * kTileRows;
   const int64_t tiles = packed.size(0);
   const int64_t blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
+  // Each thread streams its share of the tiles once per block of activation rows: rows past
+  // the first block reread them from L2, while the next tiles come in.
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
       const int64_t t0 = block * kTilesPerBlock;
       const int64_t count = std::min<int64_t>(kTilesPerBlock, tiles - t0);
-      for (int64_t m0 = 0; m0 < rows; m0 += kRowsPerBlock)
-        multiply_tiles(a, count, t0, m0, std::min<int64_t>(kRowsPerBlock, rows - m0));
+      const uint16_t* tiles_here = w + t0 * tile_values;
+      for (int64_t m0 = 0; m0 < rows; m0 += kRowsPerBlock) {
+        const int64_t block_rows = std::min<int64_t>(kRowsPerBlock, rows - m0);
+        const uint16_t* next = m0 + block_rows < rows ? tiles_here + count * tile_values : nullptr;
+        folio::multiply_tiles_upto<kTilesPerBlock, kRowsPerBlock>(
+            count, block_rows, xs + m0 * flat.stride(0), flat.stride(0), tiles_here, tile_values,
+            pairs, next, StoreOutputs{ys, out, bias_data, m0, t0});
+      }
     }
   });
   return y;

@@ -165,17 +165,37 @@ def test_long_prefill_and_extend(folio_kernels, dtype):
 
 
 @pytest.mark.parametrize("folio_kernels", KERNEL_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [24, 40, 48])
-def test_pairs_of_heads_and_short_head_dims(head_dim, folio_kernels):
-    # Two query heads to a KV head, and head dims whose last slab of 32 features is partial.
+def test_pairs_of_heads_and_short_head_dims(head_dim, dtype, folio_kernels):
+    # Two query heads to a KV head, and head dims whose last slab of 32 features is partial;
+    # in bfloat16, 48 features make whole tiles of 16 for prefill blocks, 24 and 40 do not.
     run_case(
         **MIXED,
         num_heads=4,
         num_kv_heads=2,
         head_dim=head_dim,
         block_size=16,
+        dtype=dtype,
         folio_kernels=folio_kernels,
     )
+
+
+@pytest.mark.skipif(not cpu_extension.load(), reason="this CPU has no AVX2 or no C++ compiler")
+def test_paged_attention_names_bad_step_tables():
+    block_size, num_blocks = 16, 4
+    pool = BlockPool(num_blocks, seed=3)
+    meta = build_metadata([3, 1], [3, 9], [pool.grow([], s, block_size) for s in (3, 9)], 16)
+    cache = torch.zeros(2, num_blocks, block_size, 2, 64)
+    q, k, v = torch.randn(4, 4, 64), torch.randn(4, 2, 64), torch.randn(4, 2, 64)
+    op = torch.ops.folio_cpu_attention.paged_attention
+    tables = (meta.slot_mapping, meta.block_tables)
+    with pytest.raises(RuntimeError, match="query_start_loc must run from 0 to the number"):
+        op(q, k, v, cache, *tables, torch.tensor([0, 3, 5], dtype=torch.int32), meta.seq_lens, 1.0)
+    with pytest.raises(RuntimeError, match="request 0 has 3 query tokens and a context of 2"):
+        op(q, k, v, cache, *tables, meta.query_start_loc, torch.tensor([2, 9]).int(), 1.0)
+    with pytest.raises(RuntimeError, match="request 1 has context length 99, outside its block"):
+        op(q, k, v, cache, *tables, meta.query_start_loc, torch.tensor([3, 99]).int(), 1.0)
 
 
 def test_prefill_only():
