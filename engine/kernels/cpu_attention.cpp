@@ -140,38 +140,44 @@ inline void for_each_position(const Layout& l, const T* cache, const int32_t* ta
   }
 }
 
-// For query heads g < HEADS of one KV head: out[g * head_dim + 8 c ..] = sum over t < length of
-// p[g * p_stride + t] * values[t][8 c ..], c < CHUNKS, values read like for_each_position's
-// rows. Each value vector is loaded once for all the heads, and the sums stay in registers
-// across the whole context (HEADS x CHUNKS accumulators, at most 12 of AVX2's 16 registers).
+// For query heads g < HEADS of one KV head: out[g * head_dim + 8 c ..] += sum over t < count
+// of p[g * p_stride + t] * values[t * stride + 8 c ..], c < CHUNKS: one block's positions. Each
+// value vector is loaded once for all the heads, and the sums stay in registers over the block
+// (HEADS x CHUNKS accumulators, at most 12 of AVX2's 16 registers).
 template <typename T, int HEADS, int CHUNKS>
-inline void mix_values(const Layout& l, const T* values, const int32_t* table, int64_t length,
-                       int64_t kv, const float* p, int64_t p_stride, float* out) {
+inline void mix_values(const T* values, int64_t count, int64_t stride, const float* p,
+                       int64_t p_stride, float* out, int64_t out_stride) {
   __m256 acc[HEADS][CHUNKS];
   for (int g = 0; g < HEADS; ++g)
-    for (int c = 0; c < CHUNKS; ++c) acc[g][c] = _mm256_setzero_ps();
-  for_each_position(l, values, table, length, kv, [&](int64_t t, const T* value) {
+    for (int c = 0; c < CHUNKS; ++c) acc[g][c] = _mm256_loadu_ps(out + g * out_stride + 8 * c);
+  for (int64_t t = 0; t < count; ++t, values += stride) {
     __m256 w[HEADS];
     for (int g = 0; g < HEADS; ++g) w[g] = _mm256_set1_ps(p[g * p_stride + t]);
     for (int c = 0; c < CHUNKS; ++c) {
-      const __m256 v = load8(value + 8 * c);
+      const __m256 v = load8(values + 8 * c);
       for (int g = 0; g < HEADS; ++g) acc[g][c] = _mm256_fmadd_ps(w[g], v, acc[g][c]);
     }
-  });
+  }
   for (int g = 0; g < HEADS; ++g)
-    for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(out + g * l.head_dim + 8 * c, acc[g][c]);
+    for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(out + g * out_stride + 8 * c, acc[g][c]);
 }
 
-// mix_values for HEADS heads over a slab of `chunks` (1 to 4) vectors of 8 features.
-template <typename T, int HEADS>
-inline void mix_slab(int64_t chunks, const Layout& l, const T* values, const int32_t* table,
-                     int64_t length, int64_t kv, const float* p, int64_t p_stride, float* out) {
-  switch (chunks) {
-    case 4: mix_values<T, HEADS, 4>(l, values, table, length, kv, p, p_stride, out); break;
-    case 3: mix_values<T, HEADS, 3>(l, values, table, length, kv, p, p_stride, out); break;
-    case 2: mix_values<T, HEADS, 2>(l, values, table, length, kv, p, p_stride, out); break;
-    default: mix_values<T, HEADS, 1>(l, values, table, length, kv, p, p_stride, out); break;
+// mix_values for `heads` (1 to 3) heads over a slab of `chunks` (1 to 4) vectors of 8 features.
+template <typename T, int HEADS = 3, int CHUNKS = 4>
+inline void mix_slab(int64_t heads, int64_t chunks, const T* values, int64_t count,
+                     int64_t stride, const float* p, int64_t p_stride, float* out,
+                     int64_t out_stride) {
+  if constexpr (HEADS > 1) {
+    if (heads < HEADS)
+      return mix_slab<T, HEADS - 1, CHUNKS>(heads, chunks, values, count, stride, p, p_stride,
+                                            out, out_stride);
   }
+  if constexpr (CHUNKS > 1) {
+    if (chunks < CHUNKS)
+      return mix_slab<T, HEADS, CHUNKS - 1>(heads, chunks, values, count, stride, p, p_stride,
+                                            out, out_stride);
+  }
+  mix_values<T, HEADS, CHUNKS>(values, count, stride, p, p_stride, out, out_stride);
 }
 
 // The eight dot products q . key[j] (j < 8, keys `stride` values apart, d features), as one
@@ -187,12 +193,12 @@ inline __m256 dot_8_keys(const float* q, const T* key, int64_t stride, int64_t d
   return folio::sum_each(acc);
 }
 
-// Per-thread scratch of attend: the scores of a KV head's query heads over the longest context,
+// Per-thread scratch of attend: the scores of a row's query heads over the longest context,
 // and those heads' queries and outputs as floats.
 struct Scratch {
   std::vector<float> scores, q, out;
   Scratch(const Layout& l, int64_t longest)
-      : scores(l.group * longest), q(l.group * l.head_dim), out(l.group * l.head_dim) {}
+      : scores(l.heads * longest), q(l.heads * l.head_dim), out(l.heads * l.head_dim) {}
 };
 
 inline void to_floats(const float* from, int64_t n, float* to) {
@@ -208,47 +214,77 @@ inline void from_floats(const float* from, int64_t n, bf16* to) {
   for (int64_t i = 0; i < n; ++i) to[i] = bf16(from[i]);  // round to nearest even
 }
 
-// Attention of one row's query heads of KV head `kv` (q, out: the row's heads) over its
-// `length` cached positions.
+// Asks for `bytes` bytes at each of `count` rows `stride` values apart to be loaded into the
+// cache level HINT names.
+template <_mm_hint HINT, typename T>
+inline void prefetch_rows(const T* row, int64_t count, int64_t stride, int64_t bytes) {
+  for (int64_t o = 0; o < count; ++o, row += stride)
+    for (int64_t byte = 0; byte < bytes; byte += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row) + byte, HINT);
+}
+
+// Attention of one row's query heads of KV heads kv_begin .. kv_end (q, out: the row's heads)
+// over its `length` cached positions. Each pass goes through the context a block at a time and
+// reads, for every position, all those KV heads' K (or V) together: a cache row's 2 * KVH * D
+// bytes in one place, so the hardware prefetchers follow it (a pass per KV head, reading each
+// position's slices apart, ran at about a third of the memory bandwidth).
 template <typename T>
 void attend(const Layout& l, const T* q, const T* cache, const int32_t* table, int64_t length,
-            int64_t kv, float scale, Scratch& scratch, T* out) {
+            int64_t kv_begin, int64_t kv_end, float scale, Scratch& scratch, T* out) {
   const int64_t d = l.head_dim, group = l.group;
   const int64_t token_values = l.kv_heads * d;
-  float* scores = scratch.scores.data();
-  const float* q0 = scratch.q.data();
-  to_floats(q + kv * group * d, group * d, scratch.q.data());
+  const int64_t heads = (kv_end - kv_begin) * group, first_head = kv_begin * group;
+  float* scores = scratch.scores.data();  // [heads][length]
+  const float* qs = scratch.q.data();
+  to_floats(q + first_head * d, heads * d, scratch.q.data());
   const __m256 scale8 = _mm256_set1_ps(scale);
-  // Scores eight positions of a block at a time, the rest one by one.
+  // Scores eight positions of a block at a time, the rest one by one. Meanwhile the next
+  // block's keys come into L1 and this block's values into L2: a request's blocks lie anywhere
+  // in the pool, where the hardware prefetchers cannot see the next one coming.
+  const int64_t slice_bytes = (kv_end - kv_begin) * d * sizeof(T);
   for (int64_t first = 0, i = 0; first < length; first += l.block_size, ++i) {
-    const T* key = cache + table[i] * l.block_values + kv * d;
+    const T* block = cache + table[i] * l.block_values;
     const int64_t end = std::min(l.block_size, length - first);
+    if (first + l.block_size < length)
+      prefetch_rows<_MM_HINT_T0>(cache + table[i + 1] * l.block_values + kv_begin * d,
+                                 std::min(l.block_size, length - first - l.block_size),
+                                 token_values, slice_bytes);
+    prefetch_rows<_MM_HINT_T1>(block + l.value_offset + kv_begin * d, end, token_values,
+                               slice_bytes);
     int64_t o = 0;
-    for (; o + 8 <= end; o += 8, key += 8 * token_values)
-      for (int64_t g = 0; g < group; ++g)
-        _mm256_storeu_ps(scores + g * length + first + o,
-                         _mm256_mul_ps(dot_8_keys(q0 + g * d, key, token_values, d), scale8));
-    for (; o < end; ++o, key += token_values)
-      for (int64_t g = 0; g < group; ++g)
-        scores[g * length + first + o] = dot(q0 + g * d, key, d) * scale;
+    for (; o + 8 <= end; o += 8)
+      for (int64_t kv = kv_begin; kv < kv_end; ++kv)
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t h = (kv - kv_begin) * group + g;
+          const __m256 dots = dot_8_keys(qs + h * d, block + o * token_values + kv * d,
+                                         token_values, d);
+          _mm256_storeu_ps(scores + h * length + first + o, _mm256_mul_ps(dots, scale8));
+        }
+    for (; o < end; ++o)
+      for (int64_t kv = kv_begin; kv < kv_end; ++kv)
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t h = (kv - kv_begin) * group + g;
+          scores[h * length + first + o] =
+              dot(qs + h * d, block + o * token_values + kv * d, d) * scale;
+        }
   }
-  for (int64_t g = 0; g < group; ++g) softmax(scores + g * length, length);
-  // out = probabilities . V, up to three heads and 32 features at a time.
-  for (int64_t g0 = 0; g0 < group; g0 += 3) {
-    const int64_t heads = std::min<int64_t>(3, group - g0);
-    const float* p = scores + g0 * length;
-    float* o = scratch.out.data() + g0 * d;
-    for (int64_t d0 = 0; d0 < d; d0 += 32) {
-      const T* values = cache + l.value_offset + d0;
-      const int64_t chunks = std::min<int64_t>(4, (d - d0) / 8);
-      switch (heads) {
-        case 3: mix_slab<T, 3>(chunks, l, values, table, length, kv, p, length, o + d0); break;
-        case 2: mix_slab<T, 2>(chunks, l, values, table, length, kv, p, length, o + d0); break;
-        default: mix_slab<T, 1>(chunks, l, values, table, length, kv, p, length, o + d0); break;
+  for (int64_t h = 0; h < heads; ++h) softmax(scores + h * length, length);
+  // out = probabilities . V, a block at a time: up to three heads and 32 features together.
+  float* mixed = scratch.out.data();
+  std::fill(mixed, mixed + heads * d, 0.0f);
+  for (int64_t first = 0, i = 0; first < length; first += l.block_size, ++i) {
+    const T* block = cache + l.value_offset + table[i] * l.block_values;
+    const int64_t end = std::min(l.block_size, length - first);
+    for (int64_t kv = kv_begin; kv < kv_end; ++kv)
+      for (int64_t g0 = 0; g0 < group; g0 += 3) {
+        const int64_t h = (kv - kv_begin) * group + g0;
+        for (int64_t d0 = 0; d0 < d; d0 += 32)
+          mix_slab(std::min<int64_t>(3, group - g0), std::min<int64_t>(4, (d - d0) / 8),
+                   block + kv * d + d0, end, token_values, scores + h * length + first, length,
+                   mixed + h * d + d0, d);
       }
-    }
   }
-  from_floats(scratch.out.data(), group * d, out + kv * group * d);
+  from_floats(mixed, heads * d, out + first_head * d);
 }
 
 // ---- Prefill blocks: bfloat16 on CPUs with AVX-512 BF16 ----
@@ -384,12 +420,28 @@ void attend_block(const Layout& l, const bf16* q, int64_t token0, int64_t tokens
 // ---- One call's work ----
 
 // A piece of a call's work: query tokens first_token .. first_token + tokens of one request
-// (flat indices) for KV head kv, the first seeing first_length positions. One token goes
-// through attend; a prefill block (tokens > 1) through attend_block over `context`.
+// (flat indices) for KV heads kv_begin .. kv_end, the first token seeing first_length
+// positions. One token goes through attend; a prefill block (tokens > 1, one KV head) through
+// attend_block over `context`.
 struct Item {
-  int64_t request, kv, first_token, tokens, first_length;
+  int64_t request, kv_begin, kv_end, first_token, tokens, first_length;
   const PackedContext* context;
 };
+
+// Below this many rows a call splits each row's KV heads into items of their own, so that the
+// threads share few rows.
+constexpr int64_t kRowsForWholeItems = 4;
+
+// One token's items: all its KV heads in one, or one each.
+void add_row(std::vector<Item>& items, const Layout& l, bool split_heads, int64_t request,
+             int64_t token, int64_t length) {
+  if (!split_heads) {
+    items.push_back({request, 0, l.kv_heads, token, 1, length, nullptr});
+    return;
+  }
+  for (int64_t kv = 0; kv < l.kv_heads; ++kv)
+    items.push_back({request, kv, kv + 1, token, 1, length, nullptr});
+}
 
 // Does every item, the tokens' new K/V already in the cache.
 template <typename T>
@@ -411,12 +463,12 @@ void attend_items(const Layout& l, const at::Tensor& q, const at::Tensor& kv_cac
       const int32_t* table = tables + item.request * l.table_row;
       if (item.context == nullptr) {
         const int64_t b = item.first_token;
-        attend(l, qs + b * l.q_row, cache, table, item.first_length, item.kv, scale, scratch,
-               os + b * l.heads * l.head_dim);
+        attend(l, qs + b * l.q_row, cache, table, item.first_length, item.kv_begin, item.kv_end,
+               scale, scratch, os + b * l.heads * l.head_dim);
       } else if constexpr (std::is_same_v<T, bf16>) {
         if (!blocks) blocks.emplace(l, longest);
         attend_block(l, qs, item.first_token, item.tokens, item.first_length, *item.context,
-                     item.kv, scale, *blocks, os);
+                     item.kv_begin, scale, *blocks, os);
       }
     }
   });
@@ -517,7 +569,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, cons
     check_length(l, b, lengths[b]);
     longest = std::max<int64_t>(longest, lengths[b]);
     total += lengths[b];
-    for (int64_t kv = 0; kv < l.kv_heads; ++kv) items.push_back({b, kv, b, 1, lengths[b], nullptr});
+    add_row(items, l, rows < kRowsForWholeItems, b, b, lengths[b]);
   }
   write_tokens(l, k, v, slot_mapping, kv_cache);
   return run_items(l, q, kv_cache, block_tables, items, longest, total, scale);
@@ -563,24 +615,25 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   contexts.reserve(requests * l.kv_heads);  // never reallocated: items point into it
   std::vector<Item> items;
   int64_t longest = 0, total = 0;
+  const bool split_heads = q.size(0) < kRowsForWholeItems;
   for (int64_t i = 0; i < requests; ++i) {
     const int64_t first = starts[i], query = starts[i + 1] - first;
     const int64_t cached = lengths[i] - query;
     longest = std::max<int64_t>(longest, lengths[i]);
     total += query * cached + query * (query + 1) / 2;
+    if (packed_at[i] < 0) {
+      for (int64_t j = 0; j < query; ++j)
+        add_row(items, l, split_heads, i, first + j, cached + j + 1);
+      continue;
+    }
     for (int64_t kv = 0; kv < l.kv_heads; ++kv) {
-      if (packed_at[i] < 0) {
-        for (int64_t j = 0; j < query; ++j)
-          items.push_back({i, kv, first + j, 1, cached + j + 1, nullptr});
-        continue;
-      }
       const int64_t keys = packed_keys_size(lengths[i], l.head_dim);
       const int64_t values = packed_values_size(lengths[i], l.head_dim);
       uint16_t* at = packed_data + packed_at[i] + kv * (keys + values);
       contexts.push_back({at, at + keys, (lengths[i] + 1) / 2});
       to_pack.emplace_back(i, kv);
       for (int64_t j = 0; j < query; j += kQueryBlock)
-        items.push_back({i, kv, first + j, std::min<int64_t>(kQueryBlock, query - j),
+        items.push_back({i, kv, kv + 1, first + j, std::min<int64_t>(kQueryBlock, query - j),
                          cached + j + 1, &contexts.back()});
     }
   }
