@@ -134,27 +134,21 @@ def test_mixed_batch_matches_reference(
 
 
 @pytest.mark.parametrize("folio_kernels", KERNEL_PATHS)
-def test_decode_only_gqa_like_smollm2(folio_kernels):
-    # 2,000 positions x 9 heads: enough work for the kernel to split over threads.
-    run_case(
-        [1] * 6,
-        [300, 1, 77, 16, 129, 2000],
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        block_size=16,
-        folio_kernels=folio_kernels,
-    )
-
-
-@pytest.mark.parametrize("folio_kernels", KERNEL_PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_prefill_and_extend(folio_kernels, dtype):
-    # Enough work for the kernel to split over threads, where each prefill token is a row of
-    # its own context length.
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens"),
+    [
+        # 2,000 positions x 9 heads: enough work for the kernel to split over threads.
+        pytest.param([1] * 6, [300, 1, 77, 16, 129, 2000], id="decodes"),
+        # A prefill and an extend long enough to split too, in blocks of tokens or token by
+        # token.
+        pytest.param([1, 120, 24], [50, 120, 64], id="prefill-and-extend"),
+    ],
+)
+def test_gqa_like_smollm2(query_lens, seq_lens, dtype, folio_kernels):
     run_case(
-        [1, 120, 24],
-        [50, 120, 64],
+        query_lens,
+        seq_lens,
         num_heads=9,
         num_kv_heads=3,
         head_dim=64,
@@ -218,20 +212,6 @@ def test_half_precision(dtype, folio_kernels):
         head_dim=64,
         block_size=16,
         dtype=dtype,
-        folio_kernels=folio_kernels,
-    )
-
-
-@pytest.mark.parametrize("folio_kernels", KERNEL_PATHS)
-def test_bfloat16_decode_only_gqa_like_smollm2(folio_kernels):
-    run_case(
-        [1] * 4,
-        [300, 1, 37, 2000],
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        block_size=16,
-        dtype=torch.bfloat16,
         folio_kernels=folio_kernels,
     )
 
