@@ -64,8 +64,8 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, use_folio_kernels: bool = True) -> None:
         self._plan: _Plan | None = None
         self._workspace = torch.empty(0)
-        self._decode_kernel = (
-            torch.ops.folio_cpu_attention.paged_decode_attention
+        self._kernel = (
+            torch.ops.folio_cpu_attention.paged_attention
             if use_folio_kernels and cpu_extension.load()
             else None
         )
@@ -84,13 +84,9 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
-        if self._decode_kernel is not None and self._kernel_fits(q):
-            # The kernels write the new K/V themselves.
-            if meta.num_decodes == num_tokens:
-                return self._decode_kernel(
-                    q, k, v, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, scale
-                )
-            return torch.ops.folio_cpu_attention.paged_attention(
+        if self._kernel is not None and self._kernel_fits(q):
+            # The kernel writes the new K/V itself.
+            return self._kernel(
                 q,
                 k,
                 v,
@@ -118,7 +114,7 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def decode_step_op(self, q: torch.Tensor) -> Callable[..., torch.Tensor] | None:
-        if self._decode_kernel is None or not self._kernel_fits(q):
+        if self._kernel is None or not self._kernel_fits(q):
             return None
         return torch.ops.folio_cpu_attention.decode_step_attention
 
@@ -126,7 +122,7 @@ class TorchAttentionBackend(AttentionBackend):
     def bound_decode_step(
         self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]
     ) -> Iterator[None]:
-        if self._decode_kernel is None:
+        if self._kernel is None:
             yield
             return
         ops = torch.ops.folio_cpu_attention

@@ -4,12 +4,13 @@
 // (all the same); the arithmetic is float32, bfloat16 values widened as they are loaded and the
 // output rounded to nearest even once at the end.
 //
-// - paged_decode_attention: one query token a request (a decode-only step). For each (row, KV
-//   head) pair, the pair's query heads are scored against the cached keys, read through the
-//   block table, eight positions at a time (one tree of horizontal adds for eight dot
-//   products); then the softmax, and the values mixed, each loaded once for up to three query
-//   heads. A compiled decode program calls decode_step_attention instead, which reads the
-//   caches and tables of the step bound to its thread (bind_decode_step).
+// - paged_decode_attention: one query token a request (a decode-only step). A row's query heads
+//   are scored against the cached keys, read through the block table a block at a time with
+//   all the row's KV heads together, eight positions at a time (one tree of horizontal adds for
+//   eight dot products); then the softmax, and the values mixed, each loaded once for up to
+//   three query heads of its KV head (few rows split their KV heads over the threads). A
+//   compiled decode program calls decode_step_attention instead, which reads the caches and
+//   tables of the step bound to its thread (bind_decode_step).
 // - paged_attention: any step. Decodes as above; a prefill's or extend's tokens in bfloat16 on
 //   CPUs with AVX-512 BF16 in blocks (see "Prefill blocks" below), otherwise each token as a
 //   decode whose context ends at itself.
@@ -388,10 +389,9 @@ void attend_block(const Layout& l, const bf16* q, int64_t token0, int64_t tokens
   const int64_t d = l.head_dim, group = l.group, rows = tokens * group;
   const int64_t length = first_length + tokens - 1, tile = folio::kTileRows;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t head = (token0 + r / group) * l.heads + kv * group + r % group;
-    std::memcpy(s.q.data() + r * d, q + (token0 + r / group) * l.q_row + (kv * group + r % group) * d,
-                d * sizeof(bf16));
-    s.row_out[r] = head * d;
+    const int64_t token = token0 + r / group, head = kv * group + r % group;
+    std::memcpy(s.q.data() + r * d, q + token * l.q_row + head * d, d * sizeof(bf16));
+    s.row_out[r] = (token * l.heads + head) * d;
   }
   const int64_t key_tiles = (length + tile - 1) / tile, stride = key_tiles * tile;
   for (int64_t t0 = 0; t0 < key_tiles; t0 += 2)

@@ -3,9 +3,9 @@ Folio cache directory and reused after that: the weight-only quantized matmuls (
 ops torch.ops.folio_quant.int8_linear and int4_linear), paged attention (cpu_attention.cpp,
 torch.ops.folio_cpu_attention.paged_attention for any step, paged_decode_attention for
 decode-only ones, and decode_step_attention for compiled decode programs), and dense linears
-that compiled programs
-can call (cpu_linear.cpp: torch.ops.folio_linear.packed_linear over oneDNN-packed weights, and
-bf16_linear, AVX-512 BF16 products over Folio's own tiles, on CPUs that have those).
+that compiled programs can call (cpu_linear.cpp: torch.ops.folio_linear.packed_linear over
+oneDNN-packed weights, and bf16_linear, AVX-512 BF16 products over Folio's own tiles, on CPUs
+that have those).
 
 `load()` registers the ops and returns True, or False where they cannot run (a CPU without AVX2
 and FMA, no C++ compiler): callers then use torch's own ops. This module never quantizes weights

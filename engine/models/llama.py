@@ -66,7 +66,7 @@ class Bf16Tiles:
 def can_prepack(weight: torch.Tensor) -> bool:
     """oneDNN's prepacked layout for CPU matmuls, multiplied through Folio's packed_linear op
     (engine/kernels/cpu_linear.cpp: compiled decode programs can call it), so only where
-    Folio's CPU kernels load; float32 only, bfloat16 has tiles of its own (bf16_tiles). torch's
+    Folio's CPU kernels load; float32 only (bfloat16 has tiles of its own: can_tile_bf16). torch's
     F.linear calls MKL, whose small-batch sgemm runs far below these AMD CPUs' bandwidth (the
     default model's linears at 8 rows: 66 ms, oneDNN's 41; its vocabulary projection 30 ms vs
     8) and no faster from ~256 rows; results differ from MKL's by float32 rounding (summation
