@@ -124,10 +124,9 @@ ERROR_TABLE: tuple[ErrorMapping, ...] = (
         "request_timeout",
         from_status=True,
     ),
-    # ValueError: the tokenizer's way of saying the input is wrong (e.g. a bad conversation).
-    ErrorMapping(ValueError, _INVALID, 400, _REQUEST_ERROR),
 )
-# Anything else (InternalError included) is a bug or a failure the caller cannot fix.
+# Anything else (InternalError included) is a bug or a failure the caller cannot fix: a plain
+# ValueError too, since only an InvalidRequestError says the request is at fault.
 UNEXPECTED = ErrorMapping(
     InternalError, grpc.StatusCode.INTERNAL, 500, "server_error", from_status=True
 )

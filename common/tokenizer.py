@@ -20,6 +20,8 @@ import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as FastTokenizer
 
+from common.errors import InvalidRequestError
+
 # The named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = (
     "bos_token",
@@ -126,17 +128,19 @@ def tool_call_format(chat_template: str | None) -> str:
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Check a chat conversation; return it with None-valued keys dropped (as transformers does)."""
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        raise InvalidRequestError(
+            "messages must be a non-empty list of {'role': ..., 'content': ...} dicts"
+        )
     cleaned = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ValueError(f"messages[{i}] must be a dict, got {type(message).__name__}")
+            raise InvalidRequestError(f"messages[{i}] must be a dict, got {type(message).__name__}")
         message = {k: v for k, v in message.items() if v is not None}
         for key in ("role", "content"):
             if key not in message:
-                raise ValueError(f"messages[{i}] has no '{key}'")
+                raise InvalidRequestError(f"messages[{i}] has no '{key}'")
             if not isinstance(message[key], str):
-                raise ValueError(
+                raise InvalidRequestError(
                     f"messages[{i}]['{key}'] must be a string, got {type(message[key]).__name__}"
                 )
         cleaned.append(message)
@@ -229,7 +233,9 @@ class Tokenizer:
         """The conversation as the template writes it; `tools` (OpenAI's tool definitions,
         {"type": "function", "function": {...}}) go to templates that know tools."""
         if self._template is None:
-            raise ValueError("this model has no chat template; send a plain prompt instead")
+            raise InvalidRequestError(
+                "this model has no chat template; send a plain prompt instead"
+            )
         messages = validate_messages(messages)
         try:
             return self._template.render(
@@ -241,7 +247,9 @@ class Tokenizer:
             )
         except jinja2.exceptions.TemplateError as error:
             # Templates reject conversations they cannot format (e.g. roles out of order).
-            raise ValueError(f"the chat template rejected the messages: {error}") from error
+            raise InvalidRequestError(
+                f"the chat template rejected the messages: {error}"
+            ) from error
 
     def encode_chat(
         self,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from gateway import protocol as api
 from gateway.auth import Access
 from gateway.deadlines import set_deadline
 from gateway.generation import Gateway
-from gateway.http_errors import error_body, error_headers
+from gateway.http_errors import error_body, error_headers, log_failure
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document
 from gateway.pages import HEADERS, WebFile, load_web_files
@@ -49,8 +48,6 @@ from gateway.serving import serve
 from gateway.sse import EventStreamResponse
 from gateway.text import TextDelta
 from gateway.validation import check_token_ids
-
-logger = logging.getLogger(__name__)
 
 Handler = Callable[[Request], Awaitable[Response]]
 SamplingRequestT = TypeVar("SamplingRequestT", bound=api.SamplingFields)
@@ -65,9 +62,8 @@ class ModelResponse(Response):
 
 
 def error_response(exc: BaseException) -> Response:
+    log_failure(exc)
     status, body = error_body(exc)
-    if status == 500:
-        logger.error("request failed", exc_info=exc)
     response = ModelResponse(body, status)
     response.headers.update(error_headers(exc))
     return response

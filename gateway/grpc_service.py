@@ -21,13 +21,14 @@ from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2_grpc
 from common.grpc_stubs.folio.v1 import gateway_pb2 as pb
 
 from common.config import GatewayConfig
-from common.errors import FolioError, InvalidParameter, status_code_for
+from common.errors import InvalidParameter, status_code_for
 from common.finish_reason import finish_reason_to_proto
 from common.grpc_server import GrpcService
 from common.sampling_proto import sampling_params_from_proto
 from gateway.auth import Access
 from gateway.deadlines import set_deadline
 from gateway.generation import Gateway, new_request_id
+from gateway.http_errors import log_failure
 from gateway.serving import serve
 from gateway.text import TextDelta, TextRequest, TokenLogprob
 from gateway.validation import ModelInfo, text_request
@@ -150,7 +151,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             async with contextlib.aclosing(deltas):
                 async for _, delta in deltas:
                     yield delta
-        except (FolioError, ValueError) as exc:
+        except Exception as exc:
+            log_failure(exc)
             if context.done():  # the caller's own deadline passed: its call is already over
                 return
             await context.abort(status_code_for(exc), str(exc))

@@ -1,14 +1,18 @@
 """The HTTP answer to a failed request: the exception's status, the OpenAI error body and the
 headers that go with it (WWW-Authenticate, Retry-After).
 
-The mapping only, read from the contract's one error table (common/errors.py). It never decides
-whether a request is valid.
+The mapping only, read from the contract's one error table (common/errors.py), and the server's
+log of what failed. It never decides whether a request is valid.
 """
 
 from __future__ import annotations
 
+import logging
+
 from common.errors import RateLimitExceeded, Unauthenticated, mapping_for
 from gateway.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
 
 
 def error_body(exc: BaseException) -> tuple[int, ErrorResponse]:
@@ -32,3 +36,15 @@ def error_headers(exc: BaseException) -> dict[str, str]:
     if isinstance(exc, RateLimitExceeded) and exc.retry_after is not None:
         return {"Retry-After": str(exc.retry_after)}
     return {}
+
+
+def log_failure(exc: BaseException, started: bool = False) -> None:
+    """Log a failed request (either API): a 500, a bug or a failure the caller cannot fix, with
+    its traceback; with `started` (the answer had begun: no status code records the failure)
+    any other error too, as a warning."""
+    status = mapping_for(exc).http_status
+    when = " after its answer started" if started else ""
+    if status == 500:
+        logger.error("request failed%s", when, exc_info=exc)
+    elif started:
+        logger.warning("request failed%s: %d %s", when, status, exc)

@@ -20,7 +20,7 @@ from common.grpc_stubs.folio.v1 import tokenizer_pb2_grpc
 
 from common.default_model import resolve_model_path
 from common.detokenizer import IncrementalDetokenizer
-from common.errors import status_code_for
+from common.errors import InvalidRequestError, status_code_for
 from common.grpc_server import GrpcService
 from common.tokenizer import Tokenizer
 
@@ -177,7 +177,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 prompt = request.text
                 ids = tokenizer.encode(prompt, _flag(request, "add_special_tokens", True))
             else:
-                raise ValueError("set either text or chat")
+                raise InvalidRequestError("set either text or chat")
         except ValueError as exc:
             await context.abort(status_code_for(exc), str(exc))
         # Every id is in the vocabulary here (encode made them), so each has its string.

@@ -36,7 +36,6 @@ REQUEST, RATE = "invalid_request_error", "rate_limit_error"
     [
         (InvalidParameter("bad top_p", "top_p"), "INVALID_ARGUMENT", 400, REQUEST, None),
         (InvalidRequestError("n is 65"), "INVALID_ARGUMENT", 400, REQUEST, None),
-        (ValueError("the chat template rejected it"), "INVALID_ARGUMENT", 400, REQUEST, None),
         (ModelNotFound("no model", "model"), "INVALID_ARGUMENT", 404, REQUEST, "model_not_found"),
         (UnsupportedMediaType("send JSON"), "INVALID_ARGUMENT", 415, REQUEST, None),
         (RequestTooLarge("too big"), "INVALID_ARGUMENT", 413, REQUEST, "request_too_large"),
@@ -47,6 +46,8 @@ REQUEST, RATE = "invalid_request_error", "rate_limit_error"
         (DeadlineExceededError("late"), "DEADLINE_EXCEEDED", 504, "timeout", "request_timeout"),
         (InternalError("boom"), "INTERNAL", 500, "server_error", None),
         (RuntimeError("a bug"), "INTERNAL", 500, "server_error", None),
+        # Only an InvalidRequestError says the request is at fault: a bare ValueError is a bug.
+        (ValueError("a bug"), "INTERNAL", 500, "server_error", None),
     ],
 )  # fmt: skip
 def test_each_error_has_one_row(error, code, http_status, openai_type, openai_code):

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from common.errors import InvalidRequestError
 from common.tokenizer import Tokenizer
 
 TEXTS = [
@@ -115,9 +116,9 @@ def test_special_ids_and_lengths_equal_transformers(tokenizer: Tokenizer, refere
     ],
 )
 def test_malformed_messages_are_rejected(tokenizer: Tokenizer, messages, problem: str) -> None:
-    with pytest.raises(ValueError, match=problem):
+    with pytest.raises(InvalidRequestError, match=problem):
         tokenizer.apply_chat_template(messages)
-    with pytest.raises(ValueError, match=problem):
+    with pytest.raises(InvalidRequestError, match=problem):
         tokenizer.encode_chat(messages)
 
 
@@ -159,7 +160,7 @@ def test_template_environment_equals_transformers(tmp_path: Path, default_model_
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         )
-    with pytest.raises(ValueError, match="System role not supported"):
+    with pytest.raises(InvalidRequestError, match="System role not supported"):
         tokenizer.apply_chat_template([{"role": "system", "content": "x"}])
 
 
