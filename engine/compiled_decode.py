@@ -7,7 +7,9 @@ larger batch (a third above the quantized kernels' row limit, where the linears 
 kernel); attention stays the backend's own op (engine.attention.step), since it plans each step
 from host-side lengths. Every program is compiled at start-up by warm-up steps, before any
 request, so no request waits on the compiler; inductor's caches live under the Folio cache
-directory, so a restart loads them instead of compiling again. Prefill and mixed steps run
+directory, so a restart loads them instead of compiling again. Compiling is a speed-up, never a
+condition of serving: if it fails (no C++ compiler, an inductor error), at start-up or in a later
+step, one warning says why and decode steps run eagerly from then on. Prefill and mixed steps run
 eagerly. `--enforce-eager` turns all of this off. This module never builds a real step's
 inputs (the model runner does) and is never used with a GPU, the Triton backend or tensor
 parallelism.
@@ -26,6 +28,7 @@ from common.config import EngineConfig, cache_dir
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.step import running_step
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.fallback import warn_fallback
 from engine.models.llama import Linear
 from engine.models.quantization import QuantizedWeight
 
@@ -47,7 +50,12 @@ class CompiledDecode:
         if not isinstance(runner.model.backend, TorchAttentionBackend):
             # The Triton kernels on a CPU are the interpreter's (tests): nothing to compile.
             return None
-        return cls(runner, config)
+        try:
+            return cls(runner, config)
+        except Exception as error:  # an optional speed-up: see engine.fallback
+            torch._dynamo.reset()
+            warn_fallback(logger, "compiled decode steps", "running them eagerly", error)
+            return None
 
     def __init__(self, runner: ModelRunner, config: EngineConfig) -> None:
         # Read by inductor whenever it looks up or stores compiled code. Set, not defaulted:

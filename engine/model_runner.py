@@ -16,6 +16,7 @@ sampler does).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,12 +28,15 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.compiled_decode import CompiledDecode
 from engine.cuda_graphs import DecodeGraphs
+from engine.fallback import warn_fallback
 from engine.input_batch import PersistentBatch
 from engine.kernels import cpu_extension
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
 from engine.models.parallel import SINGLE, TensorParallel
 from engine.step_plan import StepPlan
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -276,5 +280,10 @@ class ModelRunner:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         if self.compiled_decode is not None and meta.num_decodes == meta.num_reqs:
-            return self.compiled_decode(input_ids, positions, self.kv_caches, meta)
+            try:
+                return self.compiled_decode(input_ids, positions, self.kv_caches, meta)
+            except Exception as error:  # an optional speed-up: see engine.fallback
+                # The eager run below writes the same KV slots the failed program may have.
+                self.compiled_decode = None
+                warn_fallback(logger, "compiled decode steps", "running them eagerly", error)
         return self.model(input_ids, positions, self.kv_caches, meta)

@@ -8,23 +8,32 @@ oneDNN-packed weights, and bf16_linear, AVX-512 BF16 products over Folio's own t
 that have those).
 
 `load()` registers the ops and returns True, or False where they cannot run (a CPU without AVX2
-and FMA, no C++ compiler): callers then use torch's own ops. This module never quantizes weights
-and never picks between kernels (engine.models.quantization and the torch attention backend do).
+and FMA, no C++ compiler, a build error: one warning says which): callers then use torch's own
+ops. FOLIO_KERNEL_DIR puts the build somewhere other than the cache directory (the container
+image builds them into its own layer, where the cache volume does not hide them). This module
+never quantizes weights and never picks between kernels (engine.models.quantization and the
+torch attention backend do).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
+import shutil
 import time
 from pathlib import Path
 
 import torch
 
 from common.config import cache_dir
+from engine.fallback import warn_fallback
 
 logger = logging.getLogger(__name__)
 
+KERNEL_DIR_ENV = "FOLIO_KERNEL_DIR"
+KERNELS = "Folio's CPU kernels"
+TORCH_OPS = "using torch's ops"
 SOURCES = [
     Path(__file__).with_name(name)
     for name in ("cpu_quant.cpp", "cpu_attention.cpp", "cpu_linear.cpp")
@@ -35,13 +44,23 @@ def cpu_has_avx2() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
+def kernel_dir() -> Path:
+    return Path(os.environ.get(KERNEL_DIR_ENV) or cache_dir() / "torch_extensions")
+
+
 @functools.cache
 def load() -> bool:
     if not cpu_has_avx2():
         return False
     from torch.utils import cpp_extension
 
-    build_dir = cache_dir() / "torch_extensions" / f"cpu_kernels-torch{torch.__version__}"
+    compiler = cpp_extension.get_cxx_compiler()
+    if shutil.which(compiler) is None:
+        # Said before trying: torch's own attempt prints pages of warnings first.
+        reason = f"no C++ compiler: {compiler!r} is not on PATH (install one or set CXX)"
+        warn_fallback(logger, KERNELS, TORCH_OPS, reason)
+        return False
+    build_dir = kernel_dir() / f"cpu_kernels-torch{torch.__version__}"
     build_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     try:
@@ -56,8 +75,8 @@ def load() -> bool:
             is_python_module=False,
             verbose=False,
         )
-    except (OSError, RuntimeError, ImportError) as error:
-        logger.warning("Folio's CPU kernels unavailable (%s); using torch's ops", error)
+    except Exception as error:  # an optional speed-up: see engine.fallback
+        warn_fallback(logger, KERNELS, TORCH_OPS, error)
         return False
     logger.info("Folio's CPU kernels ready in %.1f s", time.perf_counter() - started)
     _register_output_shapes()

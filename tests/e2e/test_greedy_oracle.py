@@ -1,14 +1,24 @@
 """The correctness oracle: the engine's greedy tokens equal transformers `generate` on
 SmolLM2-135M-Instruct in float32, whatever the batching does (one batch, chunked prefill,
 prefix-cache hits, preemption under a tiny KV pool), with decode steps compiled, and with the
-model sharded over 3 ranks."""
+model sharded over 3 ranks; and, as a served `folio engine` with no C++ compiler, eagerly."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import grpc
 import pytest
 import torch
+from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import LLM, SamplingParams
+from polling import wait_until
 
 NEW_TOKENS = 32
 SYSTEM = (
@@ -139,3 +149,72 @@ def test_tensor_parallel_3_matches_transformers(default_model_dir, prompts, refe
     with LLM(model=str(default_model_dir), dtype="float32", tensor_parallel_size=3) as llm:
         got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
         assert [r.token_ids for r in got] == reference
+
+
+def test_engine_without_a_compiler_serves_eagerly(default_model_dir, prompts, reference, tmp_path):
+    """An optional speed-up never takes the engine down: `folio engine` asked for compiled decode
+    with no C++ compiler on PATH, CXX pointing nowhere and an empty cache (nothing built before)
+    says once why Folio's kernels and the compiled steps are unavailable, then serves the oracle
+    prompts eagerly, token for token."""
+    # The interpreter's own folder only (ninja is there): no c++, g++, gcc or cc anywhere.
+    env = {
+        **os.environ,
+        "PATH": os.path.dirname(sys.executable),
+        "CXX": str(tmp_path / "nowhere" / "c++"),
+        "CC": str(tmp_path / "nowhere" / "cc"),
+        "FOLIO_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    env.pop("FOLIO_KERNEL_DIR", None)
+    stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"
+    command = [sys.executable, "-m", "folio.cli", "engine", "--model", str(default_model_dir)]
+    command += ["--dtype", "float32", "--no-enforce-eager", "--port", "0"]
+    command += ["--num-kv-blocks", "512", "--max-num-seqs", "32"]
+    with stdout.open("w") as out, stderr.open("w") as err:
+        process = subprocess.Popen(command, stdout=out, stderr=err, env=env)
+    try:
+        port = wait_until(
+            lambda: re.search(r"listening on 127\.0\.0\.1:(\d+)", stdout.read_text()),
+            "the engine's address",
+            seconds=120,
+        )[1]
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            wait_until(
+                lambda: (
+                    process.poll() is not None
+                    or health.Check(health_pb2.HealthCheckRequest(), timeout=10).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ),
+                "the engine to serve",
+                seconds=600,
+                interval=0.5,
+            )
+            assert process.poll() is None, stderr.read_text()[-3000:]
+            params = common_pb2.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+            requests = [
+                engine_pb2.GenerateRequest(
+                    add=engine_pb2.EngineRequest(
+                        request_id=str(i), prompt_token_ids=ids, sampling_params=params
+                    )
+                )
+                for i, ids in enumerate(prompts)
+            ]
+            tokens: dict[str, list[int]] = {}
+            stub = engine_pb2_grpc.EngineServiceStub(channel)
+            for response in stub.Generate(iter(requests), timeout=600):
+                for output in response.outputs:
+                    assert not output.HasField("error"), output.error
+                    tokens.setdefault(output.request_id, []).extend(output.token_ids)
+        assert [tokens[str(i)] for i in range(len(prompts))] == reference
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    log = stderr.read_text()
+    kernels = re.findall(r"Folio's CPU kernels unavailable \((.*)\); using torch's ops", log)
+    compiled = re.findall(r"compiled decode steps unavailable \((.*)\); running them eagerly", log)
+    assert kernels == [f"no C++ compiler: {env['CXX']!r} is not on PATH (install one or set CXX)"]
+    assert len(compiled) == 1 and "C++ compiler" in compiled[0], compiled
+    assert "Traceback" not in log, log[-3000:]
