@@ -23,7 +23,7 @@ from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
 from gateway import protocol as api
 from gateway.generation import Gateway, new_request_id
-from gateway.http_errors import error_body
+from gateway.http_errors import error_body, log_failure
 from gateway.sse import DONE, event
 from gateway.structured import structured_output
 from gateway.text import TextDelta, TextRequest, TokenLogprob, Usage
@@ -560,6 +560,7 @@ async def events(
             usage = _usage(plan, usages)
             yield chat_chunk([], usage) if plan.chat else completion_chunk([], usage)
     except Exception as exc:  # the response has started: the error travels as an event
+        log_failure(exc, started=True)
         yield event(error_body(exc)[1])
     finally:
         await stream.aclose()

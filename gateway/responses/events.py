@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator
 
-from gateway.http_errors import error_body
+from gateway.http_errors import error_body, log_failure
 from gateway.responses import protocol as rapi
 from gateway.responses.translate import ResponseHead, item_id, output_items
 from gateway.text import TextDelta, Usage
@@ -191,6 +191,7 @@ async def events(
         response = head.response(status, out.output, usage, reason)
         yield out.event(f"response.{response.status}", response=response)
     except Exception as exc:  # the response has started: the error travels as an event
+        log_failure(exc, started=True)
         error = error_body(exc)[1].error
         yield out.event("error", code=error.code, message=error.message, param=error.param)
     finally:
