@@ -14,6 +14,7 @@ anything.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Protocol, TypeVar
 
@@ -36,8 +37,20 @@ CHANNEL_OPTIONS = [*GRPC_MESSAGE_OPTIONS, *RECONNECT_CHANNEL_OPTIONS]
 ResponseT = TypeVar("ResponseT", bound=Message)
 
 
-def _error(exc: grpc.aio.AioRpcError, service: str) -> Exception:
-    return error_for(exc.code(), f"{service}: {exc.details() or exc.code().name}")
+logger = logging.getLogger(__name__)
+
+
+def _error(code: grpc.StatusCode, details: str | None, service: str, address: str) -> Exception:
+    """The exception for a service's status. An unreachable or unready service is a plain
+    "<service> unavailable": gRPC's words name its internal address, so they go to the log."""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        logger.warning("%s at %s is unavailable: %s", service, address, details or code.name)
+        return UnavailableError(f"{service} unavailable")
+    return error_for(code, f"{service}: {details or code.name}")
+
+
+def _rpc_error(exc: grpc.aio.AioRpcError, service: str, address: str) -> Exception:
+    return _error(exc.code(), exc.details(), service, address)
 
 
 class _ServiceClient:
@@ -71,7 +84,7 @@ class _ServiceClient:
                 request, timeout=call_timeout(UNARY_TIMEOUT), metadata=self._metadata
             )
         except grpc.aio.AioRpcError as exc:
-            raise _error(exc, self.service) from None
+            raise _rpc_error(exc, self.service, self.address) from None
 
 
 # -- engine -------------------------------------------------------------------------------------
@@ -95,7 +108,9 @@ class GenerateStream:
         make_sink: Callable[[GenerateStream], OutputSink],
         on_broken: Callable[[], None],
         metadata: tuple[tuple[str, str], ...],
+        address: str,
     ) -> None:
+        self._address = address
         self._outbox: asyncio.Queue[engine_pb2.GenerateRequest] = asyncio.Queue()
         self.closed = False
         self.sink = make_sink(self)
@@ -109,16 +124,23 @@ class GenerateStream:
             yield await self._outbox.get()
 
     async def _read(self) -> None:
-        error: Exception = UnavailableError("engine: the Generate stream ended")
+        error: Exception | None = None
         try:
             async for response in self._call:
                 await self.sink.process_outputs(response.outputs)
         except grpc.aio.AioRpcError as exc:
-            error = _error(exc, "engine")
+            error = _rpc_error(exc, "engine", self._address)
         finally:
             self.closed = True
             if not self._cancelled:
                 self._on_broken()
+            if error is None:  # it ended without a status
+                error = _error(
+                    grpc.StatusCode.UNAVAILABLE,
+                    "the Generate stream ended",
+                    "engine",
+                    self._address,
+                )
             self.sink.fail_all(error)
 
     def add(
@@ -179,7 +201,9 @@ class EngineClient(_ServiceClient):
         """The shared Generate stream; a fresh one (its sink from `make_sink`) if there is
         none or the last one ended."""
         if self._stream is None or self._stream.closed:
-            self._stream = GenerateStream(self._stub, make_sink, self._stream_broke, self._metadata)
+            self._stream = GenerateStream(
+                self._stub, make_sink, self._stream_broke, self._metadata, self.address
+            )
         return self._stream
 
     async def model_info(self) -> engine_pb2.GetModelInfoResponse:
@@ -218,7 +242,9 @@ class SequenceDetokenizer:
         self,
         stub: tokenizer_pb2_grpc.TokenizerServiceAsyncStub,
         metadata: tuple[tuple[str, str], ...],
+        address: str,
     ) -> None:
+        self._address = address
         self._stub = stub
         self._metadata = metadata
         self._call: (
@@ -241,14 +267,21 @@ class SequenceDetokenizer:
                 response = await call.read()
             except grpc.aio.AioRpcError as exc:
                 self._drop()
-                raise _error(exc, "tokenizer") from None
+                raise _rpc_error(exc, "tokenizer", self._address) from None
             except asyncio.InvalidStateError:
                 # The stream had already ended between two messages (the tokenizer went away).
                 self._drop()
-                raise error_for(await call.code(), f"tokenizer: {await call.details()}") from None
+                raise _error(
+                    await call.code(), await call.details(), "tokenizer", self._address
+                ) from None
             if not isinstance(response, tok_pb2.DetokenizeSequencesResponse):  # EOF
                 self._drop()
-                raise UnavailableError("tokenizer: the DetokenizeSequences stream ended early")
+                raise _error(
+                    grpc.StatusCode.UNAVAILABLE,
+                    "the DetokenizeSequences stream ended early",
+                    "tokenizer",
+                    self._address,
+                )
             return response
 
     def _drop(self) -> None:
@@ -277,7 +310,7 @@ class TokenizerClient(_ServiceClient):
         return await self._unary(self._stub.GetInfo, tok_pb2.GetInfoRequest())
 
     def sequence_detokenizer(self) -> SequenceDetokenizer:
-        return SequenceDetokenizer(self._stub, self._metadata)
+        return SequenceDetokenizer(self._stub, self._metadata, self.address)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import logging
 
-from common.errors import RateLimitExceeded, Unauthenticated, mapping_for
+from common.errors import RateLimitExceeded, Unauthenticated, UnavailableError, mapping_for
 from gateway.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
+
+# Seconds a 503 asks the client to wait: enough not to hammer a service that is starting
+# again, little enough not to delay a client once it is back.
+UNAVAILABLE_RETRY_AFTER_SECONDS = 1
 
 
 def error_body(exc: BaseException) -> tuple[int, ErrorResponse]:
@@ -35,6 +39,8 @@ def error_headers(exc: BaseException) -> dict[str, str]:
         return {"WWW-Authenticate": "Bearer"}
     if isinstance(exc, RateLimitExceeded) and exc.retry_after is not None:
         return {"Retry-After": str(exc.retry_after)}
+    if isinstance(exc, UnavailableError):
+        return {"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)}
     return {}
 
 

@@ -4,6 +4,7 @@ flight finishes, exit 0); services that are down (503, not 500); a full engine q
 
 from __future__ import annotations
 
+import logging
 import re
 import signal
 import socket
@@ -108,6 +109,29 @@ def test_a_gateway_without_its_services_answers_503():
                 assert response.json()["error"]["type"] == "service_unavailable"
             metrics = http.get("/metrics")
             assert metrics.status_code == 200 and "folio_generation_tokens_total" in metrics.text
+    finally:
+        gateway.close()
+
+
+def test_a_down_engine_is_a_plain_503_with_retry_after_and_its_detail_is_logged(services, caplog):
+    _, tokenizer = services
+    port = free_port()
+    gateway = GatewayThread(f"127.0.0.1:{port}", f"127.0.0.1:{tokenizer.port}")
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=TIMEOUT) as http:
+            for response in (
+                http.get("/v1/models"),
+                http.post("/v1/completions", json={"prompt": "Hi"}),
+                http.post("/v1/completions", json={"prompt": "Hi", "stream": True}),
+            ):
+                assert response.status_code == 503, response.text
+                # Nothing of the engine's address or of gRPC's own words reaches the client.
+                assert response.json()["error"]["message"] == "engine unavailable"
+                assert int(response.headers["retry-after"]) >= 1
+        assert any(
+            str(port) in record.getMessage() and record.levelno >= logging.WARNING
+            for record in caplog.records
+        ), "the engine's address and gRPC's detail are not in the log"
     finally:
         gateway.close()
 
