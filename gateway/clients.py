@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.auth import bearer_metadata
 from common.config import GRPC_MESSAGE_OPTIONS, RECONNECT_CHANNEL_OPTIONS
-from common.errors import UnavailableError, error_for
+from common.errors import InternalError, UnavailableError, error_for
 from gateway.deadlines import call_timeout
 
 # Unary calls are quick (tokenize, stats); a stuck service must not hang an HTTP request.
@@ -115,7 +115,7 @@ class GenerateStream:
         self.closed = False
         self.sink = make_sink(self)
         self._on_broken = on_broken
-        self._cancelled = False  # by close(): the stream did not break
+        self._cancelled = False  # by close(), or for a bug of the sink's: the stream did not break
         self._call = stub.Generate(self._messages(), metadata=metadata)
         self._reader = asyncio.create_task(self._read())
 
@@ -130,6 +130,13 @@ class GenerateStream:
                 await self.sink.process_outputs(response.outputs)
         except grpc.aio.AioRpcError as exc:
             error = _rpc_error(exc, "engine", self._address)
+        except Exception as exc:
+            # A bug of the sink's that it did not contain, not the engine's fault: the engine
+            # stays in rotation, and cancelling the call aborts what the stream carried.
+            logger.exception("engine %s: processing the Generate stream failed", self._address)
+            error = InternalError(f"processing the engine's outputs failed: {exc}")
+            self._cancelled = True
+            self._call.cancel()
         finally:
             self.closed = True
             if not self._cancelled:

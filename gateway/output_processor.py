@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from common.errors import FolioError, InternalError, error_for
 from common.finish_reason import finish_reason_from_proto
 from gateway.metrics import Metrics
 from gateway.text import TextDelta, TextRequest, TokenLogprob, Usage
+
+logger = logging.getLogger(__name__)
 
 # Sequence ids on the tokenizer's stream: unique for the life of the gateway process.
 _sequence_ids = itertools.count(1)
@@ -209,7 +212,21 @@ class OutputProcessor:
 
     async def process_outputs(self, outputs: Sequence[engine_pb2.RequestOutput]) -> None:
         """One engine step: every output's text in one tokenizer round trip, then each caller
-        its delta and one Abort for the stop strings that matched."""
+        its delta and one Abort for the stop strings that matched. A failure here is the
+        gateway's own (a bug): it is logged, the step's requests fail with an InternalError and
+        are aborted, and the stream goes on for the others (the engine did nothing wrong)."""
+        try:
+            await self._process(outputs)
+        except Exception as exc:
+            logger.exception("processing an engine step failed; its requests fail")
+            step = {output.request_id for output in outputs}
+            self._fail(
+                [r for r in self._requests.values() if r.request_id in step],
+                InternalError(f"processing the engine's outputs failed: {exc}"),
+                True,
+            )
+
+    async def _process(self, outputs: Sequence[engine_pb2.RequestOutput]) -> None:
         # Entries are added in place: a list handed to the message's constructor is copied.
         message = tok_pb2.DetokenizeSequencesRequest()
         entries = message.sequences

@@ -1,9 +1,12 @@
 """Failures that are the gateway's own (a bug in it, injected here into the real gateway), not
 the client's and not an engine's: the client gets a 500, the server log gets the traceback,
-whether the failure comes before the answer or in the middle of a stream."""
+whether the failure comes before the answer, in the middle of a stream, or while the outputs
+of an engine step are processed (those requests are aborted on the engine, the replica stays in
+rotation and serves on)."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -11,12 +14,28 @@ import traceback
 
 import httpx
 import pytest
+from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2_grpc
 
+import polling
+from common.config import EngineConfig, GatewayConfig
+from common.errors import InternalError
+from engine.simulated import StepCostModel
 from gateway import completions
+from gateway.clients import EngineClient, SequenceDetokenizer
 from gateway.responses import translate
-from grpc_helpers import TIMEOUT
+from gateway_helpers import GatewayThread, engine_stats, read_metrics
+from grpc_helpers import TIMEOUT, ServerThread
+from services.engine.simulate import simulated_services
+from services.tokenizer.server import TokenizerService
 
 BUG = "injected: a bug in the gateway"
+# A stop string no answer holds: it marks the requests whose engine outputs the injected bug
+# breaks (the tokenizer learns a sequence's stop strings with its first tokens).
+MARKER = "<fault-marker>"
+# Slow steps: a request left running in the engine would run for minutes.
+SLOW = StepCostModel(fixed_seconds=0.05, prefill_token_seconds=0.0, decode_sequence_seconds=0.0)
+
+wait_until = functools.partial(polling.wait_until, seconds=TIMEOUT)
 
 
 def raise_bug(*args: object, exception: type[Exception] = RuntimeError) -> None:
@@ -81,4 +100,99 @@ def test_an_error_after_the_stream_started_is_logged(
         events = [json.loads(line[6:]) for line in response.iter_lines() if line[6:7] == "{"]
     error = events[-1].get("error", events[-1])  # the Responses API's error event is flat
     assert BUG in error["message"]
+    assert logged_with_traceback(caplog)
+
+
+@pytest.fixture
+def replicas(default_model_dir):
+    """Two slow simulated engine replicas and the real tokenizer service."""
+    config = EngineConfig(model=str(default_model_dir), block_size=16, num_kv_blocks=256)
+    engines = [ServerThread(s) for s in simulated_services(config, SLOW, "127.0.0.1", 0, 2)]
+    tokenizer = ServerThread(TokenizerService(str(default_model_dir), "127.0.0.1", 0))
+    yield engines, tokenizer
+    for server in (*engines, tokenizer):
+        server.close()
+
+
+def test_a_bug_processing_engine_outputs_fails_its_requests_not_the_replica(
+    replicas, monkeypatch, caplog
+):
+    engines, tokenizer = replicas
+    exchange = SequenceDetokenizer.exchange
+
+    async def exchange_with_bug(self, request):
+        if any(MARKER in entry.options.stop for entry in request.sequences):
+            raise_bug()
+        return await exchange(self, request)
+
+    monkeypatch.setattr(SequenceDetokenizer, "exchange", exchange_with_bug)
+    addresses = [f"127.0.0.1:{e.port}" for e in engines]
+    gateway = GatewayThread(
+        addresses, f"127.0.0.1:{tokenizer.port}", GatewayConfig(routing_policy="round_robin")
+    )
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=TIMEOUT) as http:
+            body = {"prompt": "Hi", "max_tokens": 3000, "ignore_eos": True, "stop": [MARKER]}
+            failed = http.post("/v1/completions", json=body)
+            assert failed.status_code == 500, failed.text
+            assert failed.json()["error"]["type"] == "server_error"
+            assert logged_with_traceback(caplog)
+            # Both replicas stay in rotation: the engine did nothing wrong.
+            healthy = {
+                key: value
+                for key, value in read_metrics(gateway.url).items()
+                if key.startswith("folio_replica_healthy")
+            }
+            assert list(healthy.values()) == [1.0, 1.0], healthy
+            # The request does not run on in its engine.
+            stubs = [engine_pb2_grpc.EngineServiceStub(e.channel) for e in engines]
+            wait_until(
+                lambda: not any(engine_stats(s).num_running for s in stubs),
+                "the engines to abort the failed request",
+            )
+            # And the gateway serves on, on both replicas.
+            for _ in addresses:
+                ok = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+                assert ok.status_code == 200, ok.text
+    finally:
+        gateway.close()
+
+
+class BrokenSink:
+    """A Generate stream's output sink with a bug it lets out."""
+
+    def __init__(self, stream: object) -> None:
+        self.failed: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
+
+    async def process_outputs(self, outputs: object) -> None:
+        raise_bug()
+
+    def fail_all(self, error: Exception) -> None:
+        self.failed.set_result(error)
+
+
+def test_a_bug_a_sink_lets_out_cancels_its_stream_and_keeps_the_engine(replicas, caplog):
+    engine = replicas[0][0]
+
+    async def run() -> tuple[Exception, int, int]:
+        client = EngineClient(f"127.0.0.1:{engine.port}")
+        try:
+            stream = client.stream(BrokenSink)
+            params = common_pb2.SamplingParams(max_tokens=3000, ignore_eos=True)
+            stream.add("r", [1, 2, 3], params, 0)
+            error = await asyncio.wait_for(stream.sink.failed, TIMEOUT)
+            # Its call was cancelled, which aborts its requests on the engine.
+            deadline = asyncio.get_running_loop().time() + TIMEOUT
+            while (running := (await client.stats()).num_running) and (
+                asyncio.get_running_loop().time() < deadline
+            ):
+                await asyncio.sleep(0.05)
+            return error, client.broken_streams, running
+        finally:
+            await client.close()
+
+    error, broken_streams, running = asyncio.run(run())
+    assert isinstance(error, InternalError) and BUG in str(error)
+    assert broken_streams == 0  # the engine did nothing wrong
+    assert running == 0
     assert logged_with_traceback(caplog)
