@@ -29,11 +29,11 @@ from typing import Any, Protocol
 
 from common.config import EngineConfig
 from common.sampling_params import SamplingParams
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_events import KVEventPublisher
+from engine.core.outputs import EngineStats, RequestOutput, StepTimings
+from engine.core.request import Request
 from engine.errors import EngineError, EngineGroupError
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_events import KVEventPublisher
-from engine.outputs import EngineStats, RequestOutput, StepTimings
-from engine.request import Request
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ leaves the engine's configuration in the store (JSON), broadcasts every step, an
 workers.
 
 What crosses: JSON in the store, and int64 tensors (a header [command, length], then the
-payload), so nothing is ever unpickled. A step is its plan (engine.step_plan's int64
+payload), so nothing is ever unpickled. A step is its plan (engine.core.step_plan's int64
 encoding, sampling parameters left on rank 0): every rank's runner applies it to its own
 persistent batch and runs the same forward.
 
@@ -47,10 +47,10 @@ from common.config import (
     EngineConfig,
 )
 from common.parent_death import child_env
-from engine import step_plan
+from engine.core import step_plan
+from engine.core.step_plan import StepPlan
 from engine.errors import EngineGroupError
 from engine.models.parallel import TensorParallel
-from engine.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 

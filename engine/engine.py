@@ -17,11 +17,16 @@ from common.config import EngineConfig
 from common.default_model import resolve_model_path
 from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
+from engine.core.kv_cache_manager import KVCacheManager, num_blocks_for_budget
+from engine.core.kv_events import KVEventPublisher
+from engine.core.outputs import EngineStats, RequestOutput, StepTimings
+from engine.core.prompt_logprobs import record_prompt_logprobs
+from engine.core.request import Request, aborted_output, check_new_request
+from engine.core.scheduler import Scheduler
+from engine.core.stopping import check_stop
 from engine.distributed import EngineGroup, start_engine_group
 from engine.errors import InvalidRequestError
 from engine.grammar import validate_sampling_params
-from engine.kv_cache_manager import KVCacheManager, num_blocks_for_budget
-from engine.kv_events import KVEventPublisher
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.models.config import ModelConfig
 from engine.models.parallel import (
@@ -30,12 +35,7 @@ from engine.models.parallel import (
     check_tensor_parallel_size,
     kv_heads_slice,
 )
-from engine.outputs import EngineStats, RequestOutput, StepTimings
-from engine.prompt_logprobs import record_prompt_logprobs
-from engine.request import Request, aborted_output, check_new_request
 from engine.sampler import Sampler, SamplerOutput
-from engine.scheduler import Scheduler
-from engine.stopping import check_stop
 from engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)

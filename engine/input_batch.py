@@ -16,7 +16,7 @@ import heapq
 
 import numpy as np
 
-from engine.step_plan import StepPlan
+from engine.core.step_plan import StepPlan
 
 
 class PersistentBatch:

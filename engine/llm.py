@@ -16,10 +16,10 @@ from common.config import EngineConfig
 from common.detokenizer import IncrementalDetokenizer
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
+from engine.core.outputs import RequestOutput
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from engine.grammar import validate_sampling_params
-from engine.outputs import RequestOutput
 
 PromptInput = str | Sequence[int]
 

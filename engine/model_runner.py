@@ -6,7 +6,7 @@ and, on a GPU, copied once per step into persistent device buffers; decode-only 
 a captured CUDA graph on a GPU and run a compiled program on the CPU. Only the rows that will
 be sampled, and the prompt positions of requests that asked for prompt logprobs, are
 projected to logits.
-It reads only the plain-data step plan (engine.step_plan), never a live Request: the requests'
+It reads only the plain-data step plan (engine.core.step_plan), never a live Request: the requests'
 token ids and block tables live in its persistent batch (engine.input_batch), which the plan
 updates, so a runner in another process (a tensor-parallel rank) works the same way: rank 0's
 runner hands each plan to `broadcast_plan` first, the other ranks' runners receive it.
@@ -27,6 +27,7 @@ from common.config import EngineConfig
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.compiled_decode import CompiledDecode
+from engine.core.step_plan import StepPlan
 from engine.cuda_graphs import DecodeGraphs
 from engine.fallback import warn_fallback
 from engine.input_batch import PersistentBatch
@@ -34,7 +35,6 @@ from engine.kernels import cpu_extension
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
 from engine.models.parallel import SINGLE, TensorParallel
-from engine.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 

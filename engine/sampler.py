@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from common.sampling_params import SamplingParams
-from engine.request import Request
+from engine.core.request import Request
 
 Logprobs = tuple[float, list[tuple[int, float]]]
 

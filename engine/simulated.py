@@ -25,14 +25,14 @@ from common.default_model import resolve_model_path
 from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_events import KVEventPublisher
+from engine.core.outputs import EngineStats, RequestOutput, StepTimings
+from engine.core.request import Request, aborted_output, check_new_request
+from engine.core.scheduler import Scheduler
+from engine.core.stopping import check_stop
 from engine.errors import EngineGroupError, InvalidRequestError
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_events import KVEventPublisher
 from engine.models.config import ModelConfig
-from engine.outputs import EngineStats, RequestOutput, StepTimings
-from engine.request import Request, aborted_output, check_new_request
-from engine.scheduler import Scheduler
-from engine.stopping import check_stop
 
 # The pool of a simulated engine when neither num_kv_blocks nor a memory budget is meant (it
 # has no tensors, so the memory budget means nothing).

@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from common.sampling_params import StructuredOutput
+from engine.core.request import Request
 from engine.errors import InvalidRequestError
 from engine.grammar import llguidance_grammar
-from engine.request import Request
 
 logger = logging.getLogger(__name__)
 

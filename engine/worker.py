@@ -19,7 +19,7 @@ import time
 import torch
 
 from common.config import TP_RENDEZVOUS_RETRY_SECONDS, EngineConfig
-from engine import step_plan
+from engine.core import step_plan
 from engine.distributed import (
     STEP,
     STOP,

@@ -9,8 +9,8 @@ from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
 from common.errors import status_code_for
 from common.finish_reason import finish_reason_to_proto
 from engine.async_engine import Event, RequestFailed
-from engine.kv_events import BlockRemoved, BlockStored, KVEvent, KVEventBatch
-from engine.outputs import RequestOutput
+from engine.core.kv_events import BlockRemoved, BlockStored, KVEvent, KVEventBatch
+from engine.core.outputs import RequestOutput
 
 
 def error_output(request_id: str, error: Exception) -> engine_pb2.RequestOutput:

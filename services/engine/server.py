@@ -27,8 +27,8 @@ from common.grpc_server import GrpcService
 from common.sampling_params import parent_request_id, sample_request_id
 from common.sampling_proto import sampling_params_from_proto
 from engine.async_engine import AsyncEngine, RequestFailed, SteppedEngine
+from engine.core.kv_events import KVEventBatch
 from engine.errors import EngineGroupError, InvalidRequestError
-from engine.kv_events import KVEventBatch
 from services.engine.convert import error_output, event_to_proto, kv_event_batch_to_proto
 
 logger = logging.getLogger(__name__)

@@ -96,7 +96,7 @@ def test_engine_sampler_on_the_kernel_keeps_seeds_batch_independent():
     """Sampler(use_kernel=True), the GPU path: greedy rows are argmax, seeded rows give the same
     tokens alone or in any batch, and every token is allowed by the row's filters."""
     from common.sampling_params import SamplingParams
-    from engine.request import Request
+    from engine.core.request import Request
     from engine.sampler import Sampler
 
     generator = torch.Generator().manual_seed(1)

@@ -17,8 +17,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from common.block_hash import ROOT_HASH, prefix_block_hashes
 from common.sampling_params import SamplingParams
-from engine.kv_cache_manager import KVCacheManager, num_blocks_for_budget
-from engine.request import Request
+from engine.core.kv_cache_manager import KVCacheManager, num_blocks_for_budget
+from engine.core.request import Request
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12

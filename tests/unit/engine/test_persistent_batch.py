@@ -12,11 +12,11 @@ import torch
 
 from common.config import EngineConfig
 from common.sampling_params import SamplingParams
+from engine.core.scheduler import SchedulerOutput
+from engine.core.step_plan import NewRequestPlan, RunningRequestPlan, StepPlan, decode, encode
 from engine.engine import LLMEngine
 from engine.input_batch import PersistentBatch
 from engine.model_runner import ModelInput
-from engine.scheduler import SchedulerOutput
-from engine.step_plan import NewRequestPlan, RunningRequestPlan, StepPlan, decode, encode
 from tiny_models import VARIANTS, make_checkpoint
 
 BLOCK = 4

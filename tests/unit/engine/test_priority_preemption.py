@@ -11,10 +11,10 @@ import torch
 
 from common.config import EngineConfig
 from common.sampling_params import SamplingParams
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
 from engine.engine import LLMEngine
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
 from tiny_models import VARIANTS, make_checkpoint
 
 BLOCK = 4

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from common.sampling_params import SamplingParams
-from engine.request import Request
+from engine.core.request import Request
 from engine.sampler import Sampler, SamplingRow
 
 EOS = [0, 7]

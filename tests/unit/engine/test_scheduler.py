@@ -7,10 +7,10 @@ import pytest
 
 from common.config import EngineConfig
 from common.sampling_params import SamplingParams
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
 from engine.errors import QueueFullError
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
 
 BLOCK = 4
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from common.sampling_params import SamplingParams
-from engine.step_plan import (
+from engine.core.step_plan import (
     NewRequestPlan,
     PromptLogprobSpan,
     RunningRequestPlan,

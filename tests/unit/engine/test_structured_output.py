@@ -17,10 +17,10 @@ from transformers import LlamaConfig
 
 from common.config import EngineConfig
 from common.sampling_params import SamplingParams, StructuredOutput
+from engine.core.request import Request
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from engine.grammar import validate_sampling_params
-from engine.request import Request
 from engine.sampler import Sampler
 from structured_schemas import Person
 from tiny_models import SMALL, make_checkpoint

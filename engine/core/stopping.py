@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Container
 
 from common.finish_reason import FinishReason
-from engine.request import Request
+from engine.core.request import Request
 
 
 def check_stop(

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from engine.request import Request
-from engine.step_plan import PromptLogprobSpan
+from engine.core.request import Request
+from engine.core.step_plan import PromptLogprobSpan
 
 if TYPE_CHECKING:
     import torch

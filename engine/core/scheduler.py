@@ -13,7 +13,7 @@ or sequence slots) also preempts running requests strictly less urgent than itse
 An n > 1 request's samples replace it in the running list once its prompt is computed
 (`fork`); from then on each is an ordinary request, preempted and recomputed on its own.
 
-Its output is a plain-data step plan (engine.step_plan) that the model runner of every rank
+Its output is a plain-data step plan (engine.core.step_plan) that the model runner of every rank
 consumes: the scheduler remembers what the runner's persistent batch holds of each request, so
 a plan carries only what changed (requests joining whole, running ones' new token and block
 ids, departures). It also fixes the batch order and which rows are sampled.
@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 from common.config import EngineConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.outputs import EngineStats
+from engine.core.prompt_logprobs import plan_span
+from engine.core.request import Request, RequestStatus
+from engine.core.step_plan import NewRequestPlan, RunningRequestPlan, StepPlan
 from engine.errors import QueueFullError
-from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import EngineStats
-from engine.prompt_logprobs import plan_span
-from engine.request import Request, RequestStatus
-from engine.step_plan import NewRequestPlan, RunningRequestPlan, StepPlan
 
 
 @dataclass

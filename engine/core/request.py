@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from common.errors import InvalidRequestError
 from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams, sample_request_id
-from engine.outputs import RequestOutput
+from engine.core.outputs import RequestOutput
 
 if TYPE_CHECKING:
     import torch
@@ -83,7 +83,7 @@ class Request:
     # On a sample: the request it was forked from, and its index among that request's n.
     parent: Request | None = field(default=None, repr=False)
     sample_index: int = 0
-    # The request's name in step plans (engine.step_plan): an int, so plans stay numeric.
+    # The request's name in step plans (engine.core.step_plan): an int, so plans stay numeric.
     seq_id: int = field(init=False)
 
     def __post_init__(self) -> None:

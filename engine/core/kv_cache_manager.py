@@ -11,7 +11,7 @@ samples. A request about to write into a block that others still hold gets a fre
 instead (copy-on-write); the copy of the shared block's content is recorded for the executor,
 which performs it before the step's forward (`take_block_copies`).
 
-As it registers and evicts cached blocks it records KV events (engine.kv_events) for the engine
+As it registers and evicts cached blocks it records KV events (engine.core.kv_events) for the engine
 to publish after the step: routers index them to find which engine holds a prompt's prefix.
 
 This module only moves block ids around: it never touches KV tensors (the executor owns them)
@@ -24,8 +24,8 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from common.block_hash import ROOT_HASH, hash_block
-from engine.kv_events import BlockRemoved, BlockStored, KVEvent
-from engine.request import Request
+from engine.core.kv_events import BlockRemoved, BlockStored, KVEvent
+from engine.core.request import Request
 
 
 def num_blocks_for_budget(
