@@ -60,7 +60,9 @@ class Gateway:
         routing_policy: str = "cache_aware",
     ) -> None:
         """`engines`: one client per engine replica; `routing_policy` picks among them."""
-        self.engine = EnginePool(engines, make_policy(routing_policy), self._output_processor)
+        self.engine = EnginePool(
+            engines, make_policy(routing_policy), self._output_processor, metrics
+        )
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.served_model_name = served_model_name

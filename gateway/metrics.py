@@ -9,8 +9,11 @@ own names follow Prometheus conventions: base units, `_total` for counters, no c
 do not share counts. A gateway of several worker processes (gateway/workers.py) counts in
 prometheus-client's multiprocess mode: each worker writes its request-level series to files in
 PROMETHEUS_MULTIPROC_DIR and a scrape, whichever worker answers it, sums every worker's; the
-engine-level series stay live, from GetStats. Only counting and formatting here: it never talks
-to a service.
+engine-level series stay live, from GetStats. The per-replica series a worker keeps itself (its
+requests routed, its view of each replica's health and prefix index) are counted the same way, so
+that every worker answers the same: the routed counts summed, a replica healthy only while no live
+worker has it out of rotation, the most blocks any live worker's index holds. Only counting and
+formatting here: it never talks to a service.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Iterator
 
 import prometheus_client
 from common.grpc_stubs.folio.v1 import engine_pb2
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
@@ -176,6 +179,28 @@ class Metrics:
             "folio_requests",
             "Requests ended, by finish reason.",
             ["finish_reason"],
+            registry=self.registry,
+        )
+        replica = ["replica"]  # the engine's address
+        self.replica_routed = Counter(
+            "folio_replica_requests_routed",
+            "Engine requests this gateway sent to the replica (retries included).",
+            replica,
+            registry=self.registry,
+        )
+        self.replica_healthy = Gauge(
+            "folio_replica_healthy",
+            "1 while the replica is in rotation.",
+            replica,
+            multiprocess_mode="livemin",
+            registry=self.registry,
+        )
+        self.replica_indexed_blocks = Gauge(
+            "folio_replica_indexed_blocks",
+            "KV cache blocks the gateway's prefix index holds for the replica (from its KV "
+            "events; cache_aware routing only).",
+            replica,
+            multiprocess_mode="livemax",
             registry=self.registry,
         )
         if multiprocess:

@@ -1,8 +1,9 @@
-"""The per-replica series of /metrics (label `replica`, the engine's address): requests routed,
-health, and each engine's load, KV cache usage and prefix cache counters from its latest GetStats
-answer (none for a replica that has not answered), and the blocks the prefix index holds.
-Formatting only: it reads the replicas' bookkeeping (gateway/replicas.py) and never talks to a
-service.
+"""The per-replica series of /metrics (label `replica`, the engine's address) that come from the
+engines: each one's load, KV cache usage and prefix cache counters from its latest GetStats
+answer (none for a replica that has not answered). Those the gateway counts itself (requests
+routed, health, the blocks its prefix index holds) are gateway/metrics.py's instruments, which
+the workers of a gateway share. Formatting only: it reads the replicas' bookkeeping
+(gateway/replicas.py) and never talks to a service.
 """
 
 from __future__ import annotations
@@ -13,24 +14,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gateway.replicas import Replica
-from gateway.routing import PrefixIndex
 
 
 class ReplicaCollector(Collector):
-    def __init__(self, replicas: Sequence[Replica], index: PrefixIndex) -> None:
+    def __init__(self, replicas: Sequence[Replica]) -> None:
         self._replicas = replicas
-        self._index = index
 
     def collect(self) -> Iterator[Metric]:
         labels = ["replica"]
-        routed = CounterMetricFamily(
-            "folio_replica_requests_routed",
-            "Engine requests this gateway sent to the replica (retries included).",
-            labels=labels,
-        )
-        healthy = GaugeMetricFamily(
-            "folio_replica_healthy", "1 while the replica is in rotation.", labels=labels
-        )
         running = GaugeMetricFamily(
             "folio_replica_num_requests_running",
             "Requests in the replica's running batch.",
@@ -56,17 +47,8 @@ class ReplicaCollector(Collector):
             "Prompt tokens the replica found in its prefix cache.",
             labels=labels,
         )
-        indexed = GaugeMetricFamily(
-            "folio_replica_indexed_blocks",
-            "KV cache blocks the gateway's prefix index holds for the replica (from its KV "
-            "events; cache_aware routing only).",
-            labels=labels,
-        )
         for replica in self._replicas:
             name = [replica.name]
-            routed.add_metric(name, replica.routed)
-            healthy.add_metric(name, 1.0 if replica.healthy else 0.0)
-            indexed.add_metric(name, self._index.num_blocks(replica.index))
             stats = replica.stats
             if stats is not None:
                 running.add_metric(name, stats.num_running)
@@ -74,4 +56,4 @@ class ReplicaCollector(Collector):
                 usage.add_metric(name, stats.kv_cache_usage)
                 queries.add_metric(name, stats.prefix_cache_queries)
                 hits.add_metric(name, stats.prefix_cache_hits)
-        yield from (routed, healthy, indexed, running, waiting, usage, queries, hits)
+        yield from (running, waiting, usage, queries, hits)

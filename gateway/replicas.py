@@ -27,6 +27,7 @@ from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
 from common.block_hash import prefix_block_hashes
 from common.errors import FolioError, UnavailableError
 from gateway.clients import EngineClient, GenerateStream
+from gateway.metrics import Metrics
 from gateway.output_processor import OutputProcessor, RetryHook, TrackedRequest
 from gateway.routing import Decision, PrefixIndex, ReplicaLoad, RoutingPolicy
 
@@ -48,7 +49,6 @@ class Replica:
     client: EngineClient
     healthy: bool = True
     in_flight: int = 0  # requests placed here that have not been released
-    routed: int = 0  # requests placed here, ever (retries included)
     stats: engine_pb2.GetStatsResponse | None = None  # its latest GetStats answer
     placed_since_stats: int = 0  # requests placed here since `stats` came
 
@@ -90,12 +90,19 @@ class EnginePool:
         clients: Sequence[EngineClient],
         policy: RoutingPolicy,
         make_processor: ProcessorFactory,
+        metrics: Metrics,
     ) -> None:
+        """`metrics`: where the replicas' requests routed, health and indexed blocks count."""
         if not clients:
             raise ValueError("at least one engine address is needed")
         self.replicas = [Replica(i, client) for i, client in enumerate(clients)]
         self.policy = policy
         self.index = PrefixIndex()
+        self._metrics = metrics
+        for replica in self.replicas:
+            metrics.replica_routed.labels(replica.name)  # 0 until its first request
+            self._set_healthy(replica, True)
+            self._count_blocks(replica)
         self._make_processor = make_processor
         self._placements: dict[TrackedRequest, _Placement] = {}
         self._block_size: int | None = None  # from the engines' model info
@@ -209,7 +216,7 @@ class EnginePool:
         self._placements[request] = placement
         replica.in_flight += 1
         replica.placed_since_stats += 1
-        replica.routed += 1
+        self._metrics.replica_routed.labels(replica.name).inc()
         stream = replica.client.stream(self._processor_for(replica))
         processor = stream.sink
         assert isinstance(processor, OutputProcessor)
@@ -270,10 +277,18 @@ class EnginePool:
 
     # -- health, load and KV events -------------------------------------------------------------
 
+    def _set_healthy(self, replica: Replica, healthy: bool) -> None:
+        replica.healthy = healthy
+        self._metrics.replica_healthy.labels(replica.name).set(1.0 if healthy else 0.0)
+
+    def _count_blocks(self, replica: Replica) -> None:
+        blocks = self.index.num_blocks(replica.index)
+        self._metrics.replica_indexed_blocks.labels(replica.name).set(blocks)
+
     def _lost(self, replica: Replica, why: str) -> None:
         if replica.healthy and self.several:
             logger.warning("engine replica %s out of rotation: %s", replica.name, why)
-            replica.healthy = False
+            self._set_healthy(replica, False)
             replica.reported(None)
 
     async def _monitor(self, replica: Replica) -> None:
@@ -285,7 +300,7 @@ class EnginePool:
                     self._lost(replica, str(exc))
             elif await replica.client.serving():
                 logger.warning("engine replica %s back in rotation", replica.name)
-                replica.healthy = True
+                self._set_healthy(replica, True)
             await asyncio.sleep(MONITOR_SECONDS)
 
     async def _follow_kv_events(self, replica: Replica) -> None:
@@ -297,6 +312,7 @@ class EnginePool:
                         self.index.clear(replica.index)  # another engine: forget the old one
                         epoch = batch.epoch
                     self._apply(replica.index, batch)
+                    self._count_blocks(replica)
                     next_number = batch.sequence_number + 1
             except grpc.aio.AioRpcError as exc:
                 logger.debug("KV events of replica %s: %s", replica.name, exc.code().name)

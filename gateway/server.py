@@ -151,7 +151,7 @@ class GatewayServer:
             self.config.routing_policy,
         )
         pool = self.gateway.engine
-        metrics.registry.register(ReplicaCollector(pool.replicas, pool.index))
+        metrics.registry.register(ReplicaCollector(pool.replicas))
         pool.start()
         access = Access(self.config, None if worker is None else worker.shared_state)
         self._grpc = GatewayGrpcService(

@@ -16,9 +16,9 @@ The parent prints the listening line once every worker serves. SIGTERM / SIGINT 
 worker, each drains its own requests, and the parent waits for all of them (killing what is left
 drain + KILL_MARGIN_SECONDS later). A worker that dies while serving is reported and started
 again after RESTART_DELAY_SECONDS (the others keep serving meanwhile; its counters stay in the
-sums); one that dies before it serves (a bad flag, a busy port) stops the group with an error.
-This module only starts, watches and stops processes: it never handles a request and imports
-nothing of the gateway's serving code.
+sums, its gauges leave them); one that dies before it serves (a bad flag, a busy port) stops the
+group with an error. This module only starts, watches and stops processes: it never handles a
+request and imports nothing of the gateway's serving code.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from prometheus_client.multiprocess import mark_process_dead
 
 from common.parent_death import child_env
 from gateway.sockets import listening_socket, reserve_port
@@ -64,6 +66,11 @@ class WorkerSetup:
 
 def _ready_file(shared_state: Path, pid: int) -> Path:
     return shared_state / f"ready-{pid}"
+
+
+def _metrics_dir(shared_state: Path) -> Path:
+    """Where the workers' metrics files live (PROMETHEUS_MULTIPROC_DIR)."""
+    return shared_state / "metrics"
 
 
 @dataclass(eq=False)
@@ -98,13 +105,13 @@ class WorkerGroup:
         grpc_reservation = reserve_port(self.host, self.grpc_port)
         shared_state = Path(tempfile.mkdtemp(prefix="folio-gateway-"))
         try:
-            (shared_state / "metrics").mkdir()
+            _metrics_dir(shared_state).mkdir()
             port, grpc_port = http.getsockname()[1], grpc_reservation.getsockname()[1]
             workers = [
                 _Worker(i, self.worker_command(i, grpc_port, http.fileno(), shared_state))
                 for i in range(self.workers)
             ]
-            env = {METRICS_DIR_ENV: str(shared_state / "metrics")}
+            env = {METRICS_DIR_ENV: str(_metrics_dir(shared_state))}
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self._stop.set())
             for worker in workers:
@@ -203,6 +210,10 @@ class WorkerGroup:
                 elif worker.process.poll() is not None:
                     if not worker.serving:
                         raise _GroupFailed(f"{worker.describe_exit()} before it served")
+                    # Its view of the replicas (live gauges) must not outlive it.
+                    mark_process_dead(  # type: ignore[no-untyped-call]
+                        worker.process.pid, str(_metrics_dir(shared_state))
+                    )
                     worker.restart_at = time.monotonic() + RESTART_DELAY_SECONDS
                     print(
                         f"folio: {worker.describe_exit()} while serving; restarting it in "

@@ -175,7 +175,23 @@ GATEWAY_SERIES = (
 
 
 def gateway_counts(samples: dict) -> dict[str, float]:
-    return {name: samples.get((name, labels), 0.0) for name, labels in GATEWAY_SERIES}
+    """The gateway's own request counts, and the requests it routed to its engine replicas."""
+    counts = {name: samples.get((name, labels), 0.0) for name, labels in GATEWAY_SERIES}
+    counts["folio_replica_requests_routed_total"] = sum(
+        value
+        for (name, _), value in samples.items()
+        if name == "folio_replica_requests_routed_total"
+    )
+    return counts
+
+
+def replica_series(samples: dict) -> dict[tuple[str, tuple], float]:
+    """The per-replica series that are not the engines' live load."""
+    return {
+        key: value
+        for key, value in samples.items()
+        if key[0] in ("folio_replica_healthy", "folio_replica_indexed_blocks")
+    }
 
 
 def test_both_workers_serve_and_every_scrape_shows_their_sums(stack):
@@ -204,14 +220,18 @@ def test_both_workers_serve_and_every_scrape_shows_their_sums(stack):
             "folio_prompt_tokens_total": prompt + grpc_usage.prompt_tokens,
             "folio_e2e_request_latency_seconds_count": sent,
             "folio_time_to_first_token_seconds_count": sent,
+            "folio_replica_requests_routed_total": sent,
         }
         # Whichever worker answers the scrape, it shows both workers' sums; the engine's own
         # series come from GetStats, once.
+        replicas = {}
         for worker, client in clients.items():
             samples = scrape(client)
             counts = gateway_counts(samples)
             assert {k: counts[k] - before[worker][k] for k in counts} == expected_delta, worker
             assert samples[("folio_num_kv_blocks", ())] == 1024
+            replicas[worker] = replica_series(samples)
+        assert replicas["0"] == replicas["1"] and replicas["0"], replicas
 
 
 def test_a_key_rate_limit_is_the_whole_servers(limited_gateway):
