@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine with Python 3.11:
 #   make serve   create .venv, install, prepare the default model, serve it (folio serve)
-#   make test    the same set-up (and chromium, with apt as root), then the whole test suite
+#   make test    the same set-up (and chromium, with apt as root), the container smoke, then the
+#                whole test suite
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,10 +10,13 @@ BUF_VERSION := 1.75.0
 # The Node.js gRPC client of the end-to-end tests (tests/node).
 GRPC_JS_VERSION := 1.14.7
 PROTO_LOADER_VERSION := 0.8.1
+# The container smoke's compose tool where Docker is absent, in a venv of its own.
+PODMAN_COMPOSE_VERSION := 1.6.0
+COMPOSE_VENV := .tools/compose
 PROTOS := $(wildcard protos/folio/v1/*.proto)
 STUBS := common/grpc_stubs/folio/.generated
 
-.PHONY: serve test lint model stubs browser bench clean
+.PHONY: serve test lint model stubs browser compose-smoke bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -56,7 +60,28 @@ browser:
 		>/dev/null; } || { echo "the web page tests need chromium: apt-get install chromium" >&2; \
 		exit 1; }
 
-test: model lint browser
+# docker-compose.yml run for real (deploy/compose-smoke.sh: build the image, start the three
+# services, check health, restarts, the engine's fast paths and two chat completions), whenever
+# this machine can: with Docker where its daemon answers; else as root with podman, runc and
+# debootstrap from apt and podman-compose in a venv of its own; elsewhere it says why not. A first
+# run builds the base image and the wheelhouse, which later runs reuse.
+compose-smoke:
+	@if docker info >/dev/null 2>&1 && docker compose version >/dev/null 2>&1; then \
+		deploy/compose-smoke.sh; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		for tool in podman runc debootstrap; do command -v $$tool >/dev/null || missing=1; done; \
+		[ -z "$$missing" ] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -qq podman runc netavark aardvark-dns debootstrap >/dev/null; } \
+			|| exit 1; \
+		[ -x $(COMPOSE_VENV)/bin/podman-compose ] || { $(PYTHON) -m venv $(COMPOSE_VENV) \
+			&& $(COMPOSE_VENV)/bin/pip install -q podman-compose==$(PODMAN_COMPOSE_VERSION); } \
+			|| exit 1; \
+		PATH="$$PATH:$(CURDIR)/$(COMPOSE_VENV)/bin" deploy/compose-smoke.sh; \
+	else \
+		echo "compose smoke not run: it needs a Docker daemon, or root for podman and debootstrap"; \
+	fi
+
+test: model lint browser compose-smoke
 	$(BIN)/python -m pytest -q
 
 bench: model

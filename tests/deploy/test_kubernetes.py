@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import re
+import subprocess
 from pathlib import Path
 
 import jsonschema
@@ -328,6 +329,31 @@ def test_pods_run_as_the_images_user_and_can_write_their_volumes():
 def test_one_image_the_compose_image():
     images = {c["image"] for c in containers(MAIN + EXTENSION)}
     assert images == {service["image"] for service in COMPOSE["services"].values()}
+    # ... the very image the compose smoke builds and runs: tagged with compose's image name,
+    # from the repository's one Dockerfile (no second image definition anywhere).
+    smoke = (ROOT / "deploy" / "compose-smoke.sh").read_text()
+    assert re.search(r"^IMAGE=\$\(sed .*/docker-compose\.yml\"", smoke, re.MULTILINE)
+    assert '-t "$IMAGE" "$ROOT"' in smoke  # the build's tag and context
+    tracked = subprocess.run(
+        ["git", "ls-files", "*Dockerfile*", "*Containerfile*"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert tracked == ["Dockerfile"]
+
+
+def test_engine_startup_allows_the_first_starts_compile():
+    """The engine's first start converts the model and compiles decode steps: its startup
+    probe waits at least as long as the compose health check's start period, which the compose
+    smoke sees met (liveness checks begin only after the startup probe passed)."""
+    start_period = COMPOSE["services"]["engine"]["healthcheck"]["start_period"]
+    minutes = re.fullmatch(r"(\d+)m", start_period)
+    assert minutes, start_period
+    [engine] = [c for c in containers(MAIN) if parsed(c).command == "engine"]
+    probe = engine["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= 60 * int(minutes[1])
 
 
 def test_inference_pool_selects_whole_folio_serve_pods():
