@@ -16,7 +16,7 @@ COMPOSE_VENV := .tools/compose
 PROTOS := $(wildcard protos/folio/v1/*.proto)
 STUBS := common/grpc_stubs/folio/.generated
 
-.PHONY: serve test lint model stubs browser compose-smoke bench clean
+.PHONY: serve test lint docs model stubs browser compose-smoke bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ lint: $(STUBS)
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 	$(BIN)/mypy
+
+# The documentation site (mkdocs.yml over docs/) into site/; strict, as the tests build it.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
 
 # The web page tests (tests/gateway/test_webui.py) drive Debian's chromium through Playwright,
 # never Playwright's own browser download: installed with apt where this runs as root (as CI
@@ -88,4 +92,4 @@ bench: model
 	$(BIN)/folio bench offline
 
 clean:
-	rm -rf $(VENV) .tools common/grpc_stubs/folio
+	rm -rf $(VENV) .tools common/grpc_stubs/folio site

@@ -34,7 +34,7 @@ EXTENSION_FILES = sorted((KUBE / "inference-extension").glob("*.yaml"))
 CRD = yaml.safe_load((KUBE / "crds" / "inferencepool.yaml").read_text())
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-README = (ROOT / "README.md").read_text()
+CONTAINERS_DOC = (ROOT / "docs" / "containers.md").read_text()
 # The oldest Kubernetes minor checked (gRPC probes are GA since 1.27) and the newest the pinned
 # kubernetes-validate knows.
 KUBERNETES_VERSIONS = ("1.29.0", latest_version())
@@ -301,8 +301,8 @@ def test_internal_token_comes_from_one_secret_never_a_literal():
     for container in containers(MAIN + EXTENSION):
         assert all("value" not in e for e in container.get("env", []))
         assert not {"--api-key", "--api-key-file"} & set(argv(container))
-    # The README says how to create it.
-    assert f"kubectl create secret generic {name} --from-literal={key}=" in README
+    # The containers page says how to create it.
+    assert f"kubectl create secret generic {name} --from-literal={key}=" in CONTAINERS_DOC
 
 
 def test_model_cache_is_a_volume_where_folio_cache_dir_points():
@@ -368,6 +368,6 @@ def test_inference_pool_selects_whole_folio_serve_pods():
     assert pool["spec"]["endpointPickerRef"]["port"]["number"] > 0
 
 
-def test_readme_shows_how_to_apply_them():
-    assert "kubectl apply -f deploy/kubernetes/" in README
-    assert "kubectl apply -f deploy/kubernetes/inference-extension/" in README
+def test_the_docs_show_how_to_apply_them():
+    assert "kubectl apply -f deploy/kubernetes/" in CONTAINERS_DOC
+    assert "kubectl apply -f deploy/kubernetes/inference-extension/" in CONTAINERS_DOC
