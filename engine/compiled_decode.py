@@ -65,17 +65,17 @@ class CompiledDecode:
         self._forward = torch.compile(
             self.model.hidden_states,
             options={
-                # The weights never change once loaded: guarding the model's ~300 parameters
-                # cost ~1.6 ms a step. The inputs' guards (their sizes pick the program) stay.
+                # The weights never change once loaded, and guarding the model's ~300
+                # parameters costs Python time every step (docs/compiled-decode.md has the
+                # figure). The inputs' guards (their sizes pick the program) stay.
                 "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                 # Checks of every intermediate's size and alignment, ~600 Python calls a step,
                 # on shapes inductor derived itself.
                 "size_asserts": False,
                 "alignment_asserts": False,
                 # The program's own calls (~300 a step: kernels, the linears, attention) from
-                # C++ instead of Python: ~1.2 ms of a 12 ms one-row int4 step. Its wrapper
-                # compiles apart from the kernels, at -O1 (glue code): ~15 s more on a cold
-                # cache instead of ~60 s.
+                # C++ instead of Python. Its wrapper compiles apart from the kernels, at -O1
+                # (glue code), which keeps a cold compile short (docs/compiled-decode.md).
                 "cpp_wrapper": True,
                 "cpp_wrapper_build_separate": True,
             },

@@ -4,14 +4,12 @@ In float32 or bfloat16 with Folio's CPU kernels loaded, a layer's whole step is 
 Folio's paged attention (engine/kernels/cpu_attention.cpp), which writes the new K/V and reads
 the cache in place: decodes one query at a time, prefill and extend tokens in blocks (bfloat16
 on CPUs with AVX-512 BF16) or each as the decode of a context ending at itself. That beats
-scaled_dot_product_attention at every prompt length measured (a whole prompt, SmolLM2's 9
-heads, bfloat16, 2 threads, a layer: 110 tokens 0.18 against 0.50 ms, 512 tokens 1.6-2.4
-against 4.5-5.5, 2048 tokens 23-25 against 42-44; each token as a decode: 0.26, 3.1-4.7, 54-60).
-Otherwise, in plain torch: decodes (the first meta.num_decodes requests, one query token each)
-run together, in a few groups of similar context length to limit padding, each group's blocks
-gathered into one workspace and put through two batched matmuls; prefills and extends run one
-request at a time through scaled_dot_product_attention. It must never keep per-request K/V
-between steps; the gather workspace is scratch, overwritten every layer.
+scaled_dot_product_attention at every prompt length measured (docs/quantization.md, "bfloat16
+on the CPU"). Otherwise, in plain torch: decodes (the first meta.num_decodes requests, one query
+token each) run together, in a few groups of similar context length to limit padding, each
+group's blocks gathered into one workspace and put through two batched matmuls; prefills and
+extends run one request at a time through scaled_dot_product_attention. It must never keep
+per-request K/V between steps; the gather workspace is scratch, overwritten every layer.
 """
 
 from __future__ import annotations

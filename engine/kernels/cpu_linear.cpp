@@ -9,7 +9,8 @@
 //   vdpbf16ps instruction: one 64-byte load of a tile and one broadcast pair of activations give
 //   16 outputs two multiply-adds each, summed in float32, with no horizontal sums. Each thread
 //   streams its share of the tiles once per block of activation rows, which is what a step of a
-//   few rows needs (oneDNN's bfloat16 kernels read these small weights at ~15-20 GB/s there).
+//   few rows needs (oneDNN's bfloat16 kernels read these small weights well below the
+//   machine's bandwidth there: docs/quantization.md).
 //
 // Choosing between them, and packing, is engine/models/llama.py's job.
 

@@ -67,10 +67,9 @@ def can_prepack(weight: torch.Tensor) -> bool:
     """oneDNN's prepacked layout for CPU matmuls, multiplied through Folio's packed_linear op
     (engine/kernels/cpu_linear.cpp: compiled decode programs can call it), so only where
     Folio's CPU kernels load; float32 only (bfloat16 has tiles of its own: can_tile_bf16). torch's
-    F.linear calls MKL, whose small-batch sgemm runs far below these AMD CPUs' bandwidth (the
-    default model's linears at 8 rows: 66 ms, oneDNN's 41; its vocabulary projection 30 ms vs
-    8) and no faster from ~256 rows; results differ from MKL's by float32 rounding (summation
-    order) only."""
+    F.linear calls MKL, whose small-batch sgemm runs far below these AMD CPUs' bandwidth and no
+    faster from ~256 rows (docs/quantization.md); results differ from MKL's by float32 rounding
+    (summation order) only."""
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight") or not cpu_extension.load():
@@ -80,11 +79,9 @@ def can_prepack(weight: torch.Tensor) -> bool:
 
 def can_tile_bf16(weight: torch.Tensor) -> bool:
     """Folio's bf16_linear runs on CPUs with AVX-512 BF16 (elsewhere bfloat16 is not the
-    default dtype: it is emulated there), for an even number of input features. The default
-    model's linears, measured against oneDNN's bfloat16 kernels on its prepacked weights (2
-    threads, one step's 121 products): 1 row 9.2 against 14.7 ms (1.6x; ~29 GB/s, this CPU's
-    read bandwidth), 16 rows 16.9 against 19.1, 110 rows 74.7 against 79.0, and never slower up
-    to 256 rows, so it serves every batch."""
+    default dtype: it is emulated there), for an even number of input features. Measured
+    against oneDNN's bfloat16 kernels on its prepacked weights, it is never slower up to 256
+    rows (docs/quantization.md, "bfloat16 on the CPU"), so it serves every batch."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16

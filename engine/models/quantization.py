@@ -26,10 +26,10 @@ from engine.kernels import cpu_extension
 
 INT4_GROUP_SIZE = 32
 
-# Above this many rows a product dequantizes the weight and runs a dense matmul instead.
-# Dequantizing costs about what Folio's kernels take for ~100 rows, and a dense float32 matmul
-# runs ~1.5x faster per row than they do, so they win up to ~256 rows (bench/quant_kernels.py
-# --rows, on these 2-core machines); torch's kernels lose to the dense matmul from ~16 rows.
+# Above this many rows a product dequantizes the weight and runs a dense matmul instead: the
+# dequantization's fixed cost against the dense matmul's lower cost per row puts the crossover
+# near here for Folio's kernels and near 16 rows for torch's (bench/quant_kernels.py --rows
+# measures it; docs/quantization.md).
 MAX_FOLIO_KERNEL_ROWS = 256
 MAX_TORCH_KERNEL_ROWS = 16
 
