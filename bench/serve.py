@@ -401,6 +401,7 @@ def serve_and_bench(
     config, args: argparse.Namespace, prompts: PromptMaker, gateway_workers: int
 ) -> dict[str, RunResult]:
     """Start a `folio serve` with `gateway_workers` gateway processes, run the sweep, stop it."""
+    from common.config import GatewayFrontConfig, ListenConfig
     from services.supervisor import ServeConfig, Supervisor
 
     with tempfile.NamedTemporaryFile(
@@ -408,8 +409,7 @@ def serve_and_bench(
     ) as log:
         supervisor = Supervisor(
             ServeConfig(
-                port=0,
-                grpc_port=0,
+                GatewayFrontConfig(ListenConfig(port=0), grpc_port=0),
                 engine_port=0,
                 tokenizer_port=0,
                 gateway_workers=gateway_workers,

@@ -1,17 +1,24 @@
-"""Configuration shared by the engine, the services and the CLI: one place for every knob.
+"""Configuration shared by the engine, the services and the CLI: every command's config tree.
 
-Defaults work on a laptop (CPU, a few GiB for the KV cache). This module only holds data and
-validates it; it must never import torch or touch a device.
+Each config is a dataclass whose fields are the flags of the commands that use it, declared once
+with common.flags.flag (help, default, choices): the engine's knobs (EngineConfig), the gateway's
+policies (GatewayConfig), where a service listens (ListenConfig), and the tree of each service
+command (`folio tokenizer`, `folio engine`, `folio gateway`) that `folio serve` hands its
+children as JSON. Ports, limits and other constants several processes share live here too; a
+constant one module uses lives in that module. Defaults work on a laptop (CPU, a few GiB for the
+KV cache). This module only holds data and validates it; it must never import torch or touch a
+device.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from common.flags import check_choices, command_line, flag, from_args
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -19,13 +26,14 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8", "int4")
 ROUTING_POLICIES = ("cache_aware", "least_load", "round_robin")
 DEFAULT_HOST = "127.0.0.1"
-
-
-def _arg(
-    default: Any, type_: Callable[[str], Any], help_: str, choices: Sequence[Any] | None = None
-) -> Any:
-    """A config field that also describes its command-line flag."""
-    return field(default=default, metadata={"type": type_, "help": help_, "choices": choices})
+# Where the services listen by default: loopback only, one port each; `folio serve` and
+# docker compose use the same numbers.
+ENGINE_PORT = 50051
+TOKENIZER_PORT = 50052
+GATEWAY_GRPC_PORT = 50053
+HTTP_PORT = 8000
+# How long a stopping service lets requests in flight finish.
+DRAIN_SECONDS = 30.0
 
 
 def cache_dir() -> Path:
@@ -41,78 +49,74 @@ def default_step_cost_path() -> Path:
     return cache_dir() / "step_cost.json"
 
 
+def _model_flag() -> Any:
+    return flag(None, "a local Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+
+
 @dataclass
 class EngineConfig:
     """Everything that shapes one engine instance."""
 
-    model: str | None = _arg(
-        None, str, "a local Hugging Face model directory (default: SmolLM2-135M-Instruct)"
-    )
-    dtype: str = _arg(
+    model: str | None = _model_flag()
+    dtype: str = flag(
         "auto",
-        str,
         "weights and activations; auto = bfloat16 where the device computes it natively, else "
         "float32 (float32 on a CPU with --quantization, whose kernels take it)",
         choices=DTYPES,
     )
-    device: str = _arg("cpu", str, "torch device")
-    quantization: str | None = _arg(
+    device: str = flag("cpu", "torch device")
+    quantization: str | None = flag(
         None,
-        str,
         "weight-only quantization of the linear layers on the CPU: int8 (per output channel) or "
         "int4 (groups of 32, GGUF Q4_1's scheme); default off",
         choices=QUANTIZATIONS,
     )
-    block_size: int = _arg(16, int, "tokens per KV cache block (a power of two)")
-    kv_cache_memory_bytes: int = _arg(2 * 1024**3, int, "memory budget of the KV cache pool")
-    num_kv_blocks: int | None = _arg(
-        None, int, "KV pool size in blocks (overrides the memory budget)"
+    block_size: int = flag(16, "tokens per KV cache block (a power of two)")
+    kv_cache_memory_bytes: int = flag(2 * 1024**3, "memory budget of the KV cache pool")
+    num_kv_blocks: int | None = flag(
+        None, "KV pool size in blocks (default: as many as --kv-cache-memory-bytes holds)"
     )
-    max_num_batched_tokens: int = _arg(2048, int, "token budget of one engine step")
-    max_num_seqs: int = _arg(128, int, "most requests running at once")
-    max_waiting_requests: int = _arg(
-        1024, int, "bound of the waiting queue; beyond it requests are refused"
+    max_num_batched_tokens: int = flag(2048, "token budget of one engine step")
+    max_num_seqs: int = flag(128, "most requests running at once")
+    max_waiting_requests: int = flag(
+        1024, "bound of the waiting queue; beyond it requests are refused"
     )
-    max_model_len: int | None = _arg(
-        None, int, "context length (default: the model's, capped by the KV pool)"
+    max_model_len: int | None = flag(
+        None, "context length (default: the model's, capped by the KV pool)"
     )
-    scheduling_policy: str = _arg(
-        "fcfs", str, "which waiting request runs first", choices=SCHEDULING_POLICIES
+    scheduling_policy: str = flag(
+        "fcfs", "which waiting request runs first", choices=SCHEDULING_POLICIES
     )
-    enable_prefix_caching: bool = _arg(True, bool, "reuse KV blocks of identical prompt prefixes")
-    attention_backend: str = _arg(
-        "auto", str, "auto = triton on CUDA, torch otherwise", choices=ATTENTION_BACKENDS
+    enable_prefix_caching: bool = flag(True, "reuse KV blocks of identical prompt prefixes")
+    attention_backend: str = flag(
+        "auto", "auto = triton on CUDA, torch otherwise", choices=ATTENTION_BACKENDS
     )
-    enable_cuda_graphs: bool = _arg(
-        True, bool, "replay captured CUDA graphs for decode steps (GPU, triton backend)"
+    enable_cuda_graphs: bool = flag(
+        True, "replay captured CUDA graphs for decode steps (GPU, triton backend)"
     )
-    enforce_eager: bool = _arg(
+    enforce_eager: bool = flag(
         os.environ.get("FOLIO_ENFORCE_EAGER") == "1",
-        bool,
         "run every step eagerly: no torch.compile of decode steps on the CPU, no CUDA graphs "
         "(FOLIO_ENFORCE_EAGER=1 makes this the default)",
     )
-    num_threads: int | None = _arg(None, int, "CPU threads for torch (default: torch's choice)")
-    seed: int = _arg(0, int, "seed of the generator shared by unseeded sampled requests")
-    tensor_parallel_size: int = _arg(
-        1, int, "processes (ranks) the model is sharded over; rank 0 is the engine itself"
+    num_threads: int | None = flag(None, "CPU threads for torch (default: torch's choice)")
+    seed: int = flag(0, "seed of the generator shared by unseeded sampled requests")
+    tensor_parallel_size: int = flag(
+        1, "processes (ranks) the model is sharded over; rank 0 is the engine itself"
     )
-    kv_events_replay_batches: int = _arg(
+    kv_events_replay_batches: int = flag(
         1024,
-        int,
         "KV-cache event batches (about one per step that cached or evicted blocks) kept for "
         "subscribers that reconnect; one whose gap is older gets a snapshot instead",
     )
-    master_addr: str = _arg(
+    master_addr: str = flag(
         DEFAULT_HOST,
-        str,
         "address the tensor-parallel rendezvous and rank 0's sockets bind to (no "
         "authentication: keep it on a private network)",
     )
-    master_port: int = _arg(0, int, "port of the tensor-parallel rendezvous (0 picks a free one)")
-    external_workers: bool = _arg(
+    master_port: int = flag(0, "port of the tensor-parallel rendezvous (0 picks a free one)")
+    external_workers: bool = flag(
         False,
-        bool,
         "wait for workers started with `folio engine-worker` instead of starting them",
     )
 
@@ -121,24 +125,10 @@ class EngineConfig:
             if not ok:
                 raise ValueError(message)
 
-        require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        require(
-            self.quantization is None or self.quantization in QUANTIZATIONS,
-            f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}",
-        )
+        check_choices(self)
         require(
             self.quantization is None or self.device == "cpu",
             f"quantization runs on the CPU only, got device {self.device!r}",
-        )
-        require(
-            self.attention_backend in ATTENTION_BACKENDS,
-            f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-            f"got {self.attention_backend!r}",
-        )
-        require(
-            self.scheduling_policy in SCHEDULING_POLICIES,
-            f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
-            f"got {self.scheduling_policy!r}",
         )
         require(
             self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
@@ -177,14 +167,6 @@ class EngineConfig:
         )
 
 
-# Where the services listen by default: loopback only, one port each; `folio serve` and
-# docker compose use the same numbers.
-ENGINE_PORT = 50051
-TOKENIZER_PORT = 50052
-GATEWAY_GRPC_PORT = 50053
-HTTP_PORT = 8000
-# How long a stopping service lets requests in flight finish.
-DRAIN_SECONDS = 30.0
 # The largest HTTP request body the gateway reads (413 beyond). Room for a full context of
 # text or token ids (its tokens travel to the tokenizer well inside GRPC_MAX_MESSAGE_BYTES),
 # and a client must not make the gateway buffer without bound.
@@ -207,8 +189,6 @@ API_KEYS_ENV = "FOLIO_API_KEYS"
 REQUEST_TIMEOUT_SECONDS = 600.0
 # How often the gateway's dashboard feed (/dashboard/feed) sends a sample of the engine's load.
 DASHBOARD_FEED_INTERVAL_SECONDS = 0.5
-# How often `folio serve` restarts a service that keeps dying before it gives up.
-MAX_RESTARTS = 5
 # Entries of oneDNN's two kernel caches (its primitive cache and PyTorch's ideep LRU cache) in
 # an engine on CPU; their defaults are 1024 each. Every new batch shape compiles and caches
 # kernels, so with the defaults the engine's memory grew by hundreds of MiB under varied load
@@ -237,67 +217,80 @@ RECONNECT_CHANNEL_OPTIONS = [
 ]
 
 
-def add_service_args(parser: argparse.ArgumentParser, port: int) -> None:
-    """--host, --port and --drain-seconds of one gRPC service."""
-    group = parser.add_argument_group("service")
-    group.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
-    group.add_argument("--port", type=int, default=port, help="gRPC port (0 picks a free one)")
-    group.add_argument(
-        "--drain-seconds",
-        type=float,
-        default=DRAIN_SECONDS,
-        help="on SIGTERM / Ctrl-C, how long requests in flight may finish",
+@dataclass
+class ListenConfig:
+    """Where a service listens and how long it drains."""
+
+    host: str = flag(
+        DEFAULT_HOST,
+        "address to listen on (folio serve: the gateway's; the engine and the tokenizer stay on "
+        "127.0.0.1)",
+    )
+    port: int = flag(0, "port to listen on (0 picks a free one)")
+    drain_seconds: float = flag(
+        DRAIN_SECONDS, "on SIGTERM / Ctrl-C, how long requests in flight may finish"
     )
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field (--max-num-seqs ...); booleans get --no-... too."""
-    _add_config_args(parser.add_argument_group("engine"), EngineConfig)
+@dataclass
+class TokenizerServiceConfig:
+    """`folio tokenizer`: the tokenizer gRPC service."""
+
+    model: str | None = _model_flag()
+    listen: ListenConfig = field(default_factory=lambda: ListenConfig(port=TOKENIZER_PORT))
 
 
-def _add_config_args(group: argparse._ActionsContainer, config_type: type) -> None:
-    """One flag per field of `config_type` declared with _arg."""
-    for f in fields(config_type):
-        if "type" not in f.metadata:
-            continue  # not a flag
-        flag = "--" + f.name.replace("_", "-")
-        meta = f.metadata
-        if meta["type"] is bool:
-            group.add_argument(
-                flag, default=f.default, action=argparse.BooleanOptionalAction, help=meta["help"]
+@dataclass
+class StepCostConfig:
+    """The simulated engines' step times."""
+
+    # flag returns a dataclasses.field; ruff knows field, not flag, and Path is not a type it
+    # knows immutable.
+    step_cost: Path = flag(  # noqa: RUF009
+        help="with --simulate: the step cost model `folio bench profile` wrote",
+        factory=default_step_cost_path,
+    )
+
+
+@dataclass
+class SimulationConfig:
+    """Simulated engines, for routing studies at scale."""
+
+    simulate: bool = flag(
+        False,
+        "no model: the real scheduler and KV cache, each step as long as the step cost model "
+        "says, placeholder tokens",
+    )
+    replicas: int = flag(
+        1,
+        "with --simulate: simulated engines in this process, on consecutive ports from --port "
+        "(0: free ones)",
+    )
+    cost: StepCostConfig = field(default_factory=StepCostConfig)
+
+    def __post_init__(self) -> None:
+        if self.replicas != 1 and not self.simulate:
+            raise ValueError(
+                "--replicas needs --simulate (real replicas: folio serve --engine-replicas N)"
             )
-        else:
-            group.add_argument(
-                flag,
-                default=f.default,
-                type=meta["type"],
-                choices=meta["choices"],
-                help=meta["help"],
-            )
+
+
+@dataclass
+class EngineServiceConfig:
+    """`folio engine`: the engine gRPC service."""
+
+    listen: ListenConfig = field(default_factory=lambda: ListenConfig(port=ENGINE_PORT))
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    simulation: SimulationConfig = field(default_factory=SimulationConfig)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+    return from_args(EngineConfig, args)
 
 
 def engine_args_from_config(config: EngineConfig) -> list[str]:
-    """The inverse of add_engine_args: flags that parse back into `config` (for child processes)."""
-    return _config_args(config)
-
-
-def _config_args(config: Any) -> list[str]:
-    """The flags of a config's _arg fields that parse back into their values."""
-    args: list[str] = []
-    for f in fields(config):
-        if "type" not in f.metadata:
-            continue
-        value = getattr(config, f.name)
-        flag = f.name.replace("_", "-")
-        if f.metadata["type"] is bool:
-            args.append(f"--{flag}" if value else f"--no-{flag}")
-        elif value is not None:
-            args += [f"--{flag}", str(value)]
-    return args
+    """The engine flags that parse back into `config` (bench starts `folio serve` with them)."""
+    return command_line(config)
 
 
 # The tool-call parsers the gateway has (gateway/tools/parsers.py), by their vLLM names.
@@ -311,47 +304,40 @@ class GatewayConfig:
     # From --api-key, FOLIO_API_KEYS and --api-key-file (common.auth.load_api_keys); empty: no
     # authentication. Never printed: repr leaves them out.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
-    protect_health_metrics: bool = _arg(
+    protect_health_metrics: bool = flag(
         False,
-        bool,
         "require an API key for /health, /metrics, what SMG polls (/server_info, /model_info, "
-        "/v1/loads) and gRPC health too (default: open, for probes, scrapers and routers)",
+        "/v1/loads) and gRPC health too (off: open, for probes, scrapers and routers)",
     )
-    rate_limit_rps: float | None = _arg(
+    rate_limit_rps: float | None = flag(
         None,
-        float,
         "requests per second per API key (per client address without keys); default: unlimited",
     )
-    rate_limit_tpm: int | None = _arg(
+    rate_limit_tpm: int | None = flag(
         None,
-        int,
         "tokens per minute per API key (per client address without keys): prompt "
         "plus max_tokens, what a sequence did not generate given back; default: "
         "unlimited",
     )
-    webui: bool = _arg(
+    webui: bool = flag(
         True,
-        bool,
         "serve the web pages: the playground at / and the live dashboard at /dashboard "
         "(--no-webui: the API only)",
     )
-    request_timeout: float = _arg(
+    request_timeout: float = flag(
         REQUEST_TIMEOUT_SECONDS,
-        float,
         "seconds one request may take, queueing included; "
         "then it is aborted (HTTP 504, gRPC DEADLINE_EXCEEDED)",
     )
 
-    routing_policy: str = _arg(
+    routing_policy: str = flag(
         "cache_aware",
-        str,
         "with several engine replicas, which one a request goes to: the one holding most of "
         "its prompt's prefix in its KV cache unless overloaded, the least loaded, or each in turn",
         choices=ROUTING_POLICIES,
     )
-    tool_call_parser: str | None = _arg(
+    tool_call_parser: str | None = flag(
         None,
-        str,
         "how tool calls are read from the model's output, named as vLLM names its parsers "
         "(the chat template must know tools); default: the format the chat template teaches, "
         "else a generic format in a system message",
@@ -359,15 +345,7 @@ class GatewayConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.routing_policy not in ROUTING_POLICIES:
-            raise ValueError(
-                f"routing_policy must be one of {ROUTING_POLICIES}, got {self.routing_policy!r}"
-            )
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(
-                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
-                f"got {self.tool_call_parser!r}"
-            )
+        check_choices(self)
         for name in ("rate_limit_rps", "rate_limit_tpm"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -376,33 +354,59 @@ class GatewayConfig:
             raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
 
 
-def add_gateway_args(parser: argparse.ArgumentParser) -> None:
-    """The gateway's auth, limit and timeout flags (GatewayConfig)."""
-    group = parser.add_argument_group("auth and limits")
-    group.add_argument(
-        "--api-key",
-        action="append",
-        default=[],
-        dest="api_key",
-        help="an API key clients must send (Authorization: Bearer KEY); repeatable. "
-        f"Visible in ps: prefer {API_KEYS_ENV} (comma-separated) or "
-        "--api-key-file",
-    )
-    group.add_argument(
-        "--api-key-file",
-        default=None,
-        help="a file of API keys, one per line (blank lines and # comments skipped)",
-    )
-    _add_config_args(group, GatewayConfig)
+@dataclass
+class ApiKeySources:
+    """Where the gateway's API keys come from, besides FOLIO_API_KEYS."""
 
-
-def gateway_config_from_args(args: argparse.Namespace, api_keys: tuple[str, ...]) -> GatewayConfig:
-    return GatewayConfig(
-        api_keys=api_keys,
-        **{f.name: getattr(args, f.name) for f in fields(GatewayConfig) if "type" in f.metadata},
+    api_key: tuple[str, ...] = flag(
+        (),
+        "an API key clients must send (Authorization: Bearer KEY); repeatable. Visible in ps: "
+        f"prefer {API_KEYS_ENV} (comma-separated) or --api-key-file",
+    )
+    api_key_file: str | None = flag(
+        None,
+        "a file of API keys, one per line (blank lines and # comments skipped); default: none",
     )
 
 
-def gateway_args_from_config(config: GatewayConfig) -> list[str]:
-    """Flags that parse back into `config`, except its keys (they travel in API_KEYS_ENV)."""
-    return _config_args(config)
+@dataclass
+class GatewayFrontConfig:
+    """The gateway as its clients see it."""
+
+    listen: ListenConfig = field(default_factory=lambda: ListenConfig(port=HTTP_PORT))
+    grpc_port: int = flag(
+        GATEWAY_GRPC_PORT, "port of the gateway's gRPC text API (0 picks a free one)"
+    )
+    served_model_name: str | None = flag(
+        None, "the model name clients use (default: the model directory's name)"
+    )
+    keys: ApiKeySources = field(default_factory=ApiKeySources)
+    policy: GatewayConfig = field(default_factory=GatewayConfig)
+
+
+@dataclass
+class GatewayServerConfig:
+    """`folio gateway`: the HTTP gateway and its gRPC text API, in front of the services."""
+
+    front: GatewayFrontConfig = field(default_factory=GatewayFrontConfig)
+    engine_address: tuple[str, ...] = flag(
+        (f"{DEFAULT_HOST}:{ENGINE_PORT}",),
+        "HOST:PORT of the engine service; repeat it for each engine replica (the gateway routes "
+        "between them by --routing-policy)",
+    )
+    tokenizer_address: str = flag(
+        f"{DEFAULT_HOST}:{TOKENIZER_PORT}", "HOST:PORT of the tokenizer service"
+    )
+    workers: int = flag(
+        1,
+        "gateway processes sharing the HTTP and gRPC ports, each with its own engine and "
+        "tokenizer streams; metrics and rate limits stay the whole server's",
+    )
+    # Set by the parent of --workers for each worker (gateway.workers.WorkerSetup).
+    worker_index: int | None = flag(None, hidden=True)
+    listen_fd: int | None = flag(None, hidden=True)
+    shared_state: str | None = flag(None, hidden=True)
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")

@@ -10,26 +10,59 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import (
-    ENGINE_PORT,
     INTERNAL_TOKEN_ENV,
-    TOKENIZER_PORT,
-    add_engine_args,
-    add_gateway_args,
-    add_service_args,
-    default_step_cost_path,
-    engine_config_from_args,
-    gateway_config_from_args,
+    EngineConfig,
+    EngineServiceConfig,
+    GatewayServerConfig,
+    StepCostConfig,
+    TokenizerServiceConfig,
 )
+from common.flags import add_flags, flag, from_args
 from common.parent_death import die_with_parent
+
+
+@dataclass
+class PrepareModelConfig:
+    """`folio prepare-model`."""
+
+    force: bool = flag(False, "convert again even if cached")
+
+
+@dataclass
+class ChatConfig:
+    """`folio chat`: one answer from the offline engine."""
+
+    message: str = flag(help="the user's message", positional=True)
+    max_tokens: int = flag(128, "most tokens of the answer")
+    temperature: float = flag(0.7, "sampling temperature (0: greedy)")
+    top_p: float = flag(0.9, "sample from the most likely tokens whose probabilities sum to this")
+    sampling_seed: int | None = flag(
+        None, "seed of this answer's sampling (default: the engine's generator, --seed)"
+    )
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+@dataclass
+class WorkerConfig:
+    """`folio engine-worker`: one tensor-parallel rank."""
+
+    rank: int = flag(help="this worker's rank, 1..N-1")
+    world_size: int = flag(help="the engine's N")
+    master_port: int = flag(help="the engine's --master-port")
+    master_addr: str = flag("127.0.0.1", "the engine's --master-addr (rendezvous)")
+    once: bool = flag(
+        False, "exit when the engine stops or goes away (--no-once: wait for it to come back)"
+    )
 
 
 def _prepare_model(args: argparse.Namespace) -> int:
     from common.default_model import prepare_default_model
 
-    print(prepare_default_model(force=args.force))
+    print(prepare_default_model(force=from_args(PrepareModelConfig, args).force))
     return 0
 
 
@@ -37,14 +70,14 @@ def _chat(args: argparse.Namespace) -> int:
     from common.sampling_params import SamplingParams
     from engine.llm import LLM
 
-    config = engine_config_from_args(args)
-    llm = LLM(**vars(config))
-    messages = [{"role": "user", "content": args.message}]
+    config = from_args(ChatConfig, args)
+    llm = LLM(**vars(config.engine))
+    messages = [{"role": "user", "content": config.message}]
     params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        max_tokens=args.max_tokens,
-        seed=args.sampling_seed,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        max_tokens=config.max_tokens,
+        seed=config.sampling_seed,
     )
     prompt = llm.tokenizer.encode_chat(messages)
     for delta in llm.generate_stream([prompt], params):
@@ -104,24 +137,23 @@ def _require_internal_token(service):
 def _tokenizer(args: argparse.Namespace) -> int:
     from services.tokenizer.server import TokenizerService
 
-    service = _require_internal_token(TokenizerService(args.model, args.host, args.port))
-    return _run_service(service, args.drain_seconds)
+    config = from_args(TokenizerServiceConfig, args)
+    listen = config.listen
+    service = TokenizerService(config.model, listen.host, listen.port)
+    return _run_service(_require_internal_token(service), listen.drain_seconds)
 
 
 def _engine(args: argparse.Namespace) -> int:
-    if args.simulate:
-        return _simulated_engines(args)
-    if args.replicas != 1:
-        raise ValueError(
-            "--replicas needs --simulate (real replicas: folio serve --engine-replicas N)"
-        )
+    config = from_args(EngineServiceConfig, args)
+    if config.simulation.simulate:
+        return _simulated_engines(config)
     from services.engine.server import EngineService
 
-    service = EngineService(engine_config_from_args(args), args.host, args.port)
-    return _run_service(_require_internal_token(service), args.drain_seconds)
+    service = EngineService(config.engine, config.listen.host, config.listen.port)
+    return _run_service(_require_internal_token(service), config.listen.drain_seconds)
 
 
-def _simulated_engines(args: argparse.Namespace) -> int:
+def _simulated_engines(config: EngineServiceConfig) -> int:
     import asyncio
     import logging
 
@@ -129,16 +161,15 @@ def _simulated_engines(args: argparse.Namespace) -> int:
     from services.engine.simulate import run_simulated, simulated_services
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cost = StepCostModel.load(args.step_cost)
     services = simulated_services(
-        engine_config_from_args(args),
-        cost,
-        args.host,
-        args.port,
-        args.replicas,
+        config.engine,
+        StepCostModel.load(config.simulation.cost.step_cost),
+        config.listen.host,
+        config.listen.port,
+        config.simulation.replicas,
         _require_internal_token,
     )
-    return asyncio.run(run_simulated(services, args.drain_seconds))
+    return asyncio.run(run_simulated(services, config.listen.drain_seconds))
 
 
 def _engine_worker(args: argparse.Namespace) -> int:
@@ -146,62 +177,58 @@ def _engine_worker(args: argparse.Namespace) -> int:
 
     from engine.worker import run_worker
 
+    config = from_args(WorkerConfig, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run_worker(args.rank, args.world_size, args.master_addr, args.master_port, args.once)
+    return run_worker(
+        config.rank, config.world_size, config.master_addr, config.master_port, config.once
+    )
 
 
 def _gateway(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from common.auth import internal_token, load_api_keys
 
-    if args.workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {args.workers}")
-    config = gateway_config_from_args(args, load_api_keys(args.api_key, args.api_key_file))
-    if args.workers > 1:
+    config = from_args(GatewayServerConfig, args)
+    front = config.front
+    if config.workers > 1:
         from gateway.workers import WorkerGroup
 
         group = WorkerGroup(
             args.command_line,  # each worker runs these flags (and its own, given after them)
-            args.host,
-            args.port,
-            args.grpc_port,
-            args.workers,
-            args.drain_seconds,
+            front.listen.host,
+            front.listen.port,
+            front.grpc_port,
+            config.workers,
+            front.listen.drain_seconds,
         )
         return group.run()
     from gateway.server import GatewayServer
     from gateway.workers import WorkerSetup
 
-    worker = (
-        None
-        if args.worker_index is None
-        else WorkerSetup(args.worker_index, args.listen_fd, Path(args.shared_state))
-    )
+    worker = None
+    if config.worker_index is not None:
+        assert config.listen_fd is not None and config.shared_state is not None
+        worker = WorkerSetup(config.worker_index, config.listen_fd, Path(config.shared_state))
+    keys = load_api_keys(front.keys.api_key, front.keys.api_key_file)
     server = GatewayServer(
-        args.host,
-        args.port,
-        args.grpc_port,
-        args.engine_address,  # one or more replicas
-        args.tokenizer_address,
-        args.served_model_name,
-        config,
+        front.listen.host,
+        front.listen.port,
+        front.grpc_port,
+        config.engine_address,  # one or more replicas
+        config.tokenizer_address,
+        front.served_model_name,
+        dataclasses.replace(front.policy, api_keys=keys),
         internal_token(),
         worker,
     )
-    return _run_service(server, args.drain_seconds)
+    return _run_service(server, front.listen.drain_seconds)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from services.supervisor import serve, serve_config_from_args
+    from services.supervisor import ServeConfig, serve
 
-    return serve(serve_config_from_args(args))
-
-
-class _AppendReplacingDefault(argparse.Action):
-    """A repeatable flag whose default list is replaced, not extended, by the values given."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        given = getattr(namespace, self.dest)
-        setattr(namespace, self.dest, [*([] if given is self.default else given), values])
+    return serve(from_args(ServeConfig, args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -211,127 +238,39 @@ def build_parser() -> argparse.ArgumentParser:
     prep = sub.add_parser(
         "prepare-model", help="convert the default model once; print its directory"
     )
-    prep.add_argument("--force", action="store_true", help="convert again even if cached")
+    add_flags(prep, PrepareModelConfig)
     prep.set_defaults(func=_prepare_model)
 
     chat = sub.add_parser("chat", help="stream one chat answer from the offline engine")
-    chat.add_argument("message", help="the user's message")
-    chat.add_argument("--max-tokens", type=int, default=128)
-    chat.add_argument("--temperature", type=float, default=0.7)
-    chat.add_argument("--top-p", type=float, default=0.9)
-    chat.add_argument("--sampling-seed", type=int, default=None)
-    add_engine_args(chat)
+    add_flags(chat, ChatConfig)
     chat.set_defaults(func=_chat)
 
+    # The three services take --config-json too: how `folio serve` hands each its config.
     tokenizer = sub.add_parser("tokenizer", help="run the tokenizer gRPC service")
-    tokenizer.add_argument(
-        "--model",
-        default=None,
-        help="a local Hugging Face model directory (default: SmolLM2-135M-Instruct)",
-    )
-    add_service_args(tokenizer, TOKENIZER_PORT)
+    add_flags(tokenizer, TokenizerServiceConfig, serialized=True)
     tokenizer.set_defaults(func=_tokenizer)
 
     engine = sub.add_parser("engine", help="run the engine gRPC service")
-    add_service_args(engine, ENGINE_PORT)
-    add_engine_args(engine)
-    simulate = engine.add_argument_group("simulation")
-    simulate.add_argument(
-        "--simulate",
-        action="store_true",
-        help="no model: the real scheduler and KV cache, each step as long as the step cost "
-        "model says, placeholder tokens (for routing studies at scale)",
-    )
-    simulate.add_argument(
-        "--replicas",
-        type=int,
-        default=1,
-        help="with --simulate: simulated engines in this process, on consecutive ports from "
-        "--port (0: free ones)",
-    )
-    simulate.add_argument(
-        "--step-cost",
-        type=Path,
-        default=default_step_cost_path(),
-        help="the step cost model `folio bench profile` wrote",
-    )
+    add_flags(engine, EngineServiceConfig, serialized=True)
     engine.set_defaults(func=_engine)
 
     worker = sub.add_parser(
         "engine-worker",
         help="run one tensor-parallel rank of an engine started with --external-workers",
     )
-    worker.add_argument("--rank", type=int, required=True, help="this worker's rank, 1..N-1")
-    worker.add_argument("--world-size", type=int, required=True, help="the engine's N")
-    worker.add_argument(
-        "--master-addr", default="127.0.0.1", help="the engine's --master-addr (rendezvous)"
-    )
-    worker.add_argument("--master-port", type=int, required=True, help="the engine's --master-port")
-    worker.add_argument(
-        "--once",
-        action="store_true",
-        help="exit when the engine stops or goes away (default: wait for it to come back)",
-    )
+    add_flags(worker, WorkerConfig)
     worker.set_defaults(func=_engine_worker)
 
     gateway = sub.add_parser(
         "gateway", help="run the HTTP gateway (OpenAI API) and its gRPC text API"
     )
-    from common.config import DEFAULT_HOST, DRAIN_SECONDS, GATEWAY_GRPC_PORT, HTTP_PORT
-
-    gateway.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
-    gateway.add_argument(
-        "--port", type=int, default=HTTP_PORT, help="HTTP port (0 picks a free one)"
-    )
-    gateway.add_argument(
-        "--grpc-port",
-        type=int,
-        default=GATEWAY_GRPC_PORT,
-        help="port of the gateway's gRPC text API (0 picks a free one)",
-    )
-    gateway.add_argument(
-        "--engine-address",
-        action=_AppendReplacingDefault,
-        default=[f"{DEFAULT_HOST}:{ENGINE_PORT}"],
-        help="HOST:PORT of the engine service; repeat it for each engine replica (the gateway "
-        "routes between them by --routing-policy)",
-    )
-    gateway.add_argument(
-        "--tokenizer-address",
-        default=f"{DEFAULT_HOST}:{TOKENIZER_PORT}",
-        help="HOST:PORT of the tokenizer service",
-    )
-    gateway.add_argument(
-        "--drain-seconds",
-        type=float,
-        default=DRAIN_SECONDS,
-        help="on SIGTERM / Ctrl-C, how long requests in flight may finish",
-    )
-    gateway.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the model name clients use (default: the model directory's name)",
-    )
-    gateway.add_argument(
-        "--workers",
-        type=int,
-        default=1,
-        help="gateway processes sharing the HTTP and gRPC ports, each with its own engine and "
-        "tokenizer streams; metrics and rate limits stay the whole server's",
-    )
-    # Set by the parent of --workers for each worker; not for users.
-    gateway.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
-    gateway.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
-    gateway.add_argument("--shared-state", default=None, help=argparse.SUPPRESS)
-    add_gateway_args(gateway)
+    add_flags(gateway, GatewayServerConfig, serialized=True)
     gateway.set_defaults(func=_gateway)
 
     serve = sub.add_parser("serve", help="run tokenizer, engine and gateway as three processes")
-    from services.supervisor import add_serve_args
+    from services.supervisor import ServeConfig
 
-    add_serve_args(serve)
-    add_gateway_args(serve)
-    add_engine_args(serve)
+    add_flags(serve, ServeConfig)
     serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks that print figures")
@@ -340,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.offline import add_offline_args
 
     add_offline_args(offline)
-    add_engine_args(offline)
+    add_flags(offline, EngineConfig)
     offline.set_defaults(func=_bench_offline)
     served = bench_sub.add_parser(
         "serve",
@@ -350,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.serve import add_serve_bench_args
 
     add_serve_bench_args(served)
-    add_engine_args(served)
+    add_flags(served, EngineConfig)
     served.set_defaults(func=_bench_serve)
     profile = bench_sub.add_parser(
         "profile", help="time the engine's steps; fit the simulated engine's step cost model"
@@ -358,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.profile import add_profile_args
 
     add_profile_args(profile)
-    add_engine_args(profile)
+    add_flags(profile, EngineConfig)
     profile.set_defaults(func=_bench_profile)
     routing = bench_sub.add_parser(
         "routing", help="multi-turn chats over engine replicas under each routing policy"
@@ -366,13 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.routing import add_routing_bench_args
 
     add_routing_bench_args(routing)
-    routing.add_argument(
-        "--step-cost",
-        type=Path,
-        default=default_step_cost_path(),
-        help="with --simulate: the step cost model `folio bench profile` wrote",
-    )
-    add_engine_args(routing)
+    add_flags(routing, StepCostConfig)
+    add_flags(routing, EngineConfig)
     routing.set_defaults(func=_bench_routing, num_kv_blocks=1024)
     return parser
 

@@ -1,19 +1,21 @@
 """`folio serve`: the tokenizer, engine and gateway as three child processes on this machine.
 
-Starts each child with the `folio` command line of this same interpreter, waits until all are
-healthy (gRPC health SERVING for the tokenizer and the engine, HTTP /health 200 for the gateway),
-prints the URL and watches them. SIGINT / SIGTERM stop the gateway first (it drains its clients),
-then the engine and the tokenizer. A child that dies while serving is restarted with the same
-command line after a back-off (0.5 s, doubling up to 8 s); the others are told nothing, since the
-gateway reconnects by itself. A child that keeps dying (more than --max-restarts times without
-staying up for a minute in between), or one that dies during start-up, stops the others and ends
-`folio serve` with a non-zero exit. This module only starts, probes and stops processes: it holds
-no service logic and never imports torch or the engine.
+Starts each child with the `folio` command of this same interpreter and hands it its part of the
+serve config whole, as JSON (--config-json, common.flags), never rebuilt into flags to be parsed
+again: the tokenizer and the engine where to listen and the EngineConfig, the gateway its front
+(listening, policy; the API keys travel resolved in FOLIO_API_KEYS). Waits until all are healthy
+(gRPC health SERVING for the tokenizer and the engine, HTTP /health 200 for the gateway), prints
+the URL and watches them. SIGINT / SIGTERM stop the gateway first (it drains its clients), then
+the engine and the tokenizer. A child that dies while serving is restarted with the same command
+line after a back-off (0.5 s, doubling up to 8 s); the others are told nothing, since the gateway
+reconnects by itself. A child that keeps dying (more than --max-restarts times without staying
+up for a minute in between), or one that dies during start-up, stops the others and ends `folio
+serve` with a non-zero exit. This module only starts, probes and stops processes: it holds no
+service logic and never imports torch or the engine.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import os
@@ -33,22 +35,19 @@ from typing import IO
 from common.auth import load_api_keys
 from common.config import (
     API_KEYS_ENV,
-    DEFAULT_HOST,
-    DRAIN_SECONDS,
     ENGINE_PORT,
-    GATEWAY_GRPC_PORT,
-    HTTP_PORT,
     INTERNAL_TOKEN_ENV,
-    MAX_RESTARTS,
     RECONNECT_CHANNEL_OPTIONS,
     TOKENIZER_PORT,
+    ApiKeySources,
     EngineConfig,
-    GatewayConfig,
-    engine_args_from_config,
-    engine_config_from_args,
-    gateway_args_from_config,
-    gateway_config_from_args,
+    EngineServiceConfig,
+    GatewayFrontConfig,
+    GatewayServerConfig,
+    ListenConfig,
+    TokenizerServiceConfig,
 )
+from common.flags import CONFIG_JSON_FLAG, flag, to_json
 from common.parent_death import child_env
 
 # The engine and the tokenizer are internal: only the gateway listens beyond loopback.
@@ -69,21 +68,30 @@ STABLE_SECONDS = 60.0
 
 @dataclass
 class ServeConfig:
-    """Where the three services listen and how long they may take."""
+    """`folio serve`: the gateway in front of the engine and the tokenizer, supervised."""
 
-    host: str = DEFAULT_HOST
-    port: int = HTTP_PORT
-    grpc_port: int = GATEWAY_GRPC_PORT
-    engine_port: int = ENGINE_PORT
-    tokenizer_port: int = TOKENIZER_PORT
-    drain_seconds: float = DRAIN_SECONDS
-    max_restarts: int = MAX_RESTARTS
-    startup_timeout: float = 600.0
-    served_model_name: str | None = None
-    engine_replicas: int = 1
-    gateway_workers: int = 1
+    front: GatewayFrontConfig = field(default_factory=GatewayFrontConfig)
+    engine_port: int = flag(
+        ENGINE_PORT, f"the engine service's port on {INTERNAL_HOST} (0 picks a free one)"
+    )
+    tokenizer_port: int = flag(
+        TOKENIZER_PORT, f"the tokenizer service's port on {INTERNAL_HOST} (0 picks a free one)"
+    )
+    max_restarts: int = flag(
+        5,
+        "restarts of a service that dies again and again (without a minute of health in "
+        "between) before folio serve gives up; 0: never restart",
+    )
+    startup_timeout: float = flag(600.0, "seconds to wait for all three services to be healthy")
+    engine_replicas: int = flag(
+        1,
+        "engine processes, each with its own port (the first on --engine-port) and its share "
+        "of the CPU cores or its own GPUs; the gateway routes between them (--routing-policy)",
+    )
+    gateway_workers: int = flag(
+        1, "gateway processes sharing the HTTP and gRPC ports (folio gateway --workers)"
+    )
     engine: EngineConfig = field(default_factory=EngineConfig)
-    gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
     def __post_init__(self) -> None:
         if self.engine_replicas < 1:
@@ -110,83 +118,9 @@ def replica_engine_config(engine: EngineConfig, replica: int, num_replicas: int)
     return engine
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of `folio serve` (the engine's come from common.config.add_engine_args)."""
-    group = parser.add_argument_group("serve")
-    group.add_argument(
-        "--host", default=DEFAULT_HOST, help="address of the HTTP API and the gateway's gRPC API"
-    )
-    group.add_argument("--port", type=int, default=HTTP_PORT, help="HTTP port (0 picks a free one)")
-    group.add_argument(
-        "--grpc-port",
-        type=int,
-        default=GATEWAY_GRPC_PORT,
-        help="the gateway's gRPC port (0 picks a free one)",
-    )
-    group.add_argument(
-        "--engine-port",
-        type=int,
-        default=ENGINE_PORT,
-        help="the engine service's port on 127.0.0.1 (0 picks a free one)",
-    )
-    group.add_argument(
-        "--tokenizer-port",
-        type=int,
-        default=TOKENIZER_PORT,
-        help="the tokenizer service's port on 127.0.0.1 (0 picks a free one)",
-    )
-    group.add_argument(
-        "--drain-seconds",
-        type=float,
-        default=DRAIN_SECONDS,
-        help="on SIGTERM / Ctrl-C, how long requests in flight may finish",
-    )
-    group.add_argument(
-        "--max-restarts",
-        type=int,
-        default=MAX_RESTARTS,
-        help="restarts of a service that dies again and again (without a minute "
-        "of health in between) before folio serve gives up; 0: never restart",
-    )
-    group.add_argument("--served-model-name", default=None, help="the model name the API shows")
-    group.add_argument(
-        "--engine-replicas",
-        type=int,
-        default=1,
-        help="engine processes, each with its own port (the first on --engine-port) and its "
-        "share of the CPU cores or its own GPUs; the gateway routes between them "
-        "(--routing-policy)",
-    )
-    group.add_argument(
-        "--gateway-workers",
-        type=int,
-        default=1,
-        help="gateway processes sharing the HTTP and gRPC ports (folio gateway --workers)",
-    )
-    group.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=600.0,
-        help="seconds to wait for all three services to be healthy",
-    )
-
-
-def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
-    return ServeConfig(
-        host=args.host,
-        port=args.port,
-        grpc_port=args.grpc_port,
-        engine_port=args.engine_port,
-        tokenizer_port=args.tokenizer_port,
-        drain_seconds=args.drain_seconds,
-        max_restarts=args.max_restarts,
-        startup_timeout=args.startup_timeout,
-        served_model_name=args.served_model_name,
-        engine_replicas=args.engine_replicas,
-        gateway_workers=args.gateway_workers,
-        engine=engine_config_from_args(args),
-        gateway=gateway_config_from_args(args, load_api_keys(args.api_key, args.api_key_file)),
-    )
+def _service_args(command: str, config: object) -> list[str]:
+    """The child's command line (after `folio`): its config whole, as JSON it reads back."""
+    return [command, CONFIG_JSON_FLAG, to_json(config)]
 
 
 def _free_port(host: str, held: list[socket.socket]) -> int:
@@ -309,12 +243,13 @@ class Supervisor:
 
     def __init__(self, config: ServeConfig, output: IO | None = None) -> None:
         self.config = config
+        listen = config.front.listen
         # Fix every port before starting anything: the gateway must know the others' addresses.
         # A port picked here is free now; its child binds it moments later (a race we accept).
         held: list[socket.socket] = []
-        self.host = config.host
-        self.port = config.port or _free_port(config.host, held)
-        self.grpc_port = config.grpc_port or _free_port(config.host, held)
+        self.host = listen.host
+        self.port = listen.port or _free_port(listen.host, held)
+        self.grpc_port = config.front.grpc_port or _free_port(listen.host, held)
         # The first replica on --engine-port; the others on free ports (the next numbers up
         # may well be the tokenizer's).
         self.engine_addresses = [
@@ -333,24 +268,17 @@ class Supervisor:
         self._stop = threading.Event()
         self._stop_requested_at: float | None = None
         self._force = False
-        drain = config.drain_seconds
-        engine = config.engine
-        model = ["--model", engine.model] if engine.model else []
-        served_name = (
-            ["--served-model-name", config.served_model_name] if config.served_model_name else []
-        )
+        drain = listen.drain_seconds
+
+        def internal(address: str) -> ListenConfig:
+            return ListenConfig(INTERNAL_HOST, int(address.rsplit(":", 1)[1]), drain)
+
         self.tokenizer = Child(
             "tokenizer",
-            [
+            _service_args(
                 "tokenizer",
-                *model,
-                "--host",
-                INTERNAL_HOST,
-                "--port",
-                self._port(self.tokenizer_address),
-                "--drain-seconds",
-                str(drain),
-            ],
+                TokenizerServiceConfig(config.engine.model, internal(self.tokenizer_address)),
+            ),
             lambda: _grpc_serving(self.tokenizer_address),
             drain,
             output,
@@ -359,16 +287,12 @@ class Supervisor:
         self.engines = [
             Child(
                 "engine" if replicas == 1 else f"engine-{i}",
-                [
+                _service_args(
                     "engine",
-                    "--host",
-                    INTERNAL_HOST,
-                    "--port",
-                    self._port(address),
-                    "--drain-seconds",
-                    str(drain),
-                    *engine_args_from_config(replica_engine_config(engine, i, replicas)),
-                ],
+                    EngineServiceConfig(
+                        internal(address), replica_engine_config(config.engine, i, replicas)
+                    ),
+                ),
                 functools.partial(_grpc_serving, address),
                 drain,
                 output,
@@ -376,29 +300,25 @@ class Supervisor:
             for i, address in enumerate(self.engine_addresses)
         ]
         self.engine = self.engines[0]
-        engine_addresses = [
-            arg for address in self.engine_addresses for arg in ("--engine-address", address)
-        ]
-        workers = ["--workers", str(config.gateway_workers)] if config.gateway_workers > 1 else []
+        # The gateway's keys travel resolved, in the environment (below), never in its config.
+        self.api_keys = load_api_keys(config.front.keys.api_key, config.front.keys.api_key_file)
+        front = dataclasses.replace(
+            config.front,
+            listen=dataclasses.replace(listen, port=self.port),
+            grpc_port=self.grpc_port,
+            keys=ApiKeySources(),
+        )
         self.gateway = Child(
             "gateway",
-            [
+            _service_args(
                 "gateway",
-                "--host",
-                self.host,
-                "--port",
-                str(self.port),
-                "--grpc-port",
-                str(self.grpc_port),
-                *engine_addresses,
-                "--tokenizer-address",
-                self.tokenizer_address,
-                "--drain-seconds",
-                str(drain),
-                *served_name,
-                *workers,
-                *gateway_args_from_config(config.gateway),
-            ],
+                GatewayServerConfig(
+                    front,
+                    tuple(self.engine_addresses),
+                    self.tokenizer_address,
+                    config.gateway_workers,
+                ),
+            ),
             lambda: _http_ok(f"{self.url}/health", self._probe_headers()),
             drain,
             output,
@@ -410,12 +330,11 @@ class Supervisor:
         token = os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_urlsafe(32)
         for child in self.children:
             child.env[INTERNAL_TOKEN_ENV] = token
-        self.gateway.env[API_KEYS_ENV] = ",".join(config.gateway.api_keys)
+        self.gateway.env[API_KEYS_ENV] = ",".join(self.api_keys)
 
     def _probe_headers(self) -> dict[str, str]:
-        keys = self.config.gateway.api_keys
-        if keys and self.config.gateway.protect_health_metrics:
-            return {"Authorization": f"Bearer {keys[0]}"}
+        if self.api_keys and self.config.front.policy.protect_health_metrics:
+            return {"Authorization": f"Bearer {self.api_keys[0]}"}
         return {}
 
     @staticmethod

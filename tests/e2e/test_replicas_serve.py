@@ -110,7 +110,7 @@ def test_killing_a_replica_under_traffic_leaves_the_other_serving(replicas_serve
         [victim] = [
             pid
             for pid, cmdline in replicas_server.children().items()
-            if "folio.cli engine " in cmdline and f"--port {victim_port} " in cmdline
+            if "folio.cli engine " in cmdline and f'"port": {victim_port},' in cmdline
         ]
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()

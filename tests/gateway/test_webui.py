@@ -21,7 +21,8 @@ import pytest
 from common.grpc_stubs.folio.v1 import engine_pb2
 from playwright.sync_api import Browser, Page, Route, sync_playwright
 
-from common.config import gateway_config_from_args
+from common.config import GatewayServerConfig
+from common.flags import from_args
 from folio.cli import build_parser
 from gateway.dashboard import Reading
 from gateway.dashboard import sample as dashboard_sample
@@ -32,7 +33,7 @@ from gateway_helpers import (
     wait_engine_idle,
 )
 from grpc_helpers import TIMEOUT
-from services.supervisor import Supervisor, serve_config_from_args
+from services.supervisor import ServeConfig, Supervisor
 
 CHROMIUM = "/usr/bin/chromium"
 # Headless, offline: nothing may reach for the network (the machines have none).
@@ -490,6 +491,6 @@ def test_no_webui_turns_the_pages_off(services):
 def test_the_no_webui_flag_reaches_the_gateway():
     for flags, webui in (([], True), (["--no-webui"], False)):
         args = build_parser().parse_args(["serve", *flags])
-        gateway = Supervisor(serve_config_from_args(args)).gateway
+        gateway = Supervisor(from_args(ServeConfig, args)).gateway
         parsed = build_parser().parse_args(gateway.args)
-        assert gateway_config_from_args(parsed, ()).webui is webui
+        assert from_args(GatewayServerConfig, parsed).front.policy.webui is webui

@@ -17,13 +17,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from common.auth import KeySet
-from common.config import EngineConfig
+from common.config import EngineConfig, GatewayServerConfig
 from common.errors import InternalError
+from common.flags import from_args
 from folio.cli import build_parser
 from gateway.clients import EngineClient, GenerateStream, TokenizerClient
 from grpc_helpers import TIMEOUT
 from services.engine.server import EngineService
-from services.supervisor import INTERNAL_HOST, Supervisor, serve_config_from_args
+from services.supervisor import INTERNAL_HOST, ServeConfig, Supervisor
 from services.tokenizer.server import TokenizerService
 from tiny_models import VARIANTS, make_checkpoint
 
@@ -172,16 +173,21 @@ def test_folio_serve_gives_its_children_one_token_in_their_environment():
     args = build_parser().parse_args(
         ["serve", "--api-key", "sk-serve-key", "--rate-limit-rps", "3", "--request-timeout", "9"]
     )
-    supervisor = Supervisor(serve_config_from_args(args))
+    supervisor = Supervisor(from_args(ServeConfig, args))
     tokens = {child.env["FOLIO_INTERNAL_TOKEN"] for child in supervisor.children}
     assert len(tokens) == 1 and len(next(iter(tokens))) >= 32
     assert supervisor.gateway.env["FOLIO_API_KEYS"] == "sk-serve-key"
     for child in supervisor.children:
         assert not any(secret in arg for arg in child.args for secret in ("sk-serve-key", *tokens))
-    gateway = build_parser().parse_args(supervisor.gateway.args)
-    assert (gateway.rate_limit_rps, gateway.request_timeout, gateway.api_key) == (3.0, 9.0, [])
+    gateway = from_args(GatewayServerConfig, build_parser().parse_args(supervisor.gateway.args))
+    policy = gateway.front.policy
+    assert (policy.rate_limit_rps, policy.request_timeout, gateway.front.keys.api_key) == (
+        3.0,
+        9.0,
+        (),
+    )
     # A new run, a new token.
-    assert Supervisor(serve_config_from_args(args)).engine.env["FOLIO_INTERNAL_TOKEN"] not in tokens
+    assert Supervisor(from_args(ServeConfig, args)).engine.env["FOLIO_INTERNAL_TOKEN"] not in tokens
 
 
 def test_every_service_listens_on_loopback_by_default():

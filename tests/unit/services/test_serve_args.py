@@ -1,21 +1,35 @@
-"""`folio serve` hands its engine flags to `folio engine`: what it passes must parse back, through
-the real `folio engine` parser, into the same EngineConfig; and every port it is given ends up on
-the right child's command line; `--gateway-workers` reaches the gateway, and each of its workers
-runs the group's flags as one process on the group's gRPC port."""
+"""`folio serve` hands each child its part of its config as JSON: what a child reads back through
+the real `folio` parser is that part, every port it is given ends up with the right child,
+`--gateway-workers` reaches the gateway, and each of its workers runs the group's config as one
+process on the group's gRPC port. The engine flags `folio serve` passes to a command line
+(bench) parse back into the same EngineConfig."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from common.config import (
     EngineConfig,
+    EngineServiceConfig,
+    GatewayServerConfig,
+    TokenizerServiceConfig,
     engine_args_from_config,
     engine_config_from_args,
-    gateway_config_from_args,
 )
+from common.flags import from_args
 from folio.cli import build_parser
 from gateway.workers import WorkerGroup
-from services.supervisor import Supervisor, serve_config_from_args
+from services.supervisor import ServeConfig, Supervisor
+
+
+def supervisor(*flags: str) -> Supervisor:
+    return Supervisor(from_args(ServeConfig, build_parser().parse_args(["serve", *flags])))
+
+
+def child_config(config_type, args: list[str]):
+    """The config a child started with `args` (after `folio`) runs with."""
+    return from_args(config_type, build_parser().parse_args(args))
 
 
 def test_engine_args_round_trip_through_the_engine_parser():
@@ -36,88 +50,98 @@ def test_engine_args_round_trip_through_the_engine_parser():
 
 
 def test_serve_flags_reach_each_child():
-    args = build_parser().parse_args(
-        [
-            "serve",
-            "--host",
-            "0.0.0.0",
-            "--port",
-            "8100",
-            "--grpc-port",
-            "50153",
-            "--engine-port",
-            "50151",
-            "--tokenizer-port",
-            "50152",
-            "--model",
-            "/models/x",
-            "--max-num-seqs",
-            "7",
-            "--drain-seconds",
-            "3",
-        ]
+    serve = supervisor(
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8100",
+        "--grpc-port",
+        "50153",
+        "--engine-port",
+        "50151",
+        "--tokenizer-port",
+        "50152",
+        "--model",
+        "/models/x",
+        "--max-num-seqs",
+        "7",
+        "--no-enable-prefix-caching",
+        "--drain-seconds",
+        "3",
+        "--served-model-name",
+        "folio-x",
+        "--routing-policy",
+        "round_robin",
     )
-    supervisor = Supervisor(serve_config_from_args(args))
-    parse = lambda child: build_parser().parse_args(child.args)  # noqa: E731
-    tokenizer, engine, gateway = (
-        parse(c) for c in (supervisor.tokenizer, supervisor.engine, supervisor.gateway)
-    )
-    assert (tokenizer.command, tokenizer.host, tokenizer.port, tokenizer.model) == (
-        "tokenizer",
+    assert [c.args[0] for c in serve.children] == ["tokenizer", "engine", "gateway"]
+    tokenizer = child_config(TokenizerServiceConfig, serve.tokenizer.args)
+    engine = child_config(EngineServiceConfig, serve.engine.args)
+    gateway = child_config(GatewayServerConfig, serve.gateway.args)
+    assert (tokenizer.model, tokenizer.listen.host, tokenizer.listen.port) == (
+        "/models/x",
         "127.0.0.1",
         50152,
-        "/models/x",
     )
-    assert (engine.command, engine.host, engine.port) == ("engine", "127.0.0.1", 50151)
-    assert engine_config_from_args(engine) == dataclasses.replace(
-        EngineConfig(), model="/models/x", max_num_seqs=7
+    assert (engine.listen.host, engine.listen.port) == ("127.0.0.1", 50151)
+    assert engine.engine == EngineConfig(
+        model="/models/x", max_num_seqs=7, enable_prefix_caching=False
     )
-    assert (gateway.command, gateway.host, gateway.port, gateway.grpc_port) == (
-        "gateway",
-        "0.0.0.0",
-        8100,
-        50153,
-    )
+    assert not engine.simulation.simulate
+    front = gateway.front
+    assert (front.listen.host, front.listen.port, front.grpc_port) == ("0.0.0.0", 8100, 50153)
+    assert (front.served_model_name, front.policy.routing_policy) == ("folio-x", "round_robin")
     assert (gateway.engine_address, gateway.tokenizer_address) == (
-        ["127.0.0.1:50151"],
+        ("127.0.0.1:50151",),
         "127.0.0.1:50152",
     )
-    assert {tokenizer.drain_seconds, engine.drain_seconds, gateway.drain_seconds} == {3.0}
-    assert supervisor.url == "http://127.0.0.1:8100"
+    drains = {tokenizer.listen.drain_seconds, engine.listen.drain_seconds}
+    assert drains | {front.listen.drain_seconds} == {3.0}
+    assert serve.url == "http://127.0.0.1:8100"
+
+
+def test_each_child_gets_its_config_as_json_not_as_flags():
+    serve = supervisor("--max-num-seqs", "7", "--engine-replicas", "2", "--num-threads", "1")
+    for child in serve.children:
+        [_, flag, text] = child.args
+        assert flag == "--config-json"
+        json.loads(text)
+    replicas = [child_config(EngineServiceConfig, c.args) for c in serve.engines]
+    assert [r.engine.max_num_seqs for r in replicas] == [7, 7]
+    assert len({r.listen.port for r in replicas}) == 2
 
 
 def test_gateway_workers_reach_the_gateway_and_each_worker_is_one_process(tmp_path):
-    parser = build_parser()
-    default = Supervisor(serve_config_from_args(parser.parse_args(["serve"])))
-    assert parser.parse_args(default.gateway.args).workers == 1
-    args = parser.parse_args(["serve", "--gateway-workers", "3", "--grpc-port", "0"])
-    gateway_args = Supervisor(serve_config_from_args(args)).gateway.args
-    gateway = parser.parse_args(gateway_args)
+    assert child_config(GatewayServerConfig, supervisor().gateway.args).workers == 1
+    gateway_args = supervisor("--gateway-workers", "3", "--grpc-port", "0").gateway.args
+    gateway = child_config(GatewayServerConfig, gateway_args)
     assert gateway.workers == 3
+    front = gateway.front
     group = WorkerGroup(
-        gateway_args, gateway.host, gateway.port, gateway.grpc_port, 3, gateway.drain_seconds
+        gateway_args, front.listen.host, front.listen.port, front.grpc_port, 3, 30.0
     )
-    worker = parser.parse_args(group.worker_command(2, 50999, 7, tmp_path))
-    assert (worker.workers, worker.grpc_port) == (1, 50999)
+    # The worker's own flags come after the group's JSON config, and win.
+    worker = child_config(GatewayServerConfig, group.worker_command(2, 50999, 7, tmp_path))
+    assert (worker.workers, worker.front.grpc_port) == (1, 50999)
     assert (worker.worker_index, worker.listen_fd, worker.shared_state) == (2, 7, str(tmp_path))
     # Everything else as the group was told.
-    assert (worker.port, worker.engine_address, worker.tokenizer_address) == (
-        gateway.port,
-        gateway.engine_address,
-        gateway.tokenizer_address,
+    assert worker == dataclasses.replace(
+        gateway,
+        front=dataclasses.replace(front, grpc_port=50999),
+        workers=1,
+        worker_index=2,
+        listen_fd=7,
+        shared_state=str(tmp_path),
     )
-    assert gateway_config_from_args(worker, ()) == gateway_config_from_args(gateway, ())
 
 
 def test_port_zero_picks_distinct_free_ports():
-    args = build_parser().parse_args(
-        ["serve", "--port", "0", "--grpc-port", "0", "--engine-port", "0", "--tokenizer-port", "0"]
+    serve = supervisor(
+        "--port", "0", "--grpc-port", "0", "--engine-port", "0", "--tokenizer-port", "0"
     )
-    supervisor = Supervisor(serve_config_from_args(args))
     ports = {
-        supervisor.port,
-        supervisor.grpc_port,
-        int(supervisor.engine_address.rsplit(":", 1)[1]),
-        int(supervisor.tokenizer_address.rsplit(":", 1)[1]),
+        serve.port,
+        serve.grpc_port,
+        int(serve.engine_address.rsplit(":", 1)[1]),
+        int(serve.tokenizer_address.rsplit(":", 1)[1]),
     }
     assert len(ports) == 4 and 0 not in ports
