@@ -184,7 +184,7 @@ def run_offline_benchmark(args: argparse.Namespace) -> None:
     model_dir = str(llm.engine.model_path)
     decode_prompt = workload.prompts[0][:32]
     print(
-        f"model {model_dir}  dtype {llm.engine.runner.dtype}  "
+        f"model {model_dir}  dtype {llm.engine.dtype_name}  "
         f"threads {torch.get_num_threads()}" + (f" per rank, {tp} ranks" if tp > 1 else "")
     )
     print(

@@ -24,15 +24,11 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from common.config import EngineConfig
 from common.sampling_params import SamplingParams
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.kv_events import KVEventPublisher
 from engine.core.outputs import EngineStats, RequestOutput, StepTimings
-from engine.core.request import Request
+from engine.engine import LLMEngine
 from engine.errors import EngineError, EngineGroupError
 
 logger = logging.getLogger(__name__)
@@ -59,43 +55,6 @@ def release_free_heap() -> None:
         _MALLOC_TRIM(0)
 
 
-class SteppedEngine(Protocol):
-    """What the loop drives and the engine service reads: engine.engine.LLMEngine, or the
-    simulated engine (engine.simulated) that models its step times without a model."""
-
-    config: EngineConfig
-    model_path: Path
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: frozenset[int]
-    kv_cache: KVCacheManager
-    kv_events: KVEventPublisher
-    requests: dict[str, Request]
-
-    @property
-    def timings(self) -> StepTimings: ...
-
-    @property
-    def has_unfinished(self) -> bool: ...
-
-    @property
-    def dtype_name(self) -> str: ...
-
-    def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int
-    ) -> Request: ...
-
-    def abort(self, request_id: str) -> list[RequestOutput]: ...
-
-    def step(self) -> list[RequestOutput]: ...
-
-    def stats(self) -> EngineStats: ...
-
-    def close(self) -> None: ...
-
-    def add_failure_listener(self, listener: Callable[[EngineGroupError], None]) -> None: ...
-
-
 @dataclass
 class RequestFailed:
     """A request that could not start (validation, full queue) or died with a failed step."""
@@ -118,14 +77,14 @@ class _Sink:
 class AsyncEngine:
     def __init__(
         self,
-        build_engine: Callable[[], SteppedEngine],
+        build_engine: Callable[[], LLMEngine],
         on_fatal: Callable[[EngineGroupError], None] | None = None,
     ) -> None:
         """`on_fatal(error)` runs in the loop thread when the engine cannot go on (a
         tensor-parallel rank died): live requests have been failed and the loop is ending."""
         self._build_engine = build_engine
         self._on_fatal = on_fatal
-        self.engine: SteppedEngine | None = None  # set by the loop thread before `start` resolves
+        self.engine: LLMEngine | None = None  # set by the loop thread before `start` resolves
         self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # live request id -> its sink; loop thread only
@@ -189,7 +148,7 @@ class AsyncEngine:
 
     # -- the loop thread ------------------------------------------------------------------------
 
-    def _built(self) -> SteppedEngine:
+    def _built(self) -> LLMEngine:
         """The engine, for the commands: they run only after the loop thread has built it."""
         if self.engine is None:
             raise RuntimeError("the engine has not been built yet")

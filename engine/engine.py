@@ -1,119 +1,56 @@
-"""The engine loop: validate and admit requests, then `step()` = schedule, prepare inputs,
-forward, sample, update.
+"""The engine loop: validate and admit requests, then `step()` = schedule, execute, update.
 
-Token ids in, token ids out: this module never sees text, HTTP or gRPC. It is not
-thread-safe; one caller drives it (the offline API or the engine service's loop thread).
+One loop for every executor (engine.executor): the model executor (the default) runs each step
+on the model, the simulated one (engine.simulated) models its time. Admission, scheduling
+(engine.core), the update after a step (computed tokens, prefix-cache blocks, stop conditions,
+outputs) and the KV events are this module's alone; running the step and choosing tokens are
+the executor's. Token ids in, token ids out: this module never sees text, HTTP or gRPC, and
+never imports torch (the model executor is imported only when built). It is not thread-safe;
+one caller drives it (the offline API or the engine service's loop thread).
 """
 
 from __future__ import annotations
 
-import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from common.config import EngineConfig
-from common.default_model import resolve_model_path
 from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
-from engine.core.kv_cache_manager import KVCacheManager, num_blocks_for_budget
+from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_events import KVEventPublisher
-from engine.core.outputs import EngineStats, RequestOutput, StepTimings
-from engine.core.prompt_logprobs import record_prompt_logprobs
+from engine.core.outputs import EngineStats, RequestOutput, SamplerOutput, StepTimings
 from engine.core.request import Request, aborted_output, check_new_request
 from engine.core.scheduler import Scheduler
 from engine.core.stopping import check_stop
-from engine.distributed import EngineGroup, start_engine_group
-from engine.errors import InvalidRequestError
-from engine.grammar import validate_sampling_params
-from engine.model_runner import ModelRunner, resolve_dtype
-from engine.models.config import ModelConfig
-from engine.models.parallel import (
-    SINGLE,
-    TensorParallel,
-    check_tensor_parallel_size,
-    kv_heads_slice,
-)
-from engine.sampler import Sampler, SamplerOutput
-from engine.structured_output import StructuredOutputManager
-
-logger = logging.getLogger(__name__)
+from engine.errors import EngineGroupError, InvalidRequestError
+from engine.executor import Executor
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        """executor: what runs the steps; None = the model executor on config's model."""
         self.config = config
-        self.model_path: Path = resolve_model_path(config.model)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        model_config = ModelConfig.from_dir(self.model_path)
-        self.model_config = model_config
-        dtype = resolve_dtype(config.dtype, config.device, config.quantization)
-        tp_size = config.tensor_parallel_size
-        check_tensor_parallel_size(
-            model_config.num_attention_heads, model_config.num_key_value_heads, tp_size
+        if executor is None:
+            # Imported here: it loads torch and the model code, which an engine on another
+            # executor (the simulated one) must not pay for.
+            from engine.model_executor import ModelExecutor
+
+            executor = ModelExecutor(config)
+        self.executor: Executor = executor
+        self.model_path: Path = executor.model_path
+        self.vocab_size = executor.vocab_size
+        self.eos_token_ids = executor.eos_token_ids
+        self.max_model_len = executor.max_model_len
+        self.kv_cache = KVCacheManager(
+            executor.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        # The budget is per rank: each holds its share of the KV heads, all the same block ids.
-        num_blocks = config.num_kv_blocks or num_blocks_for_budget(
-            config.kv_cache_memory_bytes,
-            model_config.num_hidden_layers,
-            kv_heads_slice(model_config.num_key_value_heads, TensorParallel(0, tp_size)).count,
-            model_config.head_dim,
-            config.block_size,
-            torch.empty((), dtype=dtype).element_size(),
-        )
-        self.max_model_len = self._max_model_len(config, model_config, num_blocks)
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # What the prefix cache stores and evicts, numbered per step for subscribers (routers).
         self.kv_events = KVEventPublisher(config.kv_events_replay_batches)
         self.scheduler = Scheduler(config, self.kv_cache)
-        self.group: EngineGroup | None = None
-        if tp_size > 1:
-            self.group = start_engine_group(config, self.model_path, num_blocks, self.max_model_len)
-        try:
-            self.runner = ModelRunner(
-                config,
-                str(self.model_path),
-                num_blocks,
-                self.max_model_len,
-                self.group.tp if self.group else SINGLE,
-            )
-        except BaseException:
-            self.close()
-            raise
-        if self.group is not None:
-            self.runner.broadcast_plan = self.group.broadcast_plan
-        self.vocab_size = model_config.vocab_size
-        self.eos_token_ids = frozenset(model_config.eos_token_ids)
-        self.sampler = Sampler(
-            model_config.vocab_size, sorted(self.eos_token_ids), config.device, config.seed
-        )
-        self.structured = StructuredOutputManager(
-            self.model_path, model_config.vocab_size, sorted(self.eos_token_ids), config.device
-        )
         self.requests: dict[str, Request] = {}
         self.timings = StepTimings()
-
-    @staticmethod
-    def _max_model_len(config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> int:
-        pool_tokens = num_blocks * config.block_size
-        if config.max_model_len is not None:
-            if config.max_model_len > pool_tokens:
-                raise ValueError(
-                    f"max_model_len ({config.max_model_len}) exceeds the KV cache capacity "
-                    f"({pool_tokens} tokens = {num_blocks} blocks of {config.block_size}); "
-                    "raise kv_cache_memory_bytes / num_kv_blocks or lower max_model_len"
-                )
-            return config.max_model_len
-        limit = min(model_config.max_position_embeddings, pool_tokens)
-        if limit < model_config.max_position_embeddings:
-            logger.warning(
-                "max_model_len capped at %d tokens by the KV cache size (model allows %d)",
-                limit,
-                model_config.max_position_embeddings,
-            )
-        return limit
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -135,7 +72,7 @@ class LLMEngine:
             ids_in_use=self.requests,
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
-            validate_params=validate_sampling_params,
+            validate_params=self.executor.validate_params,
         )
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(
@@ -148,11 +85,8 @@ class LLMEngine:
                 f"request_id {request_id!r}: the ids of its samples ({request_id}#<index>) are "
                 "already in use"
             )
-        if params.structured_output is not None:
-            self.structured.add(request)
+        self.executor.join(request)
         self.scheduler.add_request(request)
-        # Its (and its samples') sampling rows are built now, not at every step it samples.
-        self.sampler.join(request)
         self.requests[request_id] = request
         for sample in request.samples:
             self.requests[sample.request_id] = sample
@@ -174,8 +108,7 @@ class LLMEngine:
         """Drop a finished or aborted request from the engine and free its KV blocks; the
         last live sample of an n > 1 request takes that request with it."""
         self.scheduler.finish(request)
-        self.structured.release(request)
-        self.sampler.leave(request)
+        self.executor.leave(request)
         del self.requests[request.request_id]
         parent = request.parent
         if parent is not None:
@@ -184,15 +117,14 @@ class LLMEngine:
                 self._retire(parent)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent); the engine is unusable after."""
-        if self.group is not None:
-            self.group.close()
+        """Stop the executor's tensor-parallel workers, if any (idempotent); the engine is
+        unusable after."""
+        self.executor.close()
 
-    def add_failure_listener(self, listener) -> None:
+    def add_failure_listener(self, listener: Callable[[EngineGroupError], None]) -> None:
         """`listener(EngineGroupError)` runs (in another thread) if a tensor-parallel rank dies
         or hangs; single-process engines never call it."""
-        if self.group is not None:
-            self.group.add_failure_listener(listener)
+        self.executor.add_failure_listener(listener)
 
     @property
     def has_unfinished(self) -> bool:
@@ -200,8 +132,8 @@ class LLMEngine:
 
     @property
     def dtype_name(self) -> str:
-        """The weights' and activations' dtype, e.g. "float32"."""
-        return str(self.runner.dtype).removeprefix("torch.")
+        """The weights' and activations' dtype, e.g. "float32" ("simulated" without a model)."""
+        return self.executor.dtype_name
 
     def stats(self) -> EngineStats:
         return self.scheduler.stats()
@@ -219,43 +151,22 @@ class LLMEngine:
         t1 = time.perf_counter()
         if sched.is_empty:
             return []
-        model_input = self._on_ranks(self.runner.prepare, sched.plan)
-        # Structured output: the grammars' masks are computed while the forward runs.
-        masks = self.structured.start_masks(sched.sampling_requests)
+        executed = self.executor.execute(sched, t0)
         t2 = time.perf_counter()
-        logits = self._on_ranks(self.runner.forward, model_input)
-        t3 = time.perf_counter()
-        # Rows past the sampled ones are prompt positions whose logprobs were asked.
-        num_sampled = model_input.num_sampled
-        sampled = self.sampler.sample(
-            logits[:num_sampled],
-            sched.sampling_requests,
-            masks.result() if masks is not None else None,
-        )
-        if sched.plan.prompt_logprob_spans:
-            record_prompt_logprobs(
-                logits[num_sampled:, : self.vocab_size],
-                sched.plan.prompt_logprob_spans,
-                sched.requests,
-            )
-        t4 = time.perf_counter()
         outputs = self._update(
-            sched.requests, sched.num_new_tokens, sched.sampling_requests, sampled
+            sched.requests, sched.num_new_tokens, sched.sampling_requests, executed.sampled
         )
-        t5 = time.perf_counter()
-        self.timings.add(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)
+        t3 = time.perf_counter()
+        self.timings.add(
+            t1 - t0,
+            executed.prepare_seconds,
+            executed.forward_seconds,
+            executed.sample_seconds,
+            t3 - t2,
+        )
+        if executed.modelled_seconds is not None:
+            self.timings.add_overrun(t3 - t0 - executed.modelled_seconds)
         return outputs
-
-    def _on_ranks(self, run, arg):
-        """run(arg): a runner phase. With several ranks (the plan's broadcast, the forward's
-        collectives) any failure leaves them out of step: the group is done."""
-        if self.group is None:
-            return run(arg)
-        self.group.raise_if_failed()
-        try:
-            return run(arg)
-        except Exception as exc:
-            raise self.group.step_failed(exc) from exc
 
     def _update(
         self,
@@ -285,11 +196,9 @@ class LLMEngine:
                 if logprobs is not None:
                     request.output_logprobs.append(logprobs)
                 reason = check_stop(request, self.eos_token_ids, self.max_model_len)
-                if (
-                    request.sampling_params.structured_output is not None
-                    and self.structured.advance(request)
-                    and reason is None
-                ):
+                # Asked even when the request stops anyway: the executor's constraint follows
+                # every output token.
+                if self.executor.constraint_ended(request) and reason is None:
                     reason = FinishReason.STOP  # the grammar is complete
             if request.times.first_token is None:
                 request.times.first_token = now

@@ -24,9 +24,10 @@ at or past `vocab_size` (padding some models add) are ignored. Per row, in this 
      own generator, so its tokens do not depend on the rest of the batch or its row in it;
      unseeded rows share the sampler's generator.
 
-Logprobs are log_softmax of the raw model logits, before any of the steps above.
+Logprobs are log_softmax of the raw model logits, before any of the steps above; prompt
+logprobs (`record_prompt_logprobs`) are the same records for prompt tokens.
 
-On a GPU, step 5 runs as one Triton kernel (engine.kernels.sampling): the same filters and
+On a GPU, step 5 runs as one Triton kernel (engine.kernels.triton.sampling): the same filters and
 the same race, with noise from a counter-based generator keyed by a per-row seed. A seeded
 request's row seed is derived from its seed and its output length, so it still does not
 depend on the rest of the batch (the draws differ from the CPU path's for the same seed).
@@ -51,17 +52,9 @@ import numpy as np
 import torch
 
 from common.sampling_params import SamplingParams
+from engine.core.outputs import Logprobs, SamplerOutput
 from engine.core.request import Request
-
-Logprobs = tuple[float, list[tuple[int, float]]]
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: list[int]
-    # Per row: None unless the request asked for logprobs; then (logprob of the chosen token,
-    # [(token id, logprob)] of the top k alternatives, most likely first).
-    logprobs: list[Logprobs | None]
+from engine.core.step_plan import PromptLogprobSpan
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,18 +120,25 @@ class Sampler:
         # Reused every step: a fresh batch-by-vocab tensor costs page faults on every call.
         self._noise = torch.empty(0, vocab_size, device=self.device)
         self.use_kernel = self.device.type == "cuda" if use_kernel is None else use_kernel
-        # Weak keys: a request dropped without leave() cannot leak its row.
+        # Weak keys: a request dropped without leave() cannot leak its row or its generator.
         self._rows: weakref.WeakKeyDictionary[Request, SamplingRow] = weakref.WeakKeyDictionary()
+        # A seeded request's own generator (on the CPU), made at join: its draws then depend on
+        # its seed and its own steps only, preemptions included.
+        self._generators: weakref.WeakKeyDictionary[Request, torch.Generator] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def join(self, request: Request) -> None:
         """Build the request's row (and its samples' when n > 1) once, before it is sampled."""
         for sequence in (request, *request.samples):
-            self._rows[sequence] = SamplingRow.build(
-                sequence.sampling_params, self.vocab_size, self.eos_token_ids
-            )
+            params = sequence.sampling_params
+            self._rows[sequence] = SamplingRow.build(params, self.vocab_size, self.eos_token_ids)
+            if params.seed is not None:
+                self._generators[sequence] = torch.Generator().manual_seed(params.seed)
 
     def leave(self, request: Request) -> None:
         self._rows.pop(request, None)
+        self._generators.pop(request, None)
 
     def _rows_of(self, requests: Sequence[Request]) -> list[SamplingRow]:
         rows = self._rows
@@ -298,28 +298,29 @@ class Sampler:
 
     def _draw(self, probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """argmax(probs / q), q ~ Exp(1) drawn as -log(U): ~6x faster than exponential_ on CPU."""
-        seeded = [j for j, r in enumerate(requests) if r.generator is not None]
+        generators = [self._generators.get(r) for r in requests]
         if len(self._noise) < len(requests):
             self._noise = torch.empty(len(requests), self.vocab_size, device=self.device)
         uniform = self._noise[: len(requests)]
-        if not seeded:
+        if all(g is None for g in generators):
             uniform.uniform_(generator=self.generator)
         else:
-            unseeded = [j for j, r in enumerate(requests) if r.generator is None]
+            unseeded = [j for j, g in enumerate(generators) if g is None]
             if unseeded:
                 uniform[self._index(unseeded)] = torch.rand(
                     len(unseeded), probs.shape[1], generator=self.generator, device=self.device
                 )
-            for j in seeded:
-                # Request generators live on the CPU.
-                uniform[j] = torch.rand(probs.shape[1], generator=requests[j].generator)
+            for j, generator in enumerate(generators):
+                if generator is not None:
+                    # Request generators live on the CPU.
+                    uniform[j] = torch.rand(probs.shape[1], generator=generator)
         # U = 0 gives q = inf, so that token just loses; never 0/0.
         return probs.div_(uniform.log_().neg_()).argmax(-1)
 
     def _sample_with_kernel(
         self, logits: torch.Tensor, requests: Sequence[Request], rows: Sequence[SamplingRow]
     ) -> torch.Tensor:
-        from engine.kernels.sampling import sample
+        from engine.kernels.triton.sampling import sample
 
         unseeded = iter(
             torch.randint(
@@ -383,6 +384,28 @@ def token_logprobs(
         ):
             out.append((value, list(zip(top_ids[:row_k], top_values[:row_k], strict=False))))
     return out
+
+
+def record_prompt_logprobs(
+    logits: torch.Tensor, spans: Sequence[PromptLogprobSpan], scheduled: Sequence[Request]
+) -> None:
+    """Append each span's logprob records to its request (scheduled[span.batch_index]); logits
+    has one row per span token, spans in order, columns cut to the vocabulary (which rows a
+    step computes is engine.core.prompt_logprobs')."""
+    targets: list[int] = []
+    num_top: list[int] = []
+    for span in spans:
+        request = scheduled[span.batch_index]
+        top = request.sampling_params.prompt_logprobs
+        if top is None:
+            raise ValueError(f"request {request.request_id!r} did not ask for prompt logprobs")
+        targets += request.prompt_token_ids[span.first_token : span.first_token + span.count]
+        num_top += [top] * span.count
+    records = token_logprobs(logits, targets, num_top)
+    begin = 0
+    for span in spans:
+        scheduled[span.batch_index].prompt_logprobs += records[begin : begin + span.count]
+        begin += span.count
 
 
 def _sorted_descending(values: torch.Tensor) -> torch.Tensor:

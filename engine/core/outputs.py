@@ -1,4 +1,5 @@
-"""What the engine hands back after each step: per request, the tokens it gained.
+"""What a step yields: the tokens an executor sampled, and what the engine hands back per
+request (the tokens it gained), with the engine's timings and load.
 
 Plain data; the offline API turns it into text and the engine service into protobuf.
 """
@@ -9,6 +10,19 @@ from dataclasses import dataclass, field
 
 from common.finish_reason import FinishReason
 
+# One token's logprob record: (logprob of the token, [(token id, logprob)] of the top
+# alternatives, most likely first).
+Logprobs = tuple[float, list[tuple[int, float]]]
+
+
+@dataclass
+class SamplerOutput:
+    """One token per sampled row of a step."""
+
+    token_ids: list[int]
+    # Per row: None unless the request asked for logprobs.
+    logprobs: list[Logprobs | None]
+
 
 @dataclass
 class RequestOutput:
@@ -18,8 +32,8 @@ class RequestOutput:
     new_token_ids: list[int]
     # Which sample of an n > 1 request (0 otherwise): each sample ends with its own output.
     index: int = 0
-    # Per new token: (chosen token logprob, top alternatives) when logprobs were asked.
-    new_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # Per new token, when logprobs were asked.
+    new_logprobs: list[Logprobs] = field(default_factory=list)
     # On the request's first output, when prompt logprobs were asked: per prompt token after
     # the first, (token id, its logprob, top alternatives).
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
@@ -42,6 +56,10 @@ class StepTimings:
     sample: float = 0.0
     update: float = 0.0
     steps: int = 0
+    # How far steps ran past the time their executor modelled for them (the simulated one's
+    # cost model: its "forward"), so a benchmark can tell whether the modelled times held; None
+    # while no step was modelled.
+    overrun: float | None = None
 
     PHASES = ("schedule", "prepare_inputs", "forward", "sample", "update")
 
@@ -49,6 +67,11 @@ class StepTimings:
         for name in self.PHASES:
             setattr(self, name, 0.0)
         self.steps = 0
+        if self.overrun is not None:
+            self.overrun = 0.0
+
+    def add_overrun(self, seconds: float) -> None:
+        self.overrun = (self.overrun or 0.0) + max(0.0, seconds)
 
     def add(self, *durations: float) -> None:
         for name, seconds in zip(self.PHASES, durations, strict=False):
@@ -60,7 +83,8 @@ class StepTimings:
         return sum(getattr(self, name) for name in self.PHASES)
 
     def as_dict(self) -> dict[str, float]:
-        return {name: getattr(self, name) for name in self.PHASES}
+        phases = {name: getattr(self, name) for name in self.PHASES}
+        return phases if self.overrun is None else {**phases, "overrun": self.overrun}
 
 
 @dataclass

@@ -5,8 +5,8 @@ prefill, chunked prefill, decode and recompute after preemption are all that one
 A request with n > 1 (a parent) computes its prompt once, then forks into n samples: requests
 of their own (ids from sample_request_id) that start with the parent's computed prompt and
 report under the parent's id with their index. This module holds state (and the shape checks of a
-prompt, the last output of an aborted request) only: scheduling, KV
-allocation and sampling live elsewhere.
+prompt, the last output of an aborted request) only: scheduling, KV allocation and sampling (a
+seeded request's generator included) live elsewhere.
 """
 
 from __future__ import annotations
@@ -17,15 +17,11 @@ import itertools
 import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from common.errors import InvalidRequestError
 from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams, sample_request_id
 from engine.core.outputs import RequestOutput
-
-if TYPE_CHECKING:
-    import torch
 
 
 class RequestStatus(enum.Enum):
@@ -75,9 +71,6 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_preemptions: int = 0
-    # Per-request generator when sampling_params.seed is set: its draws do not depend on
-    # what else is in the batch.
-    generator: torch.Generator | None = None
     # n > 1: the samples it forks into once its prompt is computed, then those still live.
     samples: list[Request] = field(default_factory=list, repr=False)
     # On a sample: the request it was forked from, and its index among that request's n.
@@ -89,13 +82,6 @@ class Request:
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.seq_id = next(_SEQ_IDS)
-        if self.sampling_params.seed is not None:
-            # Imported here: only a seeded request needs torch, so that the scheduler and the
-            # KV cache manager (and the simulated engine on them) stay torch-free.
-            import torch
-
-            self.generator = torch.Generator()
-            self.generator.manual_seed(self.sampling_params.seed)
         params = self.sampling_params
         if params.n > 1 and self.parent is None:
             self.samples = [

@@ -21,17 +21,21 @@ import grpc
 from common.grpc_stubs.folio.v1 import engine_pb2 as pb
 from common.grpc_stubs.folio.v1 import engine_pb2_grpc
 
-from common.config import TP_FAILURE_EXIT_SECONDS, EngineConfig
+from common.config import EngineConfig
 from common.errors import UnavailableError
 from common.grpc_server import GrpcService
 from common.sampling_params import parent_request_id, sample_request_id
 from common.sampling_proto import sampling_params_from_proto
-from engine.async_engine import AsyncEngine, RequestFailed, SteppedEngine
+from engine.async_engine import AsyncEngine, RequestFailed
 from engine.core.kv_events import KVEventBatch
+from engine.engine import LLMEngine
 from engine.errors import EngineGroupError, InvalidRequestError
 from services.engine.convert import error_output, event_to_proto, kv_event_batch_to_proto
 
 logger = logging.getLogger(__name__)
+# How long a failed engine whose step is stuck in a tensor-parallel collective gets to fail its
+# requests before the process exits.
+TP_FAILURE_EXIT_SECONDS = 5.0
 
 
 @dataclass
@@ -223,13 +227,6 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             self._service.kv_subscribers.discard(batches)
 
 
-def _real_engine(config: EngineConfig) -> SteppedEngine:
-    # Imported here: torch and the model code load only in a process that runs a real engine.
-    from engine.engine import LLMEngine
-
-    return LLMEngine(config)
-
-
 def _exit_unless_stopped_soon(error: Exception) -> None:
     """A tensor-parallel group failed: the loop fails the requests and the service stops; if a
     step stuck in a collective keeps the loop from it, the process ends anyway (exit 1), so
@@ -255,13 +252,14 @@ class EngineService(GrpcService):
         config: EngineConfig,
         host: str,
         port: int,
-        build_engine: Callable[[], SteppedEngine] | None = None,
+        build_engine: Callable[[], LLMEngine] | None = None,
     ) -> None:
-        """`build_engine` makes the engine in its loop thread (default: the real LLMEngine on
-        `config`; the simulated engine passes its own)."""
+        """`build_engine` makes the engine in its loop thread (default: LLMEngine on the model
+        executor, which alone loads torch and the model code; the simulated engines pass
+        their own)."""
         super().__init__(host, port)
         self.config = config
-        self._build_engine = build_engine or functools.partial(_real_engine, config)
+        self._build_engine = build_engine or functools.partial(LLMEngine, config)
         self.engine: AsyncEngine | None = None
         # The queues of the live SubscribeKvEvents streams.
         self.kv_subscribers: set[asyncio.Queue[KVEventBatch | None]] = set()

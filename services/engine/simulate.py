@@ -1,5 +1,6 @@
-"""`folio engine --simulate --replicas K`: K simulated engines (engine.simulated) in one process,
-each an EngineService of its own on its own port, for routing studies at scale.
+"""`folio engine --simulate --replicas K`: K simulated engines (the engine loop on
+engine.simulated's executor) in one process, each an EngineService of its own on its own port,
+for routing studies at scale.
 
 Wiring and life cycle only: the engines are the library's, the servicer is the real engine
 service's. Ports are consecutive from --port (or each a free one with --port 0). SIGTERM / SIGINT
@@ -15,7 +16,7 @@ import signal
 from collections.abc import Callable
 
 from common.config import EngineConfig
-from engine.simulated import SimulatedEngine, StepCostModel
+from engine.simulated import StepCostModel, simulated_engine
 from services.engine.server import EngineService
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ def simulated_services(
                 config,
                 host,
                 port + i if port else 0,
-                build_engine=functools.partial(SimulatedEngine, config, cost),
+                build_engine=functools.partial(simulated_engine, config, cost),
             )
         )
         for i in range(replicas)

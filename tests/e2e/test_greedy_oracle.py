@@ -91,7 +91,7 @@ def test_compiled_decode_matches_transformers(default_model_dir, prompts, refere
     """Decode steps through torch.compile's programs (the suite runs eagerly otherwise): the
     one-row program and the program for larger batches."""
     llm = LLM(model=str(default_model_dir), dtype="float32", enforce_eager=False)
-    compiled = llm.engine.runner.compiled_decode
+    compiled = llm.engine.executor.runner.compiled_decode
     assert compiled is not None
     rows_run = []
     program = compiled._forward

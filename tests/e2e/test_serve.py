@@ -122,7 +122,7 @@ def test_decode_steps_run_compiled(folio_server, default_model_dir):
         model=model, prompt=prompt, max_tokens=24, temperature=0, logprobs=5
     )
     with LLM(model=str(default_model_dir), enforce_eager=True) as eager:
-        dtype = eager.engine.runner.dtype
+        dtype = eager.engine.executor.runner.dtype
         expected = eager.generate(
             [prompt], SamplingParams(temperature=0.0, max_tokens=24, logprobs=5)
         )[0]

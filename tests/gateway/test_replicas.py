@@ -15,7 +15,7 @@ import pytest
 
 import polling
 from common.config import EngineConfig, GatewayConfig
-from engine.simulated import SimulatedEngine, StepCostModel
+from engine.simulated import StepCostModel, simulated_engine
 from gateway_helpers import GatewayThread, read_metrics
 from grpc_helpers import TIMEOUT, ServerThread
 from services.engine.server import EngineService
@@ -150,7 +150,7 @@ def test_a_replica_lost_before_the_first_token_is_retried_elsewhere_and_leaves_t
         port = int(addresses[0].rsplit(":", 1)[1])
         revived = ServerThread(
             EngineService(
-                config, "127.0.0.1", port, build_engine=lambda: SimulatedEngine(config, FAST)
+                config, "127.0.0.1", port, build_engine=lambda: simulated_engine(config, FAST)
             )
         )
         wait_until(

@@ -1,7 +1,8 @@
-"""The simulated engine: the real scheduler and KV cache manager behind the real engine service,
-no model and no torch. Its steps ask for the time the cost model gives, it streams placeholder
-tokens that tokenize back to themselves, its KV events name blocks by the shared chained hash,
-and `folio engine --simulate --replicas K` serves K of them, each on its own port."""
+"""The simulated engine: the real engine loop, scheduler and KV cache manager on a simulated
+executor, behind the real engine service, no model and no torch. Its steps ask for the time the
+cost model gives, it streams placeholder tokens that tokenize back to themselves, its KV events
+name blocks by the shared chained hash, and `folio engine --simulate --replicas K` serves K of
+them, each on its own port."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from common.block_hash import prefix_block_hashes
 from common.config import EngineConfig
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
-from engine.simulated import SimulatedEngine, StepCostModel
+from engine.engine import LLMEngine
+from engine.simulated import SimulatedExecutor, StepCostModel, simulated_engine
 from grpc_helpers import TIMEOUT, ServerThread
 from services.engine.simulate import simulated_services
 
@@ -38,8 +40,8 @@ def test_nothing_the_simulator_imports_pulls_in_torch(tmp_path, default_model_di
         import services.engine.simulate
         from common.config import EngineConfig
         from common.sampling_params import SamplingParams
-        from engine.simulated import SimulatedEngine, StepCostModel
-        engine = SimulatedEngine(
+        from engine.simulated import StepCostModel, simulated_engine
+        engine = simulated_engine(
             EngineConfig(model={str(default_model_dir)!r}, block_size=4, num_kv_blocks=16),
             StepCostModel.load(__import__("pathlib").Path({str(cost_path)!r})),
             sleep=lambda seconds: None,
@@ -59,7 +61,7 @@ def test_nothing_the_simulator_imports_pulls_in_torch(tmp_path, default_model_di
 
 def test_steps_ask_for_the_modelled_time_and_emit_placeholder_tokens(default_model_dir):
     slept: list[float] = []
-    engine = SimulatedEngine(
+    engine = simulated_engine(
         EngineConfig(model=str(default_model_dir), **CONFIG), COST, sleep=slept.append
     )
     engine.add_request("a", list(range(100, 110)), SamplingParams(max_tokens=3, ignore_eos=True))
@@ -73,7 +75,7 @@ def test_steps_ask_for_the_modelled_time_and_emit_placeholder_tokens(default_mod
     assert len(slept) == 3
     for asked, expected in zip(slept, modelled, strict=True):
         assert expected - 0.5 < asked <= expected  # the scheduling time is part of the step
-    placeholder = engine.placeholder_token_id
+    placeholder = engine.executor.placeholder_token_id
     assert tokens == {"a": [placeholder] * 3, "b": [placeholder] * 2}
     tokenizer = Tokenizer.from_dir(default_model_dir)
     text = tokenizer.decode([placeholder] * 4)
@@ -81,6 +83,18 @@ def test_steps_ask_for_the_modelled_time_and_emit_placeholder_tokens(default_mod
     assert engine.stats().num_running == 0 and engine.kv_cache.usage == 0
     with pytest.raises(ValueError, match="logprobs"):
         engine.add_request("c", [1, 2], SamplingParams(logprobs=2))
+
+
+def test_the_simulated_engine_is_the_engine_loop_on_a_simulated_executor(default_model_dir):
+    simulated = simulated_engine(EngineConfig(model=str(default_model_dir), **CONFIG), COST)
+    assert type(simulated) is LLMEngine and isinstance(simulated.executor, SimulatedExecutor)
+    # Admission, scheduling and the update after a step are the loop's alone: nothing in the
+    # simulated executor's module is a second engine.
+    module = sys.modules[SimulatedExecutor.__module__]
+    loop_methods = {"add_request", "abort", "step", "_step", "_update", "_retire"}
+    for name, value in vars(module).items():
+        if isinstance(value, type) and value.__module__ == module.__name__:
+            assert not loop_methods & set(vars(value)), f"{name} copies the engine loop"
 
 
 def test_simulated_engine_services_stream_tokens_and_kv_events(default_model_dir):

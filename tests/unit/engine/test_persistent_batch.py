@@ -149,7 +149,7 @@ def run_workload(engine: LLMEngine, through_encoding: bool) -> tuple[dict, dict]
     through_encoding the runner gets each plan decoded from its int64 encoding, as a worker rank
     would. Returns the tokens per (request id, sample index) and counts of what happened."""
     scheduled: list[SchedulerOutput] = []
-    schedule, prepare = engine.scheduler.schedule, engine.runner.prepare
+    schedule, prepare = engine.scheduler.schedule, engine.executor.runner.prepare
 
     def recording_schedule() -> SchedulerOutput:
         scheduled.append(schedule())
@@ -172,7 +172,7 @@ def run_workload(engine: LLMEngine, through_encoding: bool) -> tuple[dict, dict]
         return model_input
 
     engine.scheduler.schedule = recording_schedule
-    engine.runner.prepare = checking_prepare
+    engine.executor.runner.prepare = checking_prepare
     seen = dict(steps=0, departures=0, joins=0, aborted=0)
     tokens: dict[tuple[str, int], list[int]] = {}
     step = 0
@@ -211,7 +211,7 @@ def test_finished_rows_leave_the_batch(model_dir):
         engine.add_request(request_id, ids, SamplingParams(temperature=0.0, max_tokens=3))
     while engine.has_unfinished:
         engine.step()
-    assert len(engine.runner.batch) == 2  # their departures travel with the next plan
+    assert len(engine.executor.runner.batch) == 2  # their departures travel with the next plan
     z = engine.add_request("z", prompt(5, 13), SamplingParams(temperature=0.0, max_tokens=1))
     engine.step()
-    assert engine.runner.batch.row_of == {z.seq_id: 0}
+    assert engine.executor.runner.batch.row_of == {z.seq_id: 0}

@@ -75,7 +75,7 @@ def make_engine(model_dir, **overrides) -> LLMEngine:
 
 
 def allowed_ids(engine: LLMEngine, request: Request) -> set[int]:
-    disallowed = engine.structured.disallowed([request], [0])
+    disallowed = engine.executor.structured.disallowed([request], [0])
     assert disallowed.shape == (1, VOCAB) and disallowed.dtype == torch.bool
     return set(torch.nonzero(~disallowed[0]).flatten().tolist())
 
@@ -98,57 +98,58 @@ def run(engine: LLMEngine) -> dict[str, tuple[list[int], str]]:
 
 def test_masks_allow_what_the_grammar_allows_and_eos_only_when_complete(engine, tokenizer):
     request = constrained("digits", StructuredOutput(regex=r"[0-9]{2,3}"))
-    engine.structured.add(request)
+    engine.executor.structured.add(request)
     first = allowed_ids(engine, request)
     # SmolLM2 writes numbers one digit per token: exactly the ten digits may start.
     assert {tokenizer.decode([t]) for t in first} == set("0123456789")
     assert EOS not in first
     for expected_eos, digit in ((False, "4"), (True, "2")):
         request.append_output(tokenizer.token_to_id(digit))
-        assert not engine.structured.advance(request)
+        assert not engine.executor.structured.advance(request)
         assert (EOS in allowed_ids(engine, request)) is expected_eos
     request.append_output(tokenizer.token_to_id("7"))
-    assert engine.structured.advance(request)  # three digits: nothing may follow
+    assert engine.executor.structured.advance(request)  # three digits: nothing may follow
     assert allowed_ids(engine, request) == {EOS}
-    engine.structured.release(request)
+    engine.executor.structured.release(request)
 
 
 def test_matchers_are_per_request_and_compiled_grammars_cached(engine, tokenizer):
     choice = StructuredOutput(choice=["yes", "no"])
-    assert engine.structured.compile(choice) is engine.structured.compile(
+    assert engine.executor.structured.compile(choice) is engine.executor.structured.compile(
         StructuredOutput(choice=("yes", "no"))
     )
-    assert engine.structured.compile(choice) is not engine.structured.compile(
+    assert engine.executor.structured.compile(choice) is not engine.executor.structured.compile(
         StructuredOutput(choice=["no", "yes"])
     )
     a, b = constrained("a", choice), constrained("b", choice)
-    engine.structured.add(a)
-    engine.structured.add(b)
+    engine.executor.structured.add(a)
+    engine.executor.structured.add(b)
     start = allowed_ids(engine, a)
     a.append_output(tokenizer.token_to_id("yes"))
-    assert engine.structured.advance(a)
+    assert engine.executor.structured.advance(a)
     assert allowed_ids(engine, a) == {EOS}
     assert allowed_ids(engine, b) == start  # b's matcher did not move
     # A request the manager never saw (as a copy of a running one would be) catches up.
     late = constrained("late", choice)
     late.append_output(tokenizer.token_to_id("no"))
-    assert engine.structured.advance(late)
+    assert engine.executor.structured.advance(late)
     for request in (a, b, late):
-        engine.structured.release(request)
+        engine.executor.structured.release(request)
 
 
 def test_only_constrained_rows_get_a_mask(engine, tokenizer):
     free = Request("free", [1, 2, 3], SamplingParams())
-    assert engine.structured.start_masks([free]) is None  # nothing constrained: no work at all
+    # Nothing constrained: no work at all.
+    assert engine.executor.structured.start_masks([free]) is None
     request = constrained("c", StructuredOutput(json_object=True))
-    engine.structured.add(request)
-    disallowed = engine.structured.start_masks([free, request, free]).result()
+    engine.executor.structured.add(request)
+    disallowed = engine.executor.structured.start_masks([free, request, free]).result()
     assert disallowed.shape == (3, VOCAB)
     assert not disallowed[[0, 2]].any()
-    assert torch.equal(disallowed[1], engine.structured.disallowed([request], [0])[0])
+    assert torch.equal(disallowed[1], engine.executor.structured.disallowed([request], [0])[0])
     starts = torch.nonzero(~disallowed[1]).flatten().tolist()
     assert starts and all(tokenizer.decode([t]).startswith("{") for t in starts)
-    engine.structured.release(request)
+    engine.executor.structured.release(request)
 
 
 def test_sampler_applies_the_mask_before_sampling_and_keeps_raw_logprobs():
@@ -227,7 +228,7 @@ def test_json_schema_outputs_validate_through_chunked_prefill_and_preemption(mod
         assert reason == "stop", (request_id, text)
         assert EOS not in tokens  # the grammar ended it: no EOS needed
         Person.model_validate(json.loads(text))
-    assert not engine.structured._states  # every matcher released
+    assert not engine.executor.structured._states  # every matcher released
 
     # A seeded request reproduces itself alone, without preemption.
     alone = make_engine(model_dir)

@@ -191,7 +191,7 @@ def test_a_killed_worker_fails_the_engine_with_its_name(model_dir):
     engine.add_failure_listener(failures.append)
     try:
         run(engine, {"x": prompt(20, 9)})  # the group works
-        (worker,) = engine.group.workers.values()
+        (worker,) = engine.executor.group.workers.values()
         os.kill(worker.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         engine.add_request("y", prompt(20, 10), GREEDY)

@@ -1,0 +1,89 @@
+"""The Executor protocol: what the engine loop (engine.engine.LLMEngine) asks of whatever runs
+its steps.
+
+The loop is the same for every executor: it validates and admits requests, schedules each step
+(engine.core.scheduler) and updates the requests with the tokens the step sampled (computed
+tokens, prefix-cache blocks, stop conditions, outputs). An executor runs a scheduled step and
+returns one token per sampled row. Two implement it: the model executor
+(engine.model_executor: the model runner, the sampler, structured output, tensor-parallel ranks)
+and the simulated one (engine.simulated: step times from a cost model, placeholder tokens).
+
+This module holds the protocol and the plain data an executor returns, nothing else; it never
+imports torch, so the loop and the simulated executor stay torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from common.sampling_params import SamplingParams
+from engine.core.outputs import SamplerOutput
+from engine.core.request import Request
+from engine.core.scheduler import SchedulerOutput
+from engine.errors import EngineGroupError
+
+
+@dataclass
+class ExecutorOutput:
+    """One executed step: its sampled tokens, and how long the executor's phases took."""
+
+    # Row i belongs to the step's sampling_requests[i].
+    sampled: SamplerOutput
+    prepare_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    sample_seconds: float = 0.0
+    # The time the whole step was meant to take, for an executor that models it (the simulated
+    # one), so the loop can count how far steps overran it; None for one that really runs.
+    modelled_seconds: float | None = None
+
+
+class Executor(Protocol):
+    # The model directory (its tokenizer is the engine's), the model's vocabulary and EOS ids.
+    model_path: Path
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    # The KV pool the scheduler hands out, in blocks of config.block_size, and the longest
+    # sequence (prompt + output) a request may reach.
+    num_blocks: int
+    max_model_len: int
+
+    @property
+    def dtype_name(self) -> str:
+        """The weights' and activations' dtype as the engine reports it, e.g. "float32"."""
+        ...
+
+    def validate_params(self, params: SamplingParams, vocab_size: int) -> None:
+        """ValueError naming the first parameter this executor cannot serve."""
+        ...
+
+    def join(self, request: Request) -> None:
+        """A validated request (with its samples, n > 1) about to be queued: build what running
+        it needs, once; InvalidRequestError if it cannot run here. Whatever is kept is keyed
+        weakly, so a request the queue then refuses leaves nothing behind."""
+        ...
+
+    def leave(self, request: Request) -> None:
+        """A finished or aborted request (or one sample): drop what join built for it."""
+        ...
+
+    def execute(self, step: SchedulerOutput, started: float) -> ExecutorOutput:
+        """Run the step (step.plan; step.requests and step.sampling_requests are rank 0's live
+        view of it) and sample one token per sampling request. `started` is
+        time.perf_counter() when the step began, scheduling included."""
+        ...
+
+    def constraint_ended(self, request: Request) -> bool:
+        """After the request's newest output token: True when its constraint (a structured
+        output grammar) is complete or broken, so the request must end."""
+        ...
+
+    def close(self) -> None:
+        """Release what the executor runs on (idempotent); it is unusable after."""
+        ...
+
+    def add_failure_listener(self, listener: Callable[[EngineGroupError], None]) -> None:
+        """`listener` runs (in another thread) if a rank the executor spans dies or hangs."""
+        ...

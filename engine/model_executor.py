@@ -1,0 +1,175 @@
+"""The model executor: runs the engine loop's steps on the model (engine.executor's protocol).
+
+It sizes the KV pool from the memory budget, starts the tensor-parallel ranks when asked, and
+per step has the model runner prepare inputs and run the forward (on every rank), then samples
+one token per sampling row (with the structured-output grammars' masks, computed while the
+forward runs) and records the prompt logprobs the step computed. It never schedules, never
+changes what a request has computed and never decides that a request ends (the loop does).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from common.config import EngineConfig
+from common.default_model import resolve_model_path
+from common.sampling_params import SamplingParams
+from engine.core.kv_cache_manager import num_blocks_for_budget
+from engine.core.request import Request
+from engine.core.scheduler import SchedulerOutput
+from engine.distributed import EngineGroup, start_engine_group
+from engine.errors import EngineGroupError
+from engine.executor import ExecutorOutput
+from engine.grammar import validate_sampling_params
+from engine.model_runner import ModelRunner, resolve_dtype
+from engine.models.config import ModelConfig
+from engine.models.parallel import (
+    SINGLE,
+    TensorParallel,
+    check_tensor_parallel_size,
+    kv_heads_slice,
+)
+from engine.sampler import Sampler, record_prompt_logprobs
+from engine.structured_output import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
+
+
+class ModelExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.model_path: Path = resolve_model_path(config.model)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        model_config = ModelConfig.from_dir(self.model_path)
+        self.model_config = model_config
+        dtype = resolve_dtype(config.dtype, config.device, config.quantization)
+        tp_size = config.tensor_parallel_size
+        check_tensor_parallel_size(
+            model_config.num_attention_heads, model_config.num_key_value_heads, tp_size
+        )
+        # The budget is per rank: each holds its share of the KV heads, all the same block ids.
+        self.num_blocks = config.num_kv_blocks or num_blocks_for_budget(
+            config.kv_cache_memory_bytes,
+            model_config.num_hidden_layers,
+            kv_heads_slice(model_config.num_key_value_heads, TensorParallel(0, tp_size)).count,
+            model_config.head_dim,
+            config.block_size,
+            torch.empty((), dtype=dtype).element_size(),
+        )
+        self.max_model_len = self._max_model_len(config, model_config, self.num_blocks)
+        self.group: EngineGroup | None = None
+        if tp_size > 1:
+            self.group = start_engine_group(
+                config, self.model_path, self.num_blocks, self.max_model_len
+            )
+        try:
+            self.runner = ModelRunner(
+                config,
+                str(self.model_path),
+                self.num_blocks,
+                self.max_model_len,
+                self.group.tp if self.group else SINGLE,
+            )
+        except BaseException:
+            self.close()
+            raise
+        if self.group is not None:
+            self.runner.broadcast_plan = self.group.broadcast_plan
+        self.vocab_size = model_config.vocab_size
+        self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self.sampler = Sampler(
+            model_config.vocab_size, sorted(self.eos_token_ids), config.device, config.seed
+        )
+        self.structured = StructuredOutputManager(
+            self.model_path, model_config.vocab_size, sorted(self.eos_token_ids), config.device
+        )
+
+    @staticmethod
+    def _max_model_len(config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> int:
+        pool_tokens = num_blocks * config.block_size
+        if config.max_model_len is not None:
+            if config.max_model_len > pool_tokens:
+                raise ValueError(
+                    f"max_model_len ({config.max_model_len}) exceeds the KV cache capacity "
+                    f"({pool_tokens} tokens = {num_blocks} blocks of {config.block_size}); "
+                    "raise kv_cache_memory_bytes / num_kv_blocks or lower max_model_len"
+                )
+            return config.max_model_len
+        limit = min(model_config.max_position_embeddings, pool_tokens)
+        if limit < model_config.max_position_embeddings:
+            logger.warning(
+                "max_model_len capped at %d tokens by the KV cache size (model allows %d)",
+                limit,
+                model_config.max_position_embeddings,
+            )
+        return limit
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.runner.dtype).removeprefix("torch.")
+
+    def validate_params(self, params: SamplingParams, vocab_size: int) -> None:
+        validate_sampling_params(params, vocab_size)
+
+    def join(self, request: Request) -> None:
+        if request.sampling_params.structured_output is not None:
+            self.structured.add(request)
+        # Its (and its samples') sampling rows are built now, not at every step it samples.
+        self.sampler.join(request)
+
+    def leave(self, request: Request) -> None:
+        self.structured.release(request)
+        self.sampler.leave(request)
+
+    def execute(self, step: SchedulerOutput, started: float) -> ExecutorOutput:
+        t0 = time.perf_counter()
+        model_input = self._on_ranks(self.runner.prepare, step.plan)
+        # Structured output: the grammars' masks are computed while the forward runs.
+        masks = self.structured.start_masks(step.sampling_requests)
+        t1 = time.perf_counter()
+        logits = self._on_ranks(self.runner.forward, model_input)
+        t2 = time.perf_counter()
+        # Rows past the sampled ones are prompt positions whose logprobs were asked.
+        num_sampled = model_input.num_sampled
+        sampled = self.sampler.sample(
+            logits[:num_sampled],
+            step.sampling_requests,
+            masks.result() if masks is not None else None,
+        )
+        if step.plan.prompt_logprob_spans:
+            record_prompt_logprobs(
+                logits[num_sampled:, : self.vocab_size],
+                step.plan.prompt_logprob_spans,
+                step.requests,
+            )
+        t3 = time.perf_counter()
+        return ExecutorOutput(sampled, t1 - t0, t2 - t1, t3 - t2)
+
+    def _on_ranks(self, run, arg):
+        """run(arg): a runner phase. With several ranks (the plan's broadcast, the forward's
+        collectives) any failure leaves them out of step: the group is done."""
+        if self.group is None:
+            return run(arg)
+        self.group.raise_if_failed()
+        try:
+            return run(arg)
+        except Exception as exc:
+            raise self.group.step_failed(exc) from exc
+
+    def constraint_ended(self, request: Request) -> bool:
+        return request.sampling_params.structured_output is not None and self.structured.advance(
+            request
+        )
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+
+    def add_failure_listener(self, listener: Callable[[EngineGroupError], None]) -> None:
+        if self.group is not None:
+            self.group.add_failure_listener(listener)
