@@ -141,12 +141,16 @@ class GenerateStream:
             self.closed = True
             if not self._cancelled:
                 self._on_broken()
-            if error is None:  # it ended without a status
-                error = _error(
-                    grpc.StatusCode.UNAVAILABLE,
-                    "the Generate stream ended",
-                    "engine",
-                    self._address,
+            if error is None:  # closed, or it ended without a status (worth a log line)
+                error = (
+                    UnavailableError("engine unavailable")
+                    if self._cancelled
+                    else _error(
+                        grpc.StatusCode.UNAVAILABLE,
+                        "the Generate stream ended",
+                        "engine",
+                        self._address,
+                    )
                 )
             self.sink.fail_all(error)
 

@@ -24,7 +24,8 @@ ERROR_STATUSES: dict[int, str] = {
     415: "The body is not sent as application/json",
     429: "The engine's queue is full or the caller is over a rate limit; retry later",
     500: "Internal error",
-    503: "The engine or the tokenizer is unavailable, or the gateway is draining",
+    503: "The engine or the tokenizer is unavailable, or the gateway is draining; retry after "
+    "the Retry-After header's seconds",
     504: "The request ran out of time",
 }
 

@@ -136,6 +136,17 @@ def test_a_down_engine_is_a_plain_503_with_retry_after_and_its_detail_is_logged(
         gateway.close()
 
 
+def test_closing_the_gateway_is_no_engine_outage_in_the_log(services, caplog):
+    engine, tokenizer = services
+    gateway = GatewayThread(f"127.0.0.1:{engine.port}", f"127.0.0.1:{tokenizer.port}")
+    try:
+        body = {"prompt": "Hi", "max_tokens": 1}
+        assert httpx.post(gateway.url + "/v1/completions", json=body, timeout=TIMEOUT).is_success
+    finally:
+        gateway.close()  # its Generate stream ends with it
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
 def test_a_full_engine_queue_is_429(default_model_dir, services):
     _, tokenizer = services
     args = dict(ENGINE_ARGS, max_num_seqs=1, max_waiting_requests=1)
