@@ -3,7 +3,7 @@ stall a step and a step never waits on them.
 
 The engine is built in the loop thread too, so all torch work of the process stays on one
 thread: when several threads run parallel regions, OpenMP throttles its spin-waiting and every
-step of this small-op model gets ~60% slower (measured: 54 ms -> 88 ms for a 128-token prefill).
+step of this small-op model gets much slower (docs/serving.md has the figure).
 
 Callers post commands to a thread-safe inbox; the loop thread runs them between steps, steps
 while requests remain, and hands each step's outputs to the asyncio queue registered for each
