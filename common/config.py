@@ -189,25 +189,6 @@ API_KEYS_ENV = "FOLIO_API_KEYS"
 REQUEST_TIMEOUT_SECONDS = 600.0
 # How often the gateway's dashboard feed (/dashboard/feed) sends a sample of the engine's load.
 DASHBOARD_FEED_INTERVAL_SECONDS = 0.5
-# Entries of oneDNN's two kernel caches (its primitive cache and PyTorch's ideep LRU cache) in
-# an engine on CPU; their defaults are 1024 each. Every new batch shape compiles and caches
-# kernels, so with the defaults the engine's memory grew by hundreds of MiB under varied load
-# and kept growing for as long as new shapes came; at 64 it is flat after a few steps, and
-# `folio bench offline` runs as fast (within its noise). An environment value set by the
-# operator (ONEDNN_PRIMITIVE_CACHE_CAPACITY, LRU_CACHE_CAPACITY) wins.
-CPU_KERNEL_CACHE_CAPACITY = 64
-# Tensor parallelism: each worker rank bumps a counter in the rendezvous store this often;
-# rank 0 declares a worker dead when its counter has not moved for HEARTBEAT_TIMEOUT_SECONDS
-# (or at once when a worker it started exits). Liveness never comes from a collective timing
-# out: an idle group waits in its collectives for as long as it stays idle.
-TP_HEARTBEAT_SECONDS = 0.5
-TP_HEARTBEAT_TIMEOUT_SECONDS = 10.0
-# How long a worker waits for the engine's rendezvous before trying again, and how long a
-# failed engine whose step is stuck in a collective gets to fail its requests before it exits.
-TP_RENDEZVOUS_RETRY_SECONDS = 1.0
-# A restarted engine's fixed rendezvous port may be held a moment by its predecessor's sockets.
-TP_BIND_RETRY_SECONDS = 30.0
-TP_FAILURE_EXIT_SECONDS = 5.0
 # gRPC channel options of the clients of the internal services: a restarted service is found
 # again within a second, not after gRPC's default reconnect back-off (up to two minutes).
 RECONNECT_CHANNEL_OPTIONS = [

@@ -40,12 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common.config import (
-    TP_BIND_RETRY_SECONDS,
-    TP_HEARTBEAT_SECONDS,
-    TP_HEARTBEAT_TIMEOUT_SECONDS,
-    EngineConfig,
-)
+from common.config import EngineConfig
 from common.parent_death import child_env
 from engine.core import step_plan
 from engine.core.step_plan import StepPlan
@@ -63,6 +58,16 @@ _COLLECTIVE_TIMEOUT = datetime.timedelta(days=365)
 _JOIN_KEY = "folio/joined/{}"
 _HEARTBEAT_KEY = "folio/heartbeat/{}"
 _ENGINE_KEY = "folio/engine"
+# Each worker rank bumps a counter in the rendezvous store this often; rank 0 declares a worker
+# dead when its counter has not moved for TP_HEARTBEAT_TIMEOUT_SECONDS (or at once when a worker
+# it started exits). Liveness never comes from a collective timing out: an idle group waits in
+# its collectives for as long as it stays idle.
+TP_HEARTBEAT_SECONDS = 0.5
+TP_HEARTBEAT_TIMEOUT_SECONDS = 10.0
+# How long a worker waits for the engine's rendezvous before trying again (engine.worker).
+TP_RENDEZVOUS_RETRY_SECONDS = 1.0
+# A restarted engine's fixed rendezvous port may be held a moment by its predecessor's sockets.
+TP_BIND_RETRY_SECONDS = 30.0
 
 
 def local_address_towards(host: str) -> str:

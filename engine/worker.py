@@ -18,11 +18,12 @@ import time
 
 import torch
 
-from common.config import TP_RENDEZVOUS_RETRY_SECONDS, EngineConfig
+from common.config import EngineConfig
 from engine.core import step_plan
 from engine.distributed import (
     STEP,
     STOP,
+    TP_RENDEZVOUS_RETRY_SECONDS,
     Channel,
     beat,
     connect_store,

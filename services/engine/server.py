@@ -21,7 +21,7 @@ import grpc
 from common.grpc_stubs.folio.v1 import engine_pb2 as pb
 from common.grpc_stubs.folio.v1 import engine_pb2_grpc
 
-from common.config import TP_FAILURE_EXIT_SECONDS, EngineConfig
+from common.config import EngineConfig
 from common.errors import UnavailableError
 from common.grpc_server import GrpcService
 from common.sampling_params import parent_request_id, sample_request_id
@@ -33,6 +33,9 @@ from engine.errors import EngineGroupError, InvalidRequestError
 from services.engine.convert import error_output, event_to_proto, kv_event_batch_to_proto
 
 logger = logging.getLogger(__name__)
+# How long a failed engine whose step is stuck in a tensor-parallel collective gets to fail its
+# requests before the process exits.
+TP_FAILURE_EXIT_SECONDS = 5.0
 
 
 @dataclass
