@@ -185,8 +185,6 @@ GRPC_MESSAGE_OPTIONS = [
 # FOLIO_API_KEYS is a comma-separated list of the gateway's API keys.
 INTERNAL_TOKEN_ENV = "FOLIO_INTERNAL_TOKEN"
 API_KEYS_ENV = "FOLIO_API_KEYS"
-# How long the gateway lets one request run, queueing and generation included.
-REQUEST_TIMEOUT_SECONDS = 600.0
 # How often the gateway's dashboard feed (/dashboard/feed) sends a sample of the engine's load.
 DASHBOARD_FEED_INTERVAL_SECONDS = 0.5
 # gRPC channel options of the clients of the internal services: a restarted service is found
@@ -306,7 +304,7 @@ class GatewayConfig:
         "(--no-webui: the API only)",
     )
     request_timeout: float = flag(
-        REQUEST_TIMEOUT_SECONDS,
+        600.0,
         "seconds one request may take, queueing included; "
         "then it is aborted (HTTP 504, gRPC DEADLINE_EXCEEDED)",
     )
