@@ -162,6 +162,7 @@ class EnginePool:
         for replica, answer in zip(self.replicas, answers, strict=True):
             if isinstance(answer, BaseException):
                 error = answer
+                replica.reported(None)  # its last answer no longer holds
                 continue
             replica.reported(answer)
             total.num_running += answer.num_running

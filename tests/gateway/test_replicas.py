@@ -165,3 +165,19 @@ def test_a_replica_lost_before_the_first_token_is_retried_elsewhere_and_leaves_t
         gateway.close()
         for engine in [*engines[1:], *([revived] if revived else [])]:
             engine.close()
+
+
+def test_a_replica_that_stops_answering_has_no_load_series_left(
+    default_model_dir, tokenizer_address
+):
+    # One replica: no monitor polls it, only /metrics asks its GetStats.
+    config = engine_config(default_model_dir)
+    [engine] = [ServerThread(s) for s in simulated_services(config, FAST, "127.0.0.1", 0, 1)]
+    gateway = GatewayThread([f"127.0.0.1:{engine.port}"], tokenizer_address)
+    try:
+        assert replica_series(gateway.url, "folio_replica_num_requests_running")
+        engine.close()
+        # Not the last answer it gave: each gateway worker's last one may differ.
+        assert replica_series(gateway.url, "folio_replica_num_requests_running") == {}
+    finally:
+        gateway.close()
