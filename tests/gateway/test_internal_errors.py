@@ -12,15 +12,16 @@ import json
 import logging
 import traceback
 
+import grpc
 import httpx
 import pytest
-from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2_grpc
+from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 
 import polling
 from common.config import EngineConfig, GatewayConfig
 from common.errors import InternalError
 from engine.simulated import StepCostModel
-from gateway import completions
+from gateway import completions, grpc_service
 from gateway.clients import EngineClient, SequenceDetokenizer
 from gateway.responses import translate
 from gateway_helpers import GatewayThread, engine_stats, read_metrics
@@ -38,7 +39,7 @@ SLOW = StepCostModel(fixed_seconds=0.05, prefill_token_seconds=0.0, decode_seque
 wait_until = functools.partial(polling.wait_until, seconds=TIMEOUT)
 
 
-def raise_bug(*args: object, exception: type[Exception] = RuntimeError) -> None:
+def raise_bug(*args: object, exception: type[Exception] = RuntimeError, **kwargs: object) -> None:
     raise exception(BUG)
 
 
@@ -63,6 +64,20 @@ def test_an_internal_value_error_is_a_logged_500_not_the_clients_fault(
     )
     assert response.status_code == 500, response.text
     assert response.json()["error"]["type"] == "server_error"
+    assert logged_with_traceback(caplog)
+
+
+def test_an_internal_value_error_in_the_grpc_api_is_a_logged_internal(gateway, monkeypatch, caplog):
+    monkeypatch.setattr(
+        grpc_service, "text_request", functools.partial(raise_bug, exception=ValueError)
+    )
+    request = gateway_pb2.GatewayServiceGenerateRequest(
+        prompt="Hi", sampling_params=common_pb2.SamplingParams(max_tokens=2)
+    )
+    stub = gateway_pb2_grpc.GatewayServiceStub(gateway.grpc_channel)
+    with pytest.raises(grpc.RpcError) as failure:
+        list(stub.Generate(request, timeout=TIMEOUT))
+    assert failure.value.code() == grpc.StatusCode.INTERNAL
     assert logged_with_traceback(caplog)
 
 
