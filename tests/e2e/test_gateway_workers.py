@@ -27,6 +27,7 @@ from serve_process import ServeProcess, alive, start_serve
 
 from common.config import API_KEYS_ENV, INTERNAL_TOKEN_ENV
 from gateway.server import WORKER_HEADER
+from gateway.workers import METRICS_DIR_ENV
 from gateway_helpers import gateway_command
 from tiny_models import make_tiny_smollm2
 
@@ -116,6 +117,12 @@ def limited_gateway(stack, tmp_path_factory):
     )
     yield gateway
     gateway.close()
+
+
+def environment(pid: int) -> dict[str, str]:
+    """A process's environment, as it started."""
+    variables = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(v.decode().split("=", 1) for v in variables if b"=" in v)
 
 
 def auth(key: str) -> dict[str, str]:
@@ -261,12 +268,17 @@ def test_a_worker_that_dies_is_restarted(limited_gateway):
         int(p)
         for p in limited_gateway.wait_for_output(r"gateway workers, pids (\d+) (\d+)").groups()
     ]
+    # Each worker's view of the replicas (health, indexed blocks) is a live gauge's file.
+    metrics_dir = Path(environment(pids[0])[METRICS_DIR_ENV])
+    assert list(metrics_dir.glob(f"gauge_live*_{pids[1]}.db"))
     since = len(limited_gateway.output())
     os.kill(pids[1], signal.SIGKILL)
     restarted = limited_gateway.wait_for_output(r"restarted gateway worker 1 \(pid (\d+)\)", since)
     assert f"gateway worker 1 (pid {pids[1]}) was killed by SIGKILL while serving" in (
         limited_gateway.output()
     )
+    # A dead worker's view leaves /metrics with it (its counters stay in the sums).
+    assert not list(metrics_dir.glob(f"gauge_live*_{pids[1]}.db"))
     assert int(restarted[1]) not in pids and alive(int(restarted[1]))
     # The new worker serves (once it is up: until then the other takes every connection).
     deadline = time.monotonic() + TIMEOUT
