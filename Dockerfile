@@ -48,8 +48,8 @@ USER folio
 # cache volume, which would hide it): no start pays for them. Their flags name no host CPU
 # (AVX-512 code is chosen at run time), so the layer runs on any AVX2 machine; on a builder
 # without AVX2 there is nothing to build.
-RUN python -c "import sys; from engine.kernels import cpu_extension as k; \
-sys.exit(0 if k.load() or not k.cpu_has_avx2() else 'the CPU kernels failed to build')"
+RUN python -c "import sys; from engine.kernels.cpu.capabilities import cpu_capabilities as c; \
+sys.exit(0 if c().folio_kernels or not c().avx2_fma else 'the CPU kernels failed to build')"
 VOLUME ["/var/cache/folio"]
 EXPOSE 8000 50053
 CMD ["folio", "serve", "--host", "0.0.0.0"]

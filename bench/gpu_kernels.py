@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine.kernels.paged_attention import paged_decode_attention
+from engine.kernels.triton.paged_attention import paged_decode_attention
 
 BLOCK_SIZE = 16
 # (label, query heads, KV heads, head size)

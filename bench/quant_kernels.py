@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from engine.models.quantization import QuantizedWeight, quantize
+from engine.kernels.cpu.capabilities import cpu_capabilities
+from engine.layers.quantization import QuantizedWeight, quantize
 
 LAYERS = 30
 LAYER_LINEARS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -73,12 +74,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
+    assert cpu_capabilities().folio_kernels, "Folio's kernels did not load"
     gen = torch.Generator().manual_seed(0)
     layers: list[QuantizedWeight] = []
     for shape in LAYER_LINEARS:
-        layers += copies(quantize(torch.randn(shape, generator=gen), args.method), LAYERS)
-    head = quantize(torch.randn(VOCAB_PROJECTION, generator=gen), "int8")
-    assert layers[0].kernels is not None, "Folio's kernels did not load"
+        weight = torch.randn(shape, generator=gen)
+        layers += copies(quantize(weight, args.method, folio_kernels=True), LAYERS)
+    head = quantize(torch.randn(VOCAB_PROJECTION, generator=gen), "int8", folio_kernels=True)
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         for rows in (int(r) for r in args.rows.split(",")):

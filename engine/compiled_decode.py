@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -29,11 +29,9 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.step import running_step
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.fallback import warn_fallback
-from engine.models.llama import Linear
-from engine.models.quantization import QuantizedWeight
-
-if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
+from engine.layers.linear import Linear
+from engine.layers.quantization import QuantizedWeight
+from engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +40,24 @@ def inductor_cache_dir() -> str:
     return str(cache_dir() / "inductor")
 
 
+class DecodeRunner(Protocol):
+    """What compiling decode steps needs of the model runner: the model, where it runs, its KV
+    caches and placeholder decode inputs for the warm-up steps."""
+
+    device: torch.device
+    model: LlamaForCausalLM
+    kv_caches: list[torch.Tensor]
+
+    def placeholder_decode(
+        self, rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]: ...
+
+
 class CompiledDecode:
     @classmethod
-    def compile_if_enabled(cls, runner: ModelRunner, config: EngineConfig) -> CompiledDecode | None:
+    def compile_if_enabled(
+        cls, runner: DecodeRunner, config: EngineConfig
+    ) -> CompiledDecode | None:
         if config.enforce_eager or runner.device.type != "cpu":
             return None
         if not isinstance(runner.model.backend, TorchAttentionBackend):
@@ -57,7 +70,7 @@ class CompiledDecode:
             warn_fallback(logger, "compiled decode steps", "running them eagerly", error)
             return None
 
-    def __init__(self, runner: ModelRunner, config: EngineConfig) -> None:
+    def __init__(self, runner: DecodeRunner, config: EngineConfig) -> None:
         # Read by inductor whenever it looks up or stores compiled code. Set, not defaulted:
         # torch fills in its own /tmp default the first time it asks.
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
@@ -118,7 +131,7 @@ class CompiledDecode:
         ):
             return self._forward(input_ids, positions)
 
-    def _warm_up(self, runner: ModelRunner, rows: int, dynamic: bool) -> None:
+    def _warm_up(self, runner: DecodeRunner, rows: int, dynamic: bool) -> None:
         input_ids, positions, meta = runner.placeholder_decode(rows)
         if dynamic:
             torch._dynamo.mark_dynamic(input_ids, 0)

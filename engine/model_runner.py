@@ -31,7 +31,7 @@ from engine.core.step_plan import StepPlan
 from engine.cuda_graphs import DecodeGraphs
 from engine.fallback import warn_fallback
 from engine.input_batch import PersistentBatch
-from engine.kernels import cpu_extension
+from engine.kernels.cpu.capabilities import cpu_capabilities
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
 from engine.models.parallel import SINGLE, TensorParallel
@@ -45,18 +45,18 @@ def resolve_dtype(
     name: str, device: str | torch.device, quantization: str | None = None
 ) -> torch.dtype:
     """ "auto" is bfloat16 where the device computes it natively (Ampere/Hopper, CPUs with
-    AVX-512 bf16 or AMX: ~5x fp32 matmul there) and float32 elsewhere: on an AVX2-only CPU,
-    bf16 matmuls are emulated and run tens of times slower than fp32. A quantized model on the
-    CPU is float32 where Folio's integer kernels load: they take float32 activations (and
-    quantize them to int8 themselves), and beat torch's bfloat16 weight-only kernels even on
-    CPUs with native bf16 (the default model in int4, served, one stream: 93.9 against 64.2
-    tok/s; a 110-token prefill 199 against 255 ms)."""
+    AVX-512 bf16 or AMX) and float32 elsewhere: on an AVX2-only CPU, bf16 matmuls are emulated
+    and run far slower than fp32. A quantized model on the CPU is float32 where Folio's integer
+    kernels load: they take float32 activations (and quantize them to int8 themselves), and beat
+    torch's bfloat16 weight-only kernels even on CPUs with native bf16 (docs/quantization.md).
+    The CPU's side of the answer comes from its capabilities (engine.kernels.cpu.capabilities)."""
     if name != "auto":
         return _DTYPES[name]
     if torch.device(device).type == "cpu":
-        if quantization is not None and cpu_extension.load():
+        capabilities = cpu_capabilities()
+        if quantization is not None and capabilities.folio_kernels:
             return torch.float32
-        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        if not capabilities.native_bf16:
             return torch.float32
     return torch.bfloat16
 

@@ -27,7 +27,7 @@ at or past `vocab_size` (padding some models add) are ignored. Per row, in this 
 Logprobs are log_softmax of the raw model logits, before any of the steps above; prompt
 logprobs (`record_prompt_logprobs`) are the same records for prompt tokens.
 
-On a GPU, step 5 runs as one Triton kernel (engine.kernels.sampling): the same filters and
+On a GPU, step 5 runs as one Triton kernel (engine.kernels.triton.sampling): the same filters and
 the same race, with noise from a counter-based generator keyed by a per-row seed. A seeded
 request's row seed is derived from its seed and its output length, so it still does not
 depend on the rest of the batch (the draws differ from the CPU path's for the same seed).
@@ -320,7 +320,7 @@ class Sampler:
     def _sample_with_kernel(
         self, logits: torch.Tensor, requests: Sequence[Request], rows: Sequence[SamplingRow]
     ) -> torch.Tensor:
-        from engine.kernels.sampling import sample
+        from engine.kernels.triton.sampling import sample
 
         unseeded = iter(
             torch.randint(

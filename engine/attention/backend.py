@@ -115,19 +115,3 @@ class AttentionBackend(ABC):
         0 .. s_i - q_i + j of that request, read through meta.block_tables. Returns a new
         contiguous [T, H, D] tensor.
         """
-
-
-def get_attention_backend(name: str, device: str | torch.device) -> AttentionBackend:
-    """ "auto" is "triton" on CUDA devices and "torch" elsewhere; "triton" off CUDA needs the
-    Triton interpreter (TRITON_INTERPRET=1, tests only)."""
-    if name == "auto":
-        name = "triton" if torch.device(device).type == "cuda" else "torch"
-    if name == "torch":
-        from engine.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend()
-    if name == "triton":
-        from engine.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend(device)
-    raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'torch' or 'triton'")

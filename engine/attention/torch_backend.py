@@ -1,7 +1,7 @@
 """Attention over the paged KV cache in torch: the CPU backend.
 
 In float32 or bfloat16 with Folio's CPU kernels loaded, a layer's whole step is one call of
-Folio's paged attention (engine/kernels/cpu_attention.cpp), which writes the new K/V and reads
+Folio's paged attention (engine/kernels/cpu/cpu_attention.cpp), which writes the new K/V and reads
 the cache in place: decodes one query at a time, prefill and extend tokens in blocks (bfloat16
 on CPUs with AVX-512 BF16) or each as the decode of a context ending at itself. That beats
 scaled_dot_product_attention at every prompt length measured (docs/quantization.md, "bfloat16
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
-from engine.kernels import cpu_extension
+from engine.kernels.cpu.capabilities import cpu_capabilities
 
 
 @dataclass
@@ -64,7 +64,7 @@ class TorchAttentionBackend(AttentionBackend):
         self._workspace = torch.empty(0)
         self._kernel = (
             torch.ops.folio_cpu_attention.paged_attention
-            if use_folio_kernels and cpu_extension.load()
+            if use_folio_kernels and cpu_capabilities().folio_kernels
             else None
         )
 

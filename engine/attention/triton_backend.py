@@ -1,6 +1,6 @@
-"""Attention over the paged KV cache with the Triton kernels of engine.kernels: the GPU backend.
-It also runs the layer's other hot ops (RMSNorm fused with the residual add, rotary embedding,
-SiLU-and-mul) as single kernels.
+"""Attention over the paged KV cache with the Triton kernels of engine.kernels.triton: the GPU
+backend. It also runs the layer's other hot ops (RMSNorm fused with the residual add, rotary
+embedding, SiLU-and-mul) as single kernels.
 
 Per layer: one launch writes the step's K/V at their slots, one runs every decode (the first
 meta.num_decodes requests) and one every prefill/extend request. The kernels read lengths and
@@ -19,15 +19,15 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
-from engine.kernels.activation import silu_and_mul
-from engine.kernels.kv_cache import write_kv_cache
-from engine.kernels.paged_attention import (
+from engine.kernels.triton.activation import silu_and_mul
+from engine.kernels.triton.kv_cache import write_kv_cache
+from engine.kernels.triton.paged_attention import (
     paged_attention_kernel,
     paged_decode_attention,
     paged_prefill_attention,
 )
-from engine.kernels.rms_norm import rms_norm
-from engine.kernels.rotary import rotary_embedding_
+from engine.kernels.triton.rms_norm import rms_norm
+from engine.kernels.triton.rotary import rotary_embedding_
 
 
 @dataclass

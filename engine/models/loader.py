@@ -14,9 +14,10 @@ from typing import cast
 import torch
 from safetensors import safe_open
 
-from engine.attention.backend import get_attention_backend
+from engine.layers.attention import get_attention_backend
+from engine.layers.linear import bound_cpu_kernel_caches
 from engine.models.config import ModelConfig
-from engine.models.llama import LlamaForCausalLM, bound_cpu_kernel_caches
+from engine.models.llama import LlamaForCausalLM
 from engine.models.parallel import (
     SINGLE,
     CheckpointSlice,

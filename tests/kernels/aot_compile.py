@@ -16,12 +16,12 @@ assert not os.environ.get("TRITON_INTERPRET"), "run without the Triton interpret
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from engine.kernels.activation import silu_and_mul_kernel  # noqa: E402
-from engine.kernels.kv_cache import write_kv_kernel  # noqa: E402
-from engine.kernels.paged_attention import paged_attention_kernel  # noqa: E402
-from engine.kernels.rms_norm import rms_norm_kernel  # noqa: E402
-from engine.kernels.rotary import rotary_kernel  # noqa: E402
-from engine.kernels.sampling import sample_kernel, uniform_noise_kernel  # noqa: E402
+from engine.kernels.triton.activation import silu_and_mul_kernel  # noqa: E402
+from engine.kernels.triton.kv_cache import write_kv_kernel  # noqa: E402
+from engine.kernels.triton.paged_attention import paged_attention_kernel  # noqa: E402
+from engine.kernels.triton.rms_norm import rms_norm_kernel  # noqa: E402
+from engine.kernels.triton.rotary import rotary_kernel  # noqa: E402
+from engine.kernels.triton.sampling import sample_kernel, uniform_noise_kernel  # noqa: E402
 
 
 def attention(dtype: str, decode: bool, group: int, group_p: int, block_m: int, head_dim: int):

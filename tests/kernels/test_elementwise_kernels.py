@@ -7,10 +7,10 @@ import pytest
 import torch
 from kernel_utils import DEVICE, DTYPES, assert_close, randn
 
-from engine.kernels.activation import silu_and_mul, silu_and_mul_ref
-from engine.kernels.kv_cache import write_kv_cache, write_kv_cache_ref
-from engine.kernels.rms_norm import rms_norm, rms_norm_ref
-from engine.kernels.rotary import rotary_embedding_, rotary_embedding_ref
+from engine.kernels.triton.activation import silu_and_mul, silu_and_mul_ref
+from engine.kernels.triton.kv_cache import write_kv_cache, write_kv_cache_ref
+from engine.kernels.triton.rms_norm import rms_norm, rms_norm_ref
+from engine.kernels.triton.rotary import rotary_embedding_, rotary_embedding_ref
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -9,7 +9,7 @@ from kernel_utils import DEVICE, DTYPES, assert_close, randn
 
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
-from engine.kernels.paged_attention import (
+from engine.kernels.triton.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_prefill_attention,

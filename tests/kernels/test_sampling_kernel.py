@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from kernel_utils import DEVICE
 
-from engine.kernels.sampling import sample, sample_ref, uniform_noise
+from engine.kernels.triton.sampling import sample, sample_ref, uniform_noise
 
 VOCAB = 100  # over 32-wide tiles: the last one is partly masked
 

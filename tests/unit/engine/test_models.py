@@ -9,6 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+import engine.layers.linear as linear_layers
+from engine.kernels.cpu.capabilities import cpu_capabilities
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
 from paged import BlockPool, build_metadata
@@ -149,7 +151,7 @@ def test_packed_linears_match_plain_ones(tmp_path, monkeypatch, dtype, tolerance
     """The CPU's packed paths (float32: oneDNN's layout through Folio's packed_linear op;
     bfloat16: Folio's tiles through bf16_linear) give the logits of plain F.linear, within
     rounding. The qwen2 variant has biases on q/k/v."""
-    import engine.models.llama as llama
+    from test_layers import NO_FOLIO_KERNELS
 
     make_checkpoint(tmp_path, *VARIANTS["qwen2-bias-tied"])
     prompts = [random_tokens(9, 7), random_tokens(4, 8)]
@@ -157,10 +159,10 @@ def test_packed_linears_match_plain_ones(tmp_path, monkeypatch, dtype, tolerance
     packed_layer = packed_model.model.layers[0].self_attn.qkv_proj.packed
     if packed_layer is None:
         pytest.skip(f"this torch build or CPU packs no {dtype} weights")
-    assert isinstance(packed_layer, llama.Bf16Tiles) == (dtype == torch.bfloat16)
+    assert isinstance(packed_layer, linear_layers.Bf16Tiles) == (dtype == torch.bfloat16)
     assert packed_model.lm_head_packed is not None
     packed = Runner(packed_model, config).step([(str(i), p) for i, p in enumerate(prompts)])
-    monkeypatch.setattr(llama, "prepack", lambda weight: None)
+    monkeypatch.setattr(linear_layers, "cpu_capabilities", lambda: NO_FOLIO_KERNELS)
     plain_model, _ = load_model(tmp_path, dtype, "cpu")
     assert plain_model.model.layers[0].mlp.down_proj.packed is None
     plain = Runner(plain_model, config).step([(str(i), p) for i, p in enumerate(prompts)])
@@ -173,15 +175,13 @@ def test_bf16_tiles_compute_the_float32_product_rounded_once():
     every row and tile tail), with a bias and strided activation rows: the float32 product of
     the same bfloat16 values, rounded once (a bfloat16 unit apart at most, from summation
     order)."""
-    import engine.models.llama as llama
-
     weight = torch.randn(40, 18, generator=torch.Generator().manual_seed(0)).bfloat16()
-    if not llama.can_tile_bf16(weight):
+    if not cpu_capabilities().bf16_tiles:
         pytest.skip("this CPU has no AVX-512 BF16 (or Folio's kernels do not load)")
     generator = torch.Generator().manual_seed(1)
     bias = torch.randn(40, generator=generator).bfloat16()
-    tiles = llama.prepack(weight)
-    assert isinstance(tiles, llama.Bf16Tiles)
+    tiles = linear_layers.pack_weight(weight)
+    assert isinstance(tiles, linear_layers.Bf16Tiles)
     for rows in (1, 2, 7, 8, 9, 19):
         x = torch.randn(rows, 30, generator=generator).bfloat16()[:, 5:23]  # rows 30 apart
         out = tiles.matmul(x, bias)

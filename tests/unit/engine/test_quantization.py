@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.models.quantization as quantization
+import engine.layers.quantization as quantization
 from common.config import EngineConfig
-from engine.kernels import cpu_extension
-from engine.models.llama import Linear
+from engine.kernels.cpu.capabilities import cpu_capabilities
+from engine.layers.linear import Linear, pack_weight
+from engine.layers.quantization import QuantizedWeight, quantize
 from engine.models.loader import load_model
-from engine.models.quantization import QuantizedWeight, quantize
 from tiny_models import VARIANTS, make_checkpoint
 
 # The default model's linear shapes [out, in] (SmolLM2-135M: hidden 576, 9 heads and 3 KV heads
@@ -22,7 +22,8 @@ VOCAB_PROJECTION = (49152, 576)
 MAX_ERROR = {"int8": 0.01, "int4": 0.10}
 
 needs_folio_kernels = pytest.mark.skipif(
-    not cpu_extension.load(), reason="this CPU has no AVX2 or no C++ compiler is installed"
+    not cpu_capabilities().folio_kernels,
+    reason="this CPU has no AVX2 or no C++ compiler is installed",
 )
 
 
@@ -57,7 +58,7 @@ def test_output_error_on_gaussian_weights(method):
         # path of a long prefill.
         for rows in (1, 4, 64, quantization.MAX_FOLIO_KERNEL_ROWS + 1):
             x = gaussian((rows, in_features), 100 + i)
-            error = relative_error(quantize(weight, method).matmul(x), x @ weight.t())
+            error = relative_error(pack_weight(weight, method).matmul(x), x @ weight.t())
             print(f"{method} {out_features}x{in_features} rows={rows}: {error:.4%}")
             assert error <= MAX_ERROR[method], (method, out_features, in_features, rows, error)
 
@@ -82,8 +83,8 @@ def test_every_kernel_path_computes_the_same_product(method, in_features):
     L1-sized chunks) equals the dequantized dense product of the same codes with the activations
     quantized as it quantizes them; torch's kernel equals the dense product."""
     weight = gaussian((48, in_features), 1)
-    folio = quantize(weight, method)
-    torch_only = quantize(weight, method, use_folio_kernels=False)
+    folio = quantize(weight, method, folio_kernels=True)
+    torch_only = quantize(weight, method, folio_kernels=False)
     assert folio.kernels is not None and torch_only.kernels is None
     dense = folio.dequantized(torch.float32)
     torch.testing.assert_close(dense, torch_only.dequantized(torch.float32))
@@ -113,17 +114,17 @@ def test_int4_reproduces_a_q4_1_grid_exactly():
     scale, minimum = scale.float(), minimum.float()
     weight = (minimum + codes * scale).view(out_features, in_features)
     torch.testing.assert_close(
-        quantize(weight, "int4").dequantized(torch.float32), weight, atol=1e-6, rtol=0
+        pack_weight(weight, "int4").dequantized(torch.float32), weight, atol=1e-6, rtol=0
     )
 
 
 def test_unquantizable_weights_are_refused():
     with pytest.raises(ValueError, match="divisible by 32; a weight has 72"):
-        quantize(torch.zeros(8, 72), "int4")
+        pack_weight(torch.zeros(8, 72), "int4")
     with pytest.raises(ValueError, match="divisible by 16; a weight has 40"):
-        quantize(torch.zeros(40, 64), "int4", use_folio_kernels=False)
+        quantize(torch.zeros(40, 64), "int4", folio_kernels=False)
     with pytest.raises(ValueError, match=r"one of .*int3"):
-        quantize(torch.zeros(8, 64), "int3")
+        pack_weight(torch.zeros(8, 64), "int3")
     with pytest.raises(ValueError, match=r"quantization must be one of .*got 'int3'"):
         EngineConfig(quantization="int3")
     with pytest.raises(ValueError, match="quantization runs on the CPU only, got device 'cuda'"):
@@ -157,7 +158,7 @@ def test_auto_dtype_of_a_quantized_cpu_model_takes_the_kernels_input():
 
     native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if native_bf16 else torch.float32)
-    expected = torch.float32 if cpu_extension.load() else resolve_dtype("auto", "cpu")
+    expected = torch.float32 if cpu_capabilities().folio_kernels else resolve_dtype("auto", "cpu")
     for method in ("int8", "int4"):
         assert resolve_dtype("auto", "cpu", method) == expected
         assert resolve_dtype("bfloat16", "cpu", method) == torch.bfloat16

@@ -8,9 +8,9 @@ import weakref
 import pytest
 import torch
 
-from engine.attention.backend import get_attention_backend
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.kernels import cpu_extension
+from engine.kernels.cpu.capabilities import cpu_capabilities
+from engine.layers.attention import get_attention_backend
 from paged import BlockPool, build_metadata
 
 
@@ -109,7 +109,7 @@ KERNEL_PATHS = [
         True,
         id="folio-kernel",
         marks=pytest.mark.skipif(
-            not cpu_extension.load(), reason="this CPU has no AVX2 or no C++ compiler"
+            not cpu_capabilities().folio_kernels, reason="this CPU has no AVX2 or no C++ compiler"
         ),
     ),
     pytest.param(False, id="torch"),
@@ -175,7 +175,9 @@ def test_pairs_of_heads_and_short_head_dims(head_dim, dtype, folio_kernels):
     )
 
 
-@pytest.mark.skipif(not cpu_extension.load(), reason="this CPU has no AVX2 or no C++ compiler")
+@pytest.mark.skipif(
+    not cpu_capabilities().folio_kernels, reason="this CPU has no AVX2 or no C++ compiler"
+)
 def test_paged_attention_names_bad_step_tables():
     block_size, num_blocks = 16, 4
     pool = BlockPool(num_blocks, seed=3)
@@ -216,7 +218,9 @@ def test_half_precision(dtype, folio_kernels):
     )
 
 
-@pytest.mark.skipif(not cpu_extension.load(), reason="this CPU has no AVX2 or no C++ compiler")
+@pytest.mark.skipif(
+    not cpu_capabilities().folio_kernels, reason="this CPU has no AVX2 or no C++ compiler"
+)
 def test_bfloat16_kernel_is_the_float32_kernel_rounded_once():
     """bfloat16 inputs are widened exactly and the float32 result rounded once at the end: the
     output is the float32 kernel's on the same values, rounded to bfloat16 (at most one unit in
@@ -292,7 +296,7 @@ def test_triton_backend_needs_cuda_or_the_interpreter():
     import sys
 
     code = (
-        "from engine.attention.backend import get_attention_backend; "
+        "from engine.layers.attention import get_attention_backend; "
         "get_attention_backend('triton', 'cpu')"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -303,7 +307,9 @@ def test_triton_backend_needs_cuda_or_the_interpreter():
     assert "needs a CUDA device" in result.stderr
 
 
-@pytest.mark.skipif(not cpu_extension.load(), reason="this CPU has no AVX2 or no C++ compiler")
+@pytest.mark.skipif(
+    not cpu_capabilities().folio_kernels, reason="this CPU has no AVX2 or no C++ compiler"
+)
 def test_decode_step_op_reads_the_bound_step():
     """What a compiled decode program calls: layer i's attention over the cache and tables of
     the step bound around it, equal to the backend's own call; nothing is kept after it."""

@@ -11,8 +11,8 @@ that have those).
 and FMA, no C++ compiler, a build error: one warning says which): callers then use torch's own
 ops. FOLIO_KERNEL_DIR puts the build somewhere other than the cache directory (the container
 image builds them into its own layer, where the cache volume does not hide them). This module
-never quantizes weights and never picks between kernels (engine.models.quantization and the
-torch attention backend do).
+never quantizes weights and never picks between kernels: engine.kernels.cpu.capabilities says
+what loaded, engine.layers.linear and the torch attention backend choose.
 """
 
 from __future__ import annotations

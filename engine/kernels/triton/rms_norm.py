@@ -2,9 +2,9 @@
 
 With a residual: residual += x (rounded to its dtype, written back in place), and the
 normalised sum is returned; without: the normalised x. Numerics follow transformers (and
-engine.models.llama.rms_norm): normalise in float32, round to the input dtype, then scale by
-the weight with one rounding, which is exactly a multiply in the model dtype. This module never
-changes x or the weight.
+engine.attention.backend.torch_rms_norm): normalise in float32, round to the input dtype, then
+scale by the weight with one rounding, which is exactly a multiply in the model dtype. This
+module never changes x or the weight.
 """
 
 from __future__ import annotations

@@ -6,12 +6,13 @@ int4 uses the scheme of GGUF's Q4_1 (each group of 32 weights: a scale and a min
 grid it was published on. The vocabulary projection is quantized to int8 in both modes, as that
 GGUF keeps its embedding in 8 bits.
 
-Which kernel multiplies, as measured on these machines: float32 activations go through Folio's
-AVX2 kernels (engine/kernels/cpu_quant.cpp), which read the small weights once per step; torch's
-weight-only kernels are made for bfloat16 on AVX-512 and run float32 several times slower than
-a plain float32 matmul, so they serve the other dtypes (and CPUs the AVX2 kernels cannot run
-on). Long prefills' products dequantize and run one dense matmul. This module only converts
-weights and multiplies by them; it never decides which layers are quantized (the model does).
+Two kernels multiply: Folio's AVX2 kernels (engine/kernels/cpu/cpu_quant.cpp), for float32
+activations, which read the small weights once per step; and torch's weight-only kernels, made
+for bfloat16 on AVX-512, which run float32 several times slower than a plain float32 matmul and
+so serve the other dtypes (and CPUs the AVX2 kernels cannot run on). engine.layers.linear
+chooses between them; long prefills' products dequantize and run one dense matmul. This module
+only converts weights and multiplies by them; it never decides which layers are quantized (the
+model does) nor which kernel a weight gets (engine.layers.linear does).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from typing import Any
 import torch
 
 from common.config import QUANTIZATIONS
-from engine.kernels import cpu_extension
 
 INT4_GROUP_SIZE = 32
 
@@ -104,13 +104,11 @@ def check_quantizable(method: str, weight: torch.Tensor) -> None:
         )
 
 
-def quantize(weight: torch.Tensor, method: str, use_folio_kernels: bool = True) -> QuantizedWeight:
-    """The weight [out, in] quantized; multiplied by Folio's kernels when the weight (so the
-    activations) is float32 and they load, else by torch's."""
+def quantize(weight: torch.Tensor, method: str, folio_kernels: bool) -> QuantizedWeight:
+    """The weight [out, in] quantized, multiplied by Folio's kernels (float32 activations, and
+    only where they loaded: engine.layers.linear.pack_weight chooses) or else by torch's."""
     check_quantizable(method, weight)
-    kernels = None
-    if use_folio_kernels and weight.dtype == torch.float32:
-        kernels = torch.ops.folio_quant if cpu_extension.load() else None
+    kernels = torch.ops.folio_quant if folio_kernels else None
     # Scales in the activations' dtype for torch's kernels; for Folio's, float32 (int8) and
     # float16 (int4, whose per-group scales and minimums would otherwise be a third of the bytes
     # its kernel reads).

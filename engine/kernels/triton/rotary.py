@@ -1,7 +1,7 @@
 """Rotary position embedding as Llama and Qwen apply it (non-interleaved: dimension j rotates
 with j + D/2), on q and k in place, in one launch.
 
-The table is the model's ([max_positions, 2, D] from engine.models.llama.rope_table: cos, then
+The table is the model's ([max_positions, 2, D] from engine.layers.rotary.rope_table: cos, then
 sin with its first half negated, both with their halves repeated), so any RoPE scaling the
 model folded into its frequencies comes for free. Rotation is computed in float32 and rounded
 once. This module never builds the table.

@@ -423,7 +423,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 }
 
 // Schemas here, kernels for the CPU key only, so torch.compile can trace the ops through the
-// shape functions engine/kernels/cpu_quant.py registers.
+// shape functions engine/kernels/cpu/extension.py registers.
 TORCH_LIBRARY(folio_quant, library) {
   library.def("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   library.def("int4_linear(Tensor x, Tensor codes, Tensor scale, Tensor min) -> Tensor");

@@ -1,0 +1,193 @@
+"""Linear layers, and the one place that chooses how a weight is multiplied: `pack_weight`.
+
+Once loaded, each weight gets one form, from the CPU's capabilities (engine.kernels.cpu.
+capabilities, probed once): dense (torch's F.linear: on GPUs, and wherever nothing faster runs),
+oneDNN's prepacked layout through Folio's packed_linear op (float32 on the CPU), Folio's bfloat16
+tiles through bf16_linear (bfloat16 on CPUs with AVX-512 BF16), or int8/int4 codes (weight-only
+quantization, engine.layers.quantization) multiplied by Folio's kernels or torch's. The
+tensor-parallel forms are here too: column-parallel layers hold a share of the output rows,
+row-parallel ones a share of the input columns and all-reduce their partial products
+(engine.models.parallel says which share). This module never reads files and never decides
+which layers are quantized (the model does).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.kernels.cpu.capabilities import CpuCapabilities, cpu_capabilities
+from engine.layers.quantization import QuantizedWeight, quantize
+from engine.models.parallel import CheckpointSlice, TensorParallel, all_reduce_
+
+
+def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    """A frozen parameter with no values yet: only the loader fills it."""
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+@dataclass
+class Bf16Tiles:
+    """A bfloat16 weight [out_features, in] in the tiles of Folio's bf16_linear op
+    (engine/kernels/cpu/cpu_linear.cpp: AVX-512 BF16 dot products)."""
+
+    tiles: torch.Tensor
+    out_features: int
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.folio_linear.bf16_linear(x, self.tiles, bias, self.out_features)
+
+
+PackedWeight = torch.Tensor | Bf16Tiles | QuantizedWeight
+
+
+def pack_weight(
+    weight: torch.Tensor,
+    quantization: str | None = None,
+    capabilities: CpuCapabilities | None = None,
+) -> PackedWeight | None:
+    """The weight in the form its fastest kernel reads, or None for F.linear on the weight as it
+    is. `capabilities` defaults to this CPU's, probed only for CPU weights.
+
+    - int8/int4 (`quantization`): Folio's kernels for float32 weights (so activations) where
+      they loaded, torch's otherwise.
+    - bfloat16: Folio's tiles on CPUs with AVX-512 BF16, for an even number of input features
+      (elsewhere bfloat16 is not the default dtype: it is emulated there). Measured against
+      oneDNN's bfloat16 kernels on its prepacked weights, never slower at any batch size served
+      (docs/quantization.md, "bfloat16 on the CPU").
+    - float32: oneDNN's prepacked layout through Folio's packed_linear op, which compiled decode
+      programs can call. torch's F.linear calls MKL, whose small-batch sgemm runs far below
+      these CPUs' bandwidth (docs/quantization.md); results differ from MKL's by float32
+      rounding (summation order) only.
+    """
+    on_cpu = weight.device.type == "cpu"
+    if quantization is not None:
+        folio = (
+            on_cpu and weight.dtype == torch.float32 and _capabilities(capabilities).folio_kernels
+        )
+        return quantize(weight, quantization, folio_kernels=folio)
+    if not on_cpu:
+        return None
+    caps = _capabilities(capabilities)
+    if weight.dtype == torch.bfloat16 and weight.shape[-1] % 2 == 0 and caps.bf16_tiles:
+        return Bf16Tiles(torch.ops.folio_linear.pack_bf16_weight(weight), weight.shape[0])
+    if weight.dtype == torch.float32 and caps.packed_float32:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    return None
+
+
+def _capabilities(given: CpuCapabilities | None) -> CpuCapabilities:
+    return cpu_capabilities() if given is None else given
+
+
+def bound_cpu_kernel_caches(capacity: int) -> None:
+    """Cap oneDNN's kernel caches (common.config.CPU_KERNEL_CACHE_CAPACITY says why).
+
+    Both read their capacity from the environment when they first build a kernel, so this must
+    run before the first bf16 matmul of the process; values already set are kept.
+    """
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(name, str(capacity))
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    packed: PackedWeight | None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x @ weight.T (+ bias), through the weight's packed form where it has one."""
+    if isinstance(packed, QuantizedWeight):
+        out = packed.matmul(x)
+        return out if bias is None else out.add_(bias)
+    if isinstance(packed, Bf16Tiles):
+        return packed.matmul(x, bias)
+    if packed is not None:
+        return torch.ops.folio_linear.packed_linear(x, packed, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Module):
+    """Weight [sum(output_sizes), in] and optional bias; output_sizes > 1 entry means fused
+    shards. A column-parallel one holds checkpoint_rows of each shard (None: all rows)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        checkpoint_rows: list[CheckpointSlice] | None = None,
+    ) -> None:
+        super().__init__()
+        self.output_sizes = output_sizes
+        self.checkpoint_rows = checkpoint_rows
+        self.weight = empty_parameter(sum(output_sizes), in_features, dtype=dtype, device=device)
+        self.bias = empty_parameter(sum(output_sizes), dtype=dtype, device=device) if bias else None
+        self.packed: PackedWeight | None = None
+
+    def finalize_weights(self, quantization: str | None = None) -> None:
+        self.packed = pack_weight(self.weight, quantization or None)
+        if self.packed is not None:
+            # The packed copy is the only one the forward reads; don't hold the weights twice.
+            self.weight.data = self.weight.data.new_empty(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.packed, self.bias)
+
+
+class RowParallelLinear(Linear):
+    """Holds checkpoint_columns of the input features: each rank's product is partial and an
+    all-reduce sums them; the bias (whole on every rank) is added once, after the sum."""
+
+    def __init__(
+        self,
+        columns: CheckpointSlice,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallel,
+    ) -> None:
+        super().__init__(columns.count, [out_features], False, dtype, device)
+        self.bias = empty_parameter(out_features, dtype=dtype, device=device) if bias else None
+        self.checkpoint_columns = columns
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = all_reduce_(linear(x, self.weight, self.packed), self.tp)
+        return out if self.bias is None else out.add_(self.bias)
+
+
+def column_linear(
+    in_features: int,
+    shards: list[CheckpointSlice],
+    bias: bool,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp: TensorParallel,
+) -> Linear:
+    """A linear layer over the given output shards (fused when more than one); with several
+    ranks it holds only this rank's rows of each."""
+    sizes = [s.count for s in shards]
+    return Linear(in_features, sizes, bias, dtype, device, shards if tp.size > 1 else None)
+
+
+def row_linear(
+    columns: CheckpointSlice,
+    out_features: int,
+    bias: bool,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp: TensorParallel,
+) -> Linear:
+    """A linear layer over the given input features: plain with one rank, row-parallel (this
+    rank's columns, all-reduced) with several."""
+    if tp.size == 1:
+        return Linear(columns.full, [out_features], bias, dtype, device)
+    return RowParallelLinear(columns, out_features, bias, dtype, device, tp)

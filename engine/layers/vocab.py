@@ -1,0 +1,35 @@
+"""The vocabulary's weights: the token embedding and the output projection (lm_head), each one
+[vocab rows, hidden] weight under its checkpoint name; with tensor parallelism each rank holds
+a padded share of the rows (engine.models.parallel's embed and gather_logits combine them).
+This module only creates the parameters: the loader fills them, the model looks up and projects.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.layers.linear import empty_parameter
+from engine.models.parallel import CheckpointSlice, TensorParallel, vocab_slice
+
+
+class VocabRows(nn.Module):
+    """One [vocab rows, hidden] weight under the checkpoint's name (model.embed_tokens.weight,
+    lm_head.weight); with several ranks, this rank's rows (checkpoint_rows tells the loader)."""
+
+    def __init__(self, weight: torch.Tensor, checkpoint_rows: list[CheckpointSlice] | None):
+        super().__init__()
+        self.weight = weight
+        self.checkpoint_rows = checkpoint_rows
+
+
+def vocab_rows(
+    vocab_size: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp: TensorParallel,
+) -> VocabRows:
+    rows, padded = vocab_slice(vocab_size, tp)
+    weight = empty_parameter(padded, hidden_size, dtype=dtype, device=device)
+    return VocabRows(weight, [rows] if tp.size > 1 else None)
