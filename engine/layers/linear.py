@@ -85,7 +85,7 @@ def _capabilities(given: CpuCapabilities | None) -> CpuCapabilities:
 
 
 def bound_cpu_kernel_caches(capacity: int) -> None:
-    """Cap oneDNN's kernel caches (common.config.CPU_KERNEL_CACHE_CAPACITY says why).
+    """Cap oneDNN's kernel caches (engine.models.loader.CPU_KERNEL_CACHE_CAPACITY says why).
 
     Both read their capacity from the environment when they first build a kernel, so this must
     run before the first bf16 matmul of the process; values already set are kept.
