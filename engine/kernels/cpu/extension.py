@@ -17,11 +17,14 @@ what loaded, engine.layers.linear and the torch attention backend choose.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -64,23 +67,45 @@ def load() -> bool:
     build_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     try:
-        cpp_extension.load(
-            name="folio_cpu_kernels",
-            sources=[str(source) for source in SOURCES],
-            # Without OpenMP, at::parallel_for runs on the calling thread alone. The loader
-            # binds libgomp.so.1 to the copy torch has loaded, so the pool is torch's own.
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
+        with builder_lock(build_dir):
+            cpp_extension.load(
+                name="folio_cpu_kernels",
+                sources=[str(source) for source in SOURCES],
+                # Without OpenMP, at::parallel_for runs on the calling thread alone. The loader
+                # binds libgomp.so.1 to the copy torch has loaded, so the pool is torch's own.
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as error:  # an optional speed-up: see engine.fallback
         warn_fallback(logger, KERNELS, TORCH_OPS, error)
         return False
     logger.info("Folio's CPU kernels ready in %.1f s", time.perf_counter() - started)
     _register_output_shapes()
     return True
+
+
+@contextlib.contextmanager
+def builder_lock(build_dir: Path) -> Iterator[None]:
+    """One Folio process at a time loads (and if need be builds) the kernels of `build_dir`.
+
+    torch's own guard is a lock file it creates and deletes: a process killed while holding it
+    (a SIGKILLed engine, a container stopped mid-build) leaves the file behind, and every later
+    load waits on it forever. An flock is released by the kernel with its holder, so whoever
+    holds this one knows nobody else is building, and a torch lock file found then is such a
+    leftover."""
+    with open(build_dir / "folio.lock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a kernel build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
 def _register_output_shapes() -> None:
