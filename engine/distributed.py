@@ -45,7 +45,7 @@ from common.parent_death import child_env
 from engine.core import step_plan
 from engine.core.step_plan import StepPlan
 from engine.errors import EngineGroupError
-from engine.models.parallel import TensorParallel
+from engine.layers.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 

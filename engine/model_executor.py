@@ -26,14 +26,14 @@ from engine.distributed import EngineGroup, start_engine_group
 from engine.errors import EngineGroupError
 from engine.executor import ExecutorOutput
 from engine.grammar import validate_sampling_params
-from engine.model_runner import ModelRunner, resolve_dtype
-from engine.models.config import ModelConfig
-from engine.models.parallel import (
+from engine.layers.parallel import (
     SINGLE,
     TensorParallel,
     check_tensor_parallel_size,
     kv_heads_slice,
 )
+from engine.model_runner import ModelRunner, resolve_dtype
+from engine.models.config import ModelConfig
 from engine.sampler import Sampler, record_prompt_logprobs
 from engine.structured_output import StructuredOutputManager
 

@@ -32,9 +32,9 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.fallback import warn_fallback
 from engine.input_batch import PersistentBatch
 from engine.kernels.cpu.capabilities import cpu_capabilities
+from engine.layers.parallel import SINGLE, TensorParallel
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
-from engine.models.parallel import SINGLE, TensorParallel
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ tiles through bf16_linear (bfloat16 on CPUs with AVX-512 BF16), or int8/int4 cod
 quantization, engine.layers.quantization) multiplied by Folio's kernels or torch's. The
 tensor-parallel forms are here too: column-parallel layers hold a share of the output rows,
 row-parallel ones a share of the input columns and all-reduce their partial products
-(engine.models.parallel says which share). This module never reads files and never decides
+(engine.layers.parallel says which share). This module never reads files and never decides
 which layers are quantized (the model does).
 """
 
@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.cpu.capabilities import CpuCapabilities, cpu_capabilities
+from engine.layers.parallel import CheckpointSlice, TensorParallel, all_reduce_
 from engine.layers.quantization import QuantizedWeight, quantize
-from engine.models.parallel import CheckpointSlice, TensorParallel, all_reduce_
 
 
 def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:

@@ -1,6 +1,6 @@
 """The vocabulary's weights: the token embedding and the output projection (lm_head), each one
 [vocab rows, hidden] weight under its checkpoint name; with tensor parallelism each rank holds
-a padded share of the rows (engine.models.parallel's embed and gather_logits combine them).
+a padded share of the rows (engine.layers.parallel's embed and gather_logits combine them).
 This module only creates the parameters: the loader fills them, the model looks up and projects.
 """
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from engine.layers.linear import empty_parameter
-from engine.models.parallel import CheckpointSlice, TensorParallel, vocab_slice
+from engine.layers.parallel import CheckpointSlice, TensorParallel, vocab_slice
 
 
 class VocabRows(nn.Module):

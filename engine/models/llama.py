@@ -5,7 +5,7 @@ q/k/v and gate/up are fused into single weights (the loader fills them shard by 
 layer is a handful of large ops. Parameters are created empty: only the loader fills them. This
 module never reads files, never allocates the KV cache and never chooses a kernel (the layers
 do); attention goes through the attention front (engine.layers.attention). With tensor
-parallelism (engine.models.parallel) each rank builds the same model over its share of heads,
+parallelism (engine.layers.parallel) each rank builds the same model over its share of heads,
 MLP rows and vocabulary; with one rank the layers are the plain ones.
 """
 
@@ -30,10 +30,7 @@ from engine.layers.linear import (
     row_linear,
 )
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RopeInputs, RotaryEmbedding
-from engine.layers.vocab import VocabRows, vocab_rows
-from engine.models.config import ModelConfig
-from engine.models.parallel import (
+from engine.layers.parallel import (
     SINGLE,
     TensorParallel,
     embed,
@@ -42,6 +39,9 @@ from engine.models.parallel import (
     scaled,
     split_evenly,
 )
+from engine.layers.rotary import RopeInputs, RotaryEmbedding
+from engine.layers.vocab import VocabRows, vocab_rows
+from engine.models.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):

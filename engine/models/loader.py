@@ -16,14 +16,14 @@ from safetensors import safe_open
 
 from engine.layers.attention import get_attention_backend
 from engine.layers.linear import bound_cpu_kernel_caches
-from engine.models.config import ModelConfig
-from engine.models.llama import LlamaForCausalLM
-from engine.models.parallel import (
+from engine.layers.parallel import (
     SINGLE,
     CheckpointSlice,
     TensorParallel,
     check_tensor_parallel_size,
 )
+from engine.models.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
 
 # Architecture name (config.json "architectures") -> model class.
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {

@@ -23,7 +23,7 @@ from common.config import EngineConfig
 from common.sampling_params import SamplingParams
 from engine.engine import LLMEngine
 from engine.errors import EngineGroupError
-from engine.models.parallel import TensorParallel, check_tensor_parallel_size, kv_heads_slice
+from engine.layers.parallel import TensorParallel, check_tensor_parallel_size, kv_heads_slice
 from tiny_models import SMALL, make_checkpoint
 
 # 8 query heads over 4 KV heads: TP=2 and TP=4 split the KV heads; TP=8 would replicate them.

@@ -4,8 +4,8 @@ vocabulary-parallel embedding, a gather of the vocabulary-parallel logits on ran
 
 Column-parallel layers split their output features (q/k/v heads, gate/up rows), row-parallel
 ones their input features; each records the rows or columns of the checkpoint tensor it holds
-(`CheckpointSlice`) so the loader reads only those. The layers themselves are in
-engine.layers (linear, vocab); with one rank they run exactly as without this module: no
+(`CheckpointSlice`) so the loader reads only those. The layers themselves are this package's
+linear and vocab modules; with one rank they run exactly as without this module: no
 collective, no extra copy. This module never starts processes nor reads files; the process
 group comes from engine.distributed.
 """
