@@ -192,7 +192,7 @@ def _gateway(args: argparse.Namespace) -> int:
     config = from_args(GatewayServerConfig, args)
     front = config.front
     if config.workers > 1:
-        from gateway.workers import WorkerGroup
+        from gateway.front.workers import WorkerGroup
 
         group = WorkerGroup(
             args.command_line,  # each worker runs these flags (and its own, given after them)
@@ -203,8 +203,8 @@ def _gateway(args: argparse.Namespace) -> int:
             front.listen.drain_seconds,
         )
         return group.run()
-    from gateway.server import GatewayServer
-    from gateway.workers import WorkerSetup
+    from gateway.front.server import GatewayServer
+    from gateway.front.workers import WorkerSetup
 
     worker = None
     if config.worker_index is not None:

@@ -3,10 +3,10 @@
 Request-level series (latencies, token counts) are observed as requests run (by the output
 processor); engine-level ones (load, KV cache, prefix cache, per-phase step time) come from
 Engine.GetStats when scraped, through a custom collector, which also writes the same load
-under vLLM's names (gateway/vllm_metrics.py) for the endpoint pickers that read those. Folio's
-own names follow Prometheus conventions: base units, `_total` for counters, no colons; no
+under vLLM's names (gateway/engines/vllm_metrics.py) for the endpoint pickers that read those.
+Folio's own names follow Prometheus conventions: base units, `_total` for counters, no colons; no
 `_created` series. Each Metrics has a registry of its own, so several gateways in one process
-do not share counts. A gateway of several worker processes (gateway/workers.py) counts in
+do not share counts. A gateway of several worker processes (gateway/front/workers.py) counts in
 prometheus-client's multiprocess mode: each worker writes its request-level series to files in
 PROMETHEUS_MULTIPROC_DIR and a scrape, whichever worker answers it, sums every worker's; the
 engine-level series stay live, from GetStats. The per-replica series a worker keeps itself (its
@@ -27,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from gateway.vllm_metrics import vllm_families
+from gateway.engines.vllm_metrics import vllm_families
 
 # A `_created` series per counter and histogram only doubles what is scraped.
 prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]

@@ -12,7 +12,7 @@ import httpx
 from common.grpc_stubs.folio.v1 import engine_pb2, engine_pb2_grpc
 
 from common.config import GatewayConfig
-from gateway.server import GatewayServer
+from gateway.front.server import GatewayServer
 from grpc_helpers import TIMEOUT, LoopThread
 
 # Prefix caching off: a prompt computed partly from cached blocks rounds differently in bf16,

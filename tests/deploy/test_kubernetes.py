@@ -24,7 +24,7 @@ from kubernetes_validate.utils import latest_version
 
 from common import config
 from folio.cli import build_parser
-from gateway.app import ENDPOINTS
+from gateway.front.app import ENDPOINTS
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"

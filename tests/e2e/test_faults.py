@@ -33,7 +33,7 @@ from serve_process import ENGINE_ARGS, ServeProcess, alive, start_serve
 
 from common.config import INTERNAL_TOKEN_ENV
 from common.errors import UnavailableError
-from gateway.clients import TokenizerClient
+from gateway.engines.clients import TokenizerClient
 
 LONG = os.environ.get("FOLIO_LONG_TESTS") == "1"
 # No request may take longer than this: a hung connection fails the test instead of hanging it.

@@ -26,8 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve_process import ServeProcess, alive, start_serve
 
 from common.config import API_KEYS_ENV, INTERNAL_TOKEN_ENV
-from gateway.server import WORKER_HEADER
-from gateway.workers import METRICS_DIR_ENV
+from gateway.front.server import WORKER_HEADER
+from gateway.front.workers import METRICS_DIR_ENV
 from gateway_helpers import gateway_command
 from tiny_models import make_tiny_smollm2
 

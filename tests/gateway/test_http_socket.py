@@ -12,7 +12,7 @@ import socket
 
 import pytest
 
-from gateway.server import listening_socket
+from gateway.front.server import listening_socket
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])

@@ -11,7 +11,7 @@ import sys
 
 def test_importing_the_gateway_app_loads_no_engine_llguidance_torch_or_services():
     code = (
-        "import json, sys, gateway.app, gateway.server; "
+        "import json, sys, gateway.front.app, gateway.front.server; "
         "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))"
     )
     result = subprocess.run(

@@ -21,9 +21,10 @@ import polling
 from common.config import EngineConfig, GatewayConfig
 from common.errors import InternalError
 from engine.simulated import StepCostModel
-from gateway import completions, grpc_service
-from gateway.clients import EngineClient, SequenceDetokenizer
-from gateway.responses import translate
+from gateway.engines.clients import EngineClient, SequenceDetokenizer
+from gateway.front import grpc_service
+from gateway.openai import completions
+from gateway.openai.responses import translate
 from gateway_helpers import GatewayThread, engine_stats, read_metrics
 from grpc_helpers import TIMEOUT, ServerThread
 from services.engine.simulate import simulated_services

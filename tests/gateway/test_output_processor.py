@@ -17,8 +17,8 @@ from common.errors import InvalidRequestError, UnavailableError
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from gateway.metrics import Metrics
-from gateway.output_processor import OutputProcessor, TokenTexts, TrackedRequest
-from gateway.text import TextRequest
+from gateway.pipeline.output_processor import OutputProcessor, TokenTexts, TrackedRequest
+from gateway.pipeline.text import TextRequest
 from services.tokenizer.server import SequenceTexts
 
 PROMPT = [1, 2, 3]

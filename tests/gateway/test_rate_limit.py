@@ -3,8 +3,8 @@ with Retry-After and the OpenAI error body (the openai client raises RateLimitEr
 RESOURCE_EXHAUSTED over gRPC; callers are API keys (or client addresses without keys), each with
 buckets of its own shared by both APIs; what a sequence did not generate is given back. The
 buckets themselves are checked against a clock the test moves, both in one process's memory and
-in the file the workers of one gateway share (gateway/shared_buckets.py), where processes taking
-from one bucket at once never take more than it holds."""
+in the file the workers of one gateway share (gateway/limits/shared_buckets.py), where processes
+taking from one bucket at once never take more than it holds."""
 
 from __future__ import annotations
 
@@ -21,9 +21,14 @@ from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from common.errors import QueueFullError, RateLimitExceeded
 from common.sampling_params import SamplingParams
-from gateway.rate_limit import MAX_TRACKED_CALLERS, LocalBuckets, RateLimiter, giving_back_unused
-from gateway.shared_buckets import SharedBuckets
-from gateway.text import TextDelta, TextRequest, Usage
+from gateway.limits.rate_limit import (
+    MAX_TRACKED_CALLERS,
+    LocalBuckets,
+    RateLimiter,
+    giving_back_unused,
+)
+from gateway.limits.shared_buckets import SharedBuckets
+from gateway.pipeline.text import TextDelta, TextRequest, Usage
 from gateway_helpers import check_error, start_gateway
 from grpc_helpers import TIMEOUT
 
@@ -250,7 +255,7 @@ def test_unused_tokens_come_back_when_sequences_finish_or_are_refused(buckets):
 TAKER = """
 import sys, time
 from pathlib import Path
-from gateway.shared_buckets import SharedBuckets
+from gateway.limits.shared_buckets import SharedBuckets
 directory = Path(sys.argv[1])
 buckets = SharedBuckets.in_directory(directory, "tokens", 1e-9, 15000)
 print("ready", flush=True)

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from common.block_hash import prefix_block_hashes
-from gateway.routing import (
+from gateway.engines.routing import (
     BALANCE_ABS,
     CacheAware,
     LeastLoad,

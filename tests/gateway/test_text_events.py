@@ -1,5 +1,5 @@
 """Streamed events that carry only text are spliced from a per-choice template
-(gateway/completions.py `_TextEvents`): they must be byte for byte what serializing the whole
+(gateway/openai/completions.py `_TextEvents`): they must be byte for byte what serializing the whole
 event gives, whatever the text (quotes, escapes, control characters, non-ASCII, the placeholder
 itself), for chat and text completions, and events with more than text still come whole."""
 
@@ -12,10 +12,10 @@ from collections.abc import AsyncGenerator
 import pytest
 
 from common.sampling_params import SamplingParams
-from gateway import protocol as api
-from gateway.completions import Plan, _TextEvents, events
-from gateway.sse import DONE, event
-from gateway.text import TextDelta, TextRequest, Usage
+from gateway.front.sse import DONE, event
+from gateway.openai import protocol as api
+from gateway.openai.completions import Plan, _TextEvents, events
+from gateway.pipeline.text import TextDelta, TextRequest, Usage
 
 TEXTS = [
     "",

@@ -18,9 +18,9 @@ from transformers import AutoTokenizer
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from engine.llm import LLM
-from gateway import protocol as api
-from gateway.tools.grammar import tool_grammar
-from gateway.tools.parsers import PARSERS, ArgumentsDelta, CallStart, collect, parse_whole
+from gateway.openai import protocol as api
+from gateway.openai.tools.grammar import tool_grammar
+from gateway.openai.tools.parsers import PARSERS, ArgumentsDelta, CallStart, collect, parse_whole
 from tiny_models import make_tiny_smollm2
 
 TEMPLATES = Path(__file__).parent.parent / "fixtures" / "chat_templates"

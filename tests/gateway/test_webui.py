@@ -24,8 +24,8 @@ from playwright.sync_api import Browser, Page, Route, sync_playwright
 from common.config import GatewayServerConfig
 from common.flags import from_args
 from folio.cli import build_parser
-from gateway.dashboard import Reading
-from gateway.dashboard import sample as dashboard_sample
+from gateway.front.dashboard import Reading
+from gateway.front.dashboard import sample as dashboard_sample
 from gateway_helpers import (
     check_error,
     engine_stats,

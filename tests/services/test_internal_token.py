@@ -21,7 +21,7 @@ from common.config import EngineConfig, GatewayServerConfig
 from common.errors import InternalError
 from common.flags import from_args
 from folio.cli import build_parser
-from gateway.clients import EngineClient, GenerateStream, TokenizerClient
+from gateway.engines.clients import EngineClient, GenerateStream, TokenizerClient
 from grpc_helpers import TIMEOUT
 from services.engine.server import EngineService
 from services.supervisor import INTERNAL_HOST, ServeConfig, Supervisor

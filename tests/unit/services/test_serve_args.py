@@ -19,7 +19,7 @@ from common.config import (
 )
 from common.flags import from_args
 from folio.cli import build_parser
-from gateway.workers import WorkerGroup
+from gateway.front.workers import WorkerGroup
 from services.supervisor import ServeConfig, Supervisor
 
 

@@ -1,0 +1,327 @@
+"""The gateway's async gRPC clients of the engine and tokenizer services.
+
+Every request of this gateway rides on one long-lived, multiplexed Engine.Generate stream
+rather than one stream per request: the engine then sends one message per step for all of
+them instead of one per request per step, and per-message cost is what limits Python gRPC at
+high concurrency. A broken stream fails the requests it carried; the next request opens a
+fresh one. Likewise one DetokenizeSequences stream carries the text of every sequence: one
+message per engine step, not one per sequence. Every call carries the internal token when there
+is one (FOLIO_INTERNAL_TOKEN), and unary calls carry what is left of their request's deadline
+(gateway/limits/deadlines.py). Transport and translation only: this module never validates or
+decides anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Protocol, TypeVar
+
+import grpc
+from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc, tokenizer_pb2_grpc
+from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
+from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.auth import bearer_metadata
+from common.config import GRPC_MESSAGE_OPTIONS, RECONNECT_CHANNEL_OPTIONS
+from common.errors import InternalError, UnavailableError, error_for
+from gateway.limits.deadlines import call_timeout
+
+# Unary calls are quick (tokenize, stats); a stuck service must not hang an HTTP request.
+UNARY_TIMEOUT = 30.0
+HEALTH_TIMEOUT = 2.0
+CHANNEL_OPTIONS = [*GRPC_MESSAGE_OPTIONS, *RECONNECT_CHANNEL_OPTIONS]
+
+ResponseT = TypeVar("ResponseT", bound=Message)
+
+
+logger = logging.getLogger(__name__)
+
+
+def _error(code: grpc.StatusCode, details: str | None, service: str, address: str) -> Exception:
+    """The exception for a service's status. An unreachable or unready service is a plain
+    "<service> unavailable": gRPC's words name its internal address, so they go to the log."""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        logger.warning("%s at %s is unavailable: %s", service, address, details or code.name)
+        return UnavailableError(f"{service} unavailable")
+    return error_for(code, f"{service}: {details or code.name}")
+
+
+def _rpc_error(exc: grpc.aio.AioRpcError, service: str, address: str) -> Exception:
+    return _error(exc.code(), exc.details(), service, address)
+
+
+class _ServiceClient:
+    """A channel to one of the internal services: unary calls with a timeout and errors mapped
+    to the library's exceptions, and its health."""
+
+    service = ""  # named in error messages
+
+    def __init__(self, address: str, token: str | None = None) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._metadata = bearer_metadata(token)  # the internal token, if the service wants one
+
+    async def serving(self) -> bool:
+        try:
+            # types-grpcio-health-checking declares HealthStub without its methods.
+            response: health_pb2.HealthCheckResponse = await health_pb2_grpc.HealthStub(
+                self._channel
+            ).Check(  # type: ignore[attr-defined]
+                health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return response.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def _unary(
+        self, method: Callable[..., Awaitable[ResponseT]], request: Message
+    ) -> ResponseT:
+        try:
+            return await method(
+                request, timeout=call_timeout(UNARY_TIMEOUT), metadata=self._metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise _rpc_error(exc, self.service, self.address) from None
+
+
+# -- engine -------------------------------------------------------------------------------------
+
+
+class OutputSink(Protocol):
+    """Where a Generate stream's outputs go (gateway/pipeline/output_processor.py)."""
+
+    async def process_outputs(self, outputs: Sequence[engine_pb2.RequestOutput]) -> None: ...
+
+    def fail_all(self, error: Exception) -> None: ...
+
+
+class GenerateStream:
+    """One Engine.Generate stream: adds and aborts out; each GenerateResponse (one engine step)
+    in to `sink`, one at a time, in order. When it breaks, the sink fails what it carried."""
+
+    def __init__(
+        self,
+        stub: engine_pb2_grpc.EngineServiceAsyncStub,
+        make_sink: Callable[[GenerateStream], OutputSink],
+        on_broken: Callable[[], None],
+        metadata: tuple[tuple[str, str], ...],
+        address: str,
+    ) -> None:
+        self._address = address
+        self._outbox: asyncio.Queue[engine_pb2.GenerateRequest] = asyncio.Queue()
+        self.closed = False
+        self.sink = make_sink(self)
+        self._on_broken = on_broken
+        self._cancelled = False  # by close(), or for a bug of the sink's: the stream did not break
+        self._call = stub.Generate(self._messages(), metadata=metadata)
+        self._reader = asyncio.create_task(self._read())
+
+    async def _messages(self) -> AsyncIterator[engine_pb2.GenerateRequest]:
+        while True:
+            yield await self._outbox.get()
+
+    async def _read(self) -> None:
+        error: Exception | None = None
+        try:
+            async for response in self._call:
+                await self.sink.process_outputs(response.outputs)
+        except grpc.aio.AioRpcError as exc:
+            error = _rpc_error(exc, "engine", self._address)
+        except Exception as exc:
+            # A bug of the sink's that it did not contain, not the engine's fault: the engine
+            # stays in rotation, and cancelling the call aborts what the stream carried.
+            logger.exception("engine %s: processing the Generate stream failed", self._address)
+            error = InternalError(f"processing the engine's outputs failed: {exc}")
+            self._cancelled = True
+            self._call.cancel()
+        finally:
+            self.closed = True
+            if not self._cancelled:
+                self._on_broken()
+            if error is None:  # closed, or it ended without a status (worth a log line)
+                error = (
+                    UnavailableError("engine unavailable")
+                    if self._cancelled
+                    else _error(
+                        grpc.StatusCode.UNAVAILABLE,
+                        "the Generate stream ended",
+                        "engine",
+                        self._address,
+                    )
+                )
+            self.sink.fail_all(error)
+
+    def add(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: common_pb2.SamplingParams,
+        priority: int,
+    ) -> None:
+        self._outbox.put_nowait(
+            engine_pb2.GenerateRequest(
+                add=engine_pb2.EngineRequest(
+                    request_id=request_id,
+                    prompt_token_ids=prompt_token_ids,
+                    sampling_params=params,
+                    priority=priority,
+                )
+            )
+        )
+
+    def abort(self, request_ids: Sequence[str], samples: Sequence[tuple[str, int]] = ()) -> None:
+        """Abort requests and single samples (request id, index), in one message."""
+        if not self.closed:
+            self._outbox.put_nowait(
+                engine_pb2.GenerateRequest(
+                    abort=engine_pb2.AbortRequest(
+                        request_ids=request_ids,
+                        samples=[engine_pb2.SampleRef(request_id=r, index=i) for r, i in samples],
+                    )
+                )
+            )
+
+    async def close(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)  # it ends CANCELLED
+
+
+class EngineClient(_ServiceClient):
+    service = "engine"
+
+    def __init__(self, address: str, token: str | None = None) -> None:
+        super().__init__(address, token)
+        self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
+        self._stream: GenerateStream | None = None
+        # Generate streams that broke (the engine died or restarted): what the gateway learnt
+        # from the engine before then may no longer hold.
+        self.broken_streams = 0
+        # Told when a Generate stream breaks (before its requests fail).
+        self.on_stream_broken: Callable[[], None] | None = None
+
+    def _stream_broke(self) -> None:
+        self.broken_streams += 1
+        if self.on_stream_broken is not None:
+            self.on_stream_broken()
+
+    def stream(self, make_sink: Callable[[GenerateStream], OutputSink]) -> GenerateStream:
+        """The shared Generate stream; a fresh one (its sink from `make_sink`) if there is
+        none or the last one ended."""
+        if self._stream is None or self._stream.closed:
+            self._stream = GenerateStream(
+                self._stub, make_sink, self._stream_broke, self._metadata, self.address
+            )
+        return self._stream
+
+    async def model_info(self) -> engine_pb2.GetModelInfoResponse:
+        return await self._unary(self._stub.GetModelInfo, engine_pb2.GetModelInfoRequest())
+
+    async def stats(self) -> engine_pb2.GetStatsResponse:
+        return await self._unary(self._stub.GetStats, engine_pb2.GetStatsRequest())
+
+    def kv_events(
+        self, start_sequence_number: int, epoch: str
+    ) -> AsyncIterable[engine_pb2.SubscribeKvEventsResponse]:
+        """The engine's KV event batches from `start_sequence_number` of `epoch` on (a replay,
+        or a snapshot), then live; raises grpc.aio.AioRpcError when the stream breaks."""
+        return self._stub.SubscribeKvEvents(
+            engine_pb2.SubscribeKvEventsRequest(
+                start_sequence_number=start_sequence_number, epoch=epoch
+            ),
+            metadata=self._metadata,
+        )
+
+    async def close(self) -> None:
+        if self._stream is not None:
+            await self._stream.close()
+        await self._channel.close()
+
+
+# -- tokenizer ----------------------------------------------------------------------------------
+
+
+class SequenceDetokenizer:
+    """The gateway's one DetokenizeSequences stream: one message out, its answer back, one
+    exchange at a time. A stream that fails is dropped (and with it the tokenizer's state of
+    every sequence on it); the next exchange opens a fresh one."""
+
+    def __init__(
+        self,
+        stub: tokenizer_pb2_grpc.TokenizerServiceAsyncStub,
+        metadata: tuple[tuple[str, str], ...],
+        address: str,
+    ) -> None:
+        self._address = address
+        self._stub = stub
+        self._metadata = metadata
+        self._call: (
+            grpc.aio.StreamStreamCall[
+                tok_pb2.DetokenizeSequencesRequest, tok_pb2.DetokenizeSequencesResponse
+            ]
+            | None
+        ) = None
+        self._lock = asyncio.Lock()
+
+    async def exchange(
+        self, request: tok_pb2.DetokenizeSequencesRequest
+    ) -> tok_pb2.DetokenizeSequencesResponse:
+        async with self._lock:
+            call = self._call
+            if call is None:
+                call = self._call = self._stub.DetokenizeSequences(metadata=self._metadata)
+            try:
+                await call.write(request)
+                response = await call.read()
+            except grpc.aio.AioRpcError as exc:
+                self._drop()
+                raise _rpc_error(exc, "tokenizer", self._address) from None
+            except asyncio.InvalidStateError:
+                # The stream had already ended between two messages (the tokenizer went away).
+                self._drop()
+                raise _error(
+                    await call.code(), await call.details(), "tokenizer", self._address
+                ) from None
+            if not isinstance(response, tok_pb2.DetokenizeSequencesResponse):  # EOF
+                self._drop()
+                raise _error(
+                    grpc.StatusCode.UNAVAILABLE,
+                    "the DetokenizeSequences stream ended early",
+                    "tokenizer",
+                    self._address,
+                )
+            return response
+
+    def _drop(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+    def close(self) -> None:
+        self._drop()
+
+
+class TokenizerClient(_ServiceClient):
+    service = "tokenizer"
+
+    def __init__(self, address: str, token: str | None = None) -> None:
+        super().__init__(address, token)
+        self._stub = tokenizer_pb2_grpc.TokenizerServiceStub(self._channel)
+
+    async def tokenize(self, request: tok_pb2.TokenizeRequest) -> tok_pb2.TokenizeResponse:
+        return await self._unary(self._stub.Tokenize, request)
+
+    async def detokenize(self, request: tok_pb2.DetokenizeRequest) -> tok_pb2.DetokenizeResponse:
+        return await self._unary(self._stub.Detokenize, request)
+
+    async def info(self) -> tok_pb2.GetInfoResponse:
+        return await self._unary(self._stub.GetInfo, tok_pb2.GetInfoRequest())
+
+    def sequence_detokenizer(self) -> SequenceDetokenizer:
+        return SequenceDetokenizer(self._stub, self._metadata, self.address)
+
+    async def close(self) -> None:
+        await self._channel.close()

@@ -1,0 +1,339 @@
+"""The gateway's engine replicas: one Generate stream and one output processor per replica,
+their health, their load and what their prefix caches hold, and where each request goes.
+
+With one replica every request goes to it, as before replicas existed. With several, a monitor
+per replica polls its load (GetStats) while it is healthy and its health while it is not: a
+replica whose stream broke or that stopped answering leaves the rotation until it reports
+SERVING again. A follower per replica reads its KV events (Engine.SubscribeKvEvents) into the
+prefix index, resuming after a break from the last batch it applied (the engine replays the
+gap, or sends a snapshot), and forgets the replica's blocks when its epoch changes. Requests go
+where the routing policy (gateway/engines/routing.py) says; a request whose replica dies before its
+first token runs once more on another replica. Placement, health and bookkeeping only: it never
+parses a request and never turns tokens into text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
+
+from common.block_hash import prefix_block_hashes
+from common.errors import FolioError, UnavailableError
+from gateway.engines.clients import EngineClient, GenerateStream
+from gateway.engines.routing import Decision, PrefixIndex, ReplicaLoad, RoutingPolicy
+from gateway.metrics import Metrics
+from gateway.pipeline.output_processor import OutputProcessor, RetryHook, TrackedRequest
+
+logger = logging.getLogger(__name__)
+
+# How often a healthy replica's load is polled, and an unhealthy one's health.
+MONITOR_SECONDS = 0.25
+# How long a broken KV event stream waits before it subscribes again.
+RESUBSCRIBE_SECONDS = 0.5
+# A request runs on at most this many replicas (the first, and one retry).
+MAX_ATTEMPTS = 2
+
+ProcessorFactory = Callable[[GenerateStream, RetryHook], OutputProcessor]
+
+
+@dataclass(eq=False)
+class Replica:
+    index: int
+    client: EngineClient
+    healthy: bool = True
+    in_flight: int = 0  # requests placed here that have not been released
+    stats: engine_pb2.GetStatsResponse | None = None  # its latest GetStats answer
+    placed_since_stats: int = 0  # requests placed here since `stats` came
+
+    @property
+    def name(self) -> str:
+        """Its label in metrics and logs."""
+        return self.client.address
+
+    @property
+    def load(self) -> ReplicaLoad:
+        """What the engine reports, not this gateway's own in-flight count: the workers of a
+        gateway, and several gateways, then weigh the replica alike."""
+        stats = self.stats
+        if stats is None:
+            return ReplicaLoad(self.placed_since_stats)
+        return ReplicaLoad(
+            self.placed_since_stats, stats.num_running, stats.num_waiting, stats.kv_cache_usage
+        )
+
+    def reported(self, stats: engine_pb2.GetStatsResponse | None) -> None:
+        """The engine's latest answer (None: none to trust); it counts what was placed so far."""
+        self.stats = stats
+        self.placed_since_stats = 0
+
+
+@dataclass(eq=False)
+class _Placement:
+    replica: Replica
+    params: common_pb2.SamplingParams
+    priority: int
+    processor: OutputProcessor | None = None  # the replica's stream's, that tracks it
+    attempts: int = 1
+    tried: set[int] = field(default_factory=set)
+
+
+class EnginePool:
+    def __init__(
+        self,
+        clients: Sequence[EngineClient],
+        policy: RoutingPolicy,
+        make_processor: ProcessorFactory,
+        metrics: Metrics,
+    ) -> None:
+        """`metrics`: where the replicas' requests routed, health and indexed blocks count."""
+        if not clients:
+            raise ValueError("at least one engine address is needed")
+        self.replicas = [Replica(i, client) for i, client in enumerate(clients)]
+        self.policy = policy
+        self.index = PrefixIndex()
+        self._metrics = metrics
+        for replica in self.replicas:
+            metrics.replica_routed.labels(replica.name)  # 0 until its first request
+            self._set_healthy(replica, True)
+            self._count_blocks(replica)
+        self._make_processor = make_processor
+        self._placements: dict[TrackedRequest, _Placement] = {}
+        self._block_size: int | None = None  # from the engines' model info
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
+        for replica in self.replicas:
+            replica.client.on_stream_broken = functools.partial(
+                self._lost, replica, "its Generate stream broke"
+            )
+
+    @property
+    def several(self) -> bool:
+        return len(self.replicas) > 1
+
+    def start(self) -> None:
+        """Start the monitors and KV event followers (with several replicas; in a running loop)."""
+        if not self.several:
+            return
+        for replica in self.replicas:
+            self._tasks.append(asyncio.create_task(self._monitor(replica)))
+            if self.policy.name == "cache_aware":
+                self._tasks.append(asyncio.create_task(self._follow_kv_events(replica)))
+
+    # -- what the gateway asks of "the engine" ----------------------------------------------------
+
+    @property
+    def broken_streams(self) -> int:
+        return sum(r.client.broken_streams for r in self.replicas)
+
+    async def serving(self) -> bool:
+        """Whether a replica serves."""
+        answers = await asyncio.gather(*(r.client.serving() for r in self.replicas))
+        return any(answers)
+
+    async def model_info(self) -> engine_pb2.GetModelInfoResponse:
+        """The served model, from the first replica in rotation that answers."""
+        error: FolioError = UnavailableError("engine: no replica is serving")
+        for replica in self._in_rotation():
+            try:
+                info = await replica.client.model_info()
+            except FolioError as exc:
+                error = exc
+                continue
+            self._block_size = info.block_size
+            return info
+        raise error
+
+    async def stats(self) -> engine_pb2.GetStatsResponse:
+        """Every replica's stats (kept for the per-replica series), and their sum for the
+        engine-wide ones; raises when no replica answers."""
+        answers = await asyncio.gather(
+            *(r.client.stats() for r in self.replicas), return_exceptions=True
+        )
+        total = engine_pb2.GetStatsResponse()
+        usage_blocks = 0.0
+        error: BaseException | None = None
+        for replica, answer in zip(self.replicas, answers, strict=True):
+            if isinstance(answer, BaseException):
+                error = answer
+                replica.reported(None)  # its last answer no longer holds
+                continue
+            replica.reported(answer)
+            total.num_running += answer.num_running
+            total.num_waiting += answer.num_waiting
+            total.num_kv_blocks += answer.num_kv_blocks
+            total.block_size = answer.block_size  # the replicas of one gateway share it
+            usage_blocks += answer.kv_cache_usage * answer.num_kv_blocks
+            total.prefix_cache_queries += answer.prefix_cache_queries
+            total.prefix_cache_hits += answer.prefix_cache_hits
+            total.num_preemptions += answer.num_preemptions
+            total.num_steps += answer.num_steps
+            for phase, seconds in answer.step_seconds.items():
+                total.step_seconds[phase] = total.step_seconds.get(phase, 0.0) + seconds
+        if all(isinstance(a, BaseException) for a in answers):
+            assert error is not None
+            raise error
+        if total.num_kv_blocks:
+            total.kv_cache_usage = usage_blocks / total.num_kv_blocks
+        return total
+
+    # -- placing requests -----------------------------------------------------------------------
+
+    def submit(
+        self, request: TrackedRequest, params: common_pb2.SamplingParams, priority: int
+    ) -> None:
+        """Send a request to the replica the policy picks."""
+        placement = _Placement(self.replicas[0], params, priority)
+        self._place(request, placement, self._in_rotation())
+
+    def release(self, requests: Sequence[TrackedRequest]) -> None:
+        """The callers are done with these requests: abort what still runs, forget them."""
+        for request in requests:
+            placement = self._placements.pop(request, None)
+            if placement is None:
+                continue
+            placement.replica.in_flight -= 1
+            if placement.processor is not None:
+                placement.processor.release([request])
+
+    def _in_rotation(self, excluding: set[int] | None = None) -> list[Replica]:
+        """Healthy replicas (all of them if none is: their errors then say why)."""
+        excluded = excluding or set()
+        healthy = [r for r in self.replicas if r.healthy and r.index not in excluded]
+        return healthy or [r for r in self.replicas if r.index not in excluded]
+
+    def _place(
+        self, request: TrackedRequest, placement: _Placement, candidates: list[Replica]
+    ) -> None:
+        replica = self._choose(request, candidates)
+        placement.replica = replica
+        placement.tried.add(replica.index)
+        self._placements[request] = placement
+        replica.in_flight += 1
+        replica.placed_since_stats += 1
+        self._metrics.replica_routed.labels(replica.name).inc()
+        stream = replica.client.stream(self._processor_for(replica))
+        processor = stream.sink
+        assert isinstance(processor, OutputProcessor)
+        placement.processor = processor
+        processor.add(request)
+        stream.add(
+            request.request_id, request.text.prompt_ids, placement.params, placement.priority
+        )
+
+    def _choose(self, request: TrackedRequest, candidates: list[Replica]) -> Replica:
+        if len(candidates) == 1:
+            return candidates[0]
+        hashes = (
+            prefix_block_hashes(request.text.prompt_ids, self._block_size)
+            if self._block_size and self.policy.name == "cache_aware"
+            else []
+        )
+        decision: Decision = self.policy.choose(
+            [r.index for r in candidates],
+            hashes,
+            self.index,
+            {r.index: r.load for r in candidates},
+        )
+        chosen = self.replicas[decision.replica]
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "request %s -> replica %s (%s): %s",
+                request.request_id,
+                decision.replica,
+                chosen.name,
+                decision.reason,
+            )
+        return chosen
+
+    def _processor_for(self, replica: Replica) -> Callable[[GenerateStream], OutputProcessor]:
+        def make(stream: GenerateStream) -> OutputProcessor:
+            return self._make_processor(stream, lambda request: self._retry(request, replica))
+
+        return make
+
+    def _retry(self, request: TrackedRequest, failed: Replica) -> bool:
+        """A request the failed replica lost before its first token: once more elsewhere."""
+        placement = self._placements.get(request)
+        if self._closing or placement is None or placement.replica is not failed:
+            return False
+        others = [r for r in self._in_rotation(placement.tried) if r.healthy and r is not failed]
+        if placement.attempts >= MAX_ATTEMPTS or not others:
+            return False
+        failed.in_flight -= 1
+        placement.attempts += 1
+        logger.info(
+            "replica %s was lost before request %s started: retrying it elsewhere",
+            failed.name,
+            request.request_id,
+        )
+        self._place(request, placement, others)
+        return True
+
+    # -- health, load and KV events -------------------------------------------------------------
+
+    def _set_healthy(self, replica: Replica, healthy: bool) -> None:
+        replica.healthy = healthy
+        self._metrics.replica_healthy.labels(replica.name).set(1.0 if healthy else 0.0)
+
+    def _count_blocks(self, replica: Replica) -> None:
+        blocks = self.index.num_blocks(replica.index)
+        self._metrics.replica_indexed_blocks.labels(replica.name).set(blocks)
+
+    def _lost(self, replica: Replica, why: str) -> None:
+        if replica.healthy and self.several:
+            logger.warning("engine replica %s out of rotation: %s", replica.name, why)
+            self._set_healthy(replica, False)
+            replica.reported(None)
+
+    async def _monitor(self, replica: Replica) -> None:
+        while True:
+            if replica.healthy:
+                try:
+                    replica.reported(await replica.client.stats())
+                except FolioError as exc:
+                    self._lost(replica, str(exc))
+            elif await replica.client.serving():
+                logger.warning("engine replica %s back in rotation", replica.name)
+                self._set_healthy(replica, True)
+            await asyncio.sleep(MONITOR_SECONDS)
+
+    async def _follow_kv_events(self, replica: Replica) -> None:
+        epoch, next_number = "", 0
+        while True:
+            try:
+                async for batch in replica.client.kv_events(next_number, epoch):
+                    if batch.epoch != epoch:
+                        self.index.clear(replica.index)  # another engine: forget the old one
+                        epoch = batch.epoch
+                    self._apply(replica.index, batch)
+                    self._count_blocks(replica)
+                    next_number = batch.sequence_number + 1
+            except grpc.aio.AioRpcError as exc:
+                logger.debug("KV events of replica %s: %s", replica.name, exc.code().name)
+            await asyncio.sleep(RESUBSCRIBE_SECONDS)
+
+    def _apply(self, replica: int, batch: engine_pb2.SubscribeKvEventsResponse) -> None:
+        for event in batch.events:
+            kind = event.WhichOneof("event")
+            if kind == "block_stored":
+                self.index.stored(replica, event.block_stored.block_hashes)
+            elif kind == "block_removed":
+                self.index.removed(replica, event.block_removed.block_hashes)
+            elif kind == "all_blocks_cleared":
+                self.index.clear(replica)
+
+    async def close(self) -> None:
+        self._closing = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await asyncio.gather(*(r.client.close() for r in self.replicas))

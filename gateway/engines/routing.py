@@ -1,0 +1,204 @@
+"""Which engine replica a request goes to: the routing policies, over a prefix index and loads.
+
+The PrefixIndex maps block hash (common/block_hash.py, as the engines compute it) -> the replicas
+whose prefix cache holds that block; the engines' KV events keep it current
+(gateway/engines/replicas.py feeds it). A policy chooses among candidate replicas given the prompt's
+block hashes, the index and each replica's load:
+
+- round_robin: each in turn.
+- least_load: the least loaded (ties in turn).
+- cache_aware: replicas over the load threshold are skipped; among the rest, the one holding the
+  most leading blocks of the prompt, when that is a worthwhile share of the prompt, ties (and
+  prompts no one holds much of) to the least loaded.
+
+Pure decisions: this module never talks to a service and never waits. Every decision says why,
+for the debug log.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from common.config import ROUTING_POLICIES
+
+# cache_aware: a replica whose load is over max(BALANCE_ABS, BALANCE_REL x the mean load of the
+# candidates) is skipped while another is not; a match counts when it covers at least
+# MIN_MATCH_SHARE of the prompt's full blocks (below that, load alone decides).
+BALANCE_ABS = 4.0
+BALANCE_REL = 1.5
+MIN_MATCH_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """What a replica has on its hands: what the engine last said (GetStats) it runs and
+    queues, with its KV cache usage, and the requests this gateway sent it since that answer
+    (which the answer could not count yet)."""
+
+    unreported: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+
+    @property
+    def requests(self) -> float:
+        # The engine's count covers every gateway (and every worker of one) alike, so they all
+        # weigh a replica the same; only what this one sent since adds to it, so that a burst
+        # between two polls does not all go to the replica that was idle at the last one.
+        return float(self.running + self.waiting + self.unreported)
+
+
+@dataclass(frozen=True)
+class Decision:
+    replica: int
+    matched_blocks: int  # leading blocks of the prompt the chosen replica holds
+    reason: str
+
+
+class PrefixIndex:
+    """Block hash -> replicas holding it, fed from KV events."""
+
+    def __init__(self) -> None:
+        self._holders: dict[bytes, set[int]] = {}
+        self._blocks: dict[int, set[bytes]] = {}  # replica -> its blocks, to clear it
+
+    def stored(self, replica: int, block_hashes: Iterable[bytes]) -> None:
+        mine = self._blocks.setdefault(replica, set())
+        for block_hash in block_hashes:
+            self._holders.setdefault(block_hash, set()).add(replica)
+            mine.add(block_hash)
+
+    def removed(self, replica: int, block_hashes: Iterable[bytes]) -> None:
+        mine = self._blocks.get(replica, set())
+        for block_hash in block_hashes:
+            holders = self._holders.get(block_hash)
+            if holders is not None:
+                holders.discard(replica)
+                if not holders:
+                    del self._holders[block_hash]
+            mine.discard(block_hash)
+
+    def clear(self, replica: int) -> None:
+        self.removed(replica, list(self._blocks.pop(replica, ())))
+
+    def num_blocks(self, replica: int) -> int:
+        return len(self._blocks.get(replica, ()))
+
+    def match(self, block_hashes: Sequence[bytes]) -> dict[int, int]:
+        """Replica -> how many leading blocks of `block_hashes` it holds (those holding any)."""
+        matched: dict[int, int] = {}
+        alive: set[int] | None = None
+        for depth, block_hash in enumerate(block_hashes):
+            holders = self._holders.get(block_hash)
+            if not holders:
+                break
+            alive = set(holders) if alive is None else alive & holders
+            if not alive:
+                break
+            for replica in alive:
+                matched[replica] = depth + 1
+        return matched
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def choose(
+        self,
+        candidates: Sequence[int],
+        block_hashes: Sequence[bytes],
+        index: PrefixIndex,
+        loads: Mapping[int, ReplicaLoad],
+    ) -> Decision: ...
+
+
+@dataclass
+class RoundRobin:
+    name: str = "round_robin"
+    _turn: itertools.count[int] = field(default_factory=itertools.count)
+
+    def next_of(self, candidates: Sequence[int]) -> int:
+        return candidates[next(self._turn) % len(candidates)]
+
+    def choose(
+        self,
+        candidates: Sequence[int],
+        block_hashes: Sequence[bytes],
+        index: PrefixIndex,
+        loads: Mapping[int, ReplicaLoad],
+    ) -> Decision:
+        return Decision(self.next_of(candidates), 0, "its turn")
+
+
+def _load(loads: Mapping[int, ReplicaLoad], replica: int) -> float:
+    return loads.get(replica, ReplicaLoad()).requests
+
+
+@dataclass
+class LeastLoad:
+    name: str = "least_load"
+    _turns: RoundRobin = field(default_factory=RoundRobin)
+
+    def choose(
+        self,
+        candidates: Sequence[int],
+        block_hashes: Sequence[bytes],
+        index: PrefixIndex,
+        loads: Mapping[int, ReplicaLoad],
+    ) -> Decision:
+        least = min(_load(loads, r) for r in candidates)
+        lightest = [r for r in candidates if _load(loads, r) == least]
+        return Decision(self._turns.next_of(lightest), 0, f"least loaded ({least:g} requests)")
+
+
+@dataclass
+class CacheAware:
+    name: str = "cache_aware"
+    balance_abs: float = BALANCE_ABS
+    balance_rel: float = BALANCE_REL
+    min_match_share: float = MIN_MATCH_SHARE
+    _least_load: LeastLoad = field(default_factory=LeastLoad)
+
+    def choose(
+        self,
+        candidates: Sequence[int],
+        block_hashes: Sequence[bytes],
+        index: PrefixIndex,
+        loads: Mapping[int, ReplicaLoad],
+    ) -> Decision:
+        mean = sum(_load(loads, r) for r in candidates) / len(candidates)
+        threshold = max(self.balance_abs, self.balance_rel * mean)
+        usable = [r for r in candidates if _load(loads, r) <= threshold] or list(candidates)
+        skipped = len(candidates) - len(usable)
+        note = f"; {skipped} over the load threshold {threshold:g} skipped" if skipped else ""
+        matched = index.match(block_hashes)
+        best = max((matched.get(r, 0) for r in usable), default=0)
+        if block_hashes and best >= max(1, self.min_match_share * len(block_hashes)):
+            holders = [r for r in usable if matched.get(r, 0) == best]
+            decision = self._least_load.choose(holders, block_hashes, index, loads)
+            return Decision(
+                decision.replica,
+                best,
+                f"holds {best}/{len(block_hashes)} leading blocks, {decision.reason}{note}",
+            )
+        decision = self._least_load.choose(usable, block_hashes, index, loads)
+        return Decision(
+            decision.replica,
+            matched.get(decision.replica, 0),
+            f"no replica holds enough of the prompt ({best}/{len(block_hashes)} blocks), "
+            f"{decision.reason}{note}",
+        )
+
+
+def make_policy(name: str) -> RoutingPolicy:
+    policies: dict[str, type[RoundRobin] | type[LeastLoad] | type[CacheAware]] = {
+        "round_robin": RoundRobin,
+        "least_load": LeastLoad,
+        "cache_aware": CacheAware,
+    }
+    if name not in policies:
+        raise ValueError(f"routing policy must be one of {ROUTING_POLICIES}, got {name!r}")
+    return policies[name]()

@@ -1,0 +1,42 @@
+"""The vLLM-named series of /metrics: the model-server metrics protocol that endpoint pickers
+read (the Gateway API Inference Extension's, llm-d's), next to Folio's own names.
+
+For those pickers one pod runs one `folio serve`; the gauges are its engines' GetStats answer as
+the gateway pools it (gateway/engines/replicas.py): with several replicas, requests are summed, KV
+usage is the pool-weighted mean and the blocks are the pool's; Folio's per-replica series keep the
+detail. The names carry vLLM's colons, which Prometheus allows in metric names (and reserves for
+recording rules by convention only). Formatting only: it never talks to a service.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from common.grpc_stubs.folio.v1 import engine_pb2
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+
+def vllm_families(stats: engine_pb2.GetStatsResponse) -> Iterator[Metric]:
+    """The engine's load under vLLM's names, from one GetStats answer."""
+    yield GaugeMetricFamily(
+        "vllm:num_requests_running",
+        "Requests in the engines' running batches (vLLM name).",
+        value=stats.num_running,
+    )
+    yield GaugeMetricFamily(
+        "vllm:num_requests_waiting",
+        "Requests waiting to be scheduled (vLLM name).",
+        value=stats.num_waiting,
+    )
+    yield GaugeMetricFamily(
+        "vllm:kv_cache_usage_perc",
+        "Share of KV cache blocks in use, 0 to 1 (vLLM name; 1 means 100 percent).",
+        value=stats.kv_cache_usage,
+    )
+    config = GaugeMetricFamily(
+        "vllm:cache_config_info",
+        "The KV cache's configuration in its labels (vLLM name).",
+        labels=["block_size", "num_gpu_blocks"],
+    )
+    config.add_metric([str(stats.block_size), str(stats.num_kv_blocks)], 1.0)
+    yield config

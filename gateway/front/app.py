@@ -1,0 +1,542 @@
+"""The HTTP gateway's routes (Starlette): OpenAI-compatible completions, models, vLLM-style
+tokenize / detokenize, health, Prometheus metrics, what SMG discovers and polls (SGLang-style
+server and model info, loads: gateway/front/smg.py), the OpenAPI document, and the web pages (the
+playground and the dashboard, gateway/front/pages.py) with the dashboard's feed
+(gateway/front/dashboard.py).
+
+Routes stay thin, module-level handlers: read the body, call completions.py / generation.py /
+serving.py, write the answer; what they share (the Gateway, the config, the access checks) is
+the app's AppContext. One table (ENDPOINTS, and WEBUI_ENDPOINTS unless --no-webui) both routes
+requests and documents them, so /openapi.json cannot miss a route.
+A client that disconnects cancels its handler, which aborts its engine requests; so does the
+request timeout (504). Every route checks the caller's API key and request rate first
+(gateway/limits/auth.py). This module holds no business logic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from common.grpc_stubs.folio.v1 import common_pb2
+from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
+from pydantic import BaseModel
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from common.config import DASHBOARD_FEED_INTERVAL_SECONDS, MAX_REQUEST_BODY_BYTES, GatewayConfig
+from gateway.front import dashboard, smg
+from gateway.front.http_errors import error_body, error_headers, log_failure
+from gateway.front.openapi import openapi_document
+from gateway.front.pages import HEADERS, WebFile, load_web_files
+from gateway.front.serving import serve
+from gateway.front.sse import EventStreamResponse
+from gateway.limits.auth import Access
+from gateway.limits.deadlines import set_deadline
+from gateway.metrics import CONTENT_TYPE
+from gateway.openai import completions
+from gateway.openai import protocol as api
+from gateway.openai.responses import events as response_events
+from gateway.openai.responses import protocol as rapi
+from gateway.openai.responses import translate
+from gateway.pipeline.generation import Gateway
+from gateway.pipeline.text import TextDelta
+from gateway.pipeline.validation import check_token_ids
+
+Handler = Callable[[Request], Awaitable[Response]]
+SamplingRequestT = TypeVar("SamplingRequestT", bound=api.SamplingFields)
+Deltas = AsyncGenerator[tuple[int, TextDelta], None]
+
+
+class ModelResponse(Response):
+    media_type = "application/json"
+
+    def __init__(self, body: BaseModel, status_code: int = 200, exclude_none: bool = False) -> None:
+        super().__init__(body.model_dump_json(exclude_none=exclude_none), status_code)
+
+
+def error_response(exc: BaseException) -> Response:
+    log_failure(exc)
+    status, body = error_body(exc)
+    response = ModelResponse(body, status)
+    response.headers.update(error_headers(exc))
+    return response
+
+
+@dataclass
+class Endpoint:
+    path: str
+    method: str
+    summary: str
+    handler: Handler | None = None
+    request: type[BaseModel] | None = None
+    response: type[BaseModel] | None = None
+    stream: type[BaseModel] | None = None  # the event shape, when it can stream
+    stream_done: bool = True  # the stream ends with [DONE] (the Responses API's does not)
+    media_type: str = "application/json"
+    answers: tuple[int, ...] = (200,)  # the statuses that come with `response`
+    errors: tuple[int, ...] = ()  # the statuses that come with the error body
+
+
+# The error statuses each kind of route can answer (openapi.ERROR_STATUSES says what they mean):
+# any route checks the API key and the caller's rate, and may fail; routes that ask the engine
+# or the tokenizer find them unavailable or run out of time; routes that read a body refuse it.
+ANY_ROUTE_ERRORS = (401, 429, 500)
+SERVICE_ERRORS = (*ANY_ROUTE_ERRORS, 503, 504)
+BODY_ERRORS = (400, 404, 413, 415, *SERVICE_ERRORS)
+
+
+async def read_body(request: Request, model: type[api.RequestT]) -> api.RequestT:
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type and media_type != "application/json" and not media_type.endswith("+json"):
+        raise api.UnsupportedMediaType(
+            f"the body must be JSON sent as Content-Type: application/json, got {media_type!r}"
+        )
+    return api.parse_request(model, await read_limited(request))
+
+
+async def read_limited(request: Request) -> bytes:
+    """The body; RequestTooLarge as soon as it is known to be over MAX_REQUEST_BODY_BYTES (by
+    its Content-Length before reading, else while reading), so it is never buffered whole."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_REQUEST_BODY_BYTES:
+        raise api.RequestTooLarge(
+            f"the body is {declared} bytes, over the limit of {MAX_REQUEST_BODY_BYTES} bytes"
+        )
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_REQUEST_BODY_BYTES:
+            raise api.RequestTooLarge(
+                f"the body is over the limit of {MAX_REQUEST_BODY_BYTES} bytes"
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Run `work`, cancelling it if the client disconnects first (which aborts its requests)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if not watcher.done():
+            raise  # we are being cancelled ourselves
+        return Response(status_code=499)  # nobody is left to read it
+    finally:
+        watcher.cancel()
+
+
+@dataclass
+class AppContext:
+    """What the handlers share, kept on the app (app.state.context)."""
+
+    gateway: Gateway
+    config: GatewayConfig
+    access: Access
+    openapi: str  # the OpenAPI document, serialized once
+
+
+def _context(request: Request) -> AppContext:
+    context: AppContext = request.app.state.context
+    return context
+
+
+async def _completion(
+    request: Request,
+    model: type[SamplingRequestT],
+    plan: Callable[[Gateway, SamplingRequestT], Awaitable[completions.Plan]],
+) -> Response:
+    arrival = time.monotonic()
+    context = _context(request)
+    body = await read_body(request, model)
+
+    async def run() -> Response:
+        planned = await plan(context.gateway, body)
+        return await _answer(
+            request,
+            planned,
+            arrival,
+            body.stream,
+            lambda stream: completions.respond(planned, stream),
+            lambda first, stream: completions.events(planned, first, stream),
+        )
+
+    return await until_disconnect(request, run())
+
+
+async def _answer(
+    request: Request,
+    planned: completions.Plan,
+    arrival: float,
+    stream_events: bool,
+    whole: Callable[[Deltas], Awaitable[BaseModel]],
+    events: Callable[[tuple[int, TextDelta], Deltas], AsyncGenerator[bytes, None]],
+) -> Response:
+    """Serve a planned request; answer the whole body, or stream its events."""
+    context = _context(request)
+    stream = planned.outputs(
+        serve(
+            context.gateway,
+            context.access.limiter,
+            request.state.caller,
+            planned.requests,
+            planned.id,
+            arrival,
+            request.state.deadline,
+            context.config.request_timeout,
+        )
+    )
+    if not stream_events:
+        async with contextlib.aclosing(stream):
+            return ModelResponse(await whole(stream))
+    # The first delta before the headers: an engine that refuses the request (queue full,
+    # unavailable) still gets its proper status code.
+    try:
+        first = await anext(stream)
+    except BaseException:
+        await stream.aclose()
+        raise
+    return EventStreamResponse(events(first, stream))
+
+
+async def chat_completions(request: Request) -> Response:
+    parser = _context(request).config.tool_call_parser
+    return await _completion(
+        request,
+        api.ChatCompletionRequest,
+        lambda gateway, body: completions.plan_chat(gateway, body, parser),
+    )
+
+
+async def create_response(request: Request) -> Response:
+    arrival = time.monotonic()
+    context = _context(request)
+    body = await read_body(request, rapi.ResponsesRequest)
+
+    async def run() -> Response:
+        chat = translate.chat_request(body)
+        planned = await completions.plan_chat(
+            context.gateway, chat, context.config.tool_call_parser
+        )
+        head = translate.ResponseHead.of(body, planned.model)
+        return await _answer(
+            request,
+            planned,
+            arrival,
+            body.stream,
+            lambda stream: response_events.respond(head, planned.tools, stream),
+            lambda first, stream: response_events.events(head, planned.tools, first, stream),
+        )
+
+    return await until_disconnect(request, run())
+
+
+async def text_completions(request: Request) -> Response:
+    return await _completion(request, api.CompletionRequest, completions.plan_completion)
+
+
+async def models(request: Request) -> Response:
+    info = await _context(request).gateway.check_model(None)
+    return ModelResponse(
+        api.ModelList(
+            data=[
+                api.ModelCard(
+                    id=info.name,
+                    created=info.created,
+                    root=info.path,
+                    max_model_len=info.max_model_len,
+                )
+            ]
+        )
+    )
+
+
+async def tokenize(request: Request) -> Response:
+    gateway = _context(request).gateway
+    body = await read_body(request, api.TokenizeRequest)
+    info = await gateway.check_model(body.model)
+    if body.messages is not None and body.prompt is None:
+        messages = [
+            common_pb2.ChatMessage(role=m.role, content=m.text, name=m.name) for m in body.messages
+        ]
+        result = await gateway.tokenize_chat(
+            messages, body.add_generation_prompt, body.return_token_strs
+        )
+    elif body.prompt is not None and body.messages is None:
+        result = await gateway.tokenize_text(
+            body.prompt, body.add_special_tokens, body.return_token_strs
+        )
+    else:
+        raise api.InvalidParameter("set exactly one of prompt and messages", "prompt")
+    return ModelResponse(
+        api.TokenizeResponse(
+            count=len(result.token_ids),
+            max_model_len=info.max_model_len,
+            tokens=list(result.token_ids),
+            token_strs=list(result.token_strs) if body.return_token_strs else None,
+        )
+    )
+
+
+async def detokenize(request: Request) -> Response:
+    gateway = _context(request).gateway
+    body = await read_body(request, api.DetokenizeRequest)
+    check_token_ids(await gateway.check_model(body.model), body.tokens, "tokens")
+    # As vLLM: the exact text of the ids, special tokens included, so tokenize round-trips.
+    result = await gateway.tokenizer.detokenize(
+        tok_pb2.DetokenizeRequest(token_ids=body.tokens, skip_special_tokens=False)
+    )
+    return ModelResponse(api.DetokenizeResponse(prompt=result.text))
+
+
+async def health(request: Request) -> Response:
+    gateway = _context(request).gateway
+    engine, tokenizer = await asyncio.gather(gateway.engine.serving(), gateway.tokenizer.serving())
+    down = [name for name, up in (("engine", engine), ("tokenizer", tokenizer)) if not up]
+    if gateway.draining:
+        down.append("gateway (draining)")
+    if down:
+        return ModelResponse(
+            api.HealthResponse(status="unavailable", detail="not serving: " + ", ".join(down)),
+            503,
+        )
+    return ModelResponse(api.HealthResponse(status="ok"), exclude_none=True)
+
+
+async def metrics(request: Request) -> Response:
+    gateway = _context(request).gateway
+    return Response(gateway.metrics.render(await gateway.engine_stats()), media_type=CONTENT_TYPE)
+
+
+async def server_info(request: Request) -> Response:
+    return ModelResponse(await smg.server_info(_context(request).gateway), exclude_none=True)
+
+
+async def model_info(request: Request) -> Response:
+    return ModelResponse(await smg.model_info(_context(request).gateway))
+
+
+async def loads(request: Request) -> Response:
+    return ModelResponse(await smg.loads(_context(request).gateway))
+
+
+async def openapi(request: Request) -> Response:
+    return Response(_context(request).openapi, media_type="application/json")
+
+
+async def dashboard_feed(request: Request) -> Response:
+    gateway = _context(request).gateway
+    gateway.check_available()
+    return EventStreamResponse(dashboard.feed(gateway, DASHBOARD_FEED_INTERVAL_SECONDS))
+
+
+def web_file(file: WebFile) -> Handler:
+    async def serve_file(request: Request) -> Response:
+        return Response(file.content, media_type=file.media_type, headers=HEADERS)
+
+    return serve_file
+
+
+ENDPOINTS = [
+    Endpoint(
+        "/v1/chat/completions",
+        "POST",
+        "Chat completion (OpenAI)",
+        chat_completions,
+        api.ChatCompletionRequest,
+        api.ChatCompletionResponse,
+        api.ChatCompletionChunk,
+        errors=BODY_ERRORS,
+    ),
+    Endpoint(
+        "/v1/responses",
+        "POST",
+        "Response (OpenAI Responses API, stateless: nothing is stored)",
+        create_response,
+        rapi.ResponsesRequest,
+        rapi.Response,
+        rapi.ResponseEvent,
+        stream_done=False,
+        errors=BODY_ERRORS,
+    ),
+    Endpoint(
+        "/v1/completions",
+        "POST",
+        "Text completion (OpenAI)",
+        text_completions,
+        api.CompletionRequest,
+        api.CompletionResponse,
+        api.CompletionResponse,
+        errors=BODY_ERRORS,
+    ),
+    Endpoint(
+        "/v1/models",
+        "GET",
+        "The served model",
+        models,
+        None,
+        api.ModelList,
+        errors=SERVICE_ERRORS,
+    ),
+    Endpoint(
+        "/tokenize",
+        "POST",
+        "Text or chat messages to token ids (vLLM)",
+        tokenize,
+        api.TokenizeRequest,
+        api.TokenizeResponse,
+        errors=BODY_ERRORS,
+    ),
+    Endpoint(
+        "/detokenize",
+        "POST",
+        "Token ids to text (vLLM)",
+        detokenize,
+        api.DetokenizeRequest,
+        api.DetokenizeResponse,
+        errors=BODY_ERRORS,
+    ),
+    Endpoint(
+        "/health",
+        "GET",
+        "200 when the engine and tokenizer serve, else 503",
+        health,
+        None,
+        api.HealthResponse,
+        answers=(200, 503),
+        errors=ANY_ROUTE_ERRORS,
+    ),
+    Endpoint(
+        "/metrics",
+        "GET",
+        "Prometheus metrics (text format 0.0.4)",
+        metrics,
+        media_type="text/plain",
+        errors=ANY_ROUTE_ERRORS,
+    ),
+    Endpoint(
+        "/server_info",
+        "GET",
+        "The served model and the engines' capacity, as SGLang answers it (for SMG)",
+        server_info,
+        None,
+        smg.ServerInfo,
+        errors=SERVICE_ERRORS,
+    ),
+    Endpoint(
+        "/model_info",
+        "GET",
+        "The served model, as SGLang answers it (for SMG)",
+        model_info,
+        None,
+        smg.ModelInfo,
+        errors=SERVICE_ERRORS,
+    ),
+    Endpoint(
+        "/v1/loads",
+        "GET",
+        "The engines' load, as SGLang answers it (SMG's load-aware policies poll it)",
+        loads,
+        None,
+        smg.Loads,
+        errors=SERVICE_ERRORS,
+    ),
+    Endpoint("/openapi.json", "GET", "This document", openapi, errors=ANY_ROUTE_ERRORS),
+]
+
+# The web pages (off with --no-webui): open to anyone, but for their feed, protected as /metrics.
+WEB_PAGE_SUMMARIES = {
+    "/": "The playground (web page)",
+    "/dashboard": "The live dashboard (web page)",
+}
+WEBUI_ENDPOINTS = [
+    *(
+        Endpoint(
+            path,
+            "GET",
+            WEB_PAGE_SUMMARIES.get(path, "A script or style of the web pages"),
+            web_file(file),
+            media_type=file.media_type.split(";")[0],
+        )
+        for path, file in load_web_files().items()
+    ),
+    Endpoint(
+        "/dashboard/feed",
+        "GET",
+        "The dashboard's live numbers: server-sent events, one sample every "
+        f"{DASHBOARD_FEED_INTERVAL_SECONDS:g} s, for as long as the client reads",
+        dashboard_feed,
+        media_type="text/event-stream",
+        errors=(*ANY_ROUTE_ERRORS, 503),
+    ),
+]
+
+
+def guarded(handler: Handler) -> Handler:
+    """`handler` behind the caller's key and rate check, with the request's deadline set and
+    any failure answered as the OpenAI error body."""
+
+    async def run(request: Request) -> Response:
+        context = _context(request)
+        try:
+            request.state.caller = context.access.admit_http(request)
+            # Unary calls to the services made for this request carry what is left of it.
+            request.state.deadline = time.monotonic() + context.config.request_timeout
+            set_deadline(request.state.deadline)
+            return await handler(request)
+        except ClientDisconnect:
+            return Response(status_code=499)  # it left while sending its body
+        except Exception as exc:
+            return error_response(exc)
+
+    return run
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+    return ModelResponse(
+        api.ErrorResponse(
+            error=api.ErrorInfo(
+                message=f"{request.method} {request.url.path}: {exc.detail}", type=kind
+            )
+        ),
+        exc.status_code,
+    )
+
+
+def build_app(
+    gateway: Gateway, config: GatewayConfig | None = None, access: Access | None = None
+) -> Starlette:
+    """The app; `access` (the keys and rate limits) may be shared with the gRPC API."""
+    config = config or GatewayConfig()
+    endpoints = ENDPOINTS + WEBUI_ENDPOINTS if config.webui else ENDPOINTS
+    routes = [
+        Route(e.path, guarded(e.handler), methods=[e.method])
+        for e in endpoints
+        if e.handler is not None
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    app.state.context = AppContext(
+        gateway,
+        config,
+        access or Access(config),
+        json.dumps(openapi_document(endpoints, "Folio", "0.1.0")),
+    )
+    return app

@@ -1,0 +1,1 @@
+"""What a caller may do: API keys, rate limits (shared across workers), deadlines."""

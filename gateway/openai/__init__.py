@@ -1,0 +1,1 @@
+"""The OpenAI translation: Chat, Completions and Responses bodies, structured output, tools."""

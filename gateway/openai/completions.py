@@ -1,0 +1,567 @@
+"""OpenAI chat and text completions over the generation pipeline: an OpenAI request becomes
+TextRequests (one per prompt, each with its n choices), the pipeline's text deltas become a
+response body or server-sent events.
+
+Translation between the OpenAI shapes and generation.py only: it never talks to a service
+itself and never touches an HTTP connection (app.py does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import pydantic_core
+from common.grpc_stubs.folio.v1 import common_pb2
+from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
+
+from common.errors import InvalidRequestError
+from common.sampling_params import SamplingParams
+from gateway.front.http_errors import error_body, log_failure
+from gateway.front.sse import DONE, event
+from gateway.openai import protocol as api
+from gateway.openai.structured import structured_output
+from gateway.openai.tools.chat import ChatInput, ToolPlan, ToolReader, chat_input
+from gateway.openai.tools.grammar import ToolGrammar
+from gateway.openai.tools.parsers import CallStart, ContentDelta, ToolEvent, collect
+from gateway.pipeline.generation import Gateway, new_request_id
+from gateway.pipeline.text import TextDelta, TextRequest, TokenLogprob, Usage
+from gateway.pipeline.validation import ModelInfo, text_request
+
+T = TypeVar("T")
+
+# What a field the request leaves unset (None) becomes: the engine library's default.
+_DEFAULT_PARAMS = SamplingParams()
+
+
+@dataclass
+class Plan:
+    """A validated completion request: what to run and how to answer."""
+
+    chat: bool
+    id: str
+    model: str
+    requests: list[TextRequest]  # one per prompt; choice i of prompt p is p * n + i
+    n: int
+    logprobs: bool
+    include_usage: bool
+    created: int
+    # With echo (text completions): per choice, the prompt's text, which leads its output.
+    echo: list[str] | None = None
+    # With tools (chat): how each answer is read into content and calls.
+    tools: ToolPlan | None = None
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.requests) * self.n
+
+    def outputs(
+        self, stream: AsyncGenerator[tuple[int, TextDelta], None]
+    ) -> AsyncGenerator[tuple[int, TextDelta], None]:
+        """The served stream; with a tool grammar, the engine's refusal of it names the tool."""
+        if self.tools is None or self.tools.grammar is None:
+            return stream
+        return _naming_tools(stream, self.tools.grammar)
+
+
+async def _naming_tools(
+    stream: AsyncGenerator[tuple[int, TextDelta], None], grammar: ToolGrammar
+) -> AsyncGenerator[tuple[int, TextDelta], None]:
+    try:
+        async for item in stream:
+            yield item
+    except InvalidRequestError as exc:
+        raise grammar.naming_tool(exc) from None
+    finally:
+        await stream.aclose()
+
+
+def _sampling_params(
+    body: api.SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    logit_bias = None
+    if body.logit_bias:
+        try:
+            logit_bias = {int(token): bias for token, bias in body.logit_bias.items()}
+        except ValueError:
+            raise api.InvalidParameter("logit_bias keys must be token ids", "logit_bias") from None
+    default = _DEFAULT_PARAMS
+    return SamplingParams(
+        n=body.n,
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
+        temperature=_or_default(body.temperature, default.temperature),
+        top_p=_or_default(body.top_p, default.top_p),
+        top_k=_or_default(body.top_k, default.top_k),
+        min_p=_or_default(body.min_p, default.min_p),
+        presence_penalty=_or_default(body.presence_penalty, default.presence_penalty),
+        frequency_penalty=_or_default(body.frequency_penalty, default.frequency_penalty),
+        repetition_penalty=_or_default(body.repetition_penalty, default.repetition_penalty),
+        seed=body.seed,
+        logit_bias=logit_bias,
+        stop_token_ids=_or_default(body.stop_token_ids, []),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        structured_output=structured_output(body),
+    )
+
+
+def _or_default(value: T | None, default: T) -> T:
+    return default if value is None else value
+
+
+def _text_requests(
+    info: ModelInfo,
+    prompts: list[list[int]],
+    body: api.SamplingFields,
+    params: SamplingParams,
+    prompt_param: str,
+    max_tokens_param: str,
+) -> list[TextRequest]:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return [
+        text_request(
+            info,
+            ids,
+            params,
+            prompt_param=prompt_param,
+            max_tokens_param=max_tokens_param,
+            stop=stop,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
+            priority=body.priority,
+        )
+        for ids in prompts
+    ]
+
+
+def _uses_tools(body: api.ChatCompletionRequest) -> bool:
+    return (
+        bool(body.tools)
+        or body.tool_choice is not None
+        or any(
+            m.tool_calls or m.tool_call_id is not None or m.role in ("tool", "function")
+            for m in body.messages
+        )
+    )
+
+
+async def _chat_input(
+    gateway: Gateway, body: api.ChatCompletionRequest, tool_call_parser: str | None
+) -> ChatInput:
+    if not _uses_tools(body):
+        return ChatInput(
+            [
+                common_pb2.ChatMessage(role=m.role, content=m.text, name=m.name)
+                for m in body.messages
+            ]
+        )
+    return chat_input(body, await gateway.tool_call_format(), tool_call_parser)
+
+
+def _with_tools(params: SamplingParams, chat: ChatInput) -> SamplingParams:
+    """The tools' grammar on top of the request's own constraint: a forced call cannot also
+    follow a response format; under auto the response format wins (and no call is made)."""
+    tools = chat.constraint
+    if tools is None:
+        return params
+    if params.structured_output is None:
+        return dataclasses.replace(params, structured_output=tools)
+    if chat.plan is not None and chat.plan.grammar is not None and chat.plan.grammar.allows_answer:
+        chat.plan = dataclasses.replace(chat.plan, grammar=None)
+        return params
+    raise api.InvalidParameter(
+        f"tool_choice forces a call, which {params.structured_output.label} would constrain "
+        "too: set only one",
+        "tool_choice",
+    )
+
+
+async def plan_chat(
+    gateway: Gateway, body: api.ChatCompletionRequest, tool_call_parser: str | None = None
+) -> Plan:
+    """`tool_call_parser`: the server's --tool-call-parser, if set."""
+    info = await gateway.check_model(body.model)
+    if body.top_logprobs and not body.logprobs:
+        raise api.InvalidParameter("top_logprobs needs logprobs set to true", "top_logprobs")
+    chat = await _chat_input(gateway, body, tool_call_parser)
+    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    params = _sampling_params(
+        body,
+        body.max_completion_tokens or body.max_tokens,
+        (body.top_logprobs or 0) if body.logprobs else None,
+    )
+    params = _with_tools(params, chat)
+    prompt = await gateway.tokenize_chat(
+        chat.messages, body.add_generation_prompt, tools=chat.tools
+    )
+    requests = _text_requests(
+        info, [list(prompt.token_ids)], body, params, "messages", max_tokens_param
+    )
+    return Plan(
+        True,
+        new_request_id("chatcmpl"),
+        info.name,
+        requests,
+        body.n,
+        body.logprobs,
+        _include_usage(body),
+        int(time.time()),
+        tools=chat.plan,
+    )
+
+
+async def plan_completion(gateway: Gateway, body: api.CompletionRequest) -> Plan:
+    info = await gateway.check_model(body.model)
+    prompt = body.prompt
+    if isinstance(prompt, list) and not prompt:
+        raise api.InvalidParameter("prompt must not be empty", "prompt")
+    # One prompt (text or token ids) or a batch of them.
+    prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
+    tokenized = await asyncio.gather(
+        *(gateway.tokenize_text(p) for p in prompts if isinstance(p, str))
+    )
+    texts = iter(tokenized)
+    ids = [list(next(texts).token_ids) if isinstance(p, str) else p for p in prompts]
+    if body.max_tokens == 0 and not body.echo:
+        raise api.InvalidParameter("max_tokens must be >= 1 (0 only with echo)", "max_tokens")
+    # Echoed logprobs cover the prompt. max_tokens 0 is a prompt-only (scoring) request, which
+    # the engine runs only for prompt logprobs: it gets k = 0 even if none are shown.
+    prompt_logprobs = body.logprobs if body.echo else None
+    if body.max_tokens == 0 and prompt_logprobs is None:
+        prompt_logprobs = 0
+    params = _sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
+    requests = _text_requests(info, ids, body, params, "prompt", "max_tokens")
+    echo = None
+    if body.echo:
+        prompt_texts = await asyncio.gather(*(_prompt_text(gateway, p) for p in prompts))
+        echo = [text for text in prompt_texts for _ in range(body.n)]
+    return Plan(
+        False,
+        new_request_id("cmpl"),
+        info.name,
+        requests,
+        body.n,
+        body.logprobs is not None,
+        _include_usage(body),
+        int(time.time()),
+        echo,
+    )
+
+
+async def _prompt_text(gateway: Gateway, prompt: str | list[int]) -> str:
+    """A prompt as echoed: its own text, or the exact text of its token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    response = await gateway.tokenizer.detokenize(
+        tok_pb2.DetokenizeRequest(token_ids=prompt, skip_special_tokens=False)
+    )
+    return response.text
+
+
+def _include_usage(body: api.SamplingFields) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+def _usage(plan: Plan, usages: list[Usage | None]) -> api.Usage:
+    # The prompt counts once per prompt, not once per choice.
+    firsts = [u for u in usages[:: plan.n] if u is not None]
+    prompt = sum(u.prompt_tokens for u in firsts)
+    completion = sum(u.completion_tokens for u in usages if u is not None)
+    return api.Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=api.PromptTokensDetails(
+            cached_tokens=sum(u.cached_tokens for u in firsts)
+        ),
+    )
+
+
+def _utf8(text: str) -> list[int] | None:
+    # A token holding part of a character decodes to U+FFFD: its own bytes are not known here.
+    return None if "\ufffd" in text else list(text.encode())
+
+
+def _chat_logprobs(logprobs: list[TokenLogprob]) -> api.ChatLogprobs:
+    return api.ChatLogprobs(content=[_chat_token_logprob(lp) for lp in logprobs])
+
+
+def _chat_token_logprob(lp: TokenLogprob) -> api.ChatTokenLogprob:
+    # A chat answer never echoes its prompt: its tokens are generated ones, which all have a
+    # logprob (only a prompt's first token has none).
+    if lp.logprob is None:
+        raise ValueError(
+            f"token {lp.token_id} has no logprob: only a prompt's first token lacks one"
+        )
+    return api.ChatTokenLogprob(
+        token=lp.token,
+        logprob=lp.logprob,
+        bytes=_utf8(lp.token),
+        top_logprobs=[
+            api.TopLogprob(token=text, logprob=value, bytes=_utf8(text))
+            for _, text, value in lp.top
+        ],
+    )
+
+
+def _completion_logprobs(logprobs: list[TokenLogprob], offset: int) -> api.CompletionLogprobs:
+    out = api.CompletionLogprobs()
+    for lp in logprobs:
+        out.tokens.append(lp.token)
+        out.token_logprobs.append(lp.logprob)
+        out.top_logprobs.append(
+            None if lp.logprob is None else {text: value for _, text, value in lp.top}
+        )
+        out.text_offset.append(offset)
+        offset += len(lp.token)
+    return out
+
+
+def _echoed(
+    plan: Plan, index: int, delta: TextDelta, first: bool
+) -> tuple[str, list[TokenLogprob]]:
+    """A delta's text and logprobs; with echo, the prompt's lead a choice's first delta."""
+    if plan.echo is None or not first:
+        return delta.text, delta.logprobs
+    return plan.echo[index] + delta.text, (delta.prompt_logprobs or []) + delta.logprobs
+
+
+def _chat_choice(
+    plan: Plan, index: int, text: str, reason: str | None, logprobs: list[TokenLogprob]
+) -> api.ChatChoice:
+    message = api.AssistantMessage(content=text)
+    if plan.tools is not None:
+        reader = ToolReader(plan.tools)
+        answer = collect(reader.read(text, final=True))
+        message = api.AssistantMessage(
+            content=answer.content if answer.content or not answer.calls else None,
+            tool_calls=[
+                api.ResponseToolCall(
+                    id=call.id,
+                    function=api.ResponseFunctionCall(name=call.name, arguments=call.arguments),
+                )
+                for call in answer.calls
+            ]
+            or None,
+        )
+        if reason is not None:
+            reason = reader.finish_reason(reason)
+    return api.ChatChoice(
+        index=index,
+        message=message,
+        logprobs=_chat_logprobs(logprobs) if plan.logprobs else None,
+        finish_reason=reason,
+    )
+
+
+def _delta_message(events: list[ToolEvent]) -> api.DeltaMessage:
+    """Tool events as one streamed delta: content, and per call its id and name (first) and
+    pieces of its arguments."""
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    calls: list[api.DeltaToolCall] = []
+    for e in events:
+        if isinstance(e, ContentDelta):
+            continue
+        if isinstance(e, CallStart):
+            calls.append(
+                api.DeltaToolCall(
+                    index=e.index,
+                    id=e.id,
+                    type="function",
+                    function=api.DeltaFunctionCall(name=e.name),
+                )
+            )
+        elif calls and calls[-1].index == e.index:
+            calls[-1].function.arguments += e.text
+        else:
+            calls.append(
+                api.DeltaToolCall(index=e.index, function=api.DeltaFunctionCall(arguments=e.text))
+            )
+    return api.DeltaMessage(content=content or None, tool_calls=calls or None)
+
+
+class _TextEvents:
+    """The events of one streamed response that carry nothing but a choice's text (most of
+    them): each choice's event is serialized once with a placeholder where the text goes, then
+    each delta only splices in its text as JSON (pydantic_core.to_json, the serializer
+    model_dump_json uses), the same bytes as serializing the whole event for a fraction of the
+    CPU per token."""
+
+    _SLOT = "\x00folio-text\x00"
+
+    def __init__(self, make: Callable[[int, str], bytes]) -> None:
+        """`make(index, text)`: the event, serialized whole."""
+        self._make = make
+        self._parts: dict[int, tuple[bytes, bytes] | None] = {}
+
+    def __call__(self, index: int, text: str) -> bytes:
+        if index not in self._parts:
+            whole = self._make(index, self._SLOT)
+            slot = pydantic_core.to_json(self._SLOT)
+            # The placeholder cannot come from the request; should it appear twice, no splicing.
+            if whole.count(slot) == 1:
+                prefix, suffix = whole.split(slot)
+                self._parts[index] = (prefix, suffix)
+            else:
+                self._parts[index] = None
+        parts = self._parts[index]
+        if parts is None:
+            return self._make(index, text)
+        return parts[0] + pydantic_core.to_json(text) + parts[1]
+
+
+async def respond(
+    plan: Plan, stream: AsyncIterator[tuple[int, TextDelta]]
+) -> api.ChatCompletionResponse | api.CompletionResponse:
+    """Run the stream to its end; the whole response body."""
+    count = plan.num_choices
+    texts: list[list[str]] = [[] for _ in range(count)]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(count)]
+    reasons: list[str | None] = [None] * count
+    usages: list[Usage | None] = [None] * count
+    async for index, delta in stream:
+        text, token_logprobs = _echoed(plan, index, delta, first=not texts[index])
+        texts[index].append(text)
+        logprobs[index] += token_logprobs
+        if delta.finish_reason is not None:
+            reasons[index], usages[index] = delta.finish_reason, delta.usage
+    usage = _usage(plan, usages)
+    if plan.chat:
+        chat_choices = [
+            _chat_choice(plan, i, "".join(texts[i]), reasons[i], logprobs[i]) for i in range(count)
+        ]
+        return api.ChatCompletionResponse(
+            id=plan.id, created=plan.created, model=plan.model, choices=chat_choices, usage=usage
+        )
+    choices = [
+        api.CompletionChoice(
+            index=i,
+            text="".join(texts[i]),
+            logprobs=_completion_logprobs(logprobs[i], 0) if plan.logprobs else None,
+            finish_reason=reasons[i],
+        )
+        for i in range(count)
+    ]
+    return api.CompletionResponse(
+        id=plan.id, created=plan.created, model=plan.model, choices=choices, usage=usage
+    )
+
+
+async def events(
+    plan: Plan,
+    first: tuple[int, TextDelta],
+    stream: AsyncGenerator[tuple[int, TextDelta], None],
+) -> AsyncGenerator[bytes, None]:
+    """Server-sent events: one per text delta (the first already read), usage, [DONE]."""
+    count = plan.num_choices
+    usages: list[Usage | None] = [None] * count
+    offsets = [0] * count  # completions' logprobs.text_offset
+    started = [False] * count
+    readers = [ToolReader(plan.tools) for _ in range(count)] if plan.tools is not None else None
+
+    def chat_chunk(choices: list[api.ChatChunkChoice], usage: api.Usage | None = None) -> bytes:
+        return event(
+            api.ChatCompletionChunk(
+                id=plan.id, created=plan.created, model=plan.model, choices=choices, usage=usage
+            )
+        )
+
+    def completion_chunk(
+        choices: list[api.CompletionChoice], usage: api.Usage | None = None
+    ) -> bytes:
+        return event(
+            api.CompletionResponse(
+                id=plan.id, created=plan.created, model=plan.model, choices=choices, usage=usage
+            )
+        )
+
+    def chat_text_chunk(index: int, text: str) -> bytes:
+        return chat_chunk([api.ChatChunkChoice(index=index, delta=api.DeltaMessage(content=text))])
+
+    def completion_text_chunk(index: int, text: str) -> bytes:
+        return completion_chunk([api.CompletionChoice(index=index, text=text)])
+
+    # Deltas of text alone (no finish reason, logprobs or tool calls to read).
+    text_chunk = _TextEvents(chat_text_chunk if plan.chat else completion_text_chunk)
+    text_only = not plan.logprobs and readers is None
+
+    def delta_chunk(index: int, delta: TextDelta) -> bytes | None:
+        if text_only and delta.finish_reason is None:
+            if plan.chat:
+                return text_chunk(index, delta.text)
+            if plan.echo is None or started[index]:
+                started[index] = True
+                return text_chunk(index, delta.text)
+        if plan.chat:
+            message = api.DeltaMessage(content=delta.text)
+            reason = delta.finish_reason
+            if readers is not None:
+                reader = readers[index]
+                message = _delta_message(reader.read(delta.text, reason is not None))
+                if reason is not None:
+                    reason = reader.finish_reason(reason)
+                elif message.content is None and message.tool_calls is None and not delta.logprobs:
+                    return None  # text held back: nothing to say yet
+            return chat_chunk(
+                [
+                    api.ChatChunkChoice(
+                        index=index,
+                        delta=message,
+                        logprobs=_chat_logprobs(delta.logprobs) if plan.logprobs else None,
+                        finish_reason=reason,
+                    )
+                ]
+            )
+        text, token_logprobs = _echoed(plan, index, delta, first=not started[index])
+        started[index] = True
+        logprobs = None
+        if plan.logprobs:
+            logprobs = _completion_logprobs(token_logprobs, offsets[index])
+            offsets[index] += sum(len(lp.token) for lp in token_logprobs)
+        return completion_chunk(
+            [
+                api.CompletionChoice(
+                    index=index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason
+                )
+            ]
+        )
+
+    try:
+        if plan.chat:  # OpenAI opens each choice with the assistant's role
+            yield chat_chunk(
+                [
+                    api.ChatChunkChoice(
+                        index=i, delta=api.DeltaMessage(role="assistant", content="")
+                    )
+                    for i in range(count)
+                ]
+            )
+        index, delta = first
+        while True:
+            if delta.finish_reason is not None:
+                usages[index] = delta.usage
+            chunk = delta_chunk(index, delta)
+            if chunk is not None:
+                yield chunk
+            try:
+                index, delta = await anext(stream)
+            except StopAsyncIteration:
+                break
+        if plan.include_usage:
+            usage = _usage(plan, usages)
+            yield chat_chunk([], usage) if plan.chat else completion_chunk([], usage)
+    except Exception as exc:  # the response has started: the error travels as an event
+        log_failure(exc, started=True)
+        yield event(error_body(exc)[1])
+    finally:
+        await stream.aclose()
+    yield DONE

@@ -1,0 +1,1 @@
+"""The token pipeline: one engine request per prompt, its outputs turned into each caller's text."""

@@ -1,0 +1,249 @@
+"""The gateway's text-level generation pipeline, shared by the HTTP routes and the gRPC API.
+
+Token ids go to an engine replica (gateway/engines/replicas.py picks it) on that replica's shared
+Generate stream; its output processor (gateway/pipeline/output_processor.py) turns the tokens that
+come back into text and hands each call its deltas; a prompt's n choices are one engine request with
+n samples (the prompt computed once). When the caller goes away (the iterator is closed or
+cancelled) what still runs is aborted at once. The served model's facts (asked of the engine),
+the tokenizer calls the front ends make and the drain state live here too; what a request must
+satisfy is validation.py's. This module never parses HTTP and never builds OpenAI or protobuf
+response shapes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from pathlib import Path
+
+from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
+from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
+
+from common.errors import DeadlineExceededError, FolioError, ModelNotFound, UnavailableError
+from common.sampling_params import SamplingParams
+from common.sampling_proto import sampling_params_to_proto
+from gateway.engines.clients import EngineClient, GenerateStream, TokenizerClient
+from gateway.engines.replicas import EnginePool
+from gateway.engines.routing import make_policy
+from gateway.limits.deadlines import at_deadline
+from gateway.metrics import Metrics
+from gateway.pipeline.output_processor import (
+    ChoiceItem,
+    OutputProcessor,
+    RetryHook,
+    TokenTexts,
+    TrackedRequest,
+)
+from gateway.pipeline.text import TextDelta, TextRequest
+from gateway.pipeline.validation import ModelInfo
+
+logger = logging.getLogger(__name__)
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class Gateway:
+    """The clients, the served model's facts, the metrics and the drain state."""
+
+    def __init__(
+        self,
+        engines: Sequence[EngineClient],
+        tokenizer: TokenizerClient,
+        metrics: Metrics,
+        served_model_name: str | None = None,
+        routing_policy: str = "cache_aware",
+    ) -> None:
+        """`engines`: one client per engine replica; `routing_policy` picks among them."""
+        self.engine = EnginePool(
+            engines, make_policy(routing_policy), self._output_processor, metrics
+        )
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.served_model_name = served_model_name
+        self.draining = False
+        self._info: ModelInfo | None = None
+        self._info_broken_streams = 0  # engine.broken_streams when _info was read
+        self._tool_call_format: str | None = None  # the chat template's, once asked
+        self._detokenizer = tokenizer.sequence_detokenizer()
+        self._token_texts = TokenTexts()  # for logprobs; bounded by the vocabulary
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- the model ----------------------------------------------------------------------------
+
+    async def model(self) -> ModelInfo:
+        """The served model (raises UnavailableError until the engine is up). Asked of the
+        engine once, and again after the engine was lost: a restarted engine may differ."""
+        broken_streams = self.engine.broken_streams
+        if self._info is None or self._info_broken_streams != broken_streams:
+            info = await self.engine.model_info()
+            fresh = ModelInfo(
+                name=self.served_model_name or info.model or Path(info.model_path).name,
+                path=info.model_path,
+                max_model_len=info.max_model_len,
+                vocab_size=info.vocab_size,
+                max_num_seqs=info.max_num_seqs,
+                created=self._info.created if self._info else int(time.time()),
+            )
+            if self._info is not None and fresh != self._info:
+                logger.warning(
+                    "the engine came back with another model: %s, was %s", fresh, self._info
+                )
+                self._token_texts.clear()
+            self._info, self._info_broken_streams = fresh, broken_streams
+        return self._info
+
+    async def check_model(self, name: str | None) -> ModelInfo:
+        """The served model, if `name` is unset or names it; else ModelNotFound."""
+        self.check_available()
+        info = await self.model()
+        if name and name != info.name:
+            raise ModelNotFound(
+                f"the model {name!r} does not exist; this server serves {info.name!r}", "model"
+            )
+        return info
+
+    async def engine_stats(self) -> engine_pb2.GetStatsResponse | None:
+        """The engine's load and counters (GetStats), as /metrics and the dashboard show them;
+        None while the engine is down (the gateway's own numbers still count then)."""
+        try:
+            return await self.engine.stats()
+        except FolioError:
+            return None
+
+    async def tool_call_format(self) -> str:
+        """The tool-call format the model's chat template teaches ("" for none), asked of the
+        tokenizer once."""
+        if self._tool_call_format is None:
+            self._tool_call_format = (await self.tokenizer.info()).tool_call_format
+        return self._tool_call_format
+
+    def check_available(self) -> None:
+        if self.draining:
+            raise UnavailableError("the gateway is draining; retry on another instance")
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def tokenize_text(
+        self, text: str, add_special_tokens: bool = True, return_token_strs: bool = False
+    ) -> tok_pb2.TokenizeResponse:
+        return await self.tokenizer.tokenize(
+            tok_pb2.TokenizeRequest(
+                text=text,
+                add_special_tokens=add_special_tokens,
+                return_token_strs=return_token_strs,
+            )
+        )
+
+    async def tokenize_chat(
+        self,
+        messages: Sequence[common_pb2.ChatMessage],
+        add_generation_prompt: bool = True,
+        return_token_strs: bool = False,
+        tools: Sequence[common_pb2.Tool] = (),
+    ) -> tok_pb2.TokenizeResponse:
+        return await self.tokenizer.tokenize(
+            tok_pb2.TokenizeRequest(
+                chat=tok_pb2.Conversation(messages=messages, tools=tools),
+                add_generation_prompt=add_generation_prompt,
+                return_token_strs=return_token_strs,
+            )
+        )
+
+    # -- generation ---------------------------------------------------------------------------
+
+    async def generate_many(
+        self,
+        requests: Sequence[TextRequest],
+        request_id: str,
+        arrival: float,
+        deadline: float | None = None,
+        deadline_message: str = "",
+    ) -> AsyncGenerator[tuple[int, TextDelta], None]:
+        """Run prompts side by side, each with its params.n choices; yields (choice index,
+        delta) as they come, choice i of prompt p being p * n + i. Each prompt is one engine
+        request with n samples (the prompt computed once), split only where n is over what the
+        engine runs at once. The first failure ends them all; closing the iterator early
+        aborts what still runs, and so does `deadline` (time.monotonic seconds), which then raises
+        DeadlineExceededError(deadline_message)."""
+        self.check_available()
+        max_n = SamplingParams.MAX_N
+        if any(r.params.n > 1 for r in requests):
+            max_n = min(max_n, (await self.model()).max_num_seqs)
+        deltas: asyncio.Queue[ChoiceItem] = asyncio.Queue()
+        tracked: list[TrackedRequest] = []
+        timer = None
+        if deadline is not None:  # one timer, not one per delta
+            timer = at_deadline(
+                deadline, lambda: deltas.put_nowait(DeadlineExceededError(deadline_message))
+            )
+        self._enter()
+        try:
+            choice = 0
+            for request in requests:
+                n = request.params.n
+                for first in range(0, n, max_n):
+                    count = min(max_n, n - first)
+                    # The engine derives sample i's seed as seed + i: a part starting at choice
+                    # `first` starts from seed + first, as the choices would in one request.
+                    params = dataclasses.replace(
+                        request.params, n=count, seed=request.params.sample_seed(first)
+                    )
+                    engine_id = (
+                        request_id
+                        if len(requests) == 1 and count == n
+                        else f"{request_id}-{choice}"
+                    )
+                    tracked.append(
+                        TrackedRequest(engine_id, request, count, choice, arrival, deltas)
+                    )
+                    self.engine.submit(
+                        tracked[-1], sampling_params_to_proto(params), request.priority
+                    )
+                    choice += count
+            choices_left = choice
+            while choices_left:
+                item = await deltas.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item[1].finish_reason is not None:
+                    choices_left -= 1
+                yield item
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self.engine.release(tracked)
+            self._leave()
+
+    def _output_processor(self, stream: GenerateStream, retry: RetryHook) -> OutputProcessor:
+        return OutputProcessor(
+            self._detokenizer, stream.abort, self.metrics, self._token_texts, retry
+        )
+
+    # -- metrics and drain --------------------------------------------------------------------
+
+    def _enter(self) -> None:
+        self._in_flight += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._idle.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new work; wait up to `timeout` s for the sequences in flight; True if none
+        is left."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True

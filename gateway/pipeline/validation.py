@@ -1,0 +1,89 @@
+"""What a request must satisfy of the served model, whatever front end it came through: token
+ids inside the vocabulary, a prompt that leaves room in the context, max_tokens that fits it,
+and sampling parameters the library's own SamplingParams.validate accepts (so the gateway and the
+engine agree). Raises InvalidParameter naming the field; never talks to a service.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from common.errors import InvalidParameter
+from common.sampling_params import SamplingParams
+from gateway.pipeline.text import TextRequest
+
+
+@dataclass
+class ModelInfo:
+    name: str  # the served name: --served-model-name or the model directory's name
+    path: str
+    max_model_len: int
+    vocab_size: int
+    created: int
+    max_num_seqs: int  # the most samples one engine request may have
+
+
+def check_token_ids(info: ModelInfo, token_ids: Sequence[int], param: str) -> None:
+    """InvalidParameter naming `param` unless every id is in the model's vocabulary."""
+    for token_id in token_ids:
+        if not 0 <= token_id < info.vocab_size:
+            raise InvalidParameter(
+                f"{param} contains token id {token_id}, outside the "
+                f"vocabulary [0, {info.vocab_size})",
+                param,
+            )
+
+
+def text_request(
+    info: ModelInfo,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    stop: Sequence[str] = (),
+    include_stop_str_in_output: bool = False,
+    skip_special_tokens: bool = True,
+    priority: int = 0,
+    prompt_param: str = "prompt",
+    max_tokens_param: str = "max_tokens",
+) -> TextRequest:
+    """Validate a sequence against the model; unset max_tokens fills the context.
+
+    Raises InvalidParameter naming the prompt, max_tokens or the sampling parameter.
+    """
+    if any(not s for s in stop):
+        raise InvalidParameter("stop strings must not be empty", "stop")
+    prompt_ids = list(prompt_ids)
+    if not prompt_ids:
+        raise InvalidParameter(f"{prompt_param} must not be empty", prompt_param)
+    check_token_ids(info, prompt_ids, prompt_param)
+    room = info.max_model_len - len(prompt_ids)
+    if room < 1:
+        raise InvalidParameter(
+            f"this model's maximum context length is {info.max_model_len} tokens, but "
+            f"{prompt_param} has {len(prompt_ids)} tokens, which leaves no room to generate",
+            prompt_param,
+        )
+    if params.max_tokens is None:
+        params = dataclasses.replace(params, max_tokens=room)
+    elif isinstance(params.max_tokens, int) and params.max_tokens > room:
+        raise InvalidParameter(
+            f"{max_tokens_param} is {params.max_tokens}, but {prompt_param} has "
+            f"{len(prompt_ids)} tokens and this model's maximum context length is "
+            f"{info.max_model_len} tokens: {max_tokens_param} must be at most {room}",
+            max_tokens_param,
+        )
+    try:
+        params.validate(info.vocab_size)
+    except ValueError as exc:
+        # The library's messages start with the parameter's name.
+        raise InvalidParameter(str(exc), str(exc).split(" ", 1)[0].split("[", 1)[0]) from None
+    return TextRequest(
+        prompt_ids,
+        params,
+        list(stop),
+        include_stop_str_in_output,
+        skip_special_tokens,
+        priority,
+    )
