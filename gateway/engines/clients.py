@@ -1,22 +1,29 @@
 """The gateway's async gRPC clients of the engine and tokenizer services.
 
-Every request of this gateway rides on one long-lived, multiplexed Engine.Generate stream
-rather than one stream per request: the engine then sends one message per step for all of
-them instead of one per request per step, and per-message cost is what limits Python gRPC at
-high concurrency. A broken stream fails the requests it carried; the next request opens a
-fresh one. Likewise one DetokenizeSequences stream carries the text of every sequence: one
-message per engine step, not one per sequence. Every call carries the internal token when there
-is one (FOLIO_INTERNAL_TOKEN), and unary calls carry what is left of their request's deadline
-(gateway/limits/deadlines.py). Transport and translation only: this module never validates or
-decides anything.
+Every request to a replica rides on one long-lived, multiplexed Engine.Generate stream rather
+than one stream per request: the engine then sends one message per step for all of them
+instead of one per request per step, and per-message cost is what limits Python gRPC at high
+concurrency. The replica's session (gateway/engines/session.py) opens it, reads it, and opens
+a fresh one after a break. Likewise one DetokenizeSequences stream carries the text of every
+sequence: one message per engine step, not one per sequence. Every call carries the internal token
+when there is one (FOLIO_INTERNAL_TOKEN), and unary calls carry what is left of their request's
+deadline (gateway/limits/deadlines.py). Transport and translation only: this module never validates
+or decides anything.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
-from typing import Protocol, TypeVar
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Sequence,
+)
+from typing import TypeVar
 
 import grpc
 from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc, tokenizer_pb2_grpc
@@ -26,7 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.auth import bearer_metadata
 from common.config import GRPC_MESSAGE_OPTIONS, RECONNECT_CHANNEL_OPTIONS
-from common.errors import InternalError, UnavailableError, error_for
+from common.errors import UnavailableError, error_for
 from gateway.limits.deadlines import call_timeout
 
 # Unary calls are quick (tokenize, stats); a stuck service must not hang an HTTP request.
@@ -90,69 +97,41 @@ class _ServiceClient:
 # -- engine -------------------------------------------------------------------------------------
 
 
-class OutputSink(Protocol):
-    """Where a Generate stream's outputs go (gateway/pipeline/output_processor.py)."""
-
-    async def process_outputs(self, outputs: Sequence[engine_pb2.RequestOutput]) -> None: ...
-
-    def fail_all(self, error: Exception) -> None: ...
-
-
 class GenerateStream:
-    """One Engine.Generate stream: adds and aborts out; each GenerateResponse (one engine step)
-    in to `sink`, one at a time, in order. When it breaks, the sink fails what it carried."""
+    """One Engine.Generate stream: adds and aborts out, each engine step's outputs in (`steps`),
+    in order. Transport only: whoever reads it decides what a step or a break means."""
 
     def __init__(
         self,
         stub: engine_pb2_grpc.EngineServiceAsyncStub,
-        make_sink: Callable[[GenerateStream], OutputSink],
-        on_broken: Callable[[], None],
         metadata: tuple[tuple[str, str], ...],
         address: str,
     ) -> None:
-        self._address = address
+        self.address = address
         self._outbox: asyncio.Queue[engine_pb2.GenerateRequest] = asyncio.Queue()
-        self.closed = False
-        self.sink = make_sink(self)
-        self._on_broken = on_broken
-        self._cancelled = False  # by close(), or for a bug of the sink's: the stream did not break
+        self.cancelled = False  # by cancel(): the stream did not break
+        self.ended: Exception | None = None  # why it ended, once it has
         self._call = stub.Generate(self._messages(), metadata=metadata)
-        self._reader = asyncio.create_task(self._read())
 
     async def _messages(self) -> AsyncIterator[engine_pb2.GenerateRequest]:
         while True:
             yield await self._outbox.get()
 
-    async def _read(self) -> None:
-        error: Exception | None = None
+    async def steps(self) -> AsyncGenerator[Sequence[engine_pb2.RequestOutput], None]:
+        """Each engine step's outputs until the stream ends; `ended` then says why."""
         try:
             async for response in self._call:
-                await self.sink.process_outputs(response.outputs)
+                yield response.outputs
         except grpc.aio.AioRpcError as exc:
-            error = _rpc_error(exc, "engine", self._address)
-        except Exception as exc:
-            # A bug of the sink's that it did not contain, not the engine's fault: the engine
-            # stays in rotation, and cancelling the call aborts what the stream carried.
-            logger.exception("engine %s: processing the Generate stream failed", self._address)
-            error = InternalError(f"processing the engine's outputs failed: {exc}")
-            self._cancelled = True
-            self._call.cancel()
-        finally:
-            self.closed = True
-            if not self._cancelled:
-                self._on_broken()
-            if error is None:  # closed, or it ended without a status (worth a log line)
-                error = (
-                    UnavailableError("engine unavailable")
-                    if self._cancelled
-                    else _error(
-                        grpc.StatusCode.UNAVAILABLE,
-                        "the Generate stream ended",
-                        "engine",
-                        self._address,
-                    )
+            self.ended = _rpc_error(exc, "engine", self.address)
+        else:  # cancelled, or it ended without a status (worth a log line)
+            self.ended = (
+                UnavailableError("engine unavailable")
+                if self.cancelled
+                else _error(
+                    grpc.StatusCode.UNAVAILABLE, "the Generate stream ended", "engine", self.address
                 )
-            self.sink.fail_all(error)
+            )
 
     def add(
         self,
@@ -174,20 +153,19 @@ class GenerateStream:
 
     def abort(self, request_ids: Sequence[str], samples: Sequence[tuple[str, int]] = ()) -> None:
         """Abort requests and single samples (request id, index), in one message."""
-        if not self.closed:
-            self._outbox.put_nowait(
-                engine_pb2.GenerateRequest(
-                    abort=engine_pb2.AbortRequest(
-                        request_ids=request_ids,
-                        samples=[engine_pb2.SampleRef(request_id=r, index=i) for r, i in samples],
-                    )
+        self._outbox.put_nowait(
+            engine_pb2.GenerateRequest(
+                abort=engine_pb2.AbortRequest(
+                    request_ids=request_ids,
+                    samples=[engine_pb2.SampleRef(request_id=r, index=i) for r, i in samples],
                 )
             )
+        )
 
-    async def close(self) -> None:
-        self._cancelled = True
+    def cancel(self) -> None:
+        """End the call, which aborts on the engine every request it carried."""
+        self.cancelled = True
         self._call.cancel()
-        await asyncio.gather(self._reader, return_exceptions=True)  # it ends CANCELLED
 
 
 class EngineClient(_ServiceClient):
@@ -196,26 +174,10 @@ class EngineClient(_ServiceClient):
     def __init__(self, address: str, token: str | None = None) -> None:
         super().__init__(address, token)
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
-        self._stream: GenerateStream | None = None
-        # Generate streams that broke (the engine died or restarted): what the gateway learnt
-        # from the engine before then may no longer hold.
-        self.broken_streams = 0
-        # Told when a Generate stream breaks (before its requests fail).
-        self.on_stream_broken: Callable[[], None] | None = None
 
-    def _stream_broke(self) -> None:
-        self.broken_streams += 1
-        if self.on_stream_broken is not None:
-            self.on_stream_broken()
-
-    def stream(self, make_sink: Callable[[GenerateStream], OutputSink]) -> GenerateStream:
-        """The shared Generate stream; a fresh one (its sink from `make_sink`) if there is
-        none or the last one ended."""
-        if self._stream is None or self._stream.closed:
-            self._stream = GenerateStream(
-                self._stub, make_sink, self._stream_broke, self._metadata, self.address
-            )
-        return self._stream
+    def generate_stream(self) -> GenerateStream:
+        """A new Generate stream: one per replica carries all of the gateway's requests."""
+        return GenerateStream(self._stub, self._metadata, self.address)
 
     async def model_info(self) -> engine_pb2.GetModelInfoResponse:
         return await self._unary(self._stub.GetModelInfo, engine_pb2.GetModelInfoRequest())
@@ -236,8 +198,6 @@ class EngineClient(_ServiceClient):
         )
 
     async def close(self) -> None:
-        if self._stream is not None:
-            await self._stream.close()
         await self._channel.close()
 
 

@@ -1,5 +1,6 @@
-"""The gateway's engine replicas: one Generate stream and one output processor per replica,
-their health, their load and what their prefix caches hold, and where each request goes.
+"""The gateway's engine replicas: one session per replica (its Generate stream and output
+processor, gateway/engines/session.py), their health, their load and what their prefix caches
+hold, and where each request goes.
 
 With one replica every request goes to it, as before replicas existed. With several, a monitor
 per replica polls its load (GetStats) while it is healthy and its health while it is not: a
@@ -18,7 +19,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -26,10 +27,11 @@ from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
 
 from common.block_hash import prefix_block_hashes
 from common.errors import FolioError, UnavailableError
-from gateway.engines.clients import EngineClient, GenerateStream
+from gateway.engines.clients import EngineClient
 from gateway.engines.routing import Decision, PrefixIndex, ReplicaLoad, RoutingPolicy
+from gateway.engines.session import ReplicaSession
 from gateway.metrics import Metrics
-from gateway.pipeline.output_processor import OutputProcessor, RetryHook, TrackedRequest
+from gateway.pipeline.output_processor import Detokenizer, TokenTexts, TrackedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +42,12 @@ RESUBSCRIBE_SECONDS = 0.5
 # A request runs on at most this many replicas (the first, and one retry).
 MAX_ATTEMPTS = 2
 
-ProcessorFactory = Callable[[GenerateStream, RetryHook], OutputProcessor]
-
 
 @dataclass(eq=False)
 class Replica:
     index: int
-    client: EngineClient
+    client: EngineClient  # its unary calls: stats, health, model info, KV events
+    session: ReplicaSession = field(init=False)  # its requests
     healthy: bool = True
     in_flight: int = 0  # requests placed here that have not been released
     stats: engine_pb2.GetStatsResponse | None = None  # its latest GetStats answer
@@ -79,7 +80,6 @@ class _Placement:
     replica: Replica
     params: common_pb2.SamplingParams
     priority: int
-    processor: OutputProcessor | None = None  # the replica's stream's, that tracks it
     attempts: int = 1
     tried: set[int] = field(default_factory=set)
 
@@ -89,10 +89,13 @@ class EnginePool:
         self,
         clients: Sequence[EngineClient],
         policy: RoutingPolicy,
-        make_processor: ProcessorFactory,
+        detokenizer: Detokenizer,
+        token_texts: TokenTexts,
         metrics: Metrics,
     ) -> None:
-        """`metrics`: where the replicas' requests routed, health and indexed blocks count."""
+        """`detokenizer` and `token_texts`: what each replica's output processor turns tokens
+        into text with; `metrics`: where the replicas' requests routed, health and indexed
+        blocks count (and the request-level series their processors observe)."""
         if not clients:
             raise ValueError("at least one engine address is needed")
         self.replicas = [Replica(i, client) for i, client in enumerate(clients)]
@@ -100,18 +103,21 @@ class EnginePool:
         self.index = PrefixIndex()
         self._metrics = metrics
         for replica in self.replicas:
+            replica.session = ReplicaSession(
+                replica.client,
+                detokenizer,
+                token_texts,
+                metrics,
+                retry=functools.partial(self._retry, failed=replica),
+                on_broken=functools.partial(self._lost, replica, "its Generate stream broke"),
+            )
             metrics.replica_routed.labels(replica.name)  # 0 until its first request
             self._set_healthy(replica, True)
             self._count_blocks(replica)
-        self._make_processor = make_processor
         self._placements: dict[TrackedRequest, _Placement] = {}
         self._block_size: int | None = None  # from the engines' model info
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
-        for replica in self.replicas:
-            replica.client.on_stream_broken = functools.partial(
-                self._lost, replica, "its Generate stream broke"
-            )
 
     @property
     def several(self) -> bool:
@@ -130,7 +136,7 @@ class EnginePool:
 
     @property
     def broken_streams(self) -> int:
-        return sum(r.client.broken_streams for r in self.replicas)
+        return sum(r.session.broken_streams for r in self.replicas)
 
     async def serving(self) -> bool:
         """Whether a replica serves."""
@@ -199,8 +205,7 @@ class EnginePool:
             if placement is None:
                 continue
             placement.replica.in_flight -= 1
-            if placement.processor is not None:
-                placement.processor.release([request])
+            placement.replica.session.release([request])
 
     def _in_rotation(self, excluding: set[int] | None = None) -> list[Replica]:
         """Healthy replicas (all of them if none is: their errors then say why)."""
@@ -218,14 +223,7 @@ class EnginePool:
         replica.in_flight += 1
         replica.placed_since_stats += 1
         self._metrics.replica_routed.labels(replica.name).inc()
-        stream = replica.client.stream(self._processor_for(replica))
-        processor = stream.sink
-        assert isinstance(processor, OutputProcessor)
-        placement.processor = processor
-        processor.add(request)
-        stream.add(
-            request.request_id, request.text.prompt_ids, placement.params, placement.priority
-        )
+        replica.session.submit(request, placement.params, placement.priority)
 
     def _choose(self, request: TrackedRequest, candidates: list[Replica]) -> Replica:
         if len(candidates) == 1:
@@ -251,12 +249,6 @@ class EnginePool:
                 decision.reason,
             )
         return chosen
-
-    def _processor_for(self, replica: Replica) -> Callable[[GenerateStream], OutputProcessor]:
-        def make(stream: GenerateStream) -> OutputProcessor:
-            return self._make_processor(stream, lambda request: self._retry(request, replica))
-
-        return make
 
     def _retry(self, request: TrackedRequest, failed: Replica) -> bool:
         """A request the failed replica lost before its first token: once more elsewhere."""
@@ -336,4 +328,5 @@ class EnginePool:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await asyncio.gather(*(r.session.close() for r in self.replicas))
         await asyncio.gather(*(r.client.close() for r in self.replicas))

@@ -26,18 +26,12 @@ from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 from common.errors import DeadlineExceededError, FolioError, ModelNotFound, UnavailableError
 from common.sampling_params import SamplingParams
 from common.sampling_proto import sampling_params_to_proto
-from gateway.engines.clients import EngineClient, GenerateStream, TokenizerClient
+from gateway.engines.clients import EngineClient, TokenizerClient
 from gateway.engines.replicas import EnginePool
 from gateway.engines.routing import make_policy
 from gateway.limits.deadlines import at_deadline
 from gateway.metrics import Metrics
-from gateway.pipeline.output_processor import (
-    ChoiceItem,
-    OutputProcessor,
-    RetryHook,
-    TokenTexts,
-    TrackedRequest,
-)
+from gateway.pipeline.output_processor import ChoiceItem, TokenTexts, TrackedRequest
 from gateway.pipeline.text import TextDelta, TextRequest
 from gateway.pipeline.validation import ModelInfo
 
@@ -60,8 +54,13 @@ class Gateway:
         routing_policy: str = "cache_aware",
     ) -> None:
         """`engines`: one client per engine replica; `routing_policy` picks among them."""
+        self._token_texts = TokenTexts()  # for logprobs; bounded by the vocabulary
         self.engine = EnginePool(
-            engines, make_policy(routing_policy), self._output_processor, metrics
+            engines,
+            make_policy(routing_policy),
+            tokenizer.sequence_detokenizer(),
+            self._token_texts,
+            metrics,
         )
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -70,8 +69,6 @@ class Gateway:
         self._info: ModelInfo | None = None
         self._info_broken_streams = 0  # engine.broken_streams when _info was read
         self._tool_call_format: str | None = None  # the chat template's, once asked
-        self._detokenizer = tokenizer.sequence_detokenizer()
-        self._token_texts = TokenTexts()  # for logprobs; bounded by the vocabulary
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -221,11 +218,6 @@ class Gateway:
                 timer.cancel()
             self.engine.release(tracked)
             self._leave()
-
-    def _output_processor(self, stream: GenerateStream, retry: RetryHook) -> OutputProcessor:
-        return OutputProcessor(
-            self._detokenizer, stream.abort, self.metrics, self._token_texts, retry
-        )
 
     # -- metrics and drain --------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
-"""The gateway's token path: one output processor per engine Generate stream turns each engine
-step's token ids into every sequence's text.
+"""The gateway's token path: one output processor per engine replica (its session's, which
+reads the replica's Generate stream) turns each engine step's token ids into every sequence's
+text.
 
 Per GenerateResponse (one engine step) it sends one message on the tokenizer's multiplexed
 DetokenizeSequences stream, with an entry for each sequence that advanced (the logprob texts it
@@ -162,8 +163,8 @@ class _Step:
 
 
 class OutputProcessor:
-    """The requests of one engine stream: process_outputs per engine step, fail_all when the
-    stream ends, release when a caller stops listening."""
+    """The requests on one replica's Generate stream: process_outputs per engine step, fail_all
+    when the stream ends, release when a caller stops listening."""
 
     def __init__(
         self,

@@ -20,11 +20,17 @@ from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2_grpc, gateway_pb2,
 import polling
 from common.config import EngineConfig, GatewayConfig
 from common.errors import InternalError
+from common.sampling_params import SamplingParams
+from common.sampling_proto import sampling_params_to_proto
 from engine.simulated import StepCostModel
 from gateway.engines.clients import EngineClient, SequenceDetokenizer
+from gateway.engines.session import ReplicaSession
 from gateway.front import grpc_service
+from gateway.metrics import Metrics
 from gateway.openai import completions
 from gateway.openai.responses import translate
+from gateway.pipeline.output_processor import OutputProcessor, TokenTexts, TrackedRequest
+from gateway.pipeline.text import TextRequest
 from gateway_helpers import GatewayThread, engine_stats, read_metrics
 from grpc_helpers import TIMEOUT, ServerThread
 from services.engine.simulate import simulated_services
@@ -174,41 +180,44 @@ def test_a_bug_processing_engine_outputs_fails_its_requests_not_the_replica(
         gateway.close()
 
 
-class BrokenSink:
-    """A Generate stream's output sink with a bug it lets out."""
-
-    def __init__(self, stream: object) -> None:
-        self.failed: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
-
-    async def process_outputs(self, outputs: object) -> None:
-        raise_bug()
-
-    def fail_all(self, error: Exception) -> None:
-        self.failed.set_result(error)
+async def step_with_bug(processor: OutputProcessor, outputs: object) -> None:
+    """An output processor's step with a bug it lets out (it contains its own)."""
+    raise_bug()
 
 
-def test_a_bug_a_sink_lets_out_cancels_its_stream_and_keeps_the_engine(replicas, caplog):
+def test_a_bug_the_processor_lets_out_cancels_the_stream_and_keeps_the_replica(
+    replicas, monkeypatch, caplog
+):
     engine = replicas[0][0]
+    monkeypatch.setattr(OutputProcessor, "process_outputs", step_with_bug)
+    broken: list[bool] = []
 
     async def run() -> tuple[Exception, int, int]:
         client = EngineClient(f"127.0.0.1:{engine.port}")
+        # No detokenizer: the bug comes before any text is asked for.
+        session = ReplicaSession(
+            client, None, TokenTexts(), Metrics(), lambda _: False, lambda: broken.append(True)
+        )
         try:
-            stream = client.stream(BrokenSink)
-            params = common_pb2.SamplingParams(max_tokens=3000, ignore_eos=True)
-            stream.add("r", [1, 2, 3], params, 0)
-            error = await asyncio.wait_for(stream.sink.failed, TIMEOUT)
+            params = SamplingParams(max_tokens=3000, ignore_eos=True)
+            request = TrackedRequest(
+                "r", TextRequest([1, 2, 3], params), 1, 0, 0.0, asyncio.Queue()
+            )
+            session.submit(request, sampling_params_to_proto(params), 0)
+            error = await asyncio.wait_for(request.deltas.get(), TIMEOUT)
             # Its call was cancelled, which aborts its requests on the engine.
             deadline = asyncio.get_running_loop().time() + TIMEOUT
             while (running := (await client.stats()).num_running) and (
                 asyncio.get_running_loop().time() < deadline
             ):
                 await asyncio.sleep(0.05)
-            return error, client.broken_streams, running
+            return error, session.broken_streams, running
         finally:
+            await session.close()
             await client.close()
 
     error, broken_streams, running = asyncio.run(run())
     assert isinstance(error, InternalError) and BUG in str(error)
-    assert broken_streams == 0  # the engine did nothing wrong
+    assert broken_streams == 0 and not broken  # the engine did nothing wrong
     assert running == 0
     assert logged_with_traceback(caplog)

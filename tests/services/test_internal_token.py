@@ -7,7 +7,6 @@ unless told otherwise."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 
 import grpc
 import pytest
@@ -21,7 +20,7 @@ from common.config import EngineConfig, GatewayServerConfig
 from common.errors import InternalError
 from common.flags import from_args
 from folio.cli import build_parser
-from gateway.engines.clients import EngineClient, GenerateStream, TokenizerClient
+from gateway.engines.clients import EngineClient, TokenizerClient
 from grpc_helpers import TIMEOUT
 from services.engine.server import EngineService
 from services.supervisor import INTERNAL_HOST, ServeConfig, Supervisor
@@ -110,21 +109,6 @@ def test_services_refuse_calls_without_the_token(guarded):
         )
 
 
-class _Outputs:
-    """An output sink for the engine client's Generate stream: every output, in order, and the
-    stream's error if it breaks."""
-
-    def __init__(self, stream: GenerateStream) -> None:
-        self.queue: asyncio.Queue[engine_pb2.RequestOutput | Exception] = asyncio.Queue()
-
-    async def process_outputs(self, outputs: Sequence[engine_pb2.RequestOutput]) -> None:
-        for output in outputs:
-            self.queue.put_nowait(output)
-
-    def fail_all(self, error: Exception) -> None:
-        self.queue.put_nowait(error)
-
-
 def test_the_gateway_clients_send_the_token(guarded):
     tokenizer, engine = guarded
 
@@ -135,17 +119,17 @@ def test_the_gateway_clients_send_the_token(guarded):
         try:
             await engine_client.model_info()
             prompt = await tokenizer_client.tokenize(tok_pb2.TokenizeRequest(text="Hi"))
-            stream = engine_client.stream(_Outputs)
+            stream = engine_client.generate_stream()
             stream.add("r", [1, 2, 3], common_pb2.SamplingParams(max_tokens=3, ignore_eos=True), 0)
             tokens: list[int] = []
-            while True:
-                output = await stream.sink.queue.get()
-                if isinstance(output, Exception):
-                    raise output
-                assert not output.HasField("error"), output.error.message
-                tokens += output.token_ids
-                if output.finished:
+            async for outputs in stream.steps():
+                for output in outputs:
+                    assert not output.HasField("error"), output.error.message
+                    tokens += output.token_ids
+                if outputs[-1].finished:
                     break
+            if stream.ended is not None:
+                raise stream.ended
             await detokenizer.exchange(
                 tok_pb2.DetokenizeSequencesRequest(
                     sequences=[
