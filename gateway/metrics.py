@@ -21,13 +21,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import prometheus_client
-from common.grpc_stubs.folio.v1 import engine_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from gateway.engines.vllm_metrics import vllm_families
+from gateway.messages import EngineStats
 
 # A `_created` series per counter and histogram only doubles what is scraped.
 prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -85,7 +85,7 @@ class EngineStatsCollector(Collector):
     is down: the gateway's own series still count)."""
 
     def __init__(self) -> None:
-        self.stats: engine_pb2.GetStatsResponse | None = None
+        self.stats: EngineStats | None = None
 
     def collect(self) -> Iterator[Metric]:
         stats = self.stats
@@ -217,7 +217,7 @@ class Metrics:
         """One sample's value (0 if it has none yet), e.g. "folio_generation_tokens_total"."""
         return self.registry.get_sample_value(name, labels) or 0.0
 
-    def render(self, stats: engine_pb2.GetStatsResponse | None) -> bytes:
+    def render(self, stats: EngineStats | None) -> bytes:
         """The text exposition, with the engine's series from `stats` (None: the engine is
         down)."""
         self._engine.stats = stats

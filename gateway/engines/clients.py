@@ -17,7 +17,6 @@ import asyncio
 import logging
 from collections.abc import (
     AsyncGenerator,
-    AsyncIterable,
     AsyncIterator,
     Awaitable,
     Callable,
@@ -26,15 +25,27 @@ from collections.abc import (
 from typing import TypeVar
 
 import grpc
-from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc, tokenizer_pb2_grpc
-from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
+from common.grpc_stubs.folio.v1 import engine_pb2_grpc, tokenizer_pb2_grpc
 from google.protobuf.message import Message
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from common.auth import bearer_metadata
 from common.config import GRPC_MESSAGE_OPTIONS, RECONNECT_CHANNEL_OPTIONS
 from common.errors import UnavailableError, error_for
+from common.sampling_params import SamplingParams
+from gateway import wire
 from gateway.limits.deadlines import call_timeout
+from gateway.messages import (
+    ChatTurn,
+    DetokenizeSequences,
+    EngineModel,
+    EngineStats,
+    KvEventBatch,
+    SequenceTexts,
+    StepOutput,
+    Tokenized,
+    ToolSpec,
+)
 
 # Unary calls are quick (tokenize, stats); a stuck service must not hang an HTTP request.
 UNARY_TIMEOUT = 30.0
@@ -74,14 +85,12 @@ class _ServiceClient:
     async def serving(self) -> bool:
         try:
             # types-grpcio-health-checking declares HealthStub without its methods.
-            response: health_pb2.HealthCheckResponse = await health_pb2_grpc.HealthStub(
-                self._channel
-            ).Check(  # type: ignore[attr-defined]
-                health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT
+            response = await health_pb2_grpc.HealthStub(self._channel).Check(  # type: ignore[attr-defined]
+                wire.health_request(), timeout=HEALTH_TIMEOUT
             )
         except grpc.aio.AioRpcError:
             return False
-        return response.status == health_pb2.HealthCheckResponse.SERVING
+        return wire.serving(response)
 
     async def _unary(
         self, method: Callable[..., Awaitable[ResponseT]], request: Message
@@ -108,20 +117,20 @@ class GenerateStream:
         address: str,
     ) -> None:
         self.address = address
-        self._outbox: asyncio.Queue[engine_pb2.GenerateRequest] = asyncio.Queue()
+        self._outbox: asyncio.Queue[wire.GenerateMessage] = asyncio.Queue()
         self.cancelled = False  # by cancel(): the stream did not break
         self.ended: Exception | None = None  # why it ended, once it has
         self._call = stub.Generate(self._messages(), metadata=metadata)
 
-    async def _messages(self) -> AsyncIterator[engine_pb2.GenerateRequest]:
+    async def _messages(self) -> AsyncIterator[wire.GenerateMessage]:
         while True:
             yield await self._outbox.get()
 
-    async def steps(self) -> AsyncGenerator[Sequence[engine_pb2.RequestOutput], None]:
+    async def steps(self) -> AsyncGenerator[list[StepOutput], None]:
         """Each engine step's outputs until the stream ends; `ended` then says why."""
         try:
             async for response in self._call:
-                yield response.outputs
+                yield wire.step_outputs(response)
         except grpc.aio.AioRpcError as exc:
             self.ended = _rpc_error(exc, "engine", self.address)
         else:  # cancelled, or it ended without a status (worth a log line)
@@ -137,30 +146,14 @@ class GenerateStream:
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
-        params: common_pb2.SamplingParams,
+        params: SamplingParams,
         priority: int,
     ) -> None:
-        self._outbox.put_nowait(
-            engine_pb2.GenerateRequest(
-                add=engine_pb2.EngineRequest(
-                    request_id=request_id,
-                    prompt_token_ids=prompt_token_ids,
-                    sampling_params=params,
-                    priority=priority,
-                )
-            )
-        )
+        self._outbox.put_nowait(wire.add_request(request_id, prompt_token_ids, params, priority))
 
     def abort(self, request_ids: Sequence[str], samples: Sequence[tuple[str, int]] = ()) -> None:
         """Abort requests and single samples (request id, index), in one message."""
-        self._outbox.put_nowait(
-            engine_pb2.GenerateRequest(
-                abort=engine_pb2.AbortRequest(
-                    request_ids=request_ids,
-                    samples=[engine_pb2.SampleRef(request_id=r, index=i) for r, i in samples],
-                )
-            )
-        )
+        self._outbox.put_nowait(wire.abort_request(request_ids, samples))
 
     def cancel(self) -> None:
         """End the call, which aborts on the engine every request it carried."""
@@ -179,23 +172,24 @@ class EngineClient(_ServiceClient):
         """A new Generate stream: one per replica carries all of the gateway's requests."""
         return GenerateStream(self._stub, self._metadata, self.address)
 
-    async def model_info(self) -> engine_pb2.GetModelInfoResponse:
-        return await self._unary(self._stub.GetModelInfo, engine_pb2.GetModelInfoRequest())
+    async def model_info(self) -> EngineModel:
+        return wire.engine_model(
+            await self._unary(self._stub.GetModelInfo, wire.model_info_request())
+        )
 
-    async def stats(self) -> engine_pb2.GetStatsResponse:
-        return await self._unary(self._stub.GetStats, engine_pb2.GetStatsRequest())
+    async def stats(self) -> EngineStats:
+        return wire.engine_stats(await self._unary(self._stub.GetStats, wire.stats_request()))
 
-    def kv_events(
+    async def kv_events(
         self, start_sequence_number: int, epoch: str
-    ) -> AsyncIterable[engine_pb2.SubscribeKvEventsResponse]:
+    ) -> AsyncIterator[KvEventBatch]:
         """The engine's KV event batches from `start_sequence_number` of `epoch` on (a replay,
         or a snapshot), then live; raises grpc.aio.AioRpcError when the stream breaks."""
-        return self._stub.SubscribeKvEvents(
-            engine_pb2.SubscribeKvEventsRequest(
-                start_sequence_number=start_sequence_number, epoch=epoch
-            ),
-            metadata=self._metadata,
+        call = self._stub.SubscribeKvEvents(
+            wire.kv_events_request(start_sequence_number, epoch), metadata=self._metadata
         )
+        async for batch in call:
+            yield wire.kv_event_batch(batch)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -219,22 +213,17 @@ class SequenceDetokenizer:
         self._stub = stub
         self._metadata = metadata
         self._call: (
-            grpc.aio.StreamStreamCall[
-                tok_pb2.DetokenizeSequencesRequest, tok_pb2.DetokenizeSequencesResponse
-            ]
-            | None
+            grpc.aio.StreamStreamCall[wire.SequencesMessage, wire.SequencesAnswer] | None
         ) = None
         self._lock = asyncio.Lock()
 
-    async def exchange(
-        self, request: tok_pb2.DetokenizeSequencesRequest
-    ) -> tok_pb2.DetokenizeSequencesResponse:
+    async def exchange(self, message: DetokenizeSequences) -> SequenceTexts:
         async with self._lock:
             call = self._call
             if call is None:
                 call = self._call = self._stub.DetokenizeSequences(metadata=self._metadata)
             try:
-                await call.write(request)
+                await call.write(wire.sequences_message(message))
                 response = await call.read()
             except grpc.aio.AioRpcError as exc:
                 self._drop()
@@ -245,7 +234,7 @@ class SequenceDetokenizer:
                 raise _error(
                     await call.code(), await call.details(), "tokenizer", self._address
                 ) from None
-            if not isinstance(response, tok_pb2.DetokenizeSequencesResponse):  # EOF
+            if not isinstance(response, wire.SequencesAnswer):  # EOF
                 self._drop()
                 raise _error(
                     grpc.StatusCode.UNAVAILABLE,
@@ -253,7 +242,7 @@ class SequenceDetokenizer:
                     "tokenizer",
                     self._address,
                 )
-            return response
+            return wire.sequence_texts(response)
 
     def _drop(self) -> None:
         if self._call is not None:
@@ -271,14 +260,31 @@ class TokenizerClient(_ServiceClient):
         super().__init__(address, token)
         self._stub = tokenizer_pb2_grpc.TokenizerServiceStub(self._channel)
 
-    async def tokenize(self, request: tok_pb2.TokenizeRequest) -> tok_pb2.TokenizeResponse:
-        return await self._unary(self._stub.Tokenize, request)
+    async def tokenize_text(
+        self, text: str, add_special_tokens: bool = True, return_token_strs: bool = False
+    ) -> Tokenized:
+        request = wire.tokenize_text_request(text, add_special_tokens, return_token_strs)
+        return wire.tokenized(await self._unary(self._stub.Tokenize, request))
 
-    async def detokenize(self, request: tok_pb2.DetokenizeRequest) -> tok_pb2.DetokenizeResponse:
-        return await self._unary(self._stub.Detokenize, request)
+    async def tokenize_chat(
+        self,
+        messages: Sequence[ChatTurn],
+        tools: Sequence[ToolSpec] = (),
+        add_generation_prompt: bool = True,
+        return_token_strs: bool = False,
+    ) -> Tokenized:
+        request = wire.tokenize_chat_request(
+            messages, tools, add_generation_prompt, return_token_strs
+        )
+        return wire.tokenized(await self._unary(self._stub.Tokenize, request))
 
-    async def info(self) -> tok_pb2.GetInfoResponse:
-        return await self._unary(self._stub.GetInfo, tok_pb2.GetInfoRequest())
+    async def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str:
+        request = wire.detokenize_request(token_ids, skip_special_tokens)
+        return wire.detokenized(await self._unary(self._stub.Detokenize, request))
+
+    async def tool_call_format(self) -> str:
+        """The tool-call format the model's chat template teaches ("" for none)."""
+        return wire.tool_call_format(await self._unary(self._stub.GetInfo, wire.info_request()))
 
     def sequence_detokenizer(self) -> SequenceDetokenizer:
         return SequenceDetokenizer(self._stub, self._metadata, self.address)

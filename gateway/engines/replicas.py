@@ -23,13 +23,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
 
 from common.block_hash import prefix_block_hashes
 from common.errors import FolioError, UnavailableError
+from common.sampling_params import SamplingParams
 from gateway.engines.clients import EngineClient
 from gateway.engines.routing import Decision, PrefixIndex, ReplicaLoad, RoutingPolicy
 from gateway.engines.session import ReplicaSession
+from gateway.messages import EngineModel, EngineStats, KvEventBatch
 from gateway.metrics import Metrics
 from gateway.pipeline.output_processor import Detokenizer, TokenTexts, TrackedRequest
 
@@ -50,7 +51,7 @@ class Replica:
     session: ReplicaSession = field(init=False)  # its requests
     healthy: bool = True
     in_flight: int = 0  # requests placed here that have not been released
-    stats: engine_pb2.GetStatsResponse | None = None  # its latest GetStats answer
+    stats: EngineStats | None = None  # its latest GetStats answer
     placed_since_stats: int = 0  # requests placed here since `stats` came
 
     @property
@@ -69,7 +70,7 @@ class Replica:
             self.placed_since_stats, stats.num_running, stats.num_waiting, stats.kv_cache_usage
         )
 
-    def reported(self, stats: engine_pb2.GetStatsResponse | None) -> None:
+    def reported(self, stats: EngineStats | None) -> None:
         """The engine's latest answer (None: none to trust); it counts what was placed so far."""
         self.stats = stats
         self.placed_since_stats = 0
@@ -78,7 +79,7 @@ class Replica:
 @dataclass(eq=False)
 class _Placement:
     replica: Replica
-    params: common_pb2.SamplingParams
+    params: SamplingParams
     priority: int
     attempts: int = 1
     tried: set[int] = field(default_factory=set)
@@ -143,7 +144,7 @@ class EnginePool:
         answers = await asyncio.gather(*(r.client.serving() for r in self.replicas))
         return any(answers)
 
-    async def model_info(self) -> engine_pb2.GetModelInfoResponse:
+    async def model_info(self) -> EngineModel:
         """The served model, from the first replica in rotation that answers."""
         error: FolioError = UnavailableError("engine: no replica is serving")
         for replica in self._in_rotation():
@@ -156,13 +157,13 @@ class EnginePool:
             return info
         raise error
 
-    async def stats(self) -> engine_pb2.GetStatsResponse:
+    async def stats(self) -> EngineStats:
         """Every replica's stats (kept for the per-replica series), and their sum for the
         engine-wide ones; raises when no replica answers."""
         answers = await asyncio.gather(
             *(r.client.stats() for r in self.replicas), return_exceptions=True
         )
-        total = engine_pb2.GetStatsResponse()
+        total = EngineStats()
         usage_blocks = 0.0
         error: BaseException | None = None
         for replica, answer in zip(self.replicas, answers, strict=True):
@@ -191,9 +192,7 @@ class EnginePool:
 
     # -- placing requests -----------------------------------------------------------------------
 
-    def submit(
-        self, request: TrackedRequest, params: common_pb2.SamplingParams, priority: int
-    ) -> None:
+    def submit(self, request: TrackedRequest, params: SamplingParams, priority: int) -> None:
         """Send a request to the replica the policy picks."""
         placement = _Placement(self.replicas[0], params, priority)
         self._place(request, placement, self._in_rotation())
@@ -311,14 +310,13 @@ class EnginePool:
                 logger.debug("KV events of replica %s: %s", replica.name, exc.code().name)
             await asyncio.sleep(RESUBSCRIBE_SECONDS)
 
-    def _apply(self, replica: int, batch: engine_pb2.SubscribeKvEventsResponse) -> None:
+    def _apply(self, replica: int, batch: KvEventBatch) -> None:
         for event in batch.events:
-            kind = event.WhichOneof("event")
-            if kind == "block_stored":
-                self.index.stored(replica, event.block_stored.block_hashes)
-            elif kind == "block_removed":
-                self.index.removed(replica, event.block_removed.block_hashes)
-            elif kind == "all_blocks_cleared":
+            if event.kind == "block_stored":
+                self.index.stored(replica, event.block_hashes)
+            elif event.kind == "block_removed":
+                self.index.removed(replica, event.block_hashes)
+            else:
                 self.index.clear(replica)
 
     async def close(self) -> None:

@@ -17,9 +17,8 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
 
-from common.grpc_stubs.folio.v1 import common_pb2
-
 from common.errors import InternalError, UnavailableError
+from common.sampling_params import SamplingParams
 from gateway.engines.clients import EngineClient, GenerateStream
 from gateway.metrics import Metrics
 from gateway.pipeline.output_processor import (
@@ -57,9 +56,7 @@ class ReplicaSession:
         # from the engine before then may no longer hold.
         self.broken_streams = 0
 
-    def submit(
-        self, request: TrackedRequest, params: common_pb2.SamplingParams, priority: int
-    ) -> None:
+    def submit(self, request: TrackedRequest, params: SamplingParams, priority: int) -> None:
         if self._stream is None:
             self._stream = self.client.generate_stream()
             self._reader = asyncio.create_task(self._read(self._stream))

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from common.grpc_stubs.folio.v1 import engine_pb2
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from gateway.messages import EngineStats
 
-def vllm_families(stats: engine_pb2.GetStatsResponse) -> Iterator[Metric]:
+
+def vllm_families(stats: EngineStats) -> Iterator[Metric]:
     """The engine's load under vLLM's names, from one GetStats answer."""
     yield GaugeMetricFamily(
         "vllm:num_requests_running",

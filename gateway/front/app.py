@@ -23,8 +23,6 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from common.grpc_stubs.folio.v1 import common_pb2
-from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -41,6 +39,7 @@ from gateway.front.serving import serve
 from gateway.front.sse import EventStreamResponse
 from gateway.limits.auth import Access
 from gateway.limits.deadlines import set_deadline
+from gateway.messages import ChatTurn
 from gateway.metrics import CONTENT_TYPE
 from gateway.openai import completions
 from gateway.openai import protocol as api
@@ -272,9 +271,7 @@ async def tokenize(request: Request) -> Response:
     body = await read_body(request, api.TokenizeRequest)
     info = await gateway.check_model(body.model)
     if body.messages is not None and body.prompt is None:
-        messages = [
-            common_pb2.ChatMessage(role=m.role, content=m.text, name=m.name) for m in body.messages
-        ]
+        messages = [ChatTurn(role=m.role, content=m.text, name=m.name) for m in body.messages]
         result = await gateway.tokenize_chat(
             messages, body.add_generation_prompt, body.return_token_strs
         )
@@ -299,10 +296,8 @@ async def detokenize(request: Request) -> Response:
     body = await read_body(request, api.DetokenizeRequest)
     check_token_ids(await gateway.check_model(body.model), body.tokens, "tokens")
     # As vLLM: the exact text of the ids, special tokens included, so tokenize round-trips.
-    result = await gateway.tokenizer.detokenize(
-        tok_pb2.DetokenizeRequest(token_ids=body.tokens, skip_special_tokens=False)
-    )
-    return ModelResponse(api.DetokenizeResponse(prompt=result.text))
+    text = await gateway.tokenizer.detokenize(body.tokens, skip_special_tokens=False)
+    return ModelResponse(api.DetokenizeResponse(prompt=text))
 
 
 async def health(request: Request) -> Response:

@@ -15,11 +15,11 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from common.grpc_stubs.folio.v1 import engine_pb2
 from pydantic import BaseModel
 
 from gateway.front.sse import event
 from gateway.limits.deadlines import set_deadline
+from gateway.messages import EngineStats
 from gateway.pipeline.generation import Gateway
 
 GENERATION_TOKENS = "folio_generation_tokens_total"
@@ -57,7 +57,7 @@ class Reading:
     monotonic: float
     generation_tokens: float
     prompt_tokens: float
-    stats: engine_pb2.GetStatsResponse | None
+    stats: EngineStats | None
 
 
 def _rate(now: float, before: float, seconds: float) -> float:

@@ -1,12 +1,13 @@
 """The gateway's public gRPC text API: folio.v1.GatewayService (Generate, Chat), server-streaming
 text deltas over the same generation pipeline as the HTTP routes.
 
-A thin adapter: protobuf in, serving.py (as the HTTP routes), protobuf out; errors become
-status codes through common.errors. Calls need an API key in their metadata when the gateway
-has keys (UNAUTHENTICATED otherwise) and are rate limited like HTTP requests (RESOURCE_EXHAUSTED). A
-call's deadline, or the gateway's request timeout if sooner, bounds the calls it makes to the
-tokenizer and ends its generation (DEADLINE_EXCEEDED). Cancelling the call closes the pipeline,
-which aborts the engine request. It never holds business logic of its own.
+A thin adapter: calls in and answers out through the protobuf edge (gateway/wire.py), serving.py
+(as the HTTP routes) between; errors become status codes through common.errors. Calls need an
+API key in their metadata when the gateway has keys (UNAUTHENTICATED otherwise) and are rate
+limited like HTTP requests (RESOURCE_EXHAUSTED). A call's deadline, or the gateway's request
+timeout if sooner, bounds the calls it makes to the tokenizer and ends its generation
+(DEADLINE_EXCEEDED). Cancelling the call closes the pipeline, which aborts the engine request.
+It never holds business logic of its own.
 """
 
 from __future__ import annotations
@@ -14,65 +15,25 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypedDict
+from typing import Any
 
 import grpc
-from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2_grpc
-from common.grpc_stubs.folio.v1 import gateway_pb2 as pb
+from common.grpc_stubs.folio.v1 import gateway_pb2_grpc
 
 from common.config import GatewayConfig
 from common.errors import InvalidParameter, status_code_for
-from common.finish_reason import finish_reason_to_proto
 from common.grpc_server import GrpcService
-from common.sampling_proto import sampling_params_from_proto
+from gateway import wire
 from gateway.front.http_errors import log_failure
 from gateway.front.serving import serve
 from gateway.limits.auth import Access
 from gateway.limits.deadlines import set_deadline
+from gateway.messages import TextCall
 from gateway.pipeline.generation import Gateway, new_request_id
-from gateway.pipeline.text import TextDelta, TextRequest, TokenLogprob
+from gateway.pipeline.text import TextDelta, TextRequest
 from gateway.pipeline.validation import ModelInfo, text_request
 
 _Context = grpc.aio.ServicerContext[Any, Any]
-
-
-class _ResponseFields(TypedDict, total=False):
-    """The fields GatewayServiceGenerateResponse and ChatResponse share."""
-
-    text: str
-    logprobs: list[pb.TextLogprob]
-    finish_reason: common_pb2.FinishReason.ValueType
-    usage: common_pb2.Usage
-
-
-def _response_fields(delta: TextDelta) -> _ResponseFields:
-    """The response fields of one delta."""
-    fields = _ResponseFields(text=delta.text, logprobs=[_text_logprob(lp) for lp in delta.logprobs])
-    if delta.usage is not None:
-        # A sequence's last delta carries both its usage and its finish reason.
-        if delta.finish_reason is None:
-            raise ValueError("a delta with usage must have a finish reason")
-        fields["finish_reason"] = finish_reason_to_proto(delta.finish_reason)
-        fields["usage"] = common_pb2.Usage(
-            prompt_tokens=delta.usage.prompt_tokens,
-            completion_tokens=delta.usage.completion_tokens,
-            cached_tokens=delta.usage.cached_tokens,
-        )
-    return fields
-
-
-def _text_logprob(lp: TokenLogprob) -> pb.TextLogprob:
-    message = pb.TextLogprob(
-        token=lp.token,
-        token_id=lp.token_id,
-        top_logprobs=[
-            pb.TextTopLogprob(token=text, token_id=token_id, logprob=value)
-            for token_id, text, value in lp.top
-        ],
-    )
-    if lp.logprob is not None:  # a prompt's first token has none: the field stays unset
-        message.logprob = lp.logprob
-    return message
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
@@ -83,35 +44,33 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self._request_timeout = service.config.request_timeout
 
     async def Generate(
-        self, request: pb.GatewayServiceGenerateRequest, context: _Context
-    ) -> AsyncIterator[pb.GatewayServiceGenerateResponse]:
+        self, request: wire.GenerateCall, context: _Context
+    ) -> AsyncIterator[wire.GenerateAnswer]:
         async def plan() -> TextRequest:
-            info = await self._gateway.check_model(request.model)
-            prompt = await self._gateway.tokenize_text(request.prompt)
-            return self._text_request(info, prompt.token_ids, request, "prompt")
+            call = wire.text_call(request)
+            info = await self._gateway.check_model(call.model)
+            prompt = await self._gateway.tokenize_text(call.prompt)
+            return self._text_request(info, prompt.token_ids, call, "prompt")
 
         async for delta in self._stream(plan, context):
-            yield pb.GatewayServiceGenerateResponse(**_response_fields(delta))
+            yield wire.generate_answer(delta)
 
     async def Chat(
-        self, request: pb.ChatRequest, context: _Context
-    ) -> AsyncIterator[pb.ChatResponse]:
+        self, request: wire.ChatCall, context: _Context
+    ) -> AsyncIterator[wire.ChatAnswer]:
         async def plan() -> TextRequest:
-            info = await self._gateway.check_model(request.model)
-            prompt = await self._gateway.tokenize_chat(request.messages)
-            return self._text_request(info, prompt.token_ids, request, "messages")
+            call = wire.text_call(request)
+            info = await self._gateway.check_model(call.model)
+            prompt = await self._gateway.tokenize_chat(call.messages)
+            return self._text_request(info, prompt.token_ids, call, "messages")
 
         async for delta in self._stream(plan, context):
-            yield pb.ChatResponse(**_response_fields(delta))
+            yield wire.chat_answer(delta)
 
     def _text_request(
-        self,
-        info: ModelInfo,
-        prompt_ids: Sequence[int],
-        request: pb.GatewayServiceGenerateRequest | pb.ChatRequest,
-        prompt_param: str,
+        self, info: ModelInfo, prompt_ids: Sequence[int], call: TextCall, prompt_param: str
     ) -> TextRequest:
-        params = sampling_params_from_proto(request.sampling_params)
+        params = call.params
         if params.n != 1:  # each call streams one sequence's text
             raise InvalidParameter(f"n must be 1 here (one sequence per call), got {params.n}", "n")
         return text_request(
@@ -119,9 +78,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             prompt_ids,
             params,
             prompt_param=prompt_param,
-            stop=list(request.stop),
-            include_stop_str_in_output=request.include_stop_str_in_output,
-            priority=request.priority,
+            stop=call.stop,
+            include_stop_str_in_output=call.include_stop_str_in_output,
+            priority=call.priority,
         )
 
     async def _stream(
@@ -161,7 +120,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 class GatewayGrpcService(GrpcService):
     """Health, reflection and drain come from GrpcService; serving needs no warm-up."""
 
-    service_names = (pb.DESCRIPTOR.services_by_name["GatewayService"].full_name,)
+    service_names = (wire.GATEWAY_SERVICE,)
 
     def __init__(
         self,

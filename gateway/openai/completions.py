@@ -16,13 +16,12 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import pydantic_core
-from common.grpc_stubs.folio.v1 import common_pb2
-from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 
 from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
 from gateway.front.http_errors import error_body, log_failure
 from gateway.front.sse import DONE, event
+from gateway.messages import ChatTurn
 from gateway.openai import protocol as api
 from gateway.openai.structured import structured_output
 from gateway.openai.tools.chat import ChatInput, ToolPlan, ToolReader, chat_input
@@ -159,10 +158,7 @@ async def _chat_input(
 ) -> ChatInput:
     if not _uses_tools(body):
         return ChatInput(
-            [
-                common_pb2.ChatMessage(role=m.role, content=m.text, name=m.name)
-                for m in body.messages
-            ]
+            [ChatTurn(role=m.role, content=m.text, name=m.name) for m in body.messages]
         )
     return chat_input(body, await gateway.tool_call_format(), tool_call_parser)
 
@@ -261,10 +257,7 @@ async def _prompt_text(gateway: Gateway, prompt: str | list[int]) -> str:
     """A prompt as echoed: its own text, or the exact text of its token ids."""
     if isinstance(prompt, str):
         return prompt
-    response = await gateway.tokenizer.detokenize(
-        tok_pb2.DetokenizeRequest(token_ids=prompt, skip_special_tokens=False)
-    )
-    return response.text
+    return await gateway.tokenizer.detokenize(prompt, skip_special_tokens=False)
 
 
 def _include_usage(body: api.SamplingFields) -> bool:

@@ -20,16 +20,13 @@ import uuid
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 
-from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
-from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
-
 from common.errors import DeadlineExceededError, FolioError, ModelNotFound, UnavailableError
 from common.sampling_params import SamplingParams
-from common.sampling_proto import sampling_params_to_proto
 from gateway.engines.clients import EngineClient, TokenizerClient
 from gateway.engines.replicas import EnginePool
 from gateway.engines.routing import make_policy
 from gateway.limits.deadlines import at_deadline
+from gateway.messages import ChatTurn, EngineStats, Tokenized, ToolSpec
 from gateway.metrics import Metrics
 from gateway.pipeline.output_processor import ChoiceItem, TokenTexts, TrackedRequest
 from gateway.pipeline.text import TextDelta, TextRequest
@@ -107,7 +104,7 @@ class Gateway:
             )
         return info
 
-    async def engine_stats(self) -> engine_pb2.GetStatsResponse | None:
+    async def engine_stats(self) -> EngineStats | None:
         """The engine's load and counters (GetStats), as /metrics and the dashboard show them;
         None while the engine is down (the gateway's own numbers still count then)."""
         try:
@@ -119,7 +116,7 @@ class Gateway:
         """The tool-call format the model's chat template teaches ("" for none), asked of the
         tokenizer once."""
         if self._tool_call_format is None:
-            self._tool_call_format = (await self.tokenizer.info()).tool_call_format
+            self._tool_call_format = await self.tokenizer.tool_call_format()
         return self._tool_call_format
 
     def check_available(self) -> None:
@@ -130,28 +127,18 @@ class Gateway:
 
     async def tokenize_text(
         self, text: str, add_special_tokens: bool = True, return_token_strs: bool = False
-    ) -> tok_pb2.TokenizeResponse:
-        return await self.tokenizer.tokenize(
-            tok_pb2.TokenizeRequest(
-                text=text,
-                add_special_tokens=add_special_tokens,
-                return_token_strs=return_token_strs,
-            )
-        )
+    ) -> Tokenized:
+        return await self.tokenizer.tokenize_text(text, add_special_tokens, return_token_strs)
 
     async def tokenize_chat(
         self,
-        messages: Sequence[common_pb2.ChatMessage],
+        messages: Sequence[ChatTurn],
         add_generation_prompt: bool = True,
         return_token_strs: bool = False,
-        tools: Sequence[common_pb2.Tool] = (),
-    ) -> tok_pb2.TokenizeResponse:
-        return await self.tokenizer.tokenize(
-            tok_pb2.TokenizeRequest(
-                chat=tok_pb2.Conversation(messages=messages, tools=tools),
-                add_generation_prompt=add_generation_prompt,
-                return_token_strs=return_token_strs,
-            )
+        tools: Sequence[ToolSpec] = (),
+    ) -> Tokenized:
+        return await self.tokenizer.tokenize_chat(
+            messages, tools, add_generation_prompt, return_token_strs
         )
 
     # -- generation ---------------------------------------------------------------------------
@@ -201,9 +188,7 @@ class Gateway:
                     tracked.append(
                         TrackedRequest(engine_id, request, count, choice, arrival, deltas)
                     )
-                    self.engine.submit(
-                        tracked[-1], sampling_params_to_proto(params), request.priority
-                    )
+                    self.engine.submit(tracked[-1], params, request.priority)
                     choice += count
             choices_left = choice
             while choices_left:

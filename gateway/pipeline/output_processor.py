@@ -24,11 +24,16 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
-from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
-
 from common.errors import FolioError, InternalError, error_for
-from common.finish_reason import finish_reason_from_proto
+from gateway.messages import (
+    DetokenizeOptions,
+    DetokenizeSequences,
+    Logprob,
+    SequenceText,
+    SequenceTexts,
+    SequenceTokens,
+    StepOutput,
+)
 from gateway.metrics import Metrics
 from gateway.pipeline.text import TextDelta, TextRequest, TokenLogprob, Usage
 
@@ -41,9 +46,7 @@ _sequence_ids = itertools.count(1)
 class Detokenizer(Protocol):
     """The tokenizer's DetokenizeSequences stream: one answer per message, in order."""
 
-    async def exchange(
-        self, request: tok_pb2.DetokenizeSequencesRequest
-    ) -> tok_pb2.DetokenizeSequencesResponse: ...
+    async def exchange(self, message: DetokenizeSequences) -> SequenceTexts: ...
 
 
 # Aborts, in one message: whole requests by id, and single samples as (request id, index).
@@ -73,7 +76,7 @@ class TokenTexts:
         self._texts.clear()
 
     def logprobs(
-        self, records: Sequence[common_pb2.TokenLogprob], first_prompt_token: int | None = None
+        self, records: Sequence[Logprob], first_prompt_token: int | None = None
     ) -> list[TokenLogprob]:
         """The records with token texts; a prompt's first token, when given, leads them with no
         logprob (the engine sends none for it)."""
@@ -88,17 +91,17 @@ class TokenTexts:
                 lp.token_id,
                 texts[lp.token_id],
                 lp.logprob,
-                [(t.token_id, texts[t.token_id], t.logprob) for t in lp.top_logprobs],
+                [(token_id, texts[token_id], logprob) for token_id, logprob in lp.top],
             )
             for lp in records
         ]
 
 
-def _logprob_ids(records: Sequence[common_pb2.TokenLogprob]) -> Iterable[int]:
+def _logprob_ids(records: Sequence[Logprob]) -> Iterable[int]:
     for lp in records:
         yield lp.token_id
-        for top in lp.top_logprobs:
-            yield top.token_id
+        for token_id, _ in lp.top:
+            yield token_id
 
 
 @dataclass(eq=False)
@@ -128,7 +131,7 @@ class TrackedRequest:
     arrival: float  # time.monotonic() at the gateway
     deltas: asyncio.Queue[ChoiceItem]
     sequences: list[_Sequence] = field(init=False)
-    options: tok_pb2.DetokenizeOptions = field(init=False)
+    options: DetokenizeOptions = field(init=False)
 
     def __post_init__(self) -> None:
         prompt_logprobs = self.text.params.prompt_logprobs is not None
@@ -136,8 +139,8 @@ class TrackedRequest:
             _Sequence(i, self.first_choice + i, prompt_logprobs_due=prompt_logprobs)
             for i in range(self.n)
         ]
-        self.options = tok_pb2.DetokenizeOptions(
-            stop=self.text.stop,
+        self.options = DetokenizeOptions(
+            stop=tuple(self.text.stop),
             include_stop_str_in_output=self.text.include_stop_str_in_output,
             skip_special_tokens=self.text.skip_special_tokens,
         )
@@ -158,7 +161,7 @@ class _Step:
 
     request: TrackedRequest
     sequence: _Sequence
-    output: engine_pb2.RequestOutput
+    output: StepOutput
     first_prompt_token: int | None  # set when this output carries the prompt's logprobs
 
 
@@ -211,7 +214,7 @@ class OutputProcessor:
                 request.deltas.put_nowait(error)
         self._requests.clear()
 
-    async def process_outputs(self, outputs: Sequence[engine_pb2.RequestOutput]) -> None:
+    async def process_outputs(self, outputs: Sequence[StepOutput]) -> None:
         """One engine step: every output's text in one tokenizer round trip, then each caller
         its delta and one Abort for the stop strings that matched. A failure here is the
         gateway's own (a bug): it is logged, the step's requests fail with an InternalError and
@@ -227,9 +230,8 @@ class OutputProcessor:
                 True,
             )
 
-    async def _process(self, outputs: Sequence[engine_pb2.RequestOutput]) -> None:
-        # Entries are added in place: a list handed to the message's constructor is copied.
-        message = tok_pb2.DetokenizeSequencesRequest()
+    async def _process(self, outputs: Sequence[StepOutput]) -> None:
+        message = DetokenizeSequences()
         entries = message.sequences
         steps: list[_Step] = []
         text_ids: set[int] = set()
@@ -239,12 +241,9 @@ class OutputProcessor:
             request = self._requests.get(output.request_id)
             if request is None:  # already let go (aborted, the caller left)
                 continue
-            if output.HasField("error"):  # it ended in the engine: nothing to abort
-                self._fail(
-                    [request],
-                    error_for(output.error.code, output.error.message, output.error.param or None),
-                    False,
-                )
+            if output.error is not None:  # it ended in the engine: nothing to abort
+                error = output.error
+                self._fail([request], error_for(error.code, error.message, error.param), False)
                 continue
             sequence = request.sequences[output.index]
             if sequence.done:
@@ -258,12 +257,11 @@ class OutputProcessor:
                 count = len(token_ids)
                 self._observe_tokens(request, sequence, count, now)
                 step_tokens += count
-            entry = entries.add(
-                sequence_id=sequence.sequence_id, token_ids=token_ids, finish=output.finished
-            )
+            entry = SequenceTokens(sequence.sequence_id, token_ids, output.finished)
             if not sequence.opened:
-                entry.options.CopyFrom(request.options)
+                entry.options = request.options
                 sequence.opened = True
+            entries.append(entry)
             if output.logprobs:
                 text_ids.update(_logprob_ids(output.logprobs))
             first_prompt_token = None
@@ -278,8 +276,8 @@ class OutputProcessor:
         if not steps:
             return
         missing = sorted(self._token_texts.missing(text_ids)) if text_ids else []
-        message.token_text_ids.extend(missing)
-        message.released_sequence_ids.extend(self._released_sequences)
+        message.token_text_ids = missing
+        message.released_sequence_ids = self._released_sequences
         self._released_sequences = []
         try:
             answer = await self._detokenizer.exchange(message)
@@ -292,7 +290,7 @@ class OutputProcessor:
             self._token_texts.learn(missing, answer.token_texts)
         self._deliver(steps, answer.sequences)
 
-    def _deliver(self, steps: Sequence[_Step], texts: Sequence[tok_pb2.SequenceText]) -> None:
+    def _deliver(self, steps: Sequence[_Step], texts: Sequence[SequenceText]) -> None:
         aborted_requests: list[str] = []
         aborted_samples: list[tuple[str, int]] = []
         for step, text in zip(steps, texts, strict=True):
@@ -321,7 +319,7 @@ class OutputProcessor:
                     else:
                         aborted_samples.append((request.request_id, sequence.index))
             elif output.finished:
-                delta.finish_reason = finish_reason_from_proto(output.finish_reason)
+                delta.finish_reason = output.finish_reason
                 self._finish(request, sequence, delta, output)
             elif delta.text or delta.logprobs or delta.prompt_logprobs:
                 request.deltas.put_nowait((sequence.choice, delta))
@@ -333,15 +331,13 @@ class OutputProcessor:
         request: TrackedRequest,
         sequence: _Sequence,
         delta: TextDelta,
-        last: engine_pb2.RequestOutput,
+        last: StepOutput,
     ) -> None:
         """The sequence's last delta: its finish reason and usage (the tokens its text was
         made of); the request is forgotten once each of its samples has ended."""
         assert delta.finish_reason is not None
         sequence.done = True
-        delta.usage = Usage(
-            len(request.text.prompt_ids), sequence.num_tokens, last.usage.cached_tokens
-        )
+        delta.usage = Usage(len(request.text.prompt_ids), sequence.num_tokens, last.cached_tokens)
         self._metrics.e2e.observe(time.monotonic() - request.arrival)
         self._metrics.queue_time.observe(last.queue_seconds)
         self._metrics.request_finished(delta.finish_reason)

@@ -28,12 +28,12 @@ import httpx
 import pytest
 from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2_grpc
 from common.grpc_stubs.folio.v1 import gateway_pb2 as gateway_pb
-from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 from serve_process import ENGINE_ARGS, ServeProcess, alive, start_serve
 
 from common.config import INTERNAL_TOKEN_ENV
 from common.errors import UnavailableError
 from gateway.engines.clients import TokenizerClient
+from gateway.messages import DetokenizeOptions, DetokenizeSequences, SequenceTokens
 
 LONG = os.environ.get("FOLIO_LONG_TESTS") == "1"
 # No request may take longer than this: a hung connection fails the test instead of hanging it.
@@ -387,17 +387,15 @@ def test_a_detokenize_stream_whose_tokenizer_died_between_messages_is_unavailabl
                 assert time.monotonic() < deadline, "the tokenizer did not start"
                 await asyncio.sleep(0.05)
             session = tokenizer.sequence_detokenizer()
-            first = tok_pb2.SequenceTokens(
-                sequence_id=1, options=tok_pb2.DetokenizeOptions(), token_ids=[28, 29]
-            )
-            answer = await session.exchange(tok_pb2.DetokenizeSequencesRequest(sequences=[first]))
+            first = SequenceTokens(1, (28, 29), options=DetokenizeOptions())
+            answer = await session.exchange(DetokenizeSequences([first]))
             assert answer.sequences[0].text
             process.kill()
             process.wait()
             await asyncio.sleep(1)  # the stream's end has arrived
-            after = tok_pb2.SequenceTokens(sequence_id=1, token_ids=[30])
+            after = SequenceTokens(1, (30,))
             with pytest.raises(UnavailableError, match="tokenizer"):
-                await session.exchange(tok_pb2.DetokenizeSequencesRequest(sequences=[after]))
+                await session.exchange(DetokenizeSequences([after]))
             session.close()
             await tokenizer.close()
 

@@ -21,7 +21,6 @@ import polling
 from common.config import EngineConfig, GatewayConfig
 from common.errors import InternalError
 from common.sampling_params import SamplingParams
-from common.sampling_proto import sampling_params_to_proto
 from engine.simulated import StepCostModel
 from gateway.engines.clients import EngineClient, SequenceDetokenizer
 from gateway.engines.session import ReplicaSession
@@ -142,10 +141,11 @@ def test_a_bug_processing_engine_outputs_fails_its_requests_not_the_replica(
     engines, tokenizer = replicas
     exchange = SequenceDetokenizer.exchange
 
-    async def exchange_with_bug(self, request):
-        if any(MARKER in entry.options.stop for entry in request.sequences):
+    async def exchange_with_bug(self, message):
+        # A sequence's options (its stop strings) come with its first tokens only.
+        if any(e.options and MARKER in e.options.stop for e in message.sequences):
             raise_bug()
-        return await exchange(self, request)
+        return await exchange(self, message)
 
     monkeypatch.setattr(SequenceDetokenizer, "exchange", exchange_with_bug)
     addresses = [f"127.0.0.1:{e.port}" for e in engines]
@@ -203,7 +203,7 @@ def test_a_bug_the_processor_lets_out_cancels_the_stream_and_keeps_the_replica(
             request = TrackedRequest(
                 "r", TextRequest([1, 2, 3], params), 1, 0, 0.0, asyncio.Queue()
             )
-            session.submit(request, sampling_params_to_proto(params), 0)
+            session.submit(request, params, 0)
             error = await asyncio.wait_for(request.deltas.get(), TIMEOUT)
             # Its call was cancelled, which aborts its requests on the engine.
             deadline = asyncio.get_running_loop().time() + TIMEOUT

@@ -11,11 +11,13 @@ import asyncio
 
 import pytest
 from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
-from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 
 from common.errors import InvalidRequestError, UnavailableError
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
+from gateway import wire
+from gateway.messages import DetokenizeSequences
+from gateway.messages import SequenceTexts as TextsAnswer
 from gateway.metrics import Metrics
 from gateway.pipeline.output_processor import OutputProcessor, TokenTexts, TrackedRequest
 from gateway.pipeline.text import TextRequest
@@ -25,21 +27,19 @@ PROMPT = [1, 2, 3]
 
 
 class InProcessDetokenizer:
-    """The tokenizer service's handling of a DetokenizeSequences stream, without the wire; it
-    keeps every message it was sent."""
+    """The tokenizer service's handling of a DetokenizeSequences stream, without the network
+    (through the gateway's protobuf edge); it keeps every message it was sent."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.texts = SequenceTexts(tokenizer)
-        self.sent: list[tok_pb2.DetokenizeSequencesRequest] = []
+        self.sent: list[DetokenizeSequences] = []
         self.fail_with: Exception | None = None
 
-    async def exchange(
-        self, request: tok_pb2.DetokenizeSequencesRequest
-    ) -> tok_pb2.DetokenizeSequencesResponse:
-        self.sent.append(request)
+    async def exchange(self, message: DetokenizeSequences) -> TextsAnswer:
+        self.sent.append(message)
         if self.fail_with is not None:
             raise self.fail_with
-        return self.texts.handle(request)
+        return wire.sequence_texts(self.texts.handle(wire.sequences_message(message)))
 
 
 class Harness:
@@ -70,7 +70,8 @@ class Harness:
         return request
 
     def step(self, *outputs: engine_pb2.RequestOutput) -> None:
-        asyncio.run(self.processor.process_outputs(outputs))
+        """One engine step, its outputs as the engine sends them (read through the wire edge)."""
+        asyncio.run(self.processor.process_outputs([wire.step_output(o) for o in outputs]))
 
 
 def out(request_id: str, token_ids=(), index: int = 0, **fields) -> engine_pb2.RequestOutput:

@@ -19,8 +19,10 @@ from common.auth import KeySet
 from common.config import EngineConfig, GatewayServerConfig
 from common.errors import InternalError
 from common.flags import from_args
+from common.sampling_params import SamplingParams
 from folio.cli import build_parser
 from gateway.engines.clients import EngineClient, TokenizerClient
+from gateway.messages import DetokenizeOptions, DetokenizeSequences, SequenceTokens
 from grpc_helpers import TIMEOUT
 from services.engine.server import EngineService
 from services.supervisor import INTERNAL_HOST, ServeConfig, Supervisor
@@ -118,28 +120,21 @@ def test_the_gateway_clients_send_the_token(guarded):
         detokenizer = tokenizer_client.sequence_detokenizer()
         try:
             await engine_client.model_info()
-            prompt = await tokenizer_client.tokenize(tok_pb2.TokenizeRequest(text="Hi"))
+            prompt = await tokenizer_client.tokenize_text("Hi")
             stream = engine_client.generate_stream()
-            stream.add("r", [1, 2, 3], common_pb2.SamplingParams(max_tokens=3, ignore_eos=True), 0)
+            stream.add("r", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True), 0)
             tokens: list[int] = []
             async for outputs in stream.steps():
                 for output in outputs:
-                    assert not output.HasField("error"), output.error.message
+                    assert output.error is None, output.error
                     tokens += output.token_ids
                 if outputs[-1].finished:
                     break
             if stream.ended is not None:
                 raise stream.ended
             await detokenizer.exchange(
-                tok_pb2.DetokenizeSequencesRequest(
-                    sequences=[
-                        tok_pb2.SequenceTokens(
-                            sequence_id=1,
-                            options=tok_pb2.DetokenizeOptions(),
-                            token_ids=prompt.token_ids,
-                            finish=True,
-                        )
-                    ]
+                DetokenizeSequences(
+                    [SequenceTokens(1, tuple(prompt.token_ids), True, DetokenizeOptions())]
                 )
             )
             return tokens

@@ -12,9 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from common.grpc_stubs.folio.v1 import common_pb2
-
 from common.sampling_params import StructuredOutput
+from gateway.messages import ChatTurn, ToolCall, ToolSpec
 from gateway.openai import protocol as api
 from gateway.openai.tools import generic
 from gateway.openai.tools.grammar import ToolGrammar, parameters_schema, tool_grammar
@@ -34,8 +33,8 @@ class ToolPlan:
 class ChatInput:
     """What goes to the tokenizer, and how the output is constrained and read."""
 
-    messages: list[common_pb2.ChatMessage]
-    tools: list[common_pb2.Tool] = field(default_factory=list)  # for the template
+    messages: list[ChatTurn]
+    tools: list[ToolSpec] = field(default_factory=list)  # for the template
     plan: ToolPlan | None = None  # None: the answers are plain text
 
     @property
@@ -92,26 +91,25 @@ def _check_messages(messages: list[api.ChatMessage]) -> None:
             )
 
 
-def _template_message(message: api.ChatMessage) -> common_pb2.ChatMessage:
+def _template_message(message: api.ChatMessage) -> ChatTurn:
     # Templates know the roles system, user, assistant and tool.
     role = {"developer": "system", "function": "tool"}.get(message.role, message.role)
-    return common_pb2.ChatMessage(
+    return ChatTurn(
         role=role,
         content=message.text,
         name=message.name,
         tool_call_id=message.tool_call_id,
-        tool_calls=[
-            common_pb2.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
-            for c in message.tool_calls or []
-        ],
+        tool_calls=tuple(
+            ToolCall(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []
+        ),
     )
 
 
-def _template_tool(tool: api.ToolDefinition) -> common_pb2.Tool:
-    return common_pb2.Tool(
+def _template_tool(tool: api.ToolDefinition) -> ToolSpec:
+    return ToolSpec(
         name=tool.function.name,
-        description=tool.function.description,
         parameters=json.dumps(parameters_schema(tool)),
+        description=tool.function.description,
     )
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 
-from common.grpc_stubs.folio.v1 import common_pb2
-
+from gateway.messages import ChatTurn
 from gateway.openai import protocol as api
 from gateway.openai.tools.grammar import parameters_schema
 
@@ -58,9 +58,7 @@ def call_text(name: str, arguments: str) -> str:
     return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {arguments}}}\n</tool_call>'
 
 
-def conversation(
-    messages: Sequence[api.ChatMessage], system_text: str | None
-) -> list[common_pb2.ChatMessage]:
+def conversation(messages: Sequence[api.ChatMessage], system_text: str | None) -> list[ChatTurn]:
     """The conversation for a template that knows no tools: `system_text` (when set) leads the
     first system message, calls become assistant text and tool answers user turns."""
     out = []
@@ -75,10 +73,11 @@ def conversation(
         if role in ("tool", "function"):
             role = "user"
             content = f"<tool_response>\n{content}\n</tool_response>"
-        out.append(common_pb2.ChatMessage(role=role, content=content, name=message.name))
+        out.append(ChatTurn(role=role, content=content, name=message.name))
     if system_text is not None:
         if out and out[0].role == "system":
-            out[0].content = f"{out[0].content}\n\n{system_text}" if out[0].content else system_text
+            first = out[0].content
+            out[0] = replace(out[0], content=f"{first}\n\n{system_text}" if first else system_text)
         else:
-            out.insert(0, common_pb2.ChatMessage(role="system", content=system_text))
+            out.insert(0, ChatTurn(role="system", content=system_text))
     return out

@@ -1,0 +1,196 @@
+"""What the gateway and its services say to each other, as plain data: the engine's model, load,
+KV events and step outputs; the tokenizer's conversations, token ids and texts; the calls of
+the gateway's own gRPC text API.
+
+gateway/wire.py turns these into protobuf messages and back; everything else in the gateway
+reads and writes these and never a protobuf message. Data only: no behaviour beyond its shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from common.finish_reason import FinishReason
+from common.sampling_params import SamplingParams
+
+# -- the engine ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """The engine's GetModelInfo answer, as far as the gateway uses it."""
+
+    model: str
+    model_path: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    max_num_seqs: int
+
+
+@dataclass
+class EngineStats:
+    """An engine's GetStats answer, or the sum over the replicas."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # share of KV cache blocks in use, 0 to 1
+    num_kv_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    step_seconds: dict[str, float] = field(default_factory=dict)  # by step phase
+    block_size: int = 0
+
+
+@dataclass(frozen=True)
+class KvEvent:
+    kind: Literal["block_stored", "block_removed", "all_blocks_cleared"]
+    block_hashes: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class KvEventBatch:
+    """The KV events of one engine step, or a snapshot standing for every batch to its number."""
+
+    sequence_number: int
+    epoch: str
+    events: tuple[KvEvent, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """A token's logprob as the engine sends it, with its alternatives (token id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """An engine request's own error: a gRPC status code, its message and the field it names."""
+
+    code: int
+    message: str
+    param: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """One sample's output of one engine step."""
+
+    request_id: str
+    index: int = 0  # the sample's index in its request
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[Logprob, ...] = ()
+    prompt_logprobs: tuple[Logprob, ...] = ()  # with a sample's first output, when asked for
+    finished: bool = False
+    finish_reason: FinishReason | None = None  # set when finished
+    cached_tokens: int = 0
+    queue_seconds: float = 0.0
+    error: RequestError | None = None
+
+
+# -- the tokenizer ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call an assistant turn made, as the chat template writes it."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """One message of a conversation, as the chat template reads it."""
+
+    role: str
+    content: str
+    name: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool as the chat template shows it to the model."""
+
+    name: str
+    parameters: str  # JSON Schema text
+    description: str | None = None
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    token_ids: list[int]
+    prompt: str  # the text the ids stand for (a chat's rendered template)
+    token_strs: list[str]  # each token's text, when asked for
+
+
+@dataclass(frozen=True)
+class DetokenizeOptions:
+    """How a sequence's text is made: its stop strings and special tokens."""
+
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool | None = None  # unset: the tokenizer's default
+
+
+@dataclass(slots=True)
+class SequenceTokens:
+    """A sequence's new tokens on the DetokenizeSequences stream; its options with the first."""
+
+    sequence_id: int
+    token_ids: tuple[int, ...]
+    finish: bool = False
+    options: DetokenizeOptions | None = None
+
+
+@dataclass
+class DetokenizeSequences:
+    """One message on the DetokenizeSequences stream: one engine step's sequences, the token
+    texts logprobs still need, and the sequences the tokenizer may forget."""
+
+    sequences: list[SequenceTokens] = field(default_factory=list)
+    token_text_ids: list[int] = field(default_factory=list)
+    released_sequence_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceText:
+    """A sequence's new text, and whether a stop string matched (or why it failed)."""
+
+    sequence_id: int
+    text: str
+    stop_matched: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class SequenceTexts:
+    """The answer to one DetokenizeSequences message, in its order."""
+
+    sequences: list[SequenceText]
+    token_texts: list[str]  # of its token_text_ids
+
+
+# -- the gateway's own gRPC text API ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TextCall:
+    """A call of folio.v1.GatewayService: Generate (a prompt) or Chat (messages)."""
+
+    model: str
+    params: SamplingParams
+    stop: list[str]
+    include_stop_str_in_output: bool
+    priority: int
+    prompt: str = ""
+    messages: tuple[ChatTurn, ...] = ()

@@ -1,0 +1,355 @@
+"""The gateway's protobuf edge: the engine's and the tokenizer's messages in, plain data out
+(gateway/messages.py), and the messages the gateway sends them built from plain data; likewise
+the calls and answers of the gateway's own gRPC text API, and the health checks.
+
+The one gateway module that imports protobuf messages (an import-linter contract): the clients
+carry what this returns, and nothing past them sees protobuf. Conversion only: it never
+decides, validates or talks to a service.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TypedDict
+
+from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, gateway_pb2
+from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
+from grpc_health.v1 import health_pb2
+
+from common.finish_reason import finish_reason_from_proto, finish_reason_to_proto
+from common.sampling_params import SamplingParams
+from common.sampling_proto import sampling_params_from_proto, sampling_params_to_proto
+from gateway.messages import (
+    ChatTurn,
+    DetokenizeOptions,
+    DetokenizeSequences,
+    EngineModel,
+    EngineStats,
+    KvEvent,
+    KvEventBatch,
+    Logprob,
+    RequestError,
+    SequenceText,
+    SequenceTexts,
+    StepOutput,
+    TextCall,
+    Tokenized,
+    ToolCall,
+    ToolSpec,
+)
+from gateway.pipeline.text import TextDelta, TokenLogprob
+
+# What a Generate stream sends: the clients carry these without reading them.
+GenerateMessage = engine_pb2.GenerateRequest
+# What the DetokenizeSequences stream sends and answers.
+SequencesMessage = tok_pb2.DetokenizeSequencesRequest
+SequencesAnswer = tok_pb2.DetokenizeSequencesResponse
+# The calls and answers of folio.v1.GatewayService, as its servicer receives and sends them.
+GenerateCall = gateway_pb2.GatewayServiceGenerateRequest
+GenerateAnswer = gateway_pb2.GatewayServiceGenerateResponse
+ChatCall = gateway_pb2.ChatRequest
+ChatAnswer = gateway_pb2.ChatResponse
+GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+
+
+# -- the engine ---------------------------------------------------------------------------------
+
+
+def engine_model(info: engine_pb2.GetModelInfoResponse) -> EngineModel:
+    return EngineModel(
+        model=info.model,
+        model_path=info.model_path,
+        vocab_size=info.vocab_size,
+        max_model_len=info.max_model_len,
+        block_size=info.block_size,
+        max_num_seqs=info.max_num_seqs,
+    )
+
+
+def engine_stats(stats: engine_pb2.GetStatsResponse) -> EngineStats:
+    return EngineStats(
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        kv_cache_usage=stats.kv_cache_usage,
+        num_kv_blocks=stats.num_kv_blocks,
+        prefix_cache_queries=stats.prefix_cache_queries,
+        prefix_cache_hits=stats.prefix_cache_hits,
+        num_preemptions=stats.num_preemptions,
+        num_steps=stats.num_steps,
+        step_seconds=dict(stats.step_seconds),
+        block_size=stats.block_size,
+    )
+
+
+def kv_event_batch(batch: engine_pb2.SubscribeKvEventsResponse) -> KvEventBatch:
+    events: list[KvEvent] = []
+    for event in batch.events:
+        kind = event.WhichOneof("event")
+        if kind == "block_stored":
+            events.append(KvEvent(kind, tuple(event.block_stored.block_hashes)))
+        elif kind == "block_removed":
+            events.append(KvEvent(kind, tuple(event.block_removed.block_hashes)))
+        elif kind == "all_blocks_cleared":
+            events.append(KvEvent(kind))
+    return KvEventBatch(batch.sequence_number, batch.epoch, tuple(events))
+
+
+def _logprobs(records: Iterable[common_pb2.TokenLogprob]) -> tuple[Logprob, ...]:
+    return tuple(
+        Logprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top_logprobs))
+        for lp in records
+    )
+
+
+def step_output(output: engine_pb2.RequestOutput) -> StepOutput:
+    if output.HasField("error"):  # it ended in the engine: its other fields mean nothing
+        error = output.error
+        return StepOutput(
+            output.request_id,
+            output.index,
+            finished=True,
+            error=RequestError(error.code, error.message, error.param or None),
+        )
+    return StepOutput(
+        request_id=output.request_id,
+        index=output.index,
+        token_ids=tuple(output.token_ids),
+        logprobs=_logprobs(output.logprobs),
+        prompt_logprobs=_logprobs(output.prompt_logprobs),
+        finished=output.finished,
+        # Unset when the engine sent none; the processor refuses a finished output without one.
+        finish_reason=(
+            finish_reason_from_proto(output.finish_reason)
+            if output.finished and output.finish_reason
+            else None
+        ),
+        cached_tokens=output.usage.cached_tokens,
+        queue_seconds=output.queue_seconds,
+    )
+
+
+def step_outputs(response: engine_pb2.GenerateResponse) -> list[StepOutput]:
+    return [step_output(output) for output in response.outputs]
+
+
+def add_request(
+    request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, priority: int
+) -> GenerateMessage:
+    return engine_pb2.GenerateRequest(
+        add=engine_pb2.EngineRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=sampling_params_to_proto(params),
+            priority=priority,
+        )
+    )
+
+
+def abort_request(
+    request_ids: Sequence[str], samples: Sequence[tuple[str, int]]
+) -> GenerateMessage:
+    return engine_pb2.GenerateRequest(
+        abort=engine_pb2.AbortRequest(
+            request_ids=request_ids,
+            samples=[engine_pb2.SampleRef(request_id=r, index=i) for r, i in samples],
+        )
+    )
+
+
+def model_info_request() -> engine_pb2.GetModelInfoRequest:
+    return engine_pb2.GetModelInfoRequest()
+
+
+def stats_request() -> engine_pb2.GetStatsRequest:
+    return engine_pb2.GetStatsRequest()
+
+
+def kv_events_request(
+    start_sequence_number: int, epoch: str
+) -> engine_pb2.SubscribeKvEventsRequest:
+    return engine_pb2.SubscribeKvEventsRequest(
+        start_sequence_number=start_sequence_number, epoch=epoch
+    )
+
+
+# -- the tokenizer ------------------------------------------------------------------------------
+
+
+def _chat_message(turn: ChatTurn) -> common_pb2.ChatMessage:
+    return common_pb2.ChatMessage(
+        role=turn.role,
+        content=turn.content,
+        name=turn.name,
+        tool_calls=[
+            common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+            for c in turn.tool_calls
+        ],
+        tool_call_id=turn.tool_call_id,
+    )
+
+
+def tokenize_text_request(
+    text: str, add_special_tokens: bool, return_token_strs: bool
+) -> tok_pb2.TokenizeRequest:
+    return tok_pb2.TokenizeRequest(
+        text=text, add_special_tokens=add_special_tokens, return_token_strs=return_token_strs
+    )
+
+
+def tokenize_chat_request(
+    messages: Sequence[ChatTurn],
+    tools: Sequence[ToolSpec],
+    add_generation_prompt: bool,
+    return_token_strs: bool,
+) -> tok_pb2.TokenizeRequest:
+    return tok_pb2.TokenizeRequest(
+        chat=tok_pb2.Conversation(
+            messages=[_chat_message(m) for m in messages],
+            tools=[
+                common_pb2.Tool(name=t.name, description=t.description, parameters=t.parameters)
+                for t in tools
+            ],
+        ),
+        add_generation_prompt=add_generation_prompt,
+        return_token_strs=return_token_strs,
+    )
+
+
+def tokenized(response: tok_pb2.TokenizeResponse) -> Tokenized:
+    return Tokenized(list(response.token_ids), response.prompt, list(response.token_strs))
+
+
+def detokenize_request(
+    token_ids: Sequence[int], skip_special_tokens: bool
+) -> tok_pb2.DetokenizeRequest:
+    return tok_pb2.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def detokenized(response: tok_pb2.DetokenizeResponse) -> str:
+    return response.text
+
+
+def info_request() -> tok_pb2.GetInfoRequest:
+    return tok_pb2.GetInfoRequest()
+
+
+def tool_call_format(info: tok_pb2.GetInfoResponse) -> str:
+    return info.tool_call_format
+
+
+def _options(options: DetokenizeOptions) -> tok_pb2.DetokenizeOptions:
+    return tok_pb2.DetokenizeOptions(
+        stop=options.stop,
+        include_stop_str_in_output=options.include_stop_str_in_output,
+        skip_special_tokens=options.skip_special_tokens,
+    )
+
+
+def sequences_message(message: DetokenizeSequences) -> SequencesMessage:
+    request = tok_pb2.DetokenizeSequencesRequest(
+        token_text_ids=message.token_text_ids,
+        released_sequence_ids=message.released_sequence_ids,
+    )
+    # Entries are added in place: a list handed to the message's constructor is copied.
+    entries = request.sequences
+    for sequence in message.sequences:
+        options = sequence.options
+        entries.add(
+            sequence_id=sequence.sequence_id,
+            token_ids=sequence.token_ids,
+            finish=sequence.finish,
+            options=None if options is None else _options(options),
+        )
+    return request
+
+
+def sequence_texts(answer: SequencesAnswer) -> SequenceTexts:
+    return SequenceTexts(
+        [SequenceText(s.sequence_id, s.text, s.stop_matched, s.error) for s in answer.sequences],
+        list(answer.token_texts),
+    )
+
+
+# -- health -------------------------------------------------------------------------------------
+
+
+def health_request() -> health_pb2.HealthCheckRequest:
+    return health_pb2.HealthCheckRequest(service="")
+
+
+def serving(response: health_pb2.HealthCheckResponse) -> bool:
+    return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+# -- the gateway's own gRPC text API ------------------------------------------------------------
+
+
+def _chat_turn(message: common_pb2.ChatMessage) -> ChatTurn:
+    return ChatTurn(
+        role=message.role,
+        content=message.content,
+        name=message.name if message.HasField("name") else None,
+        tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in message.tool_calls),
+        tool_call_id=message.tool_call_id if message.HasField("tool_call_id") else None,
+    )
+
+
+def text_call(call: GenerateCall | ChatCall) -> TextCall:
+    """A Generate or Chat call as plain data; InvalidParameter for sampling parameters out of
+    range."""
+    return TextCall(
+        model=call.model,
+        params=sampling_params_from_proto(call.sampling_params),
+        stop=list(call.stop),
+        include_stop_str_in_output=call.include_stop_str_in_output,
+        priority=call.priority,
+        prompt=call.prompt if isinstance(call, GenerateCall) else "",
+        messages=tuple(_chat_turn(m) for m in call.messages) if isinstance(call, ChatCall) else (),
+    )
+
+
+def _text_logprob(lp: TokenLogprob) -> gateway_pb2.TextLogprob:
+    message = gateway_pb2.TextLogprob(
+        token=lp.token,
+        token_id=lp.token_id,
+        top_logprobs=[
+            gateway_pb2.TextTopLogprob(token=text, token_id=token_id, logprob=value)
+            for token_id, text, value in lp.top
+        ],
+    )
+    if lp.logprob is not None:  # a prompt's first token has none: the field stays unset
+        message.logprob = lp.logprob
+    return message
+
+
+class _AnswerFields(TypedDict, total=False):
+    """The fields GatewayServiceGenerateResponse and ChatResponse share."""
+
+    text: str
+    logprobs: list[gateway_pb2.TextLogprob]
+    finish_reason: common_pb2.FinishReason.ValueType
+    usage: common_pb2.Usage
+
+
+def _answer_fields(delta: TextDelta) -> _AnswerFields:
+    """The answer fields of one delta."""
+    fields = _AnswerFields(text=delta.text, logprobs=[_text_logprob(lp) for lp in delta.logprobs])
+    if delta.usage is not None:
+        # A sequence's last delta carries both its usage and its finish reason.
+        if delta.finish_reason is None:
+            raise ValueError("a delta with usage must have a finish reason")
+        fields["finish_reason"] = finish_reason_to_proto(delta.finish_reason)
+        fields["usage"] = common_pb2.Usage(
+            prompt_tokens=delta.usage.prompt_tokens,
+            completion_tokens=delta.usage.completion_tokens,
+            cached_tokens=delta.usage.cached_tokens,
+        )
+    return fields
+
+
+def generate_answer(delta: TextDelta) -> GenerateAnswer:
+    return GenerateAnswer(**_answer_fields(delta))
+
+
+def chat_answer(delta: TextDelta) -> ChatAnswer:
+    return ChatAnswer(**_answer_fields(delta))
