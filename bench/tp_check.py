@@ -4,7 +4,7 @@ default model's 9 heads take only 1, 3 or 9) runs the same greedy workload with 
 with one, in float32; prints both throughputs and whether the tokens agree (exit 1 if not).
 
 On CUDA each rank takes a GPU and the ranks talk NCCL; on CPU, gloo. A check for
-bench/gpu_check.sh, not a test: the suite's TP tests are tests/unit/test_tensor_parallel.py.
+bench/gpu_check.sh, not a test: the suite's TP tests are tests/unit/engine/test_tensor_parallel.py.
 """
 
 from __future__ import annotations

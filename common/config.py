@@ -272,7 +272,7 @@ def engine_args_from_config(config: EngineConfig) -> list[str]:
     return command_line(config)
 
 
-# The tool-call parsers the gateway has (gateway/tools/parsers.py), by their vLLM names.
+# The tool-call parsers the gateway has (gateway/openai/tools/parsers.py), by their vLLM names.
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 
@@ -381,7 +381,7 @@ class GatewayServerConfig:
         "gateway processes sharing the HTTP and gRPC ports, each with its own engine and "
         "tokenizer streams; metrics and rate limits stay the whole server's",
     )
-    # Set by the parent of --workers for each worker (gateway.workers.WorkerSetup).
+    # Set by the parent of --workers for each worker (gateway.front.workers.WorkerSetup).
     worker_index: int | None = flag(None, hidden=True)
     listen_fd: int | None = flag(None, hidden=True)
     shared_state: str | None = flag(None, hidden=True)
