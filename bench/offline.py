@@ -13,19 +13,23 @@ import random
 import time
 from dataclasses import dataclass
 
+from common.flags import flag
 
-def add_offline_args(parser: argparse.ArgumentParser) -> None:
-    w = parser.add_argument_group("workload")
-    w.add_argument("--num-requests", type=int, default=128)
-    w.add_argument("--min-prompt", type=int, default=32)
-    w.add_argument("--max-prompt", type=int, default=512)
-    w.add_argument("--min-output", type=int, default=32)
-    w.add_argument("--max-output", type=int, default=256)
-    w.add_argument("--workload-seed", type=int, default=1234)
-    w.add_argument("--hf-batch-size", type=int, default=16, help="static batch of the baseline")
-    w.add_argument("--hf-dtype", default="float32", help="dtype of the transformers baseline")
-    w.add_argument("--skip-hf", action="store_true", help="measure Folio only")
-    w.add_argument("--phase-batches", default="8,64", help="batch sizes for the phase breakdown")
+
+@dataclass
+class OfflineWorkload:
+    """Workload."""
+
+    num_requests: int = flag(128, "requests in the workload")
+    min_prompt: int = flag(32, "shortest prompt, in tokens")
+    max_prompt: int = flag(512, "longest prompt, in tokens")
+    min_output: int = flag(32, "shortest output, in tokens")
+    max_output: int = flag(256, "longest output, in tokens")
+    workload_seed: int = flag(1234, "seed of the prompts' lengths and tokens")
+    hf_batch_size: int = flag(16, "static batch of the transformers baseline")
+    hf_dtype: str = flag("float32", "dtype of the transformers baseline")
+    skip_hf: bool = flag(False, "measure Folio only")
+    phase_batches: str = flag("8,64", "batch sizes for the phase breakdown")
 
 
 @dataclass

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import ROUTING_POLICIES
+from common.flags import flag
 
 SERVING = re.compile(r"serving on (http://\S+) ")
 GATEWAY = re.compile(r"gateway listening on (http://\S+) ")
@@ -40,37 +41,28 @@ ENGINES = re.compile(r"simulated engines listening on (\S+):([\d,]+)")
 TOKENIZER = re.compile(r"TokenizerService listening on (\S+)")
 
 
-def add_routing_bench_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("routing workload")
-    group.add_argument("--replicas", type=int, default=2, help="engine replicas")
-    group.add_argument(
-        "--simulate", action="store_true", help="simulated engines (engine/simulated.py)"
+@dataclass
+class RoutingWorkload:
+    """Routing workload."""
+
+    replicas: int = flag(2, "engine replicas")
+    simulate: bool = flag(False, "simulated engines (engine/simulated.py)")
+    policies: str = flag(",".join(ROUTING_POLICIES), "comma-separated policies")
+    conversations: int = flag(200, "multi-turn conversations")
+    min_turns: int = flag(4, "fewest turns of a conversation")
+    max_turns: int = flag(8, "most turns of a conversation")
+    system_prompts: int = flag(8, "distinct system prompts the conversations share")
+    system_tokens: int = flag(256, "tokens of a system prompt")
+    user_tokens: int = flag(48, "tokens of a user turn")
+    output_tokens: int = flag(48, "tokens of an answer")
+    rate_per_replica: float | None = flag(
+        None, "offered requests/s per replica (default: 1 real, 4 simulated)"
     )
-    group.add_argument(
-        "--policies", default=",".join(ROUTING_POLICIES), help="comma-separated policies"
+    workload_seed: int = flag(0, "seed of the conversations")
+    skip_single: bool = flag(
+        False, "real replicas: skip the one-engine run whose hit rate is the reference"
     )
-    group.add_argument("--conversations", type=int, default=200)
-    group.add_argument("--min-turns", type=int, default=4)
-    group.add_argument("--max-turns", type=int, default=8)
-    group.add_argument("--system-prompts", type=int, default=8)
-    group.add_argument("--system-tokens", type=int, default=256)
-    group.add_argument("--user-tokens", type=int, default=48)
-    group.add_argument("--output-tokens", type=int, default=48)
-    group.add_argument(
-        "--rate-per-replica",
-        type=float,
-        default=None,
-        help="offered requests/s per replica (default 1 real, 4 simulated)",
-    )
-    group.add_argument("--workload-seed", type=int, default=0)
-    group.add_argument(
-        "--skip-single",
-        action="store_true",
-        help="real replicas: skip the one-engine run whose hit rate is the reference",
-    )
-    group.add_argument(
-        "--startup-timeout", type=float, default=600.0, help="seconds to wait for a stack"
-    )
+    startup_timeout: float = flag(600.0, "seconds to wait for a stack")
 
 
 # -- the workload ------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from common import event_loop
+from common.flags import flag
 
 # A prompt as token ids, or as text for a server that takes no token ids.
 Prompt = list[int] | str
@@ -41,44 +42,36 @@ Client = Callable[[str, Prompt, int], Awaitable["Sample"]]
 PromptMaker = Callable[[int, str], list[Prompt]]
 
 
-def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("workload")
-    g.add_argument(
-        "--url", default=None, help="attach to this running `folio serve` instead of starting one"
+@dataclass
+class ServeWorkload:
+    """Workload."""
+
+    url: str | None = flag(
+        None, "attach to this running `folio serve` (default: start one for the run)"
     )
-    g.add_argument("--concurrency", default="1,32", help="concurrent streaming clients, a sweep")
-    g.add_argument(
-        "--request-rate",
-        type=float,
-        default=None,
-        help="Poisson arrivals per second instead of the concurrency sweep",
+    concurrency: str = flag("1,32", "concurrent streaming clients, a sweep")
+    request_rate: float | None = flag(
+        None, "Poisson arrivals per second (default: none, the concurrency sweep)"
     )
-    g.add_argument(
-        "--num-requests",
-        type=int,
-        default=None,
-        help="requests per run (default: 4 x concurrency, at least 8; 64 with --request-rate)",
+    num_requests: int | None = flag(
+        None, "requests per run (default: 4 x concurrency, at least 8; 64 with --request-rate)"
     )
-    g.add_argument("--prompt-len", type=int, default=128)
-    g.add_argument("--output-len", type=int, default=64)
-    g.add_argument("--workload-seed", type=int, default=1234)
-    g.add_argument("--skip-in-process", action="store_true", help="measure the served stack only")
-    g.add_argument(
-        "--gateway-workers",
-        default="1",
-        help="gateway processes of the stack it starts (folio serve --gateway-workers), a "
-        "sweep: one stack for each",
+    prompt_len: int = flag(128, "prompt length, in tokens")
+    output_len: int = flag(64, "output length, in tokens")
+    workload_seed: int = flag(1234, "seed of the prompts")
+    skip_in_process: bool = flag(False, "measure the served stack only")
+    gateway_workers: str = flag(
+        "1",
+        "gateway processes of the stack it starts (folio serve --gateway-workers), a sweep: "
+        "one stack for each",
     )
-    g.add_argument(
-        "--compare-url",
-        default=None,
-        help="also run the workload on this OpenAI-compatible server (e.g. llama-server) and "
-        "print Folio / it ratios; both then get text prompts",
+    compare_url: str | None = flag(
+        None,
+        "also run the workload on this OpenAI-compatible server (e.g. llama-server) and print "
+        "Folio / it ratios; both then get text prompts (default: none)",
     )
-    g.add_argument(
-        "--compare-model",
-        default=None,
-        help="model name sent to --compare-url (default: the first id of its /v1/models)",
+    compare_model: str | None = flag(
+        None, "model name sent to --compare-url (default: the first id of its /v1/models)"
     )
 
 

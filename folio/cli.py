@@ -276,9 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks that print figures")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     offline = bench_sub.add_parser("offline", help="engine vs transformers generate, same workload")
-    from bench.offline import add_offline_args
+    from bench.offline import OfflineWorkload
 
-    add_offline_args(offline)
+    add_flags(offline, OfflineWorkload)
     add_flags(offline, EngineConfig)
     offline.set_defaults(func=_bench_offline)
     served = bench_sub.add_parser(
@@ -286,25 +286,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="gateway over HTTP vs the in-process engine (and --compare-url's server), same "
         "workload",
     )
-    from bench.serve import add_serve_bench_args
+    from bench.serve import ServeWorkload
 
-    add_serve_bench_args(served)
+    add_flags(served, ServeWorkload)
     add_flags(served, EngineConfig)
     served.set_defaults(func=_bench_serve)
     profile = bench_sub.add_parser(
         "profile", help="time the engine's steps; fit the simulated engine's step cost model"
     )
-    from bench.profile import add_profile_args
+    from bench.profile import ProfileShapes
 
-    add_profile_args(profile)
+    add_flags(profile, ProfileShapes)
     add_flags(profile, EngineConfig)
     profile.set_defaults(func=_bench_profile)
     routing = bench_sub.add_parser(
         "routing", help="multi-turn chats over engine replicas under each routing policy"
     )
-    from bench.routing import add_routing_bench_args
+    from bench.routing import RoutingWorkload
 
-    add_routing_bench_args(routing)
+    add_flags(routing, RoutingWorkload)
     add_flags(routing, StepCostConfig)
     add_flags(routing, EngineConfig)
     routing.set_defaults(func=_bench_routing, num_kv_blocks=1024)

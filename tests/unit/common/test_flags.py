@@ -27,14 +27,28 @@ from folio.cli import build_parser
 from services.supervisor import ServeConfig
 
 ROOT = Path(__file__).resolve().parents[3]
-# Bench commands add their own workload flags (bench/); these are the commands whose every flag
-# is a config field.
-COMMANDS = ("prepare-model", "chat", "tokenizer", "engine", "engine-worker", "gateway", "serve")
+# Every command, `bench NAME` ones included: each of their flags is a config field.
+COMMANDS = (
+    "prepare-model",
+    "chat",
+    "tokenizer",
+    "engine",
+    "engine-worker",
+    "gateway",
+    "serve",
+    "bench offline",
+    "bench serve",
+    "bench profile",
+    "bench routing",
+)
 
 
 def command_parser(name: str) -> argparse.ArgumentParser:
-    [commands] = [a for a in build_parser()._actions if a.dest == "command"]
-    return commands.choices[name]
+    parser = build_parser()
+    for word in name.split():
+        [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        parser = commands.choices[word]
+    return parser
 
 
 @pytest.mark.parametrize("name", COMMANDS)
