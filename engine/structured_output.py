@@ -35,8 +35,8 @@ from engine.grammar import llguidance_grammar
 
 logger = logging.getLogger(__name__)
 
-# Distinct constraints whose compiled grammar is kept (a small JSON schema compiles in ~1 ms, a
-# large one in up to ~100 ms; a matcher costs little memory until it is used).
+# Distinct constraints whose compiled grammar is kept: a large schema costs far more to compile
+# again than to keep, and a matcher costs little memory until it is used.
 GRAMMAR_CACHE_SIZE = 256
 # llguidance's own threads for a batch's masks: rows are independent, a few threads suffice.
 MASK_THREADS = min(4, os.cpu_count() or 1)
