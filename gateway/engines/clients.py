@@ -117,14 +117,17 @@ class GenerateStream:
         address: str,
     ) -> None:
         self.address = address
-        self._outbox: asyncio.Queue[wire.GenerateMessage] = asyncio.Queue()
+        # None ends the messages: grpc's task that sends them must not be left waiting on the
+        # queue when the stream is over (a coroutine left so outlives its event loop, and its
+        # finalizer then raises in whatever the garbage collector interrupted).
+        self._outbox: asyncio.Queue[wire.GenerateMessage | None] = asyncio.Queue()
         self.cancelled = False  # by cancel(): the stream did not break
         self.ended: Exception | None = None  # why it ended, once it has
         self._call = stub.Generate(self._messages(), metadata=metadata)
 
     async def _messages(self) -> AsyncIterator[wire.GenerateMessage]:
-        while True:
-            yield await self._outbox.get()
+        while (message := await self._outbox.get()) is not None:
+            yield message
 
     async def steps(self) -> AsyncGenerator[list[StepOutput], None]:
         """Each engine step's outputs until the stream ends; `ended` then says why."""
@@ -141,6 +144,8 @@ class GenerateStream:
                     grpc.StatusCode.UNAVAILABLE, "the Generate stream ended", "engine", self.address
                 )
             )
+        finally:
+            self._outbox.put_nowait(None)
 
     def add(
         self,
@@ -158,6 +163,7 @@ class GenerateStream:
     def cancel(self) -> None:
         """End the call, which aborts on the engine every request it carried."""
         self.cancelled = True
+        self._outbox.put_nowait(None)
         self._call.cancel()
 
 

@@ -4,6 +4,7 @@ flight finishes, exit 0); services that are down (503, not 500); a full engine q
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import signal
@@ -15,11 +16,15 @@ import httpx
 from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 from common.config import EngineConfig
+from engine.simulated import StepCostModel
 from gateway_helpers import ENGINE_ARGS, GatewayThread, engine_stats, spawn_gateway
 from grpc_helpers import TIMEOUT, RequestStream, ServerThread
+from polling import wait_until
 from services.engine.server import EngineService
+from services.engine.simulate import simulated_services
 
 DRAIN_SECONDS = 120
+FAST = StepCostModel(fixed_seconds=0.001, prefill_token_seconds=0.0, decode_sequence_seconds=0.0)
 
 
 def test_folio_gateway_serves_then_drains_on_sigterm(services):
@@ -193,3 +198,28 @@ def test_a_full_engine_queue_is_429(default_model_dir, services):
         busy.cancel()
         gateway.close()
         engine.close()
+
+
+def test_a_broken_generate_stream_leaves_no_task_behind(default_model_dir, services):
+    """When the engine goes away the Generate stream ends, and its sending side with it: grpc's
+    task that sends the stream's messages must not stay suspended on the outbox past the
+    gateway's event loop, where the garbage collector would later finalize it at a random point
+    of another test (a RuntimeError about a closed loop, raised inside whatever the collector
+    interrupted: once, hypothesis' ast.parse)."""
+    _, tokenizer = services
+    config = EngineConfig(model=str(default_model_dir), block_size=16, num_kv_blocks=256)
+    [engine] = [ServerThread(s) for s in simulated_services(config, FAST, "127.0.0.1", 0, 1)]
+    gateway = GatewayThread(f"127.0.0.1:{engine.port}", f"127.0.0.1:{tokenizer.port}")
+    try:
+        body = {"prompt": "Hi", "max_tokens": 1}
+        assert httpx.post(gateway.url + "/v1/completions", json=body, timeout=TIMEOUT).is_success
+        engine.close()  # the stream breaks
+        wait_until(
+            lambda: httpx.get(gateway.url + "/health", timeout=TIMEOUT).status_code == 503,
+            "the gateway to see its engine gone",
+            seconds=TIMEOUT,
+        )
+    finally:
+        gateway.close()
+    left = [task for task in asyncio.all_tasks(gateway.loop) if not task.done()]
+    assert not left, left

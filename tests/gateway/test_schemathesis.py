@@ -16,8 +16,11 @@ import pytest
 import schemathesis
 
 # Imported now, at collection, not lazily by from_url in the test: pytest rewrites a plugin's
-# modules as they load, and on CPython 3.11.7 that ast.parse failed with "AST constructor
-# recursion depth mismatch" once, while the gateway's threads were running.
+# modules as they load (ast.parse). On CPython 3.11.7 an ast.parse fails with "AST constructor
+# recursion depth mismatch" when the garbage collector, inside it, finalizes a coroutine whose
+# finalizer formats a traceback (another ast.parse, sharing the module's state): a Generate
+# stream's sender left suspended on a closed loop was one (test_availability.py tests that no
+# broken stream leaves one).
 import schemathesis.specs.openapi.schemas
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
