@@ -78,7 +78,9 @@ class RequestError:
     param: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass sets each field through object.__setattr__, and these are made
+# for every sequence of every engine step.
+@dataclass(slots=True)
 class StepOutput:
     """One sample's output of one engine step."""
 
@@ -162,7 +164,7 @@ class DetokenizeSequences:
     released_sequence_ids: list[int] = field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen, as StepOutput
 class SequenceText:
     """A sequence's new text, and whether a stop string matched (or why it failed)."""
 

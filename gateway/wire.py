@@ -114,8 +114,8 @@ def step_output(output: engine_pb2.RequestOutput) -> StepOutput:
         request_id=output.request_id,
         index=output.index,
         token_ids=tuple(output.token_ids),
-        logprobs=_logprobs(output.logprobs),
-        prompt_logprobs=_logprobs(output.prompt_logprobs),
+        logprobs=_logprobs(output.logprobs) if output.logprobs else (),
+        prompt_logprobs=_logprobs(output.prompt_logprobs) if output.prompt_logprobs else (),
         finished=output.finished,
         # Unset when the engine sent none; the processor refuses a finished output without one.
         finish_reason=(
