@@ -1,4 +1,5 @@
-"""Server-sent events framing for streamed completions: `data: <JSON>` events, `data: [DONE]`.
+"""Server-sent events framing: `data: <JSON>` events and `data: [DONE]` (completions), events
+named by their type (the Responses and Messages APIs).
 
 Framing only. The response closes its event iterator however it ends (done, failed, client
 gone), so the iterator's cleanup (aborting engine requests) runs at once rather than whenever
@@ -18,6 +19,10 @@ DONE = b"data: [DONE]\n\n"
 
 def event(body: BaseModel) -> bytes:
     return b"data: " + body.model_dump_json().encode() + b"\n\n"
+
+
+def named_event(name: str, body: BaseModel) -> bytes:
+    return f"event: {name}\ndata: ".encode() + body.model_dump_json().encode() + b"\n\n"
 
 
 class EventStreamResponse(StreamingResponse):

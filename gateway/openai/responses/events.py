@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from gateway.front.http_errors import error_body, log_failure
+from gateway.front.sse import named_event
 from gateway.openai.responses import protocol as rapi
 from gateway.openai.responses.translate import ResponseHead, item_id, output_items
 from gateway.openai.tools.chat import ToolPlan, ToolReader
@@ -38,10 +39,6 @@ async def respond(
     return head.response(status, list(output_items(answer, status)), usage, reason)
 
 
-def _sse(event: rapi.ResponseEvent) -> bytes:
-    return f"event: {event.type}\ndata: ".encode() + event.model_dump_json().encode() + b"\n\n"
-
-
 class _Events:
     """The events of one streamed response, numbered as they go."""
 
@@ -57,7 +54,7 @@ class _Events:
             {"type": type_, "sequence_number": self.sequence, **fields}
         )
         self.sequence += 1
-        return _sse(event)
+        return named_event(event.type, event)
 
     @property
     def index(self) -> int:
