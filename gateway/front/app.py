@@ -1,4 +1,5 @@
-"""The HTTP gateway's routes (Starlette): OpenAI-compatible completions, models, vLLM-style
+"""The HTTP gateway's routes (Starlette): OpenAI-compatible completions, Anthropic's Messages
+API (gateway/anthropic/), models, vLLM-style
 tokenize / detokenize, health, Prometheus metrics, what SMG discovers and polls (SGLang-style
 server and model info, loads: gateway/front/smg.py), the OpenAPI document, and the web pages (the
 playground and the dashboard, gateway/front/pages.py) with the dashboard's feed
@@ -31,6 +32,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from common.config import DASHBOARD_FEED_INTERVAL_SECONDS, MAX_REQUEST_BODY_BYTES, GatewayConfig
+from gateway.anthropic import events as message_events
+from gateway.anthropic import protocol as aapi
+from gateway.anthropic import translate as anthropic
 from gateway.front import dashboard, smg
 from gateway.front.http_errors import error_body, error_headers, log_failure
 from gateway.front.openapi import openapi_document
@@ -62,9 +66,12 @@ class ModelResponse(Response):
         super().__init__(body.model_dump_json(exclude_none=exclude_none), status_code)
 
 
-def error_response(exc: BaseException) -> Response:
+ErrorBody = Callable[[BaseException], tuple[int, BaseModel]]
+
+
+def error_response(exc: BaseException, body_of: ErrorBody = error_body) -> Response:
     log_failure(exc)
-    status, body = error_body(exc)
+    status, body = body_of(exc)
     response = ModelResponse(body, status)
     response.headers.update(error_headers(exc))
     return response
@@ -83,6 +90,9 @@ class Endpoint:
     media_type: str = "application/json"
     answers: tuple[int, ...] = (200,)  # the statuses that come with `response`
     errors: tuple[int, ...] = ()  # the statuses that come with the error body
+    # The error body's shape (OpenAI's unless the route speaks another API) and its writer.
+    error_model: type[BaseModel] = api.ErrorResponse
+    error_body: ErrorBody = error_body
 
 
 # The error statuses each kind of route can answer (openapi.ERROR_STATUSES says what they mean):
@@ -223,27 +233,66 @@ async def chat_completions(request: Request) -> Response:
     )
 
 
-async def create_response(request: Request) -> Response:
+Answers = tuple[
+    Callable[[Deltas], Awaitable[BaseModel]],
+    Callable[[tuple[int, TextDelta], Deltas], AsyncGenerator[bytes, None]],
+]
+
+
+async def _via_chat(
+    request: Request,
+    model: type[api.RequestT],
+    to_chat: Callable[[api.RequestT], api.ChatCompletionRequest],
+    answers: Callable[[api.RequestT, completions.Plan], Answers],
+) -> Response:
+    """A request of another API served on the chat path: translated to a chat request, planned
+    and run as one (streamed when the chat request is), answered in its own API's shapes
+    (`answers`: the whole body and the event stream)."""
     arrival = time.monotonic()
     context = _context(request)
-    body = await read_body(request, rapi.ResponsesRequest)
+    body = await read_body(request, model)
 
     async def run() -> Response:
-        chat = translate.chat_request(body)
+        chat = to_chat(body)
         planned = await completions.plan_chat(
             context.gateway, chat, context.config.tool_call_parser
         )
+        whole, events = answers(body, planned)
+        return await _answer(request, planned, arrival, chat.stream, whole, events)
+
+    return await until_disconnect(request, run())
+
+
+async def create_response(request: Request) -> Response:
+    def answers(body: rapi.ResponsesRequest, planned: completions.Plan) -> Answers:
         head = translate.ResponseHead.of(body, planned.model)
-        return await _answer(
-            request,
-            planned,
-            arrival,
-            body.stream,
+        return (
             lambda stream: response_events.respond(head, planned.tools, stream),
             lambda first, stream: response_events.events(head, planned.tools, first, stream),
         )
 
-    return await until_disconnect(request, run())
+    return await _via_chat(request, rapi.ResponsesRequest, translate.chat_request, answers)
+
+
+async def create_message(request: Request) -> Response:
+    def answers(body: aapi.MessagesRequest, planned: completions.Plan) -> Answers:
+        head = anthropic.MessageHead.of(planned.model, len(planned.requests[0].prompt_ids))
+        return (
+            lambda stream: message_events.respond(head, planned.tools, stream),
+            lambda first, stream: message_events.events(head, planned.tools, first, stream),
+        )
+
+    return await _via_chat(request, aapi.MessagesRequest, anthropic.chat_request, answers)
+
+
+async def count_message_tokens(request: Request) -> Response:
+    context = _context(request)
+    body = await read_body(request, aapi.CountTokensRequest)
+    # The prompt the same request would run, planned but not run.
+    planned = await completions.plan_chat(
+        context.gateway, anthropic.chat_request(body), context.config.tool_call_parser
+    )
+    return ModelResponse(aapi.TokenCount(input_tokens=len(planned.requests[0].prompt_ids)))
 
 
 async def text_completions(request: Request) -> Response:
@@ -371,6 +420,30 @@ ENDPOINTS = [
         errors=BODY_ERRORS,
     ),
     Endpoint(
+        "/v1/messages",
+        "POST",
+        "Message (Anthropic Messages API, stateless)",
+        create_message,
+        aapi.MessagesRequest,
+        aapi.Message,
+        aapi.StreamEvent,
+        stream_done=False,
+        errors=BODY_ERRORS,
+        error_model=aapi.MessagesErrorResponse,
+        error_body=anthropic.error_body,
+    ),
+    Endpoint(
+        "/v1/messages/count_tokens",
+        "POST",
+        "The prompt's length in tokens (Anthropic Messages API)",
+        count_message_tokens,
+        aapi.CountTokensRequest,
+        aapi.TokenCount,
+        errors=BODY_ERRORS,
+        error_model=aapi.MessagesErrorResponse,
+        error_body=anthropic.error_body,
+    ),
+    Endpoint(
         "/v1/completions",
         "POST",
         "Text completion (OpenAI)",
@@ -483,9 +556,9 @@ WEBUI_ENDPOINTS = [
 ]
 
 
-def guarded(handler: Handler) -> Handler:
+def guarded(handler: Handler, body_of: ErrorBody = error_body) -> Handler:
     """`handler` behind the caller's key and rate check, with the request's deadline set and
-    any failure answered as the OpenAI error body."""
+    any failure answered with the error body `body_of` writes."""
 
     async def run(request: Request) -> Response:
         context = _context(request)
@@ -498,7 +571,7 @@ def guarded(handler: Handler) -> Handler:
         except ClientDisconnect:
             return Response(status_code=499)  # it left while sending its body
         except Exception as exc:
-            return error_response(exc)
+            return error_response(exc, body_of)
 
     return run
 
@@ -523,7 +596,7 @@ def build_app(
     config = config or GatewayConfig()
     endpoints = ENDPOINTS + WEBUI_ENDPOINTS if config.webui else ENDPOINTS
     routes = [
-        Route(e.path, guarded(e.handler), methods=[e.method])
+        Route(e.path, guarded(e.handler, e.error_body), methods=[e.method])
         for e in endpoints
         if e.handler is not None
     ]

@@ -15,9 +15,9 @@ from pydantic.json_schema import models_json_schema
 from gateway.openai.protocol import ErrorResponse, RequestBody
 
 # The gateway's error statuses as the OpenAPI document describes them; each answer carries
-# the OpenAI error body.
+# its route's error body (OpenAI's, or Anthropic's on the Messages API).
 ERROR_STATUSES: dict[int, str] = {
-    400: "Invalid request; `param` names the offending field",
+    400: "Invalid request; the error names the offending field",
     401: "No valid API key came with the request",
     404: "The model does not exist",
     413: "The body is over the gateway's size limit",
@@ -81,14 +81,14 @@ def _typed_event(event: JsonObject) -> JsonObject:
 
 def openapi_document(endpoints: list[Any], title: str, version: str) -> JsonObject:
     """OpenAPI 3.1 for `endpoints` (objects with path, method, summary, request, response,
-    stream, stream_done, media_type, answers and errors attributes); schemas come from the
-    models above.
+    stream, stream_done, media_type, answers, errors and error_model attributes); schemas come
+    from their pydantic models.
     Every status an operation can answer is listed (no `default`), so a client and a fuzzer
     can tell an undocumented one."""
     models: set[type[BaseModel]] = {
         m for e in endpoints for m in (e.request, e.response, e.stream) if m is not None
     }
-    models.add(ErrorResponse)
+    models |= {e.error_model for e in endpoints}
     keyed = [(m, _mode(m)) for m in sorted(models, key=lambda m: m.__name__)]
     refs, defs = models_json_schema(keyed, ref_template="#/components/schemas/{model}")
     for e in endpoints:  # parse_request refuses unknown top-level fields
@@ -98,10 +98,10 @@ def openapi_document(endpoints: list[Any], title: str, version: str) -> JsonObje
     def ref(model: type[BaseModel]) -> JsonObject:
         return dict(refs[(model, _mode(model))])
 
-    def error(status: int) -> JsonObject:
+    def error(status: int, model: type[BaseModel]) -> JsonObject:
         return {
             "description": ERROR_STATUSES[status],
-            "content": {"application/json": {"schema": ref(ErrorResponse)}},
+            "content": {"application/json": {"schema": ref(model)}},
         }
 
     paths: dict[str, JsonObject] = {}
@@ -120,7 +120,7 @@ def openapi_document(endpoints: list[Any], title: str, version: str) -> JsonObje
             str(status): {"description": HTTPStatus(status).phrase, "content": content}
             for status in e.answers
         }
-        responses.update({str(status): error(status) for status in sorted(e.errors)})
+        responses.update({str(status): error(status, e.error_model) for status in sorted(e.errors)})
         operation: dict[str, Any] = {"summary": e.summary, "responses": responses}
         if e.request is not None:
             operation["requestBody"] = {

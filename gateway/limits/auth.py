@@ -4,8 +4,9 @@ key before they reach the servicer).
 
 With API keys configured, every HTTP route but the probe paths (/health, /metrics,
 /dashboard/feed and what SMG polls: /server_info, /model_info, /v1/loads; those too with
---protect-health-metrics) needs `Authorization: Bearer <key>`; a caller is then its key's
-name ("key-0"), else its client address. The web pages and their files are open: they hold no
+--protect-health-metrics) needs `Authorization: Bearer <key>` (or `x-api-key: <key>`, as
+Anthropic's clients send it); a caller is then its key's name ("key-0"), else its client
+address. The web pages and their files are open: they hold no
 data, and the API calls they make carry the key. A browser's EventSource cannot send headers, so
 the dashboard's feed also takes the key as the `api_key` query parameter or the
 `folio_api_key` cookie. A key is never logged, echoed or kept in plain text here.
@@ -97,7 +98,8 @@ def is_web_file(path: str) -> bool:
 
 
 def _presented_key(request: Request) -> str | None:
-    key = bearer_token(request.headers.get("authorization"))
+    # Anthropic's clients send the key as x-api-key.
+    key = bearer_token(request.headers.get("authorization")) or request.headers.get("x-api-key")
     if key is None and request.url.path in BROWSER_KEY_PATHS:
         key = request.query_params.get(KEY_QUERY_PARAMETER) or request.cookies.get(KEY_COOKIE)
     return key

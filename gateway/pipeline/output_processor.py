@@ -310,6 +310,7 @@ class OutputProcessor:
                 )
             if text.stop_matched:
                 delta.finish_reason = "stop"
+                delta.stop_matched = text.stop_matched
                 if output.finished:
                     self._finish(request, sequence, delta, output)
                 else:

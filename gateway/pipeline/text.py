@@ -56,3 +56,5 @@ class TextDelta:
     usage: Usage | None = None
     # On a sequence's first delta, when prompt logprobs were asked: one per prompt token.
     prompt_logprobs: list[TokenLogprob] | None = None
+    # On the last delta when a stop string ended the sequence: that string.
+    stop_matched: str | None = None

@@ -1,0 +1,147 @@
+"""The Messages API's public shapes (pydantic v2), as the anthropic client sends and reads them:
+the request and its content blocks, the Message with its usage, the stream's events and the
+error body.
+
+Shapes only: what a request means is translate.py's, the order of events is events.py's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from gateway.openai import protocol as api
+
+
+class TextBlock(api.RequestBody):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(api.RequestBody):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(api.RequestBody):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+
+
+ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock
+
+
+class InputMessage(api.RequestBody):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class Tool(api.RequestBody):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoice(api.RequestBody):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = Field(None, description="The tool to call, with type tool.")
+    disable_parallel_tool_use: bool = False
+
+
+class CountTokensRequest(api.RequestBody):
+    model: str | None = Field(None, description="Must name the served model when set.")
+    messages: list[InputMessage] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = None
+    top_k: int | None = Field(None, ge=api.INT32_MIN, le=api.INT32_MAX)
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+
+
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
+class TextContent(api.ResponseBody):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ToolUseContent(api.ResponseBody):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+OutputBlock = TextContent | ToolUseContent
+
+
+class MessageUsage(api.ResponseBody):
+    input_tokens: int
+    output_tokens: int
+    cache_read_input_tokens: int = 0
+
+
+class Message(api.ResponseBody):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[OutputBlock]
+    stop_reason: StopReason | None = None
+    stop_sequence: str | None = None
+    usage: MessageUsage
+
+
+class TokenCount(api.ResponseBody):
+    input_tokens: int
+
+
+class MessagesError(api.ResponseBody):
+    type: str
+    message: str
+
+
+class MessagesErrorResponse(api.ResponseBody):
+    type: Literal["error"] = "error"
+    error: MessagesError
+
+
+class EventDelta(api.ResponseBody):
+    """A content_block_delta's delta (text_delta, input_json_delta), or message_delta's."""
+
+    type: str | None = Field(default=None, exclude_if=api.is_unset)
+    text: str | None = Field(default=None, exclude_if=api.is_unset)
+    partial_json: str | None = Field(default=None, exclude_if=api.is_unset)
+    stop_reason: StopReason | None = Field(default=None, exclude_if=api.is_unset)
+    stop_sequence: str | None = Field(default=None, exclude_if=api.is_unset)
+
+
+class DeltaUsage(api.ResponseBody):
+    output_tokens: int
+
+
+class StreamEvent(api.ResponseBody):
+    """One event of a streamed message, named by its type: message_start, ping,
+    content_block_start / _delta / _stop, message_delta, message_stop, or error."""
+
+    type: str
+    message: Message | None = Field(default=None, exclude_if=api.is_unset)
+    index: int | None = Field(default=None, exclude_if=api.is_unset)
+    content_block: OutputBlock | None = Field(default=None, exclude_if=api.is_unset)
+    delta: EventDelta | None = Field(default=None, exclude_if=api.is_unset)
+    usage: DeltaUsage | None = Field(default=None, exclude_if=api.is_unset)
+    error: MessagesError | None = Field(default=None, exclude_if=api.is_unset)
