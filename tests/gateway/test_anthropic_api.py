@@ -6,6 +6,8 @@ auth, and bad input answered in Anthropic's error shape."""
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import openai
@@ -80,6 +82,15 @@ def test_whole_and_streamed_answers_equal_the_chat_completion(gateway, client):
     assert text == final.content[0].text == block.text
     assert final.stop_reason == whole.stop_reason
     assert final.usage.output_tokens == whole.usage.output_tokens
+
+    # On the wire (the client drops pings): each event named as its data's type, a ping second.
+    body = {"system": SYSTEM, "messages": [ASK], "max_tokens": 6, "stream": True, **GREEDY}
+    lines = httpx.post(gateway.url + "/v1/messages", json=body, timeout=TIMEOUT).text.split("\n")
+    names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    datas = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data:")]
+    assert names == [data["type"] for data in datas]
+    assert names[:2] == ["message_start", "ping"] and names[2:] == raw[1:]
+    assert datas[-2]["delta"]["stop_reason"] == whole.stop_reason
 
 
 def test_a_stop_sequence_ends_the_answer_and_is_named(client):
