@@ -58,17 +58,35 @@ ResponseT = TypeVar("ResponseT", bound=Message)
 logger = logging.getLogger(__name__)
 
 
-def _error(code: grpc.StatusCode, details: str | None, service: str, address: str) -> Exception:
-    """The exception for a service's status. An unreachable or unready service is a plain
-    "<service> unavailable": gRPC's words name its internal address, so they go to the log."""
-    if code == grpc.StatusCode.UNAVAILABLE:
-        logger.warning("%s at %s is unavailable: %s", service, address, details or code.name)
-        return UnavailableError(f"{service} unavailable")
-    return error_for(code, f"{service}: {details or code.name}")
+class ServiceErrors:
+    """One client's view of its service's failures, as exceptions and log lines. An unreachable
+    or unready service is a plain "<service> unavailable" to callers (gRPC's words name its
+    internal address, so they go to the log): one warning when an outage starts and one line
+    when the service answers again; the calls in between log at debug level, since every
+    /metrics scrape and dashboard sample would otherwise add a warning of its own."""
 
+    def __init__(self, service: str, address: str) -> None:
+        self.service = service
+        self.address = address
+        self.down = False
 
-def _rpc_error(exc: grpc.aio.AioRpcError, service: str, address: str) -> Exception:
-    return _error(exc.code(), exc.details(), service, address)
+    def error(self, code: grpc.StatusCode, details: str | None) -> Exception:
+        if code != grpc.StatusCode.UNAVAILABLE:
+            return error_for(code, f"{self.service}: {details or code.name}")
+        level = logging.DEBUG if self.down else logging.WARNING
+        logger.log(
+            level, "%s at %s is unavailable: %s", self.service, self.address, details or code.name
+        )
+        self.down = True
+        return UnavailableError(f"{self.service} unavailable")
+
+    def rpc_error(self, exc: grpc.aio.AioRpcError) -> Exception:
+        return self.error(exc.code(), exc.details())
+
+    def answered(self) -> None:
+        if self.down:
+            self.down = False
+            logger.info("%s at %s answers again", self.service, self.address)
 
 
 class _ServiceClient:
@@ -79,6 +97,7 @@ class _ServiceClient:
 
     def __init__(self, address: str, token: str | None = None) -> None:
         self.address = address
+        self.errors = ServiceErrors(self.service, address)
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._metadata = bearer_metadata(token)  # the internal token, if the service wants one
 
@@ -90,17 +109,21 @@ class _ServiceClient:
             )
         except grpc.aio.AioRpcError:
             return False
-        return wire.serving(response)
+        if serving := wire.serving(response):
+            self.errors.answered()
+        return serving
 
     async def _unary(
         self, method: Callable[..., Awaitable[ResponseT]], request: Message
     ) -> ResponseT:
         try:
-            return await method(
+            response = await method(
                 request, timeout=call_timeout(UNARY_TIMEOUT), metadata=self._metadata
             )
         except grpc.aio.AioRpcError as exc:
-            raise _rpc_error(exc, self.service, self.address) from None
+            raise self.errors.rpc_error(exc) from None
+        self.errors.answered()
+        return response
 
 
 # -- engine -------------------------------------------------------------------------------------
@@ -114,9 +137,10 @@ class GenerateStream:
         self,
         stub: engine_pb2_grpc.EngineServiceAsyncStub,
         metadata: tuple[tuple[str, str], ...],
-        address: str,
+        errors: ServiceErrors,
     ) -> None:
-        self.address = address
+        self.address = errors.address
+        self._errors = errors
         # None ends the messages: grpc's task that sends them must not be left waiting on the
         # queue when the stream is over (a coroutine left so outlives its event loop, and its
         # finalizer then raises in whatever the garbage collector interrupted).
@@ -135,14 +159,12 @@ class GenerateStream:
             async for response in self._call:
                 yield wire.step_outputs(response)
         except grpc.aio.AioRpcError as exc:
-            self.ended = _rpc_error(exc, "engine", self.address)
+            self.ended = self._errors.rpc_error(exc)
         else:  # cancelled, or it ended without a status (worth a log line)
             self.ended = (
                 UnavailableError("engine unavailable")
                 if self.cancelled
-                else _error(
-                    grpc.StatusCode.UNAVAILABLE, "the Generate stream ended", "engine", self.address
-                )
+                else self._errors.error(grpc.StatusCode.UNAVAILABLE, "the Generate stream ended")
             )
         finally:
             self._outbox.put_nowait(None)
@@ -176,7 +198,7 @@ class EngineClient(_ServiceClient):
 
     def generate_stream(self) -> GenerateStream:
         """A new Generate stream: one per replica carries all of the gateway's requests."""
-        return GenerateStream(self._stub, self._metadata, self.address)
+        return GenerateStream(self._stub, self._metadata, self.errors)
 
     async def model_info(self) -> EngineModel:
         return wire.engine_model(
@@ -213,9 +235,9 @@ class SequenceDetokenizer:
         self,
         stub: tokenizer_pb2_grpc.TokenizerServiceAsyncStub,
         metadata: tuple[tuple[str, str], ...],
-        address: str,
+        errors: ServiceErrors,
     ) -> None:
-        self._address = address
+        self._errors = errors
         self._stub = stub
         self._metadata = metadata
         self._call: (
@@ -233,20 +255,15 @@ class SequenceDetokenizer:
                 response = await call.read()
             except grpc.aio.AioRpcError as exc:
                 self._drop()
-                raise _rpc_error(exc, "tokenizer", self._address) from None
+                raise self._errors.rpc_error(exc) from None
             except asyncio.InvalidStateError:
                 # The stream had already ended between two messages (the tokenizer went away).
                 self._drop()
-                raise _error(
-                    await call.code(), await call.details(), "tokenizer", self._address
-                ) from None
+                raise self._errors.error(await call.code(), await call.details()) from None
             if not isinstance(response, wire.SequencesAnswer):  # EOF
                 self._drop()
-                raise _error(
-                    grpc.StatusCode.UNAVAILABLE,
-                    "the DetokenizeSequences stream ended early",
-                    "tokenizer",
-                    self._address,
+                raise self._errors.error(
+                    grpc.StatusCode.UNAVAILABLE, "the DetokenizeSequences stream ended early"
                 )
             return wire.sequence_texts(response)
 
@@ -293,7 +310,7 @@ class TokenizerClient(_ServiceClient):
         return wire.tool_call_format(await self._unary(self._stub.GetInfo, wire.info_request()))
 
     def sequence_detokenizer(self) -> SequenceDetokenizer:
-        return SequenceDetokenizer(self._stub, self._metadata, self.address)
+        return SequenceDetokenizer(self._stub, self._metadata, self.errors)
 
     async def close(self) -> None:
         await self._channel.close()

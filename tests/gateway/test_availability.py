@@ -223,3 +223,52 @@ def test_a_broken_generate_stream_leaves_no_task_behind(default_model_dir, servi
         gateway.close()
     left = [task for task in asyncio.all_tasks(gateway.loop) if not task.done()]
     assert not left, left
+
+
+def test_an_engine_outage_is_one_warning_and_its_end_one_line(default_model_dir, services, caplog):
+    """Every call that finds the engine down (requests, /health, /metrics) would otherwise log a
+    warning of its own: an outage is one warning as it starts, one line as the engine answers
+    again, and the next outage is a warning again."""
+    caplog.set_level(logging.DEBUG, logger="gateway.engines.clients")
+    _, tokenizer = services
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    config = EngineConfig(model=str(default_model_dir), block_size=16, num_kv_blocks=256)
+
+    def said(words: str, level: int) -> int:
+        return sum(
+            1
+            for r in caplog.records
+            if r.name == "gateway.engines.clients"
+            and r.levelno == level
+            and f"engine at {address} {words}" in r.getMessage()
+        )
+
+    gateway = GatewayThread(address, f"127.0.0.1:{tokenizer.port}")
+    engine = None
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=TIMEOUT) as http:
+            for path in ("/v1/models", "/health", "/metrics", "/v1/models"):
+                http.get(path)
+            assert said("is unavailable", logging.WARNING) == 1, caplog.text
+            assert said("is unavailable", logging.DEBUG) >= 2, caplog.text
+
+            [service] = simulated_services(config, FAST, "127.0.0.1", port, 1)
+            engine = ServerThread(service)
+            wait_until(
+                lambda: http.get("/health").status_code == 200, "the engine back", seconds=TIMEOUT
+            )
+            assert said("answers again", logging.INFO) == 1, caplog.text
+
+            engine.close()
+            engine = None
+            wait_until(
+                lambda: http.get("/v1/models").status_code == 503,
+                "the engine gone",
+                seconds=TIMEOUT,
+            )
+            assert said("is unavailable", logging.WARNING) == 2, caplog.text
+    finally:
+        if engine is not None:
+            engine.close()
+        gateway.close()
