@@ -53,6 +53,13 @@ class DecodeRunner(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]: ...
 
 
+def give_up(error: Exception) -> None:
+    """Compiling or running a program failed: drop what dynamo holds and say why, once; the
+    caller runs decode steps eagerly from then on."""
+    torch._dynamo.reset()
+    warn_fallback(logger, "compiled decode steps", "running them eagerly", error)
+
+
 class CompiledDecode:
     @classmethod
     def compile_if_enabled(
@@ -66,8 +73,7 @@ class CompiledDecode:
         try:
             return cls(runner, config)
         except Exception as error:  # an optional speed-up: see engine.fallback
-            torch._dynamo.reset()
-            warn_fallback(logger, "compiled decode steps", "running them eagerly", error)
+            give_up(error)
             return None
 
     def __init__(self, runner: DecodeRunner, config: EngineConfig) -> None:

@@ -19,7 +19,6 @@ from common.tokenizer import Tokenizer
 from engine.core.outputs import RequestOutput
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
-from engine.grammar import validate_sampling_params
 
 PromptInput = str | Sequence[int]
 
@@ -142,7 +141,7 @@ class LLM:
         """Feed requests as the waiting queue allows and yield (result index, RequestOutput):
         sample i of prompt p is result i after the n results of the prompts before p."""
         for p in param_list:
-            validate_sampling_params(p, self.engine.vocab_size)
+            self.engine.executor.validate_params(p, self.engine.vocab_size)
         firsts = list(itertools.accumulate((p.n for p in param_list), initial=0))
         pending = deque(range(len(token_lists)))
         index_of: dict[str, int] = {}

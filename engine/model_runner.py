@@ -16,7 +16,6 @@ sampler does).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,16 +26,14 @@ from common.config import EngineConfig
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.compiled_decode import CompiledDecode
+from engine.compiled_decode import give_up as give_up_compiling
 from engine.core.step_plan import StepPlan
 from engine.cuda_graphs import DecodeGraphs
-from engine.fallback import warn_fallback
 from engine.input_batch import PersistentBatch
 from engine.kernels.cpu.capabilities import cpu_capabilities
 from engine.layers.parallel import SINGLE, TensorParallel
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
-
-logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -285,5 +282,5 @@ class ModelRunner:
             except Exception as error:  # an optional speed-up: see engine.fallback
                 # The eager run below writes the same KV slots the failed program may have.
                 self.compiled_decode = None
-                warn_fallback(logger, "compiled decode steps", "running them eagerly", error)
+                give_up_compiling(error)
         return self.model(input_ids, positions, self.kv_caches, meta)

@@ -46,7 +46,7 @@ import itertools
 import math
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -76,6 +76,9 @@ class SamplingRow:
     frequency_penalty: float
     logprobs: int | None
     seed: int | None
+    # A seeded request's own generator (on the CPU): its draws then depend on its seed and its
+    # own steps only, preemptions included.
+    generator: torch.Generator | None = field(default=None, compare=False)
 
     @classmethod
     def build(
@@ -99,6 +102,7 @@ class SamplingRow:
             frequency_penalty=params.frequency_penalty,
             logprobs=params.logprobs,
             seed=params.seed,
+            generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
         )
 
 
@@ -122,23 +126,15 @@ class Sampler:
         self.use_kernel = self.device.type == "cuda" if use_kernel is None else use_kernel
         # Weak keys: a request dropped without leave() cannot leak its row or its generator.
         self._rows: weakref.WeakKeyDictionary[Request, SamplingRow] = weakref.WeakKeyDictionary()
-        # A seeded request's own generator (on the CPU), made at join: its draws then depend on
-        # its seed and its own steps only, preemptions included.
-        self._generators: weakref.WeakKeyDictionary[Request, torch.Generator] = (
-            weakref.WeakKeyDictionary()
-        )
 
     def join(self, request: Request) -> None:
         """Build the request's row (and its samples' when n > 1) once, before it is sampled."""
         for sequence in (request, *request.samples):
             params = sequence.sampling_params
             self._rows[sequence] = SamplingRow.build(params, self.vocab_size, self.eos_token_ids)
-            if params.seed is not None:
-                self._generators[sequence] = torch.Generator().manual_seed(params.seed)
 
     def leave(self, request: Request) -> None:
         self._rows.pop(request, None)
-        self._generators.pop(request, None)
 
     def _rows_of(self, requests: Sequence[Request]) -> list[SamplingRow]:
         rows = self._rows
@@ -168,13 +164,13 @@ class Sampler:
         if sampled and self.use_kernel:
             tokens = self._sample_with_kernel(adjusted, requests, rows)
         elif len(sampled) == len(requests):
-            tokens = self._draw(self._probs(adjusted, rows), requests)
+            tokens = self._draw(self._probs(adjusted, rows), rows)
         else:
             tokens = adjusted.argmax(-1)
             if sampled:
                 index = self._index(sampled)
-                probs = self._probs(adjusted[index], [rows[i] for i in sampled])
-                tokens[index] = self._draw(probs, [requests[i] for i in sampled])
+                sampled_rows = [rows[i] for i in sampled]
+                tokens[index] = self._draw(self._probs(adjusted[index], sampled_rows), sampled_rows)
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids, self._logprobs(logits, token_ids, rows))
 
@@ -296,12 +292,12 @@ class Sampler:
         # Compare by value, so tokens tied with the last one stay whatever the sort order.
         logits.masked_fill_(probs < ranked.gather(1, last), -math.inf)
 
-    def _draw(self, probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _draw(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """argmax(probs / q), q ~ Exp(1) drawn as -log(U): ~6x faster than exponential_ on CPU."""
-        generators = [self._generators.get(r) for r in requests]
-        if len(self._noise) < len(requests):
-            self._noise = torch.empty(len(requests), self.vocab_size, device=self.device)
-        uniform = self._noise[: len(requests)]
+        generators = [row.generator for row in rows]
+        if len(self._noise) < len(rows):
+            self._noise = torch.empty(len(rows), self.vocab_size, device=self.device)
+        uniform = self._noise[: len(rows)]
         if all(g is None for g in generators):
             uniform.uniform_(generator=self.generator)
         else:
