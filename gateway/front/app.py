@@ -288,11 +288,12 @@ async def create_message(request: Request) -> Response:
 async def count_message_tokens(request: Request) -> Response:
     context = _context(request)
     body = await read_body(request, aapi.CountTokensRequest)
-    # The prompt the same request would run, planned but not run.
-    planned = await completions.plan_chat(
+    # The prompt the same request would run, whatever it asks to generate: a prompt too long to
+    # leave room for an answer still has a count.
+    _info, _chat, prompt = await completions.chat_prompt(
         context.gateway, anthropic.chat_request(body), context.config.tool_call_parser
     )
-    return ModelResponse(aapi.TokenCount(input_tokens=len(planned.requests[0].prompt_ids)))
+    return ModelResponse(aapi.TokenCount(input_tokens=len(prompt.token_ids)))
 
 
 async def text_completions(request: Request) -> Response:

@@ -21,7 +21,7 @@ from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
 from gateway.front.http_errors import error_body, log_failure
 from gateway.front.sse import DONE, event
-from gateway.messages import ChatTurn
+from gateway.messages import ChatTurn, Tokenized
 from gateway.openai import protocol as api
 from gateway.openai.structured import structured_output
 from gateway.openai.tools.chat import ChatInput, ToolPlan, ToolReader, chat_input
@@ -181,14 +181,26 @@ def _with_tools(params: SamplingParams, chat: ChatInput) -> SamplingParams:
     )
 
 
-async def plan_chat(
+async def chat_prompt(
     gateway: Gateway, body: api.ChatCompletionRequest, tool_call_parser: str | None = None
-) -> Plan:
-    """`tool_call_parser`: the server's --tool-call-parser, if set."""
+) -> tuple[ModelInfo, ChatInput, Tokenized]:
+    """The served model, the conversation as its chat template sees it, and the prompt's
+    tokens: what a chat request runs on, before any check of what it asks to generate.
+    `tool_call_parser`: the server's --tool-call-parser, if set."""
     info = await gateway.check_model(body.model)
     if body.top_logprobs and not body.logprobs:
         raise api.InvalidParameter("top_logprobs needs logprobs set to true", "top_logprobs")
     chat = await _chat_input(gateway, body, tool_call_parser)
+    prompt = await gateway.tokenize_chat(
+        chat.messages, body.add_generation_prompt, tools=chat.tools
+    )
+    return info, chat, prompt
+
+
+async def plan_chat(
+    gateway: Gateway, body: api.ChatCompletionRequest, tool_call_parser: str | None = None
+) -> Plan:
+    info, chat, prompt = await chat_prompt(gateway, body, tool_call_parser)
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     params = _sampling_params(
         body,
@@ -196,12 +208,7 @@ async def plan_chat(
         (body.top_logprobs or 0) if body.logprobs else None,
     )
     params = _with_tools(params, chat)
-    prompt = await gateway.tokenize_chat(
-        chat.messages, body.add_generation_prompt, tools=chat.tools
-    )
-    requests = _text_requests(
-        info, [list(prompt.token_ids)], body, params, "messages", max_tokens_param
-    )
+    requests = _text_requests(info, [prompt.token_ids], body, params, "messages", max_tokens_param)
     return Plan(
         True,
         new_request_id("chatcmpl"),

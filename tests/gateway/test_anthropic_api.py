@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from gateway_helpers import start_gateway
+from gateway_helpers import MAX_MODEL_LEN, start_gateway
 from grpc_helpers import TIMEOUT
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -227,3 +227,13 @@ def test_the_client_raises_on_bad_input(client):
             model=MODEL, messages=[ASK], max_tokens=2, extra_body={"temperature": 2.0}
         )
     assert "temperature" in refused.value.body["error"]["message"]
+
+
+def test_count_tokens_counts_a_prompt_too_long_to_answer(client):
+    """count_tokens is how a client learns a conversation no longer fits: it counts one longer
+    than the context, where /v1/messages refuses it."""
+    long = {"role": "user", "content": "word " * (2 * MAX_MODEL_LEN)}
+    counted = client.messages.count_tokens(model=MODEL, messages=[long])
+    assert counted.input_tokens > MAX_MODEL_LEN
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model=MODEL, messages=[long], max_tokens=1)
