@@ -337,10 +337,6 @@ class Supervisor:
             return {"Authorization": f"Bearer {self.api_keys[0]}"}
         return {}
 
-    @staticmethod
-    def _port(address: str) -> str:
-        return address.rsplit(":", 1)[1]
-
     @property
     def url(self) -> str:
         return f"http://{_hostport(_local(self.host), self.port)}"

@@ -125,6 +125,9 @@ class _ServiceClient:
         self.errors.answered()
         return response
 
+    async def close(self) -> None:
+        await self._channel.close()
+
 
 # -- engine -------------------------------------------------------------------------------------
 
@@ -219,9 +222,6 @@ class EngineClient(_ServiceClient):
         async for batch in call:
             yield wire.kv_event_batch(batch)
 
-    async def close(self) -> None:
-        await self._channel.close()
-
 
 # -- tokenizer ----------------------------------------------------------------------------------
 
@@ -311,6 +311,3 @@ class TokenizerClient(_ServiceClient):
 
     def sequence_detokenizer(self) -> SequenceDetokenizer:
         return SequenceDetokenizer(self._stub, self._metadata, self.errors)
-
-    async def close(self) -> None:
-        await self._channel.close()
