@@ -71,7 +71,9 @@ def make_checkpoint(directory, config_class, kwargs, seed=0):
     return model.eval()
 
 
-def make_tiny_smollm2(directory: Path, default_model_dir: Path) -> Path:
+def make_tiny_smollm2(
+    directory: Path, default_model_dir: Path, max_position_embeddings: int = 4096
+) -> Path:
     """A tiny random Llama with SmolLM2's vocabulary, special ids and tokenizer (copied from the
     prepared default model): a served stack on it starts in a moment. Returns `directory`."""
     make_checkpoint(
@@ -80,7 +82,7 @@ def make_tiny_smollm2(directory: Path, default_model_dir: Path) -> Path:
         dict(
             SMALL,
             vocab_size=49152,  # SmolLM2's tokenizer
-            max_position_embeddings=4096,
+            max_position_embeddings=max_position_embeddings,
             num_attention_heads=4,
             num_key_value_heads=2,
             bos_token_id=1,

@@ -25,7 +25,7 @@ from tiny_models import make_tiny_smollm2
 
 SMG = Path(sys.executable).parent / "smg"
 TIMEOUT = 120
-STACK_ARGS = ("--dtype", "float32", "--num-kv-blocks", "256", "--max-num-seqs", "8")
+STACK_ARGS = ("--dtype", "float32", "--num-kv-blocks", "2100", "--max-num-seqs", "8")
 SYSTEM = (
     "You are a careful assistant for a small library. You answer questions about opening "
     "hours, loans, renewals and the reading room, briefly and politely, in plain words."
@@ -40,7 +40,10 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def tiny_model(default_model_dir, tmp_path_factory) -> Path:
-    return make_tiny_smollm2(tmp_path_factory.mktemp("tiny-smollm2"), default_model_dir)
+    # A long context, so the request SMG must see running cannot end on its own first.
+    return make_tiny_smollm2(
+        tmp_path_factory.mktemp("tiny-smollm2"), default_model_dir, max_position_embeddings=32768
+    )
 
 
 @pytest.fixture(scope="module")
@@ -165,28 +168,33 @@ def test_smg_routes_across_two_folio_stacks_and_survives_losing_one(stacks, smg,
         assert int(worker["labels"]["max_total_tokens"]) > 0
     # The load SMG polls is the engine's: a request running on a stack (sent to it directly)
     # shows in SMG's view of that stack, and in no other.
-    # The request runs ~9 s on an idle 2-core machine (3,900 tokens of the tiny model), many of
-    # SMG's 1 s polls; SMG is asked ~5 times a second while it streams.
+    # The request would run over a minute (32,000 tokens of the tiny model; it ran out in 4-9 s
+    # with 3,900 tokens, sometimes before SMG's first poll that saw it on a loaded machine), many
+    # of SMG's 1 s polls; SMG is asked ~5 times a second while it streams, and the client leaves
+    # as soon as SMG has seen it.
     busy = stacks[0]
     ended = counters(busy)["requests"]
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "Count slowly."}],
-        "max_tokens": 3900,
+        "max_tokens": 32000,
         "ignore_eos": True,
         "stream": True,
     }
     loads: dict[str, dict] = {}
+    left_early = False
     with httpx.stream("POST", busy.url + "/v1/chat/completions", json=body, timeout=TIMEOUT) as r:
         assert r.status_code == 200
         asked = 0.0
-        for _ in r.iter_lines():  # read on, as a client does
+        for line in r.iter_lines():  # read on, as a client does
             if time.monotonic() - asked > 0.2:
                 asked = time.monotonic()
                 loads = engine_loads(smg)
                 if len(loads) == 2 and loads[busy.url]["num_running_reqs"]:
+                    left_early = "[DONE]" not in line
                     break
-    assert loads[busy.url]["num_running_reqs"] == 1, f"SMG never saw it run: {loads}"
+    assert left_early, f"SMG never saw it run while it streamed: {loads}"
+    assert loads[busy.url]["num_running_reqs"] == 1
     assert loads[stacks[1].url]["num_running_reqs"] == 0
     assert loads[busy.url]["max_total_num_tokens"] > 0
     assert 0 < loads[busy.url]["token_usage"] < 1
