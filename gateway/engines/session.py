@@ -17,12 +17,13 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
 
-from common.errors import InternalError, UnavailableError
+from common.errors import UnavailableError
 from common.sampling_params import SamplingParams
 from gateway.engines.clients import EngineClient, GenerateStream
 from gateway.metrics import Metrics
 from gateway.pipeline.output_processor import (
     Detokenizer,
+    OutputProcessingError,
     OutputProcessor,
     RetryHook,
     TokenTexts,
@@ -79,7 +80,7 @@ class ReplicaSession:
                     await self.processor.process_outputs(outputs)
         except Exception as exc:
             logger.exception("engine %s: processing the Generate stream failed", stream.address)
-            error = InternalError(f"processing the engine's outputs failed: {exc}")
+            error = OutputProcessingError(f"processing the engine's outputs failed: {exc}")
             stream.cancel()
         finally:
             self._stream = None

@@ -11,6 +11,7 @@ import logging
 
 from common.errors import RateLimitExceeded, Unauthenticated, UnavailableError, mapping_for
 from gateway.openai.protocol import ErrorInfo, ErrorResponse
+from gateway.pipeline.output_processor import OutputProcessingError
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,9 @@ def log_failure(exc: BaseException, started: bool = False) -> None:
     any other error too, as a warning."""
     status = mapping_for(exc).http_status
     when = " after its answer started" if started else ""
-    if status == 500:
+    if isinstance(exc, OutputProcessingError):  # one bug, many requests: one traceback
+        logger.error("request failed%s: %s (traceback logged above)", when, exc)
+    elif status == 500:
         logger.error("request failed%s", when, exc_info=exc)
     elif started:
         logger.warning("request failed%s: %d %s", when, status, exc)

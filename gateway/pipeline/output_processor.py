@@ -39,6 +39,12 @@ from gateway.pipeline.text import TextDelta, TextRequest, TokenLogprob, Usage
 
 logger = logging.getLogger(__name__)
 
+
+class OutputProcessingError(InternalError):
+    """A bug processing an engine's outputs (the gateway's own): its traceback is logged once,
+    where it happened, and each request it failed carries this error."""
+
+
 # Sequence ids on the tokenizer's stream: unique for the life of the gateway process.
 _sequence_ids = itertools.count(1)
 
@@ -226,7 +232,7 @@ class OutputProcessor:
             step = {output.request_id for output in outputs}
             self._fail(
                 [r for r in self._requests.values() if r.request_id in step],
-                InternalError(f"processing the engine's outputs failed: {exc}"),
+                OutputProcessingError(f"processing the engine's outputs failed: {exc}"),
                 True,
             )
 

@@ -158,7 +158,9 @@ def test_a_bug_processing_engine_outputs_fails_its_requests_not_the_replica(
             failed = http.post("/v1/completions", json=body)
             assert failed.status_code == 500, failed.text
             assert failed.json()["error"]["type"] == "server_error"
-            assert logged_with_traceback(caplog)
+            # One bug, one traceback (where the step failed); the request's own record is a line.
+            assert len(logged_with_traceback(caplog)) == 1, caplog.text
+            assert "request failed: processing the engine's outputs failed" in caplog.text
             # Both replicas stay in rotation: the engine did nothing wrong.
             healthy = {
                 key: value
