@@ -25,6 +25,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8", "int4")
 ROUTING_POLICIES = ("cache_aware", "least_load", "round_robin")
+# generate: text generation (and embeddings too); pooling: embeddings only; auto: pooling for a
+# sentence-transformers model (modules.json in its directory), else generate.
+RUNNERS = ("auto", "generate", "pooling")
 DEFAULT_HOST = "127.0.0.1"
 # Where the services listen by default: loopback only, one port each; `folio serve` and
 # docker compose use the same numbers.
@@ -58,6 +61,13 @@ class EngineConfig:
     """Everything that shapes one engine instance."""
 
     model: str | None = _model_flag()
+    runner: str = flag(
+        "auto",
+        "what the model serves: generate (text, and embeddings too), pooling (embeddings only: "
+        "generation requests are refused); auto = pooling for a sentence-transformers model "
+        "(modules.json in its directory), else generate",
+        choices=RUNNERS,
+    )
     dtype: str = flag(
         "auto",
         "weights and activations; auto = bfloat16 where the device computes it natively, else "
