@@ -47,6 +47,11 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def default_batch_dir() -> Path:
+    """Where the gateway keeps its batch jobs unless --batch-dir says otherwise."""
+    return cache_dir() / "batches"
+
+
 def default_step_cost_path() -> Path:
     """Where `folio bench profile` writes the step cost model simulated engines read."""
     return cache_dir() / "step_cost.json"
@@ -332,9 +337,27 @@ class GatewayConfig:
         "else a generic format in a system message",
         choices=TOOL_CALL_PARSERS,
     )
+    batch_dir: str | None = flag(
+        None,
+        "directory of the batch jobs' SQLite database (uploaded files, jobs and each line's "
+        "result; a restarted gateway resumes its jobs from it); default: batches/ in the Folio "
+        "cache (FOLIO_CACHE_DIR)",
+    )
+    max_upload_mib: float = flag(
+        200.0, "largest file POST /v1/files accepts, in MiB (a larger one gets 413)"
+    )
+    batch_concurrency: int = flag(
+        4,
+        "lines of batch jobs one gateway process runs at once, each at the least urgent "
+        "priority (they give way to interactive requests under --scheduling-policy priority)",
+    )
 
     def __post_init__(self) -> None:
         check_choices(self)
+        if not self.max_upload_mib > 0:
+            raise ValueError(f"max_upload_mib must be > 0, got {self.max_upload_mib}")
+        if self.batch_concurrency < 1:
+            raise ValueError(f"batch_concurrency must be >= 1, got {self.batch_concurrency}")
         for name in ("rate_limit_rps", "rate_limit_tpm"):
             value = getattr(self, name)
             if value is not None and not value > 0:
