@@ -125,6 +125,20 @@ def tool_call_format(chat_template: str | None) -> str:
     return next((name for name, mark in TOOL_CALL_FORMAT_MARKS if mark in chat_template), "")
 
 
+def reasoning_format(chat_template: str | None) -> str:
+    """How a chat template marks the model's reasoning, named as vLLM names its reasoning
+    parsers: "gpt_oss" (harmony's analysis channel), "qwen3" (<think> in a Qwen chat format,
+    where an answer without the tag is plain content), "deepseek_r1" (any other <think>
+    template, whose model may begin thinking without writing the tag); "" for none."""
+    if not chat_template:
+        return ""
+    if "<|channel|>" in chat_template:
+        return "gpt_oss"
+    if "<think>" not in chat_template:
+        return ""
+    return "qwen3" if "<|im_start|>" in chat_template else "deepseek_r1"
+
+
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Check a chat conversation; return it with None-valued keys dropped (as transformers does)."""
     if not isinstance(messages, (list, tuple)) or not messages:
@@ -166,6 +180,7 @@ class Tokenizer:
         }
         self.chat_template = chat_template
         self.tool_call_format = tool_call_format(chat_template)
+        self.reasoning_format = reasoning_format(chat_template)
         self._template = _compile_chat_template(chat_template) if chat_template else None
 
         bos_text = self.special_tokens.get("bos_token")
@@ -229,9 +244,12 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The conversation as the template writes it; `tools` (OpenAI's tool definitions,
-        {"type": "function", "function": {...}}) go to templates that know tools."""
+        {"type": "function", "function": {...}}) go to templates that know tools;
+        `template_kwargs`, extra variables (e.g. enable_thinking), never replace the ones set
+        here."""
         if self._template is None:
             raise InvalidRequestError(
                 "this model has no chat template; send a plain prompt instead"
@@ -239,11 +257,14 @@ class Tokenizer:
         messages = validate_messages(messages)
         try:
             return self._template.render(
-                messages=messages,
-                tools=tools or None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
+                {
+                    **(template_kwargs or {}),
+                    "messages": messages,
+                    "tools": tools or None,
+                    "documents": None,
+                    "add_generation_prompt": add_generation_prompt,
+                    **self.special_tokens,
+                }
             )
         except jinja2.exceptions.TemplateError as error:
             # Templates reject conversations they cannot format (e.g. roles out of order).

@@ -129,6 +129,15 @@ class ToolSpec:
 
 
 @dataclass(frozen=True)
+class ChatFormats:
+    """What the chat template teaches the model, named as vLLM names its parsers ("" for
+    none): its tool-call format and how it marks reasoning."""
+
+    tool_call: str
+    reasoning: str
+
+
+@dataclass(frozen=True)
 class Tokenized:
     token_ids: list[int]
     prompt: str  # the text the ids stand for (a chat's rendered template)

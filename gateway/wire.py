@@ -9,8 +9,9 @@ decides, validates or talks to a service.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import TypedDict
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, TypedDict
 
 from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, gateway_pb2
 from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
@@ -20,6 +21,7 @@ from common.finish_reason import finish_reason_from_proto, finish_reason_to_prot
 from common.sampling_params import SamplingParams
 from common.sampling_proto import sampling_params_from_proto, sampling_params_to_proto
 from gateway.messages import (
+    ChatFormats,
     ChatTurn,
     DetokenizeOptions,
     DetokenizeSequences,
@@ -201,6 +203,7 @@ def tokenize_chat_request(
     tools: Sequence[ToolSpec],
     add_generation_prompt: bool,
     return_token_strs: bool,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> tok_pb2.TokenizeRequest:
     return tok_pb2.TokenizeRequest(
         chat=tok_pb2.Conversation(
@@ -209,6 +212,7 @@ def tokenize_chat_request(
                 common_pb2.Tool(name=t.name, description=t.description, parameters=t.parameters)
                 for t in tools
             ],
+            template_kwargs=json.dumps(template_kwargs) if template_kwargs else "",
         ),
         add_generation_prompt=add_generation_prompt,
         return_token_strs=return_token_strs,
@@ -233,8 +237,8 @@ def info_request() -> tok_pb2.GetInfoRequest:
     return tok_pb2.GetInfoRequest()
 
 
-def tool_call_format(info: tok_pb2.GetInfoResponse) -> str:
-    return info.tool_call_format
+def chat_formats(info: tok_pb2.GetInfoResponse) -> ChatFormats:
+    return ChatFormats(tool_call=info.tool_call_format, reasoning=info.reasoning_format)
 
 
 def _options(options: DetokenizeOptions) -> tok_pb2.DetokenizeOptions:

@@ -20,9 +20,10 @@ from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
+    Mapping,
     Sequence,
 )
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from common.grpc_stubs.folio.v1 import engine_pb2_grpc, tokenizer_pb2_grpc
@@ -36,6 +37,7 @@ from common.sampling_params import SamplingParams
 from gateway import wire
 from gateway.limits.deadlines import call_timeout
 from gateway.messages import (
+    ChatFormats,
     ChatTurn,
     DetokenizeSequences,
     EngineModel,
@@ -295,9 +297,10 @@ class TokenizerClient(_ServiceClient):
         tools: Sequence[ToolSpec] = (),
         add_generation_prompt: bool = True,
         return_token_strs: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> Tokenized:
         request = wire.tokenize_chat_request(
-            messages, tools, add_generation_prompt, return_token_strs
+            messages, tools, add_generation_prompt, return_token_strs, template_kwargs
         )
         return wire.tokenized(await self._unary(self._stub.Tokenize, request))
 
@@ -305,9 +308,9 @@ class TokenizerClient(_ServiceClient):
         request = wire.detokenize_request(token_ids, skip_special_tokens)
         return wire.detokenized(await self._unary(self._stub.Detokenize, request))
 
-    async def tool_call_format(self) -> str:
-        """The tool-call format the model's chat template teaches ("" for none)."""
-        return wire.tool_call_format(await self._unary(self._stub.GetInfo, wire.info_request()))
+    async def chat_formats(self) -> ChatFormats:
+        """The tool-call and reasoning formats the model's chat template teaches."""
+        return wire.chat_formats(await self._unary(self._stub.GetInfo, wire.info_request()))
 
     def sequence_detokenizer(self) -> SequenceDetokenizer:
         return SequenceDetokenizer(self._stub, self._metadata, self.errors)

@@ -160,7 +160,7 @@ async def _chat_input(
         return ChatInput(
             [ChatTurn(role=m.role, content=m.text, name=m.name) for m in body.messages]
         )
-    return chat_input(body, await gateway.tool_call_format(), tool_call_parser)
+    return chat_input(body, (await gateway.chat_formats()).tool_call, tool_call_parser)
 
 
 def _with_tools(params: SamplingParams, chat: ChatInput) -> SamplingParams:

@@ -17,8 +17,9 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from common.errors import DeadlineExceededError, FolioError, ModelNotFound, UnavailableError
 from common.sampling_params import SamplingParams
@@ -26,7 +27,7 @@ from gateway.engines.clients import EngineClient, TokenizerClient
 from gateway.engines.replicas import EnginePool
 from gateway.engines.routing import make_policy
 from gateway.limits.deadlines import at_deadline
-from gateway.messages import ChatTurn, EngineStats, Tokenized, ToolSpec
+from gateway.messages import ChatFormats, ChatTurn, EngineStats, Tokenized, ToolSpec
 from gateway.metrics import Metrics
 from gateway.pipeline.output_processor import ChoiceItem, TokenTexts, TrackedRequest
 from gateway.pipeline.text import TextDelta, TextRequest
@@ -65,7 +66,7 @@ class Gateway:
         self.draining = False
         self._info: ModelInfo | None = None
         self._info_broken_streams = 0  # engine.broken_streams when _info was read
-        self._tool_call_format: str | None = None  # the chat template's, once asked
+        self._chat_formats: ChatFormats | None = None  # the chat template's, once asked
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -112,12 +113,12 @@ class Gateway:
         except FolioError:
             return None
 
-    async def tool_call_format(self) -> str:
-        """The tool-call format the model's chat template teaches ("" for none), asked of the
+    async def chat_formats(self) -> ChatFormats:
+        """The tool-call and reasoning formats the model's chat template teaches, asked of the
         tokenizer once."""
-        if self._tool_call_format is None:
-            self._tool_call_format = await self.tokenizer.tool_call_format()
-        return self._tool_call_format
+        if self._chat_formats is None:
+            self._chat_formats = await self.tokenizer.chat_formats()
+        return self._chat_formats
 
     def check_available(self) -> None:
         if self.draining:
@@ -136,9 +137,10 @@ class Gateway:
         add_generation_prompt: bool = True,
         return_token_strs: bool = False,
         tools: Sequence[ToolSpec] = (),
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> Tokenized:
         return await self.tokenizer.tokenize_chat(
-            messages, tools, add_generation_prompt, return_token_strs
+            messages, tools, add_generation_prompt, return_token_strs, template_kwargs
         )
 
     # -- generation ---------------------------------------------------------------------------

@@ -61,6 +61,19 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
+def _template_kwargs(conversation: pb.Conversation) -> dict[str, Any]:
+    """The conversation's extra template variables (a JSON object's text, or empty)."""
+    if not conversation.template_kwargs:
+        return {}
+    try:
+        kwargs = json.loads(conversation.template_kwargs)
+    except ValueError as exc:
+        raise InvalidRequestError(f"template_kwargs is not valid JSON: {exc}") from None
+    if not isinstance(kwargs, dict):
+        raise InvalidRequestError("template_kwargs must be a JSON object")
+    return kwargs
+
+
 def _chat_tools(conversation: pb.Conversation) -> list[dict]:
     """The tools as OpenAI writes them, which is what chat templates read."""
     tools = []
@@ -170,6 +183,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                     _chat_messages(request.chat),
                     _flag(request, "add_generation_prompt", True),
                     _chat_tools(request.chat),
+                    _template_kwargs(request.chat),
                 )
                 # As Tokenizer.encode_chat: the template writes its own special tokens.
                 ids = tokenizer.encode(prompt, add_special_tokens=False)
@@ -250,6 +264,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             max_model_len=tokenizer.max_model_len,
             has_chat_template=tokenizer.chat_template is not None,
             tool_call_format=tokenizer.tool_call_format,
+            reasoning_format=tokenizer.reasoning_format,
         )
 
 
