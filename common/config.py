@@ -289,6 +289,9 @@ def engine_args_from_config(config: EngineConfig) -> list[str]:
 
 # The tool-call parsers the gateway has (gateway/openai/tools/parsers.py), by their vLLM names.
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+# How a reasoning model's thinking is told from its answer (gateway/openai/reasoning/); "none"
+# leaves it in the answer.
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "gpt_oss", "none")
 
 
 @dataclass
@@ -336,6 +339,13 @@ class GatewayConfig:
         "(the chat template must know tools); default: the format the chat template teaches, "
         "else a generic format in a system message",
         choices=TOOL_CALL_PARSERS,
+    )
+    reasoning_parser: str | None = flag(
+        None,
+        "how a reasoning model's thinking is split from its answer (reasoning_content), named "
+        "as vLLM names its parsers (none: never split); default: the format the chat template "
+        "shows (<think> or harmony channels), else none",
+        choices=REASONING_PARSERS,
     )
     batch_dir: str | None = flag(
         None,
