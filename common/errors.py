@@ -48,7 +48,21 @@ class Unauthenticated(FolioError):
 
 
 class QueueFullError(FolioError):
-    """The bounded waiting queue is full; retry later."""
+    """The bounded waiting queue is full; retry later. `retry_after`: whole seconds until the
+    request would pass, when known."""
+
+    def __init__(
+        self, message: str = "", param: str | None = None, retry_after: int | None = None
+    ) -> None:
+        super().__init__(message, param)
+        self.retry_after = retry_after
+
+
+class DeadlineUnmeetable(QueueFullError):
+    """The request's deadline cannot be met behind the requests queued ahead of it."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message, retry_after=retry_after)
 
 
 class RateLimitExceeded(QueueFullError):
@@ -56,8 +70,7 @@ class RateLimitExceeded(QueueFullError):
     pass; None when waiting cannot make it pass."""
 
     def __init__(self, message: str, retry_after: int | None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
+        super().__init__(message, retry_after=retry_after)
 
 
 class UnavailableError(FolioError):

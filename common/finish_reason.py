@@ -16,12 +16,14 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token, a stop string, or a completed grammar
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # cancelled by the caller
+    DEADLINE = "deadline"  # past its total deadline (slo_total_ms), ended by the engine
 
 
 _TO_PROTO: dict[FinishReason, common_pb2.FinishReason.ValueType] = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+    FinishReason.DEADLINE: common_pb2.FINISH_REASON_DEADLINE,
 }
 _FROM_PROTO = {value: reason for reason, value in _TO_PROTO.items()}
 
@@ -36,4 +38,6 @@ def finish_reason_from_proto(value: int) -> FinishReason:
     try:
         return _FROM_PROTO[common_pb2.FinishReason.ValueType(value)]
     except KeyError:
-        raise ValueError(f"finish_reason {value} is not one of stop, length, abort") from None
+        raise ValueError(
+            f"finish_reason {value} is not one of stop, length, abort, deadline"
+        ) from None

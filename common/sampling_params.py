@@ -17,6 +17,11 @@ from typing import ClassVar
 
 from common.errors import InvalidRequestError
 
+# The batch lane: a request whose priority is at least this (an int32, as the wire carries it)
+# runs only on capacity no interactive request wants, and is preempted first. Batch jobs send
+# exactly this; larger values order batch requests among themselves under the priority policy.
+BATCH_PRIORITY = 1 << 30
+
 
 @dataclass(frozen=True)
 class StructuredOutput:
