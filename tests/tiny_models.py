@@ -8,7 +8,14 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 SMALL = dict(
     hidden_size=64,
@@ -50,6 +57,41 @@ VARIANTS = {
     "qwen3-qknorm": (
         Qwen3Config,
         dict(SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    ),
+    # A Qwen2 with YaRN (its attention factor scales cos and sin).
+    "qwen2-yarn": (
+        Qwen2Config,
+        dict(
+            SMALL,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    # Phi-3's fused qkv_proj and gate_up_proj, with LongRoPE's short factors and attention
+    # factor (the long factors start past the prompts here; engine's rope tests check them).
+    "phi3-longrope": (
+        Phi3Config,
+        dict(
+            SMALL,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            original_max_position_embeddings=64,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                short_factor=[1.0 + 0.1 * i for i in range(8)],
+                long_factor=[2.0 + 0.5 * i for i in range(8)],
+            ),
+        ),
     ),
 }
 

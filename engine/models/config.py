@@ -18,9 +18,18 @@ _ARCHITECTURES: dict[str, dict[str, object]] = {
     "MistralForCausalLM": dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False),
     "Qwen2ForCausalLM": dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False),
     "Qwen3ForCausalLM": dict(qkv_bias="config", o_bias="config", mlp_bias=False, qk_norm=True),
+    "Phi3ForCausalLM": dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False),
 }
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn", "longrope", "dynamic")
+# Rope parameters each rope type cannot do without (original_max_position_embeddings may also
+# sit at the config's top level, as Phi-3 has it).
+_REQUIRED_ROPE_PARAMETERS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "yarn": ("original_max_position_embeddings",),
+    "longrope": ("original_max_position_embeddings", "short_factor", "long_factor"),
+    "dynamic": ("factor",),
+}
 
 
 @dataclass
@@ -80,9 +89,9 @@ class ModelConfig:
                 f"unsupported hidden_act {raw['hidden_act']!r}; only 'silu' is supported"
             )
 
-        rope_theta, rope_scaling = _parse_rope(raw)
+        rope_theta, rope_scaling = _parse_rope(raw, architecture)
         num_heads = raw["num_attention_heads"]
-        max_positions = raw.get("max_position_embeddings", 2048)
+        max_positions = _served_positions(raw.get("max_position_embeddings", 2048), rope_scaling)
         window = _sliding_window(raw)
         if window is not None and window < max_positions:
             max_positions = window
@@ -118,22 +127,52 @@ class ModelConfig:
         )
 
 
-def _parse_rope(raw: dict) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from either config layout."""
+def _parse_rope(raw: dict, architecture: str) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either config layout, checked."""
     params = dict(raw.get("rope_parameters") or {})
     if not params:
         params = dict(raw.get("rope_scaling") or {})
         params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
     theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if architecture == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # as transformers' Phi3Config reads these old names
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
-            f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            f"unsupported rope type {rope_type!r} (config.json rope_scaling.rope_type); "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(
+            f"unsupported partial_rotary_factor {partial!r}; only 1.0 (RoPE over the whole head)"
         )
     if rope_type == "default":
         return theta, None
     params["rope_type"] = rope_type
+    if "original_max_position_embeddings" in raw:
+        params.setdefault(
+            "original_max_position_embeddings", raw["original_max_position_embeddings"]
+        )
+    if rope_type == "dynamic":
+        # Dynamic NTK grows its base past the trained context, which it starts from.
+        params.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings"))
+    missing = [key for key in _REQUIRED_ROPE_PARAMETERS[rope_type] if params.get(key) is None]
+    if missing:
+        raise ValueError(
+            f"rope type {rope_type!r} needs rope_scaling.{', rope_scaling.'.join(missing)} "
+            "in config.json"
+        )
     return theta, params
+
+
+def _served_positions(max_positions: int, rope: dict | None) -> int:
+    """The longest context the model's rope serves: YaRN's and dynamic NTK's extend the
+    original context by their factor (as vLLM derives it); the others serve
+    max_position_embeddings."""
+    if rope is not None and rope["rope_type"] in ("yarn", "dynamic") and rope.get("factor"):
+        return max(max_positions, int(rope["original_max_position_embeddings"] * rope["factor"]))
+    return max_positions
 
 
 def _sliding_window(raw: dict) -> int | None:

@@ -24,6 +24,7 @@ from engine.layers.parallel import (
 )
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
+from engine.models.phi3 import Phi3ForCausalLM
 
 # Architecture name (config.json "architectures") -> model class.
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
@@ -31,6 +32,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 # Entries of oneDNN's two kernel caches (its primitive cache and PyTorch's ideep LRU cache) in
@@ -105,22 +107,13 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
                     unexpected.append(key)
                     continue
                 module = model.get_submodule(name.rpartition(".")[0])
-                target = params[name].data
-                if shard is not None:
-                    sizes = cast(list[int], module.output_sizes)
-                    target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
-                tensor = _read(f, key, module, name.endswith(".weight"), shard or 0)
-                if tensor.shape[0] < target.shape[0] and getattr(module, "checkpoint_rows", None):
-                    # The last vocabulary shard's padding rows: never looked up, logits cut off.
-                    target[tensor.shape[0] :].zero_()
-                    target = target[: tensor.shape[0]]
-                if tensor.shape != target.shape:
-                    raise ValueError(
-                        f"weight {key!r} has shape {tuple(tensor.shape)}, "
-                        f"the model expects {tuple(target.shape)}"
-                    )
-                target.copy_(tensor)
-                loaded.add((name, shard))
+                # A checkpoint tensor named after one of our fused modules (Phi-3's qkv_proj and
+                # gate_up_proj) holds all its shards, stacked: each is read as its own.
+                sizes = cast(list[int], getattr(module, "output_sizes", [None]))
+                stacked = shard is None and len(sizes) > 1
+                for part in range(len(sizes)) if stacked else [shard]:
+                    _load_part(f, key, module, params[name].data, part, stacked, name)
+                    loaded.add((name, part))
 
     problems = []
     missing = expected - loaded
@@ -135,11 +128,41 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
         raise ValueError("checkpoint does not match the model: " + "; ".join(problems))
 
 
-def _read(f, key: str, module, is_weight: bool, shard: int) -> torch.Tensor:
-    """The checkpoint tensor, or only the rows (column-parallel layers, vocabulary shards) or
-    columns (row-parallel weights) this rank holds."""
+def _load_part(
+    f, key: str, module, param: torch.Tensor, shard: int | None, stacked: bool, name: str
+) -> None:
+    """Copies checkpoint tensor `key` (or its shard's rows, when `stacked`) into `param` (or
+    the rows of its shard `shard`)."""
+    target = param
+    if shard is not None:
+        sizes = cast(list[int], module.output_sizes)
+        target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
+    tensor = _read(f, key, module, name.endswith(".weight"), shard or 0, stacked)
+    if tensor.shape[0] < target.shape[0] and getattr(module, "checkpoint_rows", None):
+        # The last vocabulary shard's padding rows: never looked up, logits cut off.
+        target[tensor.shape[0] :].zero_()
+        target = target[: tensor.shape[0]]
+    if tensor.shape != target.shape:
+        raise ValueError(
+            f"weight {key!r} has shape {tuple(tensor.shape)}, "
+            f"the model expects {tuple(target.shape)}"
+        )
+    target.copy_(tensor)
+
+
+def _read(f, key: str, module, is_weight: bool, shard: int, stacked: bool) -> torch.Tensor:
+    """The checkpoint tensor, or only the rows (column-parallel layers, vocabulary shards, a
+    stacked tensor's shard) or columns (row-parallel weights) this rank holds."""
     rows = getattr(module, "checkpoint_rows", None)
     columns = getattr(module, "checkpoint_columns", None) if is_weight else None
+    if stacked:
+        # Shard `shard` of the stacked tensor starts after the whole shards before it.
+        sizes = [r.full for r in rows] if rows else list(module.output_sizes)
+        part = rows[shard] if rows else CheckpointSlice(0, sizes[shard], sizes[shard])
+        tensor = f.get_slice(key)
+        _check_full(key, tensor.get_shape(), 0, CheckpointSlice(0, 0, sum(sizes)))
+        start = sum(sizes[:shard]) + part.start
+        return tensor[start : start + part.count]
     if rows is None and columns is None:
         return f.get_tensor(key)
     tensor = f.get_slice(key)

@@ -1,7 +1,6 @@
 """engine/layers/: the one choice of a linear's kernel follows the capability object it is given
-(every path but Folio's kernels checked on any CPU), every rope type the config admits has its
-frequencies, and engine/ imports in no circle (any import counts: inside a function or under
-TYPE_CHECKING too)."""
+(every path but Folio's kernels checked on any CPU), and engine/ imports in no circle (any
+import counts: inside a function or under TYPE_CHECKING too)."""
 
 from __future__ import annotations
 
@@ -14,8 +13,6 @@ import torch
 from engine.kernels.cpu.capabilities import CpuCapabilities
 from engine.layers.linear import pack_weight
 from engine.layers.quantization import QuantizedWeight
-from engine.layers.rotary import ROPE_TYPES
-from engine.models.config import SUPPORTED_ROPE_TYPES
 
 ENGINE = Path(__file__).resolve().parents[3] / "engine"
 
@@ -40,10 +37,6 @@ def test_packing_is_for_cpu_weights_only():
         avx2_fma=True, folio_kernels=True, avx512_bf16=True, native_bf16=True, onednn_packing=True
     )
     assert pack_weight(torch.randn(4, 8, device="meta"), None, everything) is None
-
-
-def test_every_rope_type_the_config_admits_has_its_frequencies():
-    assert set(ROPE_TYPES) == set(SUPPORTED_ROPE_TYPES)
 
 
 def module_name(path: Path, root: Path) -> str:
