@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from engine.core.outputs import EngineStats, RequestOutput, StepTimings
 from engine.engine import LLMEngine
@@ -105,11 +106,13 @@ class AsyncEngine:
         params: SamplingParams,
         events: asyncio.Queue,
         priority: int = 0,
+        pooling: PoolingParams | None = None,
     ) -> None:
-        """Queue a request. Its outputs, or one RequestFailed, arrive in `events` as lists."""
+        """Queue a request (an embedding request with `pooling`). Its outputs, or one
+        RequestFailed, arrive in `events` as lists."""
         sink = _Sink(asyncio.get_running_loop(), events)
         self._inbox.put(
-            lambda: self._add(request_id, list(prompt_token_ids), params, priority, sink)
+            lambda: self._add(request_id, list(prompt_token_ids), params, priority, pooling, sink)
         )
 
     def abort(self, request_ids: Sequence[str]) -> concurrent.futures.Future[list[str]]:
@@ -198,10 +201,11 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int,
+        pooling: PoolingParams | None,
         sink: _Sink,
     ) -> None:
         try:
-            self._built().add_request(request_id, prompt_token_ids, params, priority)
+            self._built().add_request(request_id, prompt_token_ids, params, priority, pooling)
         except Exception as exc:
             # EngineError is the caller's fault or a full queue; anything else is logged as a bug.
             if not isinstance(exc, EngineError):

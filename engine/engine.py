@@ -17,6 +17,7 @@ from pathlib import Path
 
 from common.config import EngineConfig
 from common.finish_reason import FinishReason
+from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_events import KVEventPublisher
@@ -60,10 +61,15 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        pooling: PoolingParams | None = None,
     ) -> Request:
         """Validate and queue a request; raises InvalidRequestError or QueueFullError. With
         params.n > 1 its samples are registered too (ids from sample_request_id): the prompt is
-        computed once, then each sample reports under request_id with its index."""
+        computed once, then each sample reports under request_id with its index. With `pooling`
+        it is an embedding request: `params` are ignored, its prompt is computed once and its
+        one output carries the pooled vector (RequestOutput.embedding)."""
+        if pooling is not None:
+            params = SamplingParams()
         check_new_request(
             request_id,
             prompt_token_ids,
@@ -73,13 +79,16 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
             validate_params=self.executor.validate_params,
+            pooling=pooling,
         )
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(
                 f"n is {params.n}, but this engine runs at most {self.config.max_num_seqs} "
                 "sequences at once (max_num_seqs), and a request's samples run side by side"
             )
-        request = Request(request_id, list(prompt_token_ids), params, priority=priority)
+        request = Request(
+            request_id, list(prompt_token_ids), params, priority=priority, pooling=pooling
+        )
         if any(sample.request_id in self.requests for sample in request.samples):
             raise InvalidRequestError(
                 f"request_id {request_id!r}: the ids of its samples ({request_id}#<index>) are "
@@ -156,6 +165,7 @@ class LLMEngine:
         outputs = self._update(
             sched.requests, sched.num_new_tokens, sched.sampling_requests, executed.sampled
         )
+        outputs += self._pooled(sched.pooling_requests, executed.embeddings)
         t3 = time.perf_counter()
         self.timings.add(
             t1 - t0,
@@ -219,6 +229,31 @@ class LLMEngine:
                     num_output_tokens=request.num_output_tokens,
                     num_cached_tokens=request.num_cached_tokens,
                     queue_seconds=_queue_seconds(request) if reason is not None else 0.0,
+                )
+            )
+        return outputs
+
+    def _pooled(
+        self, requests: list[Request], embeddings: list[list[float]]
+    ) -> list[RequestOutput]:
+        """The embedding requests whose prompt the step completed end with their vector; their
+        KV blocks are freed at once."""
+        now = time.monotonic()
+        outputs = []
+        for request, embedding in zip(requests, embeddings, strict=True):
+            request.finish_reason = FinishReason.STOP
+            request.times.first_token = request.times.finished = now
+            self._retire(request)
+            outputs.append(
+                RequestOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finished=True,
+                    finish_reason=FinishReason.STOP,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_output_tokens=0,
+                    queue_seconds=_queue_seconds(request),
+                    embedding=embedding,
                 )
             )
         return outputs

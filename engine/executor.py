@@ -4,9 +4,10 @@ its steps.
 The loop is the same for every executor: it validates and admits requests, schedules each step
 (engine.core.scheduler) and updates the requests with the tokens the step sampled (computed
 tokens, prefix-cache blocks, stop conditions, outputs). An executor runs a scheduled step and
-returns one token per sampled row. Two implement it: the model executor
-(engine.model_executor: the model runner, the sampler, structured output, tensor-parallel ranks)
-and the simulated one (engine.simulated: step times from a cost model, placeholder tokens).
+returns one token per sampled row, and one vector per embedding request the step completes. Two
+implement it: the model executor (engine.model_executor: the model runner, the sampler, structured
+output, tensor-parallel ranks) and the simulated one (engine.simulated: step times from a cost
+model, placeholder tokens).
 
 This module holds the protocol and the plain data an executor returns, nothing else; it never
 imports torch, so the loop and the simulated executor stay torch-free.
@@ -15,7 +16,7 @@ imports torch, so the loop and the simulated executor stay torch-free.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -38,6 +39,8 @@ class ExecutorOutput:
     # The time the whole step was meant to take, for an executor that models it (the simulated
     # one), so the loop can count how far steps overran it; None for one that really runs.
     modelled_seconds: float | None = None
+    # Row i belongs to the step's pooling_requests[i]: its embedding, as the caller gets it.
+    embeddings: list[list[float]] = field(default_factory=list)
 
 
 class Executor(Protocol):
@@ -62,7 +65,9 @@ class Executor(Protocol):
     def join(self, request: Request) -> None:
         """A validated request (with its samples, n > 1) about to be queued: build what running
         it needs, once; InvalidRequestError if it cannot run here. Whatever is kept is keyed
-        weakly, so a request the queue then refuses leaves nothing behind."""
+        weakly, so a request the queue then refuses leaves nothing behind. An embedding request
+        (request.pooling) it cannot pool, or a generation request it serves no text for, is an
+        InvalidRequestError too."""
         ...
 
     def leave(self, request: Request) -> None:

@@ -3,7 +3,9 @@
 It sizes the KV pool from the memory budget, starts the tensor-parallel ranks when asked, and
 per step has the model runner prepare inputs and run the forward (on every rank), then samples
 one token per sampling row (with the structured-output grammars' masks, computed while the
-forward runs) and records the prompt logprobs the step computed. It never schedules, never
+forward runs), records the prompt logprobs the step computed and finishes the vectors of the
+embedding requests the step pooled (engine.pooler). With the pooling runner it serves embedding
+requests only. It never schedules, never
 changes what a request has computed and never decides that a request ends (the loop does).
 """
 
@@ -23,7 +25,7 @@ from engine.core.kv_cache_manager import num_blocks_for_budget
 from engine.core.request import Request
 from engine.core.scheduler import SchedulerOutput
 from engine.distributed import EngineGroup, start_engine_group
-from engine.errors import EngineGroupError
+from engine.errors import EngineGroupError, InvalidRequestError
 from engine.executor import ExecutorOutput
 from engine.grammar import validate_sampling_params
 from engine.layers.parallel import (
@@ -34,6 +36,7 @@ from engine.layers.parallel import (
 )
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.models.config import ModelConfig
+from engine.pooler import Pooler, PoolingConfig, finish
 from engine.sampler import Sampler, record_prompt_logprobs
 from engine.structured_output import StructuredOutputManager
 
@@ -47,6 +50,11 @@ class ModelExecutor:
             torch.set_num_threads(config.num_threads)
         model_config = ModelConfig.from_dir(self.model_path)
         self.model_config = model_config
+        self.pooling = PoolingConfig.from_dir(self.model_path)
+        # "generate" serves text and embeddings; "pooling" embeddings only.
+        self.runner_kind = config.runner
+        if self.runner_kind == "auto":
+            self.runner_kind = "pooling" if self.pooling.sentence_transformers else "generate"
         dtype = resolve_dtype(config.dtype, config.device, config.quantization)
         tp_size = config.tensor_parallel_size
         check_tensor_parallel_size(
@@ -74,6 +82,7 @@ class ModelExecutor:
                 self.num_blocks,
                 self.max_model_len,
                 self.group.tp if self.group else SINGLE,
+                Pooler(self.pooling.pooling_type),
             )
         except BaseException:
             self.close()
@@ -117,6 +126,14 @@ class ModelExecutor:
         validate_sampling_params(params, vocab_size)
 
     def join(self, request: Request) -> None:
+        if request.pooling is not None:
+            self.pooling.check(request.pooling)
+            return  # nothing is sampled
+        if self.runner_kind == "pooling":
+            raise InvalidRequestError(
+                "this engine serves its model for embeddings only (runner pooling): it generates "
+                "no text; send embedding requests, or serve the model with --runner generate"
+            )
         if request.sampling_params.structured_output is not None:
             self.structured.add(request)
         # Its (and its samples') sampling rows are built now, not at every step it samples.
@@ -132,7 +149,8 @@ class ModelExecutor:
         # Structured output: the grammars' masks are computed while the forward runs.
         masks = self.structured.start_masks(step.sampling_requests)
         t1 = time.perf_counter()
-        logits = self._on_ranks(self.runner.forward, model_input)
+        forward = self._on_ranks(self.runner.forward, model_input)
+        logits = forward.logits
         t2 = time.perf_counter()
         # Rows past the sampled ones are prompt positions whose logprobs were asked.
         num_sampled = model_input.num_sampled
@@ -147,8 +165,15 @@ class ModelExecutor:
                 step.plan.prompt_logprob_spans,
                 step.requests,
             )
+        embeddings = []
+        if step.pooling_requests:
+            assert forward.pooled is not None, "the runner pooled nothing for a pooling step"
+            embeddings = [
+                finish(vector, request.pooling.dimensions if request.pooling else None)
+                for vector, request in zip(forward.pooled, step.pooling_requests, strict=True)
+            ]
         t3 = time.perf_counter()
-        return ExecutorOutput(sampled, t1 - t0, t2 - t1, t3 - t2)
+        return ExecutorOutput(sampled, t1 - t0, t2 - t1, t3 - t2, embeddings=embeddings)
 
     def _on_ranks(self, run, arg):
         """run(arg): a runner phase. With several ranks (the plan's broadcast, the forward's

@@ -5,7 +5,7 @@ host buffers (numpy views over torch tensors, so no per-step allocation of the b
 and, on a GPU, copied once per step into persistent device buffers; decode-only steps replay
 a captured CUDA graph on a GPU and run a compiled program on the CPU. Only the rows that will
 be sampled, and the prompt positions of requests that asked for prompt logprobs, are
-projected to logits.
+projected to logits; the hidden states of embedding requests go to the pooler (engine.pooler).
 It reads only the plain-data step plan (engine.core.step_plan), never a live Request: the requests'
 token ids and block tables live in its persistent batch (engine.input_batch), which the plan
 updates, so a runner in another process (a tensor-parallel rank) works the same way: rank 0's
@@ -34,6 +34,7 @@ from engine.kernels.cpu.capabilities import cpu_capabilities
 from engine.layers.parallel import SINGLE, TensorParallel
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
+from engine.pooler import Pooler, PoolSlice
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -91,6 +92,17 @@ class ModelInput:
     graph_size: int | None = None
     # Copy-on-write (source, destination) KV blocks, copied before the forward writes.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # The embedding requests' new tokens (rank 0 only), in batch order.
+    pool_slices: list[PoolSlice] = field(default_factory=list)
+
+
+@dataclass
+class ForwardOutput:
+    # [rows of logits_indices, vocab] float32 (None on tensor-parallel ranks other than 0).
+    logits: torch.Tensor | None
+    # [embedding requests whose prompt this step completes, hidden] float32, in batch order,
+    # not normalised; None when there is none.
+    pooled: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -101,7 +113,9 @@ class ModelRunner:
         num_blocks: int,
         max_model_len: int,
         tp: TensorParallel = SINGLE,
+        pooler: Pooler | None = None,
     ) -> None:
+        """`pooler`: rank 0's, which pools the embedding requests (other ranks have none)."""
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, config.device, config.quantization)
         self.block_size = config.block_size
@@ -139,6 +153,7 @@ class ModelRunner:
         self.logits_indices = StepBuffer((max_tokens + max_seqs,), torch.int64, dev)
         self._arange = np.arange(max(max_model_len, max_tokens), dtype=np.int64)
         self.batch = PersistentBatch(max_seqs, max_model_len, self.max_blocks_per_seq)
+        self.pooler = pooler
         # Neither graph capture nor compilation covers the collectives of tensor parallelism.
         # Compiled first: graph capture runs the model through run_model, which reads it.
         single = tp.size == 1
@@ -151,6 +166,9 @@ class ModelRunner:
         if self.broadcast_plan is not None:
             self.broadcast_plan(plan)
         self.batch.apply(plan)
+        if self.pooler is not None:
+            self.pooler.forget(plan.finished_ids)
+            self.pooler.forget(plan.preempted_ids)
         bs = self.block_size
         num_reqs = plan.num_scheduled
         rows = self.batch.rows(plan.scheduled_ids)
@@ -187,6 +205,20 @@ class ModelRunner:
                 first_row : first_row + span.count
             ]
             num_logits += span.count
+        pool_slices = []
+        if self.pooler is not None:
+            num_tokens_of = self.batch.num_tokens
+            for i in plan.pooled_entries:
+                end = int(seq_lens[i])
+                pool_slices.append(
+                    PoolSlice(
+                        plan.scheduled_ids[i],
+                        int(starts[i]),
+                        query_lens[i],
+                        end - query_lens[i],
+                        end == int(num_tokens_of[rows[i]]),
+                    )
+                )
 
         nd = plan.num_decodes
         graph_size = self.graphs.size_for(num_reqs) if self.graphs and nd == num_reqs else None
@@ -217,6 +249,7 @@ class ModelRunner:
             num_sampled=plan.num_sampled_rows,
             graph_size=graph_size,
             block_copies=plan.block_copies,
+            pool_slices=pool_slices,
         )
 
     def placeholder_decode(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -256,9 +289,10 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, model_input: ModelInput) -> torch.Tensor | None:
+    def forward(self, model_input: ModelInput) -> ForwardOutput:
         """Logits [rows of logits_indices, vocab] in float32: one per sampling request, then
-        one per prompt-logprob position (None on tensor-parallel ranks other than 0)."""
+        one per prompt-logprob position (None on tensor-parallel ranks other than 0); and the
+        pooled vectors of the embedding requests whose prompt ends in this step."""
         if model_input.block_copies:
             sources, dests = torch.tensor(model_input.block_copies, device=self.device).unbind(1)
             self.model.backend.copy_blocks(self.kv_caches, sources, dests)
@@ -269,9 +303,15 @@ class ModelRunner:
             hidden = self.run_model(
                 model_input.input_ids, model_input.positions, model_input.attn_metadata
             )
+        pooled = None
+        if self.pooler is not None and model_input.pool_slices:
+            pooled = self.pooler.pool(hidden, model_input.pool_slices)
+        logits: torch.Tensor | None
         if len(model_input.logits_indices) == 0:
-            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden[model_input.logits_indices])
+            logits = hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
+        else:
+            logits = self.model.compute_logits(hidden[model_input.logits_indices])
+        return ForwardOutput(logits, pooled)
 
     def run_model(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

@@ -99,9 +99,14 @@ class KVCacheManager:
         At least one token is left out so that the step computes the last token's logits.
         Statistics are counted when the request is admitted (its first allocate), so a request
         that waits and is looked up again every step counts once. A request still owed prompt
-        logprobs gets nothing: cached tokens are never computed, so they have no logits.
+        logprobs gets nothing: cached tokens are never computed, so they have no logits; nor
+        does an embedding request: mean and CLS pooling read every token's hidden state.
         """
-        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
+        if (
+            not self.enable_prefix_caching
+            or request.needs_prompt_logprobs
+            or request.pooling is not None
+        ):
             return [], 0
         tokens = request.token_ids
         size = self.block_size
@@ -198,8 +203,9 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's blocks that became full once `num_computed_tokens` are
-        computed."""
-        if not self.enable_prefix_caching:
+        computed. An embedding request's are not: its blocks are freed as soon as it is pooled,
+        and a stream of documents would only push out the prefixes generation reuses."""
+        if not self.enable_prefix_caching or request.pooling is not None:
             return
         size = self.block_size
         tokens = request.token_ids

@@ -44,6 +44,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # On the last output: seconds from arrival to first scheduling (to the end if never run).
     queue_seconds: float = 0.0
+    # An embedding request's one output: its pooled vector, L2-normalised.
+    embedding: list[float] | None = None
 
 
 @dataclass

@@ -24,6 +24,9 @@ batch changes and what to compute:
    prompt is still being prefilled in chunks, 1 when the step reaches its last known token, n
    for an n > 1 request completing its prompt (one row per sample). Sampled rows come in batch
    order, then `prompt_logprob_spans`' rows, span after span.
+   `pooled_entries`: the batch entries that are embedding requests (never sampled): the runner
+   pools the hidden states of their new tokens, across steps when the prompt comes in chunks,
+   and each one this step completes gets its pooled vector, in batch order.
 6. `block_copies`: copy-on-write (source, destination) KV block copies to make before the
    forward writes, every source read before any destination is written.
 
@@ -92,6 +95,7 @@ class StepPlan:
     num_decodes: int = 0
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     prompt_logprob_spans: list[PromptLogprobSpan] = field(default_factory=list)
+    pooled_entries: list[int] = field(default_factory=list)
 
     @property
     def num_scheduled(self) -> int:
@@ -119,7 +123,7 @@ class StepPlan:
 # A sequence of int lists, each written as its length followed by its values; a list of
 # lists (per new request) is its count, then each list in turn. Version first, so a rank that
 # runs other code refuses the plan instead of misreading it.
-ENCODING_VERSION = 1
+ENCODING_VERSION = 2
 
 
 def encode(plan: StepPlan) -> np.ndarray:
@@ -150,6 +154,7 @@ def encode(plan: StepPlan) -> np.ndarray:
     put([plan.num_decodes])
     put([block for pair in plan.block_copies for block in pair])
     put([v for s in plan.prompt_logprob_spans for v in (s.batch_index, s.first_token, s.count)])
+    put(plan.pooled_entries)
     return np.array(out, dtype=np.int64)
 
 
@@ -189,6 +194,7 @@ def decode(encoded: np.ndarray | Sequence[int]) -> StepPlan:
     plan.prompt_logprob_spans = [
         PromptLogprobSpan(*spans[i : i + 3]) for i in range(0, len(spans), 3)
     ]
+    plan.pooled_entries = take()
     if next(values, None) is not None:
         raise ValueError("step plan encoding has trailing values")
     return plan
