@@ -21,7 +21,7 @@ from typing import Any
 from common.flags import check_choices, command_line, flag, from_args
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8", "int4")
 ROUTING_POLICIES = ("cache_aware", "least_load", "round_robin")
@@ -100,7 +100,11 @@ class EngineConfig:
         None, "context length (default: the model's, capped by the KV pool)"
     )
     scheduling_policy: str = flag(
-        "fcfs", "which waiting request runs first", choices=SCHEDULING_POLICIES
+        "fcfs",
+        "which waiting request runs first: by arrival, by priority, or by tenant (fair: weighted "
+        "fair shares of computed tokens between the gateway's tenants); within each, earliest "
+        "deadline first",
+        choices=SCHEDULING_POLICIES,
     )
     enable_prefix_caching: bool = flag(True, "reuse KV blocks of identical prompt prefixes")
     attention_backend: str = flag(

@@ -15,23 +15,36 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from common.config import EngineConfig
+from common.config import EngineConfig, default_step_cost_path
 from common.finish_reason import FinishReason
-from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_events import KVEventPublisher
 from engine.core.outputs import EngineStats, RequestOutput, SamplerOutput, StepTimings
-from engine.core.request import Request, aborted_output, check_new_request
+from engine.core.request import (
+    NO_SERVICE_LEVEL,
+    Request,
+    ServiceLevel,
+    check_new_request,
+    ended_output,
+)
 from engine.core.scheduler import Scheduler
+from engine.core.step_cost import LiveStepCost, StepCostModel
 from engine.core.stopping import check_stop
 from engine.errors import EngineGroupError, InvalidRequestError
 from engine.executor import Executor
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
-        """executor: what runs the steps; None = the model executor on config's model."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor | None = None,
+        step_cost: StepCostModel | None = None,
+    ) -> None:
+        """executor: what runs the steps; None = the model executor on config's model.
+        step_cost: what its steps are expected to cost, before measured steps rescale it (for
+        deadline admission); None = the profile `folio bench profile` wrote, if any."""
         self.config = config
         if executor is None:
             # Imported here: it loads torch and the model code, which an engine on another
@@ -49,8 +62,13 @@ class LLMEngine:
         )
         # What the prefix cache stores and evicts, numbered per step for subscribers (routers).
         self.kv_events = KVEventPublisher(config.kv_events_replay_batches)
-        self.scheduler = Scheduler(config, self.kv_cache)
+        self.step_cost = LiveStepCost(
+            step_cost or StepCostModel.load_or_default(default_step_cost_path())
+        )
+        self.scheduler = Scheduler(config, self.kv_cache, self.step_cost)
         self.requests: dict[str, Request] = {}
+        # Requests with a total deadline, checked before every step.
+        self._deadlines: dict[str, Request] = {}
         self.timings = StepTimings()
 
     # -- requests ---------------------------------------------------------------------------
@@ -61,15 +79,11 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
-        pooling: PoolingParams | None = None,
+        service: ServiceLevel = NO_SERVICE_LEVEL,
     ) -> Request:
         """Validate and queue a request; raises InvalidRequestError or QueueFullError. With
         params.n > 1 its samples are registered too (ids from sample_request_id): the prompt is
-        computed once, then each sample reports under request_id with its index. With `pooling`
-        it is an embedding request: `params` are ignored, its prompt is computed once and its
-        one output carries the pooled vector (RequestOutput.embedding)."""
-        if pooling is not None:
-            params = SamplingParams()
+        computed once, then each sample reports under request_id with its index."""
         check_new_request(
             request_id,
             prompt_token_ids,
@@ -79,7 +93,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
             validate_params=self.executor.validate_params,
-            pooling=pooling,
+            service=service,
         )
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(
@@ -87,7 +101,7 @@ class LLMEngine:
                 "sequences at once (max_num_seqs), and a request's samples run side by side"
             )
         request = Request(
-            request_id, list(prompt_token_ids), params, priority=priority, pooling=pooling
+            request_id, list(prompt_token_ids), params, priority=priority, service=service
         )
         if any(sample.request_id in self.requests for sample in request.samples):
             raise InvalidRequestError(
@@ -99,19 +113,25 @@ class LLMEngine:
         self.requests[request_id] = request
         for sample in request.samples:
             self.requests[sample.request_id] = sample
+        if service.total_ms is not None:
+            self._deadlines[request_id] = request
         return request
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Stop a request and free its KV blocks. Returns its last outputs (finish reason
         ABORT): one, or one per live sample of an n > 1 request; a sample's own id
         (sample_request_id) stops that sample alone. Empty if unknown or already done."""
+        return self._end(request_id, FinishReason.ABORT)
+
+    def _end(self, request_id: str, reason: FinishReason) -> list[RequestOutput]:
         request = self.requests.get(request_id)
         if request is None:
             return []
         ended = list(request.samples) or [request]
         for r in ended:
+            r.finish_reason = reason
             self._retire(r)
-        return [aborted_output(r) for r in ended]
+        return [ended_output(r, reason) for r in ended]
 
     def _retire(self, request: Request) -> None:
         """Drop a finished or aborted request from the engine and free its KV blocks; the
@@ -119,6 +139,7 @@ class LLMEngine:
         self.scheduler.finish(request)
         self.executor.leave(request)
         del self.requests[request.request_id]
+        self._deadlines.pop(request.request_id, None)
         parent = request.parent
         if parent is not None:
             parent.samples.remove(request)
@@ -150,9 +171,19 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        outputs = self._step()
+        outputs = self._end_overdue()
+        outputs += self._step()
         self.kv_events.publish(self.kv_cache.take_kv_events())
         return outputs
+
+    def _end_overdue(self) -> list[RequestOutput]:
+        """End the requests past their total deadline (FinishReason.DEADLINE): whatever they
+        would still compute, their callers no longer wait for."""
+        if not self._deadlines:
+            return []
+        now = time.monotonic()
+        overdue = [rid for rid, r in self._deadlines.items() if r.total_deadline <= now]
+        return [output for rid in overdue for output in self._end(rid, FinishReason.DEADLINE)]
 
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -165,8 +196,9 @@ class LLMEngine:
         outputs = self._update(
             sched.requests, sched.num_new_tokens, sched.sampling_requests, executed.sampled
         )
-        outputs += self._pooled(sched.pooling_requests, executed.embeddings)
         t3 = time.perf_counter()
+        num_decodes = sched.num_decodes
+        self.step_cost.observe(sched.total_tokens - num_decodes, num_decodes, t3 - t0)
         self.timings.add(
             t1 - t0,
             executed.prepare_seconds,
@@ -229,31 +261,6 @@ class LLMEngine:
                     num_output_tokens=request.num_output_tokens,
                     num_cached_tokens=request.num_cached_tokens,
                     queue_seconds=_queue_seconds(request) if reason is not None else 0.0,
-                )
-            )
-        return outputs
-
-    def _pooled(
-        self, requests: list[Request], embeddings: list[list[float]]
-    ) -> list[RequestOutput]:
-        """The embedding requests whose prompt the step completed end with their vector; their
-        KV blocks are freed at once."""
-        now = time.monotonic()
-        outputs = []
-        for request, embedding in zip(requests, embeddings, strict=True):
-            request.finish_reason = FinishReason.STOP
-            request.times.first_token = request.times.finished = now
-            self._retire(request)
-            outputs.append(
-                RequestOutput(
-                    request_id=request.request_id,
-                    new_token_ids=[],
-                    finished=True,
-                    finish_reason=FinishReason.STOP,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    num_output_tokens=0,
-                    queue_seconds=_queue_seconds(request),
-                    embedding=embedding,
                 )
             )
         return outputs

@@ -6,8 +6,8 @@ Each message names the offending parameter. Raising one of these (EngineGroupErr
 leave the engine exactly as it was.
 """
 
+from common.errors import DeadlineUnmeetable, InvalidRequestError, QueueFullError, UnavailableError
 from common.errors import FolioError as EngineError
-from common.errors import InvalidRequestError, QueueFullError, UnavailableError
 
 
 class EngineGroupError(UnavailableError):
@@ -16,4 +16,10 @@ class EngineGroupError(UnavailableError):
     exits so that it is restarted."""
 
 
-__all__ = ["EngineError", "EngineGroupError", "InvalidRequestError", "QueueFullError"]
+__all__ = [
+    "DeadlineUnmeetable",
+    "EngineError",
+    "EngineGroupError",
+    "InvalidRequestError",
+    "QueueFullError",
+]

@@ -1,9 +1,9 @@
 """A simulated executor (engine.executor's protocol): the real engine loop, scheduler and KV
 cache manager (prefix cache and KV events included), no model. Each step takes the time a cost
-model gives for its work (a fixed cost, a cost per prefill token, a cost per decoding sequence),
-fitted from a profile of the real engine (`folio bench profile`), and every sampled token is one
-placeholder token. Dozens of such engines fit in one process, so routing across many replicas
-can be studied on one machine.
+model gives for its work (engine/core/step_cost.py: a fixed cost, a cost per prefill token, a
+cost per decoding sequence), fitted from a profile of the real engine (`folio bench profile`),
+and every sampled token is one placeholder token. Dozens of such engines fit in one process,
+so routing across many replicas can be studied on one machine.
 
 A step that overruns its modelled time (the machine's CPU was the limit, not the model) is
 counted: the engine's timings report the overrun as a phase of its own, so a benchmark can tell
@@ -13,10 +13,8 @@ logprobs and structured output. This module never imports torch.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from common.config import EngineConfig
@@ -26,6 +24,7 @@ from common.tokenizer import Tokenizer
 from engine.core.outputs import SamplerOutput
 from engine.core.request import Request
 from engine.core.scheduler import SchedulerOutput
+from engine.core.step_cost import StepCostModel
 from engine.engine import LLMEngine
 from engine.errors import EngineGroupError, InvalidRequestError
 from engine.executor import ExecutorOutput
@@ -37,35 +36,6 @@ DEFAULT_NUM_BLOCKS = 1024
 # The placeholder token: a word that tokenizes back to itself when its text is sent again (a
 # later turn of a chat quotes the answer), so prefix caching sees what it would see for real.
 PLACEHOLDER_TEXT = " the"
-
-
-@dataclass(frozen=True)
-class StepCostModel:
-    """Seconds one engine step takes: fixed + per prefill token + per decoding sequence."""
-
-    fixed_seconds: float
-    prefill_token_seconds: float
-    decode_sequence_seconds: float
-
-    def step_seconds(self, num_prefill_tokens: int, num_decodes: int) -> float:
-        return (
-            self.fixed_seconds
-            + self.prefill_token_seconds * num_prefill_tokens
-            + self.decode_sequence_seconds * num_decodes
-        )
-
-    def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
-
-    @classmethod
-    def load(cls, path: Path) -> StepCostModel:
-        fields = json.loads(path.read_text())
-        return cls(
-            float(fields["fixed_seconds"]),
-            float(fields["prefill_token_seconds"]),
-            float(fields["decode_sequence_seconds"]),
-        )
 
 
 class SimulatedExecutor:
@@ -107,8 +77,7 @@ class SimulatedExecutor:
                 raise InvalidRequestError(f"a simulated engine does not do {name}", name)
 
     def join(self, request: Request) -> None:
-        if request.pooling is not None:  # nothing is kept per request otherwise
-            raise InvalidRequestError("a simulated engine does not do embeddings", "pooling")
+        pass  # nothing is kept per request
 
     def leave(self, request: Request) -> None:
         pass
@@ -141,4 +110,4 @@ def simulated_engine(
     config: EngineConfig, cost: StepCostModel, sleep: Callable[[float], None] = time.sleep
 ) -> LLMEngine:
     """The engine loop on a simulated executor."""
-    return LLMEngine(config, SimulatedExecutor(config, cost, sleep))
+    return LLMEngine(config, SimulatedExecutor(config, cost, sleep), step_cost=cost)

@@ -4,9 +4,11 @@ A request advances `num_computed_tokens` towards `num_tokens` (prompt plus outpu
 prefill, chunked prefill, decode and recompute after preemption are all that one motion.
 A request with n > 1 (a parent) computes its prompt once, then forks into n samples: requests
 of their own (ids from sample_request_id) that start with the parent's computed prompt and
-report under the parent's id with their index. This module holds state (and the shape checks of a
-prompt, the last output of an aborted request) only: scheduling, KV allocation and sampling (a
-seeded request's generator included) live elsewhere.
+report under the parent's id with their index. A request may come with a service level: its
+tenant and that tenant's weight (the fair policy's shares), and deadlines for its first token and
+its end. This module holds state (and the shape checks of a prompt, the last output of a request
+ended early) only: scheduling, KV allocation and sampling (a seeded request's generator included)
+live elsewhere.
 """
 
 from __future__ import annotations
@@ -14,14 +16,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import math
 import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 from common.errors import InvalidRequestError
 from common.finish_reason import FinishReason
-from common.pooling_params import PoolingParams
-from common.sampling_params import SamplingParams, sample_request_id
+from common.sampling_params import BATCH_PRIORITY, SamplingParams, sample_request_id
 from engine.core.outputs import RequestOutput
 
 
@@ -46,6 +48,35 @@ class RequestTimes:
     finished: float | None = None
 
 
+@dataclass(frozen=True)
+class ServiceLevel:
+    """What a request's caller is owed: its tenant (the fair policy shares the engine between
+    tenants by `weight`) and its deadlines, in milliseconds from its arrival at the engine:
+    for its first token (`ttft_ms`) and for its end (`total_ms`); None: no deadline."""
+
+    tenant: str = ""
+    weight: float = 1.0
+    ttft_ms: float | None = None
+    total_ms: float | None = None
+
+    def check(self) -> None:
+        """InvalidRequestError naming the field unless each is in range."""
+        if not (self.weight > 0 and math.isfinite(self.weight)):
+            raise InvalidRequestError(
+                f"tenant_weight must be a positive number, got {self.weight}", "tenant_weight"
+            )
+        for name in ("ttft_ms", "total_ms"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise InvalidRequestError(
+                    f"slo_{name} must be a positive number of milliseconds, got {value}",
+                    f"slo_{name}",
+                )
+
+
+NO_SERVICE_LEVEL = ServiceLevel()
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -53,6 +84,7 @@ class Request:
     sampling_params: SamplingParams
     priority: int = 0
     times: RequestTimes = field(default_factory=lambda: RequestTimes(arrival=time.monotonic()))
+    service: ServiceLevel = NO_SERVICE_LEVEL
 
     output_token_ids: list[int] = field(default_factory=list)
     # Logprob records for output tokens, when sampling_params.logprobs is set:
@@ -77,9 +109,6 @@ class Request:
     # On a sample: the request it was forked from, and its index among that request's n.
     parent: Request | None = field(default=None, repr=False)
     sample_index: int = 0
-    # Set: an embedding request. It computes its prompt once and is pooled into one vector (by
-    # the executor), generating nothing; its sampling_params are the defaults, never used.
-    pooling: PoolingParams | None = None
     # The request's name in step plans (engine.core.step_plan): an int, so plans stay numeric.
     seq_id: int = field(init=False)
 
@@ -94,6 +123,7 @@ class Request:
                     self.prompt_token_ids,
                     dataclasses.replace(params, n=1, seed=params.sample_seed(i)),
                     priority=self.priority,
+                    service=self.service,
                     parent=self,
                     sample_index=i,
                 )
@@ -104,6 +134,35 @@ class Request:
     def caller_id(self) -> str:
         """The id its outputs carry: the one the caller gave (a sample's is its parent's)."""
         return self.parent.request_id if self.parent is not None else self.request_id
+
+    @property
+    def is_batch(self) -> bool:
+        """In the batch lane: runs on capacity interactive requests leave, preempted first."""
+        return self.priority >= BATCH_PRIORITY
+
+    @property
+    def tenant(self) -> str:
+        return self.service.tenant
+
+    @property
+    def ttft_deadline(self) -> float:
+        """When its first token is due (time.monotonic seconds; inf: never)."""
+        ttft_ms = self.service.ttft_ms
+        return math.inf if ttft_ms is None else self.times.arrival + ttft_ms / 1000
+
+    @property
+    def total_deadline(self) -> float:
+        """When it must have ended (time.monotonic seconds; inf: never)."""
+        total_ms = self.service.total_ms
+        return math.inf if total_ms is None else self.times.arrival + total_ms / 1000
+
+    @property
+    def deadline(self) -> float:
+        """The deadline that orders it among waiting requests (earliest first): its first
+        token's until it has one, then its end's."""
+        if self.times.first_token is None:
+            return min(self.ttft_deadline, self.total_deadline)
+        return self.total_deadline
 
     @property
     def num_seqs(self) -> int:
@@ -150,38 +209,30 @@ def check_new_request(
     max_model_len: int,
     vocab_size: int,
     validate_params: Callable[[SamplingParams, int], None],
-    pooling: PoolingParams | None = None,
+    service: ServiceLevel = NO_SERVICE_LEVEL,
 ) -> None:
     """The checks every engine (real or simulated) makes of a new request, in this order: its
     id is free, its prompt valid, `validate_params(params, vocab_size)` passes (its ValueError
-    becomes an InvalidRequestError naming the parameter), its priority is an integer."""
+    becomes an InvalidRequestError naming the parameter), its priority is an integer, its
+    service level in range."""
     if request_id in ids_in_use:
         raise InvalidRequestError(f"request_id {request_id!r} is already in use")
-    validate_prompt(prompt_token_ids, max_model_len, vocab_size, room_for_output=pooling is None)
-    if pooling is not None:
-        pooling.validate()
+    validate_prompt(prompt_token_ids, max_model_len, vocab_size)
     try:
         validate_params(params, vocab_size)
     except ValueError as exc:
         raise InvalidRequestError(str(exc), getattr(exc, "param", None)) from None
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+    service.check()
 
 
-def validate_prompt(
-    prompt_token_ids: list[int], max_model_len: int, vocab_size: int, room_for_output: bool = True
-) -> None:
-    """InvalidRequestError unless the prompt is non-empty, fits the context (leaving room for
-    one generated token, with `room_for_output`; an embedding request generates none) and holds
-    only ids inside the vocabulary."""
+def validate_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """InvalidRequestError unless the prompt is non-empty, leaves room for one generated token
+    and holds only ids inside the vocabulary."""
     if len(prompt_token_ids) == 0:
         raise InvalidRequestError("prompt_token_ids must not be empty")
-    if not room_for_output and len(prompt_token_ids) > max_model_len:
-        raise InvalidRequestError(
-            f"prompt_token_ids has {len(prompt_token_ids)} tokens, over the model's context "
-            f"(max_model_len) of {max_model_len} tokens"
-        )
-    if room_for_output and len(prompt_token_ids) >= max_model_len:
+    if len(prompt_token_ids) >= max_model_len:
         raise InvalidRequestError(
             f"prompt_token_ids has {len(prompt_token_ids)} tokens, but the model's context "
             f"(max_model_len) is {max_model_len} tokens, which must include at least "
@@ -194,14 +245,15 @@ def validate_prompt(
             )
 
 
-def aborted_output(request: Request) -> RequestOutput:
-    """The last output of an aborted request (or sample)."""
+def ended_output(request: Request, reason: FinishReason) -> RequestOutput:
+    """The last output of a request (or sample) ended outside a step: aborted, or past its
+    deadline."""
     return RequestOutput(
         request_id=request.caller_id,
         index=request.sample_index,
         new_token_ids=[],
         finished=True,
-        finish_reason=FinishReason.ABORT,
+        finish_reason=reason,
         num_prompt_tokens=request.num_prompt_tokens,
         num_output_tokens=request.num_output_tokens,
         num_cached_tokens=request.num_cached_tokens,

@@ -7,8 +7,15 @@ prefilled in chunks across steps. Prefill, chunked prefill, decode and recompute
 motion: a request advances `num_computed_tokens` towards `num_tokens`. When the KV pool runs
 out, running requests are preempted (blocks freed, request re-queued, recomputed later) by
 policy: FCFS preempts the latest arrival, priority the least urgent (largest priority value,
-then latest arrival). Under the priority policy a waiting request that does not fit (KV blocks
-or sequence slots) also preempts running requests strictly less urgent than itself.
+then latest arrival), fair the least urgent of the tenant most over its share; the batch lane
+(priority >= BATCH_PRIORITY) goes first whatever the policy, and runs only on what interactive
+requests leave of a step. A waiting request that does not fit (KV blocks or sequence slots)
+preempts batch requests, and under the priority policy running requests strictly less urgent
+than itself, under fair those of a tenant well over its share.
+
+Deadlines order the waiting queue (engine/core/waiting.py: earliest first within a priority),
+and with a step cost model (engine/core/step_cost.py) a request whose deadline the queue ahead
+of it already makes unmeetable is refused at admission.
 
 An n > 1 request's samples replace it in the running list once its prompt is computed
 (`fork`); from then on each is an ordinary request, preempted and recomputed on its own.
@@ -25,10 +32,8 @@ and asks the KV cache manager for blocks.
 from __future__ import annotations
 
 import dataclasses
-import heapq
-import itertools
+import math
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -37,8 +42,10 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import EngineStats
 from engine.core.prompt_logprobs import plan_span
 from engine.core.request import Request, RequestStatus
+from engine.core.step_cost import LiveStepCost
 from engine.core.step_plan import NewRequestPlan, RunningRequestPlan, StepPlan
-from engine.errors import QueueFullError
+from engine.core.waiting import BATCH, INTERACTIVE, FairShares, WaitingQueue
+from engine.errors import DeadlineUnmeetable, InvalidRequestError
 
 
 @dataclass
@@ -52,9 +59,6 @@ class SchedulerOutput:
     # The request each sampled logits row belongs to, in row order (an n > 1 request completing
     # its prompt contributes one row per live sample).
     sampling_requests: list[Request] = field(default_factory=list)
-    # The embedding requests whose prompt this step completes, in batch order: no logits row,
-    # the executor pools each instead (the plan's pooled_entries name every embedding request).
-    pooling_requests: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -86,71 +90,21 @@ class _Shipped:
     num_blocks: int
 
 
-class WaitingQueue:
-    """The bounded queue of requests not holding KV blocks, ordered by policy.
-
-    FCFS: arrival order, preempted requests go back to the front. Priority: lowest
-    `priority` first, then arrival.
-    """
-
-    def __init__(self, policy: str, capacity: int) -> None:
-        self.policy = policy
-        self.capacity = capacity
-        self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._counter = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self._fifo) if self.policy == "fcfs" else len(self._heap)
-
-    def add(self, request: Request) -> None:
-        if len(self) >= self.capacity:
-            raise QueueFullError(
-                f"the waiting queue is full ({self.capacity} requests, max_waiting_requests); "
-                "retry later"
-            )
-        self._push(request, front=False)
-
-    def requeue(self, request: Request) -> None:
-        """Put back a preempted request; never refused, it was already admitted once."""
-        self._push(request, front=True)
-
-    def _push(self, request: Request, front: bool) -> None:
-        if self.policy == "fcfs":
-            (self._fifo.appendleft if front else self._fifo.append)(request)
-        else:
-            key = (request.priority, request.times.arrival, next(self._counter), request)
-            heapq.heappush(self._heap, key)
-
-    def peek(self) -> Request:
-        return self._fifo[0] if self.policy == "fcfs" else self._heap[0][3]
-
-    def pop(self) -> Request:
-        return self._fifo.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[3]
-
-    def remove(self, request: Request) -> bool:
-        if self.policy == "fcfs":
-            try:
-                self._fifo.remove(request)
-            except ValueError:
-                return False
-            return True
-        for i, entry in enumerate(self._heap):
-            if entry[3] is request:
-                self._heap[i] = self._heap[-1]
-                self._heap.pop()
-                heapq.heapify(self._heap)
-                return True
-        return False
-
-
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(
+        self, config: EngineConfig, kv_cache: KVCacheManager, step_cost: LiveStepCost | None = None
+    ) -> None:
+        """`step_cost`: how long steps take, to refuse at admission a request whose deadline
+        the queue already makes unmeetable; None: deadlines only order the queue."""
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.policy = config.scheduling_policy
         self.kv_cache = kv_cache
-        self.waiting = WaitingQueue(config.scheduling_policy, config.max_waiting_requests)
+        self.step_cost = step_cost
+        self.shares = FairShares()
+        self.waiting = WaitingQueue(
+            config.scheduling_policy, config.max_waiting_requests, self.shares
+        )
         self.running: list[Request] = []
         self.num_preemptions = 0
         # What the runner's persistent batch holds, and the requests that left it since the
@@ -167,6 +121,14 @@ class Scheduler:
     def num_running_seqs(self) -> int:
         return sum(r.num_seqs for r in self.running)
 
+    def queued_prefill_tokens(self) -> int:
+        """Prompt (and recompute) tokens admitted but not computed yet: the waiting requests'
+        and what running ones still have to prefill."""
+        return self._running_prefill_tokens() + sum(r.num_tokens for r in self.waiting)
+
+    def _running_prefill_tokens(self) -> int:
+        return sum(left for r in self.running if (left := r.num_tokens - r.num_computed_tokens) > 1)
+
     def stats(self) -> EngineStats:
         """Its queues' load and the KV cache's counters, between steps."""
         kv_cache = self.kv_cache
@@ -181,7 +143,46 @@ class Scheduler:
         )
 
     def add_request(self, request: Request) -> None:
+        """Queue a request; QueueFullError when the queue is full, DeadlineUnmeetable when
+        its deadline cannot be met behind the queue, InvalidRequestError when it cannot be met
+        even by an idle engine."""
+        self._check_deadline(request)
         self.waiting.add(request)
+        self.shares.joined(request)
+
+    def _check_deadline(self, request: Request) -> None:
+        """Refuse a request whose deadline (the sooner of its two) cannot be met: below one
+        step of its prompt (InvalidRequestError), or behind the prefill queued ahead of it
+        (DeadlineUnmeetable, with how long until it could be)."""
+        service, cost = request.service, self.step_cost
+        given = [
+            (ms, name)
+            for name, ms in (("ttft_ms", service.ttft_ms), ("total_ms", service.total_ms))
+            if ms is not None
+        ]
+        if cost is None or not given:
+            return
+        ms, name = min(given)
+        _, num_cached = self.kv_cache.get_cached_prefix(request)
+        own = request.num_tokens - num_cached
+        one_step = cost.step_seconds(min(own, self.max_num_batched_tokens), 0)
+        if ms / 1000 < one_step:
+            raise InvalidRequestError(
+                f"slo_{name} is {ms:g} ms, below one engine step of this request's prompt "
+                f"({one_step * 1e3:.1f} ms): it can never be met",
+                f"slo_{name}",
+            )
+        ahead = self.waiting.tokens_ahead(request) + self._running_prefill_tokens()
+        expected = cost.seconds_to_prefill(
+            ahead + own, self.num_running_seqs, self.max_num_batched_tokens
+        )
+        if expected > ms / 1000:
+            raise DeadlineUnmeetable(
+                f"slo_{name} is {ms:g} ms, but the first token is expected in "
+                f"{expected * 1e3:.0f} ms behind the {len(self.waiting)} waiting and "
+                f"{len(self.running)} running requests; retry later",
+                retry_after=max(1, math.ceil(expected - ms / 1000)),
+            )
 
     def finish(self, request: Request) -> None:
         """Drop a request (finished or aborted) from the queues and free its blocks."""
@@ -192,12 +193,17 @@ class Scheduler:
         self.kv_cache.free(request)
         request.status = RequestStatus.FINISHED
         self._leave_batch(request, self._finished_ids)
+        if request.parent is None:  # a sample's parent holds its tenant's place
+            self.shares.left(request)
 
     def _leave_batch(self, request: Request, departures: list[int]) -> None:
         if self._shipped.pop(request, None) is not None:
             departures.append(request.seq_id)
 
     def schedule(self) -> SchedulerOutput:
+        """Interactive running requests first (in admission order), then interactive waiting
+        ones, then the batch lane's running and waiting ones: a batch request never takes the
+        budget, the sequence slots or the KV blocks an interactive one asks for."""
         budget = self.max_num_batched_tokens
         chosen: dict[Request, int] = {}
         preempted: list[Request] = []
@@ -209,39 +215,37 @@ class Scheduler:
             self._preempt(victim)
             preempted.append(victim)
 
-        # Running requests first, in admission order.
-        for request in list(self.running):
-            if budget <= 0:
-                break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv_cache.allocate(request, num_new):
-                victim = self._pick_victim()
-                preempt(victim)
-                if victim is request:
+        def advance(running: list[Request]) -> None:
+            nonlocal budget
+            for request in running:
+                if budget <= 0:
                     break
-            else:
-                chosen[request] = num_new
-                budget -= num_new
+                if request.status is not RequestStatus.RUNNING:
+                    continue  # preempted earlier in this step
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                while not self.kv_cache.allocate(request, num_new):
+                    victim = self._pick_victim(batch_only=request.is_batch)
+                    preempt(victim)
+                    if victim is request:
+                        break
+                else:
+                    chosen[request] = num_new
+                    budget -= num_new
 
-        # Then waiting requests, unless memory was short for the running ones this step.
-        admitting = not preempted
-        while admitting and budget > 0 and len(self.waiting) > 0:
-            request = self.waiting.peek()
-            cached_blocks, num_cached = self.kv_cache.get_cached_prefix(request)
-            num_new = min(request.num_tokens - num_cached, budget)
-            while (
-                self.num_running_seqs + request.num_seqs > self.max_num_seqs
-                or not self.kv_cache.allocate(request, num_new, cached_blocks)
-            ):
-                less_urgent = self._less_urgent_victim(request)
-                if less_urgent is None:
-                    admitting = False
-                    break
-                preempt(less_urgent)
-            else:
-                self.waiting.pop()
+        def admit(lane: int) -> None:
+            nonlocal budget
+            while budget > 0 and (request := self.waiting.peek(lane)) is not None:
+                cached_blocks, num_cached = self.kv_cache.get_cached_prefix(request)
+                num_new = min(request.num_tokens - num_cached, budget)
+                while (
+                    self.num_running_seqs + request.num_seqs > self.max_num_seqs
+                    or not self.kv_cache.allocate(request, num_new, cached_blocks)
+                ):
+                    victim = self._victim_for(request)
+                    if victim is None:
+                        return
+                    preempt(victim)
+                self.waiting.pop(lane)
                 request.num_computed_tokens = num_cached
                 request.num_cached_tokens = num_cached
                 request.status = RequestStatus.RUNNING
@@ -251,6 +255,16 @@ class Scheduler:
                 chosen[request] = num_new
                 budget -= num_new
 
+        advance([r for r in self.running if not r.is_batch])
+        # Waiting requests only while memory sufficed for the running interactive ones.
+        if all(r.is_batch for r in preempted):
+            admit(INTERACTIVE)
+        advance([r for r in self.running if r.is_batch])
+        if not preempted and self.waiting.lane_size(INTERACTIVE) == 0:
+            admit(BATCH)
+        if self.policy == "fair":
+            for request, num_new in chosen.items():
+                self.shares.charge(request.tenant, num_new)
         return self._batch(chosen, preempted)
 
     def fork(self, parent: Request) -> list[Request]:
@@ -272,18 +286,37 @@ class Scheduler:
         self._leave_batch(parent, self._finished_ids)
         return samples
 
-    def _pick_victim(self) -> Request:
+    def _pick_victim(self, batch_only: bool = False) -> Request:
+        """The running request to preempt when memory runs out: the batch lane's least urgent
+        first; else by policy, the latest admitted (fcfs), the least urgent (priority), the
+        most over-served tenant's least urgent (fair)."""
+        batch = [r for r in self.running if r.is_batch]
+        if batch or batch_only:
+            return max(batch, key=lambda r: (r.priority, r.times.arrival))
         if self.policy == "fcfs":
             return self.running[-1]
-        return max(self.running, key=lambda r: (r.priority, r.times.arrival))
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.times.arrival))
+        virtual = self.shares.virtual_time
+        return max(self.running, key=lambda r: (virtual(r.tenant), r.priority, r.times.arrival))
 
-    def _less_urgent_victim(self, request: Request) -> Request | None:
-        """Under the priority policy, the running request to preempt so that the waiting
-        `request` can start: the least urgent one, if strictly less urgent than `request`."""
-        if self.policy != "priority" or not self.running:
+    def _victim_for(self, request: Request) -> Request | None:
+        """The running request to preempt so that the waiting `request` can start, if any: a
+        batch one for an interactive request; under priority, the least urgent if strictly
+        less urgent than `request`; under fair, the most over-served tenant's, if that tenant
+        is more than a step's tokens ahead of `request`'s."""
+        if request.is_batch or not self.running:
             return None
         victim = self._pick_victim()
-        return victim if victim.priority > request.priority else None
+        if victim.is_batch:
+            return victim
+        if self.policy == "priority":
+            return victim if victim.priority > request.priority else None
+        if self.policy == "fair":
+            virtual = self.shares.virtual_time
+            ahead = virtual(victim.tenant) - virtual(request.tenant)
+            return victim if ahead > self.max_num_batched_tokens else None
+        return None
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -338,12 +371,7 @@ class Scheduler:
                     )
                 )
                 shipped.num_tokens, shipped.num_blocks = len(tokens), len(table)
-            if request.pooling is not None:
-                plan.pooled_entries.append(index)
-                num_samples.append(0)
-                if start + count == len(tokens):
-                    out.pooling_requests.append(request)
-            elif start + count == len(tokens):
+            if start + count == len(tokens):
                 if request.samples:
                     num_samples.append(len(request.samples))
                     sampling.extend(request.samples)

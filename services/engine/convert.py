@@ -19,7 +19,10 @@ def error_output(request_id: str, error: Exception) -> engine_pb2.RequestOutput:
         request_id=request_id,
         finished=True,
         error=engine_pb2.RequestError(
-            code=code.value[0], message=str(error), param=getattr(error, "param", None) or ""
+            code=code.value[0],
+            message=str(error),
+            param=getattr(error, "param", None) or "",
+            retry_after_seconds=getattr(error, "retry_after", None) or 0,
         ),
     )
 
@@ -51,7 +54,6 @@ def _output_to_proto(out: RequestOutput) -> engine_pb2.RequestOutput:
         ],
         prompt_logprobs=[_token_logprob(*record) for record in out.prompt_logprobs or ()],
         finished=out.finished,
-        embedding=out.embedding,
     )
     if out.finished:
         assert out.finish_reason is not None  # a finished output says why

@@ -24,11 +24,11 @@ from common.grpc_stubs.folio.v1 import engine_pb2_grpc
 from common.config import EngineConfig
 from common.errors import UnavailableError
 from common.grpc_server import GrpcService
-from common.pooling_params import PoolingParams
-from common.sampling_params import SamplingParams, parent_request_id, sample_request_id
+from common.sampling_params import parent_request_id, sample_request_id
 from common.sampling_proto import sampling_params_from_proto
 from engine.async_engine import AsyncEngine, RequestFailed
 from engine.core.kv_events import KVEventBatch
+from engine.core.request import ServiceLevel
 from engine.engine import LLMEngine
 from engine.errors import EngineGroupError, InvalidRequestError
 from services.engine.convert import error_output, event_to_proto, kv_event_batch_to_proto
@@ -53,6 +53,15 @@ def _abort_ids(request: pb.AbortRequest) -> list[str]:
         *request.request_ids,
         *(sample_request_id(s.request_id, s.index) for s in request.samples),
     ]
+
+
+def _service_level(request: pb.EngineRequest) -> ServiceLevel:
+    return ServiceLevel(
+        request.tenant,
+        request.tenant_weight or 1.0,
+        request.slo_ttft_ms if request.HasField("slo_ttft_ms") else None,
+        request.slo_total_ms if request.HasField("slo_total_ms") else None,
+    )
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
@@ -147,14 +156,6 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     reject(request.request_id, exc)
                     return True
                 params = sampling_params_from_proto(request.sampling_params)
-                pooling = None
-                if request.HasField("pooling"):
-                    pooling = PoolingParams(
-                        request.pooling.dimensions
-                        if request.pooling.HasField("dimensions")
-                        else None
-                    )
-                    params = SamplingParams()  # ignored: an embedding request generates nothing
                 live[request.request_id] = params.n  # an invalid n fails the request instead
                 engine.add_request(
                     request.request_id,
@@ -162,7 +163,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     params,
                     inbox,
                     request.priority,
-                    pooling,
+                    service=_service_level(request),
                 )
         else:
             return False

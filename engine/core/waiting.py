@@ -1,0 +1,199 @@
+"""The waiting queue: requests not holding KV blocks, in the order the scheduling policy runs
+them, and the fair policy's books of what each tenant has been served.
+
+Two lanes: interactive requests, and the batch lane (priority >= BATCH_PRIORITY), which the
+scheduler admits only when no interactive request waits. Within a lane, by policy:
+
+- fcfs: preempted requests first, then the earliest deadline (engine/core/request.py), then
+  arrival; requests without deadlines keep arrival order, as before deadlines existed.
+- priority: lowest `priority` first, then as fcfs.
+- fair: the tenant furthest behind its share first (least virtual time: tokens computed for it
+  divided by its weight), then within the tenant as priority.
+
+Ordering and bookkeeping only: it never allocates KV blocks and never decides to preempt.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter
+from collections.abc import Iterator
+
+from engine.core.request import Request
+from engine.errors import QueueFullError
+
+INTERACTIVE, BATCH = 0, 1  # the lanes
+LANES = (INTERACTIVE, BATCH)
+
+# (priority or 0, 0 if put back after preemption else 1, deadline, arrival, counter), request
+_Entry = tuple[tuple[int, int, float, float, int], Request]
+
+
+def lane_of(request: Request) -> int:
+    return BATCH if request.is_batch else INTERACTIVE
+
+
+class FairShares:
+    """Per tenant, its virtual time: the tokens computed for it divided by its weight.
+
+    A tenant that comes back after having nothing live starts no further behind than the least
+    served live tenant (it cannot bank idle time and then starve the others); one with no debt
+    left is forgotten when its last request ends, so the books stay as small as the live set.
+    """
+
+    def __init__(self) -> None:
+        self._virtual: dict[str, float] = {}
+        self._weight: dict[str, float] = {}
+        self._live: Counter[str] = Counter()  # tenant -> its requests waiting or running
+
+    def joined(self, request: Request) -> None:
+        tenant = request.tenant
+        self._weight[tenant] = request.service.weight  # the latest word on its weight
+        if not self._live[tenant]:
+            floor = self._least_live_virtual()
+            own = self._virtual.get(tenant, 0.0)
+            self._virtual[tenant] = own if floor is None else max(own, floor)
+        self._live[tenant] += 1
+
+    def left(self, request: Request) -> None:
+        tenant = request.tenant
+        self._live[tenant] -= 1
+        if self._live[tenant] > 0:
+            return
+        del self._live[tenant]
+        floor = self._least_live_virtual()
+        if floor is None or self._virtual.get(tenant, 0.0) <= floor:
+            self._virtual.pop(tenant, None)
+            self._weight.pop(tenant, None)
+
+    def charge(self, tenant: str, num_tokens: int) -> None:
+        """`num_tokens` were computed for `tenant` (prompt, recomputed or generated)."""
+        self._virtual[tenant] = self.virtual_time(tenant) + num_tokens / self.weight(tenant)
+
+    def virtual_time(self, tenant: str) -> float:
+        return self._virtual.get(tenant, 0.0)
+
+    def weight(self, tenant: str) -> float:
+        return self._weight.get(tenant, 1.0)
+
+    def others_weight(self, tenant: str) -> float:
+        """The weights of the other tenants with requests live, summed."""
+        return sum(self.weight(t) for t in self._live if t != tenant)
+
+    def _least_live_virtual(self) -> float | None:
+        return min((self.virtual_time(t) for t in self._live), default=None)
+
+
+class WaitingQueue:
+    """The bounded queue of requests not holding KV blocks, ordered by policy (module doc)."""
+
+    def __init__(self, policy: str, capacity: int, shares: FairShares) -> None:
+        self.policy = policy
+        self.capacity = capacity
+        self.shares = shares
+        # lane -> tenant -> heap (one tenant, "", except under the fair policy)
+        self._heaps: tuple[dict[str, list[_Entry]], ...] = ({}, {})
+        self._size = 0
+        self._counter = itertools.count()
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __iter__(self) -> Iterator[Request]:
+        for lane in self._heaps:
+            for heap in lane.values():
+                for _key, request in heap:
+                    yield request
+
+    def lane_size(self, lane: int) -> int:
+        return sum(len(heap) for heap in self._heaps[lane].values())
+
+    def add(self, request: Request) -> None:
+        if self._size >= self.capacity:
+            raise QueueFullError(
+                f"the waiting queue is full ({self.capacity} requests, max_waiting_requests); "
+                "retry later"
+            )
+        self._push(request, front=False)
+
+    def requeue(self, request: Request) -> None:
+        """Put back a preempted request; never refused, it was already admitted once."""
+        self._push(request, front=True)
+
+    def key(self, request: Request, front: bool = False) -> tuple[int, int, float, float, int]:
+        """Where `request` stands in its lane (its tenant's, under fair): smaller runs first."""
+        priority = 0 if self.policy == "fcfs" else request.priority
+        return (priority, 0 if front else 1, request.deadline, request.times.arrival, 0)
+
+    def _push(self, request: Request, front: bool) -> None:
+        priority, put_back, deadline, arrival, _ = self.key(request, front)
+        key = (priority, put_back, deadline, arrival, next(self._counter))
+        heap = self._heaps[lane_of(request)].setdefault(self._tenant(request), [])
+        heapq.heappush(heap, (key, request))
+        self._size += 1
+
+    def _tenant(self, request: Request) -> str:
+        return request.tenant if self.policy == "fair" else ""
+
+    def _heap(self, lane: int | None) -> list[_Entry] | None:
+        """The heap whose head runs next in `lane` (None: the first lane with requests): under
+        fair, the tenant least served."""
+        if lane is None:
+            lane = INTERACTIVE if self.lane_size(INTERACTIVE) else BATCH
+        heaps = [heap for heap in self._heaps[lane].values() if heap]
+        if not heaps:
+            return None
+        if self.policy != "fair":
+            return heaps[0]
+        return min(heaps, key=lambda h: (self.shares.virtual_time(h[0][1].tenant), h[0][0]))
+
+    def peek(self, lane: int | None = None) -> Request | None:
+        heap = self._heap(lane)
+        return None if heap is None else heap[0][1]
+
+    def pop(self, lane: int | None = None) -> Request:
+        heap = self._heap(lane)
+        assert heap is not None, "pop from an empty lane"
+        self._size -= 1
+        return heapq.heappop(heap)[1]
+
+    def remove(self, request: Request) -> bool:
+        heaps = self._heaps[lane_of(request)]
+        tenant = self._tenant(request)
+        heap = heaps.get(tenant, [])
+        for i, (_key, queued) in enumerate(heap):
+            if queued is request:
+                heap[i] = heap[-1]
+                heap.pop()
+                heapq.heapify(heap)
+                if not heap:
+                    del heaps[tenant]
+                self._size -= 1
+                return True
+        return False
+
+    def tokens_ahead(self, request: Request) -> int:
+        """Prompt tokens of waiting requests that would run before `request` (not yet queued):
+        those ahead of it in its lane (and the whole interactive lane for a batch request);
+        under fair, its tenant's ahead of it and what the other tenants get meanwhile by
+        their weights, as far as they have tokens waiting."""
+        key = self.key(request)
+        lane = lane_of(request)
+        before = 0 if lane == INTERACTIVE else self._lane_tokens(INTERACTIVE)
+        if self.policy != "fair":
+            return before + sum(
+                q.num_tokens for k, q in self._heaps[lane].get("", []) if k[:4] < key[:4]
+            )
+        own = request.num_tokens + sum(
+            q.num_tokens for k, q in self._heaps[lane].get(request.tenant, []) if k[:4] < key[:4]
+        )
+        others = self._lane_tokens(lane) - sum(
+            q.num_tokens for _, q in self._heaps[lane].get(request.tenant, [])
+        )
+        other_weight = self.shares.others_weight(request.tenant)
+        meanwhile = min(others, int(own * other_weight / request.service.weight))
+        return before + own - request.num_tokens + meanwhile
+
+    def _lane_tokens(self, lane: int) -> int:
+        return sum(q.num_tokens for heap in self._heaps[lane].values() for _, q in heap)

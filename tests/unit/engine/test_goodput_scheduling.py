@@ -1,0 +1,247 @@
+"""The scheduler's goodput policies with a real KV cache manager and no model: deadlines
+(earliest first within a priority, refusal at admission from the step cost model), weighted fair
+shares between tenants, who is preempted first under KV pressure, and the batch lane."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.config import EngineConfig
+from common.sampling_params import BATCH_PRIORITY, SamplingParams
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus, ServiceLevel
+from engine.core.scheduler import Scheduler
+from engine.core.step_cost import LiveStepCost, StepCostModel
+from engine.errors import DeadlineUnmeetable, InvalidRequestError
+
+BLOCK = 4
+# 10 ms a step, 1 ms a prefill token: a 64-token prompt takes 74 ms on an idle engine.
+COST = StepCostModel(fixed_seconds=0.01, prefill_token_seconds=0.001, decode_sequence_seconds=0.0)
+
+
+def make(num_blocks=256, cost=None, **cfg):
+    kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=False)
+    config = EngineConfig(block_size=BLOCK, **cfg)
+    return Scheduler(config, kv, LiveStepCost(cost) if cost else None)
+
+
+def req(rid, prompt_len, *, priority=0, arrival=0.0, max_tokens=100, **service):
+    r = Request(
+        rid,
+        [i % 50 + 1 for i in range(prompt_len)],
+        SamplingParams(max_tokens=max_tokens),
+        priority=priority,
+        service=ServiceLevel(**service),
+    )
+    r.times.arrival = arrival
+    return r
+
+
+def advance(sched, out, token=7):
+    """What the engine does after a step: computed tokens move on, completed ones sample, and
+    those at max_tokens end."""
+    for r, n in zip(out.requests, out.num_new_tokens, strict=False):
+        r.num_computed_tokens += n
+        if r.num_computed_tokens == r.num_tokens:
+            r.append_output(token)
+            if r.num_output_tokens >= r.sampling_params.max_tokens:
+                sched.finish(r)
+
+
+def order(sched):
+    popped = []
+    while len(sched.waiting):
+        popped.append(sched.waiting.pop().request_id)
+    return popped
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
+def test_earliest_deadline_first_within_a_priority(policy):
+    sched = make(scheduling_policy=policy)
+    sched.add_request(req("none", 4, arrival=1.0))
+    sched.add_request(req("late", 4, arrival=2.0, ttft_ms=900))
+    sched.add_request(req("soon", 4, arrival=3.0, ttft_ms=100))
+    sched.add_request(req("total", 4, arrival=4.0, total_ms=500))
+    sched.add_request(req("none2", 4, arrival=5.0))
+    sched.add_request(req("urgent", 4, arrival=6.0, priority=-1))
+    # Deadlines are absolute (arrival + ms): soon 3.1, total 4.5, late 2.9 -> late first.
+    expected = ["late", "soon", "total", "none", "none2"]
+    if policy == "fcfs":
+        expected.append("urgent")  # fcfs ignores priority; no deadline: arrival order
+    else:
+        expected.insert(0, "urgent")
+    assert order(sched) == expected
+
+
+def test_admission_refuses_a_deadline_the_queue_makes_unmeetable():
+    sched = make(cost=COST, max_num_batched_tokens=64, scheduling_policy="priority")
+    for i in range(8):  # 512 prompt tokens queued, due before the next: 8 steps of 74 ms
+        sched.add_request(req(f"q{i}", 64, arrival=float(i), ttft_ms=1000))
+    # Alone it would take 74 ms; behind the queue about 0.6 s.
+    with pytest.raises(DeadlineUnmeetable, match="slo_ttft_ms is 200 ms") as refused:
+        sched.add_request(req("hurried", 64, arrival=10.0, ttft_ms=200))
+    assert refused.value.retry_after >= 1
+    assert len(sched.waiting) == 8  # nothing changed
+    sched.add_request(req("patient", 64, arrival=10.0, ttft_ms=2000))
+    # An earlier deadline runs ahead of the queue, so only what is ahead of it counts.
+    sched.add_request(req("ahead", 64, arrival=11.0, ttft_ms=200, priority=-1))
+    assert len(sched.waiting) == 10
+
+
+def test_a_deadline_below_one_step_is_refused_at_once_with_the_reason():
+    sched = make(cost=COST)
+    with pytest.raises(InvalidRequestError, match="below one engine step") as refused:
+        sched.add_request(req("x", 64, total_ms=20))
+    assert refused.value.param == "slo_total_ms"
+    assert len(sched.waiting) == 0
+
+
+def test_requests_without_deadlines_are_never_refused_for_time():
+    sched = make(cost=COST, max_num_batched_tokens=64)
+    for i in range(50):
+        sched.add_request(req(f"q{i}", 64, arrival=float(i)))
+    assert len(sched.waiting) == 50
+
+
+def run_flood(sched, tenants, steps, prompt_len=24, max_tokens=8):
+    """Each tenant keeps its waiting queue full; returns the tokens computed per tenant."""
+    computed = dict.fromkeys(tenants, 0)
+    counter = 0
+    for _ in range(steps):
+        for tenant, weight in tenants.items():
+            while sum(1 for r in sched.waiting if r.tenant == tenant) < 16:
+                counter += 1
+                sched.add_request(
+                    req(
+                        f"{tenant}{counter}",
+                        prompt_len,
+                        arrival=float(counter),
+                        max_tokens=max_tokens,
+                        tenant=tenant,
+                        weight=weight,
+                    )
+                )
+        out = sched.schedule()
+        for r, n in zip(out.requests, out.num_new_tokens, strict=False):
+            computed[r.tenant] += n
+        advance(sched, out)
+    return computed
+
+
+def test_fair_shares_follow_the_weights_over_a_long_run():
+    sched = make(scheduling_policy="fair", max_num_seqs=8, max_num_batched_tokens=64)
+    computed = run_flood(sched, {"heavy": 1.0, "gold": 3.0}, steps=2000)
+    share = computed["gold"] / sum(computed.values())
+    assert share == pytest.approx(0.75, rel=0.05), computed
+
+
+def test_fcfs_serves_whoever_queued_first():
+    # The same flood under fcfs: shares follow arrival, not weight (what fair changes).
+    sched = make(scheduling_policy="fcfs", max_num_seqs=8, max_num_batched_tokens=64)
+    computed = run_flood(sched, {"heavy": 1.0, "gold": 3.0}, steps=2000)
+    share = computed["gold"] / sum(computed.values())
+    assert share == pytest.approx(0.5, rel=0.05), computed
+
+
+def test_fair_preempts_the_tenant_most_over_its_share_first():
+    # 8 blocks: four 8-token prompts fill them; the next step each needs a third block.
+    sched = make(num_blocks=8, scheduling_policy="fair")
+    light = req("light", 8, arrival=5.0, tenant="light")  # the latest arrival
+    heavy = [req(f"heavy{i}", 8, arrival=1.0 + i, tenant="heavy") for i in range(3)]
+    for r in (light, *heavy):
+        sched.add_request(r)
+    advance(sched, sched.schedule())  # all four prefilled: 24 tokens heavy, 8 light
+    out = sched.schedule()
+    assert light.status is RequestStatus.RUNNING and light in out.requests
+    # fcfs would have preempted the latest arrival, light's.
+    assert out.preempted and all(r.tenant == "heavy" for r in out.preempted)
+
+
+def test_fair_admission_preempts_a_tenant_far_over_its_share():
+    sched = make(scheduling_policy="fair", max_num_seqs=4, max_num_batched_tokens=16)
+    stream = req("stream", 4, arrival=0.0, tenant="light", max_tokens=1000)
+    sched.add_request(stream)
+    hogs = [req(f"hog{i}", 16, arrival=1.0 + i, tenant="hog", max_tokens=1000) for i in range(3)]
+    for r in hogs:
+        sched.add_request(r)
+    for _ in range(6):  # the hog holds three of the four slots and is 48 tokens ahead
+        advance(sched, sched.schedule())
+    second = req("second", 4, arrival=100.0, tenant="light")
+    sched.add_request(second)
+    out = sched.schedule()
+    assert second in out.requests
+    assert [r.request_id for r in out.preempted] == ["hog2"]
+    # Between tenants level with each other a newcomer waits for a free slot instead.
+    sched.add_request(req("third", 4, arrival=101.0, tenant="hog"))
+    assert not sched.schedule().preempted
+
+
+def batch_req(rid, prompt_len, arrival):
+    return req(rid, prompt_len, priority=BATCH_PRIORITY, arrival=arrival, max_tokens=1000)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
+def test_batch_lane_yields_within_one_step(policy):
+    # Batch requests fill the engine: every sequence slot and most of the KV pool.
+    sched = make(num_blocks=16, scheduling_policy=policy, max_num_seqs=4)
+    batch = [batch_req(f"b{i}", 12, arrival=float(i)) for i in range(6)]
+    for r in batch:
+        sched.add_request(r)
+    advance(sched, sched.schedule())
+    assert sum(r.status is RequestStatus.RUNNING for r in batch) == 4
+    interactive = req("chat", 12, arrival=10.0)
+    sched.add_request(interactive)
+    # The very next step runs it (its TTFT grew by at most the step in flight when it came):
+    # the latest batch request gave up its slot and blocks.
+    out = sched.schedule()
+    assert interactive in out.requests
+    assert out.num_new_tokens[out.requests.index(interactive)] == 12
+    assert [r.request_id for r in out.preempted] == ["b3"]
+    # Batch requests waiting are not admitted while an interactive one waits.
+    sched.add_request(req("chat2", 12, arrival=11.0))
+    waiting_batch = {r.request_id for r in sched.waiting if r.is_batch}
+    out = sched.schedule()
+    assert not waiting_batch & {r.request_id for r in out.requests}
+
+
+def test_batch_lane_fills_idle_capacity():
+    sched = make(num_blocks=64, max_num_seqs=8)
+    sched.add_request(req("chat", 8, arrival=1.0))
+    sched.add_request(batch_req("b0", 8, arrival=0.0))  # arrived first, runs second
+    out = sched.schedule()
+    assert [r.request_id for r in out.requests] == ["chat", "b0"]
+
+
+def test_batch_never_preempts_interactive():
+    # 4 blocks: an interactive request holds 2, a batch request 2; both need a third.
+    sched = make(num_blocks=4)
+    chat = req("chat", 8, arrival=2.0)
+    bulk = batch_req("bulk", 8, arrival=1.0)
+    sched.add_request(chat)
+    sched.add_request(bulk)
+    advance(sched, sched.schedule())
+    out = sched.schedule()
+    assert chat.status is RequestStatus.RUNNING and chat in out.requests
+    assert bulk.status is RequestStatus.PREEMPTED
+
+
+def test_engine_ends_a_request_at_its_total_deadline(default_model_dir):
+    from common.finish_reason import FinishReason
+    from engine.simulated import simulated_engine
+
+    # Steps of 20 ms (really slept): a request of 1000 tokens cannot end within 100 ms.
+    cost = StepCostModel(0.02, 0.0, 0.0)
+    config = EngineConfig(model=str(default_model_dir), block_size=BLOCK, num_kv_blocks=512)
+    engine = simulated_engine(config, cost)
+    params = SamplingParams(max_tokens=1000, ignore_eos=True)
+    engine.add_request("late", [5, 6, 7], params, service=ServiceLevel(total_ms=100))
+    engine.add_request("free", [5, 6, 7], SamplingParams(max_tokens=10, ignore_eos=True))
+    ends = {}
+    while engine.has_unfinished:
+        for output in engine.step():
+            if output.finished:
+                ends[output.request_id] = (output.finish_reason, output.num_output_tokens)
+    reason, generated = ends["late"]
+    assert reason is FinishReason.DEADLINE and 0 < generated < 1000
+    assert ends["free"] == (FinishReason.LENGTH, 10)
+    assert not engine.kv_cache.num_blocks - engine.kv_cache.num_free_blocks
