@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from engine.core.outputs import EngineStats, RequestOutput, StepTimings
 from engine.core.request import NO_SERVICE_LEVEL, ServiceLevel
@@ -106,12 +107,16 @@ class AsyncEngine:
         params: SamplingParams,
         events: asyncio.Queue,
         priority: int = 0,
+        pooling: PoolingParams | None = None,
         service: ServiceLevel = NO_SERVICE_LEVEL,
     ) -> None:
-        """Queue a request. Its outputs, or one RequestFailed, arrive in `events` as lists."""
+        """Queue a request (an embedding request with `pooling`). Its outputs, or one
+        RequestFailed, arrive in `events` as lists."""
         sink = _Sink(asyncio.get_running_loop(), events)
         self._inbox.put(
-            lambda: self._add(request_id, list(prompt_token_ids), params, priority, sink, service)
+            lambda: self._add(
+                request_id, list(prompt_token_ids), params, priority, pooling, sink, service
+            )
         )
 
     def abort(self, request_ids: Sequence[str]) -> concurrent.futures.Future[list[str]]:
@@ -200,12 +205,13 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int,
+        pooling: PoolingParams | None,
         sink: _Sink,
         service: ServiceLevel,
     ) -> None:
         try:
             self._built().add_request(
-                request_id, prompt_token_ids, params, priority, service=service
+                request_id, prompt_token_ids, params, priority, pooling, service=service
             )
         except Exception as exc:
             # EngineError is the caller's fault or a full queue; anything else is logged as a bug.

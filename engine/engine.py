@@ -17,6 +17,7 @@ from pathlib import Path
 
 from common.config import EngineConfig, default_step_cost_path
 from common.finish_reason import FinishReason
+from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_events import KVEventPublisher
@@ -79,11 +80,16 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        pooling: PoolingParams | None = None,
         service: ServiceLevel = NO_SERVICE_LEVEL,
     ) -> Request:
         """Validate and queue a request; raises InvalidRequestError or QueueFullError. With
         params.n > 1 its samples are registered too (ids from sample_request_id): the prompt is
-        computed once, then each sample reports under request_id with its index."""
+        computed once, then each sample reports under request_id with its index. With `pooling`
+        it is an embedding request: `params` are ignored, its prompt is computed once and its
+        one output carries the pooled vector (RequestOutput.embedding)."""
+        if pooling is not None:
+            params = SamplingParams()
         check_new_request(
             request_id,
             prompt_token_ids,
@@ -94,6 +100,7 @@ class LLMEngine:
             vocab_size=self.vocab_size,
             validate_params=self.executor.validate_params,
             service=service,
+            pooling=pooling,
         )
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(
@@ -101,7 +108,12 @@ class LLMEngine:
                 "sequences at once (max_num_seqs), and a request's samples run side by side"
             )
         request = Request(
-            request_id, list(prompt_token_ids), params, priority=priority, service=service
+            request_id,
+            list(prompt_token_ids),
+            params,
+            priority=priority,
+            service=service,
+            pooling=pooling,
         )
         if any(sample.request_id in self.requests for sample in request.samples):
             raise InvalidRequestError(
@@ -196,6 +208,7 @@ class LLMEngine:
         outputs = self._update(
             sched.requests, sched.num_new_tokens, sched.sampling_requests, executed.sampled
         )
+        outputs += self._pooled(sched.pooling_requests, executed.embeddings)
         t3 = time.perf_counter()
         num_decodes = sched.num_decodes
         self.step_cost.observe(sched.total_tokens - num_decodes, num_decodes, t3 - t0)
@@ -261,6 +274,31 @@ class LLMEngine:
                     num_output_tokens=request.num_output_tokens,
                     num_cached_tokens=request.num_cached_tokens,
                     queue_seconds=_queue_seconds(request) if reason is not None else 0.0,
+                )
+            )
+        return outputs
+
+    def _pooled(
+        self, requests: list[Request], embeddings: list[list[float]]
+    ) -> list[RequestOutput]:
+        """The embedding requests whose prompt the step completed end with their vector; their
+        KV blocks are freed at once."""
+        now = time.monotonic()
+        outputs = []
+        for request, embedding in zip(requests, embeddings, strict=True):
+            request.finish_reason = FinishReason.STOP
+            request.times.first_token = request.times.finished = now
+            self._retire(request)
+            outputs.append(
+                RequestOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finished=True,
+                    finish_reason=FinishReason.STOP,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_output_tokens=0,
+                    queue_seconds=_queue_seconds(request),
+                    embedding=embedding,
                 )
             )
         return outputs

@@ -77,7 +77,8 @@ class SimulatedExecutor:
                 raise InvalidRequestError(f"a simulated engine does not do {name}", name)
 
     def join(self, request: Request) -> None:
-        pass  # nothing is kept per request
+        if request.pooling is not None:  # nothing is kept per request otherwise
+            raise InvalidRequestError("a simulated engine does not do embeddings", "pooling")
 
     def leave(self, request: Request) -> None:
         pass

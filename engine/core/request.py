@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from common.errors import InvalidRequestError
 from common.finish_reason import FinishReason
+from common.pooling_params import PoolingParams
 from common.sampling_params import BATCH_PRIORITY, SamplingParams, sample_request_id
 from engine.core.outputs import RequestOutput
 
@@ -109,6 +110,9 @@ class Request:
     # On a sample: the request it was forked from, and its index among that request's n.
     parent: Request | None = field(default=None, repr=False)
     sample_index: int = 0
+    # Set: an embedding request. It computes its prompt once and is pooled into one vector (by
+    # the executor), generating nothing; its sampling_params are the defaults, never used.
+    pooling: PoolingParams | None = None
     # The request's name in step plans (engine.core.step_plan): an int, so plans stay numeric.
     seq_id: int = field(init=False)
 
@@ -209,6 +213,7 @@ def check_new_request(
     max_model_len: int,
     vocab_size: int,
     validate_params: Callable[[SamplingParams, int], None],
+    pooling: PoolingParams | None = None,
     service: ServiceLevel = NO_SERVICE_LEVEL,
 ) -> None:
     """The checks every engine (real or simulated) makes of a new request, in this order: its
@@ -217,7 +222,9 @@ def check_new_request(
     service level in range."""
     if request_id in ids_in_use:
         raise InvalidRequestError(f"request_id {request_id!r} is already in use")
-    validate_prompt(prompt_token_ids, max_model_len, vocab_size)
+    validate_prompt(prompt_token_ids, max_model_len, vocab_size, room_for_output=pooling is None)
+    if pooling is not None:
+        pooling.validate()
     try:
         validate_params(params, vocab_size)
     except ValueError as exc:
@@ -227,12 +234,20 @@ def check_new_request(
     service.check()
 
 
-def validate_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
-    """InvalidRequestError unless the prompt is non-empty, leaves room for one generated token
-    and holds only ids inside the vocabulary."""
+def validate_prompt(
+    prompt_token_ids: list[int], max_model_len: int, vocab_size: int, room_for_output: bool = True
+) -> None:
+    """InvalidRequestError unless the prompt is non-empty, fits the context (leaving room for
+    one generated token, with `room_for_output`; an embedding request generates none) and holds
+    only ids inside the vocabulary."""
     if len(prompt_token_ids) == 0:
         raise InvalidRequestError("prompt_token_ids must not be empty")
-    if len(prompt_token_ids) >= max_model_len:
+    if not room_for_output and len(prompt_token_ids) > max_model_len:
+        raise InvalidRequestError(
+            f"prompt_token_ids has {len(prompt_token_ids)} tokens, over the model's context "
+            f"(max_model_len) of {max_model_len} tokens"
+        )
+    if room_for_output and len(prompt_token_ids) >= max_model_len:
         raise InvalidRequestError(
             f"prompt_token_ids has {len(prompt_token_ids)} tokens, but the model's context "
             f"(max_model_len) is {max_model_len} tokens, which must include at least "

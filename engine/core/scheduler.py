@@ -59,6 +59,9 @@ class SchedulerOutput:
     # The request each sampled logits row belongs to, in row order (an n > 1 request completing
     # its prompt contributes one row per live sample).
     sampling_requests: list[Request] = field(default_factory=list)
+    # The embedding requests whose prompt this step completes, in batch order: no logits row,
+    # the executor pools each instead (the plan's pooled_entries name every embedding request).
+    pooling_requests: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -371,7 +374,12 @@ class Scheduler:
                     )
                 )
                 shipped.num_tokens, shipped.num_blocks = len(tokens), len(table)
-            if start + count == len(tokens):
+            if request.pooling is not None:
+                plan.pooled_entries.append(index)
+                num_samples.append(0)
+                if start + count == len(tokens):
+                    out.pooling_requests.append(request)
+            elif start + count == len(tokens):
                 if request.samples:
                     num_samples.append(len(request.samples))
                     sampling.extend(request.samples)

@@ -54,6 +54,7 @@ def _output_to_proto(out: RequestOutput) -> engine_pb2.RequestOutput:
         ],
         prompt_logprobs=[_token_logprob(*record) for record in out.prompt_logprobs or ()],
         finished=out.finished,
+        embedding=out.embedding,
     )
     if out.finished:
         assert out.finish_reason is not None  # a finished output says why

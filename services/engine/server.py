@@ -24,7 +24,8 @@ from common.grpc_stubs.folio.v1 import engine_pb2_grpc
 from common.config import EngineConfig
 from common.errors import UnavailableError
 from common.grpc_server import GrpcService
-from common.sampling_params import parent_request_id, sample_request_id
+from common.pooling_params import PoolingParams
+from common.sampling_params import SamplingParams, parent_request_id, sample_request_id
 from common.sampling_proto import sampling_params_from_proto
 from engine.async_engine import AsyncEngine, RequestFailed
 from engine.core.kv_events import KVEventBatch
@@ -156,6 +157,14 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     reject(request.request_id, exc)
                     return True
                 params = sampling_params_from_proto(request.sampling_params)
+                pooling = None
+                if request.HasField("pooling"):
+                    pooling = PoolingParams(
+                        request.pooling.dimensions
+                        if request.pooling.HasField("dimensions")
+                        else None
+                    )
+                    params = SamplingParams()  # ignored: an embedding request generates nothing
                 live[request.request_id] = params.n  # an invalid n fails the request instead
                 engine.add_request(
                     request.request_id,
@@ -163,6 +172,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     params,
                     inbox,
                     request.priority,
+                    pooling,
                     service=_service_level(request),
                 )
         else:
