@@ -64,3 +64,23 @@ def build_metadata(
         max_seq_len=max(seq_lens),
         block_size=block_size,
     )
+
+
+def outside_window(
+    tables: list[list[int]],
+    query_lens: list[int],
+    seq_lens: list[int],
+    window: int,
+    block_size: int,
+    poison: int,
+) -> list[list[int]]:
+    """Copies of the tables with every block that lies wholly before what a request's first
+    query token sees under a sliding window replaced by block `poison`: as the KV cache manager
+    frees such blocks, and a backend must never read them."""
+    out = []
+    for table, q, s in zip(tables, query_lens, seq_lens, strict=True):
+        first_seen = max(0, s - q - window + 1)
+        out.append(
+            [poison if (i + 1) * block_size <= first_seen else b for i, b in enumerate(table)]
+        )
+    return out

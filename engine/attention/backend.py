@@ -84,11 +84,13 @@ class AttentionBackend(ABC):
         default."""
         return None
 
-    def decode_step_op(self, q: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    def decode_step_op(
+        self, q: torch.Tensor, window: int | None = None
+    ) -> Callable[..., torch.Tensor] | None:
         """An op (q, k, v, layer, scale) -> out that a compiled decode-only program may call for
         a layer's attention instead of going through Python, reading the caches and tables that
         `bound_decode_step` binds around the program; None (the default) where the backend has
-        none for queries like q."""
+        none for queries like q under that sliding window."""
         return None
 
     def bound_decode_step(
@@ -106,12 +108,15 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Attention for one layer.
 
         q: [T, H, D]; k, v: [T, KVH, D] (views are fine); kv_cache: [2, num_blocks,
         block_size, KVH, D], index 0 = K, 1 = V. Writes k and v at meta.slot_mapping, then
         query token j of request i (query length q_i, context length s_i) attends to positions
-        0 .. s_i - q_i + j of that request, read through meta.block_tables. Returns a new
-        contiguous [T, H, D] tensor.
+        0 .. p = s_i - q_i + j of that request, read through meta.block_tables; with a sliding
+        `window`, to positions p - window + 1 .. p only (table entries before those may name
+        blocks the request no longer holds: they are never read). Returns a new contiguous
+        [T, H, D] tensor.
         """

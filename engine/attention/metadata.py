@@ -31,7 +31,15 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # A model whose KV cache has several groups (sliding and full attention layers, each group
+    # its own block table: engine.core.kv_cache_manager) gives each layer its group's
+    # metadata, by layer index; None where one table serves every layer (this object's).
+    layer_metas: list[AttentionMetadata] | None = None
 
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata layer `layer`'s attention reads: its KV group's slots and tables."""
+        return self if self.layer_metas is None else self.layer_metas[layer]

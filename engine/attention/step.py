@@ -63,21 +63,31 @@ def attention(
     v: torch.Tensor,
     layer: int,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Layer `layer`'s attention in the running step (AttentionBackend.forward's contract, over
-    that layer's KV cache). A compiled program calls the backend's own decode-step op where it
-    has one for q (no Python in between), else folio::attention."""
+    that layer's KV cache and its KV group's tables, under its sliding window if any). A
+    compiled program calls the backend's own decode-step op where it has one for q (no Python
+    in between), else folio::attention."""
     if torch.compiler.is_compiling():
-        op = backend.decode_step_op(q)
+        op = backend.decode_step_op(q, window)
         if op is not None:
             return op(q, k, v, layer, scale)
-        return torch.ops.folio.attention(q, k, v, layer, scale)
-    return _attend(q, k, v, layer, scale)
+        return torch.ops.folio.attention(q, k, v, layer, scale, window or 0)
+    return _attend(q, k, v, layer, scale, window)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float):
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
     step = _current_step()
-    return step.backend.forward(q, k, v, step.kv_caches[layer], step.meta, scale)
+    meta = step.meta.for_layer(layer)
+    return step.backend.forward(q, k, v, step.kv_caches[layer], meta, scale, window)
 
 
 # The op writes the step's K/V into a cache it reaches through the running step, which no
@@ -85,13 +95,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale
 # on the previous layer's output, so the compiled code keeps them in order.
 @torch.library.custom_op("folio::attention", mutates_args=())
 def _attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int
 ) -> torch.Tensor:
-    return _attend(q, k, v, layer, scale)
+    return _attend(q, k, v, layer, scale, window or None)  # 0: no window
 
 
 @_attention_op.register_fake
 def _attention_shape(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int
 ) -> torch.Tensor:
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)

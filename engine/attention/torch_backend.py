@@ -8,13 +8,14 @@ scaled_dot_product_attention at every prompt length measured (docs/quantization.
 on the CPU"). Otherwise, in plain torch: decodes (the first meta.num_decodes requests, one query
 token each) run together, in a few groups of similar context length to limit padding, each
 group's blocks gathered into one workspace and put through two batched matmuls; prefills and
-extends run one request at a time through scaled_dot_product_attention. It must never keep
-per-request K/V between steps; the gather workspace is scratch, overwritten every layer.
+extends run one request at a time through scaled_dot_product_attention. A sliding window
+(a layer's `window`) reads only the blocks that hold a token's last `window` positions and masks
+the rest. It must never keep per-request K/V between steps; the gather workspace is scratch,
+overwritten every layer.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,9 +33,11 @@ class _DecodePlan:
     # Rows start:end of the batch; decodes are attended in groups of similar context length.
     start: int
     end: int
-    # [num_reqs * blocks_per_req] block ids: each request's table cut at the longest context.
+    # [num_reqs * blocks_per_req] block ids: each request's blocks from the first its window
+    # sees (its first without a window), as many as the group's widest needs.
     block_ids: torch.Tensor
-    # [num_reqs, 1, blocks_per_req * block_size] additive mask, -inf past each context length.
+    # [num_reqs, 1, blocks_per_req * block_size] additive mask, -inf past each context length
+    # and before its window.
     mask: torch.Tensor
     # [num_reqs, H, KVH * D], zero except each head's own KV-head slot; see _decode.
     q_blockdiag: torch.Tensor
@@ -46,8 +49,11 @@ class _PrefillPlan:
     end: int
     # None when the request has no cached prefix: its new K/V are its whole context.
     block_ids: torch.Tensor | None
+    # The context read: positions first .. seq_len (first > 0 only under a sliding window).
+    first: int
     seq_len: int
-    # [query_len, seq_len] additive causal mask aligned bottom-right (only with block_ids).
+    # [query_len, seq_len - first] additive causal (and windowed) mask aligned bottom-right;
+    # None: plainly causal over the new K/V.
     mask: torch.Tensor | None
 
 
@@ -60,7 +66,9 @@ class _Plan:
 
 class TorchAttentionBackend(AttentionBackend):
     def __init__(self, use_folio_kernels: bool = True) -> None:
-        self._plan: _Plan | None = None
+        # This step's plans, per (metadata, window): a hybrid model's layers alternate between
+        # their KV groups' metadata and windows.
+        self._plans: dict[tuple[int, int | None], _Plan] = {}
         self._workspace = torch.empty(0)
         self._kernel = (
             torch.ops.folio_cpu_attention.paged_attention
@@ -70,7 +78,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         # The runner may refill the same metadata object in place: never trust an old plan.
-        self._plan = None
+        self._plans.clear()
 
     def forward(
         self,
@@ -80,6 +88,7 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         if self._kernel is not None and self._kernel_fits(q):
@@ -94,14 +103,15 @@ class TorchAttentionBackend(AttentionBackend):
                 meta.query_start_loc,
                 meta.seq_lens,
                 scale,
+                window or 0,
             )
 
         slots = kv_cache.view(2, -1, k.shape[1], head_dim)
         slots[0].index_copy_(0, meta.slot_mapping, k)
         slots[1].index_copy_(0, meta.slot_mapping, v)
-        plan = self._plan
+        plan = self._plans.get((id(meta), window))
         if plan is None or plan.meta is not meta:
-            plan = self._plan = _make_plan(meta, q, k.shape[1])
+            plan = self._plans[id(meta), window] = _make_plan(meta, q, k.shape[1], window)
 
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
         for d in plan.decodes:
@@ -111,8 +121,10 @@ class TorchAttentionBackend(AttentionBackend):
             _prefill(q[rows], k[rows], v[rows], kv_cache, p, scale, out[rows])
         return out
 
-    def decode_step_op(self, q: torch.Tensor) -> Callable[..., torch.Tensor] | None:
-        if self._kernel is None or not self._kernel_fits(q):
+    def decode_step_op(
+        self, q: torch.Tensor, window: int | None = None
+    ) -> Callable[..., torch.Tensor] | None:
+        if self._kernel is None or not self._kernel_fits(q) or window is not None:
             return None
         return torch.ops.folio_cpu_attention.decode_step_attention
 
@@ -218,14 +230,18 @@ def _prefill(
             q4,
             k.transpose(0, 1).unsqueeze(0),
             v.transpose(0, 1).unsqueeze(0),
-            is_causal=True,
+            attn_mask=plan.mask,
+            is_causal=plan.mask is None,
             scale=scale,
             enable_gqa=True,
         )
     else:
         num_kv_heads, head_dim = kv_cache.shape[3:]
+        block_size = kv_cache.shape[2]
         ctx = _gather_blocks(kv_cache, plan.block_ids)
-        ctx = ctx.view(2, -1, num_kv_heads, head_dim)[:, : plan.seq_len].transpose(1, 2)
+        skip = plan.first % block_size  # the gather starts at the first position's block
+        ctx = ctx.view(2, -1, num_kv_heads, head_dim)[:, skip : skip + plan.seq_len - plan.first]
+        ctx = ctx.transpose(1, 2)
         result = F.scaled_dot_product_attention(
             q4,
             ctx[0].unsqueeze(0),
@@ -237,24 +253,41 @@ def _prefill(
     out.copy_(result[0].transpose(0, 1))
 
 
-def _make_plan(meta: AttentionMetadata, q: torch.Tensor, num_kv_heads: int) -> _Plan:
-    """Everything about this step that does not depend on the layer, built once per step."""
+def _make_plan(
+    meta: AttentionMetadata, q: torch.Tensor, num_kv_heads: int, window: int | None
+) -> _Plan:
+    """Everything about this step and window that does not depend on the layer, built once per
+    step and window."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     dtype, device = q.dtype, q.device
     block_size = meta.block_size
+    see = window or 0
 
     decodes = []
     n = meta.num_decodes
     for lo, hi in split_by_length(meta.seq_lens_cpu[:n]):
-        max_len = max(meta.seq_lens_cpu[lo:hi])
-        blocks = math.ceil(max_len / block_size)
-        positions = torch.arange(blocks * block_size, device=device)
-        visible = positions[None, None, :] < meta.seq_lens[lo:hi, None, None]
+        lengths = meta.seq_lens_cpu[lo:hi]
+        # Each request's first block read: where its window starts (its first block without).
+        first_blocks = [max(0, length - see) // block_size if see else 0 for length in lengths]
+        blocks = max(
+            -(-length // block_size) - f for length, f in zip(lengths, first_blocks, strict=True)
+        )
+        first_t = torch.tensor(first_blocks, device=device)[:, None]
+        columns = (first_t + torch.arange(blocks, device=device)).clamp_(
+            max=meta.block_tables.shape[1] - 1
+        )
+        positions = (first_t * block_size + torch.arange(blocks * block_size, device=device))[
+            :, None, :
+        ]
+        seq_lens = meta.seq_lens[lo:hi, None, None]
+        visible = positions < seq_lens
+        if see:
+            visible &= positions >= seq_lens - see
         decodes.append(
             _DecodePlan(
                 start=lo,
                 end=hi,
-                block_ids=meta.block_tables[lo:hi, :blocks].reshape(-1),
+                block_ids=meta.block_tables[lo:hi].gather(1, columns).reshape(-1),
                 mask=_additive_mask(visible, dtype),
                 q_blockdiag=torch.zeros(
                     (hi - lo, num_heads, num_kv_heads * head_dim), dtype=dtype, device=device
@@ -266,13 +299,20 @@ def _make_plan(meta: AttentionMetadata, q: torch.Tensor, num_kv_heads: int) -> _
     start = sum(meta.query_lens_cpu[:n])
     for i in range(n, meta.num_reqs):
         query_len, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
+        cached = seq_len - query_len
+        # The first position the request's first query token sees.
+        first = max(0, cached - see + 1) if see else 0
         block_ids = mask = None
-        if seq_len > query_len:
-            block_ids = meta.block_tables[i, : math.ceil(seq_len / block_size)]
-            rows = torch.arange(seq_len - query_len, seq_len, device=device)
-            visible = torch.arange(seq_len, device=device)[None, :] <= rows[:, None]
+        if cached:
+            block_ids = meta.block_tables[i, first // block_size : -(-seq_len // block_size)]
+        if cached or see:
+            rows = torch.arange(cached, seq_len, device=device)[:, None]
+            keys = torch.arange(first, seq_len, device=device)[None, :]
+            visible = keys <= rows
+            if see:
+                visible &= keys > rows - see
             mask = _additive_mask(visible, dtype)
-        prefills.append(_PrefillPlan(start, start + query_len, block_ids, seq_len, mask))
+        prefills.append(_PrefillPlan(start, start + query_len, block_ids, first, seq_len, mask))
         start += query_len
     return _Plan(meta, decodes, prefills)
 

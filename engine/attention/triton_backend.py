@@ -48,7 +48,9 @@ class TritonAttentionBackend(AttentionBackend):
                 f"attention backend 'triton' needs a CUDA device (device is {device}); on CPU use "
                 "'torch' or 'auto' (the Triton interpreter, TRITON_INTERPRET=1, is for tests)"
             )
-        self._device_meta: _DeviceMeta | None = None
+        # This step's metadata on the device, per metadata object (a hybrid model's KV groups
+        # each have theirs).
+        self._device_metas: dict[int, _DeviceMeta] = {}
 
     def rms_norm(
         self,
@@ -69,7 +71,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         # The runner may refill the same metadata object in place: never trust old copies.
-        self._device_meta = None
+        self._device_metas.clear()
 
     def forward(
         self,
@@ -79,16 +81,23 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        dm = self._device_meta
+        dm = self._device_metas.get(id(meta))
         if dm is None or dm.meta is not meta:
-            dm = self._device_meta = _to_device(meta, kv_cache.device)
+            dm = self._device_metas[id(meta)] = _to_device(meta, kv_cache.device)
         write_kv_cache(k, v, kv_cache, dm.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         n = meta.num_decodes
         if n > 0:
             paged_decode_attention(
-                q[:n], kv_cache, dm.block_tables[:n], dm.seq_lens[:n], scale, out=out[:n]
+                q[:n],
+                kv_cache,
+                dm.block_tables[:n],
+                dm.seq_lens[:n],
+                scale,
+                out=out[:n],
+                window=window,
             )
         if n < meta.num_reqs:
             # Absolute query offsets: the kernel reads and writes only the prefill rows.
@@ -101,6 +110,7 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 meta.max_query_len,
                 out=out,
+                window=window,
             )
         return out
 

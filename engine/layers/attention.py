@@ -19,17 +19,21 @@ from engine.attention.torch_backend import TorchAttentionBackend
 
 class Attention(nn.Module):
     """Layer `layer_index`'s causal attention: q [T, H, D], k and v [T, KVH, D] -> [T, H, D];
-    writes k and v into that layer's KV cache first."""
+    writes k and v into that layer's KV cache first. With a sliding `window` a token attends
+    to its last `window` positions only, itself included (transformers' sliding_window)."""
 
-    def __init__(self, backend: AttentionBackend, layer_index: int, scale: float) -> None:
+    def __init__(
+        self, backend: AttentionBackend, layer_index: int, scale: float, window: int | None = None
+    ) -> None:
         super().__init__()
         self.backend = backend
         # Which of the step's KV caches is this layer's.
         self.layer_index = layer_index
         self.scale = scale
+        self.window = window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attention(self.backend, q, k, v, self.layer_index, self.scale)
+        return attention(self.backend, q, k, v, self.layer_index, self.scale, self.window)
 
 
 def get_attention_backend(name: str, device: str | torch.device) -> AttentionBackend:

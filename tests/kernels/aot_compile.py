@@ -39,6 +39,7 @@ def attention(dtype: str, decode: bool, group: int, group_p: int, block_m: int, 
         out_stride_h="i32",
         table_stride="i32",
         v_offset="i64",
+        window="i32",
     )
     constants = dict(
         NUM_KV_HEADS=3,

@@ -15,7 +15,7 @@ from engine.kernels.triton.paged_attention import (
     paged_prefill_attention,
     paged_prefill_attention_ref,
 )
-from paged import BlockPool, build_metadata
+from paged import BlockPool, build_metadata, outside_window
 
 # (query heads, KV heads, head size, block size): GQA 1, 3 (SmolLM2: 9 over 3), 4.
 SHAPES = [(2, 2, 64, 16), (9, 3, 64, 4), (8, 2, 128, 8)]
@@ -114,4 +114,54 @@ def test_triton_backend_matches_torch_backend_on_a_mixed_step(dtype):
     triton_backend.prepare(meta)
     out = triton_backend.forward(q, k, v, cache, meta, 0.125)
     assert torch.equal(cache.cpu(), expected_cache)
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sliding_window_reads_only_the_window(dtype):
+    """Decodes and prefills under a window of 5 with blocks of 4: every block wholly before a
+    request's window is a NaN-filled block in its table, which no kernel may read."""
+    num_heads, num_kv_heads, head_dim, block_size, window = 4, 2, 16, 4, 5
+    poison = NUM_BLOCKS - 1
+    cache = make_cache(num_kv_heads, head_dim, block_size, dtype, seed=10)
+    cache[:, poison] = float("nan")
+    scale = head_dim**-0.5
+    seq_lens = [3, 9, 30]
+    full = [
+        BlockPool(NUM_BLOCKS - 1, seed=s).grow([], n, block_size) for s, n in enumerate(seq_lens)
+    ]
+    q = randn(len(seq_lens), num_heads, head_dim, dtype=dtype, seed=11)
+    seen = outside_window(full, [1] * 3, seq_lens, window, block_size, poison)
+    out = paged_decode_attention(
+        q,
+        cache,
+        as_tensor(seen),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        scale,
+        block_n=16,
+        window=window,
+    )
+    expected = paged_decode_attention_ref(q, cache, seq_lens, full, scale, window)
+    assert_close(out, expected, dtype)
+
+    # A fresh prompt longer than the window, and an extend over a cached prefix.
+    query_lens, seq_lens = [13, 6], [13, 26]
+    full = [
+        BlockPool(NUM_BLOCKS - 1, seed=s).grow([], n, block_size) for s, n in enumerate(seq_lens)
+    ]
+    seen = outside_window(full, query_lens, seq_lens, window, block_size, poison)
+    q = randn(sum(query_lens), num_heads, head_dim, dtype=dtype, seed=12)
+    out = paged_prefill_attention(
+        q,
+        cache,
+        torch.tensor([0, 13, 19], dtype=torch.int32, device=DEVICE),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        as_tensor(seen),
+        scale,
+        max(query_lens),
+        block_n=16,
+        rows_per_tile=16,
+        window=window,
+    )
+    expected = paged_prefill_attention_ref(q, cache, query_lens, seq_lens, full, scale, window)
     assert_close(out, expected, dtype)

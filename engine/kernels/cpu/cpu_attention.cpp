@@ -14,6 +14,9 @@
 // - paged_attention: any step. Decodes as above; a prefill's or extend's tokens in bfloat16 on
 //   CPUs with AVX-512 BF16 in blocks (see "Prefill blocks" below), otherwise each token as a
 //   decode whose context ends at itself.
+// - A sliding window (`window` > 0, Mistral's and Gemma 3's local layers): a token sees only its
+//   last `window` positions, itself included, and only those are read; a windowed prefill takes
+//   the per-token path.
 //
 // Work is split over torch's thread pool only when there is enough of it to pay for the pool's
 // wake-up. This file computes attention only; choosing it over the backend's plain torch path
@@ -109,6 +112,7 @@ inline void softmax(float* s, int64_t length) {
 
 struct Layout {
   int64_t heads, kv_heads, group, head_dim, block_size;
+  int64_t window;               // a token sees this many positions, itself included (0: all)
   int64_t q_row, k_row, v_row;  // row strides of q, k, v
   int64_t block_values;         // one cache block: block_size * kv_heads * head_dim
   int64_t value_offset;         // from a key to its value: num_blocks * block_values
@@ -225,17 +229,19 @@ inline void prefetch_rows(const T* row, int64_t count, int64_t stride, int64_t b
 }
 
 // Attention of one row's query heads of KV heads kv_begin .. kv_end (q, out: the row's heads)
-// over its `length` cached positions. Each pass goes through the context a block at a time and
+// over its cached positions begin .. length (begin > 0: a sliding window). Each pass goes through the context a block at a time and
 // reads, for every position, all those KV heads' K (or V) together: a cache row's 2 * KVH * D
 // bytes in one place, so the hardware prefetchers follow it (a pass per KV head, reading each
 // position's slices apart, ran at about a third of the memory bandwidth).
 template <typename T>
-void attend(const Layout& l, const T* q, const T* cache, const int32_t* table, int64_t length,
-            int64_t kv_begin, int64_t kv_end, float scale, Scratch& scratch, T* out) {
+void attend(const Layout& l, const T* q, const T* cache, const int32_t* table, int64_t begin,
+            int64_t length, int64_t kv_begin, int64_t kv_end, float scale, Scratch& scratch,
+            T* out) {
   const int64_t d = l.head_dim, group = l.group;
   const int64_t token_values = l.kv_heads * d;
   const int64_t heads = (kv_end - kv_begin) * group, first_head = kv_begin * group;
-  float* scores = scratch.scores.data();  // [heads][length]
+  const int64_t span = length - begin;
+  float* scores = scratch.scores.data();  // [heads][span]: position t's score at t - begin
   const float* qs = scratch.q.data();
   to_floats(q + first_head * d, heads * d, scratch.q.data());
   const __m256 scale8 = _mm256_set1_ps(scale);
@@ -243,7 +249,9 @@ void attend(const Layout& l, const T* q, const T* cache, const int32_t* table, i
   // block's keys come into L1 and this block's values into L2: a request's blocks lie anywhere
   // in the pool, where the hardware prefetchers cannot see the next one coming.
   const int64_t slice_bytes = (kv_end - kv_begin) * d * sizeof(T);
-  for (int64_t first = 0, i = 0; first < length; first += l.block_size, ++i) {
+  const int64_t first_block = begin / l.block_size;
+  for (int64_t i = first_block, first = i * l.block_size; first < length;
+       first += l.block_size, ++i) {
     const T* block = cache + table[i] * l.block_values;
     const int64_t end = std::min(l.block_size, length - first);
     if (first + l.block_size < length)
@@ -252,37 +260,40 @@ void attend(const Layout& l, const T* q, const T* cache, const int32_t* table, i
                                  token_values, slice_bytes);
     prefetch_rows<_MM_HINT_T1>(block + l.value_offset + kv_begin * d, end, token_values,
                                slice_bytes);
-    int64_t o = 0;
+    int64_t o = std::max<int64_t>(0, begin - first);
     for (; o + 8 <= end; o += 8)
       for (int64_t kv = kv_begin; kv < kv_end; ++kv)
         for (int64_t g = 0; g < group; ++g) {
           const int64_t h = (kv - kv_begin) * group + g;
           const __m256 dots = dot_8_keys(qs + h * d, block + o * token_values + kv * d,
                                          token_values, d);
-          _mm256_storeu_ps(scores + h * length + first + o, _mm256_mul_ps(dots, scale8));
+          _mm256_storeu_ps(scores + h * span + (first + o - begin),
+                           _mm256_mul_ps(dots, scale8));
         }
     for (; o < end; ++o)
       for (int64_t kv = kv_begin; kv < kv_end; ++kv)
         for (int64_t g = 0; g < group; ++g) {
           const int64_t h = (kv - kv_begin) * group + g;
-          scores[h * length + first + o] =
+          scores[h * span + (first + o - begin)] =
               dot(qs + h * d, block + o * token_values + kv * d, d) * scale;
         }
   }
-  for (int64_t h = 0; h < heads; ++h) softmax(scores + h * length, length);
+  for (int64_t h = 0; h < heads; ++h) softmax(scores + h * span, span);
   // out = probabilities . V, a block at a time: up to three heads and 32 features together.
   float* mixed = scratch.out.data();
   std::fill(mixed, mixed + heads * d, 0.0f);
-  for (int64_t first = 0, i = 0; first < length; first += l.block_size, ++i) {
-    const T* block = cache + l.value_offset + table[i] * l.block_values;
+  for (int64_t i = first_block, first = i * l.block_size; first < length;
+       first += l.block_size, ++i) {
+    const int64_t skip = std::max<int64_t>(0, begin - first);
+    const T* block = cache + l.value_offset + table[i] * l.block_values + skip * token_values;
     const int64_t end = std::min(l.block_size, length - first);
     for (int64_t kv = kv_begin; kv < kv_end; ++kv)
       for (int64_t g0 = 0; g0 < group; g0 += 3) {
         const int64_t h = (kv - kv_begin) * group + g0;
         for (int64_t d0 = 0; d0 < d; d0 += 32)
           mix_slab(std::min<int64_t>(3, group - g0), std::min<int64_t>(4, (d - d0) / 8),
-                   block + kv * d + d0, end, token_values, scores + h * length + first, length,
-                   mixed + h * d + d0, d);
+                   block + kv * d + d0, end - skip, token_values,
+                   scores + h * span + (first + skip - begin), span, mixed + h * d + d0, d);
       }
   }
   from_floats(mixed, heads * d, out + first_head * d);
@@ -462,8 +473,9 @@ void attend_items(const Layout& l, const at::Tensor& q, const at::Tensor& kv_cac
       const Item& item = items[i % 2 == 0 ? i / 2 : count - 1 - i / 2];
       const int32_t* table = tables + item.request * l.table_row;
       if (item.context == nullptr) {
-        const int64_t b = item.first_token;
-        attend(l, qs + b * l.q_row, cache, table, item.first_length, item.kv_begin, item.kv_end,
+        const int64_t b = item.first_token, length = item.first_length;
+        const int64_t begin = l.window > 0 ? std::max<int64_t>(0, length - l.window) : 0;
+        attend(l, qs + b * l.q_row, cache, table, begin, length, item.kv_begin, item.kv_end,
                scale, scratch, os + b * l.heads * l.head_dim);
       } else if constexpr (std::is_same_v<T, bf16>) {
         if (!blocks) blocks.emplace(l, longest);
@@ -483,7 +495,8 @@ namespace {
 // all bfloat16; slot_mapping [N] int64; block_tables [requests, max_blocks] int32.
 Layout check_layout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
-                    const at::Tensor& block_tables) {
+                    const at::Tensor& block_tables, int64_t window) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window), got ", window);
   const at::ScalarType dtype = q.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k.scalar_type() == dtype &&
                   v.scalar_type() == dtype && kv_cache.scalar_type() == dtype,
@@ -516,6 +529,7 @@ Layout check_layout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   l.value_offset = kv_cache.size(1) * l.block_values;
   l.max_blocks = block_tables.size(1);
   l.table_row = block_tables.stride(0);
+  l.window = window;
   return l;
 }
 
@@ -551,12 +565,12 @@ void check_length(const Layout& l, int64_t request, int64_t length) {
 }  // namespace
 
 // Decode rows: row b of q is request b's one new token; seq_lens [B] int32, each counting the
-// new token -> [B, H, D].
+// new token; a token sees its last `window` positions (0: all) -> [B, H, D].
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   at::Tensor kv_cache, const at::Tensor& slot_mapping,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                  double scale) {
-  const Layout l = check_layout(q, k, v, kv_cache, slot_mapping, block_tables);
+                                  double scale, int64_t window) {
+  const Layout l = check_layout(q, k, v, kv_cache, slot_mapping, block_tables, window);
   const int64_t rows = q.size(0);
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
                   block_tables.size(0) >= rows && seq_lens.size(0) >= rows,
@@ -577,12 +591,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, cons
 
 // Any step: request i's tokens are rows query_start_loc[i] .. query_start_loc[i + 1] of q
 // ([R + 1] int32), its context seq_lens[i] positions after them ([R] int32), the new tokens
-// last; each token sees the context up to itself -> [N, H, D].
+// last; each token sees the context up to itself, its last `window` positions of it with a
+// window (0: all) -> [N, H, D].
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            at::Tensor kv_cache, const at::Tensor& slot_mapping,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                           const at::Tensor& seq_lens, double scale) {
-  const Layout l = check_layout(q, k, v, kv_cache, slot_mapping, block_tables);
+                           const at::Tensor& seq_lens, double scale, int64_t window) {
+  const Layout l = check_layout(q, k, v, kv_cache, slot_mapping, block_tables, window);
   const int64_t requests = seq_lens.size(0);
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
                   seq_lens.is_contiguous() && query_start_loc.is_contiguous() &&
@@ -592,8 +607,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const int32_t* lengths = seq_lens.data_ptr<int32_t>();
   TORCH_CHECK(starts[0] == 0 && starts[requests] == q.size(0),
               "query_start_loc must run from 0 to the number of query tokens");
+  // Prefill blocks pack a request's whole context: with a window, each token reads only its
+  // own part of it instead.
   const bool blocks = q.scalar_type() == at::kBFloat16 && folio::cpu_has_avx512_bf16() &&
-                      l.head_dim % folio::kTileRows == 0;
+                      l.head_dim % folio::kTileRows == 0 && window == 0;
   // Where each prefill request's packed contexts go.
   std::vector<int64_t> packed_at(requests, -1);
   int64_t packed_size = 0;
@@ -680,16 +697,18 @@ at::Tensor decode_step_attention(const at::Tensor& q, const at::Tensor& k, const
   TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(step.kv_caches.size()),
               "decode_step_attention: no decode step bound with a cache for layer ", layer);
   return paged_decode_attention(q, k, v, step.kv_caches[layer], step.slot_mapping,
-                                step.block_tables, step.seq_lens, scale);
+                                step.block_tables, step.seq_lens, scale, 0);
 }
 
 TORCH_LIBRARY(folio_cpu_attention, library) {
   library.def(
       "paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, "
-      "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+      "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale, int window=0) "
+      "-> Tensor");
   library.def(
       "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
-      "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor");
+      "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, "
+      "int window=0) -> Tensor");
   library.def(
       "decode_step_attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor");
   library.def(

@@ -8,8 +8,9 @@ heads over 3 KV heads is a group of 3, padded to 4), and head sizes to a power o
 least 16 with masked columns. Context positions are read one at a time through the block table
 (pool slot = table[pos // block_size] * block_size + pos % block_size), so any power-of-two
 block size and any scatter of blocks work, and a request's cached prefix and its new tokens
-(already written to the cache) are read the same way. Softmax is online (running max and sum),
-in float32. This module never writes the KV cache.
+(already written to the cache) are read the same way. With a sliding window a token sees only
+its last `window` positions: a tile reads from the first position its first token sees. Softmax
+is online (running max and sum), in float32. This module never writes the KV cache.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def paged_attention_kernel(
     out_stride_h,
     table_stride,
     v_offset,  # row stride of the block table; elements from the K pool to the V pool
+    window,  # a token sees this many positions, itself included; 0: all of them
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_P: tl.constexpr,
@@ -75,9 +77,13 @@ def paged_attention_kernel(
     m_i = tl.full([BLOCK_M * GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * GROUP_P], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_P, HEAD_DIM_P], tl.float32)
-    # The tile's last token sees the most; nothing past it is read.
+    # The tile's last token sees the most; nothing past it is read, nor anything before what
+    # its first token's window sees.
     end = tl.minimum(seq_len - q_len + (tile + 1) * BLOCK_M, seq_len)
-    for start in range(0, end, BLOCK_N):
+    begin = 0
+    if window > 0:
+        begin = tl.maximum(seq_len - q_len + tile * BLOCK_M - window + 1, 0)
+    for start in range(begin, end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
         block = tl.load(
@@ -88,10 +94,16 @@ def paged_attention_kernel(
         kv_mask = pos_ok[:, None] & dim_ok[None, :]
         k = tl.load(cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        s = tl.where((pos[None, :] <= q_pos[:, None]) & pos_ok[None, :], s, float("-inf"))
-        # Position 0 is in the first tile and visible to every row, so m_new is finite from
-        # the first iteration on and no row ever computes exp2(-inf - -inf).
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        if window > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        # Without a window position 0 is in the first tile and visible to every row, so m_new
+        # is finite from the first iteration on; with one, a row may see nothing in a tile
+        # before its window: its maximum stands at 0 there, so that no row ever computes
+        # exp2(-inf - -inf).
         m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -126,6 +138,7 @@ def _launch(
     block_m: int,
     group_p: int,
     block_n: int,
+    window: int | None,
 ) -> torch.Tensor:
     _, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
@@ -152,6 +165,7 @@ def _launch(
         out.stride(1),
         block_tables.stride(0),
         kv_cache.stride(0),
+        window or 0,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=num_heads // num_kv_heads,
         GROUP_P=group_p,
@@ -174,14 +188,17 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     block_n: int = 64,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q: [B, H, D], request b's only query token (at position seq_lens[b] - 1); kv_cache:
     [2, num_blocks, block_size, KVH, D]; block_tables: [B, max_blocks] int32; seq_lens: [B]
-    int32. Returns out ([B, H, D], q's dtype), filled."""
+    int32; a sliding `window` (None: all). Returns out ([B, H, D], q's dtype), filled."""
     group = q.shape[1] // kv_cache.shape[3]
     # One token per program: the group's heads fill the rows, at least 16 of them for tl.dot.
     group_p = max(16, triton.next_power_of_2(group))
-    return _launch(q, kv_cache, block_tables, seq_lens, None, scale, out, 1, 1, group_p, block_n)
+    return _launch(
+        q, kv_cache, block_tables, seq_lens, None, scale, out, 1, 1, group_p, block_n, window
+    )
 
 
 def paged_prefill_attention(
@@ -195,6 +212,7 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     block_n: int = 64,
     rows_per_tile: int = 64,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Request i's query tokens are q[query_start_loc[i]:query_start_loc[i + 1]] (absolute rows
     of q, which may hold other rows too: those are left alone in out); they are the last tokens
@@ -216,6 +234,7 @@ def paged_prefill_attention(
         block_m,
         group_p,
         block_n,
+        window,
     )
 
 
@@ -226,9 +245,11 @@ def paged_prefill_attention_ref(
     seq_lens: list[int],
     block_tables: list[list[int]],
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Float32 loop reference over requests laid out back to back in q: gathers each context
-    token by token through its block table and applies a bottom-right-aligned causal mask."""
+    token by token through its block table and applies a bottom-right-aligned causal mask (and
+    the sliding window's)."""
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = q.shape[1] // num_kv_heads
     out = torch.empty(q.shape, dtype=torch.float32)
@@ -241,7 +262,9 @@ def paged_prefill_attention_ref(
         qr = q[start : start + q_len].float().cpu().transpose(0, 1)  # [H, q_len, D]
         scores = qr @ k.transpose(1, 2) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
+        k_pos = torch.arange(seq_len)[None, :]
+        hidden = (k_pos > q_pos) | ((k_pos <= q_pos - window) if window else False)
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[start : start + q_len] = (scores.softmax(-1) @ v).transpose(0, 1)
         start += q_len
     return out
@@ -253,7 +276,8 @@ def paged_decode_attention_ref(
     seq_lens: list[int],
     block_tables: list[list[int]],
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     return paged_prefill_attention_ref(
-        q, kv_cache, [1] * len(seq_lens), seq_lens, block_tables, scale
+        q, kv_cache, [1] * len(seq_lens), seq_lens, block_tables, scale, window
     )

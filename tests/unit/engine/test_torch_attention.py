@@ -11,11 +11,12 @@ import torch
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.cpu.capabilities import cpu_capabilities
 from engine.layers.attention import get_attention_backend
-from paged import BlockPool, build_metadata
+from paged import BlockPool, build_metadata, outside_window
 
 
-def reference_attention(q, keys, values, query_lens, seq_lens, scale):
-    """Per request, per query token, per head: an explicit softmax over contiguous K/V."""
+def reference_attention(q, keys, values, query_lens, seq_lens, scale, window=None):
+    """Per request, per query token, per head: an explicit softmax over contiguous K/V (the
+    last `window` positions of it under a sliding window)."""
     num_heads = q.shape[1]
     group = num_heads // keys[0].shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
@@ -23,15 +24,16 @@ def reference_attention(q, keys, values, query_lens, seq_lens, scale):
     for k, v, q_len, s_len in zip(keys, values, query_lens, seq_lens, strict=False):
         for j in range(q_len):
             last = s_len - q_len + j  # the newest position this token may see
+            first = max(0, last - window + 1) if window else 0
             for h in range(num_heads):
                 scores = [
                     scale * float(q[token, h].double() @ k[p, h // group].double())
-                    for p in range(last + 1)
+                    for p in range(first, last + 1)
                 ]
                 top = max(scores)
                 weights = torch.tensor([math.exp(s - top) for s in scores], dtype=torch.float64)
                 weights /= weights.sum()
-                out[token, h] = weights @ v[: last + 1, h // group].double()
+                out[token, h] = weights @ v[first : last + 1, h // group].double()
             token += 1
     return out
 
@@ -46,14 +48,20 @@ def run_case(
     dtype=torch.float32,
     seed=0,
     folio_kernels=True,
+    window=None,
 ):
     """Builds a pool with prefixes already cached, runs two layers through one backend, checks
-    both. q, k and v are views of one fused tensor, as the model's projections hand them over."""
+    both. q, k and v are views of one fused tensor, as the model's projections hand them over.
+    Under a sliding window, the blocks before each request's window are a NaN-filled block in
+    its table (the last of the pool), which must never be read."""
     torch.manual_seed(seed)
     num_blocks = sum(math.ceil(s / block_size) for s in seq_lens) + 7
-    pool = BlockPool(num_blocks, seed=seed)
+    pool = BlockPool(num_blocks - 1, seed=seed)
     tables = [pool.grow([], s, block_size) for s in seq_lens]
-    meta = build_metadata(query_lens, seq_lens, tables, block_size)
+    seen = tables
+    if window:
+        seen = outside_window(tables, query_lens, seq_lens, window, block_size, num_blocks - 1)
+    meta = build_metadata(query_lens, seq_lens, seen, block_size)
     # The runner's tables are the first columns of a wider buffer: rows are strided.
     columns = meta.block_tables.shape[1]
     meta.block_tables = torch.nn.functional.pad(meta.block_tables, (0, 3))[:, :columns]
@@ -64,6 +72,7 @@ def run_case(
     for _layer in range(2):
         # Finite garbage everywhere, so padded and stale slots must really be masked.
         cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+        cache[:, -1] = float("nan")
         keys = [torch.randn(s, num_kv_heads, head_dim).to(dtype) for s in seq_lens]
         values = [torch.randn(s, num_kv_heads, head_dim).to(dtype) for s in seq_lens]
         for k, v, q_len, s_len, table in zip(
@@ -81,18 +90,22 @@ def run_case(
         fused = torch.cat((q, new_k, new_v), dim=1)
         q, new_k, new_v = fused.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
 
-        out = backend.forward(q, new_k, new_v, cache, meta, scale)
+        out = backend.forward(q, new_k, new_v, cache, meta, scale, window)
 
         flat = cache.view(2, -1, num_kv_heads, head_dim)
         assert torch.equal(flat[0, meta.slot_mapping], new_k)
         assert torch.equal(flat[1, meta.slot_mapping], new_v)
         untouched = torch.ones(flat.shape[1], dtype=torch.bool)
         untouched[meta.slot_mapping] = False
-        assert torch.equal(
-            flat[:, untouched], before.view(2, -1, num_kv_heads, head_dim)[:, untouched]
+        torch.testing.assert_close(
+            flat[:, untouched],
+            before.view(2, -1, num_kv_heads, head_dim)[:, untouched],
+            atol=0,
+            rtol=0,
+            equal_nan=True,
         )
 
-        expected = reference_attention(q, keys, values, query_lens, seq_lens, scale)
+        expected = reference_attention(q, keys, values, query_lens, seq_lens, scale, window)
         assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
@@ -114,6 +127,23 @@ KERNEL_PATHS = [
     ),
     pytest.param(False, id="torch"),
 ]
+
+
+@pytest.mark.parametrize("folio_kernels", KERNEL_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sliding_window_reads_only_the_window(dtype, folio_kernels):
+    # Windows of 5 over blocks of 4: decodes inside and past it, a fresh prompt longer than it,
+    # extends whose new tokens start inside or past it.
+    run_case(
+        **MIXED,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=4,
+        dtype=dtype,
+        folio_kernels=folio_kernels,
+        window=5,
+    )
 
 
 @pytest.mark.parametrize("folio_kernels", KERNEL_PATHS)
