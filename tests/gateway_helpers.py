@@ -3,8 +3,10 @@ on an event loop of its own, so tests can use blocking clients."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
+import tempfile
 import time
 
 import grpc
@@ -39,6 +41,12 @@ class GatewayThread(LoopThread):
         internal_token: str | None = None,
     ) -> None:
         super().__init__()
+        config = config or GatewayConfig()
+        # Batch jobs in a directory of this gateway's own, not the user's Folio cache.
+        self._batch_dir = None
+        if config.batch_dir is None:
+            self._batch_dir = tempfile.TemporaryDirectory(prefix="folio-batches-")
+            config = dataclasses.replace(config, batch_dir=self._batch_dir.name)
         self.server = GatewayServer(
             "127.0.0.1",
             0,
@@ -56,6 +64,8 @@ class GatewayThread(LoopThread):
         self.grpc_channel.close()
         self.call(self.server.stop(grace=1))
         self.stop_loop()
+        if self._batch_dir is not None:
+            self._batch_dir.cleanup()
 
 
 def start_gateway(services, **config) -> GatewayThread:

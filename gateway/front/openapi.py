@@ -6,6 +6,7 @@ Document building only: it never routes or answers a request.
 
 from __future__ import annotations
 
+import re
 from http import HTTPStatus
 from typing import Any, Literal
 
@@ -19,7 +20,7 @@ from gateway.openai.protocol import ErrorResponse, RequestBody
 ERROR_STATUSES: dict[int, str] = {
     400: "Invalid request; the error names the offending field",
     401: "No valid API key came with the request",
-    404: "The model does not exist",
+    404: "The model, file or batch named does not exist (for the caller's API key)",
     413: "The body is over the gateway's size limit",
     415: "The body is not sent as application/json",
     429: "The engine's queue is full or the caller is over a rate limit; retry later",
@@ -79,10 +80,34 @@ def _typed_event(event: JsonObject) -> JsonObject:
     }
 
 
+def _parameters(path: str, query: type[BaseModel] | None) -> list[JsonObject]:
+    """The path's {parameters}, then the query's fields (a query has no null: an optional
+    field is one left out)."""
+    parameters: list[JsonObject] = [
+        {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+        for name in re.findall(r"{(\w+)}", path)
+    ]
+    if query is not None:
+        schema = query.model_json_schema()
+        for name, field in schema["properties"].items():
+            alternatives = [a for a in field.pop("anyOf", []) if a.get("type") != "null"]
+            if len(alternatives) == 1:
+                field.update(alternatives[0])
+            parameters.append(
+                {
+                    "name": name,
+                    "in": "query",
+                    "required": name in schema.get("required", []),
+                    "schema": field,
+                }
+            )
+    return parameters
+
+
 def openapi_document(endpoints: list[Any], title: str, version: str) -> JsonObject:
-    """OpenAPI 3.1 for `endpoints` (objects with path, method, summary, request, response,
-    stream, stream_done, media_type, answers, errors and error_model attributes); schemas come
-    from their pydantic models.
+    """OpenAPI 3.1 for `endpoints` (objects with path, method, summary, request,
+    request_media_type, query, response, stream, stream_done, media_type, answers, errors and
+    error_model attributes); schemas come from their pydantic models.
     Every status an operation can answer is listed (no `default`), so a client and a fuzzer
     can tell an undocumented one."""
     models: set[type[BaseModel]] = {
@@ -122,10 +147,13 @@ def openapi_document(endpoints: list[Any], title: str, version: str) -> JsonObje
         }
         responses.update({str(status): error(status, e.error_model) for status in sorted(e.errors)})
         operation: dict[str, Any] = {"summary": e.summary, "responses": responses}
+        parameters = _parameters(e.path, e.query)
+        if parameters:
+            operation["parameters"] = parameters
         if e.request is not None:
             operation["requestBody"] = {
                 "required": True,
-                "content": {"application/json": {"schema": ref(e.request)}},
+                "content": {e.request_media_type: {"schema": ref(e.request)}},
             }
         paths.setdefault(e.path, {})[e.method.lower()] = operation
     return {

@@ -24,6 +24,7 @@ from starlette.applications import Starlette
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.config import GatewayConfig
+from gateway.batch.service import BatchService
 from gateway.engines.clients import EngineClient, TokenizerClient
 from gateway.engines.replica_metrics import ReplicaCollector
 from gateway.front.app import build_app
@@ -137,6 +138,7 @@ class GatewayServer:
         self.app: Starlette | None = None  # once started
         self._http: _Uvicorn | None = None
         self._http_task: asyncio.Task[None] | None = None
+        self.batches: BatchService | None = None  # the batch jobs, once started
 
     async def start(self) -> None:
         """Listen on both ports (0 picks free ones; self.port and self.grpc_port say which)."""
@@ -167,7 +169,8 @@ class GatewayServer:
             else socket.socket(fileno=worker.listen_fd)
         )
         self.port = sock.getsockname()[1]
-        self.app = build_app(self.gateway, self.config, access)
+        self.batches = BatchService(self.gateway, self.config)
+        self.app = build_app(self.gateway, self.batches, self.config, access)
         config = uvicorn.Config(
             self.app if worker is None else _NamingWorker(self.app, worker.index),
             # httptools: uvicorn's C parser and writer; h11's pure-Python state machine cost
@@ -185,6 +188,7 @@ class GatewayServer:
                 http_task.result()
                 raise RuntimeError("the HTTP server stopped during start-up")
             await asyncio.sleep(0.01)
+        self.batches.start()  # jobs left unfinished by the last run resume here
 
     def _started(self) -> tuple[Gateway, GatewayGrpcService, _Uvicorn, asyncio.Task[None]]:
         """What start() made; RuntimeError before then."""
@@ -200,8 +204,12 @@ class GatewayServer:
     async def stop(self, grace: float) -> None:
         """Drain: refuse new requests, let those in flight finish for `grace` s, then close."""
         gateway, grpc_service, http, http_task = self._started()
+        assert self.batches is not None
         deadline = time.monotonic() + grace
-        await asyncio.gather(gateway.drain(grace), grpc_service.stop(grace))
+        # The batch runner first: it must start no line once the gateway refuses new requests.
+        await asyncio.gather(
+            self.batches.stop(grace), gateway.drain(grace), grpc_service.stop(grace)
+        )
         # Responses may still be writing their last events: uvicorn waits for them. It declares
         # this an int but hands it to asyncio.wait_for, which takes fractions of a second.
         http.config.timeout_graceful_shutdown = max(  # type: ignore[assignment]
@@ -209,6 +217,7 @@ class GatewayServer:
         )
         http.should_exit = True
         await http_task
+        self.batches.close()
         await gateway.engine.close()
         await gateway.tokenizer.close()
 

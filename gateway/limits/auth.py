@@ -15,6 +15,7 @@ the dashboard's feed also takes the key as the `api_key` query parameter or the
 from __future__ import annotations
 
 import functools
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ PROBE_PATHS = frozenset(
 BROWSER_KEY_PATHS = frozenset({"/dashboard/feed"})
 KEY_QUERY_PARAMETER = "api_key"
 KEY_COOKIE = "folio_api_key"
+# Who owns what is stored when the gateway has no API keys: every caller, as one.
+ANONYMOUS_OWNER = "anonymous"
 UNAUTHENTICATED_MESSAGE = "missing or invalid API key: send it as Authorization: Bearer <key>"
 
 
@@ -82,6 +85,15 @@ class Access:
         if not probe:
             self.limiter.admit_request(caller)
         return caller
+
+    def owner(self, request: Request) -> str:
+        """Who owns what a caller stores (batch files and jobs), for a request admit_http let
+        in: its API key as a SHA-256 digest (a key keeps what it owns when the key list changes
+        order), or ANONYMOUS_OWNER when no keys are configured."""
+        key = _presented_key(request)
+        if not self.keys or key is None:
+            return ANONYMOUS_OWNER
+        return "key-sha256:" + hashlib.sha256(key.encode()).hexdigest()
 
     def admit_grpc(self, context: grpc.aio.ServicerContext[Any, Any]) -> str:
         """Charge one request to a gRPC call's caller (the interceptor checked its key)."""

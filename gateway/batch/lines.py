@@ -1,0 +1,175 @@
+"""The lines of a batch job: an input file read into lines (each malformed one answered at once
+with its own error), and one line run through the same library functions the HTTP route of its
+url calls (gateway/openai/completions.py, front/serving.py), answered as a line of the output
+file (200) or of the error file (any other status, in OpenAI's error body).
+
+A line runs at the least urgent priority, whatever it asks, is never streamed and is charged to
+no rate limit (the job's concurrency bounds it). Never touches the database or an HTTP
+connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ValidationError
+
+from common.config import GatewayConfig
+from common.errors import QueueFullError, UnavailableError
+from gateway.batch.protocol import InputLine, LineError, LineResponse, OutputLine
+from gateway.batch.store import Line, ReadLine, new_id
+from gateway.front.http_errors import error_body, log_failure
+from gateway.front.serving import serve
+from gateway.limits.deadlines import set_deadline
+from gateway.limits.rate_limit import RateLimiter
+from gateway.openai import completions
+from gateway.openai import protocol as api
+from gateway.pipeline.generation import Gateway
+
+# The least urgent priority (the scheduler runs the smallest value first): a batch line gives
+# way to every interactive request.
+BATCH_PRIORITY = api.INT32_MAX
+
+
+@dataclass
+class LineContext:
+    """What running a line needs of the gateway."""
+
+    gateway: Gateway
+    config: GatewayConfig
+    # No limits: a job's lines are bounded by its concurrency, not by its owner's rates.
+    limiter: RateLimiter = field(default_factory=lambda: RateLimiter(None, None))
+
+
+Route = Callable[[LineContext, str, bytes], Awaitable[BaseModel]]
+
+
+def _batch_body(body: api.SamplingFields) -> None:
+    if body.stream:
+        raise api.InvalidParameter("stream is not supported in a batch line", "stream")
+    body.priority = BATCH_PRIORITY
+
+
+async def _served(context: LineContext, caller: str, plan: completions.Plan) -> BaseModel:
+    arrival = time.monotonic()
+    stream = plan.outputs(
+        serve(
+            context.gateway,
+            context.limiter,
+            caller,
+            plan.requests,
+            plan.id,
+            arrival,
+            arrival + context.config.request_timeout,
+            context.config.request_timeout,
+        )
+    )
+    async with contextlib.aclosing(stream):
+        return await completions.respond(plan, stream)
+
+
+async def _chat(context: LineContext, caller: str, raw: bytes) -> BaseModel:
+    body = api.parse_request(api.ChatCompletionRequest, raw)
+    _batch_body(body)
+    plan = await completions.plan_chat(context.gateway, body, context.config.tool_call_parser)
+    return await _served(context, caller, plan)
+
+
+async def _completion(context: LineContext, caller: str, raw: bytes) -> BaseModel:
+    body = api.parse_request(api.CompletionRequest, raw)
+    _batch_body(body)
+    plan = await completions.plan_completion(context.gateway, body)
+    return await _served(context, caller, plan)
+
+
+# The urls a line may name, and what serves each.
+ROUTES: dict[str, Route] = {
+    "/v1/chat/completions": _chat,
+    "/v1/completions": _completion,
+}
+
+
+def _error_line(custom_id: str | None, code: str, message: str) -> OutputLine:
+    return OutputLine(
+        id=new_id("batch_req_"), custom_id=custom_id, error=LineError(code=code, message=message)
+    )
+
+
+def read_input(content: bytes) -> list[ReadLine]:
+    """The input file's lines (blank ones skipped), numbered from 1 as in the file: each to
+    run, or answered with an error if it is not a request this server runs (not JSON, not
+    {custom_id, method POST, url, body}, a url it does not serve, a custom_id seen before)."""
+    lines: list[ReadLine] = []
+    seen: set[str] = set()
+    for number, raw in enumerate(content.split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        try:
+            line = InputLine.model_validate(json.loads(raw))
+        except (ValueError, ValidationError) as exc:
+            custom_id = _custom_id(raw)
+            lines.append(ReadLine(number, custom_id, result=_malformed(number, custom_id, exc)))
+            continue
+        if line.url not in ROUTES:
+            served = ", ".join(ROUTES)
+            code = "invalid_url"
+            message = f"line {number}: url {line.url} is not served in a batch here ({served})"
+        elif line.custom_id in seen:
+            code = "duplicate_custom_id"
+            message = f"line {number}: custom_id {line.custom_id!r} is used by an earlier line"
+        else:
+            seen.add(line.custom_id)
+            lines.append(ReadLine(number, line.custom_id, line.url, json.dumps(line.body)))
+            continue
+        error = _error_line(line.custom_id, code, message)
+        lines.append(ReadLine(number, line.custom_id, result=error))
+    return lines
+
+
+def _custom_id(raw: bytes) -> str | None:
+    """A malformed line's custom_id, if it has a readable one."""
+    with contextlib.suppress(ValueError):
+        value = json.loads(raw)
+        if isinstance(value, dict):
+            custom_id = value.get("custom_id")
+            return custom_id if isinstance(custom_id, str) else None
+    return None
+
+
+def _malformed(number: int, custom_id: str | None, exc: Exception) -> OutputLine:
+    if isinstance(exc, ValidationError):
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"]) or "the line"
+        message = f"line {number}: {where}: {error['msg']}"
+        return _error_line(custom_id, "invalid_request", message)
+    return _error_line(None, "invalid_json_line", f"line {number} is not valid JSON: {exc}")
+
+
+async def answer(context: LineContext, owner: str, line: Line) -> tuple[bool, OutputLine]:
+    """Run a line; whether it was answered 200, and its output or error line. A passing
+    failure (the engine unavailable or its queue full) is raised instead, for a later try."""
+    request_id = new_id("req_")
+    set_deadline(time.monotonic() + context.config.request_timeout)
+    try:
+        body = await ROUTES[line.url](context, owner, line.body.encode())
+    except (UnavailableError, QueueFullError):
+        raise
+    except Exception as exc:
+        log_failure(exc)
+        return False, _response_line(line, request_id, exc)
+    response = LineResponse(
+        status_code=200, request_id=request_id, body=body.model_dump(mode="json")
+    )
+    return True, OutputLine(id=new_id("batch_req_"), custom_id=line.custom_id, response=response)
+
+
+def _response_line(line: Line, request_id: str, exc: Exception) -> OutputLine:
+    status, error = error_body(exc)
+    response = LineResponse(
+        status_code=status, request_id=request_id, body=error.model_dump(mode="json")
+    )
+    return OutputLine(id=new_id("batch_req_"), custom_id=line.custom_id, response=response)
