@@ -59,7 +59,10 @@ class LLMEngine:
         self.eos_token_ids = executor.eos_token_ids
         self.max_model_len = executor.max_model_len
         self.kv_cache = KVCacheManager(
-            executor.num_blocks, config.block_size, config.enable_prefix_caching
+            executor.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            executor.kv_groups.windows,
         )
         # What the prefix cache stores and evicts, numbered per step for subscribers (routers).
         self.kv_events = KVEventPublisher(config.kv_events_replay_batches)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Protocol
 
 from common.sampling_params import SamplingParams
+from engine.core.kv_cache_manager import KVGroups
 from engine.core.outputs import SamplerOutput
 from engine.core.request import Request
 from engine.core.scheduler import SchedulerOutput
@@ -52,6 +53,9 @@ class Executor(Protocol):
     # sequence (prompt + output) a request may reach.
     num_blocks: int
     max_model_len: int
+    # How the model's layers share the KV pool: sliding-window layers apart (their blocks freed
+    # out of the window), all layers one group otherwise.
+    kv_groups: KVGroups
 
     @property
     def dtype_name(self) -> str:

@@ -21,7 +21,7 @@ import torch
 from common.config import EngineConfig
 from common.default_model import resolve_model_path
 from common.sampling_params import SamplingParams
-from engine.core.kv_cache_manager import num_blocks_for_budget
+from engine.core.kv_cache_manager import kv_groups, num_blocks_for_budget
 from engine.core.request import Request
 from engine.core.scheduler import SchedulerOutput
 from engine.distributed import EngineGroup, start_engine_group
@@ -60,16 +60,24 @@ class ModelExecutor:
         check_tensor_parallel_size(
             model_config.num_attention_heads, model_config.num_key_value_heads, tp_size
         )
-        # The budget is per rank: each holds its share of the KV heads, all the same block ids.
+        self.kv_groups = kv_groups(model_config.layer_windows, model_config.num_hidden_layers)
+        # The budget is per rank: each holds its share of the KV heads, all the same block ids;
+        # a block id holds one KV group's layers.
         self.num_blocks = config.num_kv_blocks or num_blocks_for_budget(
             config.kv_cache_memory_bytes,
-            model_config.num_hidden_layers,
+            self.kv_groups.num_slots,
             kv_heads_slice(model_config.num_key_value_heads, TensorParallel(0, tp_size)).count,
             model_config.head_dim,
             config.block_size,
             torch.empty((), dtype=dtype).element_size(),
         )
-        self.max_model_len = self._max_model_len(config, model_config, self.num_blocks)
+        self.max_model_len = self._max_model_len(
+            config,
+            model_config,
+            self.kv_groups.tokens_held(
+                self.num_blocks, config.block_size, config.max_num_batched_tokens
+            ),
+        )
         self.group: EngineGroup | None = None
         if tp_size > 1:
             self.group = start_engine_group(
@@ -99,13 +107,13 @@ class ModelExecutor:
         )
 
     @staticmethod
-    def _max_model_len(config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> int:
-        pool_tokens = num_blocks * config.block_size
+    def _max_model_len(config: EngineConfig, model_config: ModelConfig, pool_tokens: int) -> int:
+        """pool_tokens: the longest request the KV pool holds alone."""
         if config.max_model_len is not None:
             if config.max_model_len > pool_tokens:
                 raise ValueError(
                     f"max_model_len ({config.max_model_len}) exceeds the KV cache capacity "
-                    f"({pool_tokens} tokens = {num_blocks} blocks of {config.block_size}); "
+                    f"({pool_tokens} tokens in blocks of {config.block_size}); "
                     "raise kv_cache_memory_bytes / num_kv_blocks or lower max_model_len"
                 )
             return config.max_model_len

@@ -16,6 +16,7 @@ sampler does).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.compiled_decode import CompiledDecode
 from engine.compiled_decode import give_up as give_up_compiling
+from engine.core.kv_cache_manager import kv_groups
 from engine.core.step_plan import StepPlan
 from engine.cuda_graphs import DecodeGraphs
 from engine.input_batch import PersistentBatch
@@ -126,7 +128,10 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # With tensor parallelism: rank 0 sends each plan to the other ranks through this.
         self.broadcast_plan: Callable[[StepPlan], None] | None = None
-        self.kv_caches = [
+        # One cache tensor per slot of the KV groups (engine.core.kv_cache_manager): a layer's
+        # is its slot's, shared with the layers of other groups in the same slot.
+        self.kv_groups = groups = kv_groups(cfg.layer_windows, cfg.num_hidden_layers)
+        self.kv_slots = [
             torch.zeros(
                 2,
                 num_blocks,
@@ -136,15 +141,21 @@ class ModelRunner:
                 dtype=self.dtype,
                 device=self.device,
             )
-            for _ in range(cfg.num_hidden_layers)
+            for _ in range(groups.num_slots)
         ]
+        self.kv_caches = [self.kv_slots[slot] for slot in groups.layer_slot]
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         max_seqs = config.max_num_seqs
-        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        # Block tables hold one block id per KV group for each logical block, interleaved.
+        self.max_blocks_per_seq = groups.num_groups * -(-max_model_len // self.block_size)
         dev = self.device
         self.input_ids = StepBuffer((max_tokens,), torch.int64, dev)
         self.positions = StepBuffer((max_tokens,), torch.int64, dev)
         self.slot_mapping = StepBuffer((max_tokens,), torch.int64, dev)
+        # The other KV groups' slots, for a model with several.
+        self.group_slot_mappings = [
+            StepBuffer((max_tokens,), torch.int64, dev) for _ in range(groups.num_groups - 1)
+        ]
         self.query_start_loc = StepBuffer((max_seqs + 1,), torch.int32, dev)
         self.seq_lens = StepBuffer((max_seqs,), torch.int32, dev)
         self.block_tables = StepBuffer((max_seqs, self.max_blocks_per_seq), torch.int32, dev)
@@ -156,7 +167,8 @@ class ModelRunner:
         self.pooler = pooler
         # Neither graph capture nor compilation covers the collectives of tensor parallelism.
         # Compiled first: graph capture runs the model through run_model, which reads it.
-        single = tp.size == 1
+        # Nor do they cover several KV groups' tables.
+        single = tp.size == 1 and groups.num_groups == 1
         self.compiled_decode = CompiledDecode.compile_if_enabled(self, config) if single else None
         self.graphs = DecodeGraphs.capture_if_enabled(self, config) if single else None
 
@@ -180,7 +192,8 @@ class ModelRunner:
         starts = ends - num_new
         seq_lens = computed + num_new
         max_seq_len = int(seq_lens.max())
-        cols = -(-max_seq_len // bs)
+        num_groups = self.kv_groups.num_groups
+        cols = num_groups * -(-max_seq_len // bs)
 
         # Per flat token: its batch entry, then its position in that request.
         entry = np.repeat(np.arange(num_reqs), num_new)
@@ -189,7 +202,9 @@ class ModelRunner:
         tables[:num_reqs, :cols] = self.batch.block_table[rows, :cols]
         self.input_ids.np[:num_tokens] = self.batch.token_ids[rows[entry], positions]
         self.positions.np[:num_tokens] = positions
-        self.slot_mapping.np[:num_tokens] = tables[entry, positions // bs] * bs + positions % bs
+        # Group 0's slots (the only group's, usually); entry i * G + g is group g's block i.
+        first_entries = positions // bs * num_groups
+        self.slot_mapping.np[:num_tokens] = tables[entry, first_entries] * bs + positions % bs
         self.query_start_loc.np[0] = 0
         self.query_start_loc.np[1 : num_reqs + 1] = ends
         self.seq_lens.np[:num_reqs] = seq_lens
@@ -241,6 +256,8 @@ class ModelRunner:
             max_seq_len=max_seq_len,
             block_size=bs,
         )
+        if num_groups > 1:
+            meta.layer_metas = self._group_metas(meta, entry, first_entries, positions, cols)
         return ModelInput(
             input_ids=self.input_ids.upload(num_tokens),
             positions=self.positions.upload(num_tokens),
@@ -251,6 +268,32 @@ class ModelRunner:
             block_copies=plan.block_copies,
             pool_slices=pool_slices,
         )
+
+    def _group_metas(
+        self,
+        meta: AttentionMetadata,
+        entry: np.ndarray,
+        first_entries: np.ndarray,
+        positions: np.ndarray,
+        cols: int,
+    ) -> list[AttentionMetadata]:
+        """Each layer's metadata: its KV group's slots and block table (group 0's are meta's
+        own, its table cut out of the interleaved one)."""
+        bs, num_groups = self.block_size, self.kv_groups.num_groups
+        tables, num_reqs, num_tokens = self.block_tables.host, meta.num_reqs, len(positions)
+        metas = []
+        for g in range(num_groups):
+            if g == 0:
+                slot_mapping = meta.slot_mapping
+            else:
+                buffer = self.group_slot_mappings[g - 1]
+                buffer.np[:num_tokens] = (
+                    self.block_tables.np[entry, first_entries + g] * bs + positions % bs
+                )
+                slot_mapping = buffer.upload(num_tokens)
+            table = tables[:num_reqs, g:cols:num_groups].contiguous().to(self.device)
+            metas.append(dataclasses.replace(meta, slot_mapping=slot_mapping, block_tables=table))
+        return [metas[g] for g in self.kv_groups.layer_group]
 
     def placeholder_decode(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Inputs of a decode step of `rows` one-token requests at position 0, for graph capture
@@ -295,7 +338,7 @@ class ModelRunner:
         pooled vectors of the embedding requests whose prompt ends in this step."""
         if model_input.block_copies:
             sources, dests = torch.tensor(model_input.block_copies, device=self.device).unbind(1)
-            self.model.backend.copy_blocks(self.kv_caches, sources, dests)
+            self.model.backend.copy_blocks(self.kv_slots, sources, dests)
         if model_input.graph_size is not None:
             assert self.graphs is not None, "a graph size was planned without graphs"
             hidden = self.graphs.replay(model_input.graph_size)

@@ -21,6 +21,7 @@ from common.config import EngineConfig
 from common.default_model import resolve_model_path
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
+from engine.core.kv_cache_manager import kv_groups
 from engine.core.outputs import SamplerOutput
 from engine.core.request import Request
 from engine.core.scheduler import SchedulerOutput
@@ -60,6 +61,7 @@ class SimulatedExecutor:
             PLACEHOLDER_TEXT, add_special_tokens=False
         )
         self.num_blocks = config.num_kv_blocks or DEFAULT_NUM_BLOCKS
+        self.kv_groups = kv_groups(model_config.layer_windows, model_config.num_hidden_layers)
         self.max_model_len = min(
             config.max_model_len or model_config.max_position_embeddings,
             self.num_blocks * config.block_size,

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     Phi3Config,
@@ -70,6 +71,37 @@ VARIANTS = {
                 rope_theta=10000.0,
                 factor=4.0,
                 original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    # Sliding windows of 3 positions (blocks of 4 in the engine tests are wider): Mistral's on
+    # every layer; Gemma 3's on local layers between global ones, with everything else Gemma
+    # has (scaled embeddings, 1 + w norms around each block, GeLU-tanh, q/k norms, local and
+    # global rope bases, query_pre_attn_scalar, final logit soft-capping).
+    "mistral-window3": (
+        MistralConfig,
+        dict(SMALL, num_attention_heads=4, num_key_value_heads=2, sliding_window=3),
+    ),
+    "gemma3-window3": (
+        Gemma3TextConfig,
+        dict(
+            SMALL,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=3,
+            layer_types=[
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+            ],
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=3.0,
+            rope_parameters=dict(
+                full_attention=dict(rope_type="linear", factor=2.0, rope_theta=1e6),
+                sliding_attention=dict(rope_type="default", rope_theta=1e4),
             ),
         ),
     ),

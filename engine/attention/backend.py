@@ -1,5 +1,6 @@
 """The one interface through which models run attention over the paged KV cache and the
-other hot ops of a layer (RMSNorm with fused residual add, rotary embedding, SiLU-and-mul).
+other hot ops of a layer (RMSNorm with fused residual add, rotary embedding, SiLU-and-mul,
+GeLU-and-mul).
 
 A backend writes a step's new K/V into the cache and computes causal attention of every query
 token against its request's whole context. The hot ops have plain torch implementations here
@@ -67,6 +68,11 @@ class AttentionBackend(ABC):
         """[T, 2I] -> silu(gate) * up, [T, I]."""
         size = gate_up.shape[1] // 2
         return F.silu(gate_up[:, :size]).mul_(gate_up[:, size:])
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] -> gelu(gate, tanh approximation) * up, [T, I] (Gemma's MLP)."""
+        size = gate_up.shape[1] // 2
+        return F.gelu(gate_up[:, :size], approximate="tanh").mul_(gate_up[:, size:])
 
     def copy_blocks(
         self, kv_caches: list[torch.Tensor], sources: torch.Tensor, dests: torch.Tensor

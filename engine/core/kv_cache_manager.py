@@ -14,6 +14,20 @@ which performs it before the step's forward (`take_block_copies`).
 As it registers and evicts cached blocks it records KV events (engine.core.kv_events) for the engine
 to publish after the step: routers index them to find which engine holds a prompt's prefix.
 
+Sliding-window layers (Mistral, Gemma 3's local layers) never look back past their window, so
+their KV need not outlive it. The layers are split into KV groups (`kv_groups`): all of one kind
+of attention (full, or one window size), at most as many layers per group as the smallest kind
+has, so that one block id holds the same number of layers in every group and all groups draw
+on one pool (vLLM's hybrid allocator does the same). A request's block table holds, for each
+logical block (block_size tokens), one block id per group, interleaved: entry i * G + g is
+group g's block for logical block i. A sliding group's blocks that fall out of its window are
+freed as the request advances (their entries become NULL_BLOCK, a block no request ever gets);
+full groups keep all theirs. The prefix cache registers each group's blocks under the same
+chained hashes; a hit needs every full group's blocks of the prefix and each sliding group's
+blocks of its window before the hit's end. Only the first group's blocks are announced as KV
+events, so a router sees each prefix once. With one group (no window) all of this reduces to
+one block id per logical block.
+
 This module only moves block ids around: it never touches KV tensors (the executor owns them)
 and never decides which request runs or gets preempted (the scheduler does).
 """
@@ -22,10 +36,64 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import cast
 
 from common.block_hash import ROOT_HASH, hash_block
 from engine.core.kv_events import BlockRemoved, BlockStored, KVEvent
 from engine.core.request import Request
+
+# The table entry of a sliding group's block freed out of its window (when any group slides,
+# block 0 is kept out of the pool for it). Backends never read it: it lies outside the window.
+NULL_BLOCK = 0
+
+
+@dataclass(frozen=True)
+class KVGroups:
+    """How a model's layers share the paged KV cache (see the module docstring)."""
+
+    # Per group: its sliding window, or None for full attention. Full groups first.
+    windows: tuple[int | None, ...]
+    # Per layer: its group, and which of the num_slots cache tensors holds its K/V (the layers
+    # sharing a tensor are in different groups, so a block id is only ever one group's).
+    layer_group: tuple[int, ...]
+    layer_slot: tuple[int, ...]
+    num_slots: int
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    def tokens_held(self, num_blocks: int, block_size: int, chunk: int) -> int:
+        """The longest request a pool of num_blocks holds alone, prefilled in chunks of at most
+        `chunk` tokens: a full group needs a block per block_size tokens; a sliding group only
+        the blocks its window and a chunk span, and the pool keeps NULL_BLOCK out."""
+        sliding = [w for w in self.windows if w is not None]
+        full = self.num_groups - len(sliding)
+        spare = num_blocks - (1 if sliding else 0)
+        spare -= sum(-(-(window + chunk) // block_size) + 1 for window in sliding)
+        if full == 0:  # only windows: any length fits once they do
+            return 2**62 if spare >= 0 else 0
+        return max(0, spare // full) * block_size
+
+
+def kv_groups(layer_windows: Sequence[int | None], num_layers: int) -> KVGroups:
+    """The KV groups of a model whose layer i slides over layer_windows[i] positions (None:
+    full attention; an empty list: every layer attends fully)."""
+    windows = list(layer_windows) or [None] * num_layers
+    kinds = sorted(set(windows), key=lambda w: (w is not None, w or 0))
+    if len(kinds) == 1:
+        return KVGroups(tuple(kinds), (0,) * num_layers, tuple(range(num_layers)), num_layers)
+    size = min(windows.count(kind) for kind in kinds)
+    group_windows: list[int | None] = []
+    layer_group, layer_slot = [0] * num_layers, [0] * num_layers
+    for kind in kinds:
+        layers = [i for i, w in enumerate(windows) if w == kind]
+        for start in range(0, len(layers), size):
+            for slot, layer in enumerate(layers[start : start + size]):
+                layer_group[layer], layer_slot[layer] = len(group_windows), slot
+            group_windows.append(kind)
+    return KVGroups(tuple(group_windows), tuple(layer_group), tuple(layer_slot), size)
 
 
 def num_blocks_for_budget(
@@ -36,7 +104,8 @@ def num_blocks_for_budget(
     block_size: int,
     dtype_bytes: int,
 ) -> int:
-    """How many blocks (K and V, all layers) fit in `memory_bytes`."""
+    """How many blocks (K and V, of `num_layers` layers: a KV group's cache slots) fit in
+    `memory_bytes`."""
     for name, value in (
         ("num_layers", num_layers),
         ("num_kv_heads", num_kv_heads),
@@ -58,21 +127,34 @@ def num_blocks_for_budget(
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        windows: Sequence[int | None] = (None,),
     ) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        """`windows`: the KV groups' (KVGroups.windows); one full group by default."""
+        self.windows = tuple(windows)
+        self.num_groups = len(self.windows)
+        sliding = any(w is not None for w in self.windows)
+        if num_blocks < 1 + sliding:
+            raise ValueError(f"num_blocks must be >= {1 + sliding}, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        # NULL_BLOCK stays out of the pool where sliding groups use it (elsewhere no table
+        # entry is ever null: -1 matches none).
+        self._null = NULL_BLOCK if sliding else -1
+        self._free: deque[int] = deque(range(int(sliding), num_blocks))
+        self._usable = len(self._free)
         # Refcount-0 blocks still registered in the cache; the first entry is evicted first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._cached: dict[bytes, int] = {}  # chained hash -> the block registered under it
-        self._block_hash: list[bytes | None] = [None] * num_blocks
+        # (group, chained hash) -> the group's block registered under it.
+        self._cached: dict[tuple[int, bytes], int] = {}
+        self._block_hash: list[tuple[int, bytes] | None] = [None] * num_blocks
         # Copy-on-write copies not yet handed to the executor: destination block -> source.
         self._copies: dict[int, int] = {}
         # Cumulative, in tokens, counted on each admission (a request's first allocate).
@@ -86,8 +168,13 @@ class KVCacheManager:
         return len(self._free) + len(self._evictable)
 
     @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by live requests' tables."""
+        return self._usable - self.num_free_blocks
+
+    @property
     def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / self._usable
 
     def ref_count(self, block: int) -> int:
         """How many block tables hold `block`."""
@@ -109,16 +196,38 @@ class KVCacheManager:
         ):
             return [], 0
         tokens = request.token_ids
-        size = self.block_size
-        blocks: list[int] = []
+        size, groups = self.block_size, range(self.num_groups)
+        # Per logical block of the prompt (its last token left out), each group's cached block.
+        rows: list[list[int | None]] = []
         parent = ROOT_HASH
         for i in range((len(tokens) - 1) // size):
             parent = hash_block(parent, tokens[i * size : (i + 1) * size])
-            block = self._cached.get(parent)
-            if block is None:
+            row = [self._cached.get((g, parent)) for g in groups]
+            if any(row[g] is None for g in groups if self.windows[g] is None):
                 break
-            blocks.append(block)
-        return blocks, len(blocks) * size
+            rows.append(row)
+        # The longest prefix whose last blocks every sliding group holds as far as it looks back.
+        hit = len(rows)
+        while hit > 0 and not all(
+            row[g] is not None
+            for g in groups
+            for row in rows[self._first_seen(g, hit * size) : hit]
+        ):
+            hit -= 1
+        blocks = [
+            self._null if i < self._first_seen(g, hit * size) else rows[i][g]
+            for i in range(hit)
+            for g in groups
+        ]
+        return cast(list[int], blocks), hit * size
+
+    def _first_seen(self, group: int, num_computed: int) -> int:
+        """The first logical block group `group` still reads once num_computed tokens are
+        computed: 0 for a full group, else the block where the next token's window starts."""
+        window = self.windows[group]
+        if window is None:
+            return 0
+        return max(0, num_computed - window + 1) // self.block_size
 
     def allocate(
         self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()
@@ -134,44 +243,80 @@ class KVCacheManager:
             raise ValueError(
                 f"request {request.request_id} already holds blocks; cannot take cached ones"
             )
+        groups = self.num_groups
+        table = request.block_table
         num_computed = (
-            len(cached_blocks) * self.block_size if cached_blocks else request.num_computed_tokens
+            len(cached_blocks) // groups * self.block_size
+            if cached_blocks
+            else request.num_computed_tokens
         )
+        # Blocks behind every future token's window go back now (computed tokens only grow).
+        self._free_out_of_window(request, num_computed)
+        num_held = (len(table) + len(cached_blocks)) // groups
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
-        num_fresh = max(0, num_needed - len(request.block_table) - len(cached_blocks))
-        # The block the new tokens start in, if it is partly written and shared (a forked
-        # prompt's last block): it must be copied before this request writes into it.
+        num_fresh = max(0, num_needed - num_held) * groups
+        # The blocks the new tokens start in, if partly written and shared (a forked prompt's
+        # last block): each must be copied before this request writes into it.
         first_new = num_computed // self.block_size
-        shared: int | None = None
-        if (
-            num_new_tokens != 0
-            and first_new < len(request.block_table)
-            and self._ref_counts[request.block_table[first_new]] != 1
-        ):
-            shared = first_new
+        shared = []
+        if num_new_tokens != 0 and first_new < len(table) // groups:
+            shared = [
+                first_new * groups + g
+                for g in range(groups)
+                if table[first_new * groups + g] != self._null
+                and self._ref_counts[table[first_new * groups + g]] != 1
+            ]
         # Taking an evictable cached block removes it from what fresh blocks can come from.
-        num_revived = sum(1 for block in cached_blocks if self._ref_counts[block] == 0)
-        if num_fresh + (shared is not None) > self.num_free_blocks - num_revived:
+        num_revived = sum(
+            1 for block in cached_blocks if block != self._null and self._ref_counts[block] == 0
+        )
+        if num_fresh + len(shared) > self.num_free_blocks - num_revived:
             return False
 
-        if self.enable_prefix_caching and not request.block_table:
+        if self.enable_prefix_caching and not table:
             self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += len(cached_blocks) * self.block_size
+            self.prefix_cache_hits += num_computed if cached_blocks else 0
         for block in cached_blocks:
-            if self._ref_counts[block] == 0:
-                del self._evictable[block]
-            self._ref_counts[block] += 1
-            request.block_table.append(block)
-            request.block_hashes.append(self._hash_of(block))
+            if block != self._null:
+                if self._ref_counts[block] == 0:
+                    del self._evictable[block]
+                self._ref_counts[block] += 1
+            table.append(block)
+        # The hit's chained hashes (a sliding group's early blocks are not in the table).
+        parent, tokens, size = ROOT_HASH, request.token_ids, self.block_size
+        for i in range(len(cached_blocks) // groups):
+            parent = hash_block(parent, tokens[i * size : (i + 1) * size])
+            request.block_hashes.append(parent)
         for _ in range(num_fresh):
-            request.block_table.append(self._take_fresh())
-        if shared is not None:
-            source = request.block_table[shared]
+            table.append(self._take_fresh())
+        for entry in shared:
+            source = table[entry]
             self._ref_counts[source] -= 1  # others still hold it: never 0 here
-            copy = request.block_table[shared] = self._take_fresh()
+            copy = table[entry] = self._take_fresh()
             # A destination freed and taken again this step keeps only its latest copy.
             self._copies[copy] = source
         return True
+
+    def _free_out_of_window(self, request: Request, num_computed: int) -> None:
+        """Releases each sliding group's blocks before its window (entries become NULL_BLOCK),
+        back to front from the newest such block: those before it went earlier."""
+        table, groups = request.block_table, self.num_groups
+        for g, window in enumerate(self.windows):
+            if window is None:
+                continue
+            i = min(self._first_seen(g, num_computed), len(table) // groups) - 1
+            while i >= 0 and table[i * groups + g] != self._null:
+                self._release(table[i * groups + g])
+                table[i * groups + g] = self._null
+                i -= 1
+
+    def _release(self, block: int) -> None:
+        self._ref_counts[block] -= 1
+        if self._ref_counts[block] == 0:
+            if self._block_hash[block] is None:
+                self._free.append(block)
+            else:
+                self._evictable[block] = None
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` (holding no blocks) the parent's blocks by reference, with the prefix
@@ -181,7 +326,8 @@ class KVCacheManager:
                 f"request {child.request_id} already holds blocks; cannot fork into it"
             )
         for block in parent.block_table:
-            self._ref_counts[block] += 1
+            if block != self._null:
+                self._ref_counts[block] += 1
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
 
@@ -207,21 +353,26 @@ class KVCacheManager:
         and a stream of documents would only push out the prefixes generation reuses."""
         if not self.enable_prefix_caching or request.pooling is not None:
             return
-        size = self.block_size
-        tokens = request.token_ids
+        size, groups = self.block_size, self.num_groups
+        tokens, table = request.token_ids, request.block_table
         hashes = request.block_hashes
-        num_full = min(num_computed_tokens // size, len(request.block_table))
+        num_full = min(num_computed_tokens // size, len(table) // groups)
         stored: BlockStored | None = None  # this call's current run of newly cached blocks
         for i in range(len(hashes), num_full):
             parent = hashes[-1] if hashes else ROOT_HASH
             block_tokens = tokens[i * size : (i + 1) * size]
             block_hash = hash_block(parent, block_tokens)
             hashes.append(block_hash)
-            # Another block may already hold this content; keep that one as the cached copy.
-            if block_hash not in self._cached:
-                block = request.block_table[i]
-                self._cached[block_hash] = block
-                self._block_hash[block] = block_hash
+            for g in range(groups):
+                block = table[i * groups + g]
+                # Another block may already hold this content; keep that one as the cached
+                # copy. A block freed out of its window is not there to register.
+                if block == self._null or (g, block_hash) in self._cached:
+                    continue
+                self._cached[g, block_hash] = block
+                self._block_hash[block] = (g, block_hash)
+                if g != 0:
+                    continue  # routers hear of each prefix once: the first group's blocks
                 if stored is None or stored.block_hashes[-1] != parent:
                     stored = BlockStored([], parent, [], size)
                     self._kv_events.append(stored)
@@ -231,12 +382,8 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release all of the request's blocks, tail first so that eviction drops tails first."""
         for block in reversed(request.block_table):
-            self._ref_counts[block] -= 1
-            if self._ref_counts[block] == 0:
-                if self._block_hash[block] is None:
-                    self._free.append(block)
-                else:
-                    self._evictable[block] = None
+            if block != self._null:
+                self._release(block)
         request.block_table.clear()
         request.block_hashes.clear()
 
@@ -262,19 +409,17 @@ class KVCacheManager:
         return block
 
     def _uncache(self, block: int) -> None:
-        block_hash = self._hash_of(block)
-        del self._cached[block_hash]
+        key = self._block_hash[block]
+        if key is None:
+            raise RuntimeError(f"block {block} is not registered in the prefix cache")
+        del self._cached[key]
         self._block_hash[block] = None
+        group, block_hash = key
+        if group != 0:
+            return
         # Evictions in a row (one allocation, a reset) are one event.
         last = self._kv_events[-1] if self._kv_events else None
         if isinstance(last, BlockRemoved):
             last.block_hashes.append(block_hash)
         else:
             self._kv_events.append(BlockRemoved([block_hash]))
-
-    def _hash_of(self, block: int) -> bytes:
-        """The hash of a block registered in the cache (every cached or evictable block is)."""
-        block_hash = self._block_hash[block]
-        if block_hash is None:
-            raise RuntimeError(f"block {block} is not registered in the prefix cache")
-        return block_hash

@@ -1,7 +1,8 @@
-"""The gated MLP's activation as a layer: SiLU of the gate times the up projection, over the
-two halves of a fused gate_up product; the attention backend computes it (one kernel on GPU).
-Only SiLU exists because it is the only activation the model configs admit
-(engine.models.config). This module never computes the activation itself.
+"""The gated MLP's activation as a layer: SiLU (or Gemma's tanh-approximated GeLU) of the gate
+times the up projection, over the two halves of a fused gate_up product; the attention backend
+computes it (SiLU in one kernel on GPU). `gated_activation` maps the configs' hidden_act names
+(engine.models.config.SUPPORTED_ACTIVATIONS) onto them. This module never computes the
+activation itself.
 """
 
 from __future__ import annotations
@@ -20,3 +21,21 @@ class SiluAndMul(nn.Module):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2I] -> silu(gate) * up, [T, I]."""
         return self.backend.silu_and_mul(gate_up)
+
+
+class GeluTanhAndMul(nn.Module):
+    def __init__(self, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.backend = backend
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] -> gelu_tanh(gate) * up, [T, I]."""
+        return self.backend.gelu_tanh_and_mul(gate_up)
+
+
+_GATED = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
+
+
+def gated_activation(hidden_act: str, backend: AttentionBackend) -> nn.Module:
+    """The layer for a config's hidden_act (checked by the config already)."""
+    return _GATED[hidden_act](backend)

@@ -49,6 +49,10 @@ def _default(config: ModelConfig, params: dict) -> RopeFrequencies:
     return RopeFrequencies(_plain(config.rope_theta, config.head_dim))
 
 
+def _linear(config: ModelConfig, params: dict) -> RopeFrequencies:
+    return RopeFrequencies(_plain(config.rope_theta, config.head_dim) / params["factor"])
+
+
 def _llama3(config: ModelConfig, params: dict) -> RopeFrequencies:
     inv_freq = _plain(config.rope_theta, config.head_dim)
     factor = params["factor"]
@@ -128,6 +132,7 @@ def _dynamic(config: ModelConfig, params: dict) -> RopeFrequencies:
 # Rope type -> (the model config, its rope parameters) -> frequencies.
 _ROPE_TYPES: dict[str, Callable[[ModelConfig, dict], RopeFrequencies]] = {
     "default": _default,
+    "linear": _linear,
     "llama3": _llama3,
     "yarn": _yarn,
     "longrope": _longrope,

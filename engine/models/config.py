@@ -8,7 +8,7 @@ load weights or touch a device.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # Per architecture: does q/k/v carry a bias ("config" = the attention_bias key), does o_proj,
@@ -19,12 +19,16 @@ _ARCHITECTURES: dict[str, dict[str, object]] = {
     "Qwen2ForCausalLM": dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False),
     "Qwen3ForCausalLM": dict(qkv_bias="config", o_bias="config", mlp_bias=False, qk_norm=True),
     "Phi3ForCausalLM": dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False),
+    "Gemma3ForCausalLM": dict(qkv_bias="config", o_bias="config", mlp_bias=False, qk_norm=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn", "longrope", "dynamic")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Rope parameters each rope type cannot do without (original_max_position_embeddings may also
 # sit at the config's top level, as Phi-3 has it).
 _REQUIRED_ROPE_PARAMETERS = {
+    "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
     "yarn": ("original_max_position_embeddings",),
     "longrope": ("original_max_position_embeddings", "short_factor", "long_factor"),
@@ -47,8 +51,7 @@ class ModelConfig:
     rope_theta: float
     # None for plain RoPE; otherwise the rope parameters, "rope_type" included.
     rope_scaling: dict | None
-    # The longest context this model serves exactly. For a sliding-window model it is capped
-    # at the window: inside it, sliding and full attention are the same computation.
+    # The longest context this model serves (its rope's; a sliding window does not cap it).
     max_position_embeddings: int
     tie_word_embeddings: bool
     # Bias on the q/k/v projections (Qwen2 always; Llama/Qwen3 when attention_bias is set).
@@ -59,6 +62,17 @@ class ModelConfig:
     qk_norm: bool
     eos_token_ids: list[int]
     bos_token_id: int | None
+    # Per layer: its sliding window (a token sees this many positions, itself included), or
+    # None for full attention. Empty: every layer attends fully.
+    layer_windows: list[int | None] = field(default_factory=list)
+    # The gated MLP's activation on the gate: "silu", or "gelu_pytorch_tanh" (Gemma 3).
+    hidden_act: str = "silu"
+    # Gemma 3: rope of its sliding layers (theta, scaling) where it differs from the full
+    # layers'; attention scaled by query_pre_attn_scalar ** -0.5 instead of head_dim's; final
+    # logits soft-capped as cap * tanh(logits / cap).
+    local_rope: tuple[float, dict | None] | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -84,17 +98,31 @@ class ModelConfig:
             value = traits[name]
             return bool(raw.get(key, False)) if value == "config" else bool(value)
 
-        if raw.get("hidden_act", "silu") != "silu":
+        # Gemma names it hidden_activation.
+        hidden_act = raw.get("hidden_activation") or raw.get("hidden_act", "silu")
+        if hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(
-                f"unsupported hidden_act {raw['hidden_act']!r}; only 'silu' is supported"
+                f"unsupported hidden_act {hidden_act!r}; supported: "
+                f"{', '.join(SUPPORTED_ACTIVATIONS)}"
             )
+        for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+            if raw.get(key):
+                raise ValueError(f"unsupported {key} {raw[key]!r}; only null or false")
 
-        rope_theta, rope_scaling = _parse_rope(raw, architecture)
+        rope_params = raw.get("rope_parameters") or {}
+        local_rope = None
+        if "full_attention" in rope_params:  # one rope per layer type (transformers 5, Gemma 3)
+            rope_theta, rope_scaling = _parse_rope(
+                dict(raw, rope_parameters=rope_params["full_attention"]), architecture
+            )
+            local = rope_params.get("sliding_attention") or rope_params["full_attention"]
+            local_rope = _parse_rope(dict(raw, rope_parameters=local), architecture)
+        else:
+            rope_theta, rope_scaling = _parse_rope(raw, architecture)
+            if "rope_local_base_freq" in raw:  # Gemma 3 in transformers 4's layout
+                local_rope = (float(raw["rope_local_base_freq"]), None)
         num_heads = raw["num_attention_heads"]
         max_positions = _served_positions(raw.get("max_position_embeddings", 2048), rope_scaling)
-        window = _sliding_window(raw)
-        if window is not None and window < max_positions:
-            max_positions = window
 
         eos: list[int] = []
         for source in (raw, generation_config or {}):
@@ -124,6 +152,11 @@ class ModelConfig:
             qk_norm=bool(traits["qk_norm"]),
             eos_token_ids=eos,
             bos_token_id=raw.get("bos_token_id"),
+            layer_windows=_layer_windows(raw, raw["num_hidden_layers"]),
+            hidden_act=hidden_act,
+            local_rope=local_rope,
+            query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
+            final_logit_softcapping=raw.get("final_logit_softcapping"),
         )
 
 
@@ -175,13 +208,34 @@ def _served_positions(max_positions: int, rope: dict | None) -> int:
     return max_positions
 
 
-def _sliding_window(raw: dict) -> int | None:
-    """The attention window if any layer actually uses one."""
+def _layer_windows(raw: dict, num_layers: int) -> list[int | None]:
+    """Each layer's sliding window, as transformers reads the config: `layer_types` when it is
+    there; else Qwen2/Qwen3's use_sliding_window (layers from max_window_layers on slide),
+    Gemma 3's sliding_window_pattern (every pattern-th layer attends fully), or, as Mistral and
+    Phi-3 have it, a window on every layer."""
     window = raw.get("sliding_window")
-    if window is None:
-        return None
+    if window is None or raw.get("use_sliding_window") is False:
+        return [None] * num_layers
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
     layer_types = raw.get("layer_types")
-    if layer_types is not None:
-        return window if "sliding_attention" in layer_types else None
-    # Mistral has no use_sliding_window key: a window there is always on.
-    return window if raw.get("use_sliding_window", True) else None
+    if layer_types is None:
+        if "use_sliding_window" in raw:
+            first = raw.get("max_window_layers", 28)  # transformers' default
+            layer_types = [
+                "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+            ]
+        elif "sliding_window_pattern" in raw or "_sliding_window_pattern" in raw:
+            pattern = raw.get("sliding_window_pattern") or raw["_sliding_window_pattern"]
+            layer_types = [
+                "sliding_attention" if (i + 1) % pattern else "full_attention"
+                for i in range(num_layers)
+            ]
+        else:
+            layer_types = ["sliding_attention"] * num_layers
+    if len(layer_types) != num_layers or not set(layer_types) <= set(_LAYER_TYPES):
+        raise ValueError(
+            f"layer_types must name each of the {num_layers} layers one of "
+            f"{', '.join(_LAYER_TYPES)}; got {layer_types!r}"
+        )
+    return [window if kind == "sliding_attention" else None for kind in layer_types]

@@ -19,7 +19,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.step import running_step
-from engine.layers.activation import SiluAndMul
+from engine.layers.activation import gated_activation
 from engine.layers.attention import Attention
 from engine.layers.linear import (
     Linear,
@@ -63,7 +63,11 @@ class LlamaAttention(nn.Module):
         self.q_size = q_rows.count
         self.kv_size = kv_rows.count
         self.backend = backend
-        self.attn = Attention(backend, layer_index, scale=d**-0.5)
+        # Gemma 3 scales by query_pre_attn_scalar, the others by the head size; a sliding
+        # layer's window comes from the config (engine.models.config's layer_windows).
+        scale = (config.query_pre_attn_scalar or d) ** -0.5
+        window = config.layer_windows[layer_index] if config.layer_windows else None
+        self.attn = Attention(backend, layer_index, scale, window)
         self.qkv_proj = column_linear(
             config.hidden_size, [q_rows, kv_rows, kv_rows], config.attention_bias, dtype, device, tp
         )
@@ -119,7 +123,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = column_linear(
             config.hidden_size, [rows, rows], config.mlp_bias, dtype, device, tp
         )
-        self.act = SiluAndMul(backend)
+        self.act = gated_activation(config.hidden_act, backend)
         self.down_proj = row_linear(rows, config.hidden_size, config.mlp_bias, dtype, device, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

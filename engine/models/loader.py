@@ -23,6 +23,7 @@ from engine.layers.parallel import (
     check_tensor_parallel_size,
 )
 from engine.models.config import ModelConfig
+from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 
@@ -33,6 +34,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 # Entries of oneDNN's two kernel caches (its primitive cache and PyTorch's ideep LRU cache) in

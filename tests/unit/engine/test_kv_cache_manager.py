@@ -154,7 +154,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         # The hit is the longest: the next block's prefix is not cached.
         if self.prefix_caching and len(blocks) < (len(prompt) - 1) // BLOCK_SIZE:
             nxt = self.hash_of.get(tuple(prompt[: (len(blocks) + 1) * BLOCK_SIZE]))
-            assert nxt is None or nxt not in self.manager._cached
+            assert nxt is None or (0, nxt) not in self.manager._cached
 
         num_new = min(len(prompt) - num_cached, chunk)
         if self.allocate_checked(request, num_new, blocks):
@@ -220,7 +220,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert {h: b for b, h in enumerate(manager._block_hash) if h is not None} == manager._cached
         assert all(manager._block_hash[b] is not None for b in manager._evictable)
         assert all(manager._block_hash[b] is None for b in manager._free)
-        for block_hash, block in manager._cached.items():
+        for (_, block_hash), block in manager._cached.items():
             assert self.content[block] == list(self.prefix_of[block_hash][-BLOCK_SIZE:])
 
     @invariant()

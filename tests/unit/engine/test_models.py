@@ -272,16 +272,32 @@ def test_config_layouts():
         )
 
 
-def test_sliding_window_caps_the_context():
-    mistral = dict(BASE, architectures=["MistralForCausalLM"], model_type="mistral")
-    assert ModelConfig.from_dict(dict(mistral, sliding_window=16)).max_position_embeddings == 16
-    assert ModelConfig.from_dict(dict(mistral, sliding_window=None)).max_position_embeddings == 64
-    qwen = dict(BASE, architectures=["Qwen2ForCausalLM"], model_type="qwen2", sliding_window=16)
-    assert ModelConfig.from_dict(dict(qwen, use_sliding_window=False)).max_position_embeddings == 64
-    assert (
-        ModelConfig.from_dict(dict(qwen, layer_types=["sliding_attention"])).max_position_embeddings
-        == 16
-    )
+def test_sliding_windows_per_layer_and_no_cap_on_the_context():
+    def windows(**raw):
+        config = ModelConfig.from_dict(dict(BASE, num_hidden_layers=4, **raw))
+        assert config.max_position_embeddings == 64  # never capped at the window
+        return config.layer_windows
+
+    mistral = dict(architectures=["MistralForCausalLM"], model_type="mistral")
+    assert windows(**mistral, sliding_window=16) == [16] * 4
+    assert windows(**mistral, sliding_window=None) == [None] * 4
+    qwen = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", sliding_window=16)
+    assert windows(**qwen, use_sliding_window=False) == [None] * 4
+    # Qwen2's convention: layers from max_window_layers on slide.
+    assert windows(**qwen, use_sliding_window=True, max_window_layers=2) == [None, None, 16, 16]
+    assert windows(**qwen, layer_types=["sliding_attention", "full_attention"] * 2) == [
+        16,
+        None,
+        16,
+        None,
+    ]
+    gemma = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", sliding_window=8)
+    assert windows(**gemma, sliding_window_pattern=2) == [8, None, 8, None]
+    with pytest.raises(ValueError, match="layer_types.*full_attention, sliding_attention"):
+        windows(**qwen, layer_types=["chunked_attention"] * 4)
+    with pytest.raises(ValueError, match="sliding_window must be a positive integer"):
+        windows(**mistral, sliding_window=0)
+    qwen = dict(BASE, architectures=["Qwen2ForCausalLM"], model_type="qwen2")
     assert (
         ModelConfig.from_dict(qwen).attention_bias and not ModelConfig.from_dict(qwen).o_proj_bias
     )
