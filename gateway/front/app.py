@@ -227,11 +227,13 @@ async def _answer(
 
 
 async def chat_completions(request: Request) -> Response:
-    parser = _context(request).config.tool_call_parser
+    config = _context(request).config
     return await _completion(
         request,
         api.ChatCompletionRequest,
-        lambda gateway, body: completions.plan_chat(gateway, body, parser),
+        lambda gateway, body: completions.plan_chat(
+            gateway, body, config.tool_call_parser, config.reasoning_parser
+        ),
     )
 
 
@@ -257,7 +259,7 @@ async def _via_chat(
     async def run() -> Response:
         chat = to_chat(body)
         planned = await completions.plan_chat(
-            context.gateway, chat, context.config.tool_call_parser
+            context.gateway, chat, context.config.tool_call_parser, context.config.reasoning_parser
         )
         whole, events = answers(body, planned)
         return await _answer(request, planned, arrival, chat.stream, whole, events)
@@ -269,8 +271,10 @@ async def create_response(request: Request) -> Response:
     def answers(body: rapi.ResponsesRequest, planned: completions.Plan) -> Answers:
         head = translate.ResponseHead.of(body, planned.model)
         return (
-            lambda stream: response_events.respond(head, planned.tools, stream),
-            lambda first, stream: response_events.events(head, planned.tools, first, stream),
+            lambda stream: response_events.respond(head, planned.tools, planned.reasoning, stream),
+            lambda first, stream: response_events.events(
+                head, planned.tools, planned.reasoning, first, stream
+            ),
         )
 
     return await _via_chat(request, rapi.ResponsesRequest, translate.chat_request, answers)

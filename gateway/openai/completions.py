@@ -23,10 +23,14 @@ from gateway.front.http_errors import error_body, log_failure
 from gateway.front.sse import DONE, event
 from gateway.messages import ChatTurn, Tokenized
 from gateway.openai import protocol as api
+from gateway.openai.reasoning.grammar import MarkerTokens, after_reasoning
+from gateway.openai.reasoning.parsers import THINK_END, THINK_START, ReasoningDelta
+from gateway.openai.reasoning.plan import ReasoningPlan, reasoning_plan
+from gateway.openai.reasoning.reader import AnswerEvent, AnswerReader, read_whole
 from gateway.openai.structured import structured_output
-from gateway.openai.tools.chat import ChatInput, ToolPlan, ToolReader, chat_input
+from gateway.openai.tools.chat import ChatInput, ToolPlan, chat_input
 from gateway.openai.tools.grammar import ToolGrammar
-from gateway.openai.tools.parsers import CallStart, ContentDelta, ToolEvent, collect
+from gateway.openai.tools.parsers import CallStart, ContentDelta
 from gateway.pipeline.generation import Gateway, new_request_id
 from gateway.pipeline.text import TextDelta, TextRequest, TokenLogprob, Usage
 from gateway.pipeline.validation import ModelInfo, text_request
@@ -53,6 +57,16 @@ class Plan:
     echo: list[str] | None = None
     # With tools (chat): how each answer is read into content and calls.
     tools: ToolPlan | None = None
+    # With a reasoning parser (chat): how each answer's reasoning is split from it.
+    reasoning: ReasoningPlan | None = None
+
+    @property
+    def reads_answers(self) -> bool:
+        """Each choice's text is read (into reasoning, content and calls), not sent as is."""
+        return self.tools is not None or self.reasoning is not None
+
+    def reader(self) -> AnswerReader:
+        return AnswerReader(self.tools, self.reasoning)
 
     @property
     def num_choices(self) -> int:
@@ -192,14 +206,21 @@ async def chat_prompt(
         raise api.InvalidParameter("top_logprobs needs logprobs set to true", "top_logprobs")
     chat = await _chat_input(gateway, body, tool_call_parser)
     prompt = await gateway.tokenize_chat(
-        chat.messages, body.add_generation_prompt, tools=chat.tools
+        chat.messages,
+        body.add_generation_prompt,
+        tools=chat.tools,
+        template_kwargs=body.chat_template_kwargs,
     )
     return info, chat, prompt
 
 
 async def plan_chat(
-    gateway: Gateway, body: api.ChatCompletionRequest, tool_call_parser: str | None = None
+    gateway: Gateway,
+    body: api.ChatCompletionRequest,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> Plan:
+    """`reasoning_parser`: the server's --reasoning-parser, if set."""
     info, chat, prompt = await chat_prompt(gateway, body, tool_call_parser)
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     params = _sampling_params(
@@ -208,6 +229,18 @@ async def plan_chat(
         (body.top_logprobs or 0) if body.logprobs else None,
     )
     params = _with_tools(params, chat)
+    reasoning = reasoning_plan(
+        reasoning_parser, (await gateway.chat_formats()).reasoning, prompt.prompt
+    )
+    if reasoning is not None:
+        if params.structured_output is not None:  # it holds the answer, after the reasoning
+            markers = await _marker_tokens(gateway)
+            params = dataclasses.replace(
+                params,
+                structured_output=after_reasoning(reasoning, params.structured_output, markers),
+            )
+        if reasoning.needs_special_tokens:
+            body = body.model_copy(update={"skip_special_tokens": False})
     requests = _text_requests(info, [prompt.token_ids], body, params, "messages", max_tokens_param)
     return Plan(
         True,
@@ -219,7 +252,17 @@ async def plan_chat(
         _include_usage(body),
         int(time.time()),
         tools=chat.plan,
+        reasoning=reasoning,
     )
+
+
+async def _marker_tokens(gateway: Gateway) -> MarkerTokens:
+    """The reasoning markers' token ids, where the tokenizer holds each as one token."""
+    start, end = await asyncio.gather(
+        gateway.tokenize_text(THINK_START, add_special_tokens=False),
+        gateway.tokenize_text(THINK_END, add_special_tokens=False),
+    )
+    return MarkerTokens(*(t.token_ids[0] if len(t.token_ids) == 1 else None for t in (start, end)))
 
 
 async def plan_completion(gateway: Gateway, body: api.CompletionRequest) -> Plan:
@@ -339,11 +382,12 @@ def _chat_choice(
     plan: Plan, index: int, text: str, reason: str | None, logprobs: list[TokenLogprob]
 ) -> api.ChatChoice:
     message = api.AssistantMessage(content=text)
-    if plan.tools is not None:
-        reader = ToolReader(plan.tools)
-        answer = collect(reader.read(text, final=True))
+    if plan.reads_answers:
+        whole, reader = read_whole(plan.tools, plan.reasoning, text)
+        answer = whole.parsed
         message = api.AssistantMessage(
             content=answer.content if answer.content or not answer.calls else None,
+            reasoning_content=whole.reasoning,
             tool_calls=[
                 api.ResponseToolCall(
                     id=call.id,
@@ -363,13 +407,14 @@ def _chat_choice(
     )
 
 
-def _delta_message(events: list[ToolEvent]) -> api.DeltaMessage:
-    """Tool events as one streamed delta: content, and per call its id and name (first) and
-    pieces of its arguments."""
+def _delta_message(events: list[AnswerEvent]) -> api.DeltaMessage:
+    """An answer's events as one streamed delta: reasoning, content, and per call its id and
+    name (first) and pieces of its arguments."""
+    reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
     calls: list[api.DeltaToolCall] = []
     for e in events:
-        if isinstance(e, ContentDelta):
+        if isinstance(e, (ContentDelta, ReasoningDelta)):
             continue
         if isinstance(e, CallStart):
             calls.append(
@@ -386,7 +431,9 @@ def _delta_message(events: list[ToolEvent]) -> api.DeltaMessage:
             calls.append(
                 api.DeltaToolCall(index=e.index, function=api.DeltaFunctionCall(arguments=e.text))
             )
-    return api.DeltaMessage(content=content or None, tool_calls=calls or None)
+    return api.DeltaMessage(
+        content=content or None, reasoning_content=reasoning or None, tool_calls=calls or None
+    )
 
 
 class _TextEvents:
@@ -466,7 +513,7 @@ async def events(
     usages: list[Usage | None] = [None] * count
     offsets = [0] * count  # completions' logprobs.text_offset
     started = [False] * count
-    readers = [ToolReader(plan.tools) for _ in range(count)] if plan.tools is not None else None
+    readers = [plan.reader() for _ in range(count)] if plan.reads_answers else None
 
     def chat_chunk(choices: list[api.ChatChunkChoice], usage: api.Usage | None = None) -> bytes:
         return event(
@@ -509,7 +556,7 @@ async def events(
                 message = _delta_message(reader.read(delta.text, reason is not None))
                 if reason is not None:
                     reason = reader.finish_reason(reason)
-                elif message.content is None and message.tool_calls is None and not delta.logprobs:
+                elif message == api.DeltaMessage() and not delta.logprobs:
                     return None  # text held back: nothing to say yet
             return chat_chunk(
                 [

@@ -247,6 +247,9 @@ class ChatCompletionRequest(SamplingFields):
         None, description="none, auto, required, or a named function."
     )
     parallel_tool_calls: bool = True
+    # Extra variables for the chat template (e.g. {"enable_thinking": false}); they never
+    # replace the ones the server sets (messages, tools, add_generation_prompt, special tokens).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -323,6 +326,8 @@ def is_unset(value: object) -> bool:
 class AssistantMessage(ResponseBody):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # With a reasoning parser: the model's thinking, apart from its answer (vLLM's field).
+    reasoning_content: str | None = Field(default=None, exclude_if=is_unset)
     tool_calls: list[ResponseToolCall] | None = Field(default=None, exclude_if=is_unset)
 
 
@@ -360,6 +365,7 @@ class DeltaToolCall(ResponseBody):
 class DeltaMessage(ResponseBody):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = Field(default=None, exclude_if=is_unset)
     tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=is_unset)
 
 

@@ -1,13 +1,15 @@
 """A Responses API answer from the chat path's text deltas: the whole Response, or the
 documented event stream, each event with its sequence_number: response.created,
-response.in_progress, then per output item response.output_item.added, for a message
+response.in_progress, then per output item response.output_item.added, for reasoning (with a
+reasoning parser) response.content_part.added, response.reasoning_text.delta...,
+response.reasoning_text.done, response.content_part.done, for a message
 response.content_part.added, response.output_text.delta..., response.output_text.done,
 response.content_part.done, for a call response.function_call_arguments.delta... and .done,
 then response.output_item.done; last response.completed (response.incomplete when
 max_output_tokens cut it).
 
-The text is read into content and calls by the chat path's tool reader, so a streamed answer
-and a whole one agree. Never talks to a service.
+The text is read into reasoning, content and calls by the chat path's answer reader, so a
+streamed answer and a whole one agree. Never talks to a service.
 """
 
 from __future__ import annotations
@@ -16,27 +18,40 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 from gateway.front.http_errors import error_body, log_failure
 from gateway.front.sse import named_event
+from gateway.openai.reasoning.parsers import ReasoningDelta
+from gateway.openai.reasoning.plan import ReasoningPlan
+from gateway.openai.reasoning.reader import AnswerReader, read_whole
 from gateway.openai.responses import protocol as rapi
 from gateway.openai.responses.translate import ResponseHead, item_id, output_items
-from gateway.openai.tools.chat import ToolPlan, ToolReader
-from gateway.openai.tools.parsers import CallStart, ContentDelta, collect
+from gateway.openai.tools.chat import ToolPlan
+from gateway.openai.tools.parsers import CallStart, ContentDelta
 from gateway.pipeline.text import TextDelta, Usage
 
 
 async def respond(
-    head: ResponseHead, tools: ToolPlan | None, stream: AsyncIterator[tuple[int, TextDelta]]
+    head: ResponseHead,
+    tools: ToolPlan | None,
+    reasoning: ReasoningPlan | None,
+    stream: AsyncIterator[tuple[int, TextDelta]],
 ) -> rapi.Response:
     """Run the stream to its end; the whole Response."""
-    reader = ToolReader(tools)
     texts: list[str] = []
     reason, usage = None, None
     async for _, delta in stream:
         texts.append(delta.text)
         if delta.finish_reason is not None:
             reason, usage = delta.finish_reason, delta.usage
-    answer = collect(reader.read("".join(texts), final=True))
+    answer, _ = read_whole(tools, reasoning, "".join(texts))
     status: rapi.ItemStatus = "incomplete" if reason == "length" else "completed"
     return head.response(status, list(output_items(answer, status)), usage, reason)
+
+
+# A text item's events by its type: the delta's and the done event's names, and the fields
+# both carry besides the text.
+_TEXT_EVENTS: dict[str, tuple[str, str, dict[str, object]]] = {
+    "message": ("response.output_text.delta", "response.output_text.done", {"logprobs": []}),
+    "reasoning": ("response.reasoning_text.delta", "response.reasoning_text.done", {}),
+}
 
 
 class _Events:
@@ -46,8 +61,9 @@ class _Events:
         self.head = head
         self.sequence = 0
         self.output: list[rapi.OutputItem] = []  # finished items
-        self.message: rapi.OutputMessage | None = None  # the item being written, if text
-        self.call: rapi.FunctionCallItem | None = None  # the item being written, if a call
+        # The item being written, if text (a message, or reasoning), or a call.
+        self.writing: rapi.OutputMessage | rapi.ReasoningItem | None = None
+        self.call: rapi.FunctionCallItem | None = None
 
     def event(self, type_: str, **fields: object) -> bytes:
         event = rapi.ResponseEvent.model_validate(
@@ -61,35 +77,47 @@ class _Events:
         return len(self.output)
 
     def text(self, text: str) -> list[bytes]:
+        return self._write("message", text)
+
+    def thought(self, text: str) -> list[bytes]:
+        return self._write("reasoning", text)
+
+    def _write(self, kind: str, text: str) -> list[bytes]:
+        """A piece of a text item's one part, opening the item (and closing the one before)
+        unless it is the item being written."""
         out = []
-        if self.message is None:
+        if self.writing is None or self.writing.type != kind:
             out += self.close()
-            self.message = rapi.OutputMessage(id=item_id("msg"), status="in_progress", content=[])
-            out.append(
-                self.event("response.output_item.added", output_index=self.index, item=self.message)
-            )
+            item: rapi.OutputMessage | rapi.ReasoningItem
+            if kind == "message":
+                item = rapi.OutputMessage(
+                    id=item_id("msg"), status="in_progress", content=[rapi.OutputText(text="")]
+                )
+            else:
+                item = rapi.ReasoningItem(
+                    id=item_id("rs"), status="in_progress", content=[rapi.ReasoningText(text="")]
+                )
+            self.writing = item
             out.append(
                 self.event(
-                    "response.content_part.added",
+                    "response.output_item.added",
                     output_index=self.index,
-                    item_id=self.message.id,
-                    content_index=0,
-                    part=rapi.OutputText(text=""),
+                    item=item.model_copy(update={"content": []}),
                 )
             )
-            self.message.content.append(rapi.OutputText(text=""))
-        self.message.content[0].text += text
-        out.append(
-            self.event(
-                "response.output_text.delta",
-                output_index=self.index,
-                item_id=self.message.id,
-                content_index=0,
-                delta=text,
-                logprobs=[],
+            out.append(
+                self.event("response.content_part.added", **self._part(), part=item.content[0])
             )
-        )
+        delta, _, extra = _TEXT_EVENTS[kind]
+        assert self.writing is not None
+        self.writing.content[0].text += text
+        out.append(self.event(delta, **self._part(), delta=text, **extra))
         return out
+
+    def _part(self) -> dict[str, object]:
+        """Where the text item being written is: the fields of its part's events."""
+        assert self.writing is not None
+        return {"output_index": self.index, "item_id": self.writing.id, "content_index": 0}
 
     def call_start(self, start: CallStart) -> list[bytes]:
         out = self.close()
@@ -116,19 +144,15 @@ class _Events:
     def close(self, status: rapi.ItemStatus = "completed") -> list[bytes]:
         """Finish the item being written."""
         out = []
-        if self.message is not None:
-            message, self.message = self.message, None
-            part = message.content[0]
-            common = {"output_index": self.index, "item_id": message.id, "content_index": 0}
-            out.append(
-                self.event("response.output_text.done", **common, text=part.text, logprobs=[])
-            )
-            out.append(self.event("response.content_part.done", **common, part=part))
-            message.status = status
-            out.append(
-                self.event("response.output_item.done", output_index=self.index, item=message)
-            )
-            self.output.append(message)
+        if self.writing is not None:
+            _, done, extra = _TEXT_EVENTS[self.writing.type]
+            part = self.writing.content[0]
+            out.append(self.event(done, **self._part(), text=part.text, **extra))
+            out.append(self.event("response.content_part.done", **self._part(), part=part))
+            item, self.writing = self.writing, None
+            item.status = status
+            out.append(self.event("response.output_item.done", output_index=self.index, item=item))
+            self.output.append(item)
         if self.call is not None:
             call, self.call = self.call, None
             out.append(
@@ -149,12 +173,13 @@ class _Events:
 async def events(
     head: ResponseHead,
     tools: ToolPlan | None,
+    reasoning: ReasoningPlan | None,
     first: tuple[int, TextDelta],
     stream: AsyncGenerator[tuple[int, TextDelta], None],
 ) -> AsyncGenerator[bytes, None]:
     """The event stream (the first delta already read)."""
     out = _Events(head)
-    reader = ToolReader(tools)
+    reader = AnswerReader(tools, reasoning)
     try:
         yield out.event("response.created", response=head.response("in_progress", []))
         yield out.event("response.in_progress", response=head.response("in_progress", []))
@@ -163,13 +188,15 @@ async def events(
         reason = None
         while True:
             final = delta.finish_reason is not None
-            for tool_event in reader.read(delta.text, final):
-                if isinstance(tool_event, ContentDelta):
-                    chunks = out.text(tool_event.text)
-                elif isinstance(tool_event, CallStart):
-                    chunks = out.call_start(tool_event)
+            for answer_event in reader.read(delta.text, final):
+                if isinstance(answer_event, ReasoningDelta):
+                    chunks = out.thought(answer_event.text)
+                elif isinstance(answer_event, ContentDelta):
+                    chunks = out.text(answer_event.text)
+                elif isinstance(answer_event, CallStart):
+                    chunks = out.call_start(answer_event)
                 else:
-                    chunks = out.arguments(tool_event.text)
+                    chunks = out.arguments(answer_event.text)
                 for chunk in chunks:
                     yield chunk
             if final:
@@ -180,7 +207,13 @@ async def events(
             except StopAsyncIteration:
                 break
         status: rapi.ItemStatus = "incomplete" if reason == "length" else "completed"
-        if not out.output and out.message is None and out.call is None:
+        if (
+            out.writing is None
+            and out.call is None
+            and not any(
+                isinstance(item, (rapi.OutputMessage, rapi.FunctionCallItem)) for item in out.output
+            )
+        ):
             for chunk in out.text(""):  # an empty answer is still a message
                 yield chunk
         for chunk in out.close(status):

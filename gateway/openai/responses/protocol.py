@@ -89,6 +89,22 @@ class OutputMessage(api.ResponseBody):
     content: list[OutputText]
 
 
+class ReasoningText(api.ResponseBody):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(api.ResponseBody):
+    """The model's thinking, with a reasoning parser: its text as one reasoning_text part (no
+    summary is written)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: ItemStatus
+
+
 class FunctionCallItem(api.ResponseBody):
     type: Literal["function_call"] = "function_call"
     id: str
@@ -98,7 +114,7 @@ class FunctionCallItem(api.ResponseBody):
     status: ItemStatus
 
 
-OutputItem = OutputMessage | FunctionCallItem
+OutputItem = ReasoningItem | OutputMessage | FunctionCallItem
 
 
 class InputTokensDetails(api.ResponseBody):
@@ -156,7 +172,7 @@ class ResponseEvent(api.ResponseBody):
     item_id: str | None = Field(default=None, exclude_if=api.is_unset)
     item: OutputItem | None = Field(default=None, exclude_if=api.is_unset)
     content_index: int | None = Field(default=None, exclude_if=api.is_unset)
-    part: OutputText | None = Field(default=None, exclude_if=api.is_unset)
+    part: OutputText | ReasoningText | None = Field(default=None, exclude_if=api.is_unset)
     delta: str | None = Field(default=None, exclude_if=api.is_unset)
     text: str | None = Field(default=None, exclude_if=api.is_unset)
     arguments: str | None = Field(default=None, exclude_if=api.is_unset)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.openai import protocol as api
+from gateway.openai.reasoning.reader import Answer
 from gateway.openai.responses import protocol as rapi
-from gateway.openai.tools.parsers import ParsedAnswer
 from gateway.pipeline.text import Usage
 
 ROLES = ("user", "assistant", "system", "developer")
@@ -87,6 +87,8 @@ def messages(body: rapi.ResponsesRequest) -> list[dict[str, Any]]:
                 last["tool_calls"].append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "reasoning":
+            continue  # earlier thinking, sent back as it came: not fed to the model again
         elif kind == "function_call_output":
             output = item.get("output")
             out.append(
@@ -98,8 +100,8 @@ def messages(body: rapi.ResponsesRequest) -> list[dict[str, Any]]:
             )
         else:
             raise api.InvalidParameter(
-                f"{where}.type {kind!r} is not supported: use message, function_call or "
-                "function_call_output",
+                f"{where}.type {kind!r} is not supported: use message, function_call, "
+                "function_call_output or reasoning",
                 "input",
             )
     return out
@@ -220,8 +222,14 @@ def response_usage(usage: Usage) -> rapi.ResponseUsage:
     )
 
 
-def output_items(answer: ParsedAnswer, status: rapi.ItemStatus) -> Iterator[rapi.OutputItem]:
-    """A whole answer's output items: its text (if any) as a message, then its calls."""
+def output_items(whole: Answer, status: rapi.ItemStatus) -> Iterator[rapi.OutputItem]:
+    """A whole answer's output items: its reasoning (if any), its text (if any) as a message,
+    then its calls."""
+    if whole.reasoning is not None:
+        yield rapi.ReasoningItem(
+            id=item_id("rs"), content=[rapi.ReasoningText(text=whole.reasoning)], status=status
+        )
+    answer = whole.parsed
     if answer.content or not answer.calls:
         yield rapi.OutputMessage(
             id=item_id("msg"), status=status, content=[rapi.OutputText(text=answer.content)]
