@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.models.moe_config import MoeConfig, parse_moe
+
 # Per architecture: does q/k/v carry a bias ("config" = the attention_bias key), does o_proj,
 # does the MLP ("config" = the mlp_bias key), and is there a per-head RMSNorm on q and k.
 _ARCHITECTURES: dict[str, dict[str, object]] = {
@@ -18,6 +20,9 @@ _ARCHITECTURES: dict[str, dict[str, object]] = {
     "MistralForCausalLM": dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False),
     "Qwen2ForCausalLM": dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False),
     "Qwen3ForCausalLM": dict(qkv_bias="config", o_bias="config", mlp_bias=False, qk_norm=True),
+    # Mixtures of experts (engine.models.moe_config has their experts' shape).
+    "MixtralForCausalLM": dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False),
+    "Qwen3MoeForCausalLM": dict(qkv_bias="config", o_bias="config", mlp_bias=False, qk_norm=True),
     "Phi3ForCausalLM": dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False),
     "Gemma3ForCausalLM": dict(qkv_bias="config", o_bias="config", mlp_bias=False, qk_norm=True),
 }
@@ -62,6 +67,8 @@ class ModelConfig:
     qk_norm: bool
     eos_token_ids: list[int]
     bos_token_id: int | None
+    # The experts of a mixture-of-experts model; None for a dense one.
+    moe: MoeConfig | None = None
     # Per layer: its sliding window (a token sees this many positions, itself included), or
     # None for full attention. Empty: every layer attends fully.
     layer_windows: list[int | None] = field(default_factory=list)
@@ -152,6 +159,7 @@ class ModelConfig:
             qk_norm=bool(traits["qk_norm"]),
             eos_token_ids=eos,
             bos_token_id=raw.get("bos_token_id"),
+            moe=parse_moe(raw, architecture),
             layer_windows=_layer_windows(raw, raw["num_hidden_layers"]),
             hidden_act=hidden_act,
             local_rope=local_rope,

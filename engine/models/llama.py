@@ -11,6 +11,7 @@ MLP rows and vocabulary; with one rank the layers are the plain ones.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -130,6 +131,23 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+# A decoder layer's feed-forward block, from (config, layer_index, backend, dtype, device, tp):
+# the dense gated MLP here; mixture-of-experts models (engine.models.mixtral, qwen3_moe) pass
+# their own.
+MlpFactory = Callable[..., nn.Module]
+
+
+def dense_mlp(
+    config: ModelConfig,
+    layer_index: int,
+    backend: AttentionBackend,
+    dtype,
+    device,
+    tp: TensorParallel = SINGLE,
+) -> nn.Module:
+    return LlamaMLP(config, backend, dtype, device, tp)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
@@ -139,10 +157,11 @@ class LlamaDecoderLayer(nn.Module):
         dtype,
         device,
         tp: TensorParallel = SINGLE,
+        make_mlp: MlpFactory | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_index, backend, dtype, device, tp)
-        self.mlp = LlamaMLP(config, backend, dtype, device, tp)
+        self.mlp = (make_mlp or dense_mlp)(config, layer_index, backend, dtype, device, tp)
         size, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(size, eps, backend, dtype, device)
         self.post_attention_layernorm = RMSNorm(size, eps, backend, dtype, device)
@@ -173,25 +192,29 @@ class LlamaModel(nn.Module):
         dtype,
         device,
         tp: TensorParallel = SINGLE,
+        make_mlp: MlpFactory | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = vocab_rows(config.vocab_size, config.hidden_size, dtype, device, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend, dtype, device, tp)
+            LlamaDecoderLayer(config, i, backend, dtype, device, tp, make_mlp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend, dtype, device)
 
 
 class LlamaForCausalLM(nn.Module):
-    # Checkpoint projection name -> (our fused module, shard index within its output_sizes).
-    packed_modules: ClassVar[dict[str, tuple[str, int]]] = {
+    # Checkpoint module name -> (our module, shard index within its output_sizes, or None for a
+    # module only renamed).
+    packed_modules: ClassVar[dict[str, tuple[str, int | None]]] = {
         "q_proj": ("qkv_proj", 0),
         "k_proj": ("qkv_proj", 1),
         "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # Each decoder layer's feed-forward block (a subclass's own for its experts).
+    make_mlp: ClassVar[MlpFactory] = staticmethod(dense_mlp)
 
     def __init__(
         self,
@@ -205,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.backend = backend
         self.tp = tp
-        self.model = LlamaModel(config, backend, dtype, device, tp)
+        self.model = LlamaModel(config, backend, dtype, device, tp, self.make_mlp)
         # This rank's share of the KV heads: the KV cache's shape.
         self.num_kv_heads = kv_heads_slice(config.num_key_value_heads, tp).count
         self.lm_head = (

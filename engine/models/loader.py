@@ -25,7 +25,9 @@ from engine.layers.parallel import (
 from engine.models.config import ModelConfig
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.mixtral import MixtralForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 # Architecture name (config.json "architectures") -> model class.
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
@@ -34,6 +36,8 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
@@ -185,11 +189,13 @@ def _check_full(key: str, shape: list[int], dim: int, part: CheckpointSlice) -> 
         )
 
 
-def _our_name(key: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
-    """model.layers.3.self_attn.k_proj.weight -> (model.layers.3.self_attn.qkv_proj.weight, 1)."""
-    parts = key.split(".")
+def _our_name(key: str, packed: dict[str, tuple[str, int | None]]) -> tuple[str, int | None]:
+    """model.layers.3.self_attn.k_proj.weight -> (model.layers.3.self_attn.qkv_proj.weight, 1);
+    every part of the name is mapped (Mixtral's block_sparse_moe.experts.0.w1 -> mlp.experts.0.
+    gate_up_proj, shard 0)."""
+    parts, shard = key.split("."), None
     for i, part in enumerate(parts):
         if part in packed:
-            fused, shard = packed[part]
-            return ".".join([*parts[:i], fused, *parts[i + 1 :]]), shard
-    return key, None
+            parts[i], part_shard = packed[part]
+            shard = part_shard if part_shard is not None else shard
+    return ".".join(parts), shard

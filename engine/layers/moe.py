@@ -1,0 +1,194 @@
+"""Mixture of experts as a layer: a router that sends each token to its top-k experts with
+softmax weights (renormalised over the k where the model does), experts that are gated MLPs,
+and the two ways of running them.
+
+- The CPU path (the torch attention backend) sorts the step's (token, expert) pairs by expert
+  once and runs each expert once over the tokens routed to it, through engine.layers.linear, so
+  its weights get the packed, bfloat16-tile or int8/int4 forms every other linear gets.
+- The GPU path (the Triton backend) stacks the experts' weights once loaded and runs the fused
+  kernel of engine.kernels.triton.fused_moe: the pairs sorted by expert in blocks, one grouped
+  GEMM for gate_up, one activation, one grouped GEMM for down, with no host synchronisation.
+
+With tensor parallelism each rank holds a slice of every expert (its rows of gate_up, its
+columns of down), or with expert parallelism whole experts, an even share of them; either way
+its output is partial and one all-reduce per layer sums the ranks'. The router is replicated:
+every rank routes the same tokens the same way. This module never reads files and never decides
+which model has experts (engine.models does).
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.layers.activation import SiluAndMul
+from engine.layers.linear import Linear, column_linear, empty_parameter
+from engine.layers.parallel import (
+    SINGLE,
+    CheckpointSlice,
+    TensorParallel,
+    all_reduce_,
+    split_evenly,
+)
+
+
+class Router(nn.Module):
+    """[T, hidden] -> each token's top-k experts and their weights. Never quantized: a small
+    weight whose rounding would change which experts a token reaches."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.weight = empty_parameter(num_experts, hidden_size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k] int64), as transformers computes them:
+        the softmax over every expert in float32, its top k, divided by their sum if asked."""
+        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+
+class ExpertDown(Linear):
+    """An expert's down projection over this rank's columns of the intermediate features, with
+    no all-reduce of its own (unlike engine.layers.linear's row-parallel layer)."""
+
+    def __init__(
+        self,
+        columns: CheckpointSlice,
+        out_features: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallel,
+    ) -> None:
+        super().__init__(columns.count, [out_features], False, dtype, device)
+        # The loader reads only these columns of the checkpoint's weight.
+        self.checkpoint_columns = columns if tp.size > 1 else None
+
+
+class Expert(nn.Module):
+    """One expert's gated MLP, its down projection partial: the MoE layer sums the experts and
+    all-reduces once."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallel,
+    ) -> None:
+        super().__init__()
+        rows = split_evenly(intermediate_size, tp)
+        self.gate_up_proj = column_linear(hidden_size, [rows, rows], False, dtype, device, tp)
+        self.act = SiluAndMul(backend)
+        self.down_proj = ExpertDown(rows, hidden_size, dtype, device, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class SparseMoe(nn.Module):
+    """A decoder layer's mixture of experts: `gate` (the router) and `experts`, a dict from the
+    checkpoint's expert number to this rank's experts."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        renormalize: bool,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallel = SINGLE,
+        expert_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.tp = tp
+        self.gate = Router(hidden_size, num_experts, top_k, renormalize, dtype, device)
+        # Expert parallelism: an even share of whole experts; otherwise a slice of each.
+        local = split_evenly(num_experts, tp) if expert_parallel else None
+        self.local_experts = (
+            range(local.start, local.start + local.count) if local else range(num_experts)
+        )
+        expert_tp = SINGLE if expert_parallel else tp
+        self.experts = nn.ModuleDict(
+            {
+                str(e): Expert(hidden_size, intermediate_size, backend, dtype, device, expert_tp)
+                for e in self.local_experts
+            }
+        )
+        # The fused GPU path (set by finalize_weights): every local expert's gate_up and down
+        # weights stacked, [E_local, 2I, hidden] and [E_local, hidden, I].
+        self.fused = not isinstance(backend, TorchAttentionBackend)
+        self.w13: torch.Tensor | None = None
+        self.w2: torch.Tensor | None = None
+
+    def finalize_weights(self) -> None:
+        """Called before the experts' own linears are finalized: the fused path takes their
+        float weights (stacked) and the per-expert modules go."""
+        if not self.fused:
+            return
+        experts = [cast(Expert, self.experts[str(e)]) for e in self.local_experts]
+        self.w13 = torch.stack([e.gate_up_proj.weight.data for e in experts])
+        self.w2 = torch.stack([e.down_proj.weight.data for e in experts])
+        self.experts = nn.ModuleDict()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self._fused(x, weights, ids) if self.fused else self._per_expert(x, weights, ids)
+        return out if self.tp.size == 1 else all_reduce_(out, self.tp)
+
+    def _fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        # Imported when used: importing a Triton kernel binds it for the process's life.
+        from engine.kernels.triton.fused_moe import fused_moe
+
+        assert self.w13 is not None and self.w2 is not None, "finalize_weights() was not called"
+        first = self.local_experts.start
+        if len(self.local_experts) != self.num_experts:  # another rank's experts: no expert here
+            local = ids - first
+            ids = local.masked_fill_((local < 0) | (local >= len(self.local_experts)), -1)
+        return fused_moe(x, self.w13, self.w2, weights, ids)
+
+    @torch.compiler.disable  # data-dependent sizes: a compiled decode program calls it as is
+    def _per_expert(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Each of this rank's experts once, over the tokens routed to it, in expert order (as
+        transformers adds them up)."""
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        flat_weights = weights.flatten()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            pairs = order[start : start + count]
+            start += count
+            if count == 0 or expert not in self.local_experts:
+                continue
+            tokens = pairs // self.top_k
+            h = self.experts[str(expert)](x[tokens])
+            out.index_add_(0, tokens, (h * flat_weights[pairs, None]).to(x.dtype))
+        return out

@@ -1,0 +1,64 @@
+"""The fused MoE kernel (grouped GEMMs over pairs sorted by expert) against the plain loop over
+experts, under the Triton interpreter (or natively with FOLIO_KERNEL_DEVICE=cuda): uneven
+expert loads with idle experts, one token, pairs that belong to no expert (another rank's, with
+expert parallelism), and the sorted layout itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_utils import DEVICE, DTYPES, assert_close, randn
+
+from engine.kernels.triton.fused_moe import BLOCK_M, align_pairs, fused_moe, fused_moe_ref
+
+HIDDEN, INTERMEDIATE, EXPERTS = 48, 40, 6  # neither a power of two: masked tiles
+
+
+def routing(num_tokens: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct experts per token, skewed towards the low ones (expert 5 mostly idle)."""
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.rand(num_tokens, EXPERTS, generator=generator) - torch.arange(EXPERTS) * 0.15
+    weights, ids = torch.softmax(scores * 4, dim=-1).topk(top_k, dim=-1)
+    return weights.to(DEVICE), ids.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("num_tokens", "top_k"), [(1, 2), (37, 2), (20, 3)])
+def test_fused_moe_matches_the_loop_over_experts(dtype, num_tokens, top_k):
+    x = randn(num_tokens, HIDDEN, dtype=dtype, seed=1)
+    w13 = randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, dtype=dtype, seed=2, scale=0.2)
+    w2 = randn(EXPERTS, HIDDEN, INTERMEDIATE, dtype=dtype, seed=3, scale=0.2)
+    weights, ids = routing(num_tokens, top_k, seed=num_tokens)
+    out = fused_moe(x, w13, w2, weights, ids)
+    assert out.dtype == dtype and out.shape == (num_tokens, HIDDEN)
+    expected = fused_moe_ref(x, w13, w2, weights, ids)
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        # The interpreter rounds float32 to bfloat16 towards zero, not to nearest: over the
+        # kernel's four roundings (gate_up, SiLU, its product, each pair's output) the errors
+        # add up instead of cancelling, to a few units of the output's largest values.
+        bound = 0.03 * expected.abs().max().item()
+        torch.testing.assert_close(out.float(), expected.float(), atol=bound, rtol=0.03)
+    else:
+        assert_close(out, expected, dtype)
+
+
+def test_pairs_of_no_expert_add_nothing():
+    x = randn(9, HIDDEN, dtype=torch.float32, seed=4)
+    w13 = randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, dtype=torch.float32, seed=5, scale=0.2)
+    w2 = randn(EXPERTS, HIDDEN, INTERMEDIATE, dtype=torch.float32, seed=6, scale=0.2)
+    weights, ids = routing(9, 2, seed=7)
+    local = ids.masked_fill(ids >= 3, -1)  # this rank holds experts 0-2
+    out = fused_moe(x, w13, w2, weights, local)
+    kept = weights.masked_fill(local < 0, 0.0)
+    assert_close(out, fused_moe_ref(x, w13, w2, kept, ids), torch.float32)
+
+
+def test_pairs_are_grouped_by_expert_in_whole_blocks():
+    ids = torch.tensor([[2, 0], [2, -1], [0, 2]], device=DEVICE)
+    sorted_pairs, block_expert = align_pairs(ids, 4, block_m=BLOCK_M)
+    pad = 6  # the pair count: no pair
+    expected_pairs = [1, 4] + [pad] * (BLOCK_M - 2) + [0, 2, 5] + [pad] * (BLOCK_M - 3)
+    assert sorted_pairs.tolist()[: 2 * BLOCK_M] == expected_pairs
+    assert (sorted_pairs[2 * BLOCK_M :] == pad).all()
+    assert sorted_pairs.shape[0] == 6 + 4 * (BLOCK_M - 1)
+    assert block_expert.tolist() == [0, 2] + [-1] * (block_expert.shape[0] - 2)

@@ -1,0 +1,214 @@
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE) on tiny random-weight checkpoints built with
+transformers: logits equal transformers' in float32 through ragged, chunked and prefix-cached
+steps; the engine's greedy tokens equal transformers' through chunked prefill, prefix hits and
+preemption, at TP=1 and TP=2; int8/int4 experts run through Folio's quantized linears; routing
+variants Folio does not implement are refused naming the config key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_models import TOL, Runner, hf_logits, random_tokens
+from transformers import MixtralConfig, Qwen3MoeConfig
+
+from common.config import EngineConfig
+from common.sampling_params import SamplingParams
+from engine.engine import LLMEngine
+from engine.layers.moe import SparseMoe
+from engine.layers.quantization import QuantizedWeight, quantize
+from engine.models.config import ModelConfig
+from engine.models.loader import load_model
+from tiny_models import SMALL, hf_greedy, make_checkpoint
+
+MOE_VARIANTS = {
+    # Mixtral: softmax over the top-k (renormalised), every layer sparse.
+    "mixtral": (
+        MixtralConfig,
+        dict(
+            SMALL,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=None,
+        ),
+    ),
+    # Qwen3-MoE: q/k norms, top-k of the softmax left as it is, layer 1 a dense MLP.
+    "qwen3-moe": (
+        Qwen3MoeConfig,
+        dict(
+            SMALL,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+        ),
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(MOE_VARIANTS))
+def variant(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    reference = make_checkpoint(directory, *MOE_VARIANTS[request.param])
+    return request.param, directory, reference
+
+
+def test_logits_match_transformers_through_chunks_and_prefix_hits(variant):
+    name, directory, reference = variant
+    model, config = load_model(directory, torch.float32, "cpu")
+    layers = model.model.layers
+    assert isinstance(layers[0].mlp, SparseMoe)
+    assert isinstance(layers[1].mlp, SparseMoe) == (name == "mixtral")
+    runner = Runner(model, config)
+    a, b = random_tokens(13, 1), random_tokens(5, 2)
+    first_a, first_b = runner.step([("a", a[:6]), ("b", b)])
+    (rest_a,) = runner.step([("a", a[6:])])  # chunked prefill
+    torch.testing.assert_close(torch.cat((first_a, rest_a)), hf_logits(reference, a), **TOL)
+    torch.testing.assert_close(first_b, hf_logits(reference, b), **TOL)
+    # c shares a's first two blocks and extends them while b decodes.
+    runner.share_prefix("a", "c", 8)
+    c = a[:8] + random_tokens(6, 3)
+    b.append(int(first_b[-1].argmax()))
+    b_next, c_logits = runner.step([("b", b[-1:]), ("c", c[8:])])
+    torch.testing.assert_close(b_next[0], hf_logits(reference, b)[-1], **TOL)
+    torch.testing.assert_close(c_logits, hf_logits(reference, c)[8:], **TOL)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 150, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+SHARED = 32
+FIRST_WAVE = {f"a{i}": prompt(SHARED + 6 * i, i) for i in range(4)}
+SECOND_WAVE = {"b0": FIRST_WAVE["a0"][:SHARED] + prompt(7, 50)}
+
+
+def engine_tokens(directory, tp: int) -> tuple[dict[str, list[int]], object]:
+    """Both waves' greedy tokens: prompts prefilled in chunks of 16, too few blocks for the
+    first wave at once (preemption), the second wave starting from the first's cached blocks."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(directory),
+            dtype="float32",
+            block_size=16,
+            num_kv_blocks=8,
+            max_num_batched_tokens=16,
+            max_num_seqs=4,
+            tensor_parallel_size=tp,
+        )
+    )
+    tokens: dict[str, list[int]] = {}
+    try:
+        for wave in (FIRST_WAVE, SECOND_WAVE):
+            for request_id, ids in wave.items():
+                engine.add_request(request_id, ids, GREEDY)
+            while engine.has_unfinished:
+                for out in engine.step():
+                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return tokens, engine.stats()
+    finally:
+        engine.close()
+
+
+def expected_tokens(reference) -> dict[str, list[int]]:
+    return {
+        request_id: hf_greedy(reference, ids, GREEDY.max_tokens)
+        for wave in (FIRST_WAVE, SECOND_WAVE)
+        for request_id, ids in wave.items()
+    }
+
+
+def test_engine_greedy_tokens_match_transformers(variant):
+    _, directory, reference = variant
+    got, stats = engine_tokens(directory, 1)
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert got == expected_tokens(reference)
+
+
+# One TP=2 case: the experts' sharding is the same code for both families.
+@pytest.mark.parametrize("variant", ["mixtral"], indirect=True)
+def test_two_ranks_hold_a_slice_of_every_expert(variant):
+    _, directory, reference = variant
+    got, stats = engine_tokens(directory, 2)
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert got == expected_tokens(reference)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_experts_run_through_folio_linears(tmp_path, method):
+    """Each expert's projections are quantized like any other linear and the router is not: the
+    logits are transformers' on the same model with every linear replaced by its quantized
+    values (the vocabulary projection in int8): within float32 summation order for int8, whose
+    kernel multiplies float32 activations rounded to 16 bits; for int4, whose kernel rounds them
+    to 8 bits per block of 32 (GGUF's Q8_1), within that rounding."""
+    reference = make_checkpoint(tmp_path, *MOE_VARIANTS["mixtral"])
+    model, config = load_model(tmp_path, torch.float32, "cpu", quantization=method)
+    moe = model.model.layers[0].mlp
+    assert isinstance(moe.experts["7"].gate_up_proj.packed, QuantizedWeight)
+    assert isinstance(moe.experts["7"].down_proj.packed, QuantizedWeight)
+    with torch.no_grad():
+        for name, weight in reference.named_parameters():
+            if weight.dim() < 2 or "embed_tokens" in name or name.endswith("mlp.gate.weight"):
+                continue  # the embedding, norms and router stay as they are
+            rows = weight.view(-1, weight.shape[-1])  # an expert's rows, for stacked experts
+            grid = quantize(rows, "int8" if "lm_head" in name else method, folio_kernels=False)
+            weight.copy_(grid.dequantized(torch.float32).view_as(weight))
+    tokens = random_tokens(9, 4)
+    (logits,) = Runner(model, config).step([("a", tokens)])
+    bound = 2e-3 if method == "int8" else 0.15
+    torch.testing.assert_close(logits, hf_logits(reference, tokens), atol=bound, rtol=0.0)
+
+
+MIXTRAL_CONFIG = dict(
+    architectures=["MixtralForCausalLM"],
+    model_type="mixtral",
+    vocab_size=10,
+    hidden_size=8,
+    intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+)
+
+
+def test_moe_config_shapes_and_refusals(tmp_path):
+    mixtral = ModelConfig.from_dict(MIXTRAL_CONFIG).moe
+    assert mixtral is not None and mixtral.renormalize and mixtral.intermediate_size == 16
+    assert mixtral.sparse(0) and mixtral.sparse(1)
+    qwen = ModelConfig.from_dict(
+        dict(
+            MIXTRAL_CONFIG,
+            architectures=["Qwen3MoeForCausalLM"],
+            num_hidden_layers=4,
+            num_experts=4,
+            num_local_experts=None,
+            moe_intermediate_size=6,
+            decoder_sparse_step=2,
+            mlp_only_layers=[3],
+        )
+    ).moe
+    assert qwen is not None and not qwen.renormalize and qwen.intermediate_size == 6
+    assert [qwen.sparse(i) for i in range(4)] == [False, True, False, False]
+    dense = dict(MIXTRAL_CONFIG, architectures=["LlamaForCausalLM"])
+    assert ModelConfig.from_dict(dense).moe is None
+
+    for key, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        with pytest.raises(ValueError, match=rf"unsupported MoE routing {key}='{value}'"):
+            ModelConfig.from_dict(dict(MIXTRAL_CONFIG, **{key: value}))
+    with pytest.raises(ValueError, match="num_experts_per_tok must be between 1 and the 4"):
+        ModelConfig.from_dict(dict(MIXTRAL_CONFIG, num_experts_per_tok=5))
+    # Refused at start-up, before any weight is read.
+    make_checkpoint(tmp_path, *MOE_VARIANTS["mixtral"])
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, scoring_func="sigmoid")))
+    with pytest.raises(ValueError, match="scoring_func"):
+        LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32"))
