@@ -94,6 +94,8 @@ class StepOutput:
     cached_tokens: int = 0
     queue_seconds: float = 0.0
     error: RequestError | None = None
+    # An embedding request's one output: its pooled vector.
+    embedding: list[float] | None = None
 
 
 # -- the tokenizer ------------------------------------------------------------------------------

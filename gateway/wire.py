@@ -18,6 +18,7 @@ from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 from grpc_health.v1 import health_pb2
 
 from common.finish_reason import finish_reason_from_proto, finish_reason_to_proto
+from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from common.sampling_proto import sampling_params_from_proto, sampling_params_to_proto
 from gateway.messages import (
@@ -127,6 +128,7 @@ def step_output(output: engine_pb2.RequestOutput) -> StepOutput:
         ),
         cached_tokens=output.usage.cached_tokens,
         queue_seconds=output.queue_seconds,
+        embedding=list(output.embedding) if output.embedding else None,
     )
 
 
@@ -135,8 +137,22 @@ def step_outputs(response: engine_pb2.GenerateResponse) -> list[StepOutput]:
 
 
 def add_request(
-    request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, priority: int
+    request_id: str,
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    priority: int,
+    pooling: PoolingParams | None = None,
 ) -> GenerateMessage:
+    """A new request; with `pooling`, an embedding request (its sampling params unsent)."""
+    if pooling is not None:
+        return engine_pb2.GenerateRequest(
+            add=engine_pb2.EngineRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt_token_ids,
+                priority=priority,
+                pooling=engine_pb2.PoolingParams(dimensions=pooling.dimensions),
+            )
+        )
     return engine_pb2.GenerateRequest(
         add=engine_pb2.EngineRequest(
             request_id=request_id,

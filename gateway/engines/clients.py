@@ -33,6 +33,7 @@ from grpc_health.v1 import health_pb2_grpc
 from common.auth import bearer_metadata
 from common.config import GRPC_MESSAGE_OPTIONS, RECONNECT_CHANNEL_OPTIONS
 from common.errors import UnavailableError, error_for
+from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from gateway import wire
 from gateway.limits.deadlines import call_timeout
@@ -180,8 +181,11 @@ class GenerateStream:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         priority: int,
+        pooling: PoolingParams | None = None,
     ) -> None:
-        self._outbox.put_nowait(wire.add_request(request_id, prompt_token_ids, params, priority))
+        self._outbox.put_nowait(
+            wire.add_request(request_id, prompt_token_ids, params, priority, pooling)
+        )
 
     def abort(self, request_ids: Sequence[str], samples: Sequence[tuple[str, int]] = ()) -> None:
         """Abort requests and single samples (request id, index), in one message."""

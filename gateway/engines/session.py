@@ -62,7 +62,9 @@ class ReplicaSession:
             self._stream = self.client.generate_stream()
             self._reader = asyncio.create_task(self._read(self._stream))
         self.processor.add(request)
-        self._stream.add(request.request_id, request.text.prompt_ids, params, priority)
+        self._stream.add(
+            request.request_id, request.text.prompt_ids, params, priority, request.text.pooling
+        )
 
     def release(self, requests: Iterable[TrackedRequest]) -> None:
         """The callers stopped listening: abort what still runs of these requests."""

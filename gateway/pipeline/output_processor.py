@@ -8,7 +8,8 @@ does not know yet ride along), reads the one answer, hands each caller its TextD
 the sequences whose stop string matched in one batched Abort. A sequence that stopped gets its
 last delta (finish reason "stop") only once the engine has confirmed the abort, so a finished
 answer never leaves work behind. The `n` samples of a request are one engine request; their
-outputs are told apart by index. It counts the request-level metrics as tokens pass.
+outputs are told apart by index. An embedding request's one output (its vector) goes to its
+caller at once: it has no text. It counts the request-level metrics as tokens pass.
 
 It never validates a request, never opens a connection of its own and never builds an OpenAI or
 protobuf answer shape: the detokenizer and the abort sink are handed to it.
@@ -253,6 +254,15 @@ class OutputProcessor:
                 continue
             sequence = request.sequences[output.index]
             if sequence.done:
+                continue
+            if output.embedding is not None:
+                self._metrics.prompt_tokens.inc(len(request.text.prompt_ids))
+                self._finish(
+                    request,
+                    sequence,
+                    TextDelta("", finish_reason=output.finish_reason, embedding=output.embedding),
+                    output,
+                )
                 continue
             if sequence.stopped is not None:  # the abort's confirmation, or its own end
                 if output.finished:

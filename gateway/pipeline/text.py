@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 
 
 @dataclass
 class TextRequest:
     """One prompt to generate from, validated and fitted to the context: `params.n` choices,
-    which run as one engine request (the prompt computed once)."""
+    which run as one engine request (the prompt computed once). With `pooling`, an embedding
+    request: one choice, its only delta carries the vector, `params` only count (max_tokens 0)."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -22,6 +24,7 @@ class TextRequest:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    pooling: PoolingParams | None = None
 
     @property
     def max_tokens(self) -> int:
@@ -58,3 +61,5 @@ class TextDelta:
     prompt_logprobs: list[TokenLogprob] | None = None
     # On the last delta when a stop string ended the sequence: that string.
     stop_matched: str | None = None
+    # An embedding request's only delta: its vector.
+    embedding: list[float] | None = None

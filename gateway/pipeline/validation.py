@@ -1,7 +1,8 @@
 """What a request must satisfy of the served model, whatever front end it came through: token
-ids inside the vocabulary, a prompt that leaves room in the context, max_tokens that fits it,
-and sampling parameters the library's own SamplingParams.validate accepts (so the gateway and the
-engine agree). Raises InvalidParameter naming the field; never talks to a service.
+ids inside the vocabulary, a prompt that leaves room in the context (an embedding's input fits
+it), max_tokens that fits it, and sampling parameters the library's own SamplingParams.validate
+accepts (so the gateway and the engine agree). Raises InvalidParameter naming the field; never
+talks to a service.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.errors import InvalidParameter
+from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from gateway.pipeline.text import TextRequest
 
@@ -34,6 +36,30 @@ def check_token_ids(info: ModelInfo, token_ids: Sequence[int], param: str) -> No
                 f"vocabulary [0, {info.vocab_size})",
                 param,
             )
+
+
+def embedding_request(
+    info: ModelInfo,
+    prompt_ids: Sequence[int],
+    pooling: PoolingParams,
+    *,
+    priority: int = 0,
+    prompt_param: str = "input",
+) -> TextRequest:
+    """Validate one input to embed: non-empty, in the vocabulary, within the context (it
+    generates nothing, so it may fill it). Raises InvalidParameter naming `prompt_param`."""
+    prompt_ids = list(prompt_ids)
+    if not prompt_ids:
+        raise InvalidParameter(f"{prompt_param} must not be empty", prompt_param)
+    check_token_ids(info, prompt_ids, prompt_param)
+    if len(prompt_ids) > info.max_model_len:
+        raise InvalidParameter(
+            f"{prompt_param} has {len(prompt_ids)} tokens, over this model's maximum context "
+            f"length (max_model_len) of {info.max_model_len} tokens",
+            prompt_param,
+        )
+    # max_tokens 0: the token budget (rate limits) counts the prompt alone.
+    return TextRequest(prompt_ids, SamplingParams(max_tokens=0), priority=priority, pooling=pooling)
 
 
 def text_request(
