@@ -1,9 +1,9 @@
 """The HTTP gateway's routes (Starlette): OpenAI-compatible completions, Anthropic's Messages
 API (gateway/anthropic/), models, vLLM-style
 tokenize / detokenize, health, Prometheus metrics, what SMG discovers and polls (SGLang-style
-server and model info, loads: gateway/front/smg.py), the OpenAPI document, and the web pages (the
-playground and the dashboard, gateway/front/pages.py) with the dashboard's feed
-(gateway/front/dashboard.py).
+server and model info, loads: gateway/front/smg.py), the Files and Batch APIs (gateway/batch/),
+the OpenAPI document, and the web pages (the playground and the dashboard, gateway/front/pages.py)
+with the dashboard's feed (gateway/front/dashboard.py).
 
 Routes stay thin, module-level handlers: read the body, call completions.py / generation.py /
 serving.py, write the answer; what they share (the Gateway, the config, the access checks) is
@@ -35,12 +35,15 @@ from common.config import DASHBOARD_FEED_INTERVAL_SECONDS, MAX_REQUEST_BODY_BYTE
 from gateway.anthropic import events as message_events
 from gateway.anthropic import protocol as aapi
 from gateway.anthropic import translate as anthropic
+from gateway.batch import protocol as bapi
+from gateway.batch.service import BatchService, parse_query
 from gateway.front import dashboard, smg
 from gateway.front.http_errors import error_body, error_headers, log_failure
 from gateway.front.openapi import openapi_document
 from gateway.front.pages import HEADERS, WebFile, load_web_files
 from gateway.front.serving import serve
 from gateway.front.sse import EventStreamResponse
+from gateway.front.uploads import MULTIPART, MULTIPART_OVERHEAD_BYTES, parse_upload
 from gateway.limits.auth import Access
 from gateway.limits.deadlines import set_deadline
 from gateway.messages import ChatTurn
@@ -89,6 +92,8 @@ class Endpoint:
     stream: type[BaseModel] | None = None  # the event shape, when it can stream
     stream_done: bool = True  # the stream ends with [DONE] (the Responses API's does not)
     media_type: str = "application/json"
+    request_media_type: str = "application/json"
+    query: type[BaseModel] | None = None  # the query parameters, as fields
     answers: tuple[int, ...] = (200,)  # the statuses that come with `response`
     errors: tuple[int, ...] = ()  # the statuses that come with the error body
     # The error body's shape (OpenAI's unless the route speaks another API) and its writer.
@@ -113,21 +118,17 @@ async def read_body(request: Request, model: type[api.RequestT]) -> api.RequestT
     return api.parse_request(model, await read_limited(request))
 
 
-async def read_limited(request: Request) -> bytes:
-    """The body; RequestTooLarge as soon as it is known to be over MAX_REQUEST_BODY_BYTES (by
-    its Content-Length before reading, else while reading), so it is never buffered whole."""
+async def read_limited(request: Request, limit: int = MAX_REQUEST_BODY_BYTES) -> bytes:
+    """The body; RequestTooLarge as soon as it is known to be over `limit` bytes (by its
+    Content-Length before reading, else while reading), so it is never buffered whole."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_REQUEST_BODY_BYTES:
-        raise api.RequestTooLarge(
-            f"the body is {declared} bytes, over the limit of {MAX_REQUEST_BODY_BYTES} bytes"
-        )
+    if declared.isdigit() and int(declared) > limit:
+        raise api.RequestTooLarge(f"the body is {declared} bytes, over the limit of {limit} bytes")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > MAX_REQUEST_BODY_BYTES:
-            raise api.RequestTooLarge(
-                f"the body is over the limit of {MAX_REQUEST_BODY_BYTES} bytes"
-            )
+        if size > limit:
+            raise api.RequestTooLarge(f"the body is over the limit of {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -159,6 +160,7 @@ class AppContext:
     gateway: Gateway
     config: GatewayConfig
     access: Access
+    batches: BatchService
     openapi: str  # the OpenAPI document, serialized once
 
 
@@ -226,11 +228,13 @@ async def _answer(
 
 
 async def chat_completions(request: Request) -> Response:
-    parser = _context(request).config.tool_call_parser
+    config = _context(request).config
     return await _completion(
         request,
         api.ChatCompletionRequest,
-        lambda gateway, body: completions.plan_chat(gateway, body, parser),
+        lambda gateway, body: completions.plan_chat(
+            gateway, body, config.tool_call_parser, config.reasoning_parser
+        ),
     )
 
 
@@ -256,7 +260,7 @@ async def _via_chat(
     async def run() -> Response:
         chat = to_chat(body)
         planned = await completions.plan_chat(
-            context.gateway, chat, context.config.tool_call_parser
+            context.gateway, chat, context.config.tool_call_parser, context.config.reasoning_parser
         )
         whole, events = answers(body, planned)
         return await _answer(request, planned, arrival, chat.stream, whole, events)
@@ -268,8 +272,10 @@ async def create_response(request: Request) -> Response:
     def answers(body: rapi.ResponsesRequest, planned: completions.Plan) -> Answers:
         head = translate.ResponseHead.of(body, planned.model)
         return (
-            lambda stream: response_events.respond(head, planned.tools, stream),
-            lambda first, stream: response_events.events(head, planned.tools, first, stream),
+            lambda stream: response_events.respond(head, planned.tools, planned.reasoning, stream),
+            lambda first, stream: response_events.events(
+                head, planned.tools, planned.reasoning, first, stream
+            ),
         )
 
     return await _via_chat(request, rapi.ResponsesRequest, translate.chat_request, answers)
@@ -425,6 +431,67 @@ async def loads(request: Request) -> Response:
 
 async def openapi(request: Request) -> Response:
     return Response(_context(request).openapi, media_type="application/json")
+
+
+async def create_file(request: Request) -> Response:
+    context = _context(request)
+    limit = context.batches.max_upload_bytes
+    # The body holds the file and its multipart framing: the file's own limit is checked
+    # once it is read.
+    body = await read_limited(request, limit + MULTIPART_OVERHEAD_BYTES)
+    filename, upload = await parse_upload(request.headers, body, limit)
+    owner = context.access.owner(request)
+    return ModelResponse(await context.batches.create_file(owner, filename, upload))
+
+
+async def list_files(request: Request) -> Response:
+    context = _context(request)
+    query = parse_query(bapi.FileListQuery, request.query_params)
+    return ModelResponse(await context.batches.files(context.access.owner(request), query))
+
+
+async def retrieve_file(request: Request) -> Response:
+    context = _context(request)
+    file_id = request.path_params["file_id"]
+    return ModelResponse(await context.batches.file(context.access.owner(request), file_id))
+
+
+async def file_content(request: Request) -> Response:
+    context = _context(request)
+    file_id = request.path_params["file_id"]
+    content = await context.batches.file_content(context.access.owner(request), file_id)
+    return Response(content, media_type="application/octet-stream")
+
+
+async def delete_file(request: Request) -> Response:
+    context = _context(request)
+    file_id = request.path_params["file_id"]
+    return ModelResponse(await context.batches.delete_file(context.access.owner(request), file_id))
+
+
+async def create_batch(request: Request) -> Response:
+    context = _context(request)
+    body = await read_body(request, bapi.BatchCreateRequest)
+    return ModelResponse(await context.batches.create_batch(context.access.owner(request), body))
+
+
+async def list_batches(request: Request) -> Response:
+    context = _context(request)
+    query = parse_query(bapi.BatchListQuery, request.query_params)
+    return ModelResponse(await context.batches.batches(context.access.owner(request), query))
+
+
+async def retrieve_batch(request: Request) -> Response:
+    context = _context(request)
+    batch_id = request.path_params["batch_id"]
+    return ModelResponse(await context.batches.batch(context.access.owner(request), batch_id))
+
+
+async def cancel_batch(request: Request) -> Response:
+    context = _context(request)
+    batch_id = request.path_params["batch_id"]
+    owner = context.access.owner(request)
+    return ModelResponse(await context.batches.cancel_batch(owner, batch_id))
 
 
 async def dashboard_feed(request: Request) -> Response:
@@ -595,6 +662,90 @@ ENDPOINTS = [
         smg.Loads,
         errors=SERVICE_ERRORS,
     ),
+    Endpoint(
+        "/v1/files",
+        "POST",
+        "Upload a file (OpenAI Files API; purpose batch: a batch job's JSONL input)",
+        create_file,
+        bapi.FileUpload,
+        bapi.FileObject,
+        request_media_type=MULTIPART,
+        errors=(400, 413, 415, *ANY_ROUTE_ERRORS),
+    ),
+    Endpoint(
+        "/v1/files",
+        "GET",
+        "The caller's files",
+        list_files,
+        None,
+        bapi.FileList,
+        query=bapi.FileListQuery,
+        errors=(400, *ANY_ROUTE_ERRORS),
+    ),
+    Endpoint(
+        "/v1/files/{file_id}",
+        "GET",
+        "One of the caller's files",
+        retrieve_file,
+        None,
+        bapi.FileObject,
+        errors=(404, *ANY_ROUTE_ERRORS),
+    ),
+    Endpoint(
+        "/v1/files/{file_id}",
+        "DELETE",
+        "Delete one of the caller's files",
+        delete_file,
+        None,
+        bapi.FileDeleted,
+        errors=(404, *ANY_ROUTE_ERRORS),
+    ),
+    Endpoint(
+        "/v1/files/{file_id}/content",
+        "GET",
+        "A file's content (a batch's output and error files are JSONL)",
+        file_content,
+        media_type="application/octet-stream",
+        errors=(404, *ANY_ROUTE_ERRORS),
+    ),
+    Endpoint(
+        "/v1/batches",
+        "POST",
+        "Create a batch job over an uploaded file (OpenAI Batch API); it runs in the background "
+        "at the least urgent priority",
+        create_batch,
+        bapi.BatchCreateRequest,
+        bapi.Batch,
+        errors=(400, 404, 413, 415, *ANY_ROUTE_ERRORS),
+    ),
+    Endpoint(
+        "/v1/batches",
+        "GET",
+        "The caller's batch jobs, newest first",
+        list_batches,
+        None,
+        bapi.BatchList,
+        query=bapi.BatchListQuery,
+        errors=(400, *ANY_ROUTE_ERRORS),
+    ),
+    Endpoint(
+        "/v1/batches/{batch_id}",
+        "GET",
+        "One of the caller's batch jobs",
+        retrieve_batch,
+        None,
+        bapi.Batch,
+        errors=(404, *ANY_ROUTE_ERRORS),
+    ),
+    Endpoint(
+        "/v1/batches/{batch_id}/cancel",
+        "POST",
+        "Cancel a batch job (cancelling, then cancelled with what was answered)",
+        cancel_batch,
+        None,
+        bapi.Batch,
+        errors=(404, *ANY_ROUTE_ERRORS),
+    ),
     Endpoint("/openapi.json", "GET", "This document", openapi, errors=ANY_ROUTE_ERRORS),
 ]
 
@@ -660,9 +811,13 @@ async def http_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(
-    gateway: Gateway, config: GatewayConfig | None = None, access: Access | None = None
+    gateway: Gateway,
+    batches: BatchService,
+    config: GatewayConfig | None = None,
+    access: Access | None = None,
 ) -> Starlette:
-    """The app; `access` (the keys and rate limits) may be shared with the gRPC API."""
+    """The app; `access` (the keys and rate limits) may be shared with the gRPC API; `batches`
+    serves the Files and Batch APIs (its runner started by whoever owns the loop)."""
     config = config or GatewayConfig()
     endpoints = ENDPOINTS + WEBUI_ENDPOINTS if config.webui else ENDPOINTS
     routes = [
@@ -675,6 +830,7 @@ def build_app(
         gateway,
         config,
         access or Access(config),
+        batches,
         json.dumps(openapi_document(endpoints, "Folio", "0.1.0")),
     )
     return app
