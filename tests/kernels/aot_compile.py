@@ -17,6 +17,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from engine.kernels.triton.activation import silu_and_mul_kernel  # noqa: E402
+from engine.kernels.triton.fused_moe import fused_moe_kernel  # noqa: E402
 from engine.kernels.triton.kv_cache import write_kv_kernel  # noqa: E402
 from engine.kernels.triton.paged_attention import paged_attention_kernel  # noqa: E402
 from engine.kernels.triton.rms_norm import rms_norm_kernel  # noqa: E402
@@ -126,6 +127,35 @@ def cases(dtype: str):
                 out_stride="i32",
             ),
             dict(SIZE=1536, BLOCK=1024),
+        ),
+    )
+    yield (
+        "fused_moe_down",
+        (
+            fused_moe_kernel,
+            dict(
+                a_ptr=f"*{dtype}",
+                w_ptr=f"*{dtype}",
+                c_ptr=f"*{dtype}",
+                weights_ptr="*fp32",
+                sorted_pairs_ptr="*i32",
+                block_expert_ptr="*i32",
+                num_pairs="i32",
+                n="i32",
+                k="i32",
+                a_stride="i32",
+                w_stride_e="i32",
+                w_stride_n="i32",
+                c_stride="i32",
+            ),
+            dict(
+                TOP_K=1,
+                MUL_WEIGHT=True,
+                BLOCK_M=16,
+                BLOCK_N=64,
+                BLOCK_K=64,
+                DOT_PRECISION="tf32",
+            ),
         ),
     )
 
