@@ -362,8 +362,8 @@ class GatewayConfig:
     )
     batch_concurrency: int = flag(
         4,
-        "lines of batch jobs one gateway process runs at once, each at the least urgent "
-        "priority (they give way to interactive requests under --scheduling-policy priority)",
+        "lines of batch jobs one gateway process runs at once, each in the engine's batch "
+        "lane (behind every interactive request)",
     )
 
     def __post_init__(self) -> None:

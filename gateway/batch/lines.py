@@ -3,9 +3,9 @@ with its own error), and one line run through the same library functions the HTT
 url calls (gateway/openai/completions.py, front/serving.py), answered as a line of the output
 file (200) or of the error file (any other status, in OpenAI's error body).
 
-A line runs at the least urgent priority, whatever it asks, is never streamed and is charged to
-no rate limit (the job's concurrency bounds it). Never touches the database or an HTTP
-connection.
+A line runs in the engine's batch lane (priority BATCH_PRIORITY, whatever it asks: it gives way
+to every interactive request), is never streamed and is charged to no rate limit (the job's
+concurrency bounds it). Never touches the database or an HTTP connection.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from common.config import GatewayConfig
 from common.errors import QueueFullError, UnavailableError
+from common.sampling_params import BATCH_PRIORITY
 from gateway.batch.protocol import InputLine, LineError, LineResponse, OutputLine
 from gateway.batch.store import Line, ReadLine, new_id
 from gateway.front.http_errors import error_body, log_failure
@@ -29,10 +30,6 @@ from gateway.limits.rate_limit import RateLimiter
 from gateway.openai import completions
 from gateway.openai import protocol as api
 from gateway.pipeline.generation import Gateway
-
-# The least urgent priority (the scheduler runs the smallest value first): a batch line gives
-# way to every interactive request.
-BATCH_PRIORITY = api.INT32_MAX
 
 
 @dataclass
@@ -75,7 +72,10 @@ async def _served(context: LineContext, caller: str, plan: completions.Plan) -> 
 async def _chat(context: LineContext, caller: str, raw: bytes) -> BaseModel:
     body = api.parse_request(api.ChatCompletionRequest, raw)
     _batch_body(body)
-    plan = await completions.plan_chat(context.gateway, body, context.config.tool_call_parser)
+    config = context.config
+    plan = await completions.plan_chat(
+        context.gateway, body, config.tool_call_parser, config.reasoning_parser
+    )
     return await _served(context, caller, plan)
 
 
