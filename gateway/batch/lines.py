@@ -1,7 +1,7 @@
 """The lines of a batch job: an input file read into lines (each malformed one answered at once
 with its own error), and one line run through the same library functions the HTTP route of its
-url calls (gateway/openai/completions.py, front/serving.py), answered as a line of the output
-file (200) or of the error file (any other status, in OpenAI's error body).
+url calls (gateway/openai/completions.py and embeddings.py, front/serving.py), answered as a
+line of the output file (200) or of the error file (any other status, in OpenAI's error body).
 
 A line runs in the engine's batch lane (priority BATCH_PRIORITY, whatever it asks: it gives way
 to every interactive request), is never streamed and is charged to no rate limit (the job's
@@ -13,10 +13,11 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from common.config import GatewayConfig
 from common.errors import QueueFullError, UnavailableError
@@ -27,9 +28,11 @@ from gateway.front.http_errors import error_body, log_failure
 from gateway.front.serving import serve
 from gateway.limits.deadlines import set_deadline
 from gateway.limits.rate_limit import RateLimiter
-from gateway.openai import completions
+from gateway.openai import completions, embeddings
+from gateway.openai import embeddings_protocol as eapi
 from gateway.openai import protocol as api
 from gateway.pipeline.generation import Gateway
+from gateway.pipeline.text import TextDelta, TextRequest
 
 
 @dataclass
@@ -42,7 +45,8 @@ class LineContext:
     limiter: RateLimiter = field(default_factory=lambda: RateLimiter(None, None))
 
 
-Route = Callable[[LineContext, str, bytes], Awaitable[BaseModel]]
+# A route's answer to a line's body: the response body, as JSON-ready data.
+Route = Callable[[LineContext, str, bytes], Awaitable[dict[str, Any]]]
 
 
 def _batch_body(body: api.SamplingFields) -> None:
@@ -51,25 +55,37 @@ def _batch_body(body: api.SamplingFields) -> None:
     body.priority = BATCH_PRIORITY
 
 
-async def _served(context: LineContext, caller: str, plan: completions.Plan) -> BaseModel:
+def _serve(context: LineContext, caller: str) -> embeddings.Serve:
+    """How a line's requests run: front/serving.py's serve, unlimited, bounded by the
+    request timeout from now."""
     arrival = time.monotonic()
-    stream = plan.outputs(
-        serve(
+    timeout = context.config.request_timeout
+
+    def run(
+        requests: Sequence[TextRequest], request_id: str
+    ) -> AsyncGenerator[tuple[int, TextDelta], None]:
+        return serve(
             context.gateway,
             context.limiter,
             caller,
-            plan.requests,
-            plan.id,
+            requests,
+            request_id,
             arrival,
-            arrival + context.config.request_timeout,
-            context.config.request_timeout,
+            arrival + timeout,
+            timeout,
         )
-    )
+
+    return run
+
+
+async def _served(context: LineContext, caller: str, plan: completions.Plan) -> dict[str, Any]:
+    stream = plan.outputs(_serve(context, caller)(plan.requests, plan.id))
     async with contextlib.aclosing(stream):
-        return await completions.respond(plan, stream)
+        response = await completions.respond(plan, stream)
+    return response.model_dump(mode="json")
 
 
-async def _chat(context: LineContext, caller: str, raw: bytes) -> BaseModel:
+async def _chat(context: LineContext, caller: str, raw: bytes) -> dict[str, Any]:
     body = api.parse_request(api.ChatCompletionRequest, raw)
     _batch_body(body)
     config = context.config
@@ -79,17 +95,25 @@ async def _chat(context: LineContext, caller: str, raw: bytes) -> BaseModel:
     return await _served(context, caller, plan)
 
 
-async def _completion(context: LineContext, caller: str, raw: bytes) -> BaseModel:
+async def _completion(context: LineContext, caller: str, raw: bytes) -> dict[str, Any]:
     body = api.parse_request(api.CompletionRequest, raw)
     _batch_body(body)
     plan = await completions.plan_completion(context.gateway, body)
     return await _served(context, caller, plan)
 
 
-# The urls a line may name, and what serves each.
+async def _embedding(context: LineContext, caller: str, raw: bytes) -> dict[str, Any]:
+    body = api.parse_request(eapi.EmbeddingRequest, raw)
+    return await embeddings.create_embeddings(
+        context.gateway, body, _serve(context, caller), BATCH_PRIORITY
+    )
+
+
+# The urls a line may name (protocol.BatchEndpoint), and what serves each.
 ROUTES: dict[str, Route] = {
     "/v1/chat/completions": _chat,
     "/v1/completions": _completion,
+    "/v1/embeddings": _embedding,
 }
 
 
@@ -161,9 +185,7 @@ async def answer(context: LineContext, owner: str, line: Line) -> tuple[bool, Ou
     except Exception as exc:
         log_failure(exc)
         return False, _response_line(line, request_id, exc)
-    response = LineResponse(
-        status_code=200, request_id=request_id, body=body.model_dump(mode="json")
-    )
+    response = LineResponse(status_code=200, request_id=request_id, body=body)
     return True, OutputLine(id=new_id("batch_req_"), custom_id=line.custom_id, response=response)
 
 

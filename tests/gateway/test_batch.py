@@ -1,6 +1,6 @@
 """Batch jobs through the real openai client (files and batches APIs) against the real gateway
-and engine with the default model: a job of chat and text completion lines answers each line
-as its endpoint answers the same greedy request; malformed lines, unknown urls and refused
+and engine with the default model: a job of chat, text completion and embedding lines answers
+each line as its endpoint answers the same greedy request; malformed lines, unknown urls and refused
 requests fail alone, in the error file; the Files API's list, content, delete; bad parameters
 (400 / 404 naming them, 413 over --max-upload-mib); two API keys never see each other's files
 or jobs; a cancel ends a job with what it answered."""
@@ -93,16 +93,17 @@ def test_a_job_answers_each_line_as_its_endpoint_does(client):
         request_line("chat-2", "/v1/chat/completions", {**chat_greedy, "max_tokens": 4}),
         {"custom_id": "no-body", "method": "POST", "url": "/v1/completions"},
         request_line("chat-1", "/v1/chat/completions", chat_greedy),  # a used custom_id
+        request_line("embed-1", "/v1/embeddings", {"input": ["a red fox", "a blue whale"]}),
     ]
     batch = run_job(client, lines)
     assert batch.status == "completed", batch
-    assert batch.request_counts.total == 8
-    assert batch.request_counts.completed == 3
+    assert batch.request_counts.total == 9
+    assert batch.request_counts.completed == 4
     assert batch.request_counts.failed == 5
     assert batch.completed_at is not None and batch.in_progress_at is not None
 
     outputs = read_lines(client, batch.output_file_id)
-    assert set(outputs) == {"chat-1", "text-1", "chat-2"}
+    assert set(outputs) == {"chat-1", "text-1", "chat-2", "embed-1"}
     for line in outputs.values():
         assert line["error"] is None and line["id"].startswith("batch_req_")
         assert line["response"]["status_code"] == 200
@@ -116,6 +117,13 @@ def test_a_job_answers_each_line_as_its_endpoint_does(client):
     assert outputs["text-1"]["response"]["body"]["choices"][0]["text"] == text.choices[0].text
     chat_2 = outputs["chat-2"]["response"]["body"]["choices"][0]["message"]["content"]
     assert chat_2 == short.choices[0].message.content
+    embedded = client.embeddings.create(model=MODEL, input=["a red fox", "a blue whale"])
+    vectors = outputs["embed-1"]["response"]["body"]["data"]
+    assert [v["index"] for v in vectors] == [0, 1]
+    for line, direct in zip(vectors, embedded.data, strict=True):
+        # Pooled beside other requests in the batch: equal up to bfloat16 rounding.
+        pairs = zip(line["embedding"], direct.embedding, strict=True)
+        assert sum(a * b for a, b in pairs) > 0.999  # unit vectors: their cosine
 
     errors = read_lines(client, batch.error_file_id)
     assert errors[None]["error"]["code"] == "invalid_json_line"
