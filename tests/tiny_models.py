@@ -13,9 +13,11 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 SMALL = dict(
@@ -123,6 +125,37 @@ VARIANTS = {
                 short_factor=[1.0 + 0.1 * i for i in range(8)],
                 long_factor=[2.0 + 0.5 * i for i in range(8)],
             ),
+        ),
+    ),
+}
+
+# Mixtures of experts, apart: the dense models' tests do not run on them.
+MOE_VARIANTS = {
+    # Mixtral: softmax over the top-k (renormalised), every layer sparse.
+    "mixtral": (
+        MixtralConfig,
+        dict(
+            SMALL,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=None,
+        ),
+    ),
+    # Qwen3-MoE: q/k norms, top-k of the softmax left as it is, layer 1 a dense MLP.
+    "qwen3-moe": (
+        Qwen3MoeConfig,
+        dict(
+            SMALL,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
         ),
     ),
 }

@@ -1,15 +1,21 @@
 """The fused MoE kernel (grouped GEMMs over pairs sorted by expert) against the plain loop over
 experts, under the Triton interpreter (or natively with FOLIO_KERNEL_DEVICE=cuda): uneven
 expert loads with idle experts, one token, pairs that belong to no expert (another rank's, with
-expert parallelism), and the sorted layout itself."""
+expert parallelism), and the sorted layout itself; and a Mixtral through the whole engine on the
+Triton backend (where MoE layers take the fused kernel) gives the torch backend's greedy
+tokens."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from kernel_utils import DEVICE, DTYPES, assert_close, randn
+from test_triton_engine import greedy_tokens
 
 from engine.kernels.triton.fused_moe import BLOCK_M, align_pairs, fused_moe, fused_moe_ref
+from engine.layers.moe import SparseMoe
+from engine.models.loader import load_model
+from tiny_models import MOE_VARIANTS, make_checkpoint
 
 HIDDEN, INTERMEDIATE, EXPERTS = 48, 40, 6  # neither a power of two: masked tiles
 
@@ -62,3 +68,15 @@ def test_pairs_are_grouped_by_expert_in_whole_blocks():
     assert (sorted_pairs[2 * BLOCK_M :] == pad).all()
     assert sorted_pairs.shape[0] == 6 + 4 * (BLOCK_M - 1)
     assert block_expert.tolist() == [0, 2] + [-1] * (block_expert.shape[0] - 2)
+
+
+def test_a_mixtral_on_the_triton_backend_gives_the_torch_backends_tokens(tmp_path):
+    make_checkpoint(tmp_path, *MOE_VARIANTS["mixtral"])
+    model, _ = load_model(tmp_path, torch.float32, DEVICE, attention_backend="triton")
+    moe = model.model.layers[0].mlp
+    assert isinstance(moe, SparseMoe) and moe.fused and moe.w13 is not None
+    assert moe.w13.shape == (8, 2 * 96, 64) and not moe.experts  # stacked, the modules gone
+    expected, _ = greedy_tokens(tmp_path, "torch", "cpu")
+    got, hits = greedy_tokens(tmp_path, "triton", DEVICE)
+    assert hits > 0
+    assert got == expected

@@ -11,7 +11,6 @@ import json
 import pytest
 import torch
 from test_models import TOL, Runner, hf_logits, random_tokens
-from transformers import MixtralConfig, Qwen3MoeConfig
 
 from common.config import EngineConfig
 from common.sampling_params import SamplingParams
@@ -20,37 +19,7 @@ from engine.layers.moe import SparseMoe
 from engine.layers.quantization import QuantizedWeight, quantize
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
-from tiny_models import SMALL, hf_greedy, make_checkpoint
-
-MOE_VARIANTS = {
-    # Mixtral: softmax over the top-k (renormalised), every layer sparse.
-    "mixtral": (
-        MixtralConfig,
-        dict(
-            SMALL,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_local_experts=8,
-            num_experts_per_tok=2,
-            sliding_window=None,
-        ),
-    ),
-    # Qwen3-MoE: q/k norms, top-k of the softmax left as it is, layer 1 a dense MLP.
-    "qwen3-moe": (
-        Qwen3MoeConfig,
-        dict(
-            SMALL,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            num_experts=8,
-            num_experts_per_tok=3,
-            moe_intermediate_size=32,
-            norm_topk_prob=False,
-            mlp_only_layers=[1],
-        ),
-    ),
-}
+from tiny_models import MOE_VARIANTS, hf_greedy, make_checkpoint
 
 
 @pytest.fixture(scope="module", params=list(MOE_VARIANTS))
