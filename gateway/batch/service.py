@@ -13,7 +13,7 @@ import asyncio
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -41,6 +41,7 @@ from gateway.batch.store import BatchStore, Line, new_id
 from gateway.pipeline.generation import Gateway
 
 QueryT = TypeVar("QueryT", bound=BaseModel)
+PageT = TypeVar("PageT", FileList, BatchList)
 MIB = 1024 * 1024
 
 
@@ -95,12 +96,7 @@ class BatchService:
         files, more = await asyncio.to_thread(
             self.store.files, owner, query.purpose, query.limit, query.order == "asc", query.after
         )
-        return FileList(
-            data=files,
-            first_id=files[0].id if files else None,
-            last_id=files[-1].id if files else None,
-            has_more=more,
-        )
+        return _page(FileList, files, more)
 
     async def file_content(self, owner: str, file_id: str) -> bytes:
         content = await asyncio.to_thread(self.store.file_content, owner, file_id)
@@ -151,12 +147,7 @@ class BatchService:
 
     async def batches(self, owner: str, query: BatchListQuery) -> BatchList:
         batches, more = await asyncio.to_thread(self.store.batches, owner, query.limit, query.after)
-        return BatchList(
-            data=batches,
-            first_id=batches[0].id if batches else None,
-            last_id=batches[-1].id if batches else None,
-            has_more=more,
-        )
+        return _page(BatchList, batches, more)
 
     async def cancel_batch(self, owner: str, batch_id: str) -> Batch:
         batch = await asyncio.to_thread(self.store.cancel, owner, batch_id)
@@ -164,6 +155,16 @@ class BatchService:
             raise _no_batch(batch_id)
         self.runner.wake()
         return batch
+
+
+def _page(kind: type[PageT], items: list[Any], more: bool) -> PageT:
+    """One page of a list: its objects, the first and last ids (cursors), whether more follow."""
+    return kind(
+        data=items,
+        first_id=items[0].id if items else None,
+        last_id=items[-1].id if items else None,
+        has_more=more,
+    )
 
 
 def _no_file(file_id: str) -> NotFound:

@@ -444,29 +444,11 @@ async def create_file(request: Request) -> Response:
     return ModelResponse(await context.batches.create_file(owner, filename, upload))
 
 
-async def list_files(request: Request) -> Response:
-    context = _context(request)
-    query = parse_query(bapi.FileListQuery, request.query_params)
-    return ModelResponse(await context.batches.files(context.access.owner(request), query))
-
-
-async def retrieve_file(request: Request) -> Response:
-    context = _context(request)
-    file_id = request.path_params["file_id"]
-    return ModelResponse(await context.batches.file(context.access.owner(request), file_id))
-
-
 async def file_content(request: Request) -> Response:
     context = _context(request)
     file_id = request.path_params["file_id"]
     content = await context.batches.file_content(context.access.owner(request), file_id)
     return Response(content, media_type="application/octet-stream")
-
-
-async def delete_file(request: Request) -> Response:
-    context = _context(request)
-    file_id = request.path_params["file_id"]
-    return ModelResponse(await context.batches.delete_file(context.access.owner(request), file_id))
 
 
 async def create_batch(request: Request) -> Response:
@@ -475,23 +457,18 @@ async def create_batch(request: Request) -> Response:
     return ModelResponse(await context.batches.create_batch(context.access.owner(request), body))
 
 
-async def list_batches(request: Request) -> Response:
-    context = _context(request)
-    query = parse_query(bapi.BatchListQuery, request.query_params)
-    return ModelResponse(await context.batches.batches(context.access.owner(request), query))
+OwnedCall = Callable[[BatchService, str, Request], Awaitable[BaseModel]]
 
 
-async def retrieve_batch(request: Request) -> Response:
-    context = _context(request)
-    batch_id = request.path_params["batch_id"]
-    return ModelResponse(await context.batches.batch(context.access.owner(request), batch_id))
+def owned(call: OwnedCall) -> Handler:
+    """A route of the Files and Batch APIs: `call(batches, owner, request)`, with the caller's
+    owner (whose files and jobs it may see), answered with the object it returns."""
 
+    async def handle(request: Request) -> Response:
+        context = _context(request)
+        return ModelResponse(await call(context.batches, context.access.owner(request), request))
 
-async def cancel_batch(request: Request) -> Response:
-    context = _context(request)
-    batch_id = request.path_params["batch_id"]
-    owner = context.access.owner(request)
-    return ModelResponse(await context.batches.cancel_batch(owner, batch_id))
+    return handle
 
 
 async def dashboard_feed(request: Request) -> Response:
@@ -676,7 +653,7 @@ ENDPOINTS = [
         "/v1/files",
         "GET",
         "The caller's files",
-        list_files,
+        owned(lambda b, owner, r: b.files(owner, parse_query(bapi.FileListQuery, r.query_params))),
         None,
         bapi.FileList,
         query=bapi.FileListQuery,
@@ -686,7 +663,7 @@ ENDPOINTS = [
         "/v1/files/{file_id}",
         "GET",
         "One of the caller's files",
-        retrieve_file,
+        owned(lambda b, owner, r: b.file(owner, r.path_params["file_id"])),
         None,
         bapi.FileObject,
         errors=(404, *ANY_ROUTE_ERRORS),
@@ -695,7 +672,7 @@ ENDPOINTS = [
         "/v1/files/{file_id}",
         "DELETE",
         "Delete one of the caller's files",
-        delete_file,
+        owned(lambda b, owner, r: b.delete_file(owner, r.path_params["file_id"])),
         None,
         bapi.FileDeleted,
         errors=(404, *ANY_ROUTE_ERRORS),
@@ -722,7 +699,9 @@ ENDPOINTS = [
         "/v1/batches",
         "GET",
         "The caller's batch jobs, newest first",
-        list_batches,
+        owned(
+            lambda b, owner, r: b.batches(owner, parse_query(bapi.BatchListQuery, r.query_params))
+        ),
         None,
         bapi.BatchList,
         query=bapi.BatchListQuery,
@@ -732,7 +711,7 @@ ENDPOINTS = [
         "/v1/batches/{batch_id}",
         "GET",
         "One of the caller's batch jobs",
-        retrieve_batch,
+        owned(lambda b, owner, r: b.batch(owner, r.path_params["batch_id"])),
         None,
         bapi.Batch,
         errors=(404, *ANY_ROUTE_ERRORS),
@@ -741,7 +720,7 @@ ENDPOINTS = [
         "/v1/batches/{batch_id}/cancel",
         "POST",
         "Cancel a batch job (cancelling, then cancelled with what was answered)",
-        cancel_batch,
+        owned(lambda b, owner, r: b.cancel_batch(owner, r.path_params["batch_id"])),
         None,
         bapi.Batch,
         errors=(404, *ANY_ROUTE_ERRORS),
