@@ -1,10 +1,11 @@
 """A Messages API answer from the chat path's text deltas: the whole Message, or Anthropic's
 event stream: message_start, ping, per content block content_block_start,
-content_block_delta... (text_delta, or input_json_delta for a tool_use block) and
-content_block_stop, then message_delta (stop reason, output tokens) and message_stop.
+content_block_delta... (thinking_delta for a thinking block, text_delta, or input_json_delta for
+a tool_use block) and content_block_stop, then message_delta (stop reason, output tokens) and
+message_stop.
 
-The text is read into text and tool_use blocks by the chat path's tool reader, so a streamed
-answer and a whole one agree. Never talks to a service.
+The text is read into thinking, text and tool_use blocks by the chat path's answer reader, so a
+streamed answer and a whole one agree. Never talks to a service.
 """
 
 from __future__ import annotations
@@ -15,13 +16,19 @@ from gateway.anthropic import protocol as aapi
 from gateway.anthropic.translate import MessageHead, content_blocks, error_body, stop_reason
 from gateway.front.http_errors import log_failure
 from gateway.front.sse import named_event
-from gateway.openai.tools.chat import ToolPlan, ToolReader
-from gateway.openai.tools.parsers import CallStart, ContentDelta, ToolEvent, collect
+from gateway.openai.reasoning.parsers import ReasoningDelta
+from gateway.openai.reasoning.plan import ReasoningPlan
+from gateway.openai.reasoning.reader import AnswerEvent, AnswerReader, read_whole
+from gateway.openai.tools.chat import ToolPlan
+from gateway.openai.tools.parsers import CallStart, ContentDelta
 from gateway.pipeline.text import TextDelta
 
 
 async def respond(
-    head: MessageHead, tools: ToolPlan | None, stream: AsyncIterator[tuple[int, TextDelta]]
+    head: MessageHead,
+    tools: ToolPlan | None,
+    reasoning: ReasoningPlan | None,
+    stream: AsyncIterator[tuple[int, TextDelta]],
 ) -> aapi.Message:
     """Run the stream to its end; the whole Message."""
     texts: list[str] = []
@@ -29,9 +36,10 @@ async def respond(
     async for _, delta in stream:
         texts.append(delta.text)
         last = delta
-    answer = collect(ToolReader(tools).read("".join(texts), final=True))
-    reason = stop_reason(last.finish_reason, last.stop_matched, len(answer.calls))
-    return head.message(content_blocks(answer), reason, last.stop_matched, last.usage)
+    answer, _ = read_whole(tools, reasoning, "".join(texts))
+    reason = stop_reason(last.finish_reason, last.stop_matched, len(answer.parsed.calls))
+    blocks = content_blocks(answer, head.thinking)
+    return head.message(blocks, reason, last.stop_matched, last.usage)
 
 
 def _event(type_: str, **fields: object) -> bytes:
@@ -41,14 +49,17 @@ def _event(type_: str, **fields: object) -> bytes:
 class _Blocks:
     """The content blocks of one streamed message, opened and closed as the events come."""
 
-    def __init__(self) -> None:
+    def __init__(self, thinking: bool) -> None:
+        self.thinking = thinking  # reasoning is written as thinking blocks (else left out)
         self.count = 0  # blocks started
+        self.answered = False  # a text or tool_use block started
         self.open: str | None = None  # the type of the block being written
 
     def start(self, block: aapi.OutputBlock) -> list[bytes]:
         out = self.close()
         self.open = block.type
         self.count += 1
+        self.answered = self.answered or block.type != "thinking"
         out.append(_event("content_block_start", index=self.count - 1, content_block=block))
         return out
 
@@ -61,7 +72,13 @@ class _Blocks:
         self.open = None
         return [_event("content_block_stop", index=self.count - 1)]
 
-    def read(self, event: ToolEvent) -> list[bytes]:
+    def read(self, event: AnswerEvent) -> list[bytes]:
+        if isinstance(event, ReasoningDelta):
+            if not self.thinking:
+                return []
+            out = [] if self.open == "thinking" else self.start(aapi.ThinkingContent(thinking=""))
+            out.append(self.delta(aapi.EventDelta(type="thinking_delta", thinking=event.text)))
+            return out
         if isinstance(event, ContentDelta):
             out = [] if self.open == "text" else self.start(aapi.TextContent(text=""))
             out.append(self.delta(aapi.EventDelta(type="text_delta", text=event.text)))
@@ -74,20 +91,21 @@ class _Blocks:
 async def events(
     head: MessageHead,
     tools: ToolPlan | None,
+    reasoning: ReasoningPlan | None,
     first: tuple[int, TextDelta],
     stream: AsyncGenerator[tuple[int, TextDelta], None],
 ) -> AsyncGenerator[bytes, None]:
     """The event stream (the first delta already read)."""
-    blocks = _Blocks()
-    reader = ToolReader(tools)
+    blocks = _Blocks(head.thinking)
+    reader = AnswerReader(tools, reasoning)
     try:
         yield _event("message_start", message=head.message([]))
         yield _event("ping")
         _, delta = first
         while True:
             final = delta.finish_reason is not None
-            for tool_event in reader.read(delta.text, final):
-                for chunk in blocks.read(tool_event):
+            for answer_event in reader.read(delta.text, final):
+                for chunk in blocks.read(answer_event):
                     yield chunk
             if final:
                 break
@@ -95,7 +113,7 @@ async def events(
                 _, delta = await anext(stream)
             except StopAsyncIteration:
                 break
-        if blocks.count == 0:  # an empty answer is still a text block
+        if not blocks.answered:  # an empty answer is still a text block
             for chunk in blocks.start(aapi.TextContent(text="")):
                 yield chunk
         for chunk in blocks.close():

@@ -33,7 +33,20 @@ class ToolResultBlock(api.RequestBody):
     is_error: bool = False
 
 
-ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock
+class ThinkingBlock(api.RequestBody):
+    """An assistant's earlier thinking, sent back as it came (not fed to the model again)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = ""
+
+
+class RedactedThinkingBlock(api.RequestBody):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
 
 
 class InputMessage(api.RequestBody):
@@ -53,12 +66,23 @@ class ToolChoice(api.RequestBody):
     disable_parallel_tool_use: bool = False
 
 
+class ThinkingConfig(api.RequestBody):
+    """Extended thinking: enabled returns the model's reasoning as thinking blocks (with a
+    reasoning parser); disabled asks the chat template not to think (enable_thinking false).
+    budget_tokens is required with enabled, as Anthropic requires it, but not enforced: the
+    reasoning ends where the model ends it, within max_tokens."""
+
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = Field(None, ge=1024)
+
+
 class CountTokensRequest(api.RequestBody):
     model: str | None = Field(None, description="Must name the served model when set.")
     messages: list[InputMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -86,7 +110,13 @@ class ToolUseContent(api.ResponseBody):
     input: dict[str, Any]
 
 
-OutputBlock = TextContent | ToolUseContent
+class ThinkingContent(api.ResponseBody):
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""  # nothing is signed here
+
+
+OutputBlock = ThinkingContent | TextContent | ToolUseContent
 
 
 class MessageUsage(api.ResponseBody):
@@ -121,10 +151,12 @@ class MessagesErrorResponse(api.ResponseBody):
 
 
 class EventDelta(api.ResponseBody):
-    """A content_block_delta's delta (text_delta, input_json_delta), or message_delta's."""
+    """A content_block_delta's delta (text_delta, thinking_delta, input_json_delta), or
+    message_delta's."""
 
     type: str | None = Field(default=None, exclude_if=api.is_unset)
     text: str | None = Field(default=None, exclude_if=api.is_unset)
+    thinking: str | None = Field(default=None, exclude_if=api.is_unset)
     partial_json: str | None = Field(default=None, exclude_if=api.is_unset)
     stop_reason: StopReason | None = Field(default=None, exclude_if=api.is_unset)
     stop_sequence: str | None = Field(default=None, exclude_if=api.is_unset)

@@ -17,7 +17,7 @@ from typing import Any
 from gateway.anthropic import protocol as aapi
 from gateway.front.http_errors import error_body as openai_error_body
 from gateway.openai import protocol as api
-from gateway.openai.tools.parsers import ParsedAnswer
+from gateway.openai.reasoning.reader import Answer
 from gateway.pipeline.text import Usage
 
 # Anthropic's error type for each HTTP status the gateway answers.
@@ -88,7 +88,8 @@ def _assistant(message: aapi.InputMessage, where: str) -> dict[str, Any]:
             )
         elif isinstance(block, aapi.TextBlock):
             texts.append(block.text)
-        else:
+        elif not isinstance(block, (aapi.ThinkingBlock, aapi.RedactedThinkingBlock)):
+            # Earlier thinking is dropped, as chat templates drop it.
             raise _refuse(block, "assistant", f"{where}.content[{j}]")
     turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
     if calls:
@@ -131,6 +132,10 @@ def chat_request(body: aapi.CountTokensRequest) -> api.ChatCompletionRequest:
                 chat[name] = value
     if body.model is not None:
         chat["model"] = body.model
+    if body.thinking is not None:
+        _check_thinking(body.thinking)
+        if body.thinking.type == "disabled":
+            chat["chat_template_kwargs"] = {"enable_thinking": False}
     if body.tools:
         chat["tools"] = [
             {
@@ -150,6 +155,17 @@ def chat_request(body: aapi.CountTokensRequest) -> api.ChatCompletionRequest:
         return api.ChatCompletionRequest.model_validate(chat)
     except ValueError as exc:  # a field the chat request refuses
         raise api.InvalidParameter(f"messages: {exc}", "messages") from None
+
+
+def _check_thinking(thinking: aapi.ThinkingConfig) -> None:
+    if thinking.type == "enabled" and thinking.budget_tokens is None:
+        raise api.InvalidParameter("thinking of type enabled needs budget_tokens", "thinking")
+
+
+def shows_thinking(body: aapi.MessagesRequest) -> bool:
+    """Whether the answer's reasoning (with a reasoning parser) comes back as thinking blocks;
+    otherwise it is left out."""
+    return body.thinking is not None and body.thinking.type == "enabled"
 
 
 def stop_reason(finish_reason: str | None, stop_matched: str | None, calls: int) -> aapi.StopReason:
@@ -189,10 +205,11 @@ class MessageHead:
     id: str
     model: str
     input_tokens: int  # the prompt's length, known before any output
+    thinking: bool = False  # the reasoning comes back as thinking blocks
 
     @classmethod
-    def of(cls, model: str, input_tokens: int) -> MessageHead:
-        return cls(f"msg_{uuid.uuid4().hex}", model, input_tokens)
+    def of(cls, model: str, input_tokens: int, thinking: bool = False) -> MessageHead:
+        return cls(f"msg_{uuid.uuid4().hex}", model, input_tokens, thinking)
 
     def message(
         self,
@@ -211,9 +228,13 @@ class MessageHead:
         )
 
 
-def content_blocks(answer: ParsedAnswer) -> list[aapi.OutputBlock]:
-    """A whole answer's blocks: its text (if any), then its calls."""
+def content_blocks(whole: Answer, thinking: bool) -> list[aapi.OutputBlock]:
+    """A whole answer's blocks: its reasoning (if any, and `thinking`), its text (if any), then
+    its calls."""
     blocks: list[aapi.OutputBlock] = []
+    if thinking and whole.reasoning is not None:
+        blocks.append(aapi.ThinkingContent(thinking=whole.reasoning))
+    answer = whole.parsed
     if answer.content or not answer.calls:
         blocks.append(aapi.TextContent(text=answer.content))
     blocks += [

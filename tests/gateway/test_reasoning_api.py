@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
@@ -110,16 +111,21 @@ def _client(gateway) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def clients(services):
-    """A client per gateway: the template's format (qwen3), deepseek_r1 and gpt_oss."""
-    gateways = {
+def gateways(services):
+    """The gateways by parser: the template's format (qwen3), deepseek_r1 and gpt_oss."""
+    started = {
         "template": start_gateway(services),
         "deepseek_r1": start_gateway(services, reasoning_parser="deepseek_r1"),
         "gpt_oss": start_gateway(services, reasoning_parser="gpt_oss"),
     }
-    yield {name: _client(gateway) for name, gateway in gateways.items()}
-    for gateway in gateways.values():
+    yield started
+    for gateway in started.values():
         gateway.close()
+
+
+@pytest.fixture(scope="module")
+def clients(gateways) -> dict[str, openai.OpenAI]:
+    return {name: _client(gateway) for name, gateway in gateways.items()}
 
 
 def chat(client: openai.OpenAI, sampling: dict[str, Any], **fields: Any):
@@ -297,6 +303,64 @@ def test_responses_emit_reasoning_items_and_events(clients):
         max_output_tokens=1,
     )
     assert follow_up.status == "incomplete"
+
+
+def test_anthropic_thinking_blocks(gateways, clients):
+    """thinking enabled: the reasoning as a thinking block, whole and streamed; disabled: the
+    template is asked not to think (enable_thinking false) and nothing is split; absent: the
+    reasoning is left out."""
+    chat_client = clients["deepseek_r1"]
+    expected = (
+        chat_client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            temperature=0.0,
+            max_tokens=5,  # type: ignore[arg-type]
+        )
+        .choices[0]
+        .message
+    )
+    client = anthropic.Anthropic(
+        base_url=gateways["deepseek_r1"].url, api_key="unused", max_retries=0, timeout=4 * TIMEOUT
+    )
+    fields: dict[str, Any] = {
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 5, "extra_body": {"temperature": 0.0}
+    }  # fmt: skip
+    enabled = {"type": "enabled", "budget_tokens": 1024}
+    message = client.messages.create(**fields, thinking=enabled)  # type: ignore[arg-type]
+    thought, text = message.content
+    assert thought.type == "thinking" and text.type == "text"
+    assert thought.thinking == expected.reasoning_content  # type: ignore[attr-defined]
+    assert text.text == (expected.content or "")
+    with client.messages.stream(**fields, thinking=enabled) as stream:  # type: ignore[arg-type]
+        kinds = [e.type for e in stream]
+        streamed = stream.get_final_message()
+    assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in message.content]
+    assert "content_block_start" in kinds and kinds[-1] == "message_stop"
+    # Not asked for: the answer alone.
+    [answer] = client.messages.create(**fields).content  # type: ignore[arg-type]
+    assert answer.type == "text" and answer.text == (expected.content or "")
+    # Disabled: the closed <think></think> block is in the prompt; the answer is not split.
+    closed = chat_client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        temperature=0.0,
+        max_tokens=5,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    disabled = client.messages.create(**fields, thinking={"type": "disabled"})  # type: ignore[arg-type]
+    assert disabled.usage.input_tokens == closed.usage.prompt_tokens  # type: ignore[union-attr]
+    assert [b.text for b in disabled.content] == [closed.choices[0].message.content]  # type: ignore[union-attr]
+    # Earlier thinking sent back in the conversation is accepted.
+    history = [
+        *MESSAGES,
+        {"role": "assistant", "content": [b.model_dump() for b in message.content]},
+        {"role": "user", "content": "Again"},
+    ]
+    again = client.messages.create(**{**fields, "max_tokens": 1, "messages": history})
+    assert again.stop_reason == "max_tokens"
+    with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
+        client.messages.create(**fields, thinking={"type": "enabled"})  # type: ignore[arg-type]
 
 
 def test_response_events_split_reasoning_from_the_answer():

@@ -39,6 +39,10 @@ class AnswerReader:
             events += self._tools.read(answer, final)
         return events
 
+    @property
+    def num_calls(self) -> int:
+        return self._tools.num_calls
+
     def finish_reason(self, reason: str) -> str:
         return self._tools.finish_reason(reason)
 

@@ -208,7 +208,7 @@ async def events(
                 break
         status: rapi.ItemStatus = "incomplete" if reason == "length" else "completed"
         if (
-            out.writing is None
+            not isinstance(out.writing, rapi.OutputMessage)
             and out.call is None
             and not any(
                 isinstance(item, (rapi.OutputMessage, rapi.FunctionCallItem)) for item in out.output
