@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -48,13 +48,14 @@ from gateway.limits.auth import Access
 from gateway.limits.deadlines import set_deadline
 from gateway.messages import ChatTurn
 from gateway.metrics import CONTENT_TYPE
-from gateway.openai import completions
+from gateway.openai import completions, embeddings
+from gateway.openai import embeddings_protocol as eapi
 from gateway.openai import protocol as api
 from gateway.openai.responses import events as response_events
 from gateway.openai.responses import protocol as rapi
 from gateway.openai.responses import translate
 from gateway.pipeline.generation import Gateway
-from gateway.pipeline.text import TextDelta
+from gateway.pipeline.text import TextDelta, TextRequest
 from gateway.pipeline.validation import check_token_ids
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -310,6 +311,47 @@ async def text_completions(request: Request) -> Response:
     return await _completion(request, api.CompletionRequest, completions.plan_completion)
 
 
+async def _pooling(
+    request: Request,
+    model: type[api.RequestT],
+    plan: Callable[[Gateway, api.RequestT], Awaitable[embeddings.PoolingPlan]],
+) -> Response:
+    """An embedding, score or rerank request: planned, its inputs embedded, answered whole."""
+    arrival = time.monotonic()
+    context = _context(request)
+    body = await read_body(request, model)
+
+    def run(requests: Sequence[TextRequest], request_id: str) -> Deltas:
+        return serve(
+            context.gateway,
+            context.access.limiter,
+            request.state.caller,
+            requests,
+            request_id,
+            arrival,
+            request.state.deadline,
+            context.config.request_timeout,
+        )
+
+    async def answer() -> Response:
+        planned = await plan(context.gateway, body)
+        return ModelResponse(await embeddings.answer(planned, run), exclude_none=True)
+
+    return await until_disconnect(request, answer())
+
+
+async def create_embeddings(request: Request) -> Response:
+    return await _pooling(request, eapi.EmbeddingRequest, embeddings.plan_embeddings)
+
+
+async def score(request: Request) -> Response:
+    return await _pooling(request, eapi.ScoreRequest, embeddings.plan_score)
+
+
+async def rerank(request: Request) -> Response:
+    return await _pooling(request, eapi.RerankRequest, embeddings.plan_rerank)
+
+
 async def models(request: Request) -> Response:
     info = await _context(request).gateway.check_model(None)
     return ModelResponse(
@@ -406,29 +448,11 @@ async def create_file(request: Request) -> Response:
     return ModelResponse(await context.batches.create_file(owner, filename, upload))
 
 
-async def list_files(request: Request) -> Response:
-    context = _context(request)
-    query = parse_query(bapi.FileListQuery, request.query_params)
-    return ModelResponse(await context.batches.files(context.access.owner(request), query))
-
-
-async def retrieve_file(request: Request) -> Response:
-    context = _context(request)
-    file_id = request.path_params["file_id"]
-    return ModelResponse(await context.batches.file(context.access.owner(request), file_id))
-
-
 async def file_content(request: Request) -> Response:
     context = _context(request)
     file_id = request.path_params["file_id"]
     content = await context.batches.file_content(context.access.owner(request), file_id)
     return Response(content, media_type="application/octet-stream")
-
-
-async def delete_file(request: Request) -> Response:
-    context = _context(request)
-    file_id = request.path_params["file_id"]
-    return ModelResponse(await context.batches.delete_file(context.access.owner(request), file_id))
 
 
 async def create_batch(request: Request) -> Response:
@@ -437,23 +461,18 @@ async def create_batch(request: Request) -> Response:
     return ModelResponse(await context.batches.create_batch(context.access.owner(request), body))
 
 
-async def list_batches(request: Request) -> Response:
-    context = _context(request)
-    query = parse_query(bapi.BatchListQuery, request.query_params)
-    return ModelResponse(await context.batches.batches(context.access.owner(request), query))
+OwnedCall = Callable[[BatchService, str, Request], Awaitable[BaseModel]]
 
 
-async def retrieve_batch(request: Request) -> Response:
-    context = _context(request)
-    batch_id = request.path_params["batch_id"]
-    return ModelResponse(await context.batches.batch(context.access.owner(request), batch_id))
+def owned(call: OwnedCall) -> Handler:
+    """A route of the Files and Batch APIs: `call(batches, owner, request)`, with the caller's
+    owner (whose files and jobs it may see), answered with the object it returns."""
 
+    async def handle(request: Request) -> Response:
+        context = _context(request)
+        return ModelResponse(await call(context.batches, context.access.owner(request), request))
 
-async def cancel_batch(request: Request) -> Response:
-    context = _context(request)
-    batch_id = request.path_params["batch_id"]
-    owner = context.access.owner(request)
-    return ModelResponse(await context.batches.cancel_batch(owner, batch_id))
+    return handle
 
 
 async def dashboard_feed(request: Request) -> Response:
@@ -523,6 +542,33 @@ ENDPOINTS = [
         api.CompletionRequest,
         api.CompletionResponse,
         api.CompletionResponse,
+        errors=BODY_ERRORS,
+    ),
+    Endpoint(
+        "/v1/embeddings",
+        "POST",
+        "Embeddings (OpenAI): each input's pooled hidden state, unit length",
+        create_embeddings,
+        eapi.EmbeddingRequest,
+        eapi.EmbeddingResponse,
+        errors=BODY_ERRORS,
+    ),
+    Endpoint(
+        "/v1/score",
+        "POST",
+        "Scores of text pairs (vLLM): the cosine similarity of their embeddings",
+        score,
+        eapi.ScoreRequest,
+        eapi.ScoreResponse,
+        errors=BODY_ERRORS,
+    ),
+    Endpoint(
+        "/v1/rerank",
+        "POST",
+        "Documents by relevance to a query (vLLM; Jina and Cohere shapes), by embedding cosine",
+        rerank,
+        eapi.RerankRequest,
+        eapi.RerankResponse,
         errors=BODY_ERRORS,
     ),
     Endpoint(
@@ -611,7 +657,7 @@ ENDPOINTS = [
         "/v1/files",
         "GET",
         "The caller's files",
-        list_files,
+        owned(lambda b, owner, r: b.files(owner, parse_query(bapi.FileListQuery, r.query_params))),
         None,
         bapi.FileList,
         query=bapi.FileListQuery,
@@ -621,7 +667,7 @@ ENDPOINTS = [
         "/v1/files/{file_id}",
         "GET",
         "One of the caller's files",
-        retrieve_file,
+        owned(lambda b, owner, r: b.file(owner, r.path_params["file_id"])),
         None,
         bapi.FileObject,
         errors=(404, *ANY_ROUTE_ERRORS),
@@ -630,7 +676,7 @@ ENDPOINTS = [
         "/v1/files/{file_id}",
         "DELETE",
         "Delete one of the caller's files",
-        delete_file,
+        owned(lambda b, owner, r: b.delete_file(owner, r.path_params["file_id"])),
         None,
         bapi.FileDeleted,
         errors=(404, *ANY_ROUTE_ERRORS),
@@ -657,7 +703,9 @@ ENDPOINTS = [
         "/v1/batches",
         "GET",
         "The caller's batch jobs, newest first",
-        list_batches,
+        owned(
+            lambda b, owner, r: b.batches(owner, parse_query(bapi.BatchListQuery, r.query_params))
+        ),
         None,
         bapi.BatchList,
         query=bapi.BatchListQuery,
@@ -667,7 +715,7 @@ ENDPOINTS = [
         "/v1/batches/{batch_id}",
         "GET",
         "One of the caller's batch jobs",
-        retrieve_batch,
+        owned(lambda b, owner, r: b.batch(owner, r.path_params["batch_id"])),
         None,
         bapi.Batch,
         errors=(404, *ANY_ROUTE_ERRORS),
@@ -676,7 +724,7 @@ ENDPOINTS = [
         "/v1/batches/{batch_id}/cancel",
         "POST",
         "Cancel a batch job (cancelling, then cancelled with what was answered)",
-        cancel_batch,
+        owned(lambda b, owner, r: b.cancel_batch(owner, r.path_params["batch_id"])),
         None,
         bapi.Batch,
         errors=(404, *ANY_ROUTE_ERRORS),
