@@ -11,8 +11,9 @@ import json
 
 import pytest
 import torch
+from test_prompt_logprobs import random_prompt as prompt
+from test_prompt_logprobs import tiny_engine as prompt_logprobs_engine
 
-from common.config import EngineConfig
 from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from embedding_models import cosine, reference_embedding, write_sentence_transformers
@@ -31,20 +32,11 @@ def checkpoint(tmp_path_factory):
 
 
 def tiny_engine(directory, **overrides) -> LLMEngine:
-    args = dict(
-        model=str(directory),
-        dtype="float32",
-        block_size=4,
-        num_kv_blocks=64,
-        max_num_batched_tokens=16,  # a 40-token prompt prefills in three chunks
-        max_num_seqs=8,
-        enforce_eager=True,  # no decode programs to compile: these tests are about prefill
+    """test_prompt_logprobs' tiny engine; a 16-token step budget prefills a 40-token prompt in
+    three chunks, and eager steps leave no decode programs to compile."""
+    return prompt_logprobs_engine(
+        directory, **{"max_num_batched_tokens": 16, "enforce_eager": True, **overrides}
     )
-    return LLMEngine(EngineConfig(**{**args, **overrides}))
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 150, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def run(engine: LLMEngine) -> tuple[dict, dict]:
