@@ -3,7 +3,8 @@ and engine with the default model: a job of chat, text completion and embedding 
 each line as its endpoint answers the same greedy request; malformed lines, unknown urls and refused
 requests fail alone, in the error file; the Files API's list, content, delete; bad parameters
 (400 / 404 naming them, 413 over --max-upload-mib); two API keys never see each other's files
-or jobs; a cancel ends a job with what it answered."""
+or jobs; a cancel ends a job with what it answered; two gateways on one database run each
+line once."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.batch.store import BatchStore
 from gateway_helpers import check_error, start_gateway
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -246,3 +248,37 @@ def test_a_cancelled_job_keeps_what_it_answered(keyed):
     assert len(read_lines(client, done.output_file_id)) == done.request_counts.completed
     # A finished job is what it is: cancelling it again changes nothing.
     assert client.batches.cancel(batch.id).status == "cancelled"
+
+
+def test_two_gateways_on_one_database_run_each_line_once(services, tmp_path):
+    """As the workers of one gateway (--workers) share a --batch-dir: each job runs under one
+    lease at a time, every line once; either gateway answers for any job."""
+    gateways = [
+        start_gateway(services, batch_dir=str(tmp_path), batch_concurrency=1) for _ in range(2)
+    ]
+    try:
+        clients = [
+            openai.OpenAI(base_url=g.url + "/v1", api_key="unused", max_retries=0) for g in gateways
+        ]
+        body = {**TEXT, "max_tokens": 4}
+        lines = [request_line(f"line-{i}", "/v1/completions", body) for i in range(4)]
+        batches = []
+        for client in clients:
+            file = client.files.create(file=("job.jsonl", jsonl(lines)), purpose="batch")
+            batches.append(
+                client.batches.create(
+                    input_file_id=file.id, endpoint="/v1/completions", completion_window="24h"
+                )
+            )
+        for client, batch in zip(reversed(clients), batches, strict=True):
+            done = wait_done(client, batch.id)
+            assert (done.status, done.request_counts.completed) == ("completed", 4)
+    finally:
+        for server in gateways:
+            server.close()
+    store = BatchStore(tmp_path)
+    try:
+        for batch in batches:
+            assert store.attempts(batch.id) == {line: 1 for line in range(1, 5)}
+    finally:
+        store.close()
