@@ -52,14 +52,18 @@ def run(engine: LLMEngine) -> tuple[dict, dict]:
     return tokens, embeddings
 
 
+def sentence_transformers_copy(directory, target, pooling: str):
+    """The checkpoint's files linked into `target`, packaged as a sentence-transformers model."""
+    target.mkdir()
+    for file in directory.iterdir():
+        (target / file.name).symlink_to(file)
+    return write_sentence_transformers(target, pooling)
+
+
 @pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
 def test_pooled_vectors_match_transformers_whole_and_chunked(checkpoint, pooling, tmp_path):
     directory, reference = checkpoint
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    for file in directory.iterdir():
-        (model_dir / file.name).symlink_to(file)
-    write_sentence_transformers(model_dir, pooling)
+    model_dir = sentence_transformers_copy(directory, tmp_path / "model", pooling)
     engine = tiny_engine(model_dir)  # a sentence-transformers model: the pooling runner
     prompts = {"short": prompt(5, 1), "one": prompt(1, 2), "chunked": prompt(40, 3)}
     for request_id, ids in prompts.items():
@@ -90,6 +94,24 @@ def test_embeddings_beside_generation_in_one_engine(checkpoint):
     assert cosine(embeddings["emb-a"], reference_embedding(reference, shared, "last")) > COSINE
     emb_b = reference_embedding(reference, prompt(30, 5), "last")
     assert cosine(embeddings["emb-b"], emb_b) > COSINE
+
+
+def test_mean_pooling_after_a_preemption_in_the_middle_of_the_prefill(checkpoint, tmp_path):
+    directory, reference = checkpoint
+    model_dir = sentence_transformers_copy(directory, tmp_path / "model", "mean")
+    # 12 blocks of 4 tokens: a long-running request leaves too little for the embedding's
+    # prompt, which is preempted after its first chunk and pooled again from its start.
+    engine = tiny_engine(model_dir, runner="generate", num_kv_blocks=12, max_num_batched_tokens=8)
+    long = SamplingParams(temperature=0.0, max_tokens=36, ignore_eos=True)
+    engine.add_request("long", prompt(8, 7), long)
+    while engine.requests["long"].num_tokens < 34:
+        engine.step()
+    ids = prompt(20, 8)
+    request = engine.add_request("emb", ids, SamplingParams(), pooling=PoolingParams())
+    tokens, embeddings = run(engine)
+    assert request.num_preemptions > 0
+    assert cosine(embeddings["emb"], reference_embedding(reference, ids, "mean")) > COSINE
+    assert len(tokens["long"]) > 0
 
 
 def test_embedding_requests_never_touch_the_prefix_cache(checkpoint):
