@@ -252,20 +252,16 @@ def test_structured_output_applies_after_the_reasoning(clients):
     assert message.content in ("sunny", "rainy")
 
 
+def greedy_answer(client: openai.OpenAI):
+    """The chat API's split of the random model's greedy 5 tokens (no bias)."""
+    return chat(client, {}, max_tokens=5).choices[0].message
+
+
 def test_responses_emit_reasoning_items_and_events(clients):
     """Responses take no logit_bias: deepseek_r1 reads a random answer as reasoning (it starts
     there); the items and events must carry what the chat API splits of the same answer."""
     client = clients["deepseek_r1"]
-    expected = (
-        client.chat.completions.create(
-            model=MODEL,
-            messages=MESSAGES,
-            temperature=0.0,
-            max_tokens=5,  # type: ignore[arg-type]
-        )
-        .choices[0]
-        .message
-    )
+    expected = greedy_answer(client)
     assert expected.reasoning_content  # type: ignore[attr-defined]
     response = client.responses.create(
         model=MODEL, input="Hi", temperature=0.0, max_output_tokens=5
@@ -310,16 +306,7 @@ def test_anthropic_thinking_blocks(gateways, clients):
     template is asked not to think (enable_thinking false) and nothing is split; absent: the
     reasoning is left out."""
     chat_client = clients["deepseek_r1"]
-    expected = (
-        chat_client.chat.completions.create(
-            model=MODEL,
-            messages=MESSAGES,
-            temperature=0.0,
-            max_tokens=5,  # type: ignore[arg-type]
-        )
-        .choices[0]
-        .message
-    )
+    expected = greedy_answer(chat_client)
     client = anthropic.Anthropic(
         base_url=gateways["deepseek_r1"].url, api_key="unused", max_retries=0, timeout=4 * TIMEOUT
     )

@@ -48,16 +48,24 @@ def _pieces(reasoning: str, content: str) -> list[Piece]:
 
 
 class ReasoningParser:
-    """Splits one answer's text: feed() each piece as it comes, finish() at the end."""
+    """Splits one answer's text: feed() each piece as it comes, finish() at the end.
+    Subclasses read what is buffered (`_step`), holding back only a marker's beginning."""
 
     name: ClassVar[str]
     # The markers are special tokens, which the text keeps only when asked to.
     needs_special_tokens: ClassVar[bool] = False
 
+    def __init__(self) -> None:
+        self._buffer = ""
+
     def feed(self, text: str) -> list[Piece]:
-        raise NotImplementedError
+        self._buffer += text
+        return self._step(final=False)
 
     def finish(self) -> list[Piece]:
+        return self._step(final=True)
+
+    def _step(self, final: bool) -> list[Piece]:
         raise NotImplementedError
 
 
@@ -70,16 +78,9 @@ class ThinkParser(ReasoningParser):
     name = "think"
 
     def __init__(self, in_reasoning: bool) -> None:
+        super().__init__()
         self._default = "reasoning" if in_reasoning else "content"
         self._state = "start"  # start | reasoning | after_end | content
-        self._buffer = ""
-
-    def feed(self, text: str) -> list[Piece]:
-        self._buffer += text
-        return self._step(final=False)
-
-    def finish(self) -> list[Piece]:
-        return self._step(final=True)
 
     def _step(self, final: bool) -> list[Piece]:
         out: list[Piece] = []
@@ -139,16 +140,9 @@ class HarmonyParser(ReasoningParser):
     REASONING_CHANNEL = "analysis"
 
     def __init__(self) -> None:
+        super().__init__()
         self._state = "header"  # header | body | plain
-        self._buffer = ""
         self._reasoning = False  # the current body's channel is analysis
-
-    def feed(self, text: str) -> list[Piece]:
-        self._buffer += text
-        return self._step(final=False)
-
-    def finish(self) -> list[Piece]:
-        return self._step(final=True)
 
     def _step(self, final: bool) -> list[Piece]:
         out: list[Piece] = []
