@@ -2,6 +2,10 @@
 tokenizer services may require of their callers, both sent as `authorization: Bearer <key>`
 (an HTTP header, or gRPC call metadata).
 
+An API key may come with settings of its own, after it on its line of the key file (and in
+FOLIO_API_KEYS, which carries the same entries): `KEY tenant=NAME weight=W slo_ttft_ms=MS
+slo_total_ms=MS`, each optional (KeySettings).
+
 Keys are kept only as SHA-256 digests, and a presented key is compared with every one of them
 by hmac.compare_digest without stopping at a match: neither a key's content, nor its length,
 nor which key matched shows in the time a check takes. This module never logs or formats a
@@ -12,8 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +34,53 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+@dataclass(frozen=True)
+class KeySettings:
+    """What an API key's requests get unless they say otherwise: the tenant they are served
+    as under the fair scheduling policy (None: the key's own name), its weight, and default
+    deadlines (milliseconds) for the first token and the end."""
+
+    tenant: str | None = None
+    weight: float = 1.0
+    slo_ttft_ms: float | None = None
+    slo_total_ms: float | None = None
+
+
+def key_of(entry: str) -> str:
+    """The key of a key entry (`KEY setting=value ...`)."""
+    return entry.split(None, 1)[0] if entry.strip() else ""
+
+
+def key_settings(entry: str, source: str = "API key") -> KeySettings:
+    """The settings of a key entry; ValueError naming `source` and the setting when one is
+    unknown or out of range. Never includes the key in a message."""
+    values: dict[str, str | float] = {}
+    for item in entry.split()[1:]:
+        name, equals, value = item.partition("=")
+        if not equals or name not in KeySettings.__dataclass_fields__:
+            raise ValueError(
+                f"{source}: {item!r} after the key is not one of tenant=, weight=, "
+                "slo_ttft_ms=, slo_total_ms="
+            )
+        if name == "tenant":
+            values[name] = value
+            continue
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not (number > 0 and math.isfinite(number)):
+            raise ValueError(f"{source}: {name} must be a positive number, got {value!r}")
+        values[name] = number
+    return KeySettings(**values)  # type: ignore[arg-type]
+
+
 class KeySet:
-    """The keys that grant access; empty means access is open."""
+    """The keys that grant access; empty means access is open. Built from key entries (a key
+    and its settings): only the keys are kept, as digests."""
 
     def __init__(self, keys: Iterable[str] = ()) -> None:
-        self._digests = tuple(dict.fromkeys(_digest(k) for k in keys))
+        self._digests = tuple(dict.fromkeys(_digest(key_of(k)) for k in keys))
 
     def __bool__(self) -> bool:
         return bool(self._digests)
@@ -60,11 +108,13 @@ def bearer_token(authorization: str | None) -> str | None:
     return token if scheme.lower() == "bearer" and token else None
 
 
-def _check_key(key: str, source: str) -> str:
+def _check_key(entry: str, source: str) -> str:
     # Keys travel in a header and in a comma-separated variable: visible ASCII, no commas.
-    if not key or not all("!" <= c <= "~" and c != "," for c in key):
+    key = key_of(entry)
+    if not key or not all("!" <= c <= "~" and c != "," for c in entry.strip() if c != " "):
         raise ValueError(f"{source}: an API key must be printable ASCII without spaces or commas")
-    return key
+    key_settings(entry, source)
+    return " ".join(entry.split())
 
 
 def load_api_keys(
@@ -72,8 +122,10 @@ def load_api_keys(
     key_file: str | None = None,
     environ: Mapping[str, str] = os.environ,
 ) -> tuple[str, ...]:
-    """The gateway's API keys: --api-key values, FOLIO_API_KEYS (comma-separated) and the lines
-    of --api-key-file (blank lines and # comments skipped). ValueError names a bad key's source."""
+    """The gateway's API key entries (each a key and its settings, `KEY name=value ...`):
+    --api-key values, FOLIO_API_KEYS (comma-separated) and the lines of --api-key-file (blank
+    lines and # comments skipped); a key given twice counts once, as first given. ValueError
+    names a bad entry's source."""
     keys = [_check_key(k, f"--api-key #{i + 1}") for i, k in enumerate(flag_keys)]
     keys += [
         _check_key(k.strip(), API_KEYS_ENV)
@@ -87,7 +139,10 @@ def load_api_keys(
                 keys.append(_check_key(line, f"{key_file} line {number}"))
         if not keys:
             raise ValueError(f"--api-key-file {key_file} holds no key")
-    return tuple(dict.fromkeys(keys))
+    first: dict[str, str] = {}
+    for entry in keys:
+        first.setdefault(key_of(entry), entry)
+    return tuple(first.values())
 
 
 def internal_token(environ: Mapping[str, str] = os.environ) -> str | None:

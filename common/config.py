@@ -331,6 +331,12 @@ class GatewayConfig:
         "then it is aborted (HTTP 504, gRPC DEADLINE_EXCEEDED)",
     )
 
+    trust_tenant_header: bool = flag(
+        False,
+        "take a request's tenant (its fair share under --scheduling-policy fair) from its "
+        "x-tenant header, as a proxy in front names it; default: its API key's tenant= setting, "
+        "else the key itself",
+    )
     routing_policy: str = flag(
         "cache_aware",
         "with several engine replicas, which one a request goes to: the one holding most of "
@@ -391,7 +397,8 @@ class ApiKeySources:
     )
     api_key_file: str | None = flag(
         None,
-        "a file of API keys, one per line (blank lines and # comments skipped); default: none",
+        "a file of API keys, one per line (blank lines and # comments skipped), each optionally "
+        "followed by tenant=NAME weight=W slo_ttft_ms=MS slo_total_ms=MS; default: none",
     )
 
 

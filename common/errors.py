@@ -175,9 +175,17 @@ def status_code_for(error: BaseException) -> grpc.StatusCode:
     return mapping_for(error).grpc_code
 
 
-def error_for(code: grpc.StatusCode | int, message: str, param: str | None = None) -> FolioError:
+def error_for(
+    code: grpc.StatusCode | int,
+    message: str,
+    param: str | None = None,
+    retry_after: int | None = None,
+) -> FolioError:
     """The exception a client raises for a status code (an enum or its number on the wire);
-    InternalError for a code no row claims."""
+    InternalError for a code no row claims. `retry_after` (seconds) goes on a QueueFullError."""
     if isinstance(code, int):
         code = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
-    return _FROM_STATUS.get(code, InternalError)(message, param)
+    error = _FROM_STATUS.get(code, InternalError)(message, param)
+    if isinstance(error, QueueFullError):
+        error.retry_after = retry_after
+    return error

@@ -28,8 +28,8 @@ from typing import Any
 
 from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
+from common.service_level import NO_SERVICE_LEVEL, ServiceLevel
 from engine.core.outputs import EngineStats, RequestOutput, StepTimings
-from engine.core.request import NO_SERVICE_LEVEL, ServiceLevel
 from engine.engine import LLMEngine
 from engine.errors import EngineError, EngineGroupError
 

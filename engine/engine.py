@@ -19,16 +19,11 @@ from common.config import EngineConfig, default_step_cost_path
 from common.finish_reason import FinishReason
 from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
+from common.service_level import NO_SERVICE_LEVEL, ServiceLevel
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_events import KVEventPublisher
 from engine.core.outputs import EngineStats, RequestOutput, SamplerOutput, StepTimings
-from engine.core.request import (
-    NO_SERVICE_LEVEL,
-    Request,
-    ServiceLevel,
-    check_new_request,
-    ended_output,
-)
+from engine.core.request import Request, check_new_request, ended_output
 from engine.core.scheduler import Scheduler
 from engine.core.step_cost import LiveStepCost, StepCostModel
 from engine.core.stopping import check_stop

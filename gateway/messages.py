@@ -71,11 +71,13 @@ class Logprob:
 
 @dataclass(frozen=True)
 class RequestError:
-    """An engine request's own error: a gRPC status code, its message and the field it names."""
+    """An engine request's own error: a gRPC status code, its message, the field it names and,
+    when the engine refused it for now, the seconds until it could be admitted."""
 
     code: int
     message: str
     param: str | None = None
+    retry_after: int | None = None
 
 
 # Not frozen: a frozen dataclass sets each field through object.__setattr__, and these are made

@@ -21,6 +21,7 @@ from common.finish_reason import finish_reason_from_proto, finish_reason_to_prot
 from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from common.sampling_proto import sampling_params_from_proto, sampling_params_to_proto
+from common.service_level import NO_SERVICE_LEVEL, ServiceLevel
 from gateway.messages import (
     ChatFormats,
     ChatTurn,
@@ -111,7 +112,9 @@ def step_output(output: engine_pb2.RequestOutput) -> StepOutput:
             output.request_id,
             output.index,
             finished=True,
-            error=RequestError(error.code, error.message, error.param or None),
+            error=RequestError(
+                error.code, error.message, error.param or None, error.retry_after_seconds or None
+            ),
         )
     return StepOutput(
         request_id=output.request_id,
@@ -142,6 +145,8 @@ def add_request(
     params: SamplingParams,
     priority: int,
     pooling: PoolingParams | None = None,
+    *,
+    service: ServiceLevel = NO_SERVICE_LEVEL,
 ) -> GenerateMessage:
     """A new request; with `pooling`, an embedding request (its sampling params unsent)."""
     if pooling is not None:
@@ -150,6 +155,7 @@ def add_request(
                 request_id=request_id,
                 prompt_token_ids=prompt_token_ids,
                 priority=priority,
+                **_service_fields(service),
                 pooling=engine_pb2.PoolingParams(dimensions=pooling.dimensions),
             )
         )
@@ -159,8 +165,19 @@ def add_request(
             prompt_token_ids=prompt_token_ids,
             sampling_params=sampling_params_to_proto(params),
             priority=priority,
+            **_service_fields(service),
         )
     )
+
+
+def _service_fields(service: ServiceLevel) -> dict[str, Any]:
+    """EngineRequest's fields for a service level (unset deadlines stay unset)."""
+    fields: dict[str, Any] = {"tenant": service.tenant, "tenant_weight": service.weight}
+    if service.ttft_ms is not None:
+        fields["slo_ttft_ms"] = service.ttft_ms
+    if service.total_ms is not None:
+        fields["slo_total_ms"] = service.total_ms
+    return fields
 
 
 def abort_request(

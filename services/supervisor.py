@@ -4,14 +4,14 @@ Starts each child with the `folio` command of this same interpreter and hands it
 serve config whole, as JSON (--config-json, common.flags), never rebuilt into flags to be parsed
 again: the tokenizer and the engine where to listen and the EngineConfig, the gateway its front
 (listening, policy; the API keys travel resolved in FOLIO_API_KEYS). Waits until all are healthy
-(gRPC health SERVING for the tokenizer and the engine, HTTP /health 200 for the gateway), prints
-the URL and watches them. SIGINT / SIGTERM stop the gateway first (it drains its clients), then
-the engine and the tokenizer. A child that dies while serving is restarted with the same command
-line after a back-off (0.5 s, doubling up to 8 s); the others are told nothing, since the gateway
-reconnects by itself. A child that keeps dying (more than --max-restarts times without staying
-up for a minute in between), or one that dies during start-up, stops the others and ends `folio
-serve` with a non-zero exit. This module only starts, probes and stops processes: it holds no
-service logic and never imports torch or the engine.
+(gRPC health SERVING for the tokenizer and the engine, HTTP /health 200 for the gateway), says how
+long each took, prints the URL and watches them. SIGINT / SIGTERM stop the gateway first (it drains
+its clients), then the engine and the tokenizer. A child that dies while serving is restarted with
+the same command line after a back-off (0.5 s, doubling up to 8 s); the others are told nothing,
+since the gateway reconnects by itself. A child that keeps dying (more than --max-restarts times
+without staying up for a minute in between), or one that dies during start-up, stops the others and
+ends `folio serve` with a non-zero exit. This module only starts, probes and stops processes: it
+holds no service logic and never imports torch or the engine.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO
 
-from common.auth import load_api_keys
+from common.auth import key_of, load_api_keys
 from common.config import (
     API_KEYS_ENV,
     ENGINE_PORT,
@@ -184,12 +184,14 @@ class Child:
     output: IO | None = None  # the child's stdout and stderr; None: this process's
     env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
     process: subprocess.Popen | None = None
+    started_at: float | None = None  # monotonic; its last start
     healthy_since: float | None = None  # monotonic; None until healthy after its last start
     deaths_in_a_row: int = 0
     restart_at: float | None = None  # monotonic; set while it is dead and waiting for a restart
     _probe: Callable[[], bool] | None = None
 
     def start(self) -> None:
+        self.started_at = time.monotonic()
         self.healthy_since = None
         self.restart_at = None
         # A process group of its own: a terminal's Ctrl-C reaches only the supervisor, which
@@ -211,6 +213,11 @@ class Child:
                 self.healthy_since = time.monotonic()
             return True
         return False
+
+    def startup_seconds(self) -> float:
+        """From its last start to its first healthy probe after it."""
+        assert self.started_at is not None and self.healthy_since is not None
+        return self.healthy_since - self.started_at
 
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()
@@ -334,7 +341,7 @@ class Supervisor:
 
     def _probe_headers(self) -> dict[str, str]:
         if self.api_keys and self.config.front.policy.protect_health_metrics:
-            return {"Authorization": f"Bearer {self.api_keys[0]}"}
+            return {"Authorization": f"Bearer {key_of(self.api_keys[0])}"}
         return {}
 
     @property
@@ -368,7 +375,9 @@ class Supervisor:
         pending = list(self.children)
         while pending and not self._stop.is_set():
             self._raise_if_dead("during start-up")
-            pending = [c for c in pending if not c.healthy()]
+            for child in [c for c in pending if c.healthy()]:
+                pending.remove(child)
+                print(f"folio: {child.name} healthy in {child.startup_seconds():.1f} s", flush=True)
             if pending and time.monotonic() > deadline:
                 names = ", ".join(c.name for c in pending)
                 raise ServeError(f"{names} not healthy after {self.config.startup_timeout:.0f} s")
@@ -393,7 +402,11 @@ class Supervisor:
         elif child.exit_code() is not None:
             self._schedule_restart(child, now)
         elif child.healthy_since is None and child.healthy():
-            print(f"folio: {child.name} is serving again", flush=True)
+            print(
+                f"folio: {child.name} is serving again, {child.startup_seconds():.1f} s after "
+                "its restart",
+                flush=True,
+            )
 
     def _schedule_restart(self, child: Child, now: float) -> None:
         recovered = child.healthy_since is not None and now - child.healthy_since >= STABLE_SECONDS

@@ -25,6 +25,7 @@ from common.errors import InvalidRequestError
 from common.finish_reason import FinishReason
 from common.pooling_params import PoolingParams
 from common.sampling_params import BATCH_PRIORITY, SamplingParams, sample_request_id
+from common.service_level import NO_SERVICE_LEVEL, ServiceLevel
 from engine.core.outputs import RequestOutput
 
 
@@ -47,35 +48,6 @@ class RequestTimes:
     first_scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None
-
-
-@dataclass(frozen=True)
-class ServiceLevel:
-    """What a request's caller is owed: its tenant (the fair policy shares the engine between
-    tenants by `weight`) and its deadlines, in milliseconds from its arrival at the engine:
-    for its first token (`ttft_ms`) and for its end (`total_ms`); None: no deadline."""
-
-    tenant: str = ""
-    weight: float = 1.0
-    ttft_ms: float | None = None
-    total_ms: float | None = None
-
-    def check(self) -> None:
-        """InvalidRequestError naming the field unless each is in range."""
-        if not (self.weight > 0 and math.isfinite(self.weight)):
-            raise InvalidRequestError(
-                f"tenant_weight must be a positive number, got {self.weight}", "tenant_weight"
-            )
-        for name in ("ttft_ms", "total_ms"):
-            value = getattr(self, name)
-            if value is not None and not (value > 0 and math.isfinite(value)):
-                raise InvalidRequestError(
-                    f"slo_{name} must be a positive number of milliseconds, got {value}",
-                    f"slo_{name}",
-                )
-
-
-NO_SERVICE_LEVEL = ServiceLevel()
 
 
 @dataclass(eq=False)

@@ -93,6 +93,16 @@ class _Shipped:
     num_blocks: int
 
 
+# For the admission estimate: how many tokens a request without max_tokens is taken to generate.
+ASSUMED_OUTPUT_TOKENS = 256
+
+
+def _output_bound(request: Request) -> int:
+    """The most tokens `request` generates, as far as the scheduler can tell."""
+    max_tokens = request.sampling_params.max_tokens
+    return ASSUMED_OUTPUT_TOKENS if max_tokens is None else max_tokens
+
+
 class Scheduler:
     def __init__(
         self, config: EngineConfig, kv_cache: KVCacheManager, step_cost: LiveStepCost | None = None
@@ -171,21 +181,38 @@ class Scheduler:
         one_step = cost.step_seconds(min(own, self.max_num_batched_tokens), 0)
         if ms / 1000 < one_step:
             raise InvalidRequestError(
-                f"slo_{name} is {ms:g} ms, below one engine step of this request's prompt "
-                f"({one_step * 1e3:.1f} ms): it can never be met",
+                f"slo_{name} leaves {ms:.3g} ms when the request reaches the engine, below one "
+                f"engine step of its prompt ({one_step * 1e3:.1f} ms): it cannot be met",
                 f"slo_{name}",
             )
-        ahead = self.waiting.tokens_ahead(request) + self._running_prefill_tokens()
+        ahead = self.waiting.ahead_of(request)
+        tokens = sum(r.num_tokens for r in ahead) + self._running_prefill_tokens() + own
         expected = cost.seconds_to_prefill(
-            ahead + own, self.num_running_seqs, self.max_num_batched_tokens
-        )
+            tokens, self.num_running_seqs, self.max_num_batched_tokens
+        ) + self._seconds_to_free_slots(len(ahead) + 1, ahead, cost)
         if expected > ms / 1000:
             raise DeadlineUnmeetable(
-                f"slo_{name} is {ms:g} ms, but the first token is expected in "
+                f"slo_{name} leaves {ms:.3g} ms, but the first token is expected in "
                 f"{expected * 1e3:.0f} ms behind the {len(self.waiting)} waiting and "
                 f"{len(self.running)} running requests; retry later",
                 retry_after=max(1, math.ceil(expected - ms / 1000)),
             )
+
+    def _seconds_to_free_slots(
+        self, needed: int, ahead: list[Request], cost: LiveStepCost
+    ) -> float:
+        """How long until `needed` sequence slots are free (the requests `ahead` of a new one,
+        and it): running requests end after their max_tokens at the latest, soonest first;
+        slots beyond theirs after rounds of the requests ahead."""
+        needed -= self.max_num_seqs - self.num_running_seqs
+        if needed <= 0 or not self.running:
+            return 0.0
+        left = sorted(max(1, _output_bound(r) - r.num_output_tokens) for r in self.running)
+        steps = left[min(needed, len(left)) - 1]
+        if needed > len(left):
+            rounds = math.ceil((needed - len(left)) / self.max_num_seqs)
+            steps += rounds * max(_output_bound(r) for r in ahead)
+        return steps * cost.step_seconds(0, self.num_running_seqs)
 
     def finish(self, request: Request) -> None:
         """Drop a request (finished or aborted) from the queues and free its blocks."""

@@ -173,27 +173,37 @@ class WaitingQueue:
                 return True
         return False
 
-    def tokens_ahead(self, request: Request) -> int:
-        """Prompt tokens of waiting requests that would run before `request` (not yet queued):
-        those ahead of it in its lane (and the whole interactive lane for a batch request);
-        under fair, its tenant's ahead of it and what the other tenants get meanwhile by
-        their weights, as far as they have tokens waiting."""
-        key = self.key(request)
+    def ahead_of(self, request: Request) -> list[Request]:
+        """The waiting requests that would run before `request` (not yet queued): those ahead
+        of it in its lane (and the whole interactive lane for a batch request); under fair, its
+        tenant's ahead of it and, in their order, what the other tenants get meanwhile by their
+        weights (as many of their tokens as its tenant's times their weight over its own)."""
+        key = self.key(request)[:4]
         lane = lane_of(request)
-        before = 0 if lane == INTERACTIVE else self._lane_tokens(INTERACTIVE)
+        ahead = [] if lane == INTERACTIVE else list(self._lane(INTERACTIVE))
         if self.policy != "fair":
-            return before + sum(
-                q.num_tokens for k, q in self._heaps[lane].get("", []) if k[:4] < key[:4]
-            )
-        own = request.num_tokens + sum(
-            q.num_tokens for k, q in self._heaps[lane].get(request.tenant, []) if k[:4] < key[:4]
+            return ahead + [q for k, q in self._heaps[lane].get("", []) if k[:4] < key]
+        own = [q for k, q in self._heaps[lane].get(request.tenant, []) if k[:4] < key]
+        budget = (request.num_tokens + sum(q.num_tokens for q in own)) * (
+            self.shares.others_weight(request.tenant) / request.service.weight
         )
-        others = self._lane_tokens(lane) - sum(
-            q.num_tokens for _, q in self._heaps[lane].get(request.tenant, [])
+        others = sorted(
+            (
+                entry
+                for t, heap in self._heaps[lane].items()
+                if t != request.tenant
+                for entry in heap
+            ),
+            key=lambda entry: entry[0],
         )
-        other_weight = self.shares.others_weight(request.tenant)
-        meanwhile = min(others, int(own * other_weight / request.service.weight))
-        return before + own - request.num_tokens + meanwhile
+        for _key, queued in others:
+            if budget <= 0:
+                break
+            ahead.append(queued)
+            budget -= queued.num_tokens
+        return ahead + own
 
-    def _lane_tokens(self, lane: int) -> int:
-        return sum(q.num_tokens for heap in self._heaps[lane].values() for _, q in heap)
+    def _lane(self, lane: int) -> Iterator[Request]:
+        for heap in self._heaps[lane].values():
+            for _key, request in heap:
+                yield request

@@ -37,6 +37,7 @@ from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from gateway import wire
 from gateway.limits.deadlines import call_timeout
+from gateway.limits.service_level import current_service_level
 from gateway.messages import (
     ChatFormats,
     ChatTurn,
@@ -184,7 +185,14 @@ class GenerateStream:
         pooling: PoolingParams | None = None,
     ) -> None:
         self._outbox.put_nowait(
-            wire.add_request(request_id, prompt_token_ids, params, priority, pooling)
+            wire.add_request(
+                request_id,
+                prompt_token_ids,
+                params,
+                priority,
+                pooling,
+                service=current_service_level(),
+            )
         )
 
     def abort(self, request_ids: Sequence[str], samples: Sequence[tuple[str, int]] = ()) -> None:

@@ -46,6 +46,7 @@ from gateway.front.sse import EventStreamResponse
 from gateway.front.uploads import MULTIPART, MULTIPART_OVERHEAD_BYTES, parse_upload
 from gateway.limits.auth import Access
 from gateway.limits.deadlines import set_deadline
+from gateway.limits.service_level import set_service_level
 from gateway.messages import ChatTurn
 from gateway.metrics import CONTENT_TYPE
 from gateway.openai import completions, embeddings
@@ -771,6 +772,10 @@ def guarded(handler: Handler, body_of: ErrorBody = error_body) -> Handler:
             # Unary calls to the services made for this request carry what is left of it.
             request.state.deadline = time.monotonic() + context.config.request_timeout
             set_deadline(request.state.deadline)
+            # The engine schedules it by its tenant and deadlines (headers, the key's settings).
+            set_service_level(
+                context.access.service_levels.of(request.state.caller, request.headers)
+            )
             return await handler(request)
         except ClientDisconnect:
             return Response(status_code=499)  # it left while sending its body

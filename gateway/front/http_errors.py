@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from common.errors import RateLimitExceeded, Unauthenticated, UnavailableError, mapping_for
+from common.errors import QueueFullError, Unauthenticated, UnavailableError, mapping_for
 from gateway.openai.protocol import ErrorInfo, ErrorResponse
 from gateway.pipeline.output_processor import OutputProcessingError
 
@@ -38,7 +38,8 @@ def error_headers(exc: BaseException) -> dict[str, str]:
     """The HTTP headers an error answer carries besides its body."""
     if isinstance(exc, Unauthenticated):
         return {"WWW-Authenticate": "Bearer"}
-    if isinstance(exc, RateLimitExceeded) and exc.retry_after is not None:
+    if isinstance(exc, QueueFullError) and exc.retry_after is not None:
+        # Over a rate limit, or a deadline the engine's queue cannot meet for now.
         return {"Retry-After": str(exc.retry_after)}
     if isinstance(exc, UnavailableError):
         return {"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)}

@@ -27,6 +27,7 @@ from common.config import GatewayConfig
 from common.errors import Unauthenticated
 from gateway.front.pages import PAGES, STATIC_PREFIX
 from gateway.limits.rate_limit import LocalBuckets, RateLimiter
+from gateway.limits.service_level import ServiceLevels
 from gateway.limits.shared_buckets import SharedBuckets
 
 # Routes that probes, scrapers, dashboards and routers in front (SMG) reach without a key unless
@@ -57,6 +58,7 @@ class Access:
         )
         self.limiter = RateLimiter(config.rate_limit_rps, config.rate_limit_tpm, buckets=buckets)
         self.protect_health_metrics = config.protect_health_metrics
+        self.service_levels = ServiceLevels(config)
 
     def caller(self, presented_key: str | None, address: str | None) -> str:
         """The caller's name for rate limits; Unauthenticated without a valid key when keys

@@ -250,7 +250,11 @@ class OutputProcessor:
                 continue
             if output.error is not None:  # it ended in the engine: nothing to abort
                 error = output.error
-                self._fail([request], error_for(error.code, error.message, error.param), False)
+                self._fail(
+                    [request],
+                    error_for(error.code, error.message, error.param, error.retry_after),
+                    False,
+                )
                 continue
             sequence = request.sequences[output.index]
             if sequence.done:

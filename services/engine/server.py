@@ -27,9 +27,9 @@ from common.grpc_server import GrpcService
 from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams, parent_request_id, sample_request_id
 from common.sampling_proto import sampling_params_from_proto
+from common.service_level import ServiceLevel
 from engine.async_engine import AsyncEngine, RequestFailed
 from engine.core.kv_events import KVEventBatch
-from engine.core.request import ServiceLevel
 from engine.engine import LLMEngine
 from engine.errors import EngineGroupError, InvalidRequestError
 from services.engine.convert import error_output, event_to_proto, kv_event_batch_to_proto

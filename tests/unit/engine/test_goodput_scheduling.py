@@ -8,8 +8,9 @@ import pytest
 
 from common.config import EngineConfig
 from common.sampling_params import BATCH_PRIORITY, SamplingParams
+from common.service_level import ServiceLevel
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.request import Request, RequestStatus, ServiceLevel
+from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.step_cost import LiveStepCost, StepCostModel
 from engine.errors import DeadlineUnmeetable, InvalidRequestError
@@ -78,7 +79,7 @@ def test_admission_refuses_a_deadline_the_queue_makes_unmeetable():
     for i in range(8):  # 512 prompt tokens queued, due before the next: 8 steps of 74 ms
         sched.add_request(req(f"q{i}", 64, arrival=float(i), ttft_ms=1000))
     # Alone it would take 74 ms; behind the queue about 0.6 s.
-    with pytest.raises(DeadlineUnmeetable, match="slo_ttft_ms is 200 ms") as refused:
+    with pytest.raises(DeadlineUnmeetable, match="slo_ttft_ms leaves 200 ms") as refused:
         sched.add_request(req("hurried", 64, arrival=10.0, ttft_ms=200))
     assert refused.value.retry_after >= 1
     assert len(sched.waiting) == 8  # nothing changed

@@ -1,0 +1,183 @@
+"""Goodput under overload through the real gateway: two API keys, one flooding a simulated
+engine (the real scheduler, KV cache and engine service, modelled step times) under the fair
+policy, while the other still gets its answers ahead of the flood's queue; deadlines from
+headers and from the key file: refused at once when unmeetable (429 with Retry-After) or
+malformed (400 naming the header), and a request past its total deadline ends with a 504."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from common.auth import KeySettings, key_of, key_settings, load_api_keys
+from common.config import EngineConfig, GatewayConfig
+from common.service_level import ServiceLevel
+from engine.simulated import StepCostModel
+from gateway.limits.service_level import ServiceLevels
+from gateway_helpers import GatewayThread, check_error, read_metrics
+from grpc_helpers import TIMEOUT, ServerThread
+from services.engine.simulate import simulated_services
+from services.tokenizer.server import TokenizerService
+
+# 20 ms a step whatever it holds: a flood of 24 requests of 8 tokens on 2 slots is ~2 s of work.
+COST = StepCostModel(fixed_seconds=0.02, prefill_token_seconds=0.0, decode_sequence_seconds=0.0)
+FLOOD_KEY, LIGHT_KEY, HURRIED_KEY = "sk-flood", "sk-light", "sk-hurried"
+KEYS = (
+    f"{FLOOD_KEY} tenant=flood",
+    f"{LIGHT_KEY} tenant=light",
+    f"{HURRIED_KEY} tenant=flood slo_ttft_ms=100",  # a default deadline from the key file
+)
+FLOOD = 24
+
+
+@pytest.fixture(scope="module")
+def gateway(default_model_dir):
+    tokenizer = ServerThread(TokenizerService(str(default_model_dir), "127.0.0.1", 0))
+    config = EngineConfig(
+        model=str(default_model_dir),
+        block_size=16,
+        num_kv_blocks=256,
+        max_num_seqs=2,
+        scheduling_policy="fair",
+    )
+    [engine] = [ServerThread(s) for s in simulated_services(config, COST, "127.0.0.1", 0, 1)]
+    server = GatewayThread(
+        f"127.0.0.1:{engine.port}", f"127.0.0.1:{tokenizer.port}", GatewayConfig(api_keys=KEYS)
+    )
+    yield server
+    server.close()
+    engine.close()
+    tokenizer.close()
+
+
+def body(max_tokens: int = 8, priority: int = 0) -> dict:
+    return {
+        "messages": [{"role": "user", "content": "Say something."}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "priority": priority,
+    }
+
+
+def waiting(url: str) -> float:
+    return read_metrics(url)["folio_num_requests_waiting"]
+
+
+def test_a_flooding_key_does_not_hold_up_another(gateway):
+    url = gateway.url
+    finished: list[str] = []
+    sent_at: list[int] = []  # per light request: how many requests had ended when it was sent
+
+    async def send(client: httpx.AsyncClient, key: str, name: str) -> None:
+        response = await client.post(
+            url + "/v1/chat/completions", json=body(), headers={"authorization": f"Bearer {key}"}
+        )
+        assert response.status_code == 200, response.text
+        finished.append(name)
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            flood = [
+                asyncio.create_task(send(client, FLOOD_KEY, f"flood{i}")) for i in range(FLOOD)
+            ]
+            # The flood is queued in the engine before the light key asks anything.
+            while await asyncio.to_thread(waiting, url) < FLOOD - 4:
+                await asyncio.sleep(0.01)
+            for i in range(3):  # one after the other, as an interactive user would
+                sent_at.append(len(finished))
+                await send(client, LIGHT_KEY, f"light{i}")
+            await asyncio.gather(*flood)
+
+    asyncio.run(run())
+    # Under fcfs each light request would wait behind the whole queue (20 and more flood
+    # requests ending first); the fair policy lets each in at the next free slot, so only the
+    # two running when it came and one started beside it end before it.
+    ahead = [finished.index(f"light{i}") - sent_at[i] for i in range(3)]
+    assert max(ahead) <= 4, (ahead, finished)
+    assert len(finished) == FLOOD + 3
+
+
+def test_deadlines_refused_when_unmeetable_and_malformed_named(gateway):
+    url = gateway.url
+    light = {"authorization": f"Bearer {LIGHT_KEY}"}
+    response = httpx.post(
+        url + "/v1/chat/completions",
+        json=body(),
+        headers={**light, "x-slo-ttft-ms": "soon"},
+        timeout=TIMEOUT,
+    )
+    check_error(response, 400, "x-slo-ttft-ms")
+    # Below one step of this model (20 ms): never meetable, refused with the reason.
+    response = httpx.post(
+        url + "/v1/chat/completions", json=body(), headers={**light, "x-slo-ttft-ms": "5"}
+    )
+    error = check_error(response, 400, "slo_ttft_ms")
+    assert "below one engine step" in error["message"]
+
+    async def run() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            flood_headers = {"authorization": f"Bearer {FLOOD_KEY}"}
+            # More urgent than what follows: a request with a deadline would otherwise run
+            # ahead of a queue without deadlines, and meet it.
+            urgent = body(priority=-1)
+            flood = [
+                asyncio.create_task(
+                    client.post(url + "/v1/chat/completions", json=urgent, headers=flood_headers)
+                )
+                for _ in range(FLOOD)
+            ]
+            while await asyncio.to_thread(waiting, url) < FLOOD - 4:
+                await asyncio.sleep(0.01)
+            # The flood's next request waits behind its queue: 100 ms (the hurried key's
+            # default, or a header's) cannot be met.
+            by_key = await client.post(
+                url + "/v1/chat/completions",
+                json=body(),
+                headers={"authorization": f"Bearer {HURRIED_KEY}"},
+            )
+            by_header = await client.post(
+                url + "/v1/chat/completions",
+                json=body(),
+                headers={**flood_headers, "x-slo-ttft-ms": "100"},
+            )
+            await asyncio.gather(*flood)
+            return by_key, by_header
+
+    for refused in asyncio.run(run()):
+        error = check_error(refused, 429, None)
+        assert "slo_ttft_ms leaves" in error["message"] and "expected in" in error["message"]
+        assert int(refused.headers["retry-after"]) >= 1
+
+
+def test_a_request_past_its_total_deadline_ends_with_504(gateway):
+    response = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        json=body(max_tokens=1000),
+        headers={"authorization": f"Bearer {LIGHT_KEY}", "x-slo-total-ms": "300"},
+        timeout=TIMEOUT,
+    )
+    error = check_error(response, 504, None)
+    assert "total deadline" in error["message"]
+    assert read_metrics(gateway.url)['folio_requests_total{finish_reason="deadline"}'] == 1
+
+
+def test_key_file_settings_are_read_and_bad_ones_named(tmp_path):
+    key_file = tmp_path / "keys"
+    key_file.write_text("# tenants\nsk-a tenant=acme weight=3 slo_ttft_ms=500\nsk-b\n")
+    entries = load_api_keys([], str(key_file), {})
+    assert [key_of(e) for e in entries] == ["sk-a", "sk-b"]
+    assert key_settings(entries[0]) == KeySettings("acme", 3.0, 500.0, None)
+    levels = ServiceLevels(GatewayConfig(api_keys=entries))
+    assert levels.of("key-0", {}) == ServiceLevel("acme", 3.0, 500.0, None)
+    assert levels.of("key-1", {"x-slo-total-ms": "900", "x-tenant": "other"}) == ServiceLevel(
+        "key-1", 1.0, None, 900.0
+    )
+    trusting = ServiceLevels(GatewayConfig(api_keys=entries, trust_tenant_header=True))
+    assert trusting.of("key-1", {"x-tenant": "acme"}).weight == 3.0
+    for line, named in (("sk-c weight=-1", "weight"), ("sk-c speed=2", "speed=2")):
+        key_file.write_text(line + "\n")
+        with pytest.raises(ValueError, match=f"line 1.*{named}") as refused:
+            load_api_keys([], str(key_file), {})
+        assert "sk-c" not in str(refused.value)  # a key is never echoed
