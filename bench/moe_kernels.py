@@ -1,0 +1,150 @@
+"""`python -m bench.moe_kernels [--tokens 1,16,64,256] [--dtypes float32,bfloat16]`: one
+mixture-of-experts layer's step (router and experts) as Folio runs it against the plain loop
+over experts in torch that transformers runs, on the CPU and, where there is one, on a CUDA GPU.
+
+Folio's side is engine.layers.moe.SparseMoe itself: on the CPU each expert once over its
+gathered tokens through Folio's linears (oneDNN-packed float32, bfloat16 tiles); on the GPU the
+fused Triton kernel (pairs sorted by expert, two grouped GEMMs). The baseline routes the same
+way, then for every expert finds its tokens with torch.where, gathers them and runs F.linear on
+the expert's weights, adding the weighted results back (transformers' MixtralExperts loop).
+Prints the median and fastest milliseconds of each and their ratios, and the largest difference
+between the two outputs. A benchmark,
+not a test: it asserts nothing else and never runs in the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+
+from engine.layers.attention import get_attention_backend
+from engine.layers.linear import Linear
+from engine.layers.moe import Expert, SparseMoe
+
+
+def random_weights(
+    args: argparse.Namespace, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(router [E, H], gate_up [E, 2I, H], down [E, H, I]), as transformers holds them."""
+    generator = torch.Generator().manual_seed(0)
+
+    def weight(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, generator=generator) * shape[-1] ** -0.5).to(dtype)
+
+    e, h, i = args.experts, args.hidden, args.intermediate
+    return weight(e, h), weight(e, 2 * i, h), weight(e, h, i)
+
+
+def build_layer(
+    args: argparse.Namespace,
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    device: str,
+) -> SparseMoe:
+    """Folio's layer over the same weights, finalized as the loader leaves it."""
+    router, w13, w2 = weights
+    backend = get_attention_backend("auto", device)
+    layer = SparseMoe(
+        args.hidden, args.experts, args.top_k, args.intermediate, True, backend, w13.dtype, device
+    )
+    with torch.no_grad():
+        layer.gate.weight.copy_(router)
+        for e in layer.local_experts:
+            expert = cast(Expert, layer.experts[str(e)])
+            expert.gate_up_proj.weight.copy_(w13[e])
+            expert.down_proj.weight.copy_(w2[e])
+    layer.finalize_weights()
+    for module in layer.modules():
+        if isinstance(module, Linear):
+            module.finalize_weights()
+    return layer
+
+
+def loop_over_experts(
+    x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """transformers' Mixtral step: route, then every expert over the tokens it was given."""
+    probs = torch.softmax(F.linear(x, router).float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    weights /= weights.sum(dim=-1, keepdim=True)
+    out = torch.zeros_like(x)
+    mask = F.one_hot(ids, num_classes=w13.shape[0]).permute(2, 1, 0)
+    for expert in range(w13.shape[0]):
+        slot, tokens = torch.where(mask[expert])
+        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, w2[expert]) * weights[tokens, slot, None]
+        out.index_add_(0, tokens, h.to(x.dtype))
+    return out
+
+
+def timings_ms(step: Callable[[], torch.Tensor], repeats: int, device: str) -> tuple[float, float]:
+    """Median and fastest milliseconds of a call (the fastest is the steadier figure on a
+    shared machine)."""
+    times = []
+    for _ in range(repeats + 2):  # two warm-up calls
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:]) * 1e3, min(times[2:]) * 1e3
+
+
+def run(args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
+    weights = random_weights(args, dtype)
+    layer = build_layer(args, weights, device)
+    router, w13, w2 = (w.to(device) for w in weights)
+    generator = torch.Generator().manual_seed(1)
+    for tokens in args.tokens:
+        x = torch.randn(tokens, args.hidden, generator=generator).to(dtype).to(device)
+        with torch.inference_mode():
+            ours = timings_ms(lambda x=x: layer(x), args.repeats, device)
+            loop = timings_ms(
+                lambda x=x: loop_over_experts(x, router, w13, w2, args.top_k), args.repeats, device
+            )
+            expected = loop_over_experts(x, router, w13, w2, args.top_k).float()
+            error = (layer(x).float() - expected).abs().max().item()
+        path = "fused Triton kernel" if layer.fused else "per expert, Folio's linears"
+        print(
+            f"{device} {str(dtype).removeprefix('torch.'):8s} tokens={tokens:4d}: "
+            f"Folio ({path}) {ours[0]:8.3f} ms (min {ours[1]:8.3f}), loop over experts "
+            f"{loop[0]:8.3f} ms (min {loop[1]:8.3f}): x{loop[0] / ours[0]:5.2f} "
+            f"(fastest x{loop[1] / ours[1]:5.2f}; max difference {error:.1e})",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--tokens", default="1,16,64,256")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (torch's default)")
+    args = parser.parse_args()
+    args.tokens = [int(t) for t in args.tokens.split(",")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(
+        f"{args.experts} experts, top-{args.top_k}, hidden {args.hidden}, expert intermediate "
+        f"{args.intermediate}; CPU threads {torch.get_num_threads()}",
+        flush=True,
+    )
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        for name in args.dtypes.split(","):
+            run(args, device, getattr(torch, name))
+
+
+if __name__ == "__main__":
+    main()
