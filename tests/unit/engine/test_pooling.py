@@ -14,11 +14,13 @@ import torch
 from test_prompt_logprobs import random_prompt as prompt
 from test_prompt_logprobs import tiny_engine as prompt_logprobs_engine
 
+from common.config import EngineConfig
 from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from embedding_models import cosine, reference_embedding, write_sentence_transformers
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
+from engine.simulated import StepCostModel, simulated_engine
 from tiny_models import VARIANTS, hf_greedy, make_checkpoint
 
 COSINE = 0.9999
@@ -171,3 +173,12 @@ def test_matryoshka_dimensions(checkpoint, tmp_path):
     with pytest.raises(InvalidRequestError, match=r"one of \[16, 32\]") as refused:
         engine.add_request("bad", ids, SamplingParams(), pooling=PoolingParams(8))
     assert refused.value.param == "dimensions"
+
+
+def test_the_simulated_engine_refuses_embedding_requests(default_model_dir):
+    cost = StepCostModel(fixed_seconds=0.01, prefill_token_seconds=0.0, decode_sequence_seconds=0.0)
+    engine = simulated_engine(EngineConfig(model=str(default_model_dir), num_kv_blocks=16), cost)
+    with pytest.raises(InvalidRequestError, match="embeddings") as refused:
+        engine.add_request("e", prompt(4, 1), SamplingParams(), pooling=PoolingParams())
+    assert refused.value.param == "pooling"
+    assert engine.requests == {}
