@@ -1,21 +1,24 @@
 """Batch jobs through the real openai client (files and batches APIs) against the real gateway
 and engine with the default model: a job of chat, text completion and embedding lines answers
-each line as its endpoint answers the same greedy request; malformed lines, unknown urls and refused
-requests fail alone, in the error file; the Files API's list, content, delete; bad parameters
-(400 / 404 naming them, 413 over --max-upload-mib); two API keys never see each other's files
-or jobs; a cancel ends a job with what it answered; two gateways on one database run each
-line once."""
+each line as its endpoint answers the same greedy request; malformed lines, unknown urls and
+refused requests fail alone, in the error file; the Files API's list, content, delete; bad
+parameters (400 / 404 naming them, 413 over --max-upload-mib); two API keys never see each
+other's files or jobs; a cancel, or the end of the job's window, ends it with what it answered;
+two gateways on one database run each line once."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sqlite3
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from gateway.batch.store import BatchStore
+from gateway.batch.store import DATABASE_NAME, BatchStore
 from gateway_helpers import check_error, start_gateway
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -248,6 +251,30 @@ def test_a_cancelled_job_keeps_what_it_answered(keyed):
     assert len(read_lines(client, done.output_file_id)) == done.request_counts.completed
     # A finished job is what it is: cancelling it again changes nothing.
     assert client.batches.cancel(batch.id).status == "cancelled"
+
+
+def test_a_job_past_its_window_expires(keyed):
+    client = keyed_client(keyed, KEYS[0])
+    body = {**TEXT, "max_tokens": 16, "ignore_eos": True}
+    lines = [request_line(f"line-{i}", "/v1/completions", body) for i in range(16)]
+    file = client.files.create(file=("long.jsonl", jsonl(lines)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=file.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    # Its 24 hours end now.
+    database = Path(keyed.server.config.batch_dir) / DATABASE_NAME
+    with contextlib.closing(sqlite3.connect(database)) as db, db:
+        db.execute(
+            "UPDATE batches SET object = json_set(object, '$.expires_at', 0) WHERE id = ?",
+            (batch.id,),
+        )
+    done = wait_done(client, batch.id)
+    assert done.status == "expired" and done.expired_at is not None
+    counts = done.request_counts
+    assert counts.completed < 16 and counts.completed + counts.failed == counts.total == 16
+    errors = read_lines(client, done.error_file_id)
+    assert len(errors) == counts.failed
+    assert {line["error"]["code"] for line in errors.values()} == {"batch_expired"}
 
 
 def test_two_gateways_on_one_database_run_each_line_once(services, tmp_path):
