@@ -1,9 +1,11 @@
 """The whole engine with attention_backend="triton" (kernels under the interpreter on CPU, or
 native with FOLIO_KERNEL_DEVICE=cuda) gives exactly the greedy tokens of the torch backend,
-over steps that mix prefill and decode, with chunked prefill and a prefix-cache hit."""
+over steps that mix prefill and decode, with chunked prefill and a prefix-cache hit, on a
+full-attention model and a sliding-window one."""
 
 from __future__ import annotations
 
+import pytest
 from kernel_utils import DEVICE
 
 from common.config import EngineConfig
@@ -41,8 +43,10 @@ def greedy_tokens(directory, backend: str, device: str) -> tuple[dict[str, list[
     return tokens, engine.kv_cache.prefix_cache_hits
 
 
-def test_triton_backend_gives_the_torch_backend_greedy_tokens(tmp_path):
-    make_checkpoint(tmp_path, *VARIANTS["llama-gqa3-tied-llama3rope"])
+# Gemma 3: sliding windows of 3 under blocks of 4, in KV groups of their own.
+@pytest.mark.parametrize("variant", ["llama-gqa3-tied-llama3rope", "gemma3-window3"])
+def test_triton_backend_gives_the_torch_backend_greedy_tokens(tmp_path, variant):
+    make_checkpoint(tmp_path, *VARIANTS[variant])
     expected, _ = greedy_tokens(tmp_path, "torch", "cpu")
     got, hits = greedy_tokens(tmp_path, "triton", DEVICE)
     assert hits > 0  # c's first blocks came from the prefix cache
