@@ -1,10 +1,10 @@
 """The Files and Batch APIs as the HTTP routes call them: each operation checks its input
-(400 naming the parameter, 404 for what the caller does not own, 413 for a file over the upload
-limit), reads or writes the store under the caller's owner, and wakes the runner for new or
-cancelled jobs.
+(400 naming the parameter, 404 for what the caller does not own), reads or writes the store
+under the caller's owner (in a thread: SQLite blocks), and wakes the runner for new or cancelled
+jobs.
 
-One per gateway process, with its store and runner; it never parses HTTP (front/app.py does)
-and never runs a line (runner.py does).
+One per gateway process, with its store and runner; it never parses HTTP (front/app.py and
+front/uploads.py do, the upload's size limit included) and never runs a line (runner.py does).
 """
 
 from __future__ import annotations
