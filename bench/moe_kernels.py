@@ -18,6 +18,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import cast
 
 import torch
@@ -105,10 +106,9 @@ def run(args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
     for tokens in args.tokens:
         x = torch.randn(tokens, args.hidden, generator=generator).to(dtype).to(device)
         with torch.inference_mode():
-            ours = timings_ms(lambda x=x: layer(x), args.repeats, device)
-            loop = timings_ms(
-                lambda x=x: loop_over_experts(x, router, w13, w2, args.top_k), args.repeats, device
-            )
+            ours = timings_ms(partial(layer, x), args.repeats, device)
+            baseline = partial(loop_over_experts, x, router, w13, w2, args.top_k)
+            loop = timings_ms(baseline, args.repeats, device)
             expected = loop_over_experts(x, router, w13, w2, args.top_k).float()
             error = (layer(x).float() - expected).abs().max().item()
         path = "fused Triton kernel" if layer.fused else "per expert, Folio's linears"
