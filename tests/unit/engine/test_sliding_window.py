@@ -129,3 +129,34 @@ def test_greedy_tokens_through_preemption_and_prefix_hits(tmp_path, variant, num
     assert engine.kv_cache.prefix_cache_hits > 0
     assert (engine.scheduler.num_preemptions > 0) == preempts
     assert engine.kv_cache.usage == 0
+
+
+# Each new architecture at TP=2 (worker ranks as subprocesses): Phi-3's stacked qkv_proj and
+# gate_up_proj split by rank, Gemma 3's KV groups in each rank's cache.
+@pytest.mark.parametrize("variant", ["phi3-longrope", "gemma3-window3"])
+def test_two_ranks_give_transformers_greedy_tokens(tmp_path, variant):
+    reference = make_checkpoint(tmp_path, *VARIANTS[variant])
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tmp_path),
+            dtype="float32",
+            block_size=BLOCK,
+            num_kv_blocks=64,
+            max_num_batched_tokens=12,
+            max_num_seqs=4,
+            tensor_parallel_size=2,
+        )
+    )
+    base = [(5 * i) % 150 + 3 for i in range(26)]
+    prompts = {"a": base, "b": [*base[:21], 9, 8]}
+    try:
+        for rid, ids in prompts.items():
+            engine.add_request(rid, ids, GREEDY)
+        got: dict[str, list[int]] = {}
+        while engine.has_unfinished:
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    finally:
+        engine.close()
+    for rid, ids in prompts.items():
+        assert got[rid] == hf_greedy(reference, ids, 10), rid
