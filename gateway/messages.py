@@ -27,6 +27,7 @@ class EngineModel:
     max_model_len: int
     block_size: int
     max_num_seqs: int
+    max_num_batched_tokens: int = 0
 
 
 @dataclass
@@ -43,6 +44,10 @@ class EngineStats:
     num_steps: int = 0
     step_seconds: dict[str, float] = field(default_factory=dict)  # by step phase
     block_size: int = 0
+    # What a new request would wait for there (one replica's answer; not summed).
+    queued_prefill_tokens: int = 0
+    prefill_token_seconds: float = 0.0
+    decode_step_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,7 @@ def engine_model(info: engine_pb2.GetModelInfoResponse) -> EngineModel:
         max_model_len=info.max_model_len,
         block_size=info.block_size,
         max_num_seqs=info.max_num_seqs,
+        max_num_batched_tokens=info.max_num_batched_tokens,
     )
 
 
@@ -82,6 +83,9 @@ def engine_stats(stats: engine_pb2.GetStatsResponse) -> EngineStats:
         num_steps=stats.num_steps,
         step_seconds=dict(stats.step_seconds),
         block_size=stats.block_size,
+        queued_prefill_tokens=stats.queued_prefill_tokens,
+        prefill_token_seconds=stats.prefill_token_seconds,
+        decode_step_seconds=stats.decode_step_seconds,
     )
 
 

@@ -100,3 +100,8 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # For routers: prompt tokens admitted and not computed yet; the live step cost model's
+    # seconds per prefill token and one step's seconds beside the sequences decoding now.
+    queued_prefill_tokens: int = 0
+    prefill_token_seconds: float = 0.0
+    decode_step_seconds: float = 0.0

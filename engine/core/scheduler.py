@@ -143,8 +143,9 @@ class Scheduler:
         return sum(left for r in self.running if (left := r.num_tokens - r.num_computed_tokens) > 1)
 
     def stats(self) -> EngineStats:
-        """Its queues' load and the KV cache's counters, between steps."""
-        kv_cache = self.kv_cache
+        """Its queues' load, what a new request would wait for, and the KV cache's
+        counters, between steps."""
+        kv_cache, cost = self.kv_cache, self.step_cost
         return EngineStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -153,6 +154,9 @@ class Scheduler:
             prefix_cache_queries=kv_cache.prefix_cache_queries,
             prefix_cache_hits=kv_cache.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            queued_prefill_tokens=self.queued_prefill_tokens(),
+            prefill_token_seconds=cost.prefill_token_seconds if cost else 0.0,
+            decode_step_seconds=cost.step_seconds(0, self.num_running_seqs) if cost else 0.0,
         )
 
     def add_request(self, request: Request) -> None:

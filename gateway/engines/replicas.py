@@ -53,27 +53,39 @@ class Replica:
     in_flight: int = 0  # requests placed here that have not been released
     stats: EngineStats | None = None  # its latest GetStats answer
     placed_since_stats: int = 0  # requests placed here since `stats` came
+    tokens_since_stats: int = 0  # and their prompt tokens
 
     @property
     def name(self) -> str:
         """Its label in metrics and logs."""
         return self.client.address
 
-    @property
-    def load(self) -> ReplicaLoad:
+    def load(self, token_budget: int) -> ReplicaLoad:
         """What the engine reports, not this gateway's own in-flight count: the workers of a
-        gateway, and several gateways, then weigh the replica alike."""
+        gateway, and several gateways, then weigh the replica alike. `token_budget`: its
+        max_num_batched_tokens (0: unknown)."""
         stats = self.stats
         if stats is None:
-            return ReplicaLoad(self.placed_since_stats)
+            return ReplicaLoad(self.placed_since_stats, unreported_tokens=self.tokens_since_stats)
         return ReplicaLoad(
-            self.placed_since_stats, stats.num_running, stats.num_waiting, stats.kv_cache_usage
+            self.placed_since_stats,
+            stats.num_running,
+            stats.num_waiting,
+            stats.kv_cache_usage,
+            unreported_tokens=self.tokens_since_stats,
+            queued_prefill_tokens=stats.queued_prefill_tokens,
+            prefill_token_seconds=stats.prefill_token_seconds,
+            decode_step_seconds=stats.decode_step_seconds,
+            num_kv_blocks=stats.num_kv_blocks,
+            block_size=stats.block_size,
+            token_budget=token_budget,
         )
 
     def reported(self, stats: EngineStats | None) -> None:
         """The engine's latest answer (None: none to trust); it counts what was placed so far."""
         self.stats = stats
         self.placed_since_stats = 0
+        self.tokens_since_stats = 0
 
 
 @dataclass(eq=False)
@@ -117,6 +129,7 @@ class EnginePool:
             self._count_blocks(replica)
         self._placements: dict[TrackedRequest, _Placement] = {}
         self._block_size: int | None = None  # from the engines' model info
+        self._token_budget = 0  # their max_num_batched_tokens, from the same
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
 
@@ -154,6 +167,7 @@ class EnginePool:
                 error = exc
                 continue
             self._block_size = info.block_size
+            self._token_budget = info.max_num_batched_tokens
             return info
         raise error
 
@@ -221,6 +235,7 @@ class EnginePool:
         self._placements[request] = placement
         replica.in_flight += 1
         replica.placed_since_stats += 1
+        replica.tokens_since_stats += len(request.text.prompt_ids)
         self._metrics.replica_routed.labels(replica.name).inc()
         replica.session.submit(request, placement.params, placement.priority)
 
@@ -236,7 +251,7 @@ class EnginePool:
             [r.index for r in candidates],
             hashes,
             self.index,
-            {r.index: r.load for r in candidates},
+            {r.index: r.load(self._token_budget) for r in candidates},
         )
         chosen = self.replicas[decision.replica]
         if logger.isEnabledFor(logging.DEBUG):

@@ -7,9 +7,14 @@ block hashes, the index and each replica's load:
 
 - round_robin: each in turn.
 - least_load: the least loaded (ties in turn).
-- cache_aware: replicas over the load threshold are skipped; among the rest, the one holding the
-  most leading blocks of the prompt, when that is a worthwhile share of the prompt, ties (and
-  prompts no one holds much of) to the least loaded.
+- cache_aware: the replica where this request's first token is expected soonest: the prompt
+  tokens queued there and not computed yet, plus this prompt's tokens that replica does not
+  hold in its prefix cache, at that replica's measured prefill rate, plus the steps its decoding
+  sequences stretch; a replica whose KV cache could not hold that work without preempting is
+  avoided (a hard limit) while another can. Expected times within a step of the best are a tie,
+  won by the replica holding the most leading blocks, then the least loaded. Engines that do
+  not report step timings are weighed by request counts as before: replicas over the load
+  threshold skipped, the longest worthwhile prefix, ties to the least loaded.
 
 Pure decisions: this module never talks to a service and never waits. Every decision says why,
 for the debug log.
@@ -18,6 +23,7 @@ for the debug log.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -36,12 +42,41 @@ MIN_MATCH_SHARE = 0.25
 class ReplicaLoad:
     """What a replica has on its hands: what the engine last said (GetStats) it runs and
     queues, with its KV cache usage, and the requests this gateway sent it since that answer
-    (which the answer could not count yet)."""
+    (which the answer could not count yet: `unreported`, their prompts' `unreported_tokens`);
+    what it said of its step times, and its sizes (0: unknown)."""
 
     unreported: int = 0
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
+    unreported_tokens: int = 0
+    queued_prefill_tokens: int = 0
+    prefill_token_seconds: float = 0.0
+    decode_step_seconds: float = 0.0
+    num_kv_blocks: int = 0
+    block_size: int = 0
+    token_budget: int = 0  # max_num_batched_tokens
+
+    @property
+    def timed(self) -> bool:
+        """Whether the engine reports step timings to estimate with."""
+        return self.decode_step_seconds > 0
+
+    def expected_ttft(self, new_tokens: int) -> float:
+        """Seconds until the first token of a request with `new_tokens` uncached prompt tokens
+        placed here: the prefill queued ahead and its own, in steps beside the decodes."""
+        tokens = self.queued_prefill_tokens + self.unreported_tokens + new_tokens
+        steps = max(1, math.ceil(tokens / self.token_budget)) if self.token_budget else 1
+        return tokens * self.prefill_token_seconds + steps * self.decode_step_seconds
+
+    def fits(self, new_tokens: int) -> bool:
+        """Whether its KV cache holds the queued prefill and `new_tokens` more beside what runs
+        (else it would have to preempt); unknown sizes fit."""
+        if not (self.num_kv_blocks and self.block_size):
+            return True
+        tokens = self.queued_prefill_tokens + self.unreported_tokens + new_tokens
+        needed = math.ceil(tokens / self.block_size) / self.num_kv_blocks
+        return self.kv_usage + needed <= 1.0
 
     @property
     def requests(self) -> float:
@@ -163,6 +198,51 @@ class CacheAware:
     _least_load: LeastLoad = field(default_factory=LeastLoad)
 
     def choose(
+        self,
+        candidates: Sequence[int],
+        block_hashes: Sequence[bytes],
+        index: PrefixIndex,
+        loads: Mapping[int, ReplicaLoad],
+    ) -> Decision:
+        if all(loads.get(r, ReplicaLoad()).timed for r in candidates):
+            return self._soonest(candidates, block_hashes, index, loads)
+        return self._by_counts(candidates, block_hashes, index, loads)
+
+    def _soonest(
+        self,
+        candidates: Sequence[int],
+        block_hashes: Sequence[bytes],
+        index: PrefixIndex,
+        loads: Mapping[int, ReplicaLoad],
+    ) -> Decision:
+        matched = index.match(block_hashes)
+
+        def new_tokens(replica: int) -> int:
+            # Full blocks only: a prompt's partial last block is computed everywhere alike.
+            return (len(block_hashes) - matched.get(replica, 0)) * loads[replica].block_size
+
+        fitting = [r for r in candidates if loads[r].fits(new_tokens(r))]
+        usable = fitting or list(candidates)
+        expected = {r: loads[r].expected_ttft(new_tokens(r)) for r in usable}
+        soonest = min(usable, key=expected.__getitem__)
+        best = expected[soonest]
+        # Within a step (the soonest replica's) of the best is a tie: then the cache decides,
+        # then the load.
+        near = [r for r in usable if expected[r] <= best + loads[soonest].decode_step_seconds]
+        most = max(matched.get(r, 0) for r in near)
+        holders = [r for r in near if matched.get(r, 0) == most]
+        decision = self._least_load.choose(holders, block_hashes, index, loads)
+        skipped = len(candidates) - len(fitting)
+        note = f"; {skipped} without KV room skipped" if fitting and skipped else ""
+        return Decision(
+            decision.replica,
+            most,
+            f"first token expected in {expected[decision.replica] * 1e3:.0f} ms (best "
+            f"{best * 1e3:.0f} ms), holds {most}/{len(block_hashes)} leading blocks, "
+            f"{decision.reason}{note}",
+        )
+
+    def _by_counts(
         self,
         candidates: Sequence[int],
         block_hashes: Sequence[bytes],

@@ -219,6 +219,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             num_preemptions=stats.num_preemptions,
             num_steps=timings.steps,
             step_seconds=timings.as_dict(),
+            queued_prefill_tokens=stats.queued_prefill_tokens,
+            prefill_token_seconds=stats.prefill_token_seconds,
+            decode_step_seconds=stats.decode_step_seconds,
         )
 
     async def SubscribeKvEvents(

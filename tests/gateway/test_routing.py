@@ -93,3 +93,50 @@ def test_make_policy_names():
     assert make_policy("cache_aware").name == "cache_aware"
     with pytest.raises(ValueError, match="routing policy"):
         make_policy("random")
+
+
+def timed(**fields) -> ReplicaLoad:
+    """A replica that reports step timings: 1 ms a prefill token, 20 ms a step, 4-token blocks,
+    a pool of 1,000 blocks and a 64-token step budget, unless told otherwise."""
+    base = dict(
+        prefill_token_seconds=0.001,
+        decode_step_seconds=0.02,
+        block_size=BLOCK,
+        num_kv_blocks=1000,
+        token_budget=64,
+    )
+    return ReplicaLoad(**{**base, **fields})
+
+
+def test_cache_aware_goes_where_the_first_token_comes_soonest():
+    index = index_with({0: 8})
+    # Replica 0 holds the whole prompt but has 2,000 prefill tokens queued (about 2.6 s);
+    # replica 1 computes the 32 tokens at once (about 50 ms).
+    loads = {0: timed(queued_prefill_tokens=2000), 1: timed()}
+    decision = CacheAware().choose([0, 1], HASHES, index, loads)
+    assert decision.replica == 1 and "first token expected in" in decision.reason
+    # Queued work this gateway placed since the last report counts the same.
+    loads = {0: timed(unreported=5, unreported_tokens=2000), 1: timed()}
+    assert CacheAware().choose([0, 1], HASHES, index, loads).replica == 1
+    # Decoding load: steps of 200 ms against 20 ms outweigh 32 cached tokens.
+    loads = {0: timed(decode_step_seconds=0.2), 1: timed()}
+    assert CacheAware().choose([0, 1], HASHES, index, loads).replica == 1
+
+
+def test_cache_aware_prefers_the_prefix_when_within_a_step():
+    # Holding 8 of 8 blocks saves 32 ms of prefill: the holder wins; one queued a little more
+    # work (within a step of the best) still does.
+    loads = {0: timed(queued_prefill_tokens=40), 1: timed()}
+    decision = CacheAware().choose([0, 1], HASHES, index_with({0: 8}), loads)
+    assert decision.replica == 0 and decision.matched_blocks == 8
+
+
+def test_cache_aware_avoids_a_replica_that_would_have_to_preempt():
+    # Replica 0 is soonest but its KV cache is nearly full: 32 more tokens (8 blocks) of 1,000
+    # would go over.
+    loads = {0: timed(kv_usage=0.995), 1: timed(queued_prefill_tokens=500)}
+    decision = CacheAware().choose([0, 1], HASHES, index_with({}), loads)
+    assert decision.replica == 1 and "1 without KV room skipped" in decision.reason
+    # When none has room, the soonest still takes it.
+    full = {0: timed(kv_usage=0.995), 1: timed(kv_usage=0.999, queued_prefill_tokens=500)}
+    assert CacheAware().choose([0, 1], HASHES, index_with({}), full).replica == 0
