@@ -1,4 +1,5 @@
-"""The offline Python API: `LLM(...).generate(prompts, params)` over the engine loop.
+"""The offline Python API: `LLM(...).generate(prompts, params)` (and `.embed(prompts)`) over the
+engine loop.
 
 Text in and out through the tokenizer library; the engine itself only sees token ids.
 Drives the engine synchronously in the caller's thread; never starts servers or threads.
@@ -14,6 +15,7 @@ from typing import cast
 
 from common.config import EngineConfig
 from common.detokenizer import IncrementalDetokenizer
+from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from engine.core.outputs import RequestOutput
@@ -132,14 +134,31 @@ class LLM:
         )
         return self.generate([self.tokenizer.encode_chat(c) for c in conversations], params)
 
+    def embed(
+        self, prompts: PromptInput | Sequence[PromptInput], dimensions: int | None = None
+    ) -> list[list[float]]:
+        """Each prompt's embedding, in prompt order: its hidden states pooled the model's way
+        (engine/pooler.py), unit length; `dimensions` cuts a Matryoshka model's vectors."""
+        token_lists = self._encode_all(_as_prompt_list(prompts))
+        vectors: list[list[float]] = [[] for _ in token_lists]
+        params = [SamplingParams()] * len(token_lists)
+        for index, out in self._run(token_lists, params, PoolingParams(dimensions)):
+            if out.embedding is not None:
+                vectors[index] = out.embedding
+        return vectors
+
     def _encode_all(self, prompts: list[PromptInput]) -> list[list[int]]:
         return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
     def _run(
-        self, token_lists: list[list[int]], param_list: list[SamplingParams]
+        self,
+        token_lists: list[list[int]],
+        param_list: list[SamplingParams],
+        pooling: PoolingParams | None = None,
     ) -> Iterator[tuple[int, RequestOutput]]:
-        """Feed requests as the waiting queue allows and yield (result index, RequestOutput):
-        sample i of prompt p is result i after the n results of the prompts before p."""
+        """Feed requests (embedding requests with `pooling`) as the waiting queue allows and
+        yield (result index, RequestOutput): sample i of prompt p is result i after the n
+        results of the prompts before p."""
         for p in param_list:
             self.engine.executor.validate_params(p, self.engine.vocab_size)
         firsts = list(itertools.accumulate((p.n for p in param_list), initial=0))
@@ -151,7 +170,9 @@ class LLM:
                 while pending and len(self.engine.scheduler.waiting) < capacity:
                     index = pending.popleft()
                     request_id = f"offline-{next(self._ids)}"
-                    self.engine.add_request(request_id, token_lists[index], param_list[index])
+                    self.engine.add_request(
+                        request_id, token_lists[index], param_list[index], pooling=pooling
+                    )
                     index_of[request_id] = index
                 outputs = self.engine.step()
                 for out in outputs:
