@@ -20,6 +20,7 @@ from common.sampling_params import SamplingParams
 from embedding_models import cosine, reference_embedding, write_sentence_transformers
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
+from engine.llm import LLM
 from engine.simulated import StepCostModel, simulated_engine
 from tiny_models import VARIANTS, hf_greedy, make_checkpoint
 
@@ -182,3 +183,16 @@ def test_the_simulated_engine_refuses_embedding_requests(default_model_dir):
         engine.add_request("e", prompt(4, 1), SamplingParams(), pooling=PoolingParams())
     assert refused.value.param == "pooling"
     assert engine.requests == {}
+
+
+def test_the_offline_api_embeds(checkpoint, tmp_path, default_model_dir):
+    directory, reference = checkpoint
+    model_dir = sentence_transformers_copy(directory, tmp_path / "model", "cls")
+    (model_dir / "tokenizer.json").symlink_to(default_model_dir / "tokenizer.json")
+    with LLM(str(model_dir), dtype="float32", enforce_eager=True, num_kv_blocks=64) as llm:
+        prompts = [prompt(7, 3), prompt(3, 4)]
+        vectors = llm.embed(prompts)
+        for ids, vector in zip(prompts, vectors, strict=True):
+            assert cosine(vector, reference_embedding(reference, ids, "cls")) > COSINE
+        (alone,) = llm.embed(prompts[0])  # one prompt's token ids
+        assert alone == pytest.approx(vectors[0], abs=1e-5)
