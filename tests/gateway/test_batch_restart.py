@@ -21,7 +21,7 @@ from openai.types import Batch
 from gateway_helpers import spawn_gateway
 from grpc_helpers import TIMEOUT
 
-LINES = 6
+LINES = 8
 WAIT_SECONDS = 300.0
 BODY = {"prompt": "Once upon a time", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
 
