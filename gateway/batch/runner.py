@@ -47,7 +47,8 @@ Stop = Literal["done", "cancelling", "expired", "stopping"]
 
 
 async def _db(call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-    """A store call, in a thread: SQLite blocks (a busy database waits for its lock)."""
+    """A store call (or other blocking work), in a thread: SQLite blocks (a busy database waits
+    for its lock)."""
     return await asyncio.to_thread(call, *args, **kwargs)
 
 
@@ -121,7 +122,8 @@ class BatchRunner:
         batch, owner = await _db(store.leased_batch, batch_id, holder)
         if batch.status == "validating":
             content = await _db(store.input_content, batch_id, holder)
-            read = [] if content is None else batch_lines.read_input(content)
+            # Reading a large file takes a while: in a thread, as the store calls.
+            read = [] if content is None else await _db(batch_lines.read_input, content)
             if not read:
                 code, message = (
                     ("file_not_found", f"input file {batch.input_file_id} was deleted")
@@ -192,9 +194,9 @@ class BatchRunner:
             for worker in workers:
                 worker.cancel()
             await asyncio.gather(watch, *workers, return_exceptions=True)
-        for worker in workers:
-            if not worker.cancelled() and worker.exception() is not None:
-                raise worker.exception()  # type: ignore[misc]
+        for task in (*workers, watch):
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
         if self._stopping and state.stop is None:
             state.stop = "stopping"
         return state
@@ -207,7 +209,12 @@ class BatchRunner:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), RENEW_SECONDS)
             self._wake.clear()
-            batch = await _db(self._store.renew, batch_id, self.holder)
+            try:
+                batch = await _db(self._store.renew, batch_id, self.holder)
+            except LeaseLost:  # another process runs the job now: this one stops at once
+                for worker in workers:
+                    worker.cancel()
+                raise
             if batch.status == "cancelling":
                 state.stop = "cancelling"
             elif batch.expires_at is not None and time.time() > batch.expires_at:
