@@ -7,9 +7,11 @@ requests spread over the replicas (the busiest replica's share against the mean 
 replicas run under `folio serve --engine-replicas N`; simulated ones (--simulate) in one
 `folio engine --simulate --replicas N` process beside a tokenizer and a gateway, and then the
 share of the modelled step time the simulated steps overran (the machine's CPU deciding rather
-than the model) is printed too. With real replicas a one-engine run of the same workload gives
-the hit rate to compare with. Conversations arrive as a Poisson process at the offered request
-rate; each next turn is sent when the previous answer is complete and quotes it.
+than the model) is printed too. A one-engine run of the same workload gives the hit rate to
+compare with. Targets, printed as ratios from the same run: cache_aware's TTFT p99 at most 1.1x
+round_robin's, its hit rate at least 95% of one engine's. Conversations arrive as a Poisson
+process at the offered request rate; each next turn is sent when the previous answer is complete
+and quotes it.
 
 A benchmark, not a test: it asserts nothing and never runs in the suite.
 """
@@ -59,9 +61,7 @@ class RoutingWorkload:
         None, "offered requests/s per replica (default: 1 real, 4 simulated)"
     )
     workload_seed: int = flag(0, "seed of the conversations")
-    skip_single: bool = flag(
-        False, "real replicas: skip the one-engine run whose hit rate is the reference"
-    )
+    skip_single: bool = flag(False, "skip the one-engine run whose hit rate is the reference")
     startup_timeout: float = flag(600.0, "seconds to wait for a stack")
 
 
@@ -538,7 +538,7 @@ def run_routing_benchmark(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="folio-bench-routing-") as tmp:
         log_dir = Path(tmp)
         runs = [(p, args.replicas) for p in policies]
-        if not args.simulate and not args.skip_single:
+        if not args.skip_single:
             runs.insert(0, ("round_robin", 1))
         for policy, replicas in runs:
             row = _run_one(args, policy, replicas, conversations, log_dir)
@@ -551,6 +551,15 @@ def run_routing_benchmark(args: argparse.Namespace) -> None:
     )
     for row in rows:
         print("  " + _format(row))
+    by_policy = {row["policy"]: row for row in rows}
+    cache_aware, round_robin = by_policy.get("cache_aware"), by_policy.get("round_robin")
+    single = by_policy.get("(one engine)")
+    if cache_aware and round_robin:
+        ratio = cache_aware["ttft_p99"] / round_robin["ttft_p99"]
+        print(f"cache_aware's TTFT p99 is {ratio:.2f}x round_robin's (target: at most 1.1x)")
+    if cache_aware and single:
+        share = cache_aware["hit_rate"] / single["hit_rate"]
+        print(f"cache_aware's hit rate is {share * 100:.0f}% of one engine's (target: >= 95%)")
 
 
 def _format(row: dict) -> str:

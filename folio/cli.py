@@ -108,6 +108,13 @@ def _bench_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_goodput(args: argparse.Namespace) -> int:
+    from bench.goodput import run_goodput_benchmark
+
+    run_goodput_benchmark(args)
+    return 0
+
+
 def _bench_routing(args: argparse.Namespace) -> int:
     from bench.routing import run_routing_benchmark
 
@@ -308,6 +315,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(routing, StepCostConfig)
     add_flags(routing, EngineConfig)
     routing.set_defaults(func=_bench_routing, num_kv_blocks=1024)
+    goodput = bench_sub.add_parser(
+        "goodput",
+        help="two tenants, one flooding, under each scheduling policy at several loads, with "
+        "deadlines",
+    )
+    from bench.goodput import GoodputWorkload
+
+    add_flags(goodput, GoodputWorkload)
+    add_flags(goodput, StepCostConfig)
+    add_flags(goodput, EngineConfig)
+    goodput.set_defaults(func=_bench_goodput, num_kv_blocks=1024, max_num_seqs=16)
     return parser
 
 

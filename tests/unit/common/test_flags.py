@@ -40,6 +40,7 @@ COMMANDS = (
     "bench serve",
     "bench profile",
     "bench routing",
+    "bench goodput",
 )
 
 
