@@ -123,6 +123,11 @@ class EngineConfig:
     tensor_parallel_size: int = flag(
         1, "processes (ranks) the model is sharded over; rank 0 is the engine itself"
     )
+    enable_expert_parallel: bool = flag(
+        False,
+        "with tensor parallelism, a mixture of experts' ranks hold whole experts (an even share "
+        "each) instead of a slice of every expert",
+    )
     kv_events_replay_batches: int = flag(
         1024,
         "KV-cache event batches (about one per step that cached or evicted blocks) kept for "

@@ -122,7 +122,12 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, config.device, config.quantization)
         self.block_size = config.block_size
         self.model, self.model_config = load_model(
-            model_path, self.dtype, self.device, config.attention_backend, tp, config.quantization
+            model_path,
+            self.dtype,
+            self.device,
+            config.attention_backend,
+            dataclasses.replace(tp, expert_parallel=config.enable_expert_parallel),
+            config.quantization,
         )
         cfg: ModelConfig = self.model_config
         self.num_blocks = num_blocks

@@ -120,7 +120,6 @@ class SparseMoe(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         tp: TensorParallel = SINGLE,
-        expert_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
@@ -128,11 +127,11 @@ class SparseMoe(nn.Module):
         self.tp = tp
         self.gate = Router(hidden_size, num_experts, top_k, renormalize, dtype, device)
         # Expert parallelism: an even share of whole experts; otherwise a slice of each.
-        local = split_evenly(num_experts, tp) if expert_parallel else None
+        local = split_evenly(num_experts, tp) if tp.expert_parallel else None
         self.local_experts = (
             range(local.start, local.start + local.count) if local else range(num_experts)
         )
-        expert_tp = SINGLE if expert_parallel else tp
+        expert_tp = SINGLE if tp.expert_parallel else tp
         self.experts = nn.ModuleDict(
             {
                 str(e): Expert(hidden_size, intermediate_size, backend, dtype, device, expert_tp)

@@ -27,6 +27,8 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = None  # torch.distributed ProcessGroup when size > 1
+    # Mixtures of experts: whole experts per rank instead of a slice of each (engine.layers.moe).
+    expert_parallel: bool = False
 
 
 SINGLE = TensorParallel()

@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from engine.layers.attention import get_attention_backend
 from engine.layers.linear import bound_cpu_kernel_caches
+from engine.layers.moe import SparseMoe
 from engine.layers.parallel import (
     SINGLE,
     CheckpointSlice,
@@ -110,7 +111,8 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
                     continue
                 name, shard = _our_name(key, model.packed_modules)
                 if name not in params:
-                    unexpected.append(key)
+                    if not _another_ranks_expert(model, name):
+                        unexpected.append(key)
                     continue
                 module = model.get_submodule(name.rpartition(".")[0])
                 # A checkpoint tensor named after one of our fused modules (Phi-3's qkv_proj and
@@ -187,6 +189,15 @@ def _check_full(key: str, shape: list[int], dim: int, part: CheckpointSlice) -> 
             f"weight {key!r} has shape {tuple(shape)}, the model expects {part.full} "
             f"entries along dimension {dim}"
         )
+
+
+def _another_ranks_expert(model: LlamaForCausalLM, name: str) -> bool:
+    """Whether `name` is an expert's weight that expert parallelism gave to another rank."""
+    layer, _, rest = name.partition(".experts.")
+    if not rest:
+        return False
+    moe = model.get_submodule(layer)
+    return isinstance(moe, SparseMoe) and int(rest.split(".")[0]) not in moe.local_experts
 
 
 def _our_name(key: str, packed: dict[str, tuple[str, int | None]]) -> tuple[str, int | None]:

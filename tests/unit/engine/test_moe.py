@@ -1,7 +1,8 @@
 """Mixture-of-experts models (Mixtral, Qwen3-MoE) on tiny random-weight checkpoints built with
 transformers: logits equal transformers' in float32 through ragged, chunked and prefix-cached
 steps; the engine's greedy tokens equal transformers' through chunked prefill, prefix hits and
-preemption, at TP=1 and TP=2; int8/int4 experts run through Folio's quantized linears; routing
+preemption, at TP=1 and TP=2 (a slice of every expert per rank, or whole experts per rank);
+int8/int4 experts run through Folio's quantized linears; routing
 variants Folio does not implement are refused naming the config key."""
 
 from __future__ import annotations
@@ -60,9 +61,12 @@ FIRST_WAVE = {f"a{i}": prompt(SHARED + 6 * i, i) for i in range(4)}
 SECOND_WAVE = {"b0": FIRST_WAVE["a0"][:SHARED] + prompt(7, 50)}
 
 
-def engine_tokens(directory, tp: int) -> tuple[dict[str, list[int]], object]:
+def engine_tokens(
+    directory, tp: int, expert_parallel: bool = False
+) -> tuple[dict[str, list[int]], object, dict[str, list[int]]]:
     """Both waves' greedy tokens: prompts prefilled in chunks of 16, too few blocks for the
-    first wave at once (preemption), the second wave starting from the first's cached blocks."""
+    first wave at once (preemption), the second wave starting from the first's cached blocks.
+    Also rank 0's experts of layer 0: expert number -> its gate and up rows."""
     engine = LLMEngine(
         EngineConfig(
             model=str(directory),
@@ -72,9 +76,12 @@ def engine_tokens(directory, tp: int) -> tuple[dict[str, list[int]], object]:
             max_num_batched_tokens=16,
             max_num_seqs=4,
             tensor_parallel_size=tp,
+            enable_expert_parallel=expert_parallel,
         )
     )
     tokens: dict[str, list[int]] = {}
+    moe = engine.executor.runner.model.model.layers[0].mlp
+    held = {number: expert.gate_up_proj.output_sizes for number, expert in moe.experts.items()}
     try:
         for wave in (FIRST_WAVE, SECOND_WAVE):
             for request_id, ids in wave.items():
@@ -82,7 +89,7 @@ def engine_tokens(directory, tp: int) -> tuple[dict[str, list[int]], object]:
             while engine.has_unfinished:
                 for out in engine.step():
                     tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        return tokens, engine.stats()
+        return tokens, engine.stats(), held
     finally:
         engine.close()
 
@@ -97,16 +104,22 @@ def expected_tokens(reference) -> dict[str, list[int]]:
 
 def test_engine_greedy_tokens_match_transformers(variant):
     _, directory, reference = variant
-    got, stats = engine_tokens(directory, 1)
+    got, stats, _ = engine_tokens(directory, 1)
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert got == expected_tokens(reference)
 
 
-# One TP=2 case: the experts' sharding is the same code for both families.
+# TP=2 on one family: the experts' sharding is the same code for both. Each rank holds a slice
+# of every expert, or with expert parallelism whole experts (4 of the 8 each).
 @pytest.mark.parametrize("variant", ["mixtral"], indirect=True)
-def test_two_ranks_hold_a_slice_of_every_expert(variant):
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["sliced", "expert-parallel"])
+def test_two_ranks_share_the_experts(variant, expert_parallel):
     _, directory, reference = variant
-    got, stats = engine_tokens(directory, 2)
+    got, stats, held = engine_tokens(directory, 2, expert_parallel)
+    if expert_parallel:
+        assert held == {str(e): [96, 96] for e in range(4)}
+    else:
+        assert held == {str(e): [48, 48] for e in range(8)}
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert got == expected_tokens(reference)
 
