@@ -397,6 +397,11 @@ class KVCacheManager:
         self._evictable.clear()
         return True
 
+    def announced_hashes(self) -> set[bytes]:
+        """The chained hashes of the first group's cached blocks: what the KV events so far
+        announce as held."""
+        return {block_hash for group, block_hash in self._cached if group == 0}
+
     def take_kv_events(self) -> list[KVEvent]:
         """The blocks stored in and removed from the prefix cache since the last call, in
         order; clears them."""

@@ -121,7 +121,7 @@ class Subscriber:
 
 
 def engine_cached_hashes(server) -> set[bytes]:
-    return set(server.service.engine.engine.kv_cache._cached)
+    return server.service.engine.engine.kv_cache.announced_hashes()
 
 
 def test_stored_blocks_are_numbered_in_order_with_the_shared_chained_hash(server, stub):
