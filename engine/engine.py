@@ -69,6 +69,9 @@ class LLMEngine:
         # Requests with a total deadline, checked before every step.
         self._deadlines: dict[str, Request] = {}
         self.timings = StepTimings()
+        # When the last step ended with work left: the time until the next one starts (adding
+        # requests, handing out outputs) delays waiting requests as much as the step itself.
+        self._busy_since: float | None = None
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -197,9 +200,11 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        between = 0.0 if self._busy_since is None else t0 - self._busy_since
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         if sched.is_empty:
+            self._busy_since = None
             return []
         executed = self.executor.execute(sched, t0)
         t2 = time.perf_counter()
@@ -209,7 +214,8 @@ class LLMEngine:
         outputs += self._pooled(sched.pooling_requests, executed.embeddings)
         t3 = time.perf_counter()
         num_decodes = sched.num_decodes
-        self.step_cost.observe(sched.total_tokens - num_decodes, num_decodes, t3 - t0)
+        self.step_cost.observe(sched.total_tokens - num_decodes, num_decodes, t3 - t0 + between)
+        self._busy_since = t3 if self.scheduler.has_unfinished else None
         self.timings.add(
             t1 - t0,
             executed.prepare_seconds,
