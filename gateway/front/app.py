@@ -693,8 +693,8 @@ ENDPOINTS = [
     Endpoint(
         "/v1/batches",
         "POST",
-        "Create a batch job over an uploaded file (OpenAI Batch API); it runs in the background "
-        "at the least urgent priority",
+        "Create a batch job over an uploaded file (OpenAI Batch API); it runs in the background, "
+        "in the engine's batch lane",
         create_batch,
         bapi.BatchCreateRequest,
         bapi.Batch,
