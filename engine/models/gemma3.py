@@ -1,5 +1,5 @@
 """Gemma 3, text only (Gemma3ForCausalLM over a Gemma3TextConfig), composed of engine.layers and
-the Llama family's attention and MLP (engine.models.llama).
+the Llama family's decoder layer, attention and MLP (engine.models.llama), which it specializes.
 
 What Gemma adds: embeddings scaled by sqrt(hidden_size); RMSNorms that scale by 1 + w
 (OffsetRMSNorm), on q and k too, and around both halves of each block (input and
@@ -16,15 +16,13 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.layers.norm import OffsetRMSNorm
-from engine.layers.parallel import SINGLE, TensorParallel, embed, kv_heads_slice
+from engine.layers.parallel import SINGLE, TensorParallel, embed
 from engine.layers.rotary import RopeInputs, RotaryEmbedding
-from engine.layers.vocab import VocabRows, vocab_rows
 from engine.models.config import ModelConfig
-from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, MlpFactory
 
 
 class Gemma3Attention(LlamaAttention):
@@ -34,7 +32,10 @@ class Gemma3Attention(LlamaAttention):
         self.qk_norm_weight = self.qk_norm_weight + 1  # Gemma's norms scale by 1 + w
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(LlamaDecoderLayer):
+    attention_class = Gemma3Attention
+    norm_class = OffsetRMSNorm
+
     def __init__(
         self,
         config: ModelConfig,
@@ -43,13 +44,10 @@ class Gemma3DecoderLayer(nn.Module):
         dtype,
         device,
         tp: TensorParallel = SINGLE,
+        make_mlp: MlpFactory | None = None,
     ) -> None:
-        super().__init__()
-        self.self_attn = Gemma3Attention(config, layer_index, backend, dtype, device, tp)
-        self.mlp = LlamaMLP(config, backend, dtype, device, tp)
+        super().__init__(config, layer_index, backend, dtype, device, tp, make_mlp)
         size, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = OffsetRMSNorm(size, eps, backend, dtype, device)
-        self.post_attention_layernorm = OffsetRMSNorm(size, eps, backend, dtype, device)
         self.pre_feedforward_layernorm = OffsetRMSNorm(size, eps, backend, dtype, device)
         self.post_feedforward_layernorm = OffsetRMSNorm(size, eps, backend, dtype, device)
         self.sliding = bool(config.layer_windows) and config.layer_windows[layer_index] is not None
@@ -69,27 +67,10 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
-class Gemma3Model(nn.Module):
-    def __init__(
-        self,
-        config: ModelConfig,
-        backend: AttentionBackend,
-        dtype,
-        device,
-        tp: TensorParallel = SINGLE,
-    ) -> None:
-        super().__init__()
-        self.embed_tokens = vocab_rows(config.vocab_size, config.hidden_size, dtype, device, tp)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, backend, dtype, device, tp)
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps, backend, dtype, device)
-
-
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Llama's loading, finalizing and forward over Gemma 3's layers and ropes."""
 
+    decoder_layer = Gemma3DecoderLayer
     embed_scale: torch.Tensor
 
     def __init__(
@@ -100,21 +81,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         device,
         tp: TensorParallel = SINGLE,
     ) -> None:
-        # Llama's __init__ would build Llama's layers: the same attributes, Gemma's modules.
-        nn.Module.__init__(self)
-        self.config = config
-        self.backend = backend
-        self.tp = tp
-        # Llama's methods read only its embed_tokens, layers and norm.
-        self.model = Gemma3Model(config, backend, dtype, device, tp)  # type: ignore[assignment]
-        self.num_kv_heads = kv_heads_slice(config.num_key_value_heads, tp).count
-        self.lm_head = (
-            VocabRows(self.model.embed_tokens.weight, None)
-            if config.tie_word_embeddings
-            else vocab_rows(config.vocab_size, config.hidden_size, dtype, device, tp)
-        )
-        self.lm_head_packed = None
-        self.rotary = RotaryEmbedding(config, backend, dtype, device)
+        super().__init__(config, backend, dtype, device, tp)
         theta, scaling = config.local_rope or (config.rope_theta, config.rope_scaling)
         local = dataclasses.replace(config, rope_theta=theta, rope_scaling=scaling)
         self.local_rotary = RotaryEmbedding(local, backend, dtype, device)

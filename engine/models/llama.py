@@ -149,6 +149,10 @@ def dense_mlp(
 
 
 class LlamaDecoderLayer(nn.Module):
+    # Its attention and norms (a subclass's own: Gemma 3's).
+    attention_class: ClassVar[type[LlamaAttention]] = LlamaAttention
+    norm_class: ClassVar[type[RMSNorm]] = RMSNorm
+
     def __init__(
         self,
         config: ModelConfig,
@@ -160,11 +164,11 @@ class LlamaDecoderLayer(nn.Module):
         make_mlp: MlpFactory | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_index, backend, dtype, device, tp)
+        self.self_attn = self.attention_class(config, layer_index, backend, dtype, device, tp)
         self.mlp = (make_mlp or dense_mlp)(config, layer_index, backend, dtype, device, tp)
         size, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(size, eps, backend, dtype, device)
-        self.post_attention_layernorm = RMSNorm(size, eps, backend, dtype, device)
+        self.input_layernorm = self.norm_class(size, eps, backend, dtype, device)
+        self.post_attention_layernorm = self.norm_class(size, eps, backend, dtype, device)
 
     def forward(
         self,
@@ -193,14 +197,17 @@ class LlamaModel(nn.Module):
         device,
         tp: TensorParallel = SINGLE,
         make_mlp: MlpFactory | None = None,
+        layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer,
     ) -> None:
         super().__init__()
         self.embed_tokens = vocab_rows(config.vocab_size, config.hidden_size, dtype, device, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend, dtype, device, tp, make_mlp)
+            layer_class(config, i, backend, dtype, device, tp, make_mlp)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend, dtype, device)
+        self.norm = layer_class.norm_class(
+            config.hidden_size, config.rms_norm_eps, backend, dtype, device
+        )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -213,8 +220,10 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-    # Each decoder layer's feed-forward block (a subclass's own for its experts).
+    # Each decoder layer's feed-forward block (a subclass's own for its experts), and the
+    # layer itself (Gemma 3's own).
     make_mlp: ClassVar[MlpFactory] = staticmethod(dense_mlp)
+    decoder_layer: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
 
     def __init__(
         self,
@@ -228,7 +237,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.backend = backend
         self.tp = tp
-        self.model = LlamaModel(config, backend, dtype, device, tp, self.make_mlp)
+        self.model = LlamaModel(
+            config, backend, dtype, device, tp, self.make_mlp, self.decoder_layer
+        )
         # This rank's share of the KV heads: the KV cache's shape.
         self.num_kv_heads = kv_heads_slice(config.num_key_value_heads, tp).count
         self.lm_head = (
