@@ -95,7 +95,8 @@ class ModelConfig:
         architectures = raw.get("architectures") or []
         if len(architectures) != 1 or architectures[0] not in _ARCHITECTURES:
             raise ValueError(
-                f"unsupported model architecture {architectures or raw.get('model_type')!r}; "
+                f"unsupported model architecture {architectures or raw.get('model_type')!r} "
+                "(config.json architectures); "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         architecture = architectures[0]
