@@ -23,6 +23,7 @@ from common.flags import check_choices, command_line, flag, from_args
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DECODE_COMPILE = ("auto", "startup", "background")
 QUANTIZATIONS = ("int8", "int4")
 ROUTING_POLICIES = ("cache_aware", "least_load", "round_robin")
 # generate: text generation (and embeddings too); pooling: embeddings only; auto: pooling for a
@@ -117,6 +118,13 @@ class EngineConfig:
         os.environ.get("FOLIO_ENFORCE_EAGER") == "1",
         "run every step eagerly: no torch.compile of decode steps on the CPU, no CUDA graphs "
         "(FOLIO_ENFORCE_EAGER=1 makes this the default)",
+    )
+    decode_compile: str = flag(
+        "auto",
+        "when compiled decode steps (CPU) get ready: startup = before the engine serves; "
+        "background = it serves eagerly meanwhile and switches over; auto = background in "
+        "folio engine and folio serve, startup in the offline LLM",
+        choices=DECODE_COMPILE,
     )
     num_threads: int | None = flag(None, "CPU threads for torch (default: torch's choice)")
     seed: int = flag(0, "seed of the generator shared by unseeded sampled requests")

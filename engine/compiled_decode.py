@@ -5,65 +5,89 @@ What compiles is the model's layers between attentions (projections, quantized l
 rotary embedding, SiLU-and-mul, residual adds): one program for one-row steps and one for any
 larger batch (a third above the quantized kernels' row limit, where the linears change
 kernel); attention stays the backend's own op (engine.attention.step), since it plans each step
-from host-side lengths. Every program is compiled at start-up by warm-up steps, before any
-request, so no request waits on the compiler; inductor's caches live under the Folio cache
-directory, so a restart loads them instead of compiling again. Compiling is a speed-up, never a
-condition of serving: if it fails (no C++ compiler, an inductor error), at start-up or in a later
-step, one warning says why and decode steps run eagerly from then on. Prefill and mixed steps run
-eagerly. `--enforce-eager` turns all of this off. This module never builds a real step's
-inputs (the model runner does) and is never used with a GPU, the Triton backend or tensor
-parallelism.
+from host-side lengths. The programs are built once and stored, then loaded by every later
+engine with the same model, dtype, kernels, torch and CPU (engine.decode_programs).
+
+When: at start-up (`--decode-compile startup`, the offline LLM's default: the engine is built
+with its programs ready), or in the background (`background`, a served engine's default): the
+engine serves eagerly at once while a thread loads the stored programs, or has a process of its
+own build them, and decode steps switch to the programs between two steps once all are ready.
+A step reads the programs once, so it runs wholly eagerly or wholly compiled, and both give the
+same greedy tokens. Compiling is a speed-up, never a condition of serving: if it fails (no C++
+compiler, an inductor error), at start-up, in the background or in a later step, one warning
+says why and decode steps run eagerly from then on. Prefill and mixed steps run eagerly.
+`--enforce-eager` turns all of this off. This module never builds a real step's inputs (the
+model runner does) and is never used with a GPU, the Triton backend or tensor parallelism.
 """
 
 from __future__ import annotations
 
+import collections
+import json
 import logging
-import os
+import subprocess
+import sys
+import threading
 import time
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
-from common.config import EngineConfig, cache_dir
+from common.config import EngineConfig
+from common.parent_death import child_env
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.step import running_step
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.decode_programs import (
+    RESULT_PREFIX,
+    ProgramsSpec,
+    StaleProgramsError,
+    build,
+    build_lock,
+    load,
+    program_sizes,
+    programs_dir,
+    programs_key,
+    store,
+)
 from engine.fallback import warn_fallback
-from engine.layers.linear import Linear
-from engine.layers.quantization import QuantizedWeight
 from engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
-
-def inductor_cache_dir() -> str:
-    return str(cache_dir() / "inductor")
+SPEEDUP = "compiled decode steps"
+FALLBACK = "running them eagerly"
 
 
 class DecodeRunner(Protocol):
-    """What compiling decode steps needs of the model runner: the model, where it runs, its KV
-    caches and placeholder decode inputs for the warm-up steps."""
+    """What compiling decode steps needs of the model runner: the model, where it runs and its
+    dtype."""
 
     device: torch.device
+    dtype: torch.dtype
     model: LlamaForCausalLM
-    kv_caches: list[torch.Tensor]
-
-    def placeholder_decode(
-        self, rows: int
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]: ...
 
 
-def give_up(error: Exception) -> None:
-    """Compiling or running a program failed: drop what dynamo holds and say why, once; the
-    caller runs decode steps eagerly from then on."""
-    torch._dynamo.reset()
-    warn_fallback(logger, "compiled decode steps", "running them eagerly", error)
+def give_up(error: BaseException | str) -> None:
+    """Building, loading or running a program failed: drop what dynamo holds and say why, once;
+    the caller runs decode steps eagerly from then on."""
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+    # A failed build process's reason is already one line, its error's type included.
+    warn_fallback(
+        logger, SPEEDUP, FALLBACK, str(error) if isinstance(error, BuildFailed) else error
+    )
+
+
+class BuildFailed(Exception):
+    """The build process failed; its message is the reason it gave, in one line."""
 
 
 class CompiledDecode:
     @classmethod
-    def compile_if_enabled(
-        cls, runner: DecodeRunner, config: EngineConfig
+    def start_if_enabled(
+        cls, runner: DecodeRunner, config: EngineConfig, model_path: str | Path
     ) -> CompiledDecode | None:
         if config.enforce_eager or runner.device.type != "cpu":
             return None
@@ -71,56 +95,56 @@ class CompiledDecode:
             # The Triton kernels on a CPU are the interpreter's (tests): nothing to compile.
             return None
         try:
-            return cls(runner, config)
+            return cls(runner, config, model_path)
         except Exception as error:  # an optional speed-up: see engine.fallback
             give_up(error)
             return None
 
-    def __init__(self, runner: DecodeRunner, config: EngineConfig) -> None:
-        # Read by inductor whenever it looks up or stores compiled code. Set, not defaulted:
-        # torch fills in its own /tmp default the first time it asks.
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
+    def __init__(self, runner: DecodeRunner, config: EngineConfig, model_path: str | Path) -> None:
         self.model = runner.model
-        self._forward = torch.compile(
-            self.model.hidden_states,
-            options={
-                # The weights never change once loaded, and guarding the model's ~300
-                # parameters costs Python time every step (docs/compiled-decode.md has the
-                # figure). The inputs' guards (their sizes pick the program) stay.
-                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                # Checks of every intermediate's size and alignment, ~600 Python calls a step,
-                # on shapes inductor derived itself.
-                "size_asserts": False,
-                "alignment_asserts": False,
-                # The program's own calls (~300 a step: kernels, the linears, attention) from
-                # C++ instead of Python. Its wrapper compiles apart from the kernels, at -O1
-                # (glue code), which keeps a cold compile short (docs/compiled-decode.md).
-                "cpp_wrapper": True,
-                "cpp_wrapper_build_separate": True,
-            },
+        dtype = str(runner.dtype).removeprefix("torch.")
+        threads = torch.get_num_threads()
+        sizes = program_sizes(self.model, config.max_num_seqs)
+        key = programs_key(
+            model_path, dtype, config.quantization, config.attention_backend, threads, sizes
         )
-        started = time.perf_counter()
-        # Two rows first, marked dynamic, so that the program for 2+ rows covers every size;
-        # one row is its own program (torch specializes sizes of 1).
-        sizes = [2, 1]
-        quantized = next(
-            (
-                m.packed
-                for m in self.model.modules()
-                if isinstance(m, Linear) and isinstance(m.packed, QuantizedWeight)
-            ),
-            None,
+        self.spec = ProgramsSpec(
+            model_path=str(model_path),
+            dtype=dtype,
+            quantization=config.quantization,
+            attention_backend=config.attention_backend,
+            num_threads=threads,
+            sizes=sizes,
+            key=key,
+            path=str(programs_dir() / f"{key}.programs"),
         )
-        if quantized is not None and quantized.max_kernel_rows < config.max_num_seqs:
-            sizes.append(quantized.max_kernel_rows + 1)
-        for rows in sizes:
-            self._warm_up(runner, rows, dynamic=rows == 2)
-        logger.info(
-            "compiled decode steps (batches of %s rows) in %.1f s; inductor cache %s",
-            ", ".join(map(str, sizes)),
-            time.perf_counter() - started,
-            os.environ["TORCHINDUCTOR_CACHE_DIR"],
-        )
+        # Set once, when every program is ready: a step reads it once (the switch-over).
+        self._programs: list[Any] | None = None
+        # Batch size -> the program that takes it (None: none does; that size runs eagerly).
+        self._by_rows: dict[int, Any] = {}
+        # How the programs came: "loaded" (stored before) or "compiled" (built now).
+        self.origin: str | None = None
+        # Decode steps run compiled, by batch size.
+        self.rows_run: collections.Counter[int] = collections.Counter()
+        self.done = threading.Event()  # ready, or given up
+        if config.decode_compile == "background":
+            logger.info(
+                "decode steps run eagerly until their compiled programs are ready (loaded or "
+                "built in the background: %s)",
+                self.spec.path,
+            )
+            threading.Thread(
+                target=self._prepare_in_background, name="compiled-decode", daemon=True
+            ).start()
+        else:
+            try:
+                self._prepare(build_here=True)
+            finally:
+                self.done.set()
+
+    @property
+    def ready(self) -> bool:
+        return self._programs is not None
 
     def __call__(
         self,
@@ -128,18 +152,104 @@ class CompiledDecode:
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
+        """The step's hidden states through its program; None while there are no programs
+        yet, or none for this batch size (the caller runs the step eagerly)."""
+        programs = self._programs
+        if programs is None:
+            return None
+        rows = len(input_ids)
+        if rows not in self._by_rows:
+            self._by_rows[rows] = self._pick(programs, input_ids, positions)
+        program = self._by_rows[rows]
+        if program is None:
+            return None
         backend = self.model.backend
         with (
             torch.inference_mode(),
             running_step(backend, meta, kv_caches),
             backend.bound_decode_step(meta, kv_caches),
         ):
-            return self._forward(input_ids, positions)
+            hidden = program(self.model, input_ids, positions)
+        self.rows_run[rows] += 1
+        return hidden
 
-    def _warm_up(self, runner: DecodeRunner, rows: int, dynamic: bool) -> None:
-        input_ids, positions, meta = runner.placeholder_decode(rows)
-        if dynamic:
-            torch._dynamo.mark_dynamic(input_ids, 0)
-            torch._dynamo.mark_dynamic(positions, 0)
-        self(input_ids, positions, runner.kv_caches, meta)
+    def _pick(self, programs: list[Any], input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
+        """The first program whose guards (sizes, dtypes, grad state) take these inputs. Checked
+        outside inference mode (the step runs in it), under no_grad, as they were recorded:
+        inference mode would hide the inputs' autograd dispatch keys from the check."""
+        with torch.inference_mode(False), torch.no_grad():
+            return next(
+                (p for p in programs if p.guard_check(self.model, input_ids, positions)), None
+            )
+
+    def _prepare_in_background(self) -> None:
+        try:
+            self._prepare(build_here=False)
+        except Exception as error:  # an optional speed-up: see engine.fallback
+            give_up(error)
+        finally:
+            self.done.set()
+
+    def _prepare(self, build_here: bool) -> None:
+        """Load the stored programs, or build and store them (in this process, or in a process
+        of its own so that a serving engine keeps its interpreter lock), then switch to them."""
+        path = Path(self.spec.path)
+        started = time.perf_counter()
+        with build_lock(path):
+            programs = self._load(path)
+            if programs is not None:
+                origin = "loaded"
+            else:
+                origin = "compiled"
+                if build_here:
+                    store(build(self.model, self.spec), path)
+                else:
+                    self._build_in_child()
+                # What was stored, loaded like any other time: one way to the programs.
+                programs = load(path, self.spec.key)
+                if programs is None:
+                    raise BuildFailed(f"the build process stored nothing at {path}")
+        for program in programs:
+            program.disable_guard_check()  # checked once per batch size instead (_pick)
+        self.origin = origin
+        self._programs = programs
+        logger.info(
+            "%s (batches of %s rows) %s in %.1f s; stored in %s",
+            SPEEDUP,
+            ", ".join(map(str, self.spec.sizes)),
+            origin,
+            time.perf_counter() - started,
+            path,
+        )
+
+    def _load(self, path: Path) -> list[Any] | None:
+        try:
+            return load(path, self.spec.key)
+        except StaleProgramsError as changed:
+            logger.info("stored %s were traced from sources changed since (%s)", SPEEDUP, changed)
+        except Exception as error:  # corrupt or foreign: built again, over it
+            warn_fallback(logger, f"stored {SPEEDUP}", "building them again", error)
+        return None
+
+    def _build_in_child(self) -> None:
+        command = [sys.executable, "-m", "engine.decode_programs", self.spec.to_json()]
+        finished = subprocess.run(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=child_env(),  # it dies with the engine
+            check=False,
+        )
+        lines = [
+            line.removeprefix(RESULT_PREFIX)
+            for line in finished.stdout.splitlines()
+            if line.startswith(RESULT_PREFIX)
+        ]
+        if not lines:
+            raise BuildFailed(f"the build process exited with code {finished.returncode}")
+        report = json.loads(lines[-1])
+        if "error" in report:
+            logger.debug("the build process failed:\n%s", report["detail"])
+            raise BuildFailed(report["error"])

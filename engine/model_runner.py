@@ -174,7 +174,9 @@ class ModelRunner:
         # Compiled first: graph capture runs the model through run_model, which reads it.
         # Nor do they cover several KV groups' tables.
         single = tp.size == 1 and groups.num_groups == 1
-        self.compiled_decode = CompiledDecode.compile_if_enabled(self, config) if single else None
+        self.compiled_decode = (
+            CompiledDecode.start_if_enabled(self, config, model_path) if single else None
+        )
         self.graphs = DecodeGraphs.capture_if_enabled(self, config) if single else None
 
     def prepare(self, plan: StepPlan) -> ModelInput:
@@ -366,9 +368,12 @@ class ModelRunner:
     ) -> torch.Tensor:
         if self.compiled_decode is not None and meta.num_decodes == meta.num_reqs:
             try:
-                return self.compiled_decode(input_ids, positions, self.kv_caches, meta)
+                hidden = self.compiled_decode(input_ids, positions, self.kv_caches, meta)
             except Exception as error:  # an optional speed-up: see engine.fallback
                 # The eager run below writes the same KV slots the failed program may have.
                 self.compiled_decode = None
                 give_up_compiling(error)
+            else:
+                if hidden is not None:  # None: no program for this batch (yet): eagerly
+                    return hidden
         return self.model(input_ids, positions, self.kv_caches, meta)

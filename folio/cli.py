@@ -122,6 +122,13 @@ def _bench_routing(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_startup(args: argparse.Namespace) -> int:
+    from bench.startup import run_startup_benchmark
+
+    run_startup_benchmark(args)
+    return 0
+
+
 def _run_service(service, drain_seconds: float) -> int:
     import logging
 
@@ -326,6 +333,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(goodput, StepCostConfig)
     add_flags(goodput, EngineConfig)
     goodput.set_defaults(func=_bench_goodput, num_kv_blocks=1024, max_num_seqs=16)
+    startup = bench_sub.add_parser(
+        "startup",
+        help="folio serve's time to healthy, cold and warm, and back after a SIGKILLed engine",
+    )
+    from bench.startup import StartupWorkload
+
+    add_flags(startup, StartupWorkload)
+    add_flags(startup, EngineConfig)
+    startup.set_defaults(func=_bench_startup)
     return parser
 
 

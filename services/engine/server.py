@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -282,6 +283,9 @@ class EngineService(GrpcService):
         executor, which alone loads torch and the model code; the simulated engines pass
         their own)."""
         super().__init__(host, port)
+        if config.decode_compile == "auto":
+            # A served engine answers at once, eagerly, while its decode programs get ready.
+            config = dataclasses.replace(config, decode_compile="background")
         self.config = config
         self._build_engine = build_engine or functools.partial(LLMEngine, config)
         self.engine: AsyncEngine | None = None

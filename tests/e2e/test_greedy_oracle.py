@@ -1,15 +1,19 @@
 """The correctness oracle: the engine's greedy tokens equal transformers `generate` on
 SmolLM2-135M-Instruct in float32, whatever the batching does (one batch, chunked prefill,
 prefix-cache hits, preemption under a tiny KV pool), with decode steps compiled, and with the
-model sharded over 3 ranks; and, as a served `folio engine` with no C++ compiler, eagerly."""
+model sharded over 3 ranks; and, as a served `folio engine`, with no C++ compiler (eagerly) and
+with the compiled programs stored before (loaded, not compiled)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -21,6 +25,10 @@ from engine import LLM, SamplingParams
 from polling import wait_until
 
 NEW_TOKENS = 32
+# What an engine logs once its compiled decode steps are ready (engine.compiled_decode).
+PROGRAMS_READY = re.compile(
+    r"compiled decode steps \(batches of [\d, ]+ rows\) (loaded|compiled) in"
+)
 SYSTEM = (
     "You are a meticulous assistant. Answer briefly, cite no sources, and prefer plain words "
     "over jargon. Never invent facts you are unsure about."
@@ -88,25 +96,17 @@ def test_one_batch_matches_transformers(default_model_dir, prompts, reference):
 
 
 def test_compiled_decode_matches_transformers(default_model_dir, prompts, reference):
-    """Decode steps through torch.compile's programs (the suite runs eagerly otherwise): the
-    one-row program and the program for larger batches."""
+    """Decode steps through the compiled programs (the suite runs eagerly otherwise), built at
+    start-up or loaded from the cache: the program for larger batches and the one-row one."""
     llm = LLM(model=str(default_model_dir), dtype="float32", enforce_eager=False)
     compiled = llm.engine.executor.runner.compiled_decode
-    assert compiled is not None
-    rows_run = []
-    program = compiled._forward
-
-    def counted(input_ids, *rest):
-        rows_run.append(len(input_ids))
-        return program(input_ids, *rest)
-
-    compiled._forward = counted
+    assert compiled is not None and compiled.ready
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     assert [r.token_ids for r in llm.generate(prompts, params)] == reference
-    assert max(rows_run) == len(prompts)
-    rows_run.clear()
+    assert max(compiled.rows_run) == len(prompts)
+    compiled.rows_run.clear()
     assert [r.token_ids for r in llm.generate(prompts[-1:], params)] == reference[-1:]
-    assert rows_run == [1] * (len(reference[-1]) - 1)
+    assert compiled.rows_run == {1: len(reference[-1]) - 1}
 
 
 def test_chunked_prefill_matches_transformers(default_model_dir, prompts, reference):
@@ -151,24 +151,14 @@ def test_tensor_parallel_3_matches_transformers(default_model_dir, prompts, refe
         assert [r.token_ids for r in got] == reference
 
 
-def test_engine_without_a_compiler_serves_eagerly(default_model_dir, prompts, reference, tmp_path):
-    """An optional speed-up never takes the engine down: `folio engine` asked for compiled decode
-    with no C++ compiler on PATH, CXX pointing nowhere and an empty cache (nothing built before)
-    says once why Folio's kernels and the compiled steps are unavailable, then serves the oracle
-    prompts eagerly, token for token."""
-    # The interpreter's own folder only (ninja is there): no c++, g++, gcc or cc anywhere.
-    env = {
-        **os.environ,
-        "PATH": os.path.dirname(sys.executable),
-        "CXX": str(tmp_path / "nowhere" / "c++"),
-        "CC": str(tmp_path / "nowhere" / "cc"),
-        "FOLIO_CACHE_DIR": str(tmp_path / "cache"),
-    }
-    env.pop("FOLIO_KERNEL_DIR", None)
-    stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"
-    command = [sys.executable, "-m", "folio.cli", "engine", "--model", str(default_model_dir)]
+@contextlib.contextmanager
+def served_engine(model_dir, stderr: Path, env: dict[str, str]) -> Iterator[int]:
+    """A `folio engine` with compiled decode steps (in the background: its default), serving;
+    yields its port, and checks that SIGTERM ends it cleanly."""
+    command = [sys.executable, "-m", "folio.cli", "engine", "--model", str(model_dir)]
     command += ["--dtype", "float32", "--no-enforce-eager", "--port", "0"]
     command += ["--num-kv-blocks", "512", "--max-num-seqs", "32"]
+    stdout = stderr.with_name(stderr.name + ".stdout")
     with stdout.open("w") as out, stderr.open("w") as err:
         process = subprocess.Popen(command, stdout=out, stderr=err, env=env)
     try:
@@ -189,32 +179,72 @@ def test_engine_without_a_compiler_serves_eagerly(default_model_dir, prompts, re
                 seconds=600,
                 interval=0.5,
             )
-            assert process.poll() is None, stderr.read_text()[-3000:]
-            params = common_pb2.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
-            requests = [
-                engine_pb2.GenerateRequest(
-                    add=engine_pb2.EngineRequest(
-                        request_id=str(i), prompt_token_ids=ids, sampling_params=params
-                    )
-                )
-                for i, ids in enumerate(prompts)
-            ]
-            tokens: dict[str, list[int]] = {}
-            stub = engine_pb2_grpc.EngineServiceStub(channel)
-            for response in stub.Generate(iter(requests), timeout=600):
-                for output in response.outputs:
-                    assert not output.HasField("error"), output.error
-                    tokens.setdefault(output.request_id, []).extend(output.token_ids)
-        assert [tokens[str(i)] for i in range(len(prompts))] == reference
+        assert process.poll() is None, stderr.read_text()[-3000:]
+        yield int(port)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def generate_served(port: int, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens of every prompt, from one Generate stream."""
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    requests = [
+        engine_pb2.GenerateRequest(
+            add=engine_pb2.EngineRequest(
+                request_id=str(i), prompt_token_ids=ids, sampling_params=params
+            )
+        )
+        for i, ids in enumerate(prompts)
+    ]
+    tokens: dict[str, list[int]] = {}
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        for response in stub.Generate(iter(requests), timeout=600):
+            for output in response.outputs:
+                assert not output.HasField("error"), output.error
+                tokens.setdefault(output.request_id, []).extend(output.token_ids)
+    return [tokens[str(i)] for i in range(len(prompts))]
+
+
+def test_engine_without_a_compiler_serves_eagerly(default_model_dir, prompts, reference, tmp_path):
+    """An optional speed-up never takes the engine down: `folio engine` asked for compiled decode
+    with no C++ compiler on PATH, CXX pointing nowhere and an empty cache (nothing built before)
+    says once why Folio's kernels and the compiled steps are unavailable, then serves the oracle
+    prompts eagerly, token for token."""
+    # The interpreter's own folder only (ninja is there): no c++, g++, gcc or cc anywhere.
+    env = {
+        **os.environ,
+        "PATH": os.path.dirname(sys.executable),
+        "CXX": str(tmp_path / "nowhere" / "c++"),
+        "CC": str(tmp_path / "nowhere" / "cc"),
+        "FOLIO_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    env.pop("FOLIO_KERNEL_DIR", None)
+    stderr = tmp_path / "stderr"
+    with served_engine(default_model_dir, stderr, env) as port:
+        assert generate_served(port, prompts) == reference
+        # The programs' build process fails in the background; the engine says so once.
+        wait_until(lambda: "running them eagerly" in stderr.read_text(), "the warning", 300)
     log = stderr.read_text()
     kernels = re.findall(r"Folio's CPU kernels unavailable \((.*)\); using torch's ops", log)
     compiled = re.findall(r"compiled decode steps unavailable \((.*)\); running them eagerly", log)
     assert kernels == [f"no C++ compiler: {env['CXX']!r} is not on PATH (install one or set CXX)"]
     assert len(compiled) == 1 and "C++ compiler" in compiled[0], compiled
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_restarted_engine_loads_its_programs(default_model_dir, prompts, reference, tmp_path):
+    """A `folio engine` whose programs are stored (the in-process test above stored them, or an
+    earlier run did) loads them in the background instead of compiling, and its compiled decode
+    steps give the oracle's tokens."""
+    stderr = tmp_path / "stderr"
+    with served_engine(default_model_dir, stderr, dict(os.environ)) as port:
+        wait_until(lambda: PROGRAMS_READY.search(stderr.read_text()), "the programs", 600)
+        assert generate_served(port, prompts) == reference
+    log = stderr.read_text()
+    assert re.search(r"compiled decode steps \(batches of 2, 1 rows\) loaded in", log), log[-3000:]
+    assert " compiled in " not in log and "unavailable" not in log, log[-3000:]
