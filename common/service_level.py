@@ -8,9 +8,12 @@ anything itself, beyond checking its own ranges.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from common.errors import InvalidRequestError
+
+# What a deadline spent on the way leaves of it (milliseconds).
+SPENT_MS = 0.001
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,18 @@ class ServiceLevel:
     weight: float = 1.0
     ttft_ms: float | None = None
     total_ms: float | None = None
+
+    def after(self, seconds: float) -> ServiceLevel:
+        """The same level `seconds` later: what is left of its deadlines (a spent one leaves a
+        sliver, SPENT_MS, which an engine refuses as below one of its steps)."""
+        if seconds <= 0 or (self.ttft_ms is None and self.total_ms is None):
+            return self
+        spent_ms = seconds * 1000
+
+        def left(ms: float | None) -> float | None:
+            return None if ms is None else max(ms - spent_ms, SPENT_MS)
+
+        return replace(self, ttft_ms=left(self.ttft_ms), total_ms=left(self.total_ms))
 
     def check(self) -> None:
         """InvalidRequestError naming the field unless each is in range."""

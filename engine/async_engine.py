@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -113,9 +114,17 @@ class AsyncEngine:
         """Queue a request (an embedding request with `pooling`). Its outputs, or one
         RequestFailed, arrive in `events` as lists."""
         sink = _Sink(asyncio.get_running_loop(), events)
+        queued = time.monotonic()
+        # Its deadlines count from now: the wait for the loop to take it is spent from them.
         self._inbox.put(
             lambda: self._add(
-                request_id, list(prompt_token_ids), params, priority, pooling, sink, service
+                request_id,
+                list(prompt_token_ids),
+                params,
+                priority,
+                pooling,
+                sink,
+                service.after(time.monotonic() - queued),
             )
         )
 

@@ -19,7 +19,7 @@ import math
 import time
 from collections.abc import Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from common.auth import KeySettings, key_of, key_settings
 from common.config import GatewayConfig
@@ -30,8 +30,6 @@ SLO_TTFT_HEADER = "x-slo-ttft-ms"
 SLO_TOTAL_HEADER = "x-slo-total-ms"
 TENANT_HEADER = "x-tenant"
 NO_SETTINGS = KeySettings()
-# What a deadline spent before the request reached the engine leaves of it (milliseconds).
-SPENT_MS = 0.001
 
 
 @dataclass(frozen=True)
@@ -56,15 +54,7 @@ def current_service_level() -> ServiceLevel:
     started = _current.get()
     if started is None:
         return NO_SERVICE_LEVEL
-    level = started.level
-    if level.ttft_ms is None and level.total_ms is None:
-        return level
-    spent_ms = (time.monotonic() - started.since) * 1000
-
-    def left(ms: float | None) -> float | None:
-        return None if ms is None else max(ms - spent_ms, SPENT_MS)
-
-    return replace(level, ttft_ms=left(level.ttft_ms), total_ms=left(level.total_ms))
+    return started.level.after(time.monotonic() - started.since)
 
 
 class ServiceLevels:
