@@ -28,6 +28,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from common.errors import DeadlineExceededError, FolioError, UnavailableError
+from common.finish_reason import FinishReason
 from common.pooling_params import PoolingParams
 from gateway.openai import embeddings_protocol as eapi
 from gateway.openai.protocol import InvalidParameter
@@ -200,12 +202,19 @@ async def answer(plan: PoolingPlan, serve: Serve) -> BaseModel:
         async for index, delta in stream:
             if delta.embedding is not None:
                 vectors[index] = delta.embedding
+            elif delta.finish_reason is not None:
+                raise _ended_unpooled(index, delta.finish_reason)
             if delta.usage is not None:
                 prompt_tokens += delta.usage.prompt_tokens
-    missing = [i for i, vector in enumerate(vectors) if vector is None]
-    if missing:  # the pipeline ends every request with its vector or an error
-        raise RuntimeError(f"inputs {missing} ended without an embedding")
     return plan.respond([v for v in vectors if v is not None], prompt_tokens)
+
+
+def _ended_unpooled(index: int, reason: str) -> FolioError:
+    """An input the engine ended before pooling it: past its deadline (the request's service
+    level), or aborted there (the engine stopped)."""
+    if reason == FinishReason.DEADLINE:
+        return DeadlineExceededError(f"input {index} reached its deadline before it was pooled")
+    return UnavailableError(f"the engine ended input {index} ({reason}) before it was pooled")
 
 
 async def create_embeddings(

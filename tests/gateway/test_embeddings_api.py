@@ -7,6 +7,7 @@ reranking order; bad input is a 400 naming the parameter."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import struct
@@ -19,8 +20,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.config import EngineConfig
+from common.errors import DeadlineExceededError, UnavailableError
+from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from embedding_models import cosine, reference_embedding, write_sentence_transformers
+from gateway.openai import embeddings
+from gateway.pipeline.text import TextDelta, TextRequest, Usage
 from gateway_helpers import GatewayThread, check_error
 from grpc_helpers import ServerThread
 from services.engine.server import EngineService
@@ -244,3 +249,26 @@ def test_default_model_embeddings_beside_generation(default):
     # No Matryoshka sizes declared: dimensions is refused, naming it.
     response = httpx.post(default.url + "/v1/embeddings", json={"input": "a", "dimensions": 8})
     assert "Matryoshka" in check_error(response, 400, "dimensions")["message"]
+
+
+@pytest.mark.parametrize(
+    ("reason", "error"), [("deadline", DeadlineExceededError), ("abort", UnavailableError)]
+)
+def test_an_input_the_engine_ends_unpooled_fails_the_request(reason, error):
+    """The engine ends an embedding request without its vector only past its deadline or when
+    it aborts it: the request fails (504, 503), and the inputs still running are released."""
+    requests = [TextRequest([1], SamplingParams(max_tokens=0)) for _ in range(3)]
+    plan = embeddings.PoolingPlan("embd-1", "m", requests, lambda vectors, tokens: None)
+    closed = []
+
+    async def serve(requests, request_id):
+        try:
+            yield 0, TextDelta("", finish_reason="stop", usage=Usage(1, 0), embedding=[1.0])
+            yield 1, TextDelta("", finish_reason=reason, usage=Usage(1, 0))
+            yield 2, TextDelta("", finish_reason="stop", usage=Usage(1, 0), embedding=[1.0])
+        finally:
+            closed.append(request_id)
+
+    with pytest.raises(error, match="input 1"):
+        asyncio.run(embeddings.answer(plan, serve))
+    assert closed == ["embd-1"]
