@@ -24,7 +24,7 @@ import struct
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -37,6 +37,7 @@ from gateway.pipeline.generation import Gateway, new_request_id
 from gateway.pipeline.text import TextDelta, TextRequest
 from gateway.pipeline.validation import ModelInfo, embedding_request
 
+T = TypeVar("T")
 # How the caller runs a plan's requests: (requests, request id) -> (choice index, delta).
 Serve = Callable[[Sequence[TextRequest], str], AsyncGenerator[tuple[int, TextDelta], None]]
 
@@ -80,8 +81,8 @@ async def _requests(
     return requests
 
 
-def _as_list(value: str | list[str], param: str) -> list[str]:
-    values = [value] if isinstance(value, str) else value
+def _counted(values: list[T], param: str) -> list[T]:
+    """`values`, unless empty or over OpenAI's bound on inputs (InvalidParameter)."""
     if not values:
         raise InvalidParameter(f"{param} must not be empty", param)
     if len(values) > eapi.MAX_INPUTS:
@@ -108,13 +109,7 @@ async def plan_embeddings(
     elif raw and all(isinstance(v, int) for v in raw):
         inputs = [[v for v in raw if isinstance(v, int)]]  # one prompt's token ids
     else:
-        inputs = [v for v in raw if not isinstance(v, int)]
-        if not inputs:
-            raise InvalidParameter("input must not be empty", "input")
-        if len(inputs) > eapi.MAX_INPUTS:
-            raise InvalidParameter(
-                f"input has {len(inputs)} items, over the limit of {eapi.MAX_INPUTS}", "input"
-            )
+        inputs = _counted([v for v in raw if not isinstance(v, int)], "input")
     pooling = PoolingParams(body.dimensions)
     pooling.validate()
     requests = await _requests(gateway, info, inputs, "input", pooling, priority)
@@ -139,7 +134,8 @@ def _cosine(a: list[float], b: list[float]) -> float:
 
 async def plan_score(gateway: Gateway, body: eapi.ScoreRequest, priority: int = 0) -> PoolingPlan:
     info = await gateway.check_model(body.model)
-    first, second = _as_list(body.text_1, "text_1"), _as_list(body.text_2, "text_2")
+    first = _counted([body.text_1] if isinstance(body.text_1, str) else body.text_1, "text_1")
+    second = _counted([body.text_2] if isinstance(body.text_2, str) else body.text_2, "text_2")
     if len(first) > 1 and len(first) != len(second):
         raise InvalidParameter(
             f"text_1 has {len(first)} texts and text_2 {len(second)}: score one against one, "
@@ -167,7 +163,7 @@ async def plan_score(gateway: Gateway, body: eapi.ScoreRequest, priority: int = 
 
 async def plan_rerank(gateway: Gateway, body: eapi.RerankRequest, priority: int = 0) -> PoolingPlan:
     info = await gateway.check_model(body.model)
-    documents = _as_list(body.documents, "documents")
+    documents = _counted(body.documents, "documents")
     requests = await _requests(gateway, info, [body.query], "query", PoolingParams(), priority)
     requests += await _requests(gateway, info, documents, "documents", PoolingParams(), priority)
     request_id = new_request_id("rerank")
