@@ -127,7 +127,7 @@ def test_the_table_is_transformers_cos_and_sin():
     [
         (
             dict(rope_type="ntk-by-parts", factor=2.0),
-            r"'ntk-by-parts'.*rope_type.*default, llama3, yarn, longrope, dynamic",
+            r"'ntk-by-parts'.*rope_type.*default, linear, llama3, yarn, longrope, dynamic",
         ),
         (dict(rope_type="yarn", factor=2.0), r"rope_scaling\.original_max_position_embeddings"),
         (
@@ -146,3 +146,15 @@ def test_bad_rope_settings_are_named(rope, message):
     )
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_dict(raw)
+
+
+def test_linear():
+    hf, ours = both(
+        LlamaConfig,
+        max_position_embeddings=64,
+        rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0),
+    )
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["linear"](hf, "cpu")
+    got = rope_frequencies(ours)
+    torch.testing.assert_close(got.inv_freq, inv_freq, rtol=1e-6, atol=0)
+    assert got.attention_factor == factor == 1.0
