@@ -66,15 +66,24 @@ class KVGroups:
 
     def tokens_held(self, num_blocks: int, block_size: int, chunk: int) -> int:
         """The longest request a pool of num_blocks holds alone, prefilled in chunks of at most
-        `chunk` tokens: a full group needs a block per block_size tokens; a sliding group only
-        the blocks its window and a chunk span, and the pool keeps NULL_BLOCK out."""
-        sliding = [w for w in self.windows if w is not None]
-        full = self.num_groups - len(sliding)
-        spare = num_blocks - (1 if sliding else 0)
-        spare -= sum(-(-(window + chunk) // block_size) + 1 for window in sliding)
-        if full == 0:  # only windows: any length fits once they do
-            return 2**62 if spare >= 0 else 0
-        return max(0, spare // full) * block_size
+        `chunk` tokens: a full group needs a block per block_size tokens, a sliding group at
+        most the blocks its window and a chunk span; the pool keeps NULL_BLOCK out. Only
+        sliding groups: any length, once their spans fit."""
+        spans = [None if w is None else -(-(w + chunk) // block_size) + 1 for w in self.windows]
+        sliding = [span for span in spans if span is not None]
+        available = num_blocks - (1 if sliding else 0)
+
+        def needed(logical: int) -> int:
+            return sum(logical if span is None else min(logical, span) for span in spans)
+
+        if len(sliding) == len(spans) and needed(max(sliding)) <= available:
+            return 2**62
+        # needed() grows with the length and is at least it: the answer is within available.
+        low, high = 0, max(available, 0)
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if needed(middle) <= available else (low, middle - 1)
+        return low * block_size
 
 
 def kv_groups(layer_windows: Sequence[int | None], num_layers: int) -> KVGroups:

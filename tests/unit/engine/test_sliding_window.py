@@ -160,3 +160,14 @@ def test_two_ranks_give_transformers_greedy_tokens(tmp_path, variant):
         engine.close()
     for rid, ids in prompts.items():
         assert got[rid] == hf_greedy(reference, ids, 10), rid
+
+
+def test_the_longest_request_a_pool_holds():
+    full_and_sliding = kv_groups([None, None, 8, 8], 4)  # a full group, a sliding group
+    assert full_and_sliding.windows == (None, 8) and full_and_sliding.num_slots == 2
+    # 40 blocks, NULL_BLOCK apart: the sliding group needs (8 + 4) / 4 + 1 = 4 at most.
+    assert full_and_sliding.tokens_held(40, BLOCK, chunk=4) == (39 - 4) * BLOCK
+    # Sliding layers only: any length once the window fits, however long the window.
+    assert kv_groups([8, 8], 2).tokens_held(8, BLOCK, chunk=4) == 2**62
+    assert kv_groups([262144] * 2, 2).tokens_held(100, BLOCK, chunk=4) == 99 * BLOCK
+    assert kv_groups([], 2).tokens_held(10, BLOCK, chunk=4) == 10 * BLOCK
