@@ -153,25 +153,17 @@ def add_request(
     service: ServiceLevel = NO_SERVICE_LEVEL,
 ) -> GenerateMessage:
     """A new request; with `pooling`, an embedding request (its sampling params unsent)."""
-    if pooling is not None:
-        return engine_pb2.GenerateRequest(
-            add=engine_pb2.EngineRequest(
-                request_id=request_id,
-                prompt_token_ids=prompt_token_ids,
-                priority=priority,
-                **_service_fields(service),
-                pooling=engine_pb2.PoolingParams(dimensions=pooling.dimensions),
-            )
-        )
-    return engine_pb2.GenerateRequest(
-        add=engine_pb2.EngineRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt_token_ids,
-            sampling_params=sampling_params_to_proto(params),
-            priority=priority,
-            **_service_fields(service),
-        )
+    request = engine_pb2.EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids,
+        priority=priority,
+        **_service_fields(service),
     )
+    if pooling is not None:
+        request.pooling.CopyFrom(engine_pb2.PoolingParams(dimensions=pooling.dimensions))
+    else:
+        request.sampling_params.CopyFrom(sampling_params_to_proto(params))
+    return engine_pb2.GenerateRequest(add=request)
 
 
 def _service_fields(service: ServiceLevel) -> dict[str, Any]:
