@@ -16,6 +16,7 @@ from transformers import (
     MixtralConfig,
     Phi3Config,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
 )
@@ -156,6 +157,20 @@ MOE_VARIANTS = {
             moe_intermediate_size=32,
             norm_topk_prob=False,
             mlp_only_layers=[1],
+        ),
+    ),
+    # Qwen2-MoE: q/k/v biases, renormalised top-k, a shared expert behind a sigmoid gate.
+    "qwen2-moe-shared": (
+        Qwen2MoeConfig,
+        dict(
+            SMALL,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=True,
         ),
     ),
 }

@@ -82,6 +82,18 @@ class ExpertDown(Linear):
         self.checkpoint_columns = columns if tp.size > 1 else None
 
 
+class SharedExpertGate(nn.Module):
+    """[T, hidden] -> each token's sigmoid weight [T, 1] for the shared expert's output;
+    replicated and never quantized, like the router."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.weight = empty_parameter(1, hidden_size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(F.linear(x, self.weight))
+
+
 class Expert(nn.Module):
     """One expert's gated MLP, its down projection partial: the MoE layer sums the experts and
     all-reduces once."""
@@ -107,7 +119,8 @@ class Expert(nn.Module):
 
 class SparseMoe(nn.Module):
     """A decoder layer's mixture of experts: `gate` (the router) and `experts`, a dict from the
-    checkpoint's expert number to this rank's experts."""
+    checkpoint's expert number to this rank's experts; with `shared_intermediate_size`, also a
+    `shared_expert` every token goes through, scaled by `shared_expert_gate` (Qwen2-MoE)."""
 
     def __init__(
         self,
@@ -120,6 +133,7 @@ class SparseMoe(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         tp: TensorParallel = SINGLE,
+        shared_intermediate_size: int = 0,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
@@ -137,6 +151,16 @@ class SparseMoe(nn.Module):
                 str(e): Expert(hidden_size, intermediate_size, backend, dtype, device, expert_tp)
                 for e in self.local_experts
             }
+        )
+        # Sliced over the ranks like a dense MLP, expert parallelism or not: its partial output
+        # joins the routed experts' before their one all-reduce.
+        self.shared_expert = (
+            Expert(hidden_size, shared_intermediate_size, backend, dtype, device, tp)
+            if shared_intermediate_size
+            else None
+        )
+        self.shared_expert_gate = (
+            SharedExpertGate(hidden_size, dtype, device) if shared_intermediate_size else None
         )
         # The fused GPU path (set by finalize_weights): every local expert's gate_up and down
         # weights stacked, [E_local, 2I, hidden] and [E_local, hidden, I].
@@ -157,6 +181,8 @@ class SparseMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self._fused(x, weights, ids) if self.fused else self._per_expert(x, weights, ids)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out += self.shared_expert_gate(x) * self.shared_expert(x)
         return out if self.tp.size == 1 else all_reduce_(out, self.tp)
 
     def _fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

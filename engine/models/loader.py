@@ -39,6 +39,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen3MoeForCausalLM,  # the same block, with its shared expert
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 

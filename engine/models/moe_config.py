@@ -1,11 +1,13 @@
 """The mixture-of-experts part of a model's shape, parsed from config.json: how many experts,
-how many each token goes to, how their weights are normalised, which layers are sparse.
+how many each token goes to, how their weights are normalised, which layers are sparse, how
+large a shared expert is.
 
-Reads the keys Mixtral and Qwen3-MoE write (num_local_experts or num_experts,
+Reads the keys Mixtral, Qwen2-MoE and Qwen3-MoE write (num_local_experts or num_experts,
 num_experts_per_tok, moe_intermediate_size, norm_topk_prob, decoder_sparse_step,
-mlp_only_layers) and refuses, naming the key, the routing variants Folio does not implement
-(DeepSeek's sigmoid scoring and grouped top-k, scaled routed weights). Like engine.models.config
-it only parses and validates: it must never import torch or touch a weight.
+mlp_only_layers, shared_expert_intermediate_size) and refuses, naming the key, the routing
+variants Folio does not implement (DeepSeek's sigmoid scoring and grouped top-k, scaled routed
+weights). Like engine.models.config it only parses and validates: it must never import torch
+or touch a weight.
 """
 
 from __future__ import annotations
@@ -35,19 +37,26 @@ class MoeConfig:
     # Layers with a dense MLP instead of experts (Qwen3-MoE's mlp_only_layers and
     # decoder_sparse_step).
     dense_layers: frozenset[int]
+    # Rows of the shared expert every token also goes through, its output scaled by a sigmoid
+    # gate (Qwen2-MoE); 0 for none.
+    shared_expert_intermediate_size: int = 0
 
     def sparse(self, layer_index: int) -> bool:
         return layer_index not in self.dense_layers
 
 
 def parse_moe(raw: dict, architecture: str) -> MoeConfig | None:
-    """The MoE shape of a Mixtral or Qwen3-MoE config; None for the dense architectures."""
+    """The MoE shape of a Mixtral, Qwen2-MoE or Qwen3-MoE config; None for the dense
+    architectures."""
+    shared = 0
     if architecture == "MixtralForCausalLM":
         renormalize = True
         size = raw["intermediate_size"]
-    elif architecture == "Qwen3MoeForCausalLM":
+    elif architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         renormalize = bool(raw.get("norm_topk_prob", False))
         size = raw["moe_intermediate_size"]
+        if architecture == "Qwen2MoeForCausalLM":
+            shared = raw.get("shared_expert_intermediate_size") or 0
     else:
         return None
     for key, value in _ROUTING_DEFAULTS.items():
@@ -68,4 +77,4 @@ def parse_moe(raw: dict, architecture: str) -> MoeConfig | None:
     step = raw.get("decoder_sparse_step", 1) or 1
     dense = set(raw.get("mlp_only_layers") or [])
     dense.update(i for i in range(num_layers) if (i + 1) % step)
-    return MoeConfig(num_experts, top_k, size, renormalize, frozenset(dense))
+    return MoeConfig(num_experts, top_k, size, renormalize, frozenset(dense), shared)
