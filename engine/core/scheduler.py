@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -193,7 +194,10 @@ class Scheduler:
         tokens = sum(r.num_tokens for r in ahead) + self._running_prefill_tokens() + own
         expected = cost.seconds_to_prefill(
             tokens, self.num_running_seqs, self.max_num_batched_tokens
-        ) + self._seconds_to_free_slots(len(ahead) + 1, ahead, cost)
+        )
+        # Next in line and allowed to preempt for a slot: it need not wait for one to free.
+        if ahead or self._victim_for(request) is None:
+            expected += self._seconds_to_free_slots(len(ahead) + 1, ahead, cost)
         if expected > ms / 1000:
             raise DeadlineUnmeetable(
                 f"slo_{name} leaves {ms:.3g} ms, but the first token is expected in "
@@ -337,8 +341,8 @@ class Scheduler:
     def _victim_for(self, request: Request) -> Request | None:
         """The running request to preempt so that the waiting `request` can start, if any: a
         batch one for an interactive request; under priority, the least urgent if strictly
-        less urgent than `request`; under fair, the most over-served tenant's, if that tenant
-        is more than a step's tokens ahead of `request`'s."""
+        less urgent than `request`; under fair, one of the tenant most over its share of the
+        sequence slots, while `request`'s tenant is within its own."""
         if request.is_batch or not self.running:
             return None
         victim = self._pick_victim()
@@ -347,10 +351,29 @@ class Scheduler:
         if self.policy == "priority":
             return victim if victim.priority > request.priority else None
         if self.policy == "fair":
-            virtual = self.shares.virtual_time
-            ahead = virtual(victim.tenant) - virtual(request.tenant)
-            return victim if ahead > self.max_num_batched_tokens else None
+            return self._over_share_victim(request)
         return None
+
+    def _over_share_victim(self, request: Request) -> Request | None:
+        """Under fair: the latest admitted request of the tenant running the most sequences
+        over its weighted share of max_num_seqs, if `request`'s tenant is within its share
+        with `request` running too; else None (it waits for a free slot)."""
+        seqs = Counter[str]()
+        for running in self.running:
+            seqs[running.tenant] += running.num_seqs
+        weight = self.shares.weight
+        tenants = {*seqs, request.tenant}
+        total_weight = sum(weight(t) for t in tenants)
+
+        def fair_seqs(tenant: str) -> float:
+            return self.max_num_seqs * weight(tenant) / total_weight
+
+        if seqs[request.tenant] + request.num_seqs > fair_seqs(request.tenant):
+            return None
+        over = max(seqs, key=lambda t: seqs[t] - fair_seqs(t))
+        if seqs[over] <= fair_seqs(over):
+            return None
+        return max((r for r in self.running if r.tenant == over), key=lambda r: r.times.arrival)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
