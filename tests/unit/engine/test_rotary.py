@@ -14,6 +14,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.layers.rotary import ROPE_TYPES, rope_frequencies, rope_table
 from engine.models.config import SUPPORTED_ROPE_TYPES, ModelConfig
+from tiny_models import VARIANTS
 
 SHAPE = dict(
     vocab_size=10, hidden_size=64, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4
@@ -67,16 +68,13 @@ def test_yarn(params):
 
 
 def test_longrope_short_then_long_factors():
+    # The tiny Phi-3's LongRoPE (8 frequencies, original context 64 of 256).
+    _, phi3 = VARIANTS["phi3-longrope"]
     hf, ours = both(
         Phi3Config,
         max_position_embeddings=256,
-        original_max_position_embeddings=64,
-        rope_parameters=dict(
-            rope_type="longrope",
-            rope_theta=10000.0,
-            short_factor=[1.0 + 0.1 * i for i in range(8)],
-            long_factor=[2.0 + 0.5 * i for i in range(8)],
-        ),
+        original_max_position_embeddings=phi3["original_max_position_embeddings"],
+        rope_parameters=dict(phi3["rope_parameters"]),
     )
     short, factor = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu")
     long, _ = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu", seq_len=65)

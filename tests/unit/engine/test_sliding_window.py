@@ -98,6 +98,31 @@ def first_blocks_of(manager: KVCacheManager, tokens: list[int], group: int) -> l
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
+def engine_on(directory, num_blocks: int, tp: int = 1) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(directory),
+            dtype="float32",
+            block_size=BLOCK,
+            num_kv_blocks=num_blocks,
+            max_num_batched_tokens=12,
+            max_num_seqs=4,
+            tensor_parallel_size=tp,
+        )
+    )
+
+
+def greedy(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Every prompt's GREEDY tokens, all queued at once."""
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, GREEDY)
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return got
+
+
 # Gemma 3 gets too few blocks for all four requests at once: the last admitted are preempted
 # and recomputed. A sliding-only model holds a few blocks a request, freed as fast as it takes
 # new ones: it runs in a small pool without preemption.
@@ -106,24 +131,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 )
 def test_greedy_tokens_through_preemption_and_prefix_hits(tmp_path, variant, num_blocks, preempts):
     reference = make_checkpoint(tmp_path, *VARIANTS[variant])
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(tmp_path),
-            dtype="float32",
-            block_size=BLOCK,
-            num_kv_blocks=num_blocks,
-            max_num_batched_tokens=12,
-            max_num_seqs=4,
-        )
-    )
+    engine = engine_on(tmp_path, num_blocks)
     base = [(7 * i) % 150 + 3 for i in range(30)]
     prompts = {"a": base, "b": [*base[:22], 5, 6, 7], "c": base[::-1], "d": base[3:29]}
-    for rid, ids in prompts.items():
-        engine.add_request(rid, ids, GREEDY)
-    got: dict[str, list[int]] = {}
-    while engine.has_unfinished:
-        for out in engine.step():
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    got = greedy(engine, prompts)
     for rid, ids in prompts.items():
         assert got[rid] == hf_greedy(reference, ids, 10), rid
     assert engine.kv_cache.prefix_cache_hits > 0
@@ -136,26 +147,11 @@ def test_greedy_tokens_through_preemption_and_prefix_hits(tmp_path, variant, num
 @pytest.mark.parametrize("variant", ["phi3-longrope", "gemma3-window3"])
 def test_two_ranks_give_transformers_greedy_tokens(tmp_path, variant):
     reference = make_checkpoint(tmp_path, *VARIANTS[variant])
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(tmp_path),
-            dtype="float32",
-            block_size=BLOCK,
-            num_kv_blocks=64,
-            max_num_batched_tokens=12,
-            max_num_seqs=4,
-            tensor_parallel_size=2,
-        )
-    )
+    engine = engine_on(tmp_path, 64, tp=2)
     base = [(5 * i) % 150 + 3 for i in range(26)]
     prompts = {"a": base, "b": [*base[:21], 9, 8]}
     try:
-        for rid, ids in prompts.items():
-            engine.add_request(rid, ids, GREEDY)
-        got: dict[str, list[int]] = {}
-        while engine.has_unfinished:
-            for out in engine.step():
-                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        got = greedy(engine, prompts)
     finally:
         engine.close()
     for rid, ids in prompts.items():
