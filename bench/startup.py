@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.serve import cpu_seconds
 from common.config import EngineConfig, GatewayFrontConfig, ListenConfig
 from common.flags import flag
 from services.supervisor import Child, ServeConfig, Supervisor
@@ -46,7 +47,8 @@ class StartupWorkload:
 class StartupRun:
     label: str
     healthy: dict[str, float]  # service -> seconds from its start to healthy
-    serving: float  # seconds from `folio serve`'s start until all three are healthy
+    serving: float  # seconds from `folio serve`'s start (or the kill) until all are healthy
+    engine_cpu: float  # CPU seconds the engine process had used by then (all its threads)
     programs: str  # how and when the engine's decode programs got ready
 
 
@@ -77,41 +79,63 @@ def programs_ready(log: Path, since: int, timeout: float) -> str:
     return f"not ready after {timeout:.0f} s"
 
 
+def engine_cpu(supervisor: Supervisor) -> float:
+    process = supervisor.engine.process
+    assert process is not None
+    return cpu_seconds(process.pid)
+
+
 def start(supervisor: Supervisor, label: str, log: Path, args: argparse.Namespace) -> StartupRun:
     since = log.stat().st_size
     started = time.monotonic()
     supervisor.start()
     serving = time.monotonic() - started
+    cpu = engine_cpu(supervisor)
     healthy = {child.name: child.startup_seconds() for child in supervisor.children}
     programs = programs_ready(log, since, args.programs_timeout)
-    return StartupRun(label, healthy, serving, programs)
+    return StartupRun(label, healthy, serving, cpu, programs)
 
 
 def recover(supervisor: Supervisor, log: Path, args: argparse.Namespace) -> StartupRun:
     """SIGKILL the engine of a serving group and time its return (the supervisor's own restart
-    back-off included)."""
+    back-off included). The supervisor watches and restarts in this thread, as in `folio
+    serve` (a child dies with the thread that started it); another kills and times."""
     engine: Child = supervisor.engine
-    assert engine.process is not None
-    watcher = threading.Thread(target=supervisor.watch, daemon=True)
-    watcher.start()
-    since = log.stat().st_size
-    killed = time.monotonic()
-    os.kill(engine.process.pid, signal.SIGKILL)
-    while engine.started_at is None or engine.started_at < killed or engine.healthy_since is None:
-        time.sleep(0.05)
-    recovered = engine.healthy_since - killed
-    programs = programs_ready(log, since, args.programs_timeout)
-    supervisor.request_stop()
-    watcher.join()
-    return StartupRun("recovery", {"engine": engine.startup_seconds()}, recovered, programs)
+    runs: list[StartupRun] = []
+
+    def kill_and_time() -> None:
+        try:
+            assert engine.process is not None
+            since = log.stat().st_size
+            killed = time.monotonic()
+            os.kill(engine.process.pid, signal.SIGKILL)
+            while (
+                engine.started_at is None
+                or engine.started_at < killed
+                or engine.healthy_since is None
+            ):
+                time.sleep(0.05)
+            recovered = engine.healthy_since - killed
+            cpu = engine_cpu(supervisor)
+            programs = programs_ready(log, since, args.programs_timeout)
+            healthy = {"engine": engine.startup_seconds()}
+            runs.append(StartupRun("recovery", healthy, recovered, cpu, programs))
+        finally:
+            supervisor.request_stop()
+
+    threading.Thread(target=kill_and_time, daemon=True).start()
+    supervisor.watch()
+    if not runs:
+        raise RuntimeError("the engine did not come back (see the service logs)")
+    return runs[0]
 
 
 def report(run: StartupRun) -> None:
     services = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in run.healthy.items())
     what = "back to healthy" if run.label == "recovery" else "all healthy"
     print(
-        f"{run.label:>8}: {what} in {run.serving:.1f} s ({services}); compiled decode "
-        f"steps {run.programs}",
+        f"{run.label:>8}: {what} in {run.serving:.1f} s ({services}; the engine had used "
+        f"{run.engine_cpu:.1f} CPU s); compiled decode steps {run.programs}",
         flush=True,
     )
 

@@ -197,6 +197,9 @@ def kill_and_recover(server: ServeProcess, role: str, kill: Kill) -> None:
     wait_health(server, 200, RECOVERY_SECONDS)
     restarted = int(server.wait_for_output(rf"restarted {role} \(pid (\d+)\)", 1, since)[1])
     assert server.child_pid(role) == restarted != pid
+    server.wait_for_output(
+        rf"folio: {role} is serving again, \d+\.\d s after its restart", RECOVERY_SECONDS, since
+    )
     assert models(server) == served  # the gateway checked the model again: still the same
     answer = httpx.post(
         f"{server.url}/v1/chat/completions",

@@ -20,7 +20,14 @@ import torch
 from common.grpc_stubs.folio.v1 import engine_pb2, engine_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openai import OpenAI
-from serve_process import ENGINE_ARGS, STARTING, alive, processes_with, start_serve
+from serve_process import (
+    COMPILED_STARTUP_TIMEOUT,
+    ENGINE_ARGS,
+    STARTING,
+    alive,
+    processes_with,
+    start_serve,
+)
 
 from common.tokenizer import Tokenizer
 from engine import LLM, SamplingParams
@@ -37,6 +44,9 @@ def test_all_three_services_are_up(folio_server):
     children = folio_server.children()
     roles = sorted(re.search(r"folio\.cli (\w+)", cmd)[1] for cmd in children.values())
     assert roles == ["engine", "gateway", "tokenizer"]
+    # folio serve said how long each took to become healthy.
+    for role in roles:
+        assert re.search(rf"folio: {role} healthy in \d+\.\d s", folio_server.output()), role
     with urllib.request.urlopen(f"{folio_server.url}/health", timeout=10) as response:
         assert response.status == 200
     for address in (folio_server.engine_address, folio_server.tokenizer_address):
@@ -110,11 +120,15 @@ def test_openai_client_chat(folio_server, default_model_dir):
 
 
 def test_decode_steps_run_compiled(folio_server, default_model_dir):
-    """The shared server compiled its decode steps at start-up, and its greedy tokens are an
-    eager engine's of the same dtype: equal in float32; in bfloat16, where the compiled program
+    """The shared server's decode steps run compiled once its programs are ready (loaded, or
+    built in the background while it served eagerly), and its greedy tokens are an eager
+    engine's of the same dtype: equal in float32; in bfloat16, where the compiled program
     rounds fused intermediates differently, equal up to a first disagreement, which must be a
     near-tie (each side's token in the other's top 5, vLLM's check_logprobs_close)."""
-    assert re.search(r"compiled decode steps \(batches of 2, 1 rows\)", folio_server.output())
+    folio_server.wait_for_output(
+        r"compiled decode steps \(batches of 2, 1 rows\) (loaded|compiled) in",
+        COMPILED_STARTUP_TIMEOUT,
+    )
     prompt = "Once upon a time, in a land far away,"
     openai = client(folio_server)
     model = openai.models.list().data[0].id
