@@ -196,3 +196,17 @@ def test_the_offline_api_embeds(checkpoint, tmp_path, default_model_dir):
             assert cosine(vector, reference_embedding(reference, ids, "cls")) > COSINE
         (alone,) = llm.embed(prompts[0])  # one prompt's token ids
         assert alone == pytest.approx(vectors[0], abs=1e-5)
+
+
+def test_pooling_with_tensor_parallel_ranks(checkpoint, tmp_path):
+    """Two ranks (gloo): the plan's pooled entries reach the worker, rank 0 pools, chunked."""
+    directory, reference = checkpoint
+    model_dir = sentence_transformers_copy(directory, tmp_path / "model", "mean")
+    engine = tiny_engine(model_dir, tensor_parallel_size=2)
+    try:
+        ids = prompt(40, 9)
+        engine.add_request("tp", ids, SamplingParams(), pooling=PoolingParams())
+        _, embeddings = run(engine)
+    finally:
+        engine.close()
+    assert cosine(embeddings["tp"], reference_embedding(reference, ids, "mean")) > COSINE
