@@ -5,8 +5,8 @@ per step has the model runner prepare inputs and run the forward (on every rank)
 one token per sampling row (with the structured-output grammars' masks, computed while the
 forward runs), records the prompt logprobs the step computed and finishes the vectors of the
 embedding requests the step pooled (engine.pooler). With the pooling runner it serves embedding
-requests only. It never schedules, never
-changes what a request has computed and never decides that a request ends (the loop does).
+requests only. It never schedules, never changes what a request has computed and never decides
+that a request ends (the loop does).
 """
 
 from __future__ import annotations
