@@ -305,7 +305,7 @@ def engine_args_from_config(config: EngineConfig) -> list[str]:
 
 
 # The tool-call parsers the gateway has (gateway/openai/tools/parsers.py), by their vLLM names.
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "openai")
 # How a reasoning model's thinking is told from its answer (gateway/openai/reasoning/); "none"
 # leaves it in the answer.
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "gpt_oss", "none")

@@ -114,12 +114,13 @@ TOOL_CALL_FORMAT_MARKS = (
     ("hermes", "<tool_call>"),
     ("mistral", "[TOOL_CALLS]"),
     ("llama3_json", "<|python_tag|>"),
+    ("openai", "<|call|>"),  # gpt-oss's harmony: a call message ends with <|call|>
 )
 
 
 def tool_call_format(chat_template: str | None) -> str:
-    """The tool-call format a chat template teaches ("hermes", "llama3_json", "mistral"), or ""
-    when it knows no tools or none of these formats."""
+    """The tool-call format a chat template teaches ("hermes", "llama3_json", "mistral",
+    "openai"), or "" when it knows no tools or none of these formats."""
     if not chat_template or "tools" not in chat_template:
         return ""
     return next((name for name, mark in TOOL_CALL_FORMAT_MARKS if mark in chat_template), "")

@@ -23,13 +23,14 @@ from gateway.front.http_errors import error_body, log_failure
 from gateway.front.sse import DONE, event
 from gateway.messages import ChatTurn, Tokenized
 from gateway.openai import protocol as api
-from gateway.openai.reasoning.grammar import MarkerTokens, after_reasoning
-from gateway.openai.reasoning.parsers import THINK_END, THINK_START, ReasoningDelta
+from gateway.openai.reasoning.grammar import after_reasoning
+from gateway.openai.reasoning.parsers import ReasoningDelta
 from gateway.openai.reasoning.plan import ReasoningPlan, reasoning_plan
 from gateway.openai.reasoning.reader import AnswerEvent, AnswerReader, read_whole
 from gateway.openai.structured import structured_output
-from gateway.openai.tools.chat import ChatInput, ToolPlan, chat_input
-from gateway.openai.tools.grammar import ToolGrammar
+from gateway.openai.tools import harmony
+from gateway.openai.tools.chat import ChatInput, ToolPlan, chat_input, tool_family
+from gateway.openai.tools.grammar import HARMONY, NO_MARKERS, MarkerTokens, ToolGrammar
 from gateway.openai.tools.parsers import CallStart, ContentDelta
 from gateway.pipeline.generation import Gateway, new_request_id
 from gateway.pipeline.text import TextDelta, TextRequest, TokenLogprob, Usage
@@ -174,7 +175,11 @@ async def _chat_input(
         return ChatInput(
             [ChatTurn(role=m.role, content=m.text, name=m.name) for m in body.messages]
         )
-    return chat_input(body, (await gateway.chat_formats()).tool_call, tool_call_parser)
+    template_format = (await gateway.chat_formats()).tool_call
+    markers = NO_MARKERS  # harmony's grammar writes its markers as tokens
+    if tool_family(template_format, tool_call_parser) == HARMONY:
+        markers = await _marker_tokens(gateway, harmony.MARKERS)
+    return chat_input(body, template_format, tool_call_parser, markers)
 
 
 def _with_tools(params: SamplingParams, chat: ChatInput) -> SamplingParams:
@@ -232,15 +237,19 @@ async def plan_chat(
     reasoning = reasoning_plan(
         reasoning_parser, (await gateway.chat_formats()).reasoning, prompt.prompt
     )
-    if reasoning is not None:
-        if params.structured_output is not None:  # it holds the answer, after the reasoning
-            markers = await _marker_tokens(gateway)
-            params = dataclasses.replace(
-                params,
-                structured_output=after_reasoning(reasoning, params.structured_output, markers),
-            )
-        if reasoning.needs_special_tokens:
-            body = body.model_copy(update={"skip_special_tokens": False})
+    # The constraint holds the answer, after the reasoning; harmony's tool grammar (the one
+    # constraint then, _with_tools sees to it) lets the model think already.
+    tools_grammar = chat.plan.grammar if chat.plan is not None else None
+    covered = tools_grammar is not None and tools_grammar.covers_reasoning
+    if reasoning is not None and params.structured_output is not None and not covered:
+        markers = await _marker_tokens(gateway, reasoning.markers)
+        params = dataclasses.replace(
+            params, structured_output=after_reasoning(reasoning, params.structured_output, markers)
+        )
+    # Harmony's markers are special tokens, which its parsers read in the text.
+    harmony_calls = chat.plan is not None and chat.plan.parser.name == HARMONY
+    if harmony_calls or (reasoning is not None and reasoning.needs_special_tokens):
+        body = body.model_copy(update={"skip_special_tokens": False})
     requests = _text_requests(info, [prompt.token_ids], body, params, "messages", max_tokens_param)
     return Plan(
         True,
@@ -256,13 +265,13 @@ async def plan_chat(
     )
 
 
-async def _marker_tokens(gateway: Gateway) -> MarkerTokens:
-    """The reasoning markers' token ids, where the tokenizer holds each as one token."""
-    start, end = await asyncio.gather(
-        gateway.tokenize_text(THINK_START, add_special_tokens=False),
-        gateway.tokenize_text(THINK_END, add_special_tokens=False),
+async def _marker_tokens(gateway: Gateway, markers: tuple[str, ...]) -> MarkerTokens:
+    """The markers' token ids, where the tokenizer holds each as one token."""
+    tokenized = await asyncio.gather(
+        *(gateway.tokenize_text(m, add_special_tokens=False) for m in markers)
     )
-    return MarkerTokens(*(t.token_ids[0] if len(t.token_ids) == 1 else None for t in (start, end)))
+    pairs = zip(markers, tokenized, strict=True)
+    return MarkerTokens({m: t.token_ids[0] for m, t in pairs if len(t.token_ids) == 1})
 
 
 async def plan_completion(gateway: Gateway, body: api.CompletionRequest) -> Plan:

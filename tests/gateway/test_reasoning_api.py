@@ -1,18 +1,21 @@
 """Reasoning output end to end: real tokenizer and engine services on a tiny random model whose
 SmolLM2 vocabulary has `<think>` and `</think>` (and harmony's markers) as single tokens and a
 Qwen-style chat template with <think> (so the tokenizer reports the qwen3 format), three real
-gateways in front of them (the template's format, deepseek_r1, gpt_oss), the real `openai`
-client.
+gateways in front of them (the template's format, deepseek_r1, gpt_oss with harmony's `openai`
+tool calls), the real `openai` client.
 
 A random model never thinks by itself: logit_bias ranks a few tokens far above the rest and a
 repetition penalty of 10 pushes each one below the next once written, so greedy decoding writes
 exactly `<think> Hmm</think> Yes` (qwen3) or `<|channel|> analysis<|message|> Hmm<|end|> Yes`
-(harmony), through the real engine, detokenizer and parser, whole and streamed."""
+(harmony), through the real engine, detokenizer and parser, whole and streamed. Under a
+harmony grammar the biased tokens write the analysis and pick the next channel; the grammar
+writes the rest (the final answer, or the call)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,7 @@ import anthropic
 import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
+from transformers import AutoTokenizer
 
 from common.config import EngineConfig
 from common.tokenizer import Tokenizer
@@ -28,6 +32,7 @@ from gateway.openai.reasoning.plan import ReasoningPlan
 from gateway.openai.responses import events as response_events
 from gateway.openai.responses import protocol as rapi
 from gateway.openai.responses.translate import ResponseHead
+from gateway.openai.tools.parsers import HarmonyToolParser, parse_whole
 from gateway.pipeline.text import TextDelta, Usage
 from gateway_helpers import ENGINE_ARGS, gateway_command, start_gateway
 from grpc_helpers import TIMEOUT, ServerThread
@@ -43,9 +48,14 @@ RENAMED = {
     6: ("<|message|>", True),
     7: ("<|end|>", True),
     8: ("<|start|>", True),
+    9: ("<|constrain|>", True),
+    10: ("<|return|>", True),
+    11: ("<|call|>", True),
 }
-THINK, END_THINK, CHANNEL, MESSAGE, END = 3, 4, 5, 6, 7
+THINK, END_THINK, CHANNEL, MESSAGE, END, START = 3, 4, 5, 6, 7, 8
 HMM, YES, ANALYSIS = 41827, 9230, 2318  # " Hmm", " Yes", " analysis"
+# "analysis", "final", "comment": the harmony grammar's channel names have no leading space.
+ANALYSIS_CHANNEL, FINAL, COMMENT = 14975, 17254, 3591
 TEMPLATE = """\
 {%- if tools %}<|im_start|>system
 Tools: {% for tool in tools %}{{ tool | tojson }}{% endfor %}
@@ -116,7 +126,7 @@ def gateways(services):
     started = {
         "template": start_gateway(services),
         "deepseek_r1": start_gateway(services, reasoning_parser="deepseek_r1"),
-        "gpt_oss": start_gateway(services, reasoning_parser="gpt_oss"),
+        "gpt_oss": start_gateway(services, reasoning_parser="gpt_oss", tool_call_parser="openai"),
     }
     yield started
     for gateway in started.values():
@@ -250,6 +260,111 @@ def test_structured_output_applies_after_the_reasoning(clients):
     message = chat(client, THINKING, extra_body=choice, max_tokens=20).choices[0].message
     assert message.reasoning_content == " Hmm"  # type: ignore[attr-defined]
     assert message.content in ("sunny", "rainy")
+
+
+# The analysis, then the next message's <|start|> and its channel's first token.
+HARMONY_THEN = (CHANNEL, ANALYSIS_CHANNEL, MESSAGE, HMM, END, START)
+WEATHER_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "weather", "schema": Weather.model_json_schema()},
+}
+
+
+def test_gpt_oss_structured_output_holds_the_final_channel(clients):
+    """The grammar lets the analysis through, then holds the final channel's body to the
+    schema (the markers as their own tokens): reasoning and a valid answer, whole and
+    streamed."""
+    client = clients["gpt_oss"]
+    sampling = ranked(*HARMONY_THEN, FINAL)
+    fields = {"response_format": WEATHER_FORMAT, "max_tokens": 40}
+    response = chat(client, sampling, **dict(fields))
+    message = response.choices[0].message
+    assert message.reasoning_content == " Hmm"  # type: ignore[attr-defined]
+    Weather.model_validate_json(message.content or "")
+    assert response.choices[0].finish_reason == "stop"
+    assert streamed(client, sampling, **dict(fields)) == (" Hmm", message.content, [], "stop")
+
+
+def test_gpt_oss_harmony_tool_calls(clients):
+    """A named tool_choice holds harmony's output to a commentary message to
+    functions.get_weather after the analysis; the `openai` tool parser reads it into
+    tool_calls, whole and streamed."""
+    client = clients["gpt_oss"]
+    sampling = ranked(*HARMONY_THEN, COMMENT)
+    fields = {
+        "tools": [WEATHER_TOOL],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": 60,
+    }
+    response = chat(client, sampling, **dict(fields))
+    message = response.choices[0].message
+    assert message.reasoning_content == " Hmm"  # type: ignore[attr-defined]
+    assert message.content is None and response.choices[0].finish_reason == "tool_calls"
+    [call] = message.tool_calls or []
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    Weather.model_validate_json(call.function.arguments)  # type: ignore[union-attr]
+    reasoning, content, calls, reason = streamed(client, sampling, **dict(fields))
+    assert (reasoning, content, reason) == (" Hmm", "", "tool_calls")
+    assert calls == [("get_weather", call.function.arguments)]  # type: ignore[union-attr]
+
+
+GPT_OSS_TEMPLATE = Path(__file__).parent.parent / "fixtures" / "chat_templates" / "gpt_oss.jinja"
+
+
+@pytest.fixture(scope="module")
+def harmony_gateway(services, think_model_dir, tmp_path_factory):
+    """A gateway whose tokenizer service reads gpt-oss's own chat template (the same model and
+    vocabulary otherwise), so the tool and reasoning formats come from the template."""
+    directory = tmp_path_factory.mktemp("tiny-gpt-oss") / MODEL
+    shutil.copytree(think_model_dir, directory)
+    shutil.copy(GPT_OSS_TEMPLATE, directory / "chat_template.jinja")
+    tokenizer = ServerThread(TokenizerService(str(directory), "127.0.0.1", 0))
+    gateway = start_gateway((services[0], tokenizer))
+    yield gateway, directory
+    gateway.close()
+    tokenizer.close()
+
+
+def test_gpt_oss_template_round_trip(harmony_gateway):
+    """gpt-oss's template teaches harmony's calls and reasoning; an earlier call and its result
+    go back through it as transformers renders them, and the call it writes back reads as the
+    same call."""
+    gateway, directory = harmony_gateway
+    tokenizer = Tokenizer.from_dir(directory)
+    assert (tokenizer.tool_call_format, tokenizer.reasoning_format) == ("openai", "gpt_oss")
+    arguments = {"city": "Paris"}
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather"}}
+    conversation: list[dict[str, Any]] = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+    ]
+    reference = AutoTokenizer.from_pretrained(directory)
+    call["function"]["arguments"] = arguments  # as transformers takes them
+    expected = reference.apply_chat_template(
+        conversation, tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=False
+    )
+    written = (
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+        '{"city": "Paris"}<|call|>'
+    )
+    assert written in expected
+    assert (
+        '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"21 C"<|end|>'
+        in expected
+    )
+    [read] = parse_whole(HarmonyToolParser(), written).calls
+    assert (read.name, json.loads(read.arguments)) == ("get_weather", arguments)
+    # Through the gateway, the call's arguments as the openai client sends them (JSON text).
+    call["function"]["arguments"] = json.dumps(arguments)
+    response = _client(gateway).chat.completions.create(
+        model=MODEL,
+        messages=conversation,  # type: ignore[arg-type]
+        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        max_tokens=1,
+    )
+    assert response.usage is not None
+    assert response.usage.prompt_tokens == len(reference.encode(expected, add_special_tokens=False))
 
 
 def greedy_answer(client: openai.OpenAI):

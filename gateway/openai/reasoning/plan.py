@@ -31,11 +31,17 @@ class ReasoningPlan:
     parser: str  # a PARSERS name
     in_reasoning: bool  # think formats: the answer begins inside the reasoning
 
-    def new_parser(self) -> ReasoningParser:
+    def new_parser(self, raw_calls: bool) -> ReasoningParser:
+        """A parser for one answer; `raw_calls`: harmony's calls go on whole to harmony's own
+        tool parser."""
         cls = PARSERS[self.parser]
         if issubclass(cls, ThinkParser):
             return cls(self.in_reasoning)
-        return cls()
+        return HarmonyParser(raw_calls)
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        return PARSERS[self.parser].markers
 
     @property
     def needs_special_tokens(self) -> bool:

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from gateway.openai.reasoning.parsers import ReasoningDelta
 from gateway.openai.reasoning.plan import ReasoningPlan
 from gateway.openai.tools.chat import ToolPlan, ToolReader
-from gateway.openai.tools.parsers import ContentDelta, ParsedAnswer, ToolEvent, collect
+from gateway.openai.tools.parsers import (
+    ContentDelta,
+    HarmonyToolParser,
+    ParsedAnswer,
+    ToolEvent,
+    collect,
+)
 
 AnswerEvent = ReasoningDelta | ToolEvent
 
@@ -24,7 +30,8 @@ class AnswerReader:
 
     def __init__(self, tools: ToolPlan | None, reasoning: ReasoningPlan | None) -> None:
         self._tools = ToolReader(tools)
-        self._reasoning = reasoning.new_parser() if reasoning is not None else None
+        raw_calls = tools is not None and tools.parser is HarmonyToolParser
+        self._reasoning = reasoning.new_parser(raw_calls) if reasoning is not None else None
 
     def read(self, text: str, final: bool) -> list[AnswerEvent]:
         if self._reasoning is None:

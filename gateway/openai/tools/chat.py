@@ -16,7 +16,13 @@ from common.sampling_params import StructuredOutput
 from gateway.messages import ChatTurn, ToolCall, ToolSpec
 from gateway.openai import protocol as api
 from gateway.openai.tools import generic
-from gateway.openai.tools.grammar import ToolGrammar, parameters_schema, tool_grammar
+from gateway.openai.tools.grammar import (
+    NO_MARKERS,
+    MarkerTokens,
+    ToolGrammar,
+    parameters_schema,
+    tool_grammar,
+)
 from gateway.openai.tools.parsers import PARSERS, CallStart, ContentDelta, ToolCallParser, ToolEvent
 
 
@@ -113,17 +119,27 @@ def _template_tool(tool: api.ToolDefinition) -> ToolSpec:
     )
 
 
+def tool_family(template_format: str, tool_call_parser: str | None) -> str:
+    """The tool-call format answers are read in: the server's --tool-call-parser, else the
+    template's ("" for none: the generic format)."""
+    return tool_call_parser or template_format
+
+
 def chat_input(
-    body: api.ChatCompletionRequest, template_format: str, tool_call_parser: str | None
+    body: api.ChatCompletionRequest,
+    template_format: str,
+    tool_call_parser: str | None,
+    markers: MarkerTokens = NO_MARKERS,
 ) -> ChatInput:
     """The request's conversation and tools for the tokenizer. `template_format`: the tool
     format the model's chat template knows ("" for none); `tool_call_parser`: the server's
-    --tool-call-parser, which overrides it (the template must then know tools)."""
+    --tool-call-parser, which overrides it (the template must then know tools); `markers`:
+    the format's marker tokens, for its grammar (harmony's)."""
     tools = body.tools or []
     _check_tools(tools)
     _check_messages(body.messages)
     choice, named = _choice(body)
-    family = tool_call_parser or template_format
+    family = tool_family(template_format, tool_call_parser)
     through_template = bool(family)
     if through_template:  # the template writes the tools and the calls
         messages = [_template_message(m) for m in body.messages]
@@ -148,6 +164,7 @@ def chat_input(
             indices,
             parallel=body.parallel_tool_calls and named is None,
             allow_answer=choice == "auto",
+            markers=markers,
         )
     plan = ToolPlan(PARSERS[family], body.parallel_tool_calls, grammar)
     template_tools = [_template_tool(t) for t in tools] if through_template else []

@@ -1,7 +1,8 @@
 """Tool-call parsers, one per model family's output format, named as vLLM names them:
 `hermes` (`<tool_call>{json}</tool_call>`, Qwen2.5 / Qwen3 and the generic format), `llama3_json`
-(a JSON object, or several separated by `;`, optionally after `<|python_tag|>`) and `mistral`
-(`[TOOL_CALLS]` and a JSON array of calls).
+(a JSON object, or several separated by `;`, optionally after `<|python_tag|>`), `mistral`
+(`[TOOL_CALLS]` and a JSON array of calls) and `openai` (gpt-oss's harmony commentary messages
+to `functions.NAME`).
 
 Each parser is incremental: text goes in as it is generated and events come out (content text,
 the start of a call with its id and name, pieces of its arguments), so a streamed answer and a
@@ -18,6 +19,8 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
+
+from gateway.openai.tools import harmony
 
 # `{"name": "...", "arguments": ` (or "parameters", llama3's key): a call object's head, when
 # the model writes the name first (the grammars always do).
@@ -127,14 +130,6 @@ class _CallObject:
         return [self._start(call["name"]), ArgumentsDelta(self.index, arguments)]
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that begins `marker` (text to hold back)."""
-    for size in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
-
-
 class ToolCallParser:
     """Reads one answer's text incrementally: feed() each piece as it comes, finish() at the
     end. Subclasses give the format: where calls begin (`_outside`), what may come between or
@@ -223,7 +218,7 @@ class _MarkedCalls(ToolCallParser):
             self._buffer = self._buffer[at + len(self.marker) :]
             self._state = "call_start"
             return self._content(content)
-        hold = 0 if final else _partial_suffix(self._buffer, self.marker)
+        hold = 0 if final else harmony.partial_suffix(self._buffer, (self.marker,))
         content = self._buffer[: len(self._buffer) - hold]
         self._buffer = self._buffer[len(content) :]
         return self._content(content)
@@ -341,8 +336,46 @@ class Llama3JsonParser(ToolCallParser):
             self._state = "done"
 
 
+class HarmonyToolParser(ToolCallParser):
+    """gpt-oss's harmony: a message to `functions.NAME` (`<|channel|>commentary
+    to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`) is a call, its body the
+    arguments as written; the body of any other message (final, a commentary preamble), and text
+    outside messages, is content. Headers are never content."""
+
+    name = "openai"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._reader = harmony.HarmonyReader()
+        self._calling = False
+
+    def feed(self, text: str) -> list[ToolEvent]:
+        return self._events(self._reader.feed(text))
+
+    def finish(self) -> list[ToolEvent]:
+        return self._events(self._reader.finish())
+
+    def _events(self, items: list[harmony.Item]) -> list[ToolEvent]:
+        events: list[ToolEvent] = []
+        for item in items:
+            if isinstance(item, harmony.Header):
+                self._calling = item.recipient.startswith(harmony.FUNCTIONS)
+                if self._calling:
+                    name = item.recipient[len(harmony.FUNCTIONS) :]
+                    events.append(CallStart(self.num_calls, self.new_id(), name))
+                    self.num_calls += 1
+            elif isinstance(item, harmony.MessageEnd):
+                self._calling = False
+            elif self._calling:
+                events.append(ArgumentsDelta(self.num_calls - 1, item.text))
+            else:
+                events += self._content(item.text)
+        return events
+
+
 PARSERS: dict[str, type[ToolCallParser]] = {
-    parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser)
+    parser.name: parser
+    for parser in (HermesParser, Llama3JsonParser, MistralParser, HarmonyToolParser)
 }
 
 
