@@ -5,7 +5,9 @@
 # otherwise uses or creates .venv and installs the project there (needs PyPI). Then, each step
 # under its own time limit (about 8 minutes in all):
 #   1. the kernel tests natively on CUDA (FOLIO_KERNEL_DEVICE=cuda: bf16 numerics, tf32 dots);
-#   2. paged decode attention against gather + SDPA and dense flash SDPA (bench/gpu_kernels.py);
+#   2. paged decode attention against gather + SDPA and dense flash SDPA (bench/gpu_kernels.py),
+#      and a mixture-of-experts layer, the fused kernel against the loop over experts
+#      (bench/moe_kernels.py);
 #   3. folio bench offline on the GPU with the Triton backend;
 #   4. with 2 or more GPUs, tensor parallelism over NCCL: TP=2 against TP=1 (bench/tp_check.py).
 # Prints a one-line verdict per step at the end; exits non-zero if any step failed.
@@ -54,6 +56,7 @@ step() {  # step NAME SECONDS COMMAND...
 [ -n "${MODEL:-}" ] || step "prepare model" 120 $FOLIO prepare-model
 step "kernel tests on cuda" 150 env FOLIO_KERNEL_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider tests/kernels
 step "decode attention bench" 90 "$PY" -m bench.gpu_kernels
+step "MoE layer bench" 90 "$PY" -m bench.moe_kernels --tokens 1,64,256
 step "folio bench offline" 150 $FOLIO bench offline --device cuda --attention-backend triton --skip-hf \
     --num-requests 64 --max-prompt 512 --max-output 128 "${MODEL_ARGS[@]}"
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")

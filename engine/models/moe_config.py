@@ -59,6 +59,11 @@ def parse_moe(raw: dict, architecture: str) -> MoeConfig | None:
             shared = raw.get("shared_expert_intermediate_size") or 0
     else:
         return None
+    activation = raw.get("hidden_act", "silu")
+    if activation != "silu":  # what the experts (and the fused kernel) compute
+        raise ValueError(
+            f"unsupported hidden_act {activation!r} for a mixture of experts; only 'silu'"
+        )
     for key, value in _ROUTING_DEFAULTS.items():
         if key in raw and raw[key] not in (None, value):
             raise ValueError(

@@ -187,6 +187,8 @@ def test_moe_config_shapes_and_refusals(tmp_path):
     for key, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
         with pytest.raises(ValueError, match=rf"unsupported MoE routing {key}='{value}'"):
             ModelConfig.from_dict(dict(MIXTRAL_CONFIG, **{key: value}))
+    with pytest.raises(ValueError, match="hidden_act 'gelu_pytorch_tanh' for a mixture of"):
+        ModelConfig.from_dict(dict(MIXTRAL_CONFIG, hidden_act="gelu_pytorch_tanh"))
     with pytest.raises(ValueError, match="num_experts_per_tok must be between 1 and the 4"):
         ModelConfig.from_dict(dict(MIXTRAL_CONFIG, num_experts_per_tok=5))
     # Refused at start-up, before any weight is read.
