@@ -225,24 +225,30 @@ WEATHER_TOOL = {
 }
 
 
-def test_tool_calls_follow_the_reasoning(clients):
-    client = clients["template"]
+def check_forced_call(client: openai.OpenAI, sampling: dict[str, Any]) -> None:
+    """A named tool_choice after reasoning: the reasoning, then one valid call of get_weather,
+    whole and streamed."""
     fields = {
         "tools": [WEATHER_TOOL],
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
         "max_tokens": 60,
     }
-    # The tool grammar holds the answer after </think>: the biased tokens think, then the call.
-    response = chat(client, THINKING, **dict(fields))
+    response = chat(client, sampling, **dict(fields))
     message = response.choices[0].message
     assert message.reasoning_content == " Hmm"  # type: ignore[attr-defined]
     assert message.content is None and response.choices[0].finish_reason == "tool_calls"
     [call] = message.tool_calls or []
     assert call.function.name == "get_weather"  # type: ignore[union-attr]
     Weather.model_validate_json(call.function.arguments)  # type: ignore[union-attr]
-    reasoning, content, calls, reason = streamed(client, THINKING, **dict(fields))
+    reasoning, content, calls, reason = streamed(client, sampling, **dict(fields))
     assert (reasoning, content, reason) == (" Hmm", "", "tool_calls")
     assert calls == [("get_weather", call.function.arguments)]  # type: ignore[union-attr]
+
+
+def test_tool_calls_follow_the_reasoning(clients):
+    client = clients["template"]
+    # The tool grammar holds the answer after </think>: the biased tokens think, then the call.
+    check_forced_call(client, THINKING)
 
 
 def test_structured_output_applies_after_the_reasoning(clients):
@@ -289,23 +295,7 @@ def test_gpt_oss_harmony_tool_calls(clients):
     """A named tool_choice holds harmony's output to a commentary message to
     functions.get_weather after the analysis; the `openai` tool parser reads it into
     tool_calls, whole and streamed."""
-    client = clients["gpt_oss"]
-    sampling = ranked(*HARMONY_THEN, COMMENT)
-    fields = {
-        "tools": [WEATHER_TOOL],
-        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-        "max_tokens": 60,
-    }
-    response = chat(client, sampling, **dict(fields))
-    message = response.choices[0].message
-    assert message.reasoning_content == " Hmm"  # type: ignore[attr-defined]
-    assert message.content is None and response.choices[0].finish_reason == "tool_calls"
-    [call] = message.tool_calls or []
-    assert call.function.name == "get_weather"  # type: ignore[union-attr]
-    Weather.model_validate_json(call.function.arguments)  # type: ignore[union-attr]
-    reasoning, content, calls, reason = streamed(client, sampling, **dict(fields))
-    assert (reasoning, content, reason) == (" Hmm", "", "tool_calls")
-    assert calls == [("get_weather", call.function.arguments)]  # type: ignore[union-attr]
+    check_forced_call(clients["gpt_oss"], ranked(*HARMONY_THEN, COMMENT))
 
 
 GPT_OSS_TEMPLATE = Path(__file__).parent.parent / "fixtures" / "chat_templates" / "gpt_oss.jinja"

@@ -135,18 +135,19 @@ def lltokenizer(default_model_dir) -> llguidance.LLTokenizer:
     return llguidance.LLTokenizer((default_model_dir / "tokenizer.json").read_text())
 
 
-@pytest.mark.parametrize(
-    ("constraint", "answer", "wrong"),
-    [
-        (StructuredOutput(json='{"type": "object", "properties": {"a": {"type": "integer"}}, '
-                          '"required": ["a"], "additionalProperties": false}'),
-         '{"a": 7}', '{"a": "x"}'),
-        (StructuredOutput(regex="[0-9]+/[0-9]+"), "3/4", "3-4"),
-        (StructuredOutput(choice=("yes", "no")), "no", "maybe"),
-        (StructuredOutput(grammar='start: "x" NUM\nNUM: /[0-9]+/'), "x42", "y42"),
-        (StructuredOutput(json_object=True), '{"k": [1]}', "[1]"),
-    ],
-)  # fmt: skip
+# (constraint, an answer it accepts, one it refuses)
+CONSTRAINTS = [
+    (StructuredOutput(json='{"type": "object", "properties": {"a": {"type": "integer"}}, '
+                      '"required": ["a"], "additionalProperties": false}'),
+     '{"a": 7}', '{"a": "x"}'),
+    (StructuredOutput(regex="[0-9]+/[0-9]+"), "3/4", "3-4"),
+    (StructuredOutput(choice=("yes", "no")), "no", "maybe"),
+    (StructuredOutput(grammar='start: "x" NUM\nNUM: /[0-9]+/'), "x42", "y42"),
+    (StructuredOutput(json_object=True), '{"k": [1]}', "[1]"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("constraint", "answer", "wrong"), CONSTRAINTS)
 def test_the_grammar_applies_after_the_reasoning(
     lltokenizer: llguidance.LLTokenizer, constraint: StructuredOutput, answer: str, wrong: str
 ) -> None:
@@ -271,15 +272,7 @@ HARMONY_MARKERS = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("constraint", "answer", "wrong"),
-    [
-        (StructuredOutput(json='{"type": "object", "properties": {"a": {"type": "integer"}}, '
-                          '"required": ["a"], "additionalProperties": false}'),
-         '{"a": 7}', '{"a": "x"}'),
-        (StructuredOutput(choice=("yes", "no")), "no", "maybe"),
-    ],
-)  # fmt: skip
+@pytest.mark.parametrize(("constraint", "answer", "wrong"), CONSTRAINTS)
 def test_the_harmony_grammar_holds_the_final_channel(
     lltokenizer: llguidance.LLTokenizer, constraint: StructuredOutput, answer: str, wrong: str
 ) -> None:
