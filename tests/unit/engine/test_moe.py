@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from test_models import TOL, Runner, hf_logits, random_tokens
+from test_models import BASE, TOL, Runner, hf_logits, random_tokens
 
 from common.config import EngineConfig
 from common.sampling_params import SamplingParams
@@ -151,13 +151,10 @@ def test_quantized_experts_run_through_folio_linears(tmp_path, method):
 
 
 MIXTRAL_CONFIG = dict(
+    BASE,
     architectures=["MixtralForCausalLM"],
     model_type="mixtral",
-    vocab_size=10,
-    hidden_size=8,
-    intermediate_size=16,
     num_hidden_layers=2,
-    num_attention_heads=2,
     num_local_experts=4,
     num_experts_per_tok=2,
 )
