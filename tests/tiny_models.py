@@ -85,6 +85,18 @@ VARIANTS = {
         MistralConfig,
         dict(SMALL, num_attention_heads=4, num_key_value_heads=2, sliding_window=3),
     ),
+    # Qwen2's convention: layers from max_window_layers on slide (a full layer, then a sliding one).
+    "qwen2-window3-from-layer1": (
+        Qwen2Config,
+        dict(
+            SMALL,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            use_sliding_window=True,
+            sliding_window=3,
+            max_window_layers=1,
+        ),
+    ),
     "gemma3-window3": (
         Gemma3TextConfig,
         dict(
