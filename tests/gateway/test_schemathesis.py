@@ -69,8 +69,17 @@ def node_id_for_schemathesis(request):
 
 
 def cheap(path: str, body: object, model: str) -> None:
-    """Bound a generated body's work in place: few tokens, few choices, the served model."""
-    if not isinstance(body, dict) or not path.endswith(("completions", "responses")):
+    """Bound a generated body's work in place: few tokens, few choices, few inputs, the served
+    model."""
+    if not isinstance(body, dict):
+        return
+    if isinstance(body.get("model"), str):
+        body["model"] = model  # any other name is a plain 404 (test_errors.py)
+    for field in ("input", "text_1", "text_2", "documents"):  # embeddings, scores, reranking
+        inputs = body.get(field)
+        if path.endswith(("embeddings", "score", "rerank")) and isinstance(inputs, list):
+            del inputs[MAX_CHOICES:]  # each input is a request of its own
+    if not path.endswith(("completions", "responses")):
         return
     limit = "max_output_tokens" if path.endswith("responses") else "max_tokens"
     for field in ("max_tokens", "max_completion_tokens", "min_tokens", "max_output_tokens"):
@@ -84,8 +93,6 @@ def cheap(path: str, body: object, model: str) -> None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         del prompt[MAX_CHOICES:]  # a batch of prompts is a request per prompt
-    if isinstance(body.get("model"), str):
-        body["model"] = model  # any other name is a plain 404 (test_errors.py)
 
 
 @schema.parametrize()
