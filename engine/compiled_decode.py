@@ -47,8 +47,6 @@ from engine.decode_programs import (
     build_lock,
     load,
     program_sizes,
-    programs_dir,
-    programs_key,
     store,
 )
 from engine.fallback import warn_fallback
@@ -102,21 +100,13 @@ class CompiledDecode:
 
     def __init__(self, runner: DecodeRunner, config: EngineConfig, model_path: str | Path) -> None:
         self.model = runner.model
-        dtype = str(runner.dtype).removeprefix("torch.")
-        threads = torch.get_num_threads()
-        sizes = program_sizes(self.model, config.max_num_seqs)
-        key = programs_key(
-            model_path, dtype, config.quantization, config.attention_backend, threads, sizes
-        )
-        self.spec = ProgramsSpec(
-            model_path=str(model_path),
-            dtype=dtype,
-            quantization=config.quantization,
-            attention_backend=config.attention_backend,
-            num_threads=threads,
-            sizes=sizes,
-            key=key,
-            path=str(programs_dir() / f"{key}.programs"),
+        self.spec = ProgramsSpec.create(
+            model_path,
+            str(runner.dtype).removeprefix("torch."),
+            config.quantization,
+            config.attention_backend,
+            torch.get_num_threads(),
+            program_sizes(self.model, config.max_num_seqs),
         )
         # Set once, when every program is ready: a step reads it once (the switch-over).
         self._programs: list[Any] | None = None

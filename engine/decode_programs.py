@@ -108,6 +108,29 @@ class ProgramsSpec:
     key: str
     path: str
 
+    @classmethod
+    def create(
+        cls,
+        model_path: str | Path,
+        dtype: str,
+        quantization: str | None,
+        attention_backend: str,
+        num_threads: int,
+        sizes: tuple[int, ...],
+    ) -> ProgramsSpec:
+        """The spec of these programs, with their key and the file they are stored in."""
+        key = programs_key(model_path, dtype, quantization, attention_backend, num_threads, sizes)
+        return cls(
+            str(model_path),
+            dtype,
+            quantization,
+            attention_backend,
+            num_threads,
+            sizes,
+            key,
+            str(programs_dir() / f"{key}.programs"),
+        )
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
 

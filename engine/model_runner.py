@@ -17,6 +17,8 @@ sampler does).
 from __future__ import annotations
 
 import dataclasses
+import math
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -59,6 +61,17 @@ def resolve_dtype(
         if not capabilities.native_bf16:
             return torch.float32
     return torch.bfloat16
+
+
+def kv_pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero KV cache tensor. On the CPU its memory is an anonymous mapping, which the kernel
+    zeroes page by page on first touch: a pool of gigabytes costs nothing at start-up (writing
+    its zeros took seconds of an engine's start), and only the blocks ever used take memory."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    memory = mmap.mmap(-1, numel * dtype.itemsize)  # kept alive by the tensor
+    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)
 
 
 class StepBuffer:
@@ -137,15 +150,11 @@ class ModelRunner:
         # is its slot's, shared with the layers of other groups in the same slot.
         self.kv_groups = groups = kv_groups(cfg.layer_windows, cfg.num_hidden_layers)
         self.kv_slots = [
-            torch.zeros(
-                2,
-                num_blocks,
-                self.block_size,
-                self.model.num_kv_heads,  # this rank's share
-                cfg.head_dim,
-                dtype=self.dtype,
-                device=self.device,
-            )
+            kv_pool_zeros(
+                (2, num_blocks, self.block_size, self.model.num_kv_heads, cfg.head_dim),
+                self.dtype,
+                self.device,
+            )  # num_kv_heads: this rank's share
             for _ in range(groups.num_slots)
         ]
         self.kv_caches = [self.kv_slots[slot] for slot in groups.layer_slot]
