@@ -115,10 +115,14 @@ def _convert_gguf(source: Path, out: Path) -> None:
 
 def resolve_model_path(model: str | None) -> Path:
     """None means the default model (prepared on first use); anything else must be a local HF
-    directory."""
+    directory or a local GGUF file (read as it is: engine.models.gguf)."""
     if model is None:
         return prepare_default_model()
     path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"model path {str(path)!r} is not an existing GGUF file")
+        return path
     if not path.is_dir():
         raise ValueError(
             f"model path {str(path)!r} is not an existing directory; "

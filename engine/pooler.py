@@ -25,6 +25,7 @@ import torch
 
 from common.errors import InvalidRequestError
 from common.pooling_params import PoolingParams
+from engine.models.config import ModelConfig
 
 POOLING_TYPES = ("last", "mean", "cls")
 # sentence-transformers' Pooling modes -> ours; any other mode (max, mean_sqrt_len_tokens,
@@ -56,6 +57,9 @@ class PoolingConfig:
         """ValueError naming the file when the sentence-transformers config asks for what
         Folio does not do (another module, another pooling mode)."""
         path = Path(path)
+        if path.suffix == ".gguf":  # a GGUF file: a causal model with no pooling config
+            hidden_size = ModelConfig.from_dir(path).hidden_size
+            return cls("last", sentence_transformers=False, hidden_size=hidden_size)
         config = json.loads((path / "config.json").read_text())
         dimensions = config.get("matryoshka_dimensions")
         modules_file = path / "modules.json"

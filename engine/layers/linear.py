@@ -66,9 +66,7 @@ def pack_weight(
     """
     on_cpu = weight.device.type == "cpu"
     if quantization is not None:
-        folio = (
-            on_cpu and weight.dtype == torch.float32 and _capabilities(capabilities).folio_kernels
-        )
+        folio = folio_quant_kernels(weight.dtype, weight.device, capabilities)
         return quantize(weight, quantization, folio_kernels=folio)
     if not on_cpu:
         return None
@@ -78,6 +76,18 @@ def pack_weight(
     if weight.dtype == torch.float32 and caps.packed_float32:
         return torch.ops.mkldnn._reorder_linear_weight(weight, None)
     return None
+
+
+def folio_quant_kernels(
+    dtype: torch.dtype, device: torch.device, capabilities: CpuCapabilities | None = None
+) -> bool:
+    """Whether a quantized weight of this dtype and device is multiplied by Folio's kernels
+    (float32 on the CPU, where they loaded) rather than torch's."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and _capabilities(capabilities).folio_kernels
+    )
 
 
 def _capabilities(given: CpuCapabilities | None) -> CpuCapabilities:
@@ -132,6 +142,8 @@ class Linear(nn.Module):
         self.packed: PackedWeight | None = None
 
     def finalize_weights(self, quantization: str | None = None) -> None:
+        if isinstance(self.packed, QuantizedWeight):
+            return  # quantized in the checkpoint (a GGUF's Q4_0/Q4_1): kept as it came
         self.packed = pack_weight(self.weight, quantization or None)
         if self.packed is not None:
             # The packed copy is the only one the forward reads; don't hold the weights twice.

@@ -123,23 +123,40 @@ def quantize(weight: torch.Tensor, method: str, folio_kernels: bool) -> Quantize
     low = groups.amin(dim=-1).half().float()
     scale = ((groups.amax(dim=-1) - low) / 15).half().float()
     codes = torch.round((groups - low[..., None]) / scale.clamp(min=1e-12)[..., None]).clamp(0, 15)
-    codes = codes.to(torch.int32)
     halves = codes.to(torch.uint8).view(w.shape[0], -1, 2, INT4_GROUP_SIZE // 2)
     nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).view(w.shape[0], -1)
-    scale_dtype = torch.float16 if kernels is not None else weight.dtype
+    return int4_weight(nibbles, scale, low, weight.dtype, folio_kernels)
+
+
+def int4_weight(
+    nibbles: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    dtype: torch.dtype,
+    folio_kernels: bool,
+) -> QuantizedWeight:
+    """An int4 weight from its codes ([out, in / 2] uint8, packed as QuantizedWeight.codes says)
+    and its per-group scales and minimums ([out, in / 32], float16 values), for activations of
+    `dtype`: what `quantize` computes, or what a Q4_0/Q4_1 GGUF tensor holds."""
+    kernels = torch.ops.folio_quant if folio_kernels else None
+    scale_dtype = torch.float16 if kernels is not None else dtype
     quantized = QuantizedWeight(
-        "int4", nibbles, scale.to(scale_dtype), low.to(scale_dtype), kernels
+        "int4", nibbles, scale.to(scale_dtype), minimum.to(scale_dtype), kernels
     )
     if kernels is None:
-        if w.shape[0] % 16:
+        out_features = nibbles.shape[0]
+        if out_features % 16:
             raise ValueError(
-                f"int4 on {weight.dtype} (torch's kernel) needs output features divisible by "
-                f"16; a weight has {w.shape[0]}"
+                f"int4 on {dtype} (torch's kernel) needs output features divisible by "
+                f"16; a weight has {out_features}"
             )
+        packed = nibbles.view(out_features, -1, INT4_GROUP_SIZE // 2)
+        codes = torch.cat((packed & 0xF, packed >> 4), dim=-1).to(torch.int32)
+        scale, minimum = scale.float(), minimum.float()
         # torch's kernel reads a code c as (c - 8) * scale + zero: the zero point sits 8 steps
         # above the group's minimum.
-        zero = low + 8 * scale
+        zero = minimum + 8 * scale
         scales_and_zeros = torch.stack((scale.t(), zero.t()), dim=-1).contiguous()
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(w.shape), 1)
-        quantized.torch_int4 = (packed, scales_and_zeros.to(weight.dtype))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(out_features, -1), 1)
+        quantized.torch_int4 = (packed, scales_and_zeros.to(dtype))
     return quantized

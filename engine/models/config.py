@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.models.gguf_metadata import gguf_config
 from engine.models.moe_config import MoeConfig, parse_moe
 
 # Per architecture: does q/k/v carry a bias ("config" = the attention_bias key), does o_proj,
@@ -84,7 +85,10 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
+        """The config of a Hugging Face directory, or of a GGUF file (from its metadata)."""
         path = Path(path)
+        if path.suffix == ".gguf":
+            return cls.from_dict(gguf_config(path))
         raw = json.loads((path / "config.json").read_text())
         generation = path / "generation_config.json"
         return cls.from_dict(

@@ -1,4 +1,5 @@
-"""Builds a model from a Hugging Face safetensors directory (one file or an indexed shard set).
+"""Builds a model from a Hugging Face safetensors directory (one file or an indexed shard set)
+or a GGUF file (engine.models.gguf reads its tensors).
 
 Maps checkpoint names onto our fused layout and fails loudly, naming the weights, when the
 checkpoint and the model disagree. A tensor-parallel rank reads only its rows or columns of
@@ -25,6 +26,8 @@ from engine.layers.parallel import (
 )
 from engine.models.config import ModelConfig
 from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.gguf import load_gguf_weights
+from engine.models.gguf_metadata import is_gguf
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
@@ -65,6 +68,12 @@ def load_model(
     """The model of a local directory, or this rank's shard of it; `quantization` ("int8",
     "int4") quantizes its linear layers' weights after loading."""
     path = Path(path)
+    gguf = is_gguf(path)
+    if gguf and (quantization or tp.size > 1):
+        raise ValueError(
+            "a GGUF model is served with its own tensor types on one rank: leave quantization "
+            f"unset (got {quantization!r}) and the tensor-parallel size 1 (got {tp.size})"
+        )
     config = ModelConfig.from_dir(path)
     check_tensor_parallel_size(config.num_attention_heads, config.num_key_value_heads, tp.size)
     model_class = MODEL_REGISTRY.get(config.architecture)
@@ -76,7 +85,10 @@ def load_model(
     if torch.device(device).type == "cpu":
         bound_cpu_kernel_caches(CPU_KERNEL_CACHE_CAPACITY)
     model = model_class(config, get_attention_backend(attention_backend, device), dtype, device, tp)
-    load_weights(model, _checkpoint_files(path))
+    if gguf:
+        load_gguf_weights(model, path, _our_name)
+    else:
+        load_weights(model, _checkpoint_files(path))
     model.finalize_weights(quantization)
     return model, config
 

@@ -1,0 +1,204 @@
+"""Reads a GGUF file's tensors (llama.cpp's format) as they are into Folio's model, without
+converting the file to anything first (engine.models.gguf_metadata reads its config).
+
+Llama-family files only (`general.architecture` = llama, as SmolLM2's are). Tensor types:
+F32, F16 and BF16 are read as they are; Q4_0 and Q4_1 go straight into Folio's int4 layout
+(engine.layers.quantization: groups of 32 with a float16 scale and minimum and two codes to a
+byte in Q4_1's order, so Q4_1's blocks are copied bit for bit and Q4_0's scale d becomes a
+scale d with minimum -8d, exact in float16); Q8_0 is dequantized exactly into float32 (its
+scale is per 32 weights, Folio's int8 per output row: requantizing would round a second time).
+Any other type is refused, naming it and the tensor, before anything is loaded. llama.cpp's
+converter permutes the rows of Q and K for its RoPE (pairs of adjacent features rotated
+together): the load undoes it. This module never writes files and never quantizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from engine.layers.linear import Linear, folio_quant_kernels
+from engine.layers.quantization import INT4_GROUP_SIZE, int4_weight
+
+if TYPE_CHECKING:
+    from engine.models.llama import LlamaForCausalLM
+
+Q = GGMLQuantizationType
+# The tensor types Folio reads, and how: as floats (exactly), or as int4 codes.
+FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0})
+INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1})
+READ_TYPES = ", ".join(t.name for t in sorted(FLOAT_TYPES | INT4_TYPES))
+
+# GGUF tensor names (llama.cpp's) -> Hugging Face's, per layer and global.
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+@dataclass
+class _Part:
+    """One GGUF tensor bound for (a shard of) one of the model's parameters."""
+
+    gguf_name: str
+    type: GGMLQuantizationType
+    rows: np.ndarray  # [out, in] floats, or [out, bytes] blocks, rows in Hugging Face's order
+
+
+def load_gguf_weights(
+    model: LlamaForCausalLM,
+    path: str | Path,
+    our_name: Callable[[str, dict[str, tuple[str, int | None]]], tuple[str, int | None]],
+) -> None:
+    """Copies every tensor of the GGUF into `model` (built from gguf_config's config);
+    `our_name` maps a Hugging Face name to (parameter, shard) as engine.models.loader does.
+    Linear layers whose every part is Q4_0/Q4_1 get their int4 weights here (on the CPU);
+    model.finalize_weights keeps them."""
+    reader = GGUFReader(path)
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in FLOAT_TYPES | INT4_TYPES:
+            raise ValueError(
+                f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which Folio "
+                f"does not read (it reads {READ_TYPES})"
+            )
+    config = model.config
+    params = dict(model.named_parameters())
+    parts: dict[str, dict[int | None, _Part]] = {}
+    unexpected = []
+    for tensor in reader.tensors:
+        hf_name = _hf_name(tensor.name)
+        if hf_name is None or (config.tie_word_embeddings and hf_name == "lm_head.weight"):
+            unexpected.append(tensor.name)
+            continue
+        name, shard = our_name(hf_name, model.packed_modules)
+        if name not in params:
+            unexpected.append(tensor.name)
+            continue
+        rows = np.asarray(tensor.data)
+        if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            q = hf_name.endswith("q_proj.weight")
+            heads = config.num_attention_heads if q else config.num_key_value_heads
+            rows = _unpermute_rope_rows(rows, heads)
+        parts.setdefault(name, {})[shard] = _Part(tensor.name, tensor.tensor_type, rows)
+
+    missing = _missing(model, params, parts)
+    if missing or unexpected:
+        problems = [f"missing {', '.join(missing)}"] if missing else []
+        problems += [f"unexpected {', '.join(sorted(unexpected))}"] if unexpected else []
+        raise ValueError(f"GGUF {str(path)!r} does not match the model: " + "; ".join(problems))
+    for name, shards in parts.items():
+        module = model.get_submodule(name.rpartition(".")[0])
+        param = params[name]
+        if (
+            isinstance(module, Linear)
+            and name.endswith(".weight")
+            and param.device.type == "cpu"
+            and all(p.type in INT4_TYPES for p in shards.values())
+        ):
+            _load_int4(module, [shards[s] for s in sorted(shards, key=lambda s: s or 0)])
+            continue
+        for shard, part in shards.items():
+            target = param.data
+            if shard is not None:
+                sizes = cast(list[int], module.output_sizes)
+                target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
+            values = torch.from_numpy(_as_float32(part))
+            if values.shape != target.shape:
+                raise ValueError(
+                    f"GGUF tensor {part.gguf_name!r} has shape {tuple(values.shape)}, "
+                    f"the model expects {tuple(target.shape)}"
+                )
+            target.copy_(values)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    blk, layer, kind, suffix = [*gguf_name.split("."), "", "", ""][:4]
+    if blk != "blk" or not layer.isdigit() or kind not in _LAYER_TENSORS or suffix != "weight":
+        return None
+    return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.weight"
+
+
+def _missing(model: LlamaForCausalLM, params: dict, parts: dict) -> list[str]:
+    missing = []
+    for name in params:
+        sizes = getattr(model.get_submodule(name.rpartition(".")[0]), "output_sizes", [None])
+        for shard in range(len(sizes)) if len(sizes) > 1 else [None]:
+            if shard not in parts.get(name, {}):
+                missing.append(name if shard is None else f"{name} (shard {shard})")
+    return missing
+
+
+def _unpermute_rope_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Hugging Face's row order of a Q or K weight from llama.cpp's: the converter moved row
+    i + j * head_dim / 2 of each head to row 2 * i + j (j in 0, 1); rows are whole quantized
+    blocks' rows too, so this reorders any type."""
+    head_dim = rows.shape[0] // heads
+    grouped = rows.reshape(heads, head_dim // 2, 2, *rows.shape[1:])
+    return np.ascontiguousarray(grouped.swapaxes(1, 2).reshape(rows.shape))
+
+
+def _as_float32(part: _Part) -> np.ndarray:
+    """The part's values in float32, exactly (every type read as floats fits float32)."""
+    if part.type == Q.F32:
+        return np.array(part.rows, dtype=np.float32)
+    if part.type == Q.F16:
+        return part.rows.astype(np.float32)
+    return dequantize(part.rows, part.type)
+
+
+def _load_int4(module: Linear, parts: list[_Part]) -> None:
+    """Q4_0/Q4_1 blocks (rows of 2-byte float16 d, for Q4_1 a float16 m, then 16 bytes of
+    codes) as Folio's int4 weight, the parts' rows stacked as the fused layer orders them."""
+    codes, scales, minimums = [], [], []
+    for part in parts:
+        header = 4 if part.type == Q.Q4_1 else 2
+        blocks = part.rows.reshape(part.rows.shape[0], -1, header + INT4_GROUP_SIZE // 2)
+        scale = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+        if part.type == Q.Q4_1:
+            minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+        else:  # w = d * (q - 8) = d * q + (-8 d): a power-of-two multiple, exact in float16
+            with np.errstate(over="ignore"):
+                minimum = scale * np.float16(-8)
+            if not np.isfinite(minimum).all():
+                raise ValueError(f"GGUF tensor {part.gguf_name!r}: a Q4_0 scale overflows -8 d")
+        codes.append(torch.from_numpy(blocks[..., header:].reshape(blocks.shape[0], -1)))
+        scales.append(torch.from_numpy(scale.astype(np.float32)))
+        minimums.append(torch.from_numpy(minimum.astype(np.float32)))
+    weight = module.weight
+    packed = torch.cat(codes)
+    if tuple(packed.shape) != (weight.shape[0], weight.shape[1] // 2):
+        names = ", ".join(p.gguf_name for p in parts)
+        raise ValueError(
+            f"GGUF tensors {names} hold {packed.shape[0]} rows of {packed.shape[1] * 2} weights, "
+            f"the model expects {tuple(weight.shape)}"
+        )
+    module.packed = int4_weight(
+        packed,
+        torch.cat(scales),
+        torch.cat(minimums),
+        weight.dtype,
+        folio_quant_kernels(weight.dtype, weight.device),
+    )
+    # The int4 copy is the only one the forward reads.
+    weight.data = weight.data.new_empty(0)

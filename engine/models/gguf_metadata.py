@@ -1,0 +1,71 @@
+"""The model config of a GGUF file (llama.cpp's format), read from its metadata as a Hugging
+Face config.json dict, for engine.models.config; engine.models.gguf reads the tensors. It never
+imports torch (the engine loop reads model configs) and never reads a tensor's data.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gguf import GGUFReader
+
+# general.architecture -> the Hugging Face architecture whose model serves it.
+ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether `path` names a GGUF file (rather than a Hugging Face directory)."""
+    path = Path(path)
+    return path.suffix == ".gguf" and path.is_file()
+
+
+def _fields(reader: GGUFReader) -> dict[str, Any]:
+    return {key: field.contents() for key, field in reader.fields.items()}
+
+
+def gguf_config(path: str | Path) -> dict[str, Any]:
+    """The file's model config as a Hugging Face config.json dict (what ModelConfig reads)."""
+    reader = GGUFReader(path)
+    meta = _fields(reader)
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"GGUF {str(path)!r}: general.architecture {arch!r} is not served; "
+            f"supported: {', '.join(ARCHITECTURES)}"
+        )
+    names = {t.name for t in reader.tensors}
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none" or "rope_freqs.weight" in names:
+        raise ValueError(
+            f"GGUF {str(path)!r}: RoPE scaling ({arch}.rope.scaling.type {scaling!r}"
+            f"{', a rope_freqs tensor' if 'rope_freqs.weight' in names else ''}) is not read yet"
+        )
+
+    def key(name: str) -> Any:
+        if f"{arch}.{name}" not in meta:
+            raise ValueError(f"GGUF {str(path)!r} has no {arch}.{name}")
+        return meta[f"{arch}.{name}"]
+
+    heads = key("attention.head_count")
+    hidden = key("embedding_length")
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+    if not vocab:
+        vocab = next(t for t in reader.tensors if t.name == "token_embd.weight").shape[-1]
+    return {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
+        "head_dim": meta.get(f"{arch}.attention.key_length", hidden // heads),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
+        "max_position_embeddings": key("context_length"),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }

@@ -1,0 +1,203 @@
+"""A GGUF file served as it is: GGUFs written here with gguf's writer from a tiny random Llama
+(llama.cpp's tensor names and Q/K row permutation) give transformers' greedy tokens (F32), and
+a quantized one (Q8_0, Q4_0, Q4_1) gives what the same weights dequantized to float32 give;
+a type Folio does not read is refused, naming it and the tensor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+
+import engine.layers.quantization as quantization
+from common.config import EngineConfig
+from common.sampling_params import SamplingParams
+from engine.engine import LLMEngine
+from engine.layers.linear import Linear
+from engine.layers.quantization import QuantizedWeight
+from engine.models.loader import load_model
+from tiny_models import VARIANTS, hf_greedy, make_checkpoint
+
+Q = GGMLQuantizationType
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PROMPTS = {"a": [5, 17, 99, 3, 42, 7], "b": [120, 8, 64, 33, 2, 150, 11, 90, 14]}
+FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+# GGUF's per-layer names for Hugging Face's.
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    glob = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if hf_name in glob:
+        return glob[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    return f"blk.{layer}.{LAYER_NAMES[rest.removesuffix('.weight')]}.weight"
+
+
+def rope_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's Q/K row order (convert_hf_to_gguf's permute)."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def write_gguf(
+    path: Path, reference, linear_type: GGMLQuantizationType, dequantized: bool = False
+) -> Path:
+    """The reference model as llama.cpp writes it; linear weights in `linear_type` (or, with
+    `dequantized`, those quantized values back in F32: the file's float32 twin)."""
+    config = reference.config
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_uint32("llama.context_length", config.max_position_embeddings)
+    writer.add_uint32("llama.embedding_length", config.hidden_size)
+    writer.add_uint32("llama.block_count", config.num_hidden_layers)
+    writer.add_uint32("llama.feed_forward_length", config.intermediate_size)
+    writer.add_uint32("llama.attention.head_count", config.num_attention_heads)
+    writer.add_uint32("llama.attention.head_count_kv", config.num_key_value_heads)
+    writer.add_float32("llama.rope.freq_base", config.rope_parameters["rope_theta"])
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
+    writer.add_uint32("llama.vocab_size", config.vocab_size)
+    for name, tensor in reference.state_dict().items():
+        values = tensor.float().numpy()
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            values = rope_permute(values, heads)
+        is_linear = values.ndim == 2 and name.startswith("model.layers.")
+        if is_linear and linear_type != Q.F32:
+            blocks = quantize(values, linear_type)
+            if dequantized:
+                writer.add_tensor(gguf_name(name), dequantize(blocks, linear_type))
+            else:
+                writer.add_tensor(gguf_name(name), blocks, raw_dtype=linear_type)
+        else:
+            writer.add_tensor(gguf_name(name), np.ascontiguousarray(values))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def engine_greedy(model: Path) -> dict[str, list[int]]:
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model),
+            dtype="float32",
+            block_size=4,
+            num_kv_blocks=32,
+            max_num_batched_tokens=16,
+            max_num_seqs=2,
+        )
+    )
+    for rid, ids in PROMPTS.items():
+        engine.add_request(rid, ids, GREEDY)
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return got
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("hf"), *VARIANTS["llama"])
+
+
+def test_an_f32_gguf_gives_transformers_greedy_tokens(tmp_path, reference):
+    got = engine_greedy(write_gguf(tmp_path / "tiny.gguf", reference, Q.F32))
+    for rid, ids in PROMPTS.items():
+        assert got[rid] == hf_greedy(reference, ids, GREEDY.max_tokens), rid
+
+
+# Bound on the logits' relative error against the float32 twin through the integer kernels:
+# Q8_0 is read exactly into float32 (only summation order differs); int4 weights meet
+# activations the kernels quantize to int8 per 32 features (engine.layers.quantization), the
+# twin's stay float32 (measured: 1.8% on this model).
+@pytest.mark.parametrize(("qtype", "max_error"), [(Q.Q8_0, 1e-5), (Q.Q4_0, 0.03), (Q.Q4_1, 0.03)])
+def test_a_quantized_gguf_gives_its_float32_twin_s_tokens(
+    tmp_path, reference, qtype, max_error, monkeypatch
+):
+    from test_models import Runner
+
+    quantized = write_gguf(tmp_path / "q.gguf", reference, qtype)
+    twin = write_gguf(tmp_path / "twin.gguf", reference, qtype, dequantized=True)
+    model, config = load_model(quantized, torch.float32, "cpu")
+    twin_model, _ = load_model(twin, torch.float32, "cpu")
+    state = reference.state_dict()
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or name == "lm_head":
+            continue
+        if qtype == Q.Q8_0:  # read exactly as floats (Folio's int8 has a scale per row)
+            assert not isinstance(module.packed, QuantizedWeight), name
+            continue
+        # The file's 4-bit grid kept exactly (quantization is by rows: the rows' order does
+        # not change it), rows back in Hugging Face's order.
+        assert isinstance(module.packed, QuantizedWeight), name
+        assert module.packed.method == "int4", name
+        parts = FUSED.get(name.rpartition(".")[2], [name.rpartition(".")[2]])
+        expected = np.concatenate(
+            [
+                dequantize(
+                    quantize(state[f"{name.rpartition('.')[0]}.{p}.weight"].numpy(), qtype), qtype
+                )
+                for p in parts
+            ]
+        )
+        assert torch.equal(module.packed.dequantized(torch.float32), torch.from_numpy(expected))
+
+    def error() -> float:
+        (logits,) = Runner(model, config).step([("a", PROMPTS["b"])])
+        (twin_logits,) = Runner(twin_model, config).step([("a", PROMPTS["b"])])
+        return float((logits - twin_logits).norm() / twin_logits.norm())
+
+    # The integer kernels (a decode's few rows), then the dequantizing path of long prefills:
+    # the twin's float32 weights exactly, so only summation order differs.
+    kernels = error()
+    monkeypatch.setattr(quantization, "MAX_FOLIO_KERNEL_ROWS", 0)
+    monkeypatch.setattr(quantization, "MAX_TORCH_KERNEL_ROWS", 0)
+    dequantizing = error()
+    monkeypatch.undo()
+    print(f"{qtype.name}: logits relative error {kernels:.3%} (kernels), {dequantizing:.1e}")
+    assert kernels <= max_error
+    assert dequantizing <= 1e-5
+    assert engine_greedy(quantized) == engine_greedy(twin)
+
+
+def test_a_type_folio_does_not_read_is_refused_naming_it(tmp_path, reference):
+    path = write_gguf(tmp_path / "k.gguf", reference, Q.F32)
+    # Rewrite with one Q5_K tensor (raw blocks: gguf has no Q5_K quantizer).
+    writer = GGUFWriter(str(tmp_path / "q5k.gguf"), "llama")
+    from gguf import GGUFReader
+
+    for field in GGUFReader(path).fields.values():
+        if field.name.startswith("llama."):
+            writer.add_key_value(field.name, field.contents(), field.types[0])
+    for tensor in GGUFReader(path).tensors:
+        if tensor.name == "blk.0.attn_q.weight":
+            writer.add_tensor(tensor.name, np.zeros((64, 176), np.uint8), raw_dtype=Q.Q5_K)
+        else:
+            writer.add_tensor(tensor.name, np.array(tensor.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"'blk\.0\.attn_q\.weight' has type Q5_K"):
+        load_model(tmp_path / "q5k.gguf", torch.float32, "cpu")
