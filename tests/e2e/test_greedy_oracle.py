@@ -238,9 +238,12 @@ def test_engine_without_a_compiler_serves_eagerly(default_model_dir, prompts, re
 
 
 def test_restarted_engine_loads_its_programs(default_model_dir, prompts, reference, tmp_path):
-    """A `folio engine` whose programs are stored (the in-process test above stored them, or an
-    earlier run did) loads them in the background instead of compiling, and its compiled decode
-    steps give the oracle's tokens."""
+    """A `folio engine` whose programs are stored (by an in-process engine of the same model,
+    dtype and batch sizes: built now, or loaded when an earlier run built them) loads them in
+    the background instead of compiling, and its compiled decode steps give the oracle's
+    tokens."""
+    stored = LLM(model=str(default_model_dir), dtype="float32", enforce_eager=False)
+    assert stored.engine.executor.runner.compiled_decode.ready
     stderr = tmp_path / "stderr"
     with served_engine(default_model_dir, stderr, dict(os.environ)) as port:
         wait_until(lambda: PROGRAMS_READY.search(stderr.read_text()), "the programs", 600)
