@@ -1,4 +1,4 @@
-"""Text <-> token ids for one model directory: encode, decode, chat templates.
+"""Text <-> token ids for one model directory (or GGUF file): encode, decode, chat templates.
 
 Built on the `tokenizers` library (tokenizer.json) and jinja2 so that the serving processes never
 import transformers, yet every result equals what transformers' AutoTokenizer gives for the same
@@ -21,6 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as FastTokenizer
 
 from common.errors import InvalidRequestError
+from common.gguf_tokenizer import read_gguf_tokenizer
 
 # The named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = (
@@ -203,7 +204,11 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer of a model directory, or of a GGUF file (from its metadata)."""
         path = Path(path)
+        if path.suffix == ".gguf":
+            gguf = read_gguf_tokenizer(path)
+            return cls(gguf.fast, gguf.tokenizer_config, gguf.model_config, {}, gguf.chat_template)
         if not (path / "tokenizer.json").is_file():
             raise ValueError(f"{str(path)!r} has no tokenizer.json")
         tokenizer_config = _read_json(path / "tokenizer_config.json")
