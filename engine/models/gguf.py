@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from engine.layers.linear import Linear, folio_quant_kernels
 from engine.layers.quantization import INT4_GROUP_SIZE, int4_weight
+from engine.models.gguf_metadata import read_gguf
 
 if TYPE_CHECKING:
     from engine.models.llama import LlamaForCausalLM
@@ -73,7 +74,7 @@ def load_gguf_weights(
     `our_name` maps a Hugging Face name to (parameter, shard) as engine.models.loader does.
     Linear layers whose every part is Q4_0/Q4_1 get their int4 weights here (on the CPU);
     model.finalize_weights keeps them."""
-    reader = GGUFReader(path)
+    reader = read_gguf(path)
     for tensor in reader.tensors:
         if tensor.tensor_type not in FLOAT_TYPES | INT4_TYPES:
             raise ValueError(

@@ -5,6 +5,7 @@ imports torch (the engine loop reads model configs) and never reads a tensor's d
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +21,25 @@ def is_gguf(path: str | Path) -> bool:
     return path.suffix == ".gguf" and path.is_file()
 
 
+def read_gguf(path: str | Path) -> GGUFReader:
+    """The file's reader (memory-mapped), shared while the file is unchanged: gguf's reader
+    takes seconds to parse a large vocabulary, and an engine reads the config several times."""
+    path = Path(path).resolve()
+    return _reader(path, path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _reader(path: Path, mtime_ns: int) -> GGUFReader:
+    return GGUFReader(path)
+
+
 def _fields(reader: GGUFReader) -> dict[str, Any]:
     return {key: field.contents() for key, field in reader.fields.items()}
 
 
 def gguf_config(path: str | Path) -> dict[str, Any]:
     """The file's model config as a Hugging Face config.json dict (what ModelConfig reads)."""
-    reader = GGUFReader(path)
+    reader = read_gguf(path)
     meta = _fields(reader)
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:

@@ -1,7 +1,8 @@
 """A GGUF file served as it is: GGUFs written here with gguf's writer from a tiny random Llama
 (llama.cpp's tensor names and Q/K row permutation) give transformers' greedy tokens (F32), and
 a quantized one (Q8_0, Q4_0, Q4_1) gives what the same weights dequantized to float32 give;
-a type Folio does not read is refused, naming it and the tensor."""
+a type Folio does not read is refused, naming it and the tensor; the default model's own GGUF
+holds the codes and gives the logits of its prepared (converted) directory."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 import engine.layers.quantization as quantization
+from common import default_model
 from common.config import EngineConfig
 from common.sampling_params import SamplingParams
 from engine.engine import LLMEngine
@@ -201,3 +203,32 @@ def test_a_type_folio_does_not_read_is_refused_naming_it(tmp_path, reference):
     writer.close()
     with pytest.raises(ValueError, match=r"'blk\.0\.attn_q\.weight' has type Q5_K"):
         load_model(tmp_path / "q5k.gguf", torch.float32, "cpu")
+
+
+def test_the_default_model_s_own_gguf_served_as_it_is(default_model_dir, monkeypatch):
+    """SmolLM2's Q4_1 GGUF (Q8_0 embedding) read as it is: its 4-bit weights are the prepared
+    model's (transformers' float32 dequantization of that file), rows in Hugging Face's order,
+    and through the dequantizing path it gives that model's float32 logits."""
+    from safetensors import safe_open
+    from test_models import Runner
+
+    gguf_model, config = load_model(default_model.gguf_path(), torch.float32, "cpu")
+    last = config.num_hidden_layers - 1
+    with safe_open(default_model_dir / "model.safetensors", framework="pt") as f:
+        for layer in (0, last):
+            attention = gguf_model.get_submodule(f"model.layers.{layer}.self_attn")
+            qkv = torch.cat(
+                [f.get_tensor(f"model.layers.{layer}.self_attn.{p}_proj.weight") for p in "qkv"]
+            )
+            assert isinstance(attention.qkv_proj.packed, QuantizedWeight)
+            # Equal but for a fused multiply-add's rounding in the dequantization.
+            torch.testing.assert_close(
+                attention.qkv_proj.packed.dequantized(torch.float32), qkv, rtol=1e-6, atol=1e-7
+            )
+    prepared, _ = load_model(default_model_dir, torch.float32, "cpu")
+    monkeypatch.setattr(quantization, "MAX_FOLIO_KERNEL_ROWS", 0)
+    monkeypatch.setattr(quantization, "MAX_TORCH_KERNEL_ROWS", 0)
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 2, 198, 1, 4093, 198]
+    (logits,) = Runner(gguf_model, config).step([("a", prompt)])
+    (reference,) = Runner(prepared, config).step([("a", prompt)])
+    assert float((logits - reference).norm() / reference.norm()) <= 1e-5
