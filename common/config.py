@@ -59,7 +59,10 @@ def default_step_cost_path() -> Path:
 
 
 def _model_flag() -> Any:
-    return flag(None, "a local Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    return flag(
+        None,
+        "a local Hugging Face model directory or Llama GGUF file (default: SmolLM2-135M-Instruct)",
+    )
 
 
 @dataclass
