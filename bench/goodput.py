@@ -13,9 +13,10 @@ the share of the tokens computed, and goodput: requests per second that met both
 
 On one real engine (the model of --model) and on --replicas simulated engines (the step cost
 model of --step-cost, requests to the replica with the fewest outstanding); the server's
-capacity is computed from its step cost model (profiled, or rescaled by the real engine's own
-measured steps in a warm-up). Engines run in this process, each in its own loop thread (the
-engine service's AsyncEngine), so the scheduler is what is measured, not HTTP. Targets, same
+capacity is computed from step costs (the simulated engines' model; the real engine's steps
+measured at a full batch of this workload in a warm-up). Engines run in this process, each in
+its own loop thread (the engine service's AsyncEngine), so the scheduler is what is measured,
+not HTTP. Targets, same
 run: at 2x capacity the light tenant's TTFT p99 under fair within 2x of its p99 alone, and
 goodput at least 2x fcfs's.
 
@@ -286,6 +287,31 @@ def run_part(setup: Setup, workload: GoodputWorkload, tokenizer_vocab: int) -> N
             )
 
 
+def _measure_full_batch(engine, workload: GoodputWorkload):
+    """This engine's step costs at a full batch of this workload, measured: one step
+    prefilling max_num_seqs prompts, the median decode step beside them (a StepCostModel
+    whose fixed cost is that decode step)."""
+    from common.sampling_params import SamplingParams
+    from engine.core.step_cost import StepCostModel
+
+    seqs = engine.config.max_num_seqs
+    for _ in range(2):  # the first round warms up
+        for i in range(seqs):
+            engine.add_request(
+                f"w{i}",
+                [100 + i] * workload.prompt_tokens,
+                SamplingParams(max_tokens=8, ignore_eos=True),
+            )
+        times = []
+        while engine.has_unfinished:
+            started = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - started)
+    decode = statistics.median(times[1:])
+    prefill_tokens = seqs * workload.prompt_tokens
+    return StepCostModel(decode, max(0.0, (times[0] - decode) / prefill_tokens), 0.0)
+
+
 def _engines(build: Callable[[], object], count: int) -> list:
     from engine.async_engine import AsyncEngine
 
@@ -310,25 +336,14 @@ def run_goodput_benchmark(args: argparse.Namespace) -> None:
 
         probe = LLMEngine(dataclasses.replace(config))
         vocab = probe.vocab_size
-        # The profile rescaled by this machine's own steps: a warm-up at a full batch.
-        from common.sampling_params import SamplingParams
-
-        for i in range(config.max_num_seqs):
-            probe.add_request(
-                f"w{i}",
-                [100 + i] * workload.prompt_tokens,
-                SamplingParams(max_tokens=8, ignore_eos=True),
-            )
-        while probe.has_unfinished:
-            probe.step()
-        live = probe.step_cost
+        measured = _measure_full_batch(probe, workload)
         probe.close()
         setup = Setup(
             f"one real engine ({probe.dtype_name}, max_num_seqs {config.max_num_seqs})",
             lambda policy: _engines(
                 lambda: LLMEngine(dataclasses.replace(config, scheduling_policy=policy)), 1
             ),
-            live.step_seconds,
+            measured.step_seconds,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             1,
