@@ -13,11 +13,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
+from test_sliding_window import GREEDY, greedy
 
 import engine.layers.quantization as quantization
 from common import default_model
 from common.config import EngineConfig
-from common.sampling_params import SamplingParams
 from engine.engine import LLMEngine
 from engine.layers.linear import Linear
 from engine.layers.quantization import QuantizedWeight
@@ -25,7 +25,6 @@ from engine.models.loader import load_model
 from tiny_models import VARIANTS, hf_greedy, make_checkpoint
 
 Q = GGMLQuantizationType
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = {"a": [5, 17, 99, 3, 42, 7], "b": [120, 8, 64, 33, 2, 150, 11, 90, 14]}
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 # GGUF's per-layer names for Hugging Face's.
@@ -109,13 +108,7 @@ def engine_greedy(model: Path) -> dict[str, list[int]]:
             max_num_seqs=2,
         )
     )
-    for rid, ids in PROMPTS.items():
-        engine.add_request(rid, ids, GREEDY)
-    got: dict[str, list[int]] = {}
-    while engine.has_unfinished:
-        for out in engine.step():
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
-    return got
+    return greedy(engine, PROMPTS)
 
 
 @pytest.fixture(scope="module")
