@@ -1,6 +1,7 @@
 """A GGUF file served as it is: GGUFs written here with gguf's writer from a tiny random Llama
 (llama.cpp's tensor names and Q/K row permutation) give transformers' greedy tokens (F32), and
-a quantized one (Q8_0, Q4_0, Q4_1) gives what the same weights dequantized to float32 give;
+a quantized or half-precision one (Q8_0, Q4_0, Q4_1, F16, BF16) gives what the same weights
+in float32 give;
 a type Folio does not read is refused, naming it and the tensor; the default model's own GGUF
 holds the codes and gives the logits of its prepared (converted) directory."""
 
@@ -123,10 +124,13 @@ def test_an_f32_gguf_gives_transformers_greedy_tokens(tmp_path, reference):
 
 
 # Bound on the logits' relative error against the float32 twin through the integer kernels:
-# Q8_0 is read exactly into float32 (only summation order differs); int4 weights meet
+# F16, BF16 and Q8_0 are read exactly into float32 (only summation order differs); int4 weights meet
 # activations the kernels quantize to int8 per 32 features (engine.layers.quantization), the
 # twin's stay float32 (measured: 1.8% on this model).
-@pytest.mark.parametrize(("qtype", "max_error"), [(Q.Q8_0, 1e-5), (Q.Q4_0, 0.03), (Q.Q4_1, 0.03)])
+@pytest.mark.parametrize(
+    ("qtype", "max_error"),
+    [(Q.F16, 1e-5), (Q.BF16, 1e-5), (Q.Q8_0, 1e-5), (Q.Q4_0, 0.03), (Q.Q4_1, 0.03)],
+)
 def test_a_quantized_gguf_gives_its_float32_twin_s_tokens(
     tmp_path, reference, qtype, max_error, monkeypatch
 ):
@@ -140,7 +144,7 @@ def test_a_quantized_gguf_gives_its_float32_twin_s_tokens(
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or name == "lm_head":
             continue
-        if qtype == Q.Q8_0:  # read exactly as floats (Folio's int8 has a scale per row)
+        if qtype not in (Q.Q4_0, Q.Q4_1):  # floats (Q8_0: Folio's int8 has a scale per row)
             assert not isinstance(module.packed, QuantizedWeight), name
             continue
         # The file's 4-bit grid kept exactly (quantization is by rows: the rows' order does
