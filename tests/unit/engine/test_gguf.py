@@ -1,9 +1,8 @@
 """A GGUF file served as it is: GGUFs written here with gguf's writer from a tiny random Llama
 (llama.cpp's tensor names and Q/K row permutation) give transformers' greedy tokens (F32), and
 a quantized or half-precision one (Q8_0, Q4_0, Q4_1, F16, BF16) gives what the same weights
-in float32 give;
-a type Folio does not read is refused, naming it and the tensor; the default model's own GGUF
-holds the codes and gives the logits of its prepared (converted) directory."""
+in float32 give; a type Folio does not read is refused, naming it and the tensor; the default
+model's own GGUF holds the codes and gives the logits of its prepared (converted) directory."""
 
 from __future__ import annotations
 
