@@ -283,7 +283,12 @@ class Scheduler:
                     if victim is None:
                         return
                     preempt(victim)
-                self.waiting.pop(lane)
+                # A victim put back may now come first in the lane (under fair, its tenant can
+                # be behind in tokens while over its share of slots): take `request` itself.
+                if self.waiting.peek(lane) is request:
+                    self.waiting.pop(lane)
+                else:
+                    self.waiting.remove(request)
                 request.num_computed_tokens = num_cached
                 request.num_cached_tokens = num_cached
                 request.status = RequestStatus.RUNNING

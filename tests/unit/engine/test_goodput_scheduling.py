@@ -246,3 +246,22 @@ def test_engine_ends_a_request_at_its_total_deadline(default_model_dir):
     assert reason is FinishReason.DEADLINE and 0 < generated < 1000
     assert ends["free"] == (FinishReason.LENGTH, 10)
     assert not engine.kv_cache.num_blocks - engine.kv_cache.num_free_blocks
+
+
+def test_fair_admission_takes_the_request_not_the_victim_put_back_before_it():
+    # Tenant a holds both slots with short prompts; b computed more tokens before (a long
+    # prompt, ended), so a is behind in tokens while over its share of slots.
+    sched = make(scheduling_policy="fair", max_num_seqs=2, max_num_batched_tokens=64)
+    past = req("past", 48, arrival=0.0, tenant="b", max_tokens=1)
+    sched.add_request(past)
+    a = [req(f"a{i}", 4, arrival=1.0 + i, tenant="a", max_tokens=1000) for i in range(2)]
+    for r in a:
+        sched.add_request(r)
+    advance(sched, sched.schedule())  # past (48 tokens for b) and a0 run
+    b_next = req("b1", 4, arrival=5.0, tenant="b")
+    sched.add_request(b_next)  # b still has past live, so it keeps its virtual time
+    for _ in range(3):
+        advance(sched, sched.schedule())
+    assert b_next.status is RequestStatus.RUNNING and b_next not in list(sched.waiting)
+    assert len(sched.running) == len(set(sched.running)) <= 2
+    assert sum(r.status is RequestStatus.RUNNING for r in a) == 1
