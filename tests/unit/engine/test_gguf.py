@@ -228,3 +228,21 @@ def test_the_default_model_s_own_gguf_served_as_it_is(default_model_dir, monkeyp
     (logits,) = Runner(gguf_model, config).step([("a", prompt)])
     (reference,) = Runner(prepared, config).step([("a", prompt)])
     assert float((logits - reference).norm() / reference.norm()) <= 1e-5
+
+
+def test_what_a_gguf_is_not_served_with_is_refused(tmp_path, reference):
+    from engine.layers.parallel import TensorParallel
+    from engine.models.config import ModelConfig
+
+    path = write_gguf(tmp_path / "tiny.gguf", reference, Q.F32)
+    with pytest.raises(ValueError, match=r"leave quantization unset \(got 'int8'\)"):
+        load_model(path, torch.float32, "cpu", quantization="int8")
+    with pytest.raises(ValueError, match=r"tensor-parallel size 1 \(got 2\)"):
+        load_model(path, torch.float32, "cpu", tp=TensorParallel(rank=0, size=2))
+    writer = GGUFWriter(str(tmp_path / "qwen2.gguf"), "qwen2")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"general\.architecture 'qwen2' is not served"):
+        ModelConfig.from_dir(tmp_path / "qwen2.gguf")
