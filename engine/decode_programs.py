@@ -47,6 +47,7 @@ from common.parent_death import die_with_parent
 from engine.fallback import failure_reason
 from engine.kernels.cpu import extension
 from engine.kernels.cpu.capabilities import cpu_capabilities
+from engine.models.gguf_metadata import gguf_config, gguf_layout, is_gguf
 from engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -190,9 +191,14 @@ def programs_key(
     add("attention", attention_backend)
     add("threads", num_threads)
     add("sizes", sizes)
+    # The model's config and its weights' names, dtypes and shapes (not their values: they
+    # are the programs' inputs).
+    if is_gguf(model_path):
+        add("config", sorted(gguf_config(model_path).items()))
+        add("tensors", gguf_layout(model_path))
+        return digest.hexdigest()[:32]
     model_dir = Path(model_path)
     add("config", (model_dir / "config.json").read_bytes())
-    # The weights' names, dtypes and shapes (not their values: they are the programs' inputs).
     for weights in sorted(model_dir.glob("*.safetensors")):
         add(weights.name, _safetensors_header(weights))
     return digest.hexdigest()[:32]

@@ -36,6 +36,7 @@ from engine.layers.parallel import (
 )
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.models.config import ModelConfig
+from engine.models.gguf_metadata import file_quantization
 from engine.pooler import Pooler, PoolingConfig, finish
 from engine.sampler import Sampler, record_prompt_logprobs
 from engine.structured_output import StructuredOutputManager
@@ -55,7 +56,8 @@ class ModelExecutor:
         self.runner_kind = config.runner
         if self.runner_kind == "auto":
             self.runner_kind = "pooling" if self.pooling.sentence_transformers else "generate"
-        dtype = resolve_dtype(config.dtype, config.device, config.quantization)
+        quantization = config.quantization or file_quantization(self.model_path)
+        dtype = resolve_dtype(config.dtype, config.device, quantization)
         tp_size = config.tensor_parallel_size
         check_tensor_parallel_size(
             model_config.num_attention_heads, model_config.num_key_value_heads, tp_size

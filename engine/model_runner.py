@@ -37,6 +37,7 @@ from engine.input_batch import PersistentBatch
 from engine.kernels.cpu.capabilities import cpu_capabilities
 from engine.layers.parallel import SINGLE, TensorParallel
 from engine.models.config import ModelConfig
+from engine.models.gguf_metadata import file_quantization
 from engine.models.loader import load_model
 from engine.pooler import Pooler, PoolSlice
 
@@ -132,7 +133,8 @@ class ModelRunner:
     ) -> None:
         """`pooler`: rank 0's, which pools the embedding requests (other ranks have none)."""
         self.device = torch.device(config.device)
-        self.dtype = resolve_dtype(config.dtype, config.device, config.quantization)
+        quantization = config.quantization or file_quantization(model_path)
+        self.dtype = resolve_dtype(config.dtype, config.device, quantization)
         self.block_size = config.block_size
         self.model, self.model_config = load_model(
             model_path,

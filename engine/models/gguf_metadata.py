@@ -21,6 +21,24 @@ def is_gguf(path: str | Path) -> bool:
     return path.suffix == ".gguf" and path.is_file()
 
 
+def file_quantization(path: str | Path) -> str | None:
+    """The quantization a model's files carry as they are: "int4" for a GGUF holding Q4_0 or
+    Q4_1 tensors (served on Folio's int4 kernels, which take float32 activations), else None."""
+    if not is_gguf(path):
+        return None
+    types = {tensor.tensor_type.name for tensor in read_gguf(path).tensors}
+    return "int4" if types & {"Q4_0", "Q4_1"} else None
+
+
+def gguf_layout(path: str | Path) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The file's tensors' names, types and shapes (not their data): what programs compiled
+    for its model depend on, with its config."""
+    return [
+        (t.name, t.tensor_type.name, tuple(int(n) for n in t.shape))
+        for t in read_gguf(path).tensors
+    ]
+
+
 def read_gguf(path: str | Path) -> GGUFReader:
     """The file's reader (memory-mapped), shared while the file is unchanged: gguf's reader
     takes seconds to parse a large vocabulary, and an engine reads the config several times."""

@@ -21,6 +21,8 @@ from common.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.layers.linear import Linear
 from engine.layers.quantization import QuantizedWeight
+from engine.model_runner import resolve_dtype
+from engine.models.gguf_metadata import file_quantization
 from engine.models.loader import load_model
 from tiny_models import VARIANTS, hf_greedy, make_checkpoint
 
@@ -177,6 +179,41 @@ def test_a_quantized_gguf_gives_its_float32_twin_s_tokens(
     assert kernels <= max_error
     assert dequantizing <= 1e-5
     assert engine_greedy(quantized) == engine_greedy(twin)
+
+
+def test_dtype_auto_keeps_a_4_bit_file_on_the_integer_kernels(tmp_path, reference):
+    """The file's int4 layers take float32 activations, as --quantization int4's do."""
+    int4 = write_gguf(tmp_path / "q4.gguf", reference, Q.Q4_1)
+    floats = write_gguf(tmp_path / "q8.gguf", reference, Q.Q8_0)
+    assert (file_quantization(int4), file_quantization(floats)) == ("int4", None)
+    assert resolve_dtype("auto", "cpu", file_quantization(int4)) == resolve_dtype(
+        "auto", "cpu", "int4"
+    )
+
+
+def test_compiled_decode_runs_a_4_bit_file(tmp_path, reference):
+    """Programs keyed by the file's config and tensor layout (it has no config.json), on
+    float32 activations (dtype auto), give the eager engine's tokens."""
+    model = write_gguf(tmp_path / "q4.gguf", reference, Q.Q4_1)
+
+    def engine(eager: bool) -> LLMEngine:
+        config = EngineConfig(
+            model=str(model),
+            block_size=4,
+            num_kv_blocks=64,
+            max_num_seqs=4,
+            enforce_eager=eager,
+            decode_compile="startup",
+        )
+        return LLMEngine(config)
+
+    eager = greedy(engine(True), PROMPTS)
+    compiled = engine(False)
+    programs = compiled.executor.runner.compiled_decode
+    assert programs is not None and programs.ready
+    assert compiled.executor.runner.dtype == torch.float32
+    assert greedy(compiled, PROMPTS) == eager
+    assert programs.rows_run
 
 
 def test_a_type_folio_does_not_read_is_refused_naming_it(tmp_path, reference):
