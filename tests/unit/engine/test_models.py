@@ -293,7 +293,7 @@ def test_sliding_windows_per_layer_and_no_cap_on_the_context():
     ]
     gemma = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", sliding_window=8)
     assert windows(**gemma, sliding_window_pattern=2) == [8, None, 8, None]
-    with pytest.raises(ValueError, match="layer_types.*full_attention, sliding_attention"):
+    with pytest.raises(ValueError, match=r"layer_types.*full_attention, sliding_attention"):
         windows(**qwen, layer_types=["chunked_attention"] * 4)
     with pytest.raises(ValueError, match="sliding_window must be a positive integer"):
         windows(**mistral, sliding_window=0)
