@@ -245,6 +245,10 @@ def build(model: LlamaForCausalLM, spec: ProgramsSpec) -> StoredPrograms:
     """Trace and compile one program per size (example inputs only: nothing runs), serialized
     for storing."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
+    # From dynamo's clean slate: what an earlier compile in this process learned (a float seen
+    # to vary becomes a symbolic input) makes aot_compile raise the restart that a plain
+    # torch.compile would have handled (TensorifyScalarRestartAnalysis).
+    torch._dynamo.reset()
     # torch.compile's wrapper of a function has aot_compile; its declared type does not say so.
     compiled: Any = torch.compile(model.hidden_states, fullgraph=True, options=compile_options())
     serialized, sources = [], {}
