@@ -204,6 +204,18 @@ class SequenceTexts:
 
 
 @dataclass(frozen=True)
+class AskedLevel:
+    """What a call asks of the engine's scheduler, before its API key's settings fill the rest:
+    deadlines in milliseconds (None: the key's default), the tenant it names (None: none) and
+    whether it runs in the batch lane."""
+
+    ttft_ms: float | None = None
+    total_ms: float | None = None
+    tenant: str | None = None
+    batch: bool = False
+
+
+@dataclass(frozen=True)
 class TextCall:
     """A call of folio.v1.GatewayService: Generate (a prompt) or Chat (messages)."""
 
@@ -214,3 +226,4 @@ class TextCall:
     priority: int
     prompt: str = ""
     messages: tuple[ChatTurn, ...] = ()
+    asked: AskedLevel = AskedLevel()

@@ -23,6 +23,7 @@ from common.sampling_params import SamplingParams
 from common.sampling_proto import sampling_params_from_proto, sampling_params_to_proto
 from common.service_level import NO_SERVICE_LEVEL, ServiceLevel
 from gateway.messages import (
+    AskedLevel,
     ChatFormats,
     ChatTurn,
     DetokenizeOptions,
@@ -338,6 +339,16 @@ def text_call(call: GenerateCall | ChatCall) -> TextCall:
         priority=call.priority,
         prompt=call.prompt if isinstance(call, GenerateCall) else "",
         messages=tuple(_chat_turn(m) for m in call.messages) if isinstance(call, ChatCall) else (),
+        asked=_asked_level(call.service_level),
+    )
+
+
+def _asked_level(level: gateway_pb2.ServiceLevel) -> AskedLevel:
+    return AskedLevel(
+        ttft_ms=level.slo_ttft_ms if level.HasField("slo_ttft_ms") else None,
+        total_ms=level.slo_total_ms if level.HasField("slo_total_ms") else None,
+        tenant=level.tenant or None,
+        batch=level.priority_class == gateway_pb2.PRIORITY_CLASS_BATCH,
     )
 
 

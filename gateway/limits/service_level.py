@@ -4,7 +4,8 @@ common/auth.py), for the engine to schedule by (common/service_level.py).
 
 Headers: `x-slo-ttft-ms` (first token) and `x-slo-total-ms` (end), in milliseconds from the
 request's arrival at the gateway; `x-tenant` only when the gateway is told to trust it
-(--trust-tenant-header: a proxy in front names the tenant). Otherwise the tenant is the key's
+(--trust-tenant-header: a proxy in front names the tenant). The gRPC text API's calls ask the
+same in their ServiceLevel field (gateway.messages.AskedLevel). Otherwise the tenant is the key's
 `tenant=` setting, else the caller (the key's name, or the client address without keys).
 
 The front end sets the level for the request's task once the key is checked
@@ -25,6 +26,7 @@ from common.auth import KeySettings, key_of, key_settings
 from common.config import GatewayConfig
 from common.errors import InvalidParameter
 from common.service_level import NO_SERVICE_LEVEL, ServiceLevel
+from gateway.messages import AskedLevel
 
 SLO_TTFT_HEADER = "x-slo-ttft-ms"
 SLO_TOTAL_HEADER = "x-slo-total-ms"
@@ -76,32 +78,51 @@ class ServiceLevels:
                 self._tenant_weights.setdefault(settings.tenant, settings.weight)
 
     def of(self, caller: str | None, headers: Mapping[str, str]) -> ServiceLevel:
-        """The level of a request from `caller` (Access's name for it; None on an open path)
-        with `headers`; InvalidParameter naming a header that does not parse."""
+        """The level of an HTTP request from `caller` (Access's name for it; None on an open
+        path) with `headers`; InvalidParameter naming a header that does not parse."""
+        return self.of_call(
+            caller,
+            AskedLevel(
+                _milliseconds(headers.get(SLO_TTFT_HEADER), SLO_TTFT_HEADER),
+                _milliseconds(headers.get(SLO_TOTAL_HEADER), SLO_TOTAL_HEADER),
+                headers.get(TENANT_HEADER) or None,
+            ),
+        )
+
+    def of_call(self, caller: str | None, asked: AskedLevel) -> ServiceLevel:
+        """The level of a call from `caller` that asks `asked` (the gRPC API's ServiceLevel,
+        or the HTTP headers'); InvalidParameter naming a deadline out of range. The tenant it
+        names counts only when the gateway trusts it."""
         settings = self._settings.get(caller or "", NO_SETTINGS)
         tenant = settings.tenant or caller or ""
         weight = settings.weight
-        named = headers.get(TENANT_HEADER) if self.trust_tenant_header else None
-        if named:
-            tenant, weight = named, self._tenant_weights.get(named, 1.0)
+        if asked.tenant and self.trust_tenant_header:
+            tenant, weight = asked.tenant, self._tenant_weights.get(asked.tenant, 1.0)
         return ServiceLevel(
             tenant,
             weight,
-            _milliseconds(headers, SLO_TTFT_HEADER, settings.slo_ttft_ms),
-            _milliseconds(headers, SLO_TOTAL_HEADER, settings.slo_total_ms),
+            _checked(asked.ttft_ms, "slo_ttft_ms", settings.slo_ttft_ms),
+            _checked(asked.total_ms, "slo_total_ms", settings.slo_total_ms),
         )
 
 
-def _milliseconds(headers: Mapping[str, str], header: str, default: float | None) -> float | None:
-    value = headers.get(header)
+def _milliseconds(value: str | None, header: str) -> float | None:
+    """A deadline header's milliseconds (None when absent)."""
     if value is None:
-        return default
+        return None
     try:
         ms = float(value)
     except ValueError:
-        ms = math.nan
-    if not (ms > 0 and math.isfinite(ms)):
         raise InvalidParameter(
             f"{header} must be a positive number of milliseconds, got {value!r}", header
-        )
+        ) from None
+    return _checked(ms, header, None)
+
+
+def _checked(ms: float | None, name: str, default: float | None) -> float | None:
+    """`ms` (`default` when None), InvalidParameter naming `name` unless a positive number."""
+    if ms is None:
+        return default
+    if not (ms > 0 and math.isfinite(ms)):
+        raise InvalidParameter(f"{name} must be a positive number of milliseconds, got {ms}", name)
     return ms

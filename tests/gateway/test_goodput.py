@@ -2,20 +2,26 @@
 engine (the real scheduler, KV cache and engine service, modelled step times) under the fair
 policy, while the other still gets its answers ahead of the flood's queue; deadlines from
 headers and from the key file: refused at once when unmeetable (429 with Retry-After) or
-malformed (400 naming the header), and a request past its total deadline ends with a 504."""
+malformed (400 naming the header), and a request past its total deadline ends with a 504. The
+gRPC text API's ServiceLevel field alike: a tenant it names (the gateway trusts it), the batch
+lane, deadlines refused (RESOURCE_EXHAUSTED with retry-after, INVALID_ARGUMENT naming the field)
+and ended (DEADLINE_EXCEEDED)."""
 
 from __future__ import annotations
 
 import asyncio
 
+import grpc
 import httpx
 import pytest
+from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from common.auth import KeySettings, key_of, key_settings, load_api_keys
 from common.config import EngineConfig, GatewayConfig
 from common.service_level import ServiceLevel
 from engine.simulated import StepCostModel
 from gateway.limits.service_level import ServiceLevels
+from gateway.messages import AskedLevel
 from gateway_helpers import GatewayThread, check_error, read_metrics
 from grpc_helpers import TIMEOUT, ServerThread
 from services.engine.simulate import simulated_services
@@ -44,7 +50,9 @@ def gateway(default_model_dir):
     )
     [engine] = [ServerThread(s) for s in simulated_services(config, COST, "127.0.0.1", 0, 1)]
     server = GatewayThread(
-        f"127.0.0.1:{engine.port}", f"127.0.0.1:{tokenizer.port}", GatewayConfig(api_keys=KEYS)
+        f"127.0.0.1:{engine.port}",
+        f"127.0.0.1:{tokenizer.port}",
+        GatewayConfig(api_keys=KEYS, trust_tenant_header=True),
     )
     yield server
     server.close()
@@ -65,17 +73,41 @@ def waiting(url: str) -> float:
     return read_metrics(url)["folio_num_requests_waiting"]
 
 
-def test_a_flooding_key_does_not_hold_up_another(gateway):
+def grpc_chat(gateway, key: str, max_tokens: int = 8, **level) -> list[gateway_pb2.ChatResponse]:
+    """A gRPC Chat call as `key`, asking the ServiceLevel `level`."""
+    stub = gateway_pb2_grpc.GatewayServiceStub(gateway.grpc_channel)
+    request = gateway_pb2.ChatRequest(
+        messages=[common_pb2.ChatMessage(role="user", content="Say something.")],
+        sampling_params=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        service_level=gateway_pb2.ServiceLevel(**level),
+    )
+    return list(stub.Chat(request, metadata=(("authorization", f"Bearer {key}"),), timeout=TIMEOUT))
+
+
+@pytest.mark.parametrize("front", ["http", "grpc"])
+def test_a_flooding_key_does_not_hold_up_another(gateway, front):
+    """Over gRPC the light requests come with the flood's key, the tenant named in their
+    ServiceLevel, and a batch-lane call of the light key waits for the flood to be admitted."""
     url = gateway.url
     finished: list[str] = []
     sent_at: list[int] = []  # per light request: how many requests had ended when it was sent
 
     async def send(client: httpx.AsyncClient, key: str, name: str) -> None:
-        response = await client.post(
-            url + "/v1/chat/completions", json=body(), headers={"authorization": f"Bearer {key}"}
-        )
-        assert response.status_code == 200, response.text
+        if front == "grpc" and name.startswith("light"):
+            await asyncio.to_thread(grpc_chat, gateway, FLOOD_KEY, tenant="light")
+        else:
+            response = await client.post(
+                url + "/v1/chat/completions",
+                json=body(),
+                headers={"authorization": f"Bearer {key}"},
+            )
+            assert response.status_code == 200, response.text
         finished.append(name)
+
+    async def send_batch() -> None:
+        batch = gateway_pb2.PRIORITY_CLASS_BATCH
+        await asyncio.to_thread(grpc_chat, gateway, LIGHT_KEY, priority_class=batch)
+        finished.append("batch")
 
     async def run() -> None:
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
@@ -85,6 +117,8 @@ def test_a_flooding_key_does_not_hold_up_another(gateway):
             # The flood is queued in the engine before the light key asks anything.
             while await asyncio.to_thread(waiting, url) < FLOOD - 4:
                 await asyncio.sleep(0.01)
+            if front == "grpc":
+                flood.append(asyncio.create_task(send_batch()))
             for i in range(3):  # one after the other, as an interactive user would
                 sent_at.append(len(finished))
                 await send(client, LIGHT_KEY, f"light{i}")
@@ -96,7 +130,10 @@ def test_a_flooding_key_does_not_hold_up_another(gateway):
     # two running when it came and one started beside it end before it.
     ahead = [finished.index(f"light{i}") - sent_at[i] for i in range(3)]
     assert max(ahead) <= 4, (ahead, finished)
-    assert len(finished) == FLOOD + 3
+    if front == "grpc":
+        # The batch lane runs once no interactive request waits: beside the flood's last.
+        assert finished.index("batch") >= len(finished) - 2, finished
+    assert len(finished) == FLOOD + 3 + (front == "grpc")
 
 
 def test_deadlines_refused_when_unmeetable_and_malformed_named(gateway):
@@ -115,6 +152,12 @@ def test_deadlines_refused_when_unmeetable_and_malformed_named(gateway):
     )
     error = check_error(response, 400, "slo_ttft_ms")
     assert "below one engine step" in error["message"]
+    # The gRPC API's ServiceLevel alike: INVALID_ARGUMENT naming the field.
+    for level, reason in (({"slo_ttft_ms": -1}, "positive"), ({"slo_ttft_ms": 5}, "below one")):
+        with pytest.raises(grpc.RpcError) as refused:
+            grpc_chat(gateway, LIGHT_KEY, **level)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "slo_ttft_ms" in refused.value.details() and reason in refused.value.details()
 
     async def run() -> httpx.Response:
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
@@ -142,13 +185,22 @@ def test_deadlines_refused_when_unmeetable_and_malformed_named(gateway):
                 json=body(),
                 headers={**flood_headers, "x-slo-ttft-ms": "100"},
             )
+            try:
+                await asyncio.to_thread(grpc_chat, gateway, FLOOD_KEY, slo_ttft_ms=100)
+                by_grpc = None
+            except grpc.RpcError as failure:
+                by_grpc = failure
             await asyncio.gather(*flood)
-            return by_key, by_header
+            return [by_key, by_header], by_grpc
 
-    for refused in asyncio.run(run()):
+    responses, by_grpc = asyncio.run(run())
+    for refused in responses:
         error = check_error(refused, 429, None)
         assert "slo_ttft_ms leaves" in error["message"] and "expected in" in error["message"]
         assert int(refused.headers["retry-after"]) >= 1
+    assert by_grpc is not None and by_grpc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "slo_ttft_ms leaves" in by_grpc.details()
+    assert int(dict(by_grpc.trailing_metadata())["retry-after"]) >= 1
 
 
 def test_a_request_past_its_total_deadline_ends_with_504(gateway):
@@ -160,7 +212,11 @@ def test_a_request_past_its_total_deadline_ends_with_504(gateway):
     )
     error = check_error(response, 504, None)
     assert "total deadline" in error["message"]
-    assert read_metrics(gateway.url)['folio_requests_total{finish_reason="deadline"}'] == 1
+    with pytest.raises(grpc.RpcError) as ended:
+        grpc_chat(gateway, LIGHT_KEY, max_tokens=1000, slo_total_ms=300)
+    assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "total deadline" in ended.value.details()
+    assert read_metrics(gateway.url)['folio_requests_total{finish_reason="deadline"}'] == 2
 
 
 def test_key_file_settings_are_read_and_bad_ones_named(tmp_path):
@@ -176,6 +232,11 @@ def test_key_file_settings_are_read_and_bad_ones_named(tmp_path):
     )
     trusting = ServiceLevels(GatewayConfig(api_keys=entries, trust_tenant_header=True))
     assert trusting.of("key-1", {"x-tenant": "acme"}).weight == 3.0
+    # A gRPC call's ServiceLevel: a deadline over the key's default; a tenant only if trusted.
+    asked = AskedLevel(ttft_ms=200.0, tenant="acme")
+    assert levels.of_call("key-0", asked) == ServiceLevel("acme", 3.0, 200.0, None)
+    assert levels.of_call("key-1", asked).tenant == "key-1"
+    assert trusting.of_call("key-1", asked) == ServiceLevel("acme", 3.0, 200.0, None)
     for line, named in (("sk-c weight=-1", "weight"), ("sk-c speed=2", "speed=2")):
         key_file.write_text(line + "\n")
         with pytest.raises(ValueError, match=f"line 1.*{named}") as refused:
