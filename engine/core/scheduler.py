@@ -272,21 +272,31 @@ class Scheduler:
 
         def admit(lane: int) -> None:
             nonlocal budget
-            while budget > 0 and (request := self.waiting.peek(lane)) is not None:
+            # Under fair, tenants whose head cannot start now: the next tenant's may (a tenant
+            # within its share preempts one over it), so one blocked head holds up no other.
+            blocked: set[str] = set()
+            while budget > 0 and (request := self.waiting.peek(lane, blocked)) is not None:
                 cached_blocks, num_cached = self.kv_cache.get_cached_prefix(request)
                 num_new = min(request.num_tokens - num_cached, budget)
+                startable = True
                 while (
                     self.num_running_seqs + request.num_seqs > self.max_num_seqs
                     or not self.kv_cache.allocate(request, num_new, cached_blocks)
                 ):
                     victim = self._victim_for(request)
                     if victim is None:
-                        return
+                        startable = False
+                        break
                     preempt(victim)
+                if not startable:
+                    if self.policy != "fair":
+                        return
+                    blocked.add(request.tenant)
+                    continue
                 # A victim put back may now come first in the lane (under fair, its tenant can
                 # be behind in tokens while over its share of slots): take `request` itself.
-                if self.waiting.peek(lane) is request:
-                    self.waiting.pop(lane)
+                if self.waiting.peek(lane, blocked) is request:
+                    self.waiting.pop(lane, blocked)
                 else:
                     self.waiting.remove(request)
                 request.num_computed_tokens = num_cached

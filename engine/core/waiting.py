@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from engine.core.request import Request
 from engine.errors import QueueFullError
@@ -136,24 +136,28 @@ class WaitingQueue:
     def _tenant(self, request: Request) -> str:
         return request.tenant if self.policy == "fair" else ""
 
-    def _heap(self, lane: int | None) -> list[_Entry] | None:
+    def _heap(self, lane: int | None, skip: Collection[str]) -> list[_Entry] | None:
         """The heap whose head runs next in `lane` (None: the first lane with requests): under
-        fair, the tenant least served."""
+        fair, the tenant least served, passing over the tenants in `skip`."""
         if lane is None:
             lane = INTERACTIVE if self.lane_size(INTERACTIVE) else BATCH
-        heaps = [heap for heap in self._heaps[lane].values() if heap]
+        if self.policy != "fair":
+            skip = ()  # one heap, tenant ""
+        heaps = [heap for tenant, heap in self._heaps[lane].items() if heap and tenant not in skip]
         if not heaps:
             return None
         if self.policy != "fair":
             return heaps[0]
         return min(heaps, key=lambda h: (self.shares.virtual_time(h[0][1].tenant), h[0][0]))
 
-    def peek(self, lane: int | None = None) -> Request | None:
-        heap = self._heap(lane)
+    def peek(self, lane: int | None = None, skip: Collection[str] = ()) -> Request | None:
+        """The request that runs next in `lane`; under fair, of a tenant not in `skip` (one
+        whose head cannot start now must not hold up the others')."""
+        heap = self._heap(lane, skip)
         return None if heap is None else heap[0][1]
 
-    def pop(self, lane: int | None = None) -> Request:
-        heap = self._heap(lane)
+    def pop(self, lane: int | None = None, skip: Collection[str] = ()) -> Request:
+        heap = self._heap(lane, skip)
         assert heap is not None, "pop from an empty lane"
         self._size -= 1
         return heapq.heappop(heap)[1]

@@ -265,3 +265,21 @@ def test_fair_admission_takes_the_request_not_the_victim_put_back_before_it():
     assert b_next.status is RequestStatus.RUNNING and b_next not in list(sched.waiting)
     assert len(sched.running) == len(set(sched.running)) <= 2
     assert sum(r.status is RequestStatus.RUNNING for r in a) == 1
+
+
+def test_fair_a_blocked_tenant_holds_up_no_other():
+    # The flood holds every slot and queues more. A tenant coming back starts level with it
+    # (idle time is not banked), so the flood's earlier request is the lane's head; it cannot
+    # start (its tenant is over its share), and the newcomer, within its share, must not wait
+    # behind it for a step: it takes a flood slot in the very next one.
+    sched = make(scheduling_policy="fair", max_num_seqs=2, max_num_batched_tokens=64)
+    flood = [req(f"f{i}", 4, arrival=float(i), tenant="flood", max_tokens=1000) for i in range(4)]
+    for r in flood:
+        sched.add_request(r)
+    advance(sched, sched.schedule())
+    light = req("light", 4, arrival=10.0, tenant="light")
+    sched.add_request(light)
+    assert sched.waiting.peek() is flood[2]  # level in virtual time, the flood's came first
+    out = sched.schedule()
+    assert light in out.requests
+    assert [r.request_id for r in out.preempted] == ["f1"]
