@@ -24,6 +24,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DECODE_COMPILE = ("auto", "startup", "background")
+KV_OFFLOAD_FORMATS = ("auto", "int8", "native")
 QUANTIZATIONS = ("int8", "int4")
 ROUTING_POLICIES = ("cache_aware", "least_load", "round_robin")
 # generate: text generation (and embeddings too); pooling: embeddings only; auto: pooling for a
@@ -111,6 +112,25 @@ class EngineConfig:
         choices=SCHEDULING_POLICIES,
     )
     enable_prefix_caching: bool = flag(True, "reuse KV blocks of identical prompt prefixes")
+    kv_offload_gib: float = flag(
+        0.0,
+        "host tier under the KV pool, in GiB: cached blocks evicted from the pool are kept "
+        "there and loaded back on a prefix hit (docs/kv_tiers.md); 0 = off",
+    )
+    kv_offload_format: str = flag(
+        "auto",
+        "the host tier's format: int8 (per-block scales, about 1/4 of float32), native (the "
+        "pool's dtype, exact; pinned memory on CUDA); auto = int8 on the CPU, native on a GPU",
+        choices=KV_OFFLOAD_FORMATS,
+    )
+    kv_cache_dir: str | None = flag(
+        None,
+        "disk tier: cached KV blocks written to files here, found again after a restart by an "
+        "engine of the same model, dtype, block size, TP layout and quantization; default off",
+    )
+    kv_cache_dir_gib: float = flag(
+        8.0, "bound of the disk tier in GiB (the oldest files are deleted first)"
+    )
     attention_backend: str = flag(
         "auto", "auto = triton on CUDA, torch otherwise", choices=ATTENTION_BACKENDS
     )
@@ -185,6 +205,11 @@ class EngineConfig:
         require(
             self.kv_cache_memory_bytes > 0,
             f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}",
+        )
+        require(self.kv_offload_gib >= 0, f"kv_offload_gib must be >= 0, got {self.kv_offload_gib}")
+        require(
+            self.kv_cache_dir_gib > 0,
+            f"kv_cache_dir_gib must be > 0, got {self.kv_cache_dir_gib}",
         )
         require(
             self.kv_events_replay_batches >= 1,

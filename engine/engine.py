@@ -58,6 +58,7 @@ class LLMEngine:
             config.block_size,
             config.enable_prefix_caching,
             executor.kv_groups.windows,
+            executor.kv_tier_book,
         )
         # What the prefix cache stores and evicts, numbered per step for subscribers (routers).
         self.kv_events = KVEventPublisher(config.kv_events_replay_batches)
@@ -186,6 +187,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self._end_overdue()
         outputs += self._step()
+        if self.kv_cache.tiers is not None:
+            self.kv_cache.tiers.flush()  # the blocks this step cached, to disk
         self.kv_events.publish(self.kv_cache.take_kv_events())
         return outputs
 

@@ -26,6 +26,7 @@ from engine.core.outputs import SamplerOutput
 from engine.core.request import Request
 from engine.core.scheduler import SchedulerOutput
 from engine.errors import EngineGroupError
+from engine.kv_tiers.book import TierBook
 
 
 @dataclass
@@ -56,6 +57,8 @@ class Executor(Protocol):
     # How the model's layers share the KV pool: sliding-window layers apart (their blocks freed
     # out of the window), all layers one group otherwise.
     kv_groups: KVGroups
+    # The books of the KV tiers below the pool (engine.kv_tiers), None without tiers.
+    kv_tier_book: TierBook | None
 
     @property
     def dtype_name(self) -> str:

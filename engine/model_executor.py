@@ -28,6 +28,7 @@ from engine.distributed import EngineGroup, start_engine_group
 from engine.errors import EngineGroupError, InvalidRequestError
 from engine.executor import ExecutorOutput
 from engine.grammar import validate_sampling_params
+from engine.kv_tiers.store import KVTierStore
 from engine.layers.parallel import (
     SINGLE,
     TensorParallel,
@@ -99,6 +100,10 @@ class ModelExecutor:
             raise
         if self.group is not None:
             self.runner.broadcast_plan = self.group.broadcast_plan
+        self.kv_tiers = KVTierStore.create(
+            config, self.runner.kv_slots, self.kv_groups.num_groups, self.model_path, quantization
+        )
+        self.kv_tier_book = self.kv_tiers.book if self.kv_tiers is not None else None
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.sampler = Sampler(
@@ -155,6 +160,8 @@ class ModelExecutor:
 
     def execute(self, step: SchedulerOutput, started: float) -> ExecutorOutput:
         t0 = time.perf_counter()
+        if self.kv_tiers is not None:
+            self.kv_tiers.apply(self.kv_tiers.book.take_transfers())
         model_input = self._on_ranks(self.runner.prepare, step.plan)
         # Structured output: the grammars' masks are computed while the forward runs.
         masks = self.structured.start_masks(step.sampling_requests)

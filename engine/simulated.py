@@ -62,6 +62,7 @@ class SimulatedExecutor:
         )
         self.num_blocks = config.num_kv_blocks or DEFAULT_NUM_BLOCKS
         self.kv_groups = kv_groups(model_config.layer_windows, model_config.num_hidden_layers)
+        self.kv_tier_book = None  # no KV tensors: no tiers
         self.max_model_len = min(
             config.max_model_len or model_config.max_position_embeddings,
             self.num_blocks * config.block_size,

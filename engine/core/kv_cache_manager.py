@@ -28,6 +28,10 @@ blocks of its window before the hit's end. Only the first group's blocks are ann
 events, so a router sees each prefix once. With one group (no window) all of this reduces to
 one block id per logical block.
 
+With tiers below the pool (engine.kv_tiers: a host tier, a disk tier; one-group models only) a
+cached block evicted from the pool goes down to them, a prompt's prefix found there is loaded
+back into fresh blocks instead of recomputed, and newly cached blocks are written through to disk.
+
 This module only moves block ids around: it never touches KV tensors (the executor owns them)
 and never decides which request runs or gets preempted (the scheduler does).
 """
@@ -42,6 +46,7 @@ from typing import cast
 from common.block_hash import ROOT_HASH, hash_block
 from engine.core.kv_events import BlockRemoved, BlockStored, KVEvent
 from engine.core.request import Request
+from engine.kv_tiers.book import TIER_BLOCK, TierBook
 
 # The table entry of a sliding group's block freed out of its window (when any group slides,
 # block 0 is kept out of the pool for it). Backends never read it: it lies outside the window.
@@ -141,8 +146,13 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         windows: Sequence[int | None] = (None,),
+        tiers: TierBook | None = None,
     ) -> None:
-        """`windows`: the KV groups' (KVGroups.windows); one full group by default."""
+        """`windows`: the KV groups' (KVGroups.windows); one full group by default. `tiers`:
+        the books of the tiers below the pool (one group only)."""
+        if tiers is not None and len(windows) != 1:
+            raise ValueError("KV cache tiers serve models with one KV group (no sliding window)")
+        self.tiers = tiers
         self.windows = tuple(windows)
         self.num_groups = len(self.windows)
         sliding = any(w is not None for w in self.windows)
@@ -213,7 +223,9 @@ class KVCacheManager:
             parent = hash_block(parent, tokens[i * size : (i + 1) * size])
             row = [self._cached.get((g, parent)) for g in groups]
             if any(row[g] is None for g in groups if self.windows[g] is None):
-                break
+                if self.tiers is None or not self.tiers.holds(parent):
+                    break
+                row = [TIER_BLOCK]  # one group: loaded into a fresh block when allocated
             rows.append(row)
         # The longest prefix whose last blocks every sliding group holds as far as it looks back.
         hit = len(rows)
@@ -277,16 +289,19 @@ class KVCacheManager:
             ]
         # Taking an evictable cached block removes it from what fresh blocks can come from.
         num_revived = sum(
-            1 for block in cached_blocks if block != self._null and self._ref_counts[block] == 0
+            1
+            for block in cached_blocks
+            if block not in (self._null, TIER_BLOCK) and self._ref_counts[block] == 0
         )
-        if num_fresh + len(shared) > self.num_free_blocks - num_revived:
+        num_loaded = cached_blocks.count(TIER_BLOCK)
+        if num_fresh + len(shared) + num_loaded > self.num_free_blocks - num_revived:
             return False
 
         if self.enable_prefix_caching and not table:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_computed if cached_blocks else 0
         for block in cached_blocks:
-            if block != self._null:
+            if block not in (self._null, TIER_BLOCK):
                 if self._ref_counts[block] == 0:
                     del self._evictable[block]
                 self._ref_counts[block] += 1
@@ -296,6 +311,16 @@ class KVCacheManager:
         for i in range(len(cached_blocks) // groups):
             parent = hash_block(parent, tokens[i * size : (i + 1) * size])
             request.block_hashes.append(parent)
+        # A lower tier's blocks are claimed before this allocation evicts anything down to it.
+        loads = [
+            (i, cast(TierBook, self.tiers).claim(request.block_hashes[i]))
+            for i, block in enumerate(cached_blocks)
+            if block == TIER_BLOCK
+        ]
+        for i, origin in loads:
+            block = table[i] = self._take_fresh()
+            cast(TierBook, self.tiers).load(origin, block)
+            self._register(block, i, request)
         for _ in range(num_fresh):
             table.append(self._take_fresh())
         for entry in shared:
@@ -318,6 +343,15 @@ class KVCacheManager:
                 self._release(table[i * groups + g])
                 table[i * groups + g] = self._null
                 i -= 1
+
+    def _register(self, block: int, index: int, request: Request) -> None:
+        """Register a block loaded from a tier (one group) under its hash, as BlockStored."""
+        block_hash, size = request.block_hashes[index], self.block_size
+        self._cached[0, block_hash] = block
+        self._block_hash[block] = (0, block_hash)
+        parent = request.block_hashes[index - 1] if index else ROOT_HASH
+        tokens = request.token_ids[index * size : (index + 1) * size]
+        self._kv_events.append(BlockStored([block_hash], parent, tokens, size))
 
     def _release(self, block: int) -> None:
         self._ref_counts[block] -= 1
@@ -380,6 +414,8 @@ class KVCacheManager:
                     continue
                 self._cached[g, block_hash] = block
                 self._block_hash[block] = (g, block_hash)
+                if self.tiers is not None:
+                    self.tiers.registered(block, block_hash)
                 if g != 0:
                     continue  # routers hear of each prefix once: the first group's blocks
                 if stored is None or stored.block_hashes[-1] != parent:
@@ -419,6 +455,8 @@ class KVCacheManager:
 
     def _evict(self) -> int:
         block, _ = self._evictable.popitem(last=False)
+        if self.tiers is not None:
+            self.tiers.evicted(block, cast(tuple[int, bytes], self._block_hash[block])[1])
         self._uncache(block)
         return block
 

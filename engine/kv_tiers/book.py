@@ -1,0 +1,141 @@
+"""The tiers' books: which chained block hashes the host tier and the disk tier hold, and the
+transfers a step owes.
+
+The KV cache manager (engine.core.kv_cache_manager) calls in at four points: a cached block
+evicted from the pool (`evicted`: it gets a host slot, the least recently evicted entry making
+room), a prompt looked up (`holds`), a looked-up block taken (`claim`, then `load` into a fresh
+pool block: it leaves the host tier, so every block lives in one memory tier and the order of
+eviction is one LRU from the pool down), and a block newly registered (`registered`: written
+through to disk when there is a disk tier, so a process killed a step later loses nothing). The
+executor's tier store (engine.kv_tiers.store) takes the step's saves and loads before the
+forward (`take_transfers`: saves first, since a block evicted this step may be the one a load
+writes into); after the step the engine's `flush` hands it the blocks to persist.
+
+Torch-free, like the core that calls it: slots and hashes only, never a tensor.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.kv_tiers.disk_tier import DiskTier
+
+# The placeholder get_cached_prefix puts where a lower tier holds the block (never a block id).
+TIER_BLOCK = -2
+# Disk payloads verified while looking a prompt up, kept until the step's transfers: at most.
+MAX_STAGED_BYTES = 512 * 1024**2
+
+
+@dataclass
+class TierTransfers:
+    """What the store does before a step's forward, in this order."""
+
+    # (pool block, host slot): copy out before anything writes the block.
+    saves: list[tuple[int, int]] = field(default_factory=list)
+    # (host slot, pool block) and (verified disk payload, pool block).
+    host_loads: list[tuple[int, int]] = field(default_factory=list)
+    disk_loads: list[tuple[bytes, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.saves or self.host_loads or self.disk_loads)
+
+
+@dataclass(frozen=True)
+class Source:
+    """A claimed block: from a host slot, or a disk payload."""
+
+    slot: int | None = None
+    payload: bytes | None = None
+
+
+class TierBook:
+    def __init__(self, host_blocks: int, disk: DiskTier | None = None) -> None:
+        self.host_blocks = host_blocks
+        self.disk = disk
+        self._host: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, oldest first
+        self._free_slots = list(range(host_blocks - 1, -1, -1))
+        # Slots loaded from this step: free once the step's loads have read them.
+        self._released: list[int] = []
+        self._saves: dict[int, int] = {}  # slot -> pool block (the latest save of a slot wins)
+        self._transfers = TierTransfers()
+        self._staged: dict[bytes, bytes] = {}
+        self._staged_bytes = 0
+        self._persists: list[tuple[int, bytes]] = []
+        # Where `flush` hands the blocks to persist (the executor's tier store).
+        self.sink: Callable[[list[tuple[int, bytes]]], None] | None = None
+        # Blocks served, per tier ("host", "disk"), and evicted to the host tier.
+        self.hits: Counter[str] = Counter()
+        self.offloaded = 0
+
+    @property
+    def host_used(self) -> int:
+        return len(self._host)
+
+    def holds(self, block_hash: bytes) -> bool:
+        if block_hash in self._host or block_hash in self._staged:
+            return True
+        if self.disk is None or self._staged_bytes >= MAX_STAGED_BYTES:
+            return False
+        payload = self.disk.read(block_hash)
+        if payload is None:
+            return False
+        self._staged[block_hash] = payload
+        self._staged_bytes += len(payload)
+        return True
+
+    def claim(self, block_hash: bytes) -> Source:
+        """Take a block `holds` just said is here, before fresh pool blocks are taken for it."""
+        slot = self._host.pop(block_hash, None)
+        if slot is not None:
+            self._released.append(slot)
+            self.hits["host"] += 1
+            return Source(slot=slot)
+        self.hits["disk"] += 1
+        return Source(payload=self._staged.pop(block_hash))
+
+    def load(self, source: Source, block: int) -> None:
+        if source.slot is not None:
+            self._transfers.host_loads.append((source.slot, block))
+        else:
+            assert source.payload is not None
+            self._transfers.disk_loads.append((source.payload, block))
+
+    def evicted(self, block: int, block_hash: bytes) -> None:
+        """A cached block left the pool (its content intact until the step's forward)."""
+        if self.host_blocks == 0:
+            return
+        if block_hash in self._host:
+            self._host.move_to_end(block_hash)
+            return
+        if self._free_slots:
+            slot = self._free_slots.pop()
+        elif self._host:
+            _, slot = self._host.popitem(last=False)  # the least recently evicted drops out
+        else:
+            return  # every slot is being loaded from this step
+        self._host[block_hash] = slot
+        self._saves[slot] = block
+        self.offloaded += 1
+
+    def registered(self, block: int, block_hash: bytes) -> None:
+        """A block newly registered in the prefix cache: written through to disk."""
+        if self.disk is not None and not self.disk.knows(block_hash):
+            self._persists.append((block, block_hash))
+
+    def take_transfers(self) -> TierTransfers:
+        transfers, self._transfers = self._transfers, TierTransfers()
+        transfers.saves = [(block, slot) for slot, block in self._saves.items()]
+        self._saves.clear()
+        self._free_slots += self._released
+        self._released.clear()
+        self._staged.clear()
+        self._staged_bytes = 0
+        return transfers
+
+    def flush(self) -> None:
+        """After a step: the blocks it cached go to the sink, to be written to disk."""
+        persists, self._persists = self._persists, []
+        if persists and self.sink is not None:
+            self.sink(persists)

