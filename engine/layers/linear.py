@@ -33,12 +33,19 @@ def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | str)
 @dataclass
 class Bf16Tiles:
     """A bfloat16 weight [out_features, in] in the tiles of Folio's bf16_linear op
-    (engine/kernels/cpu/cpu_linear.cpp: AVX-512 BF16 dot products)."""
+    (engine/kernels/cpu/cpu_linear.cpp: AVX-512 BF16 dot products), or with `widened` of its
+    widened_bf16_linear op (float32 activations, each weight widened to float32 in registers:
+    AVX2)."""
 
     tiles: torch.Tensor
     out_features: int
+    widened: bool = False
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.widened:
+            return torch.ops.folio_linear.widened_bf16_linear(
+                x, self.tiles, bias, self.out_features
+            )
         return torch.ops.folio_linear.bf16_linear(x, self.tiles, bias, self.out_features)
 
 
@@ -59,8 +66,11 @@ def pack_weight(
       (elsewhere bfloat16 is not the default dtype: it is emulated there). Measured against
       oneDNN's bfloat16 kernels on its prepacked weights, never slower at any batch size served
       (docs/quantization.md, "bfloat16 on the CPU").
-    - float32: oneDNN's prepacked layout through Folio's packed_linear op, which compiled decode
-      programs can call. torch's F.linear calls MKL, whose small-batch sgemm runs far below
+    - float32 holding bfloat16 values (a bfloat16 checkpoint's weights), on CPUs without
+      AVX-512 BF16: stored in bfloat16, in the same tiles, for Folio's AVX2 widened_bf16_linear
+      (float32 products of exactly these values, reading half float32's bytes).
+    - other float32: oneDNN's prepacked layout through Folio's packed_linear op, which compiled
+      decode programs can call. torch's F.linear calls MKL, whose small-batch sgemm runs far below
       these CPUs' bandwidth (docs/quantization.md); results differ from MKL's by float32
       rounding (summation order) only.
     """
@@ -71,11 +81,41 @@ def pack_weight(
     if not on_cpu:
         return None
     caps = _capabilities(capabilities)
-    if weight.dtype == torch.bfloat16 and weight.shape[-1] % 2 == 0 and caps.bf16_tiles:
+    even = weight.shape[-1] % 2 == 0
+    if weight.dtype == torch.bfloat16 and even and caps.bf16_tiles:
         return Bf16Tiles(torch.ops.folio_linear.pack_bf16_weight(weight), weight.shape[0])
+    if weight.dtype == torch.float32 and even and caps.widened_bf16 and holds_bf16(weight):
+        tiles = torch.ops.folio_linear.pack_bf16_weight(weight.bfloat16())
+        return Bf16Tiles(tiles, weight.shape[0], widened=True)
     if weight.dtype == torch.float32 and caps.packed_float32:
         return torch.ops.mkldnn._reorder_linear_weight(weight, None)
     return None
+
+
+def holds_bf16(weight: torch.Tensor) -> bool:
+    """Whether every float32 value is a bfloat16 one (its low 16 bits zero), so that bfloat16
+    stores it exactly."""
+    return not bool((weight.view(torch.int32) & 0xFFFF).any())
+
+
+def kernel_name(packed: PackedWeight | None) -> str:
+    """Which kernel multiplies a weight in this form, in words."""
+    if isinstance(packed, Bf16Tiles):
+        if packed.widened:
+            return "bfloat16 weights widened to float32 (AVX2)"
+        return "bfloat16 tiles (AVX-512 BF16)"
+    if isinstance(packed, QuantizedWeight):
+        return f"{packed.method} ({'Folio' if packed.kernels else 'torch'})"
+    return "float32 oneDNN-packed" if packed is not None else "torch F.linear"
+
+
+def describe_linears(model: nn.Module) -> str:
+    """How the model's linears (and its packed vocabulary projection) are multiplied, counted:
+    the log line that says which kernels the CPU's capabilities and the dtype chose."""
+    packed = [m.packed for m in model.modules() if isinstance(m, Linear)]
+    packed.append(getattr(model, "lm_head_packed", None))
+    names = [kernel_name(weight) for weight in packed]
+    return ", ".join(f"{names.count(name)} {name}" for name in dict.fromkeys(names))
 
 
 def folio_quant_kernels(

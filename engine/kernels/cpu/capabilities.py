@@ -2,14 +2,17 @@
 CPU fast-path choice reads (which linear kernel, whose paged attention, which dtype "auto" is).
 
 Probing loads Folio's kernels (engine.kernels.cpu.extension: a build on the first run on a
-machine), so callers probe only once they know they run on the CPU. This module only answers;
-it never chooses a kernel (engine.layers.linear, the torch attention backend and the model
-runner's dtype choice do).
+machine), so callers probe only once they know they run on the CPU. FOLIO_CPU_ISA=avx2 makes the
+probe answer as on an AVX2-only CPU (no AVX-512 BF16, no native bfloat16), so that the AVX2
+paths are chosen on a machine that has more, for tests and benchmarks; unset (or "native"), it
+answers for this CPU. This module only answers; it never chooses a kernel (engine.layers.linear,
+the torch attention backend and the model runner's dtype choice do).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -41,15 +44,35 @@ class CpuCapabilities:
         """bfloat16 linears over Folio's own tiles (bf16_linear)."""
         return self.folio_kernels and self.avx512_bf16
 
+    @property
+    def widened_bf16(self) -> bool:
+        """float32 linears over bfloat16-stored weights, widened in registers by Folio's AVX2
+        kernel (widened_bf16_linear): where there are no bf16 tiles (with them, "auto" is
+        bfloat16 and float32 keeps oneDNN's AVX-512 kernels)."""
+        return self.folio_kernels and not self.avx512_bf16
+
+
+ISA_ENV = "FOLIO_CPU_ISA"
+ISA_CHOICES = ("native", "avx2")
+
+
+def forced_isa() -> str:
+    """FOLIO_CPU_ISA's value: "native" (also when unset) or "avx2"."""
+    value = os.environ.get(ISA_ENV, "").strip().lower() or "native"
+    if value not in ISA_CHOICES:
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISA_CHOICES)}, got {value!r}")
+    return value
+
 
 @functools.cache
 def cpu_capabilities() -> CpuCapabilities:
+    native = forced_isa() == "native"
     loaded = extension.load()
     return CpuCapabilities(
         avx2_fma=extension.cpu_has_avx2(),
         folio_kernels=loaded,
-        avx512_bf16=loaded and bool(torch.ops.folio_linear.cpu_has_avx512_bf16()),
-        native_bf16=bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        avx512_bf16=native and loaded and bool(torch.ops.folio_linear.cpu_has_avx512_bf16()),
+        native_bf16=native and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
         onednn_packing=torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"),
     )

@@ -11,6 +11,11 @@
 //   streams its share of the tiles once per block of activation rows, which is what a step of a
 //   few rows needs (oneDNN's bfloat16 kernels read these small weights well below the
 //   machine's bandwidth there: docs/quantization.md).
+// - widened_bf16_linear: float32 activations times the same tiles on any CPU with AVX2 and FMA,
+//   which have no bfloat16 arithmetic: a bfloat16 value is the upper half of a float32, so each
+//   32-byte load of a tile's pair, shifted (the even inputs) or masked (the odd ones), gives 8
+//   output rows' weights as float32, exactly, for plain float32 multiply-adds. The weight keeps
+//   half float32's bytes and exactly a bfloat16 checkpoint's values; the products are float32's.
 //
 // Choosing between them, and packing, is engine/models/llama.py's job.
 
@@ -144,11 +149,137 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed,
   return y;
 }
 
+// Activation rows a widened block multiplies together, each with two 8-row halves of one tile:
+// 4 rows are 8 sums, 4 widened weights and 2 broadcasts, 14 of AVX2's 16 registers.
+constexpr int kWidenedRows = 4;
+
+// Rows x[m] (m < ROWS, float32, `x_row` apart, `pairs` pairs each) times one tile:
+// store(m, low, high) gets row m's float32 sums of output rows 0 .. 8 and 8 .. 16 (handed over,
+// not kept in an array: GCC then stored the sums to memory at every step). With one or two rows the even and odd
+// inputs' products go to separate sums, so that consecutive multiply-adds do not wait on each
+// other. Meanwhile `prefetch` (or nullptr), the next tile a caller will read, comes into L2.
+template <int ROWS, typename Store>
+inline void widened_tile(const float* x, int64_t x_row, const uint16_t* tile, int64_t pairs,
+                         const uint16_t* prefetch, const Store& store) {
+  constexpr bool kTwoChains = ROWS <= 2;
+  // The odd inputs' sums, where they are separate (else unused).
+  __m256 acc[ROWS][2], odd_acc[ROWS][2];
+  for (int m = 0; m < ROWS; ++m)
+    for (int h = 0; h < 2; ++h) acc[m][h] = odd_acc[m][h] = _mm256_setzero_ps();
+  const __m256i upper = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* at = tile + p * 2 * kTileRows;
+    if (prefetch != nullptr)
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kTileRows), _MM_HINT_T1);
+    __m256 even[2], odd[2];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      // Lane j: the pair (w[8 h + j][2 p], w[8 h + j][2 p + 1]), the first in the low half.
+      const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 16 * h));
+      even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(both, 16));
+      odd[h] = _mm256_castsi256_ps(_mm256_and_si256(both, upper));
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < ROWS; ++m) {
+      const __m256 x_even = _mm256_broadcast_ss(x + m * x_row + 2 * p);
+      const __m256 x_odd = _mm256_broadcast_ss(x + m * x_row + 2 * p + 1);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        acc[m][h] = _mm256_fmadd_ps(even[h], x_even, acc[m][h]);
+        if constexpr (kTwoChains)
+          odd_acc[m][h] = _mm256_fmadd_ps(odd[h], x_odd, odd_acc[m][h]);
+        else
+          acc[m][h] = _mm256_fmadd_ps(odd[h], x_odd, acc[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < ROWS; ++m) {
+    if constexpr (kTwoChains)
+      store(m, _mm256_add_ps(acc[m][0], odd_acc[m][0]), _mm256_add_ps(acc[m][1], odd_acc[m][1]));
+    else
+      store(m, acc[m][0], acc[m][1]);
+  }
+}
+
+// widened_tile for `rows` (1 to kWidenedRows) rows, each count its own unrolled code; the
+// float32 sums of row m, output (tile) column j, plus the bias, go to y[m * out + j] for the
+// `valid` columns of the tile.
+template <int ROWS = kWidenedRows>
+inline void widened_rows(int64_t rows, const float* x, int64_t x_row, const uint16_t* tile,
+                         int64_t pairs, const uint16_t* prefetch, const float* bias,
+                         int64_t valid, float* y, int64_t out) {
+  if constexpr (ROWS > 1) {
+    if (rows < ROWS)
+      return widened_rows<ROWS - 1>(rows, x, x_row, tile, pairs, prefetch, bias, valid, y, out);
+  }
+  widened_tile<ROWS>(x, x_row, tile, pairs, prefetch, [&](int m, __m256 low, __m256 high) {
+    float values[kTileRows];
+    _mm256_storeu_ps(values, low);
+    _mm256_storeu_ps(values + 8, high);
+    for (int64_t j = 0; j < valid; ++j)
+      y[m * out + j] = bias == nullptr ? values[j] : values[j] + bias[j];
+  });
+}
+
+// x [..., in] float32 @ weight.T (+ bias [out] float32) -> [..., out] float32, for a bfloat16
+// weight packed by pack_bf16_weight with `out` real output rows.
+at::Tensor widened_bf16_linear(const at::Tensor& x, const at::Tensor& packed,
+                               const std::optional<at::Tensor>& bias, int64_t out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kBFloat16,
+              "widened_bf16_linear multiplies float32 activations by a bfloat16 weight");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 2 * kTileRows && packed.is_contiguous() &&
+                  packed.size(0) * kTileRows >= out && packed.size(0) * kTileRows < out + kTileRows,
+              "widened_bf16_linear's weight must come from pack_bf16_weight, with ", out,
+              " outputs");
+  const int64_t in = 2 * packed.size(1);
+  TORCH_CHECK(x.size(-1) == in, "widened_bf16_linear: activations have ", x.size(-1),
+              " features, the weight ", in);
+  const at::Tensor flat = x.reshape({-1, in});
+  TORCH_CHECK(flat.stride(1) == 1, "widened_bf16_linear: each activation row must be contiguous");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out;
+  at::Tensor y = at::empty(shape, x.options());
+  const int64_t rows = flat.size(0);
+  if (rows == 0) return y;
+  at::Tensor bias_values;
+  if (bias.has_value()) {
+    bias_values = bias->contiguous();
+    TORCH_CHECK(bias_values.scalar_type() == at::kFloat && bias_values.numel() == out,
+                "widened_bf16_linear: the bias must be float32 with one value per output");
+  }
+  const float* xs = flat.data_ptr<float>();
+  const int64_t x_row = flat.stride(0);
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const float* bias_data = bias.has_value() ? bias_values.data_ptr<float>() : nullptr;
+  float* ys = y.data_ptr<float>();
+  const int64_t pairs = in / 2, tile_values = pairs * 2 * kTileRows;
+  const int64_t tiles = packed.size(0);
+  // Each thread streams its share of the tiles once per block of activation rows: rows past the
+  // first block reread a tile from L1 or L2, while the next one comes in.
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint16_t* tile = w + t * tile_values;
+      const int64_t first = t * kTileRows;
+      const int64_t valid = std::min<int64_t>(kTileRows, out - first);
+      for (int64_t m0 = 0; m0 < rows; m0 += kWidenedRows) {
+        const int64_t block_rows = std::min<int64_t>(kWidenedRows, rows - m0);
+        const uint16_t* next = m0 == 0 && t + 1 < end ? tile + tile_values : nullptr;
+        widened_rows(block_rows, xs + m0 * x_row, x_row, tile, pairs, next,
+                     bias_data == nullptr ? nullptr : bias_data + first, valid,
+                     ys + m0 * out + first, out);
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(folio_linear, library) {
   library.def("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   library.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  library.def(
+      "widened_bf16_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   library.def("pack_bf16_weight(Tensor weight) -> Tensor");
   library.def("cpu_has_avx512_bf16() -> bool", &cpu_has_avx512_bf16);
 }
@@ -160,5 +291,6 @@ TORCH_LIBRARY_IMPL(folio_linear, MkldnnCPU, library) {
 
 TORCH_LIBRARY_IMPL(folio_linear, CPU, library) {
   library.impl("bf16_linear", &bf16_linear);
+  library.impl("widened_bf16_linear", &widened_bf16_linear);
   library.impl("pack_bf16_weight", &pack_bf16_weight);
 }

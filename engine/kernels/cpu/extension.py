@@ -4,13 +4,16 @@ ops torch.ops.folio_quant.int8_linear and int4_linear), paged attention (cpu_att
 torch.ops.folio_cpu_attention.paged_attention for any step, paged_decode_attention for
 decode-only ones, and decode_step_attention for compiled decode programs), and dense linears
 that compiled programs can call (cpu_linear.cpp: torch.ops.folio_linear.packed_linear over
-oneDNN-packed weights, and bf16_linear, AVX-512 BF16 products over Folio's own tiles, on CPUs
-that have those).
+oneDNN-packed weights; bf16_linear, AVX-512 BF16 products over Folio's own tiles, on CPUs
+that have those; widened_bf16_linear, float32 activations times the same tiles widened to float32
+in registers, on any AVX2 CPU).
 
 `load()` registers the ops and returns True, or False where they cannot run (a CPU without AVX2
 and FMA, no C++ compiler, a build error: one warning says which): callers then use torch's own
 ops. FOLIO_KERNEL_DIR puts the build somewhere other than the cache directory (the container
-image builds them into its own layer, where the cache volume does not hide them). This module
+image builds them into its own layer, where the cache volume does not hide them); under it each
+build lies in a directory of its own named by a hash of the sources, their path, the compiler
+flags and torch's version (build_dir). This module
 never quantizes weights and never picks between kernels: engine.kernels.cpu.capabilities says
 what loaded, engine.layers.linear and the torch attention backend choose.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -41,6 +45,12 @@ SOURCES = [
     Path(__file__).with_name(name)
     for name in ("cpu_quant.cpp", "cpu_attention.cpp", "cpu_linear.cpp")
 ]
+# The headers the sources include: part of what a build is made of.
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))
+# Without OpenMP, at::parallel_for runs on the calling thread alone. The loader binds libgomp.so.1
+# to the copy torch has loaded, so the pool is torch's own.
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 
 
 def cpu_has_avx2() -> bool:
@@ -63,19 +73,18 @@ def load() -> bool:
         reason = f"no C++ compiler: {compiler!r} is not on PATH (install one or set CXX)"
         warn_fallback(logger, KERNELS, TORCH_OPS, reason)
         return False
-    build_dir = kernel_dir() / f"cpu_kernels-torch{torch.__version__}"
-    build_dir.mkdir(parents=True, exist_ok=True)
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     try:
-        with builder_lock(build_dir):
+        with builder_lock(directory):
             cpp_extension.load(
                 name="folio_cpu_kernels",
                 sources=[str(source) for source in SOURCES],
-                # Without OpenMP, at::parallel_for runs on the calling thread alone. The loader
-                # binds libgomp.so.1 to the copy torch has loaded, so the pool is torch's own.
-                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir),
+                # Lists of their own: torch appends its libraries to the flags it is given.
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),
+                build_directory=str(directory),
                 is_python_module=False,
                 verbose=False,
             )
@@ -87,19 +96,35 @@ def load() -> bool:
     return True
 
 
+def build_dir() -> Path:
+    """Where the kernels of these sources are built: a directory named by a hash of everything
+    the binary is made of (the sources' and headers' bytes, the compiler and its flags, torch's
+    version) and of where the sources lie, which torch's build commands name: a checkout never
+    rebuilds over another's binary, nor a change of the sources over the last one's."""
+    from torch.utils import cpp_extension
+
+    digest = hashlib.sha256()
+    for path in [*SOURCES, *HEADERS]:
+        digest.update(f"{path}\0".encode())
+        digest.update(path.read_bytes())
+    compiler = cpp_extension.get_cxx_compiler()
+    digest.update("\0".join([compiler, *CFLAGS, *LDFLAGS, torch.__version__]).encode())
+    return kernel_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}"
+
+
 @contextlib.contextmanager
-def builder_lock(build_dir: Path) -> Iterator[None]:
-    """One Folio process at a time loads (and if need be builds) the kernels of `build_dir`.
+def builder_lock(directory: Path) -> Iterator[None]:
+    """One Folio process at a time loads (and if need be builds) the kernels of `directory`.
 
     torch's own guard is a lock file it creates and deletes: a process killed while holding it
     (a SIGKILLed engine, a container stopped mid-build) leaves the file behind, and every later
     load waits on it forever. An flock is released by the kernel with its holder, so whoever
     holds this one knows nobody else is building, and a torch lock file found then is such a
     leftover."""
-    with open(build_dir / "folio.lock", "w") as lock_file:
+    with open(directory / "folio.lock", "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         try:
-            stale = build_dir / "lock"
+            stale = directory / "lock"
             if stale.exists():
                 logger.warning("removing %s, left by a kernel build that did not finish", stale)
                 stale.unlink(missing_ok=True)
@@ -140,3 +165,4 @@ def _register_output_shapes() -> None:
     torch.library.register_fake("folio_cpu_attention::decode_step_attention")(attention_shape)
     torch.library.register_fake("folio_linear::packed_linear")(packed_linear_shape)
     torch.library.register_fake("folio_linear::bf16_linear")(bf16_linear_shape)
+    torch.library.register_fake("folio_linear::widened_bf16_linear")(bf16_linear_shape)
