@@ -11,6 +11,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -99,6 +100,7 @@ VARIANTS = {
     ),
     "gemma3-window3": (
         Gemma3TextConfig,
+        GptOssConfig,
         dict(
             SMALL,
             num_hidden_layers=4,
@@ -183,6 +185,31 @@ MOE_VARIANTS = {
             moe_intermediate_size=32,
             shared_expert_intermediate_size=48,
             norm_topk_prob=True,
+        ),
+    ),
+    # gpt-oss: attention sinks, q/k/v/o biases, windows of 3 on every other layer, YaRN, and
+    # experts with biases, a router taking the softmax of its top-k logits, and a SwiGLU clamped
+    # at 1 (random weights reach past it).
+    "gpt-oss": (
+        GptOssConfig,
+        dict(
+            SMALL,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=3,
+            swiglu_limit=1.0,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=4.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=64,
+            ),
         ),
     ),
 }

@@ -1,6 +1,6 @@
 """The one interface through which models run attention over the paged KV cache and the
 other hot ops of a layer (RMSNorm with fused residual add, rotary embedding, SiLU-and-mul,
-GeLU-and-mul).
+GeLU-and-mul, gpt-oss's clamped SwiGLU).
 
 A backend writes a step's new K/V into the cache and computes causal attention of every query
 token against its request's whole context. The hot ops have plain torch implementations here
@@ -74,6 +74,14 @@ class AttentionBackend(ABC):
         size = gate_up.shape[1] // 2
         return F.gelu(gate_up[:, :size], approximate="tanh").mul_(gate_up[:, size:])
 
+    def clamped_swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """[T, 2I] -> gpt-oss's SwiGLU, [T, I]: the gate clamped above at `limit`, up within
+        +-limit, then (up + 1) * gate * sigmoid(alpha * gate)."""
+        size = gate_up.shape[1] // 2
+        gate = gate_up[:, :size].clamp(max=limit)
+        up = gate_up[:, size:].clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
     def copy_blocks(
         self, kv_caches: list[torch.Tensor], sources: torch.Tensor, dests: torch.Tensor
     ) -> None:
@@ -115,6 +123,7 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention for one layer.
 
@@ -123,6 +132,7 @@ class AttentionBackend(ABC):
         query token j of request i (query length q_i, context length s_i) attends to positions
         0 .. p = s_i - q_i + j of that request, read through meta.block_tables; with a sliding
         `window`, to positions p - window + 1 .. p only (table entries before those may name
-        blocks the request no longer holds: they are never read). Returns a new contiguous
-        [T, H, D] tensor.
+        blocks the request no longer holds: they are never read). With `sinks` ([H], gpt-oss's
+        attention sinks) each head's softmax has one more logit, sinks[h], in its denominator
+        and nothing in its sum of values. Returns a new contiguous [T, H, D] tensor.
         """

@@ -64,17 +64,18 @@ def attention(
     layer: int,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Layer `layer`'s attention in the running step (AttentionBackend.forward's contract, over
-    that layer's KV cache and its KV group's tables, under its sliding window if any). A
-    compiled program calls the backend's own decode-step op where it has one for q (no Python
-    in between), else folio::attention."""
+    that layer's KV cache and its KV group's tables, under its sliding window if any, with its
+    attention sinks if any). A compiled program calls the backend's own decode-step op where it
+    has one for q (no Python in between; none takes sinks), else folio::attention."""
     if torch.compiler.is_compiling():
-        op = backend.decode_step_op(q, window)
+        op = backend.decode_step_op(q, window) if sinks is None else None
         if op is not None:
             return op(q, k, v, layer, scale)
-        return torch.ops.folio.attention(q, k, v, layer, scale, window or 0)
-    return _attend(q, k, v, layer, scale, window)
+        return torch.ops.folio.attention(q, k, v, layer, scale, window or 0, sinks)
+    return _attend(q, k, v, layer, scale, window, sinks)
 
 
 def _attend(
@@ -84,10 +85,11 @@ def _attend(
     layer: int,
     scale: float,
     window: int | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     step = _current_step()
     meta = step.meta.for_layer(layer)
-    return step.backend.forward(q, k, v, step.kv_caches[layer], meta, scale, window)
+    return step.backend.forward(q, k, v, step.kv_caches[layer], meta, scale, window, sinks)
 
 
 # The op writes the step's K/V into a cache it reaches through the running step, which no
@@ -95,13 +97,25 @@ def _attend(
 # on the previous layer's output, so the compiled code keeps them in order.
 @torch.library.custom_op("folio::attention", mutates_args=())
 def _attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    scale: float,
+    window: int,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    return _attend(q, k, v, layer, scale, window or None)  # 0: no window
+    return _attend(q, k, v, layer, scale, window or None, sinks)  # 0: no window
 
 
 @_attention_op.register_fake
 def _attention_shape(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    scale: float,
+    window: int,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)

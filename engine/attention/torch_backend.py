@@ -1,17 +1,18 @@
 """Attention over the paged KV cache in torch: the CPU backend.
 
-In float32 or bfloat16 with Folio's CPU kernels loaded, a layer's whole step is one call of
-Folio's paged attention (engine/kernels/cpu/cpu_attention.cpp), which writes the new K/V and reads
-the cache in place: decodes one query at a time, prefill and extend tokens in blocks (bfloat16
-on CPUs with AVX-512 BF16) or each as the decode of a context ending at itself. That beats
-scaled_dot_product_attention at every prompt length measured (docs/quantization.md, "bfloat16
-on the CPU"). Otherwise, in plain torch: decodes (the first meta.num_decodes requests, one query
-token each) run together, in a few groups of similar context length to limit padding, each
-group's blocks gathered into one workspace and put through two batched matmuls; prefills and
-extends run one request at a time through scaled_dot_product_attention. A sliding window
-(a layer's `window`) reads only the blocks that hold a token's last `window` positions and masks
-the rest. It must never keep per-request K/V between steps; the gather workspace is scratch,
-overwritten every layer.
+In float32 or bfloat16 with Folio's CPU kernels loaded, a layer's whole step is one call of Folio's
+paged attention (engine/kernels/cpu/cpu_attention.cpp), which writes the new K/V and reads the
+cache in place: decodes one query at a time, prefill and extend tokens in blocks (bfloat16 on CPUs
+with AVX-512 BF16) or each as the decode of a context ending at itself. That beats
+scaled_dot_product_attention at every prompt length measured (docs/quantization.md, "bfloat16 on
+the CPU"). Otherwise, in plain torch: decodes (the first meta.num_decodes requests, one query token
+each) run together, in a few groups of similar context length to limit padding, each group's blocks
+gathered into one workspace and put through two batched matmuls; prefills and extends run one
+request at a time through scaled_dot_product_attention. A sliding window (a layer's `window`) reads
+only the blocks that hold a token's last `window` positions and masks the rest. Attention sinks
+(gpt-oss) take the plain torch path: Folio's kernel has none; there each sink is one more logit in
+its head's softmax (one more key, of zero value, for scaled_dot_product_attention). It must never
+keep per-request K/V between steps; the gather workspace is scratch, overwritten every layer.
 """
 
 from __future__ import annotations
@@ -89,9 +90,10 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
-        if self._kernel is not None and self._kernel_fits(q):
+        if self._kernel is not None and self._kernel_fits(q) and sinks is None:
             # The kernel writes the new K/V itself.
             return self._kernel(
                 q,
@@ -115,10 +117,10 @@ class TorchAttentionBackend(AttentionBackend):
 
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
         for d in plan.decodes:
-            self._decode(q[d.start : d.end], kv_cache, d, scale, out[d.start : d.end])
+            self._decode(q[d.start : d.end], kv_cache, d, scale, out[d.start : d.end], sinks)
         for p in plan.prefills:
             rows = slice(p.start, p.end)
-            _prefill(q[rows], k[rows], v[rows], kv_cache, p, scale, out[rows])
+            _prefill(q[rows], k[rows], v[rows], kv_cache, p, scale, out[rows], sinks)
         return out
 
     def decode_step_op(
@@ -157,6 +159,7 @@ class TorchAttentionBackend(AttentionBackend):
         plan: _DecodePlan,
         scale: float,
         out: torch.Tensor,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         # One query per request. Gathered K of request b is a contiguous [L, KVH*D] matrix;
         # multiplying it by a block-diagonal query [H, KVH*D] (head h only in its KV head's
@@ -184,7 +187,12 @@ class TorchAttentionBackend(AttentionBackend):
             q.view(batch, num_kv_heads, group, head_dim).permute(0, 2, 3, 1)
         )
         scores = torch.baddbmm(plan.mask, q_bd, kv[0].transpose(1, 2), alpha=scale)
+        if sinks is not None:  # each head's sink: one more logit, dropped after the softmax
+            sink_column = sinks.to(scores.dtype)[None, :, None].expand(batch, -1, 1)
+            scores = torch.cat((scores, sink_column), dim=-1)
         probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
+        if sinks is not None:
+            probs = probs[..., :-1]
         mixed = torch.bmm(probs, kv[1])  # [B, H, KVH*D]; head h's answer sits in its own slot
         out.view(batch, num_kv_heads, group, head_dim).copy_(
             _diagonal_blocks(mixed, num_kv_heads, group, head_dim).permute(0, 3, 1, 2)
@@ -222,9 +230,12 @@ def _prefill(
     plan: _PrefillPlan,
     scale: float,
     out: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     q4 = q.transpose(0, 1).unsqueeze(0)
-    if plan.block_ids is None:
+    if sinks is not None:
+        result = _attend_with_sinks(q4, k, v, kv_cache, plan, scale, sinks)
+    elif plan.block_ids is None:
         # The whole context is new: causal from the top-left is causal from the bottom-right.
         result = F.scaled_dot_product_attention(
             q4,
@@ -236,12 +247,7 @@ def _prefill(
             enable_gqa=True,
         )
     else:
-        num_kv_heads, head_dim = kv_cache.shape[3:]
-        block_size = kv_cache.shape[2]
-        ctx = _gather_blocks(kv_cache, plan.block_ids)
-        skip = plan.first % block_size  # the gather starts at the first position's block
-        ctx = ctx.view(2, -1, num_kv_heads, head_dim)[:, skip : skip + plan.seq_len - plan.first]
-        ctx = ctx.transpose(1, 2)
+        ctx = _context(kv_cache, plan)
         result = F.scaled_dot_product_attention(
             q4,
             ctx[0].unsqueeze(0),
@@ -251,6 +257,49 @@ def _prefill(
             enable_gqa=True,
         )
     out.copy_(result[0].transpose(0, 1))
+
+
+def _context(kv_cache: torch.Tensor, plan: _PrefillPlan) -> torch.Tensor:
+    """K and V of positions plan.first .. plan.seq_len from the cache: [2, KVH, ctx, D]."""
+    assert plan.block_ids is not None
+    num_kv_heads, head_dim = kv_cache.shape[3:]
+    block_size = kv_cache.shape[2]
+    ctx = _gather_blocks(kv_cache, plan.block_ids)
+    skip = plan.first % block_size  # the gather starts at the first position's block
+    ctx = ctx.view(2, -1, num_kv_heads, head_dim)[:, skip : skip + plan.seq_len - plan.first]
+    return ctx.transpose(1, 2)
+
+
+def _attend_with_sinks(
+    q4: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    plan: _PrefillPlan,
+    scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """scaled_dot_product_attention with each head's sink as one more key: zero K (its logit is
+    the mask's, the sink itself) and zero V (it adds nothing to the output)."""
+    if plan.block_ids is None:
+        keys, values = k.transpose(0, 1), v.transpose(0, 1)
+    else:
+        keys, values = _context(kv_cache, plan)
+    num_heads, query_len = q4.shape[1], q4.shape[2]
+    mask = plan.mask
+    if mask is None:  # plainly causal over the new K/V
+        visible = torch.ones(query_len, query_len, dtype=torch.bool, device=q4.device).tril_()
+        mask = _additive_mask(visible, q4.dtype)
+    sink_column = sinks.to(q4.dtype)[:, None, None].expand(num_heads, query_len, 1)
+    mask = torch.cat((mask.expand(num_heads, *mask.shape[-2:]), sink_column), dim=-1)
+    return F.scaled_dot_product_attention(
+        q4,
+        F.pad(keys, (0, 0, 0, 1)).unsqueeze(0),
+        F.pad(values, (0, 0, 0, 1)).unsqueeze(0),
+        attn_mask=mask.unsqueeze(0),
+        scale=scale,
+        enable_gqa=True,
+    )
 
 
 def _make_plan(

@@ -82,6 +82,7 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         dm = self._device_metas.get(id(meta))
         if dm is None or dm.meta is not meta:
@@ -98,6 +99,7 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 out=out[:n],
                 window=window,
+                sinks=sinks,
             )
         if n < meta.num_reqs:
             # Absolute query offsets: the kernel reads and writes only the prefill rows.
@@ -111,6 +113,7 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.max_query_len,
                 out=out,
                 window=window,
+                sinks=sinks,
             )
         return out
 

@@ -1,6 +1,6 @@
 """Mixture of experts as a layer: a router that sends each token to its top-k experts with
-softmax weights (renormalised over the k where the model does), experts that are gated MLPs,
-and the two ways of running them.
+softmax weights (renormalised over the k where the model does), experts that are gated MLPs
+(gpt-oss's with biases and a clamped SwiGLU), and the two ways of running them.
 
 - The CPU path (the torch attention backend) sorts the step's (token, expert) pairs by expert
   once and runs each expert once over the tokens routed to it, through engine.layers.linear, so
@@ -8,6 +8,8 @@ and the two ways of running them.
 - The GPU path (the Triton backend) stacks the experts' weights once loaded and runs the fused
   kernel of engine.kernels.triton.fused_moe: the pairs sorted by expert in blocks, one grouped
   GEMM for gate_up, one activation, one grouped GEMM for down, with no host synchronisation.
+  Its kernel has no biases and no clamped SwiGLU: gpt-oss's experts take the per-expert path
+  on GPUs too.
 
 With tensor parallelism each rank holds a slice of every expert (its rows of gate_up, its
 columns of down), or with expert parallelism whole experts, an even share of them; either way
@@ -26,8 +28,8 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.layers.activation import SiluAndMul
-from engine.layers.linear import Linear, column_linear, empty_parameter
+from engine.layers.activation import ClampedSwiGLU, SiluAndMul
+from engine.layers.linear import Linear, column_linear, empty_parameter, linear
 from engine.layers.parallel import (
     SINGLE,
     CheckpointSlice,
@@ -49,16 +51,25 @@ class Router(nn.Module):
         renormalize: bool,
         dtype: torch.dtype,
         device: torch.device | str,
+        bias: bool = False,
+        softmax_over_top_k: bool = False,
     ) -> None:
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
+        self.softmax_over_top_k = softmax_over_top_k
         self.weight = empty_parameter(num_experts, hidden_size, dtype=dtype, device=device)
+        self.bias = empty_parameter(num_experts, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k] int64), as transformers computes them:
-        the softmax over every expert in float32, its top k, divided by their sum if asked."""
-        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
+        the softmax over every expert in float32, its top k, divided by their sum if asked; or
+        (gpt-oss) the top k logits, then their softmax."""
+        logits = F.linear(x, self.weight, self.bias).float()
+        if self.softmax_over_top_k:
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), ids
+        probs = torch.softmax(logits, dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights /= weights.sum(dim=-1, keepdim=True)
@@ -67,7 +78,8 @@ class Router(nn.Module):
 
 class ExpertDown(Linear):
     """An expert's down projection over this rank's columns of the intermediate features, with
-    no all-reduce of its own (unlike engine.layers.linear's row-parallel layer)."""
+    no all-reduce of its own (unlike engine.layers.linear's row-parallel layer). Its bias (whole
+    on every rank) is added by the first rank only, so that the all-reduce counts it once."""
 
     def __init__(
         self,
@@ -76,10 +88,15 @@ class ExpertDown(Linear):
         dtype: torch.dtype,
         device: torch.device | str,
         tp: TensorParallel,
+        bias: bool = False,
     ) -> None:
-        super().__init__(columns.count, [out_features], False, dtype, device)
+        super().__init__(columns.count, [out_features], bias, dtype, device)
         # The loader reads only these columns of the checkpoint's weight.
         self.checkpoint_columns = columns if tp.size > 1 else None
+        self.adds_bias = tp.rank == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.packed, self.bias if self.adds_bias else None)
 
 
 class SharedExpertGate(nn.Module):
@@ -96,7 +113,8 @@ class SharedExpertGate(nn.Module):
 
 class Expert(nn.Module):
     """One expert's gated MLP, its down projection partial: the MoE layer sums the experts and
-    all-reduces once."""
+    all-reduces once. With `clamped_swiglu` (alpha, limit), gpt-oss's activation instead of
+    SiLU; with `bias`, a bias on both projections."""
 
     def __init__(
         self,
@@ -106,12 +124,16 @@ class Expert(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         tp: TensorParallel,
+        bias: bool = False,
+        clamped_swiglu: tuple[float, float] | None = None,
     ) -> None:
         super().__init__()
         rows = split_evenly(intermediate_size, tp)
-        self.gate_up_proj = column_linear(hidden_size, [rows, rows], False, dtype, device, tp)
-        self.act = SiluAndMul(backend)
-        self.down_proj = ExpertDown(rows, hidden_size, dtype, device, tp)
+        self.gate_up_proj = column_linear(hidden_size, [rows, rows], bias, dtype, device, tp)
+        self.act = (
+            ClampedSwiGLU(backend, *clamped_swiglu) if clamped_swiglu else SiluAndMul(backend)
+        )
+        self.down_proj = ExpertDown(rows, hidden_size, dtype, device, tp, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -120,7 +142,9 @@ class Expert(nn.Module):
 class SparseMoe(nn.Module):
     """A decoder layer's mixture of experts: `gate` (the router) and `experts`, a dict from the
     checkpoint's expert number to this rank's experts; with `shared_intermediate_size`, also a
-    `shared_expert` every token goes through, scaled by `shared_expert_gate` (Qwen2-MoE)."""
+    `shared_expert` every token goes through, scaled by `shared_expert_gate` (Qwen2-MoE). With
+    `biases`, `softmax_over_top_k` and `clamped_swiglu`, gpt-oss's router and experts
+    (engine.models.moe_config says what each means)."""
 
     def __init__(
         self,
@@ -134,12 +158,17 @@ class SparseMoe(nn.Module):
         device: torch.device | str,
         tp: TensorParallel = SINGLE,
         shared_intermediate_size: int = 0,
+        biases: bool = False,
+        softmax_over_top_k: bool = False,
+        clamped_swiglu: tuple[float, float] | None = None,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k
         self.tp = tp
-        self.gate = Router(hidden_size, num_experts, top_k, renormalize, dtype, device)
+        self.gate = Router(
+            hidden_size, num_experts, top_k, renormalize, dtype, device, biases, softmax_over_top_k
+        )
         # Expert parallelism: an even share of whole experts; otherwise a slice of each.
         local = split_evenly(num_experts, tp) if tp.expert_parallel else None
         self.local_experts = (
@@ -148,7 +177,16 @@ class SparseMoe(nn.Module):
         expert_tp = SINGLE if tp.expert_parallel else tp
         self.experts = nn.ModuleDict(
             {
-                str(e): Expert(hidden_size, intermediate_size, backend, dtype, device, expert_tp)
+                str(e): Expert(
+                    hidden_size,
+                    intermediate_size,
+                    backend,
+                    dtype,
+                    device,
+                    expert_tp,
+                    biases,
+                    clamped_swiglu,
+                )
                 for e in self.local_experts
             }
         )
@@ -164,7 +202,9 @@ class SparseMoe(nn.Module):
         )
         # The fused GPU path (set by finalize_weights): every local expert's gate_up and down
         # weights stacked, [E_local, 2I, hidden] and [E_local, hidden, I].
-        self.fused = not isinstance(backend, TorchAttentionBackend)
+        self.fused = (
+            not isinstance(backend, TorchAttentionBackend) and not biases and not clamped_swiglu
+        )
         self.w13: torch.Tensor | None = None
         self.w2: torch.Tensor | None = None
 

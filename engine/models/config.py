@@ -25,6 +25,7 @@ _ARCHITECTURES: dict[str, dict[str, object]] = {
     "MixtralForCausalLM": dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False),
     "Qwen3MoeForCausalLM": dict(qkv_bias="config", o_bias="config", mlp_bias=False, qk_norm=True),
     "Qwen2MoeForCausalLM": dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False),
+    "GptOssForCausalLM": dict(qkv_bias="config", o_bias="config", mlp_bias=False, qk_norm=False),
     "Phi3ForCausalLM": dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False),
     "Gemma3ForCausalLM": dict(qkv_bias="config", o_bias="config", mlp_bias=False, qk_norm=True),
 }

@@ -250,6 +250,14 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed: PackedWeight | None = None
         self.rotary = RotaryEmbedding(config, backend, dtype, device)
 
+    def checkpoint_tensors(
+        self, key: str, read: Callable[[str], torch.Tensor]
+    ) -> dict[str, torch.Tensor] | None:
+        """The tensors checkpoint tensor `key` stands for, under names packed_modules maps, where
+        a checkpoint stacks or packs several in one (gpt-oss's experts; `read` reads any
+        checkpoint tensor); None (every tensor here): `key` is read as it is."""
+        return None
+
     def finalize_weights(self, quantization: str | None = None) -> None:
         """Derives what the forward needs from freshly loaded weights; with `quantization`, the
         linear layers are quantized (engine.layers.quantization) and the vocabulary projection

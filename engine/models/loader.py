@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import ExitStack
 from pathlib import Path
 from typing import cast
 
@@ -29,6 +30,7 @@ from engine.models.config import ModelConfig
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gguf import load_gguf_weights
 from engine.models.gguf_metadata import is_gguf
+from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
@@ -45,6 +47,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen2MoeForCausalLM": Qwen3MoeForCausalLM,  # the same block, with its shared expert
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 logger = logging.getLogger(__name__)
@@ -120,25 +123,20 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
             (name, shard) for shard in (range(len(sizes)) if len(sizes) > 1 else [None])
         )
 
-    loaded, unexpected = set(), []
-    for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                if key.endswith(_IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
-                    continue
-                name, shard = _our_name(key, model.packed_modules)
-                if name not in params:
-                    if not _another_ranks_expert(model, name):
-                        unexpected.append(key)
-                    continue
-                module = model.get_submodule(name.rpartition(".")[0])
-                # A checkpoint tensor named after one of our fused modules (Phi-3's qkv_proj and
-                # gate_up_proj) holds all its shards, stacked: each is read as its own.
-                sizes = cast(list[int], getattr(module, "output_sizes", [None]))
-                stacked = shard is None and len(sizes) > 1
-                for part in range(len(sizes)) if stacked else [shard]:
-                    _load_part(f, key, module, params[name].data, part, stacked, name)
-                    loaded.add((name, part))
+    loaded: set[tuple[str, int | None]] = set()
+    unexpected: list[str] = []
+    with ExitStack() as stack:
+        opened = [
+            stack.enter_context(safe_open(file, framework="pt", device="cpu")) for file in files
+        ]
+        owner = {key: f for f in opened for key in f.keys()}  # noqa: SIM118 (not iterable)
+        for key, f in owner.items():
+            if key.endswith(_IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
+                continue
+            split = model.checkpoint_tensors(key, lambda other: owner[other].get_tensor(other))
+            sources = [(key, f)] if split is None else [(k, _InMemory(t)) for k, t in split.items()]
+            for source_key, source in sources:
+                _load_tensor(model, params, source, source_key, loaded, unexpected)
 
     problems = []
     missing = expected - loaded
@@ -151,6 +149,50 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
         problems.append("unexpected " + ", ".join(sorted(unexpected)))
     if problems:
         raise ValueError("checkpoint does not match the model: " + "; ".join(problems))
+
+
+def _load_tensor(
+    model: LlamaForCausalLM,
+    params: dict[str, torch.nn.Parameter],
+    f,
+    key: str,
+    loaded: set[tuple[str, int | None]],
+    unexpected: list[str],
+) -> None:
+    """Checkpoint tensor `key` of `f` into its parameter (or its shards)."""
+    name, shard = _our_name(key, model.packed_modules)
+    if name not in params:
+        if not _another_ranks_expert(model, name):
+            unexpected.append(key)
+        return
+    module = model.get_submodule(name.rpartition(".")[0])
+    # A checkpoint tensor named after one of our fused modules (Phi-3's qkv_proj and
+    # gate_up_proj) holds all its shards, stacked: each is read as its own.
+    sizes = cast(list[int], getattr(module, "output_sizes", [None]))
+    stacked = shard is None and len(sizes) > 1
+    for part in range(len(sizes)) if stacked else [shard]:
+        _load_part(f, key, module, params[name].data, part, stacked, name)
+        loaded.add((name, part))
+
+
+class _InMemory:
+    """One tensor a model derived from checkpoint tensors (engine.models.llama's
+    checkpoint_tensors), read as a safetensors file's: whole, or in slices (a rank's rows)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self.tensor
+
+    def get_slice(self, key: str) -> _InMemory:
+        return self
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.tensor[index]
 
 
 def _load_part(

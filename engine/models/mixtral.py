@@ -2,9 +2,9 @@
 (engine.layers.moe), the experts' weights read from Mixtral's checkpoint names
 (block_sparse_moe.experts.N.w1 / w3 / w2, block_sparse_moe.gate).
 
-`moe_mlp` is the feed-forward block of every mixture-of-experts model here (Qwen2-MoE and
-Qwen3-MoE too): the experts (and a shared expert where the config has one) on sparse layers,
-the dense MLP on the others. This module never reads files.
+`moe_mlp` is the feed-forward block of every mixture-of-experts model here (Qwen2-MoE, Qwen3-MoE
+and gpt-oss too): the experts (and a shared expert where the config has one) on sparse layers, the
+dense MLP on the others. This module never reads files.
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ def moe_mlp(
         device,
         tp,
         moe.shared_expert_intermediate_size,
+        moe.biases,
+        moe.softmax_over_top_k,
+        moe.clamped_swiglu,
     )
 
 

@@ -2,11 +2,11 @@
 how many each token goes to, how their weights are normalised, which layers are sparse, how
 large a shared expert is.
 
-Reads the keys Mixtral, Qwen2-MoE and Qwen3-MoE write (num_local_experts or num_experts,
-num_experts_per_tok, moe_intermediate_size, norm_topk_prob, decoder_sparse_step,
-mlp_only_layers, shared_expert_intermediate_size) and refuses, naming the key, the routing
-variants Folio does not implement (DeepSeek's sigmoid scoring and grouped top-k, scaled routed
-weights). Like engine.models.config it only parses and validates: it must never import torch
+Reads the keys Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss write (num_local_experts or num_experts,
+num_experts_per_tok, moe_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers,
+shared_expert_intermediate_size, swiglu_alpha, swiglu_limit) and refuses, naming the key, the
+routing variants Folio does not implement (DeepSeek's sigmoid scoring and grouped top-k, scaled
+routed weights). Like engine.models.config it only parses and validates: it must never import torch
 or touch a weight.
 """
 
@@ -40,16 +40,23 @@ class MoeConfig:
     # Rows of the shared expert every token also goes through, its output scaled by a sigmoid
     # gate (Qwen2-MoE); 0 for none.
     shared_expert_intermediate_size: int = 0
+    # gpt-oss: a bias on the router and on every expert projection; the router's softmax taken
+    # over its top-k logits (the same weights as renormalising, in another order of rounding);
+    # the experts' clamped SwiGLU as (alpha, limit) instead of SiLU (engine.layers.activation).
+    biases: bool = False
+    softmax_over_top_k: bool = False
+    clamped_swiglu: tuple[float, float] | None = None
 
     def sparse(self, layer_index: int) -> bool:
         return layer_index not in self.dense_layers
 
 
 def parse_moe(raw: dict, architecture: str) -> MoeConfig | None:
-    """The MoE shape of a Mixtral, Qwen2-MoE or Qwen3-MoE config; None for the dense
+    """The MoE shape of a Mixtral, Qwen2-MoE, Qwen3-MoE or gpt-oss config; None for the dense
     architectures."""
     shared = 0
-    if architecture == "MixtralForCausalLM":
+    gpt_oss = architecture == "GptOssForCausalLM"
+    if architecture == "MixtralForCausalLM" or gpt_oss:
         renormalize = True
         size = raw["intermediate_size"]
     elif architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
@@ -82,4 +89,18 @@ def parse_moe(raw: dict, architecture: str) -> MoeConfig | None:
     step = raw.get("decoder_sparse_step", 1) or 1
     dense = set(raw.get("mlp_only_layers") or [])
     dense.update(i for i in range(num_layers) if (i + 1) % step)
-    return MoeConfig(num_experts, top_k, size, renormalize, frozenset(dense), shared)
+    return MoeConfig(
+        num_experts,
+        top_k,
+        size,
+        renormalize,
+        frozenset(dense),
+        shared,
+        biases=gpt_oss,
+        softmax_over_top_k=gpt_oss,
+        clamped_swiglu=(
+            (float(raw.get("swiglu_alpha", 1.702)), float(raw.get("swiglu_limit", 7.0)))
+            if gpt_oss
+            else None
+        ),
+    )

@@ -19,13 +19,22 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from engine.kernels.triton.activation import silu_and_mul_kernel  # noqa: E402
 from engine.kernels.triton.fused_moe import fused_moe_kernel  # noqa: E402
 from engine.kernels.triton.kv_cache import write_kv_kernel  # noqa: E402
+from engine.kernels.triton.lora import lora_segment_kernel  # noqa: E402
 from engine.kernels.triton.paged_attention import paged_attention_kernel  # noqa: E402
 from engine.kernels.triton.rms_norm import rms_norm_kernel  # noqa: E402
 from engine.kernels.triton.rotary import rotary_kernel  # noqa: E402
 from engine.kernels.triton.sampling import sample_kernel, uniform_noise_kernel  # noqa: E402
 
 
-def attention(dtype: str, decode: bool, group: int, group_p: int, block_m: int, head_dim: int):
+def attention(
+    dtype: str,
+    decode: bool,
+    group: int,
+    group_p: int,
+    block_m: int,
+    head_dim: int,
+    sinks: bool = False,
+):
     args = dict(
         q_ptr=f"*{dtype}",
         out_ptr=f"*{dtype}",
@@ -41,6 +50,7 @@ def attention(dtype: str, decode: bool, group: int, group_p: int, block_m: int, 
         table_stride="i32",
         v_offset="i64",
         window="i32",
+        sinks_ptr=f"*{dtype}",
     )
     constants = dict(
         NUM_KV_HEADS=3,
@@ -53,6 +63,7 @@ def attention(dtype: str, decode: bool, group: int, group_p: int, block_m: int, 
         BLOCK_N=64,
         DOT_PRECISION="tf32",
         DECODE=decode,
+        HAS_SINKS=sinks,
     )
     return paged_attention_kernel, args, constants
 
@@ -61,6 +72,7 @@ def cases(dtype: str):
     yield "decode_attention_gqa3_d64", attention(dtype, True, 3, 16, 1, 64)
     yield "prefill_attention_gqa3_d64", attention(dtype, False, 3, 4, 16, 64)
     yield "prefill_attention_gqa4_d128", attention(dtype, False, 4, 4, 16, 128)
+    yield "prefill_attention_sinks_gqa8_d64", attention(dtype, False, 8, 8, 8, 64, sinks=True)
     yield (
         "write_kv",
         (
@@ -158,6 +170,28 @@ def cases(dtype: str):
             ),
         ),
     )
+    # LoRA: shrink (stored into the narrow intermediate) and expand (added into the output).
+    for name, add in (("lora_shrink", False), ("lora_expand", True)):
+        yield (
+            name,
+            (
+                lora_segment_kernel,
+                dict(
+                    x_ptr=f"*{dtype}",
+                    w_ptr=f"*{dtype}",
+                    out_ptr=f"*{dtype}",
+                    rows_ptr="*i32",
+                    segments_ptr="*i32",
+                    n="i32",
+                    k="i32",
+                    x_stride="i32",
+                    w_stride_s="i32",
+                    w_stride_n="i32",
+                    out_stride="i32",
+                ),
+                dict(ADD=add, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32"),
+            ),
+        )
 
 
 def sampling_cases():

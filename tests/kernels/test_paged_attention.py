@@ -165,3 +165,43 @@ def test_sliding_window_reads_only_the_window(dtype):
     )
     expected = paged_prefill_attention_ref(q, cache, query_lens, seq_lens, full, scale, window)
     assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_attention_sinks_in_both_backends(dtype, window):
+    """gpt-oss's sinks (one more logit per head, of no value) on a mixed step: two decodes, an
+    extend over a cached prefix and a fresh prefill, in the torch backend (its plain path: its
+    C++ kernel has no sinks) and the Triton one, against the float32 reference."""
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 16, 4
+    query_lens, seq_lens = [1, 1, 4, 7], [12, 3, 21, 7]
+    table_list = tables(seq_lens, block_size, seed=13)
+    meta = build_metadata(query_lens, seq_lens, table_list, block_size)
+    cache = make_cache(num_kv_heads, head_dim, block_size, dtype, seed=14)
+    num_tokens = sum(query_lens)
+    qkv = randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype, seed=15)
+    q, k, v = qkv[:, :num_heads], qkv[:, num_heads:-num_kv_heads], qkv[:, -num_kv_heads:]
+    # Sinks as large as the scores, so that they move every row's weights.
+    sinks = randn(num_heads, dtype=dtype, seed=16, scale=2.0)
+    scale = head_dim**-0.5
+
+    torch_cache = cache.cpu().clone()
+    backend = TorchAttentionBackend()
+    backend.prepare(meta)
+    got_torch = backend.forward(
+        q.cpu(), k.cpu(), v.cpu(), torch_cache, meta, scale, window, sinks.cpu()
+    )
+    expected = paged_prefill_attention_ref(
+        q, torch_cache, query_lens, seq_lens, table_list, scale, window, sinks
+    )
+    assert_close(got_torch, expected, dtype)
+    without = paged_prefill_attention_ref(
+        q, torch_cache, query_lens, seq_lens, table_list, scale, window
+    )
+    assert not torch.allclose(expected, without, atol=1e-2)  # the sinks matter here
+
+    triton_backend = TritonAttentionBackend(DEVICE)
+    triton_backend.prepare(meta)
+    got_triton = triton_backend.forward(q, k, v, cache, meta, scale, window, sinks)
+    assert torch.equal(cache.cpu(), torch_cache)
+    assert_close(got_triton, expected, dtype)

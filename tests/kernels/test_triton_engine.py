@@ -1,7 +1,7 @@
 """The whole engine with attention_backend="triton" (kernels under the interpreter on CPU, or
 native with FOLIO_KERNEL_DEVICE=cuda) gives exactly the greedy tokens of the torch backend,
 over steps that mix prefill and decode, with chunked prefill and a prefix-cache hit, on a
-full-attention model and a sliding-window one."""
+full-attention model and sliding-window ones (gpt-oss's with attention sinks)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from kernel_utils import DEVICE
 from common.config import EngineConfig
 from common.sampling_params import SamplingParams
 from engine.engine import LLMEngine
-from tiny_models import VARIANTS, make_checkpoint
+from tiny_models import MOE_VARIANTS, VARIANTS, make_checkpoint
 
 
 def greedy_tokens(directory, backend: str, device: str) -> tuple[dict[str, list[int]], int]:
@@ -43,10 +43,11 @@ def greedy_tokens(directory, backend: str, device: str) -> tuple[dict[str, list[
     return tokens, engine.kv_cache.prefix_cache_hits
 
 
-# Gemma 3: sliding windows of 3 under blocks of 4, in KV groups of their own.
-@pytest.mark.parametrize("variant", ["llama-gqa3-tied-llama3rope", "gemma3-window3"])
+# Gemma 3 and gpt-oss: sliding windows of 3 under blocks of 4, in KV groups of their own;
+# gpt-oss's sinks in the Triton kernel and the torch backend's plain path.
+@pytest.mark.parametrize("variant", ["llama-gqa3-tied-llama3rope", "gemma3-window3", "gpt-oss"])
 def test_triton_backend_gives_the_torch_backend_greedy_tokens(tmp_path, variant):
-    make_checkpoint(tmp_path, *VARIANTS[variant])
+    make_checkpoint(tmp_path, *{**VARIANTS, **MOE_VARIANTS}[variant])
     expected, _ = greedy_tokens(tmp_path, "torch", "cpu")
     got, hits = greedy_tokens(tmp_path, "triton", DEVICE)
     assert hits > 0  # c's first blocks came from the prefix cache

@@ -10,7 +10,8 @@ least 16 with masked columns. Context positions are read one at a time through t
 block size and any scatter of blocks work, and a request's cached prefix and its new tokens
 (already written to the cache) are read the same way. With a sliding window a token sees only
 its last `window` positions: a tile reads from the first position its first token sees. Softmax
-is online (running max and sum), in float32. This module never writes the KV cache.
+is online (running max and sum), in float32; with attention sinks (gpt-oss) each head's sink
+starts it, as a logit whose value contributes nothing. This module never writes the KV cache.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def paged_attention_kernel(
     table_stride,
     v_offset,  # row stride of the block table; elements from the K pool to the V pool
     window,  # a token sees this many positions, itself included; 0: all of them
+    sinks_ptr,  # [H] each head's sink logit (read only with HAS_SINKS)
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_P: tl.constexpr,
@@ -48,6 +50,7 @@ def paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DECODE: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     req = tl.program_id(0)
     tile = tl.program_id(1)
@@ -76,6 +79,12 @@ def paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M * GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * GROUP_P], tl.float32)
+    if HAS_SINKS:
+        # The sink is the first logit seen (in base 2, as the scores): the maximum so far, and
+        # exp2(0) = 1 in the sum; it adds nothing to acc.
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+        m_i = sink * 1.4426950408889634
+        l_i = tl.full([BLOCK_M * GROUP_P], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_P, HEAD_DIM_P], tl.float32)
     # The tile's last token sees the most; nothing past it is read, nor anything before what
     # its first token's window sees.
@@ -139,6 +148,7 @@ def _launch(
     group_p: int,
     block_n: int,
     window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
@@ -166,6 +176,7 @@ def _launch(
         block_tables.stride(0),
         kv_cache.stride(0),
         window or 0,
+        q if sinks is None else sinks,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=num_heads // num_kv_heads,
         GROUP_P=group_p,
@@ -176,6 +187,7 @@ def _launch(
         BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype),
         DECODE=query_start_loc is None,
+        HAS_SINKS=sinks is not None,
     )
     return out
 
@@ -189,15 +201,17 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     block_n: int = 64,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [B, H, D], request b's only query token (at position seq_lens[b] - 1); kv_cache:
     [2, num_blocks, block_size, KVH, D]; block_tables: [B, max_blocks] int32; seq_lens: [B]
-    int32; a sliding `window` (None: all). Returns out ([B, H, D], q's dtype), filled."""
+    int32; a sliding `window` (None: all); `sinks` [H], each head's attention-sink logit (None:
+    none). Returns out ([B, H, D], q's dtype), filled."""
     group = q.shape[1] // kv_cache.shape[3]
     # One token per program: the group's heads fill the rows, at least 16 of them for tl.dot.
     group_p = max(16, triton.next_power_of_2(group))
     return _launch(
-        q, kv_cache, block_tables, seq_lens, None, scale, out, 1, 1, group_p, block_n, window
+        q, kv_cache, block_tables, seq_lens, None, scale, out, 1, 1, group_p, block_n, window, sinks
     )
 
 
@@ -213,6 +227,7 @@ def paged_prefill_attention(
     block_n: int = 64,
     rows_per_tile: int = 64,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Request i's query tokens are q[query_start_loc[i]:query_start_loc[i + 1]] (absolute rows
     of q, which may hold other rows too: those are left alone in out); they are the last tokens
@@ -235,6 +250,7 @@ def paged_prefill_attention(
         group_p,
         block_n,
         window,
+        sinks,
     )
 
 
@@ -246,10 +262,12 @@ def paged_prefill_attention_ref(
     block_tables: list[list[int]],
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float32 loop reference over requests laid out back to back in q: gathers each context
     token by token through its block table and applies a bottom-right-aligned causal mask (and
-    the sliding window's)."""
+    the sliding window's); with `sinks`, each head's sink is one more logit in its softmax,
+    dropped after it (as transformers' gpt-oss computes it)."""
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = q.shape[1] // num_kv_heads
     out = torch.empty(q.shape, dtype=torch.float32)
@@ -265,7 +283,12 @@ def paged_prefill_attention_ref(
         k_pos = torch.arange(seq_len)[None, :]
         hidden = (k_pos > q_pos) | ((k_pos <= q_pos - window) if window else False)
         scores = scores.masked_fill(hidden, float("-inf"))
-        out[start : start + q_len] = (scores.softmax(-1) @ v).transpose(0, 1)
+        if sinks is not None:
+            sink_column = sinks.float().cpu()[:, None, None].expand(-1, q_len, 1)
+            probs = torch.cat((scores, sink_column), dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[start : start + q_len] = (probs @ v).transpose(0, 1)
         start += q_len
     return out
 
@@ -277,7 +300,8 @@ def paged_decode_attention_ref(
     block_tables: list[list[int]],
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return paged_prefill_attention_ref(
-        q, kv_cache, [1] * len(seq_lens), seq_lens, block_tables, scale, window
+        q, kv_cache, [1] * len(seq_lens), seq_lens, block_tables, scale, window, sinks
     )

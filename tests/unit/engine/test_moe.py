@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE with its shared expert) on tiny
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE with its shared expert, gpt-oss) on tiny
 random-weight checkpoints built with transformers: logits equal transformers' in float32
 through ragged, chunked and prefix-cached steps; the engine's greedy tokens equal
 transformers' through chunked prefill, prefix hits and preemption, at TP=1 and TP=2 (a slice
@@ -12,7 +12,9 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from test_models import BASE, TOL, Runner, hf_logits, random_tokens
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from common.config import EngineConfig
 from common.sampling_params import SamplingParams
@@ -21,6 +23,7 @@ from engine.layers.moe import SparseMoe
 from engine.layers.quantization import QuantizedWeight, quantize
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
+from engine.models.mxfp4 import dequantize_mxfp4
 from tiny_models import MOE_VARIANTS, hf_greedy, make_checkpoint
 
 
@@ -103,6 +106,9 @@ def expected_tokens(reference) -> dict[str, list[int]]:
     }
 
 
+# gpt-oss's sliding layers free their blocks behind a window of 3: test_sliding_window runs its
+# engine, with blocks and a pool sized for windows.
+@pytest.mark.parametrize("variant", [v for v in MOE_VARIANTS if v != "gpt-oss"], indirect=True)
 def test_engine_greedy_tokens_match_transformers(variant):
     _, directory, reference = variant
     got, stats, _ = engine_tokens(directory, 1)
@@ -194,3 +200,52 @@ def test_moe_config_shapes_and_refusals(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(config, scoring_func="sigmoid")))
     with pytest.raises(ValueError, match="scoring_func"):
         LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32"))
+
+
+def random_mxfp4(*shape: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 blocks [*shape, 16] of random codes and scales [*shape] of exponents 2**-5 .. 2**-3
+    (weights up to 0.75, as large as the other random weights)."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (*shape, 16), generator=generator, dtype=torch.uint8)
+    scales = torch.randint(122, 125, shape, generator=generator, dtype=torch.uint8)
+    return blocks, scales
+
+
+def test_mxfp4_dequantizes_as_transformers_does():
+    blocks, scales = random_mxfp4(3, 5, 2, seed=0)  # 3 experts, 5 rows, 64 columns
+    expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    got = dequantize_mxfp4(blocks, scales, torch.float32)  # [E, out, in]
+    assert torch.equal(got, expected.transpose(1, 2))
+    assert torch.equal(dequantize_mxfp4(blocks, scales, torch.bfloat16).float(), got)  # exact
+    with pytest.raises(ValueError, match=r"MXFP4 blocks \(3, 5, 2, 16\) do not match scales"):
+        dequantize_mxfp4(blocks, scales[:, :, :1], torch.float32)
+
+
+def test_gpt_oss_mxfp4_experts_load_dequantized(tmp_path):
+    """A gpt-oss checkpoint whose experts are MXFP4 (*_blocks and *_scales, as OpenAI's are):
+    logits equal transformers' on the same model with the experts set to the
+    reference dequantization (transformers' own)."""
+    reference = make_checkpoint(tmp_path, *MOE_VARIANTS["gpt-oss"])
+    config = reference.config
+    hidden, inter, experts = config.hidden_size, config.intermediate_size, config.num_local_experts
+    tensors = load_file(tmp_path / "model.safetensors")
+    for layer in range(config.num_hidden_layers):
+        module = reference.model.layers[layer].mlp.experts
+        prefix = f"model.layers.{layer}.mlp.experts."
+        for name, rows, cols in (("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter)):
+            blocks, scales = random_mxfp4(experts, rows, cols // 32, seed=layer)
+            del tensors[prefix + name]
+            tensors[f"{prefix}{name}_blocks"], tensors[f"{prefix}{name}_scales"] = blocks, scales
+            with torch.no_grad():
+                getattr(module, name).copy_(
+                    convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+                )
+    save_file(tensors, tmp_path / "model.safetensors")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+
+    model, model_config = load_model(tmp_path, torch.float32, "cpu")
+    tokens = random_tokens(11, 5)
+    (logits,) = Runner(model, model_config).step([("a", tokens)])
+    torch.testing.assert_close(logits, hf_logits(reference, tokens), **TOL)

@@ -13,7 +13,7 @@ from engine.core.kv_cache_manager import NULL_BLOCK, KVCacheManager, kv_groups
 from engine.core.kv_events import BlockStored
 from engine.core.request import Request
 from engine.engine import LLMEngine
-from tiny_models import VARIANTS, hf_greedy, make_checkpoint
+from tiny_models import MOE_VARIANTS, VARIANTS, hf_greedy, make_checkpoint
 
 BLOCK = 4
 
@@ -123,14 +123,15 @@ def greedy(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, list[i
     return got
 
 
-# Gemma 3 gets too few blocks for all four requests at once: the last admitted are preempted
-# and recomputed. A sliding-only model holds a few blocks a request, freed as fast as it takes
-# new ones: it runs in a small pool without preemption.
+# Gemma 3 and gpt-oss get too few blocks for all four requests at once: the last admitted are
+# preempted and recomputed. A sliding-only model holds a few blocks a request, freed as fast as
+# it takes new ones: it runs in a small pool without preemption.
 @pytest.mark.parametrize(
-    "variant, num_blocks, preempts", [("gemma3-window3", 40, True), ("mistral-window3", 10, False)]
+    "variant, num_blocks, preempts",
+    [("gemma3-window3", 40, True), ("gpt-oss", 24, True), ("mistral-window3", 10, False)],
 )
 def test_greedy_tokens_through_preemption_and_prefix_hits(tmp_path, variant, num_blocks, preempts):
-    reference = make_checkpoint(tmp_path, *VARIANTS[variant])
+    reference = make_checkpoint(tmp_path, *{**VARIANTS, **MOE_VARIANTS}[variant])
     engine = engine_on(tmp_path, num_blocks)
     base = [(7 * i) % 150 + 3 for i in range(30)]
     prompts = {"a": base, "b": [*base[:22], 5, 6, 7], "c": base[::-1], "d": base[3:29]}
