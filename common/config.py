@@ -159,6 +159,23 @@ class EngineConfig:
         "with tensor parallelism, a mixture of experts' ranks hold whole experts (an even share "
         "each) instead of a slice of every expert",
     )
+    lora_modules: tuple[str, ...] = flag(
+        (),
+        "a LoRA adapter in PEFT's format served beside the base model, as NAME=PATH (a request "
+        'picks it by "model": NAME); repeatable (docs/lora.md)',
+    )
+    max_loras: int = flag(
+        4, "LoRA adapters resident in the model's slots at once; more are swapped from host memory"
+    )
+    max_lora_rank: int = flag(16, "the largest LoRA rank served (the slots' width)")
+    lora_root: str | None = flag(
+        None,
+        "the directory runtime LoRA loads (POST /v1/load_lora_adapter) must resolve inside, "
+        "symlinks followed; without it adapters load at start-up only",
+    )
+    lora_runtime_updates: bool = flag(
+        True, "allow loading and unloading LoRA adapters at run time (needs --lora-root)"
+    )
     kv_events_replay_batches: int = flag(
         1024,
         "KV-cache event batches (about one per step that cached or evicted blocks) kept for "
@@ -175,6 +192,11 @@ class EngineConfig:
         "wait for workers started with `folio engine-worker` instead of starting them",
     )
 
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the model gets LoRA slots: adapters at start-up or a root to load from."""
+        return bool(self.lora_modules) or self.lora_root is not None
+
     def __post_init__(self) -> None:
         def require(ok: bool, message: str) -> None:
             if not ok:
@@ -190,6 +212,16 @@ class EngineConfig:
             f"block_size must be a power of two, got {self.block_size}",
         )
         require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        for module in self.lora_modules:
+            name, _, path = module.partition("=")
+            require(bool(name and path), f"lora_modules takes NAME=PATH, got {module!r}")
+        require(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
+        require(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        require(
+            not self.lora_enabled or self.tensor_parallel_size == 1,
+            "LoRA adapters (lora_modules, lora_root) are not served with tensor parallelism yet "
+            f"(tensor_parallel_size {self.tensor_parallel_size})",
+        )
         require(
             self.max_num_batched_tokens >= 1,
             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",

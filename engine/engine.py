@@ -29,6 +29,7 @@ from engine.core.step_cost import LiveStepCost, StepCostModel
 from engine.core.stopping import check_stop
 from engine.errors import EngineGroupError, InvalidRequestError
 from engine.executor import Executor
+from engine.lora.registry import LoraRegistry, find_adapter, runtime_lora
 
 
 class LLMEngine:
@@ -66,6 +67,11 @@ class LLMEngine:
             step_cost or StepCostModel.load_or_default(default_step_cost_path())
         )
         self.scheduler = Scheduler(config, self.kv_cache, self.step_cost)
+        # LoRA adapters (engine.lora.registry): start-up's, then those loaded at run time; a
+        # request runs once its adapter has one of the model's slots.
+        self.lora = LoraRegistry.start(config, executor.lora_backend)
+        if self.lora is not None:
+            self.scheduler.admission_gate = self.lora.pin
         self.requests: dict[str, Request] = {}
         # Requests with a total deadline, checked before every step.
         self._deadlines: dict[str, Request] = {}
@@ -84,6 +90,7 @@ class LLMEngine:
         priority: int = 0,
         pooling: PoolingParams | None = None,
         service: ServiceLevel = NO_SERVICE_LEVEL,
+        lora_name: str | None = None,
     ) -> Request:
         """Validate and queue a request; raises InvalidRequestError or QueueFullError. With
         params.n > 1 its samples are registered too (ids from sample_request_id): the prompt is
@@ -109,6 +116,7 @@ class LLMEngine:
                 f"n is {params.n}, but this engine runs at most {self.config.max_num_seqs} "
                 "sequences at once (max_num_seqs), and a request's samples run side by side"
             )
+        adapter = find_adapter(self.lora, lora_name)  # ModelNotFound (404) if not served
         request = Request(
             request_id,
             list(prompt_token_ids),
@@ -122,8 +130,12 @@ class LLMEngine:
                 f"request_id {request_id!r}: the ids of its samples ({request_id}#<index>) are "
                 "already in use"
             )
+        if adapter is not None:
+            LoraRegistry.label(request, adapter)
         self.executor.join(request)
         self.scheduler.add_request(request)
+        if self.lora is not None:
+            self.lora.hold(request)
         self.requests[request_id] = request
         for sample in request.samples:
             self.requests[sample.request_id] = sample
@@ -152,6 +164,8 @@ class LLMEngine:
         last live sample of an n > 1 request takes that request with it."""
         self.scheduler.finish(request)
         self.executor.leave(request)
+        if self.lora is not None:
+            self.lora.leave(request)
         del self.requests[request.request_id]
         self._deadlines.pop(request.request_id, None)
         parent = request.parent
@@ -159,6 +173,16 @@ class LLMEngine:
             parent.samples.remove(request)
             if not parent.samples:
                 self._retire(parent)
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as `name` from now on (run time: `path` must resolve
+        inside --lora-root); InvalidRequestError naming what is refused."""
+        runtime_lora(self.lora, self.config).runtime_add(name, path, self.config.lora_root)
+
+    def unload_lora_adapter(self, name: str, on_gone: Callable[[], None] | None = None) -> None:
+        """New requests for `name` get ModelNotFound at once; it is freed (`on_gone` runs) once
+        its requests ended. NotFound if no adapter of that name is served."""
+        runtime_lora(self.lora, self.config).runtime_remove(name, on_gone)
 
     def close(self) -> None:
         """Stop the executor's tensor-parallel workers, if any (idempotent); the engine is
@@ -205,6 +229,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         between = 0.0 if self._busy_since is None else t0 - self._busy_since
         sched = self.scheduler.schedule()
+        if self.lora is not None:
+            for preempted in sched.preempted:
+                self.lora.unpin(preempted)
         t1 = time.perf_counter()
         if sched.is_empty:
             self._busy_since = None

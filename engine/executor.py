@@ -27,6 +27,7 @@ from engine.core.request import Request
 from engine.core.scheduler import SchedulerOutput
 from engine.errors import EngineGroupError
 from engine.kv_tiers.book import TierBook
+from engine.lora.registry import LoraBackend
 
 
 @dataclass
@@ -59,6 +60,8 @@ class Executor(Protocol):
     kv_groups: KVGroups
     # The books of the KV tiers below the pool (engine.kv_tiers), None without tiers.
     kv_tier_book: TierBook | None
+    # What holds LoRA adapters' weights (engine.lora.registry); None: it serves none.
+    lora_backend: LoraBackend | None
 
     @property
     def dtype_name(self) -> str:

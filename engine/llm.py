@@ -73,9 +73,11 @@ class LLM:
         self,
         prompts: PromptInput | Sequence[PromptInput],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[CompletionOutput]:
         """Run every prompt to completion; results in prompt order, n per prompt (its samples
-        in order) when SamplingParams.n > 1."""
+        in order) when SamplingParams.n > 1. `lora`: the LoRA adapter (a --lora-modules name)
+        every prompt, or each prompt, runs with; None: the base model."""
         prompt_list = _as_prompt_list(prompts)
         token_lists = self._encode_all(prompt_list)
         param_list = _as_param_list(params, len(prompt_list))
@@ -84,7 +86,7 @@ class LLM:
             for p, ids, sp in zip(prompt_list, token_lists, param_list, strict=False)
             for _ in range(sp.n)
         ]
-        for index, out in self._run(token_lists, param_list):
+        for index, out in self._run(token_lists, param_list, lora=lora):
             result = results[index]
             result.token_ids.extend(out.new_token_ids)
             result.logprobs.extend(out.new_logprobs)
@@ -155,12 +157,20 @@ class LLM:
         token_lists: list[list[int]],
         param_list: list[SamplingParams],
         pooling: PoolingParams | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> Iterator[tuple[int, RequestOutput]]:
         """Feed requests (embedding requests with `pooling`) as the waiting queue allows and
         yield (result index, RequestOutput): sample i of prompt p is result i after the n
         results of the prompts before p."""
         for p in param_list:
             self.engine.executor.validate_params(p, self.engine.vocab_size)
+        loras = [lora] * len(token_lists) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(token_lists):
+            raise InvalidRequestError(
+                f"got {len(loras)} LoRA names for {len(token_lists)} prompts; pass one or one per "
+                "prompt",
+                "lora",
+            )
         firsts = list(itertools.accumulate((p.n for p in param_list), initial=0))
         pending = deque(range(len(token_lists)))
         index_of: dict[str, int] = {}
@@ -171,7 +181,11 @@ class LLM:
                     index = pending.popleft()
                     request_id = f"offline-{next(self._ids)}"
                     self.engine.add_request(
-                        request_id, token_lists[index], param_list[index], pooling=pooling
+                        request_id,
+                        token_lists[index],
+                        param_list[index],
+                        pooling=pooling,
+                        lora_name=loras[index],
                     )
                     index_of[request_id] = index
                 outputs = self.engine.step()

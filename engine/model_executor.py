@@ -35,6 +35,8 @@ from engine.layers.parallel import (
     check_tensor_parallel_size,
     kv_heads_slice,
 )
+from engine.lora.host import LoraHost
+from engine.lora.registry import LoraBackend
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.models.config import ModelConfig
 from engine.models.gguf_metadata import file_quantization
@@ -104,6 +106,11 @@ class ModelExecutor:
             config, self.runner.kv_slots, self.kv_groups.num_groups, self.model_path, quantization
         )
         self.kv_tier_book = self.kv_tiers.book if self.kv_tiers is not None else None
+        # LoRA adapters' host copies behind the model's slots (engine.lora.host).
+        slots = self.runner.lora
+        self.lora_backend: LoraBackend | None = (
+            LoraHost(slots, config.max_lora_rank, self.runner.dtype) if slots is not None else None
+        )
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.sampler = Sampler(

@@ -35,6 +35,7 @@ from engine.core.step_plan import StepPlan
 from engine.cuda_graphs import DecodeGraphs
 from engine.input_batch import PersistentBatch
 from engine.kernels.cpu.capabilities import cpu_capabilities
+from engine.layers.lora import LoraSlots
 from engine.layers.parallel import SINGLE, TensorParallel
 from engine.models.config import ModelConfig
 from engine.models.gguf_metadata import file_quantization
@@ -184,7 +185,15 @@ class ModelRunner:
         # Neither graph capture nor compilation covers the collectives of tensor parallelism.
         # Compiled first: graph capture runs the model through run_model, which reads it.
         # Nor do they cover several KV groups' tables.
-        single = tp.size == 1 and groups.num_groups == 1
+        # LoRA slots on the linears (engine.layers.lora), read per step from Python: eager only.
+        self.lora = (
+            LoraSlots(
+                self.model, cfg, config.max_loras, config.max_lora_rank, max_seqs, self.dtype, dev
+            )
+            if config.lora_enabled
+            else None
+        )
+        single = tp.size == 1 and groups.num_groups == 1 and self.lora is None
         self.compiled_decode = (
             CompiledDecode.start_if_enabled(self, config, model_path) if single else None
         )
@@ -196,6 +205,8 @@ class ModelRunner:
         if self.broadcast_plan is not None:
             self.broadcast_plan(plan)
         self.batch.apply(plan)
+        if self.lora is not None:
+            self.lora.join(plan.new_requests, self.batch.row_of)
         if self.pooler is not None:
             self.pooler.forget(plan.finished_ids)
             self.pooler.forget(plan.preempted_ids)
@@ -215,6 +226,8 @@ class ModelRunner:
 
         # Per flat token: its batch entry, then its position in that request.
         entry = np.repeat(np.arange(num_reqs), num_new)
+        if self.lora is not None:
+            self.lora.prepare(rows[entry])
         positions = computed[entry] + (self._arange[:num_tokens] - starts[entry])
         tables = self.block_tables.np
         tables[:num_reqs, :cols] = self.batch.block_table[rows, :cols]

@@ -29,6 +29,7 @@ from engine.core.step_cost import StepCostModel
 from engine.engine import LLMEngine
 from engine.errors import EngineGroupError, InvalidRequestError
 from engine.executor import ExecutorOutput
+from engine.lora.registry import LoraBackend
 from engine.models.config import ModelConfig
 
 # The pool of a simulated engine when neither num_kv_blocks nor a memory budget is meant (it
@@ -44,6 +45,7 @@ class SimulatedExecutor:
     and samples the placeholder token on every row."""
 
     dtype_name = "simulated"
+    lora_backend: LoraBackend | None = None  # no model, no adapters
 
     def __init__(
         self,

@@ -218,7 +218,7 @@ class KVCacheManager:
         size, groups = self.block_size, range(self.num_groups)
         # Per logical block of the prompt (its last token left out), each group's cached block.
         rows: list[list[int | None]] = []
-        parent = ROOT_HASH
+        parent = request.hash_root
         for i in range((len(tokens) - 1) // size):
             parent = hash_block(parent, tokens[i * size : (i + 1) * size])
             row = [self._cached.get((g, parent)) for g in groups]
@@ -307,7 +307,7 @@ class KVCacheManager:
                 self._ref_counts[block] += 1
             table.append(block)
         # The hit's chained hashes (a sliding group's early blocks are not in the table).
-        parent, tokens, size = ROOT_HASH, request.token_ids, self.block_size
+        parent, tokens, size = request.hash_root, request.token_ids, self.block_size
         for i in range(len(cached_blocks) // groups):
             parent = hash_block(parent, tokens[i * size : (i + 1) * size])
             request.block_hashes.append(parent)
@@ -402,7 +402,7 @@ class KVCacheManager:
         num_full = min(num_computed_tokens // size, len(table) // groups)
         stored: BlockStored | None = None  # this call's current run of newly cached blocks
         for i in range(len(hashes), num_full):
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else request.hash_root
             block_tokens = tokens[i * size : (i + 1) * size]
             block_hash = hash_block(parent, block_tokens)
             hashes.append(block_hash)

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
+from common.block_hash import ROOT_HASH
 from common.errors import InvalidRequestError
 from common.finish_reason import FinishReason
 from common.pooling_params import PoolingParams
@@ -85,6 +86,11 @@ class Request:
     # Set: an embedding request. It computes its prompt once and is pooled into one vector (by
     # the executor), generating nothing; its sampling_params are the defaults, never used.
     pooling: PoolingParams | None = None
+    # LoRA (engine.lora.registry): the adapter it runs with (None: the base model), the model's
+    # slot holding that adapter while it runs (-1: none), and the root of its block hash chain.
+    lora_name: str | None = None
+    lora_slot: int = -1
+    hash_root: bytes = ROOT_HASH
     # The request's name in step plans (engine.core.step_plan): an int, so plans stay numeric.
     seq_id: int = field(init=False)
 

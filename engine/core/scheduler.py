@@ -35,6 +35,7 @@ import dataclasses
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -126,6 +127,9 @@ class Scheduler:
         self._shipped: dict[Request, _Shipped] = {}
         self._finished_ids: list[int] = []
         self._preempted_ids: list[int] = []
+        # Whether the waiting request at a lane's head may start now (the LoRA registry's: its
+        # adapter has a slot); None: always.
+        self.admission_gate: Callable[[Request], bool] | None = None
 
     @property
     def has_unfinished(self) -> bool:
@@ -276,6 +280,8 @@ class Scheduler:
             # within its share preempts one over it), so one blocked head holds up no other.
             blocked: set[str] = set()
             while budget > 0 and (request := self.waiting.peek(lane, blocked)) is not None:
+                if self.admission_gate is not None and not self.admission_gate(request):
+                    return
                 cached_blocks, num_cached = self.kv_cache.get_cached_prefix(request)
                 num_new = min(request.num_tokens - num_cached, budget)
                 startable = True
@@ -432,7 +438,12 @@ class Scheduler:
             if shipped is None:
                 joining.append(
                     NewRequestPlan(
-                        request.seq_id, list(tokens), list(table), start, request.sampling_params
+                        request.seq_id,
+                        list(tokens),
+                        list(table),
+                        start,
+                        request.sampling_params,
+                        request.lora_slot,
                     )
                 )
                 shipped_of[request] = _Shipped(len(tokens), len(table))

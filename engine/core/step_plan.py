@@ -58,6 +58,8 @@ class NewRequestPlan:
     num_computed_tokens: int
     # Rank 0's sampler only; None on worker ranks.
     sampling_params: SamplingParams | None = None
+    # The model's LoRA slot its rows use (engine.layers.lora); -1: the base model.
+    lora_slot: int = -1
 
 
 @dataclass(slots=True)
@@ -137,6 +139,7 @@ def encode(plan: StepPlan) -> np.ndarray:
     new = plan.new_requests
     put([r.seq_id for r in new])
     put([r.num_computed_tokens for r in new])
+    put([r.lora_slot for r in new])
     for r in new:
         put(r.token_ids)
         put(r.block_ids)
@@ -171,11 +174,13 @@ def decode(encoded: np.ndarray | Sequence[int]) -> StepPlan:
     def take() -> list[int]:
         return [next(values) for _ in range(next(values))]
 
-    new_ids, new_computed = take(), take()
+    new_ids, new_computed, new_slots = take(), take(), take()
     new_requests = []
-    for seq_id, num_computed in zip(new_ids, new_computed, strict=True):
+    for seq_id, num_computed, slot in zip(new_ids, new_computed, new_slots, strict=True):
         token_ids, block_ids = take(), take()
-        new_requests.append(NewRequestPlan(seq_id, token_ids, block_ids, num_computed))
+        new_requests.append(
+            NewRequestPlan(seq_id, token_ids, block_ids, num_computed, lora_slot=slot)
+        )
     running_requests = [RunningRequestPlan(seq_id, take(), take()) for seq_id in take()]
     plan = StepPlan(
         new_requests=new_requests,

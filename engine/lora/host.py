@@ -1,0 +1,29 @@
+"""The model executor's side of LoRA (engine.lora.registry's LoraBackend): adapters' weights in
+host memory, read and checked once (engine.lora.adapter), copied into the model's slots
+(engine.layers.lora) when the registry gives one a slot. It never decides which adapter gets a
+slot, and never copies into a slot a running request uses (the registry guarantees it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.layers.lora import LoraSlots
+from engine.lora.adapter import LoraWeights, load_adapter
+
+
+class LoraHost:
+    def __init__(self, slots: LoraSlots, max_rank: int, dtype: torch.dtype) -> None:
+        self.slots = slots
+        self.max_rank = max_rank
+        self.dtype = dtype
+        self.adapters: dict[int, LoraWeights] = {}
+
+    def load_lora(self, adapter_id: int, path: str) -> None:
+        self.adapters[adapter_id] = load_adapter(path, self.slots.shapes, self.max_rank, self.dtype)
+
+    def drop_lora(self, adapter_id: int) -> None:
+        del self.adapters[adapter_id]
+
+    def activate_lora(self, slot: int, adapter_id: int) -> None:
+        self.slots.load(slot, self.adapters[adapter_id])

@@ -1,0 +1,80 @@
+"""The segmented LoRA kernels (shrink into the narrow intermediate, expand added into the base
+output) against the plain loop over segments, under the Triton interpreter (or natively with
+FOLIO_KERNEL_DEVICE=cuda): uneven segments, rows of the base model in none, a slot unused,
+widths and outputs that are no power of two (masked tiles); and engine.layers.lora's wrapped
+linear gives the same output through the kernels as through its CPU path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from kernel_utils import DEVICE, DTYPES, assert_close, randn
+
+from engine.kernels.triton.lora import lora_expand, lora_ref, lora_shrink
+from engine.layers.linear import Linear
+from engine.layers.lora import LoraGroups, LoraLinear, fill_groups
+from engine.lora.adapter import ModuleShape
+
+IN, WIDTH, OUT, SLOTS = 40, 24, 56, 4
+MIXED = [0, -1, 3, 0, 0, 3, -1, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3]
+
+
+def kernel_groups(slots: list[int]) -> LoraGroups:
+    step = LoraGroups()
+    fill_groups(step, np.array(slots), torch.device(DEVICE), kernels=True)
+    return step
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("slots", [[2], MIXED, [-1, 1, -1]], ids=["one-row", "mixed", "base"])
+def test_shrink_then_expand_matches_the_loop(dtype, slots):
+    num_rows = len(slots)
+    x = randn(num_rows, IN, dtype=dtype, seed=1)
+    a = randn(SLOTS, WIDTH, IN, dtype=dtype, seed=2, scale=0.3)
+    b = randn(SLOTS, OUT, WIDTH, dtype=dtype, seed=3, scale=0.3)
+    base = randn(num_rows, OUT, dtype=dtype, seed=4)
+    step = kernel_groups(slots)
+    assert step.sorted_rows is not None and step.segments is not None
+    out = base.clone()
+    shrunk = lora_shrink(x, a, step.sorted_rows, step.segments)
+    lora_expand(shrunk, b, step.sorted_rows, step.segments, out)
+    expected = lora_ref(x, a, b, step.sorted_rows, step.segments, base)
+    base_rows = [i for i, s in enumerate(slots) if s < 0]
+    assert torch.equal(out[base_rows], base[base_rows])  # the base model's rows: untouched
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        # The interpreter rounds float32 to bfloat16 towards zero (see test_fused_moe).
+        bound = 0.03 * expected.abs().max().item()
+        torch.testing.assert_close(out.float(), expected.float(), atol=bound, rtol=0.03)
+    else:
+        assert_close(out, expected, dtype)
+
+
+def test_wrapped_linear_gives_the_same_through_kernels_and_cpu_path():
+    """A fused three-shard linear with ranks 3 and 2 in a slot of width 4 per shard."""
+    shape = ModuleShape(IN, (24, 16, 16))
+    base = Linear(IN, list(shape.shard_rows), False, torch.float32, DEVICE)
+    base.weight.data.copy_(randn(56, IN, dtype=torch.float32, seed=5, scale=0.2))
+    step = LoraGroups()
+    layer = LoraLinear(base, shape, SLOTS, 4, torch.float32, torch.device(DEVICE), step)
+    for slot, rank in ((0, 3), (2, 2), (3, 4)):
+        shards = {
+            s: (
+                randn(rank, IN, dtype=torch.float32, seed=10 * slot + s, scale=0.3),
+                randn(shape.shard_rows[s], rank, dtype=torch.float32, seed=99 - s, scale=0.3),
+            )
+            for s in range(3)
+            if (slot, s) != (2, 1)  # slot 2 leaves its second shard out
+        }
+        layer.load(slot, shards)
+    x = randn(len(MIXED), IN, dtype=torch.float32, seed=6)
+    fill_groups(step, np.array(MIXED), torch.device(DEVICE), kernels=False)
+    cpu_path = layer(x)
+    fill_groups(step, np.array(MIXED), torch.device(DEVICE), kernels=True)
+    assert_close(layer(x), cpu_path, torch.float32)
+    # Each row: the base product plus its slot's shards' low-rank products.
+    for row, slot in enumerate(MIXED):
+        want = base(x[row : row + 1])
+        if slot >= 0:
+            want = want + x[row : row + 1] @ layer.lora_a[slot].T @ layer.lora_b[slot].T
+        assert_close(cpu_path[row : row + 1], want, torch.float32)

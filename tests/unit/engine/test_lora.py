@@ -1,0 +1,228 @@
+"""LoRA adapters (engine/lora/, engine/layers/lora.py) on a tiny random Llama: adapters made
+with peft, served together in one batch with the base model, give the greedy tokens of
+transformers + peft with that adapter (float32), swapped through fewer slots than adapters
+too; a prefix cached under one adapter is no hit for another; bad adapters are refused naming
+the problem; run-time loads only from inside --lora-root; an unload waits for its requests."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from common.config import EngineConfig
+from common.errors import InvalidRequestError, ModelNotFound, NotFound
+from common.sampling_params import SamplingParams
+from engine.engine import LLMEngine
+from lora_adapters import make_adapter
+from tiny_models import VARIANTS, hf_greedy, make_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+# Four prompts sharing their first two blocks (of 4 tokens), so the prefix cache would serve
+# one adapter's blocks to another if the hash chain did not tell them apart.
+SHARED = [5, 17, 33, 2, 90, 41, 7, 12]
+PROMPTS = [[*SHARED, 60 + i, 3 * i + 1, 100 - i] for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The base checkpoint and three adapters: ranks 8 (all seven targets), 4 (attention only,
+    rslora), 2 (MLP only); each with its oracle."""
+    root = tmp_path_factory.mktemp("lora")
+    base_dir = root / "base"
+    reference = make_checkpoint(base_dir, *VARIANTS["llama"])
+    specs = {
+        "all8": dict(rank=8, alpha=16),
+        "attn4": dict(
+            rank=4, alpha=8, targets=["q_proj", "k_proj", "v_proj", "o_proj"], rslora=True
+        ),
+        "mlp2": dict(rank=2, alpha=4, targets=["gate_proj", "up_proj", "down_proj"]),
+    }
+    oracles = {}
+    for seed, (name, spec) in enumerate(specs.items(), 1):
+        oracles[name] = make_adapter(base_dir, root / name, seed=seed, **spec)
+    return root, base_dir, reference, oracles
+
+
+def engine_for(root, base_dir, max_loras: int, **kwargs) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(base_dir),
+            dtype="float32",
+            block_size=4,
+            num_kv_blocks=64,
+            lora_modules=tuple(f"{n}={root / n}" for n in ("all8", "attn4", "mlp2")),
+            max_loras=max_loras,
+            max_lora_rank=8,
+            **kwargs,
+        )
+    )
+
+
+def run(
+    engine: LLMEngine, requests: dict[str, tuple[list[int], str | None]]
+) -> dict[str, list[int]]:
+    for request_id, (prompt, lora) in requests.items():
+        engine.add_request(request_id, prompt, GREEDY, lora_name=lora)
+    tokens: dict[str, list[int]] = {r: [] for r in requests}
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    return tokens
+
+
+LORAS = [None, "all8", "attn4", "mlp2"]
+
+
+@pytest.mark.parametrize("max_loras", [3, 1], ids=["all-resident", "swapped"])
+def test_mixed_batch_matches_transformers_with_peft(models, max_loras):
+    """Base and three adapters in one batch (max_loras 3), or swapped through one slot: each
+    request's greedy tokens are those of transformers + peft with its adapter; then the same
+    prompts again with the adapters rotated hit the prefix cache only within an adapter."""
+    root, base_dir, reference, oracles = models
+    engine = engine_for(root, base_dir, max_loras)
+    try:
+        first = {f"r{i}": (PROMPTS[i], LORAS[i]) for i in range(4)}
+        got = run(engine, first)
+        hits_before = engine.stats().prefix_cache_hits
+        rotated = {f"s{i}": (PROMPTS[i], LORAS[(i + 1) % 4]) for i in range(4)}
+        got.update(run(engine, rotated))
+        assert engine.stats().prefix_cache_hits > hits_before  # shared blocks within an adapter
+        if max_loras == 1:
+            assert engine.lora is not None and engine.lora.num_swaps >= 3
+    finally:
+        engine.close()
+    want = {}
+    for request_id, (prompt, lora) in (first | rotated).items():
+        oracle = reference if lora is None else oracles[lora]
+        want[request_id] = hf_greedy(oracle, prompt, GREEDY.max_tokens)
+    assert got == want
+    # The adapters matter: each changes some request's tokens from the base model's.
+    base_tokens = {tuple(hf_greedy(reference, p, GREEDY.max_tokens)) for p in PROMPTS}
+    assert any(tuple(got[f"r{i}"]) not in base_tokens for i in (1, 2, 3))
+
+
+def test_prefix_cached_under_one_adapter_is_no_hit_for_another(models):
+    root, base_dir, _, _ = models
+    engine = engine_for(root, base_dir, 3)
+    try:
+        run(engine, {"a": (PROMPTS[0], "all8")})
+        for lora, request_id in ((None, "base"), ("attn4", "other")):
+            request = engine.add_request(request_id, PROMPTS[0], GREEDY, lora_name=lora)
+            assert engine.kv_cache.get_cached_prefix(request)[1] == 0
+            engine.abort(request_id)
+        request = engine.add_request("same", PROMPTS[0], GREEDY, lora_name="all8")
+        assert engine.kv_cache.get_cached_prefix(request)[1] == len(SHARED)
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def served(models, tmp_path_factory):
+    """An engine with --lora-root over the adapters' directory."""
+    root, base_dir, _, _ = models
+    engine = engine_for(root, base_dir, 2, lora_root=str(root))
+    yield engine
+    engine.close()
+
+
+def test_unknown_adapter_is_model_not_found(served):
+    with pytest.raises(ModelNotFound, match="'nope' does not exist"):
+        served.add_request("x", PROMPTS[0], GREEDY, lora_name="nope")
+
+
+def broken_copy(root, name: str, new: str, edit) -> str:
+    """A copy of adapter `name` as `new`, its config and tensors passed through `edit`."""
+    source, target = root / name, root / new
+    target.mkdir()
+    config = json.loads((source / "adapter_config.json").read_text())
+    tensors = load_file(source / "adapter_model.safetensors")
+    config, tensors = edit(config, tensors)
+    (target / "adapter_config.json").write_text(json.dumps(config))
+    if tensors is not None:
+        save_file(tensors, target / "adapter_model.safetensors")
+    return new
+
+
+def test_bad_adapters_are_refused_naming_the_problem(models, served):
+    root, _, _, _ = models
+    other_base = root / "other-base"
+    make_checkpoint(other_base, VARIANTS["llama"][0], dict(VARIANTS["llama"][1], hidden_size=32))
+    make_adapter(other_base, root / "other", rank=4, alpha=8, seed=9)
+    cases = {
+        broken_copy(
+            root, "all8", "no-weights", lambda c, t: (c, None)
+        ): "adapter_model.safetensors is missing",
+        broken_copy(
+            root, "all8", "rank16", lambda c, t: (dict(c, r=16), t)
+        ): "rank 16 is over the engine's max_lora_rank 8",
+        broken_copy(
+            root,
+            "all8",
+            "layer7",
+            lambda c, t: (c, {k.replace("layers.1.", "layers.7."): v for k, v in t.items()}),
+        ): "target module .* of layer 7 is not in this model",
+        broken_copy(
+            root,
+            "all8",
+            "qkv",
+            lambda c, t: (c, {k.replace("q_proj", "query_key_value"): v for k, v in t.items()}),
+        ): "target module query_key_value is not one",
+        "other": "an adapter of another base model",
+        "missing-dir": "does not exist",
+    }
+    for path, message in cases.items():
+        with pytest.raises(InvalidRequestError, match=message):
+            served.load_lora_adapter(path, path)
+        assert path not in served.lora.adapters
+
+
+def test_runtime_paths_must_resolve_inside_the_lora_root(models, served, tmp_path):
+    root, _, _, _ = models
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    link = root / "escape"
+    os.symlink(outside, link)
+    for path in (str(outside), "escape", "../outside", "/etc"):
+        with pytest.raises(
+            InvalidRequestError, match=r"must resolve .* inside the server's --lora-root"
+        ):
+            served.load_lora_adapter("x", path)
+
+
+def test_load_and_unload_under_traffic(models, served):
+    """An adapter loaded at run time serves at once; unloading one with a request running
+    refuses new requests at once and frees it only when that request ends, which ends
+    normally."""
+    oracles = models[3]
+    served.load_lora_adapter("again8", "all8")
+    prompt = PROMPTS[1]
+    got = run(served, {"new": (prompt, "again8")})
+    assert got["new"] == hf_greedy(oracles["all8"], prompt, GREEDY.max_tokens)
+    served.add_request("running", prompt, GREEDY, lora_name="again8")
+    tokens = [t for out in served.step() for t in out.new_token_ids]
+    gone: list[bool] = []
+    served.unload_lora_adapter("again8", lambda: gone.append(True))
+    with pytest.raises(ModelNotFound):
+        served.add_request("late", prompt, GREEDY, lora_name="again8")
+    assert "again8" in served.lora.adapters and not gone
+    while served.has_unfinished:
+        for out in served.step():
+            tokens += out.new_token_ids
+            finish = out.finish_reason
+    assert gone == [True] and "again8" not in served.lora.adapters
+    assert tokens == got["new"] and finish is not None and finish.value == "length"
+    with pytest.raises(NotFound, match="no LoRA adapter named 'again8'"):
+        served.unload_lora_adapter("again8")
+
+
+def test_runtime_updates_can_be_disabled(models):
+    root, base_dir, _, _ = models
+    engine = engine_for(root, base_dir, 1, lora_root=str(root), lora_runtime_updates=False)
+    try:
+        with pytest.raises(InvalidRequestError, match="--no-lora-runtime-updates"):
+            engine.load_lora_adapter("x", "all8")
+    finally:
+        engine.close()
