@@ -6,7 +6,9 @@ F32, F16 and BF16 are read as they are; Q4_0 and Q4_1 go straight into Folio's i
 (engine.layers.quantization: groups of 32 with a float16 scale and minimum and two codes to a
 byte in Q4_1's order, so Q4_1's blocks are copied bit for bit and Q4_0's scale d becomes a
 scale d with minimum -8d, exact in float16); Q8_0 is dequantized exactly into float32 (its
-scale is per 32 weights, Folio's int8 per output row: requantizing would round a second time).
+scale is per 32 weights, Folio's int8 per output row: requantizing would round a second time),
+as are Q5_0, Q5_1 and the K-quants Q4_K, Q5_K and Q6_K (engine.models.gguf_dequant says why
+none of them fits Folio's integer layouts exactly).
 Any other type is refused, naming it and the tensor, before anything is loaded. llama.cpp's
 converter permutes the rows of Q and K for its RoPE (pairs of adjacent features rotated
 together): the load undoes it. This module never writes files and never quantizes.
@@ -26,6 +28,7 @@ from gguf.quants import dequantize
 
 from engine.layers.linear import Linear, folio_quant_kernels
 from engine.layers.quantization import INT4_GROUP_SIZE, int4_weight
+from engine.models.gguf_dequant import dequantize_blocks
 from engine.models.gguf_metadata import read_gguf
 
 if TYPE_CHECKING:
@@ -33,7 +36,9 @@ if TYPE_CHECKING:
 
 Q = GGMLQuantizationType
 # The tensor types Folio reads, and how: as floats (exactly), or as int4 codes.
-FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0})
+# Dequantized by engine.models.gguf_dequant.
+BLOCK_TYPES = frozenset({Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0}) | BLOCK_TYPES
 INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1})
 READ_TYPES = ", ".join(t.name for t in sorted(FLOAT_TYPES | INT4_TYPES))
 
@@ -165,6 +170,9 @@ def _as_float32(part: _Part) -> np.ndarray:
         return np.array(part.rows, dtype=np.float32)
     if part.type == Q.F16:
         return part.rows.astype(np.float32)
+    if part.type in BLOCK_TYPES:
+        # A copy: the file's memory map is read-only, which torch does not take.
+        return dequantize_blocks(torch.from_numpy(part.rows.copy()), part.type.name).numpy()
     return dequantize(part.rows, part.type)
 
 

@@ -1,11 +1,13 @@
 """A GGUF file served as it is: GGUFs written here with gguf's writer from a tiny random Llama
 (llama.cpp's tensor names and Q/K row permutation) give transformers' greedy tokens (F32), and
-a quantized or half-precision one (Q8_0, Q4_0, Q4_1, F16, BF16) gives what the same weights
-in float32 give; a type Folio does not read is refused, naming it and the tensor; the default
+a quantized or half-precision one (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16)
+gives what the same weights in float32 give, Folio's dequantization equal to gguf's own; a type
+Folio does not read is refused, naming it and the tensor; the default
 model's own GGUF holds the codes and gives the logits of its prepared (converted) directory."""
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,7 @@ from engine.engine import LLMEngine
 from engine.layers.linear import Linear
 from engine.layers.quantization import QuantizedWeight
 from engine.model_runner import resolve_dtype
+from engine.models.gguf_dequant import BLOCK_BYTES, dequantize_blocks
 from engine.models.gguf_metadata import file_quantization
 from engine.models.loader import load_model
 from tiny_models import VARIANTS, hf_greedy, make_checkpoint
@@ -62,6 +65,28 @@ def rope_permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
+# Where each block type keeps its float16 scales (d, and dmin or m), by byte offset.
+HALF_OFFSETS = {"Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def random_blocks(rows: int, weights: int, qtype: GGMLQuantizationType, seed: int) -> np.ndarray:
+    """Random codes in `qtype`'s blocks (gguf has no K-quant quantizer), with small float16
+    scales: weights of the random checkpoints' size (about 0.1 to 1)."""
+    size = BLOCK_BYTES[qtype.name]
+    generator = np.random.default_rng(seed)
+    data = generator.integers(0, 256, (rows, weights // size_weights(qtype) * size), np.uint8)
+    blocks = data.reshape(-1, size)
+    scale = 2e-4 if qtype == Q.Q6_K else 1e-3
+    for at in HALF_OFFSETS[qtype.name]:
+        halves = generator.normal(0.0, scale, (blocks.shape[0], 1)).astype(np.float16)
+        blocks[:, at : at + 2] = halves.view(np.uint8)
+    return data
+
+
+def size_weights(qtype: GGMLQuantizationType) -> int:
+    return 256 if qtype.name.endswith("_K") else 32
+
+
 def write_gguf(
     path: Path, reference, linear_type: GGMLQuantizationType, dequantized: bool = False
 ) -> Path:
@@ -85,7 +110,11 @@ def write_gguf(
             values = rope_permute(values, heads)
         is_linear = values.ndim == 2 and name.startswith("model.layers.")
         if is_linear and linear_type != Q.F32:
-            blocks = quantize(values, linear_type)
+            if linear_type.name.endswith("_K"):
+                seed = zlib.crc32(name.encode())
+                blocks = random_blocks(*values.shape, linear_type, seed)
+            else:
+                blocks = quantize(values, linear_type)
             if dequantized:
                 writer.add_tensor(gguf_name(name), dequantize(blocks, linear_type))
             else:
@@ -130,7 +159,15 @@ def test_an_f32_gguf_gives_transformers_greedy_tokens(tmp_path, reference):
 # twin's stay float32 (measured: 1.8% on this model).
 @pytest.mark.parametrize(
     ("qtype", "max_error"),
-    [(Q.F16, 1e-5), (Q.BF16, 1e-5), (Q.Q8_0, 1e-5), (Q.Q4_0, 0.03), (Q.Q4_1, 0.03)],
+    [
+        (Q.F16, 1e-5),
+        (Q.BF16, 1e-5),
+        (Q.Q8_0, 1e-5),
+        (Q.Q5_0, 1e-5),
+        (Q.Q5_1, 1e-5),
+        (Q.Q4_0, 0.03),
+        (Q.Q4_1, 0.03),
+    ],
 )
 def test_a_quantized_gguf_gives_its_float32_twin_s_tokens(
     tmp_path, reference, qtype, max_error, monkeypatch
@@ -181,6 +218,40 @@ def test_a_quantized_gguf_gives_its_float32_twin_s_tokens(
     assert engine_greedy(quantized) == engine_greedy(twin)
 
 
+@pytest.mark.parametrize("name", list(BLOCK_BYTES))
+def test_blocks_dequantize_as_gguf_does(name):
+    """Random codes and scales in each block type: Folio's torch dequantization equals gguf's
+    own (numpy) bit for bit."""
+    qtype = Q[name]
+    rows = random_blocks(3, 4 * size_weights(qtype), qtype, seed=1)
+    got = dequantize_blocks(torch.from_numpy(rows), name)
+    assert torch.equal(got, torch.from_numpy(dequantize(rows, qtype)))
+    assert got.shape == (3, 4 * size_weights(qtype))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
+def test_a_k_quant_gguf_gives_its_float32_twin_s_tokens(tmp_path, qtype):
+    """K-quants (super-blocks of 256: a model 256 wide) read as floats, exactly: logits equal
+    the twin's written in F32 from gguf's dequantization of the same blocks, rows of Q and K
+    unpermuted whole blocks at a time; and the engine's greedy tokens."""
+    from test_models import Runner
+
+    wide = dict(VARIANTS["llama"][1], hidden_size=256, intermediate_size=256)
+    reference = make_checkpoint(tmp_path / "hf", VARIANTS["llama"][0], wide)
+    quantized = write_gguf(tmp_path / "k.gguf", reference, qtype)
+    twin = write_gguf(tmp_path / "twin.gguf", reference, qtype, dequantized=True)
+    model, config = load_model(quantized, torch.float32, "cpu")
+    twin_model, _ = load_model(twin, torch.float32, "cpu")
+    for (name, weight), (_, twin_weight) in zip(
+        model.state_dict().items(), twin_model.state_dict().items(), strict=True
+    ):
+        assert torch.equal(weight, twin_weight), name
+    (logits,) = Runner(model, config).step([("a", PROMPTS["b"])])
+    (twin_logits,) = Runner(twin_model, config).step([("a", PROMPTS["b"])])
+    assert torch.equal(logits, twin_logits)
+    assert engine_greedy(quantized) == engine_greedy(twin)
+
+
 def test_dtype_auto_keeps_a_4_bit_file_on_the_integer_kernels(tmp_path, reference):
     """The file's int4 layers take float32 activations, as --quantization int4's do."""
     int4 = write_gguf(tmp_path / "q4.gguf", reference, Q.Q4_1)
@@ -218,8 +289,8 @@ def test_compiled_decode_runs_a_4_bit_file(tmp_path, reference):
 
 def test_a_type_folio_does_not_read_is_refused_naming_it(tmp_path, reference):
     path = write_gguf(tmp_path / "k.gguf", reference, Q.F32)
-    # Rewrite with one Q5_K tensor (raw blocks: gguf has no Q5_K quantizer).
-    writer = GGUFWriter(str(tmp_path / "q5k.gguf"), "llama")
+    # Rewrite with one Q2_K tensor (raw blocks: gguf has no Q2_K quantizer).
+    writer = GGUFWriter(str(tmp_path / "q2k.gguf"), "llama")
     from gguf import GGUFReader
 
     for field in GGUFReader(path).fields.values():
@@ -227,15 +298,15 @@ def test_a_type_folio_does_not_read_is_refused_naming_it(tmp_path, reference):
             writer.add_key_value(field.name, field.contents(), field.types[0])
     for tensor in GGUFReader(path).tensors:
         if tensor.name == "blk.0.attn_q.weight":
-            writer.add_tensor(tensor.name, np.zeros((64, 176), np.uint8), raw_dtype=Q.Q5_K)
+            writer.add_tensor(tensor.name, np.zeros((64, 84), np.uint8), raw_dtype=Q.Q2_K)
         else:
             writer.add_tensor(tensor.name, np.array(tensor.data))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"'blk\.0\.attn_q\.weight' has type Q5_K"):
-        load_model(tmp_path / "q5k.gguf", torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"'blk\.0\.attn_q\.weight' has type Q2_K"):
+        load_model(tmp_path / "q2k.gguf", torch.float32, "cpu")
 
 
 def test_the_default_model_s_own_gguf_served_as_it_is(default_model_dir, monkeypatch):
