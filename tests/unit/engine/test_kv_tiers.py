@@ -6,7 +6,13 @@ start-up input named by its flag."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +24,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
 from engine.engine import LLMEngine
 from engine.kv_tiers.book import TierBook
+from engine.kv_tiers.disk_tier import DiskTier
 from engine.kv_tiers.host_tier import dequantize, quantize
 from tiny_models import VARIANTS, hf_greedy, make_checkpoint
 
@@ -176,3 +183,104 @@ def test_disk_tier_serves_a_new_engine_and_skips_bad_files(llama, tmp_path, capl
         assert cached == 12 and tokens == hf_greedy(reference, FOLLOW_UP, 6), kind
         warned = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
         assert len(warned) == 1 and paths[3].name in warned[0], (kind, warned)
+
+
+# The engine process of the restart test: computes the prompt, waits for its files, hangs.
+RESTART_CHILD = """
+import json, sys, time
+from common.config import EngineConfig
+from common.sampling_params import SamplingParams
+from engine.engine import LLMEngine
+
+engine = LLMEngine(EngineConfig(**json.loads(sys.argv[1])))
+engine.add_request("system", json.loads(sys.argv[2]), SamplingParams(max_tokens=1))
+while engine.has_unfinished:
+    engine.step()
+engine.kv_cache.tiers.disk.drain()
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_long_system_prompt_is_a_hit_after_kill_9_and_restart(tmp_path):
+    """An engine process computes a 2,000-token system prompt and is killed with SIGKILL; a new
+    engine on the same directory serves the prompt from the disk tier."""
+    model = tmp_path / "model"
+    make_checkpoint(
+        model, VARIANTS["llama"][0], dict(VARIANTS["llama"][1], max_position_embeddings=4096)
+    )
+    system = prompt(2000, 7)
+    config = dict(
+        model=str(model),
+        dtype="float32",
+        block_size=16,
+        num_kv_blocks=160,
+        max_num_batched_tokens=2048,
+        enforce_eager=True,
+        kv_cache_dir=str(tmp_path / "kv"),
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", RESTART_CHILD, json.dumps(config), json.dumps(system)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[3],
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+    finally:
+        child.kill()  # SIGKILL
+        child.wait(60)
+    assert child.returncode == -signal.SIGKILL
+    engine = LLMEngine(EngineConfig(**config))
+    question = system + prompt(5, 8)
+    tokens, _, cached = generate(engine, "after", question)
+    assert cached == 2000 and engine.kv_cache.tiers.hits["disk"] == 125
+    plain = LLMEngine(EngineConfig(**dict(config, kv_cache_dir=None)))
+    assert tokens == generate(plain, "cold", question)[0]
+
+
+IDENTITY = {"model": "a", "dtype": "float32"}
+
+
+def test_disk_bound_deletes_the_oldest_files_first(tmp_path):
+    disk = DiskTier(str(tmp_path), 10**9, 64, IDENTITY)
+    hashes = [bytes([i]) * 32 for i in range(4)]
+
+    def write(i: int, mtime: float) -> None:
+        disk.write(hashes[i], bytes([i]) * 64)
+        disk.drain()
+        os.utime(disk.dir / (hashes[i].hex() + ".kv"), (mtime, mtime))
+
+    file_size = None
+    for i in range(3):
+        write(i, 1000 + i)
+        file_size = (disk.dir / (hashes[i].hex() + ".kv")).stat().st_size
+    assert disk.read(hashes[0]) == bytes(64)  # a hit: now the newest
+    disk.max_bytes = 3 * file_size
+    write(3, 2000)
+    left = sorted(p.name for p in disk.dir.glob("*.kv"))
+    assert left == sorted(h.hex() + ".kv" for h in (hashes[0], hashes[2], hashes[3]))
+
+
+def test_start_up_refuses_bad_input_naming_the_flag(llama, tmp_path, caplog):
+    directory, _ = llama
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    with pytest.raises(ValueError, match=r"^--kv-cache-dir '.*file' is not a writable directory"):
+        DiskTier(str(not_a_dir), 10**9, 64, IDENTITY)
+    with pytest.raises(ValueError, match=r"^--kv-cache-dir-gib .* is below one KV block"):
+        DiskTier(str(tmp_path / "kv"), 63, 64, IDENTITY)
+    with pytest.raises(ValueError, match=r"^--kv-offload-gib 1e-09 is below one KV block"):
+        make_engine(directory, kv_offload_gib=1e-9)
+    # Another fingerprint's files: a cold start, said once, and their files left as they were.
+    old = DiskTier(str(tmp_path / "kv"), 10**9, 64, IDENTITY)
+    old.write(bytes(32), bytes(64))
+    old.drain()
+    (old_file,) = old.dir.glob("*.kv")
+    before = old_file.read_bytes()
+    with caplog.at_level(logging.WARNING, logger="engine.kv_tiers.disk_tier"):
+        new = DiskTier(str(tmp_path / "kv"), 10**9, 64, dict(IDENTITY, dtype="bfloat16"))
+    (warning,) = [r.getMessage() for r in caplog.records if r.name.endswith("disk_tier")]
+    assert warning.startswith("--kv-cache-dir ") and "starting cold" in warning
+    assert new.num_blocks == 0 and new.read(bytes(32)) is None
+    assert old_file.read_bytes() == before
