@@ -2,13 +2,17 @@
 SmolLM2-135M-Instruct in float32, whatever the batching does (one batch, chunked prefill,
 prefix-cache hits, preemption under a tiny KV pool), with decode steps compiled, and with the
 model sharded over 3 ranks; and, as a served `folio engine`, with no C++ compiler (eagerly) and
-with the compiled programs stored before (loaded, not compiled)."""
+with the compiled programs stored before (loaded, not compiled). A bfloat16 copy of the model
+with dtype "auto" on the AVX2 paths (its weights stored in bfloat16, widened in registers) gives
+transformers' tokens of it run in float32."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +26,8 @@ from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import LLM, SamplingParams
+from engine.kernels.cpu.capabilities import ISA_ENV, cpu_capabilities
+from engine.layers.linear import Bf16Tiles
 from polling import wait_until
 
 NEW_TOKENS = 32
@@ -64,16 +70,23 @@ def prompts(default_model_dir):
 
 @pytest.fixture(scope="module")
 def reference(default_model_dir, prompts):
-    """transformers greedy tokens, one prompt at a time (no padding), stopped at EOS like ours."""
+    return transformers_greedy(default_model_dir, prompts)
+
+
+def transformers_greedy(
+    model_dir: Path, prompts: list[list[int]], new_tokens: int = NEW_TOKENS
+) -> list[list[int]]:
+    """transformers greedy tokens in float32, one prompt at a time (no padding), stopped at EOS
+    like ours."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     out = []
     with torch.inference_mode():
         for ids in prompts:
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
             new = gen[0, len(ids) :].tolist()
             for i, t in enumerate(new):
                 if t in eos:
@@ -251,3 +264,49 @@ def test_restarted_engine_loads_its_programs(default_model_dir, prompts, referen
     log = stderr.read_text()
     assert re.search(r"compiled decode steps \(batches of 2, 1 rows\) loaded in", log), log[-3000:]
     assert " compiled in " not in log and "unavailable" not in log, log[-3000:]
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(default_model_dir, tmp_path_factory) -> Path:
+    """The default model stored in bfloat16 (each value rounded once), as most checkpoints are."""
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path_factory.mktemp("bf16-model")
+    for item in default_model_dir.iterdir():
+        if item.is_file() and item.name != "model.safetensors":
+            shutil.copy(item, directory)
+    weights = load_file(default_model_dir / "model.safetensors")
+    save_file(
+        {name: tensor.bfloat16() for name, tensor in weights.items()},
+        directory / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    config = json.loads((directory / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_bf16_checkpoint_matches_transformers_on_avx2_paths(bf16_checkpoint, prompts, monkeypatch):
+    """dtype "auto" on an AVX2-only CPU (forced here with FOLIO_CPU_ISA=avx2 where the CPU has
+    more) runs a bfloat16 checkpoint with float32 activations over its bfloat16 weights, widened
+    in registers: transformers' greedy tokens of the bfloat16 checkpoint run in float32. (This
+    CPU's own float32 path is the other tests'.)"""
+    chosen = [prompts[4], prompts[7], prompts[-1]]  # prefill rows past a block; decode rows
+    new_tokens = 16  # half the other tests': this one must fit the suite's budget
+    reference = transformers_greedy(bf16_checkpoint, chosen, new_tokens)
+    monkeypatch.setenv(ISA_ENV, "avx2")
+    cpu_capabilities.cache_clear()
+    try:
+        with LLM(model=str(bf16_checkpoint)) as llm:
+            runner = llm.engine.executor.runner
+            assert runner.dtype == torch.float32
+            if cpu_capabilities().folio_kernels:
+                qkv = runner.model.model.layers[0].self_attn.qkv_proj.packed
+                assert isinstance(qkv, Bf16Tiles) and qkv.widened
+                assert qkv.tiles.dtype == torch.bfloat16
+            params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
+            assert [r.token_ids for r in llm.generate(chosen, params)] == reference
+    finally:
+        monkeypatch.delenv(ISA_ENV)
+        cpu_capabilities.cache_clear()
