@@ -199,8 +199,10 @@ class Scheduler:
         expected = cost.seconds_to_prefill(
             tokens, self.num_running_seqs, self.max_num_batched_tokens
         )
-        # Next in line and allowed to preempt for a slot: it need not wait for one to free.
-        if ahead or self._victim_for(request) is None:
+        # Allowed to preempt for a slot and next in line (under fair, whichever of the other
+        # tenants' requests run first: its own tenant is within its share at its turn): it
+        # need not wait for one to free.
+        if (ahead and self.policy != "fair") or self._victim_for(request) is None:
             expected += self._seconds_to_free_slots(len(ahead) + 1, ahead, cost)
         if expected > ms / 1000:
             raise DeadlineUnmeetable(

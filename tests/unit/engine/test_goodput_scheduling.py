@@ -283,3 +283,20 @@ def test_fair_a_blocked_tenant_holds_up_no_other():
     out = sched.schedule()
     assert light in out.requests
     assert [r.request_id for r in out.preempted] == ["f1"]
+
+
+def test_fair_admission_counts_on_preempting_for_a_tenant_within_its_share():
+    # The flood holds both slots for a thousand steps and queues more. A light request may
+    # take a flood slot at its turn, so its deadline is met by the prefill ahead of it alone:
+    # admitted (not refused for the slots the flood would free ten seconds later), and started.
+    sched = make(cost=COST, scheduling_policy="fair", max_num_seqs=2, max_num_batched_tokens=64)
+    flood = [req(f"f{i}", 4, arrival=float(i), tenant="flood", max_tokens=1000) for i in range(6)]
+    for r in flood:
+        sched.add_request(r)
+    advance(sched, sched.schedule())
+    light = req("light", 4, arrival=10.0, tenant="light", ttft_ms=200)
+    sched.add_request(light)
+    assert light in sched.schedule().requests
+    # A flood request with the same deadline waits for a slot to free: refused.
+    with pytest.raises(DeadlineUnmeetable):
+        sched.add_request(req("f-late", 4, arrival=11.0, tenant="flood", ttft_ms=200))
