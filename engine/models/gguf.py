@@ -1,7 +1,8 @@
 """Reads a GGUF file's tensors (llama.cpp's format) as they are into Folio's model, without
 converting the file to anything first (engine.models.gguf_metadata reads its config).
 
-Llama-family files only (`general.architecture` = llama, as SmolLM2's are). Tensor types:
+Llama-family files (`general.architecture` llama, as SmolLM2's are; qwen2 with its q/k/v biases;
+qwen3 with its q/k norms). Tensor types:
 F32, F16 and BF16 are read as they are; Q4_0 and Q4_1 go straight into Folio's int4 layout
 (engine.layers.quantization: groups of 32 with a float16 scale and minimum and two codes to a
 byte in Q4_1's order, so Q4_1's blocks are copied bit for bit and Q4_0's scale d becomes a
@@ -10,8 +11,9 @@ scale is per 32 weights, Folio's int8 per output row: requantizing would round a
 as are Q5_0, Q5_1 and the K-quants Q4_K, Q5_K and Q6_K (engine.models.gguf_dequant says why
 none of them fits Folio's integer layouts exactly).
 Any other type is refused, naming it and the tensor, before anything is loaded. llama.cpp's
-converter permutes the rows of Q and K for its RoPE (pairs of adjacent features rotated
-together): the load undoes it. This module never writes files and never quantizes.
+converter permutes the rows of Q and K of a llama file for its RoPE (pairs of adjacent features
+rotated together): the load undoes it (qwen2's and qwen3's rotate halves, as Hugging Face's do,
+and are written as they are). This module never writes files and never quantizes.
 """
 
 from __future__ import annotations
@@ -48,12 +50,16 @@ _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_output": "self_attn.o_proj",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# The tensors llama.cpp's converter permutes in a llama file.
+_ROPE_PERMUTED = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -100,8 +106,8 @@ def load_gguf_weights(
             unexpected.append(tensor.name)
             continue
         rows = np.asarray(tensor.data)
-        if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            q = hf_name.endswith("q_proj.weight")
+        if config.model_type == "llama" and hf_name.endswith(_ROPE_PERMUTED):
+            q = ".q_proj." in hf_name
             heads = config.num_attention_heads if q else config.num_key_value_heads
             rows = _unpermute_rope_rows(rows, heads)
         parts.setdefault(name, {})[shard] = _Part(tensor.name, tensor.tensor_type, rows)
@@ -140,9 +146,11 @@ def _hf_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     blk, layer, kind, suffix = [*gguf_name.split("."), "", "", ""][:4]
-    if blk != "blk" or not layer.isdigit() or kind not in _LAYER_TENSORS or suffix != "weight":
+    if blk != "blk" or not layer.isdigit() or kind not in _LAYER_TENSORS:
         return None
-    return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.weight"
+    if suffix not in ("weight", "bias"):  # (llama.cpp's names end in one or the other)
+        return None
+    return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
 
 
 def _missing(model: LlamaForCausalLM, params: dict, parts: dict) -> list[str]:
@@ -156,9 +164,9 @@ def _missing(model: LlamaForCausalLM, params: dict, parts: dict) -> list[str]:
 
 
 def _unpermute_rope_rows(rows: np.ndarray, heads: int) -> np.ndarray:
-    """Hugging Face's row order of a Q or K weight from llama.cpp's: the converter moved row
-    i + j * head_dim / 2 of each head to row 2 * i + j (j in 0, 1); rows are whole quantized
-    blocks' rows too, so this reorders any type."""
+    """Hugging Face's row order of a Q or K weight (or bias) from llama.cpp's: the converter
+    moved row i + j * head_dim / 2 of each head to row 2 * i + j (j in 0, 1); rows are whole
+    quantized blocks' rows too, so this reorders any type."""
     head_dim = rows.shape[0] // heads
     grouped = rows.reshape(heads, head_dim // 2, 2, *rows.shape[1:])
     return np.ascontiguousarray(grouped.swapaxes(1, 2).reshape(rows.shape))

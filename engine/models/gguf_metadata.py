@@ -12,7 +12,11 @@ from typing import Any
 from gguf import GGUFReader
 
 # general.architecture -> the Hugging Face architecture whose model serves it.
-ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -97,6 +101,8 @@ def gguf_config(path: str | Path) -> dict[str, Any]:
         "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
         "max_position_embeddings": key("context_length"),
         "tie_word_embeddings": "output.weight" not in names,
+        # Qwen2 always has q/k/v biases; the others where the file holds them.
+        "attention_bias": "blk.0.attn_q.bias" in names,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }

@@ -38,6 +38,8 @@ LAYER_NAMES = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "self_attn.o_proj": "attn_output",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
@@ -55,7 +57,8 @@ def gguf_name(hf_name: str) -> str:
     if hf_name in glob:
         return glob[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
-    return f"blk.{layer}.{LAYER_NAMES[rest.removesuffix('.weight')]}.weight"
+    module, _, suffix = rest.rpartition(".")
+    return f"blk.{layer}.{LAYER_NAMES[module]}.{suffix}"
 
 
 def rope_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -88,24 +91,33 @@ def size_weights(qtype: GGMLQuantizationType) -> int:
 
 
 def write_gguf(
-    path: Path, reference, linear_type: GGMLQuantizationType, dequantized: bool = False
+    path: Path,
+    reference,
+    linear_type: GGMLQuantizationType,
+    dequantized: bool = False,
+    arch: str = "llama",
 ) -> Path:
-    """The reference model as llama.cpp writes it; linear weights in `linear_type` (or, with
-    `dequantized`, those quantized values back in F32: the file's float32 twin)."""
+    """The reference model as llama.cpp writes it for `arch`; linear weights in `linear_type`
+    (or, with `dequantized`, those quantized values back in F32: the file's float32 twin)."""
     config = reference.config
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_uint32("llama.context_length", config.max_position_embeddings)
-    writer.add_uint32("llama.embedding_length", config.hidden_size)
-    writer.add_uint32("llama.block_count", config.num_hidden_layers)
-    writer.add_uint32("llama.feed_forward_length", config.intermediate_size)
-    writer.add_uint32("llama.attention.head_count", config.num_attention_heads)
-    writer.add_uint32("llama.attention.head_count_kv", config.num_key_value_heads)
-    writer.add_float32("llama.rope.freq_base", config.rope_parameters["rope_theta"])
-    writer.add_float32("llama.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
-    writer.add_uint32("llama.vocab_size", config.vocab_size)
+    writer = GGUFWriter(str(path), arch)
+    writer.add_uint32(f"{arch}.context_length", config.max_position_embeddings)
+    writer.add_uint32(f"{arch}.embedding_length", config.hidden_size)
+    writer.add_uint32(f"{arch}.block_count", config.num_hidden_layers)
+    writer.add_uint32(f"{arch}.feed_forward_length", config.intermediate_size)
+    writer.add_uint32(f"{arch}.attention.head_count", config.num_attention_heads)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_uint32(f"{arch}.attention.key_length", head_dim)
+    writer.add_float32(f"{arch}.rope.freq_base", config.rope_parameters["rope_theta"])
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
+    writer.add_uint32(f"{arch}.vocab_size", config.vocab_size)
     for name, tensor in reference.state_dict().items():
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue  # a tied file has no output.weight
         values = tensor.float().numpy()
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
+        # llama.cpp permutes a llama's Q and K rows for its rope; Qwen's rotate as HF's do.
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             values = rope_permute(values, heads)
         is_linear = values.ndim == 2 and name.startswith("model.layers.")
@@ -347,10 +359,35 @@ def test_what_a_gguf_is_not_served_with_is_refused(tmp_path, reference):
         load_model(path, torch.float32, "cpu", quantization="int8")
     with pytest.raises(ValueError, match=r"tensor-parallel size 1 \(got 2\)"):
         load_model(path, torch.float32, "cpu", tp=TensorParallel(rank=0, size=2))
-    writer = GGUFWriter(str(tmp_path / "qwen2.gguf"), "qwen2")
+    writer = GGUFWriter(str(tmp_path / "gemma3.gguf"), "gemma3")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"general\.architecture 'qwen2' is not served"):
-        ModelConfig.from_dir(tmp_path / "qwen2.gguf")
+    with pytest.raises(ValueError, match=r"general\.architecture 'gemma3' is not served"):
+        ModelConfig.from_dir(tmp_path / "gemma3.gguf")
+
+
+# Qwen2's q/k/v biases and tied embedding, Qwen3's q/k norms: each as llama.cpp writes it (no
+# rope permutation), in Q8_0 and F32.
+@pytest.mark.parametrize(
+    ("variant", "arch", "qtype"),
+    [("qwen2-bias-tied", "qwen2", Q.Q8_0), ("qwen3-qknorm", "qwen3", Q.F32)],
+)
+def test_qwen_ggufs_give_their_safetensors_twins_tokens(tmp_path, variant, arch, qtype):
+    """A Qwen2 and a Qwen3 GGUF give the greedy tokens of the same weights served from a
+    safetensors directory (the Q8_0 file's dequantized ones) and, in F32, transformers'."""
+    reference = make_checkpoint(tmp_path / "hf", *VARIANTS[variant])
+    path = write_gguf(tmp_path / f"{arch}.gguf", reference, qtype, arch=arch)
+    if qtype != Q.F32:  # the directory holds the file's values
+        with torch.no_grad():
+            for name, weight in reference.named_parameters():
+                if weight.dim() == 2 and name.startswith("model.layers."):
+                    values = dequantize(quantize(weight.numpy(), qtype), qtype)
+                    weight.copy_(torch.from_numpy(values))
+        reference.save_pretrained(tmp_path / "hf")
+    got = engine_greedy(path)
+    assert got == engine_greedy(tmp_path / "hf")
+    if qtype == Q.F32:
+        for rid, ids in PROMPTS.items():
+            assert got[rid] == hf_greedy(reference, ids, GREEDY.max_tokens), rid
