@@ -50,7 +50,9 @@ def resolve_dtype(
 ) -> torch.dtype:
     """ "auto" is bfloat16 where the device computes it natively (Ampere/Hopper, CPUs with
     AVX-512 bf16 or AMX) and float32 elsewhere: on an AVX2-only CPU, bf16 matmuls are emulated
-    and run far slower than fp32. A quantized model on the CPU is float32 where Folio's integer
+    and run far slower than fp32, and a bfloat16 checkpoint's weights stay bfloat16 there,
+    widened to float32 in Folio's AVX2 kernel (engine.layers.linear.pack_weight; the loader logs
+    which kernels the linears got). A quantized model on the CPU is float32 where Folio's integer
     kernels load: they take float32 activations (and quantize them to int8 themselves), and beat
     torch's bfloat16 weight-only kernels even on CPUs with native bf16 (docs/quantization.md).
     The CPU's side of the answer comes from its capabilities (engine.kernels.cpu.capabilities)."""
