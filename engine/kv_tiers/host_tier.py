@@ -3,9 +3,9 @@
 Two formats. `native`: the pool's dtype as it is (pinned memory on CUDA, so copies to and from
 the device are DMA). `int8`: on the CPU, where the pool already is host memory, the tier is only
 worth having if it holds more than the pool would: K and V are quantized to 8 bits with one
-symmetric float32 scale per block, layer, K|V and KV head (absmax / 127 over the block's tokens
+symmetric float32 scale per block, layer and K|V (absmax / 127 over the block's tokens, heads
 and head dimension), about a quarter of float32's bytes and half of bfloat16's. The error is
-bounded by half a step of that scale per value (docs/kv_tiers.md gives measured figures).
+at most half a step of that scale per value (docs/kv_tiers.md gives measured figures).
 
 A slot holds one block of every layer: [layers, 2 (K, V), block_size, kv_heads, head_dim]. This
 module stores and returns tensors by slot; which slot holds what is engine.kv_tiers.book's.
@@ -29,21 +29,26 @@ def bytes_per_block(block_shape: tuple[int, ...], dtype: torch.dtype, fmt: str) 
     layers, _, block_size, heads, head_dim = block_shape
     values = layers * 2 * block_size * heads * head_dim
     if fmt == "int8":
-        return values + layers * 2 * heads * 4  # and the float32 scales
+        return values + layers * 2 * 4  # and the float32 scales
     return values * torch.empty((), dtype=dtype).element_size()
 
 
 def quantize(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, layers, 2, block_size, heads, head_dim] -> int8 values and [n, layers, 2, heads]
-    float32 scales."""
-    x = blocks.float()
-    scales = x.abs().amax(dim=(3, 5)).clamp_min(1e-12) / 127.0
-    q = torch.round(x / scales[:, :, :, None, :, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scales
+    """[n, layers, 2, block_size, heads, head_dim] -> int8 values and [n, layers, 2] float32
+    scales (each a contiguous run of block_size * heads * head_dim values: one pass)."""
+    n, layers = blocks.shape[:2]
+    x = blocks.reshape(n * layers * 2, -1).to(torch.float32, copy=True)  # divided in place
+    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=1, keepdim=True)
+    scales = amax.clamp_min_(1e-12).div_(127.0)
+    # |x / scale| <= 127 by construction: no clamp needed.
+    q = x.div_(scales).round_().to(torch.int8)
+    return q.view(blocks.shape), scales.view(n, layers, 2)
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.float() * scales[:, :, :, None, :, None]).to(dtype)
+    n, layers = q.shape[:2]
+    x = q.reshape(n * layers * 2, -1).to(dtype).mul_(scales.view(-1, 1).to(dtype))
+    return x.view(q.shape)
 
 
 class HostTier:
@@ -55,7 +60,7 @@ class HostTier:
         # torch.empty: the kernel hands out pages as slots are first written.
         if fmt == "int8":
             self.data = torch.empty((num_slots, *block_shape), dtype=torch.int8)
-            self.scales = torch.empty((num_slots, block_shape[0], 2, block_shape[3]))
+            self.scales = torch.empty((num_slots, block_shape[0], 2))
         else:
             self.data = torch.empty((num_slots, *block_shape), dtype=dtype, pin_memory=pin)
 
