@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from common.flags import check_choices, command_line, flag, from_args
+from common.speculative import SpeculativeConfig
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
@@ -191,6 +192,18 @@ class EngineConfig:
         False,
         "wait for workers started with `folio engine-worker` instead of starting them",
     )
+    speculative_config: str | None = flag(
+        None,
+        'speculative decoding, vLLM\'s JSON: {"method": "ngram", '
+        '"num_speculative_tokens": 4, ...} (docs/speculative_decoding.md); default off',
+    )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """--speculative-config parsed (checked already when the config was built)."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_json(self.speculative_config)
 
     @property
     def lora_enabled(self) -> bool:
@@ -257,6 +270,7 @@ class EngineConfig:
             f"know (got tensor_parallel_size {self.tensor_parallel_size}, "
             f"master_port {self.master_port})",
         )
+        _ = self.speculative  # a bad --speculative-config is refused here, naming its key
 
 
 # The largest HTTP request body the gateway reads (413 beyond). Room for a full context of

@@ -22,7 +22,7 @@ from common.sampling_params import SamplingParams
 from common.service_level import NO_SERVICE_LEVEL, ServiceLevel
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_events import KVEventPublisher
-from engine.core.outputs import EngineStats, RequestOutput, SamplerOutput, StepTimings
+from engine.core.outputs import EngineStats, Logprobs, RequestOutput, SamplerOutput, StepTimings
 from engine.core.request import Request, check_new_request, ended_output
 from engine.core.scheduler import Scheduler
 from engine.core.step_cost import LiveStepCost, StepCostModel
@@ -30,6 +30,7 @@ from engine.core.stopping import check_stop
 from engine.errors import EngineGroupError, InvalidRequestError
 from engine.executor import Executor
 from engine.lora.registry import LoraRegistry, find_adapter, runtime_lora
+from engine.spec_decode.drafter import Drafter
 
 
 class LLMEngine:
@@ -72,6 +73,9 @@ class LLMEngine:
         self.lora = LoraRegistry.start(config, executor.lora_backend)
         if self.lora is not None:
             self.scheduler.admission_gate = self.lora.pin
+        # Speculative decoding: what drafts tokens before each step (engine.spec_decode).
+        spec = config.speculative
+        self.drafter = Drafter(spec, self.max_model_len, self.step_cost) if spec else None
         self.requests: dict[str, Request] = {}
         # Requests with a total deadline, checked before every step.
         self._deadlines: dict[str, Request] = {}
@@ -204,7 +208,13 @@ class LLMEngine:
         return self.executor.dtype_name
 
     def stats(self) -> EngineStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        if self.drafter is not None:
+            spec = self.drafter.stats
+            stats.spec_num_drafts = spec.num_drafts
+            stats.spec_num_draft_tokens = spec.num_draft_tokens
+            stats.spec_num_accepted_tokens = spec.num_accepted_tokens
+        return stats
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -228,6 +238,8 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         between = 0.0 if self._busy_since is None else t0 - self._busy_since
+        if self.drafter is not None:
+            self.drafter.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if self.lora is not None:
             for preempted in sched.preempted:
@@ -264,8 +276,11 @@ class LLMEngine:
         sampling_requests: list[Request],
         sampled: SamplerOutput,
     ) -> list[RequestOutput]:
+        accepted = sampled.accepted or [[] for _ in sampling_requests]
         for request, num_new in zip(scheduled, num_new_tokens, strict=False):
             request.num_computed_tokens += num_new
+            if request.spec_token_ids:
+                continue  # its drafts are settled (and its blocks cached) with its tokens below
             self.kv_cache.cache_blocks(request, request.num_computed_tokens)
             if request.samples and request.num_computed_tokens == request.num_tokens:
                 # n > 1: the prompt is computed; its samples (the sampling rows) take over.
@@ -276,19 +291,36 @@ class LLMEngine:
             reason: FinishReason | None
             if request.sampling_params.max_tokens == 0:
                 # Scoring only: the prompt is computed (for its logprobs), nothing generated.
-                new_token_ids, logprobs, reason = [], None, FinishReason.LENGTH
+                new_token_ids, new_logprobs, reason = [], [], FinishReason.LENGTH
             else:
-                token_id = sampled.token_ids[row]
-                new_token_ids = [token_id]
-                request.append_output(token_id)
-                logprobs = sampled.logprobs[row]
-                if logprobs is not None:
-                    request.output_logprobs.append(logprobs)
-                reason = check_stop(request, self.eos_token_ids, self.max_model_len)
-                # Asked even when the request stops anyway: the executor's constraint follows
-                # every output token.
-                if self.executor.constraint_ended(request) and reason is None:
-                    reason = FinishReason.STOP  # the grammar is complete
+                # Speculative decoding: the drafts verification accepted come first.
+                new_token_ids = [*accepted[row], sampled.token_ids[row]]
+                last = sampled.logprobs[row]
+                new_logprobs = (
+                    [] if last is None else [*self._accepted_logprobs(sampled, row), last]
+                )
+                drafted = bool(request.spec_token_ids)
+                if drafted:
+                    self._settle_drafts(request, len(accepted[row]))
+                reason = None
+                for count, token_id in enumerate(new_token_ids, 1):
+                    request.append_output(token_id)
+                    reason = check_stop(request, self.eos_token_ids, self.max_model_len)
+                    # Asked even when the request stops anyway: the executor's constraint
+                    # follows every output token.
+                    if self.executor.constraint_ended(request) and reason is None:
+                        reason = FinishReason.STOP  # the grammar is complete
+                    if reason is not None:
+                        del new_token_ids[count:]  # tokens past a stop are not the request's
+                        del new_logprobs[count:]
+                        break
+                request.output_logprobs += new_logprobs
+                if drafted:
+                    # As without drafts: the blocks of its tokens but the newest are cached.
+                    self.kv_cache.cache_blocks(
+                        request, min(request.num_computed_tokens, request.num_tokens - 1)
+                    )
+                    self.scheduler.roll_back(request)
             if request.times.first_token is None:
                 request.times.first_token = now
             if reason is not None:
@@ -300,7 +332,7 @@ class LLMEngine:
                     request_id=request.caller_id,
                     index=request.sample_index,
                     new_token_ids=new_token_ids,
-                    new_logprobs=[logprobs] if logprobs is not None else [],
+                    new_logprobs=new_logprobs,
                     prompt_logprobs=self._first_output_prompt_logprobs(request),
                     finished=reason is not None,
                     finish_reason=reason,
@@ -308,9 +340,25 @@ class LLMEngine:
                     num_output_tokens=request.num_output_tokens,
                     num_cached_tokens=request.num_cached_tokens,
                     queue_seconds=_queue_seconds(request) if reason is not None else 0.0,
+                    num_draft_tokens=request.num_drafted_tokens,
+                    num_accepted_tokens=request.num_accepted_tokens,
                 )
             )
         return outputs
+
+    def _settle_drafts(self, request: Request, num_accepted: int) -> None:
+        """A request's drafts are verified: its computed tokens count the accepted ones only
+        (the rejected ones' KV slots are written over later; their blocks go back in
+        roll_back), and the drafter learns its acceptance."""
+        assert self.drafter is not None, "drafts without a drafter"
+        num_drafted = len(request.spec_token_ids)
+        request.num_computed_tokens -= num_drafted - num_accepted
+        request.spec_token_ids = []
+        self.drafter.settle(request, num_drafted, num_accepted)
+
+    @staticmethod
+    def _accepted_logprobs(sampled: SamplerOutput, row: int) -> list[Logprobs]:
+        return sampled.accepted_logprobs[row] if sampled.accepted_logprobs else []
 
     def _pooled(
         self, requests: list[Request], embeddings: list[list[float]]

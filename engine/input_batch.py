@@ -2,8 +2,9 @@
 
 A row holds a request's token ids and block table, in preallocated numpy arrays. Rows change
 only when a step plan says so: a request joins (its whole state is written once), leaves
-(finished, aborted, forked or preempted: its row is freed for the next one to join) or grows
-(the token and block ids appended to it). Nothing is rebuilt per step, so a step's inputs are
+(finished, aborted, forked or preempted: its row is freed for the next one to join), grows
+(the token and block ids appended to it) or loses the tail of its block table (blocks that only
+rejected speculative drafts reached). Nothing is rebuilt per step, so a step's inputs are
 a few vectorized gathers over the rows it schedules (ModelRunner.prepare).
 
 This module knows only the plan's plain data: it never sees a Request, never decides what
@@ -39,6 +40,10 @@ class PersistentBatch:
             self._remove(seq_id)
         for seq_id in plan.preempted_ids:
             self._remove(seq_id)
+        for seq_id, num_blocks in plan.block_truncations:
+            row = self.row_of.get(seq_id)  # None: it left since (preempted, finished)
+            if row is not None:
+                self.num_blocks[row] = num_blocks
         for new in plan.new_requests:
             if not self._free_rows:
                 raise RuntimeError(

@@ -40,6 +40,9 @@ class CompletionOutput:
     # precedes it).
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
     num_cached_tokens: int = 0
+    # Speculative decoding: tokens drafted for it, and how many of them were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -93,6 +96,8 @@ class LLM:
             if out.prompt_logprobs is not None:
                 result.prompt_logprobs = [None] + [(lp, top) for _, lp, top in out.prompt_logprobs]
             result.num_cached_tokens = out.num_cached_tokens
+            result.num_draft_tokens = out.num_draft_tokens
+            result.num_accepted_tokens = out.num_accepted_tokens
             if out.finish_reason is not None:  # set on the last output
                 result.finish_reason = out.finish_reason.value
         for result in results:

@@ -3,8 +3,9 @@
 It sizes the KV pool from the memory budget, starts the tensor-parallel ranks when asked, and
 per step has the model runner prepare inputs and run the forward (on every rank), then samples
 one token per sampling row (with the structured-output grammars' masks, computed while the
-forward runs), records the prompt logprobs the step computed and finishes the vectors of the
-embedding requests the step pooled (engine.pooler). With the pooling runner it serves embedding
+forward runs; a request's speculative drafts are verified instead: engine.spec_decode), records
+the prompt logprobs the step computed and finishes the vectors of the embedding requests the
+step pooled (engine.pooler). With the pooling runner it serves embedding
 requests only. It never schedules, never changes what a request has computed and never decides
 that a request ends (the loop does).
 """
@@ -42,6 +43,7 @@ from engine.models.config import ModelConfig
 from engine.models.gguf_metadata import file_quantization
 from engine.pooler import Pooler, PoolingConfig, finish
 from engine.sampler import Sampler, record_prompt_logprobs
+from engine.spec_decode.verify import Verifier
 from engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,11 @@ class ModelExecutor:
         quantization = config.quantization or file_quantization(self.model_path)
         dtype = resolve_dtype(config.dtype, config.device, quantization)
         tp_size = config.tensor_parallel_size
+        if config.speculative is not None and tp_size > 1:
+            raise ValueError(
+                "speculative_config: speculative decoding with tensor parallelism "
+                "(tensor_parallel_size > 1) is not supported yet"
+            )
         check_tensor_parallel_size(
             model_config.num_attention_heads, model_config.num_key_value_heads, tp_size
         )
@@ -116,6 +123,7 @@ class ModelExecutor:
         self.sampler = Sampler(
             model_config.vocab_size, sorted(self.eos_token_ids), config.device, config.seed
         )
+        self.verifier = Verifier(self.sampler, config.seed)
         self.structured = StructuredOutputManager(
             self.model_path, model_config.vocab_size, sorted(self.eos_token_ids), config.device
         )
@@ -178,7 +186,9 @@ class ModelExecutor:
         t2 = time.perf_counter()
         # Rows past the sampled ones are prompt positions whose logprobs were asked.
         num_sampled = model_input.num_sampled
-        sampled = self.sampler.sample(
+        # A step where some request drafted tokens verifies them (engine.spec_decode.verify).
+        sample = self.verifier.sample if step.plan.num_spec_tokens else self.sampler.sample
+        sampled = sample(
             logits[:num_sampled],
             step.sampling_requests,
             masks.result() if masks is not None else None,

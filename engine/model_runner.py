@@ -41,6 +41,7 @@ from engine.models.config import ModelConfig
 from engine.models.gguf_metadata import file_quantization
 from engine.models.loader import load_model
 from engine.pooler import Pooler, PoolSlice
+from engine.spec_decode.verify import sampled_rows, write_drafts
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -215,6 +216,8 @@ class ModelRunner:
         bs = self.block_size
         num_reqs = plan.num_scheduled
         rows = self.batch.rows(plan.scheduled_ids)
+        if plan.num_spec_tokens:
+            write_drafts(self.batch, rows, plan)
         computed = np.array(plan.num_computed_tokens, dtype=np.int64)
         query_lens = plan.num_new_tokens
         num_new = np.array(query_lens, dtype=np.int64)
@@ -245,7 +248,7 @@ class ModelRunner:
         # Logits rows: each sampled entry's last token (once per sample), then prompt positions.
         logits_idx = self.logits_indices.np
         num_logits = plan.num_sampled_rows
-        logits_idx[:num_logits] = np.repeat(ends - 1, plan.num_samples)
+        logits_idx[:num_logits] = sampled_rows(ends, plan)
         for span in plan.prompt_logprob_spans:
             i = span.batch_index
             first_row = starts[i] + span.first_token - 1 - computed[i]

@@ -136,6 +136,10 @@ class Sampler:
     def leave(self, request: Request) -> None:
         self._rows.pop(request, None)
 
+    def generator_of(self, request: Request) -> torch.Generator | None:
+        """A seeded request's own generator (on the CPU); None for an unseeded one."""
+        return self._rows_of([request])[0].generator
+
     def _rows_of(self, requests: Sequence[Request]) -> list[SamplingRow]:
         rows = self._rows
         out = []

@@ -424,6 +424,20 @@ class KVCacheManager:
                 stored.block_hashes.append(block_hash)
                 stored.token_ids += block_tokens
 
+    def trim(self, request: Request, num_tokens: int) -> bool:
+        """Release the request's blocks past those holding its first `num_tokens` tokens (the
+        blocks only its rejected drafts reached: never hashed, so never announced); False if
+        there were none."""
+        keep = -(-num_tokens // self.block_size) * self.num_groups
+        table = request.block_table
+        if len(table) <= keep:
+            return False
+        for block in reversed(table[keep:]):
+            if block != self._null:
+                self._release(block)
+        del table[keep:]
+        return True
+
     def free(self, request: Request) -> None:
         """Release all of the request's blocks, tail first so that eviction drops tails first."""
         for block in reversed(request.block_table):

@@ -22,6 +22,10 @@ class SamplerOutput:
     token_ids: list[int]
     # Per row: None unless the request asked for logprobs.
     logprobs: list[Logprobs | None]
+    # Speculative decoding: per row, the drafted tokens verification accepted, which come
+    # before token_ids[row] (and their logprob records, when asked); None when no row drafted.
+    accepted: list[list[int]] | None = None
+    accepted_logprobs: list[list[Logprobs]] | None = None
 
 
 @dataclass
@@ -46,6 +50,9 @@ class RequestOutput:
     queue_seconds: float = 0.0
     # An embedding request's one output: its pooled vector, L2-normalised.
     embedding: list[float] | None = None
+    # Speculative decoding: tokens drafted for the request so far, and how many were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -105,3 +112,8 @@ class EngineStats:
     queued_prefill_tokens: int = 0
     prefill_token_seconds: float = 0.0
     decode_step_seconds: float = 0.0
+    # Speculative decoding (vLLM's counters): verification steps of a request with drafts,
+    # drafted tokens, accepted tokens.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0

@@ -93,6 +93,11 @@ class Request:
     hash_root: bytes = ROOT_HASH
     # The request's name in step plans (engine.core.step_plan): an int, so plans stay numeric.
     seq_id: int = field(init=False)
+    # Speculative decoding (engine.spec_decode): the tokens drafted for the next step to verify
+    # after its last token (never part of token_ids), and how many were drafted and accepted.
+    spec_token_ids: list[int] = field(default_factory=list, repr=False)
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

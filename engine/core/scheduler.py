@@ -130,6 +130,7 @@ class Scheduler:
         # Whether the waiting request at a lane's head may start now (the LoRA registry's: its
         # adapter has a slot); None: always.
         self.admission_gate: Callable[[Request], bool] | None = None
+        self._truncations: list[tuple[int, int]] = []
 
     @property
     def has_unfinished(self) -> bool:
@@ -266,13 +267,20 @@ class Scheduler:
                     break
                 if request.status is not RequestStatus.RUNNING:
                     continue  # preempted earlier in this step
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                left = request.num_tokens - request.num_computed_tokens
+                num_new = min(left + len(request.spec_token_ids), budget)
                 while not self.kv_cache.allocate(request, num_new):
+                    if request.spec_token_ids:  # drafts give way before any request does
+                        request.spec_token_ids = []
+                        num_new = min(left, budget)
+                        continue
                     victim = self._pick_victim(batch_only=request.is_batch)
                     preempt(victim)
                     if victim is request:
                         break
                 else:
+                    # The budget may cut the drafts short: those past it are not verified.
+                    del request.spec_token_ids[num_new - left :]
                     chosen[request] = num_new
                     budget -= num_new
 
@@ -398,9 +406,21 @@ class Scheduler:
             return None
         return max((r for r in self.running if r.tenant == over), key=lambda r: r.times.arrival)
 
+    def roll_back(self, request: Request) -> None:
+        """After verification rejected some of the request's drafts (its num_computed_tokens
+        already counts only accepted ones): the blocks only rejected drafts reached go back to
+        the pool, and the runner's row hears of it in the next plan."""
+        if self.kv_cache.trim(request, request.num_computed_tokens):
+            num_blocks = len(request.block_table)
+            shipped = self._shipped.get(request)
+            if shipped is not None and shipped.num_blocks > num_blocks:
+                shipped.num_blocks = num_blocks
+                self._truncations.append((request.seq_id, num_blocks))
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache.free(request)
+        request.spec_token_ids = []
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -426,16 +446,22 @@ class Scheduler:
         plan.block_copies = copies
         plan.finished_ids, self._finished_ids = self._finished_ids, []
         plan.preempted_ids, self._preempted_ids = self._preempted_ids, []
+        plan.block_truncations, self._truncations = self._truncations, []
         plan.scheduled_ids = [r.seq_id for r in requests]
         plan.num_computed_tokens = computed = [r.num_computed_tokens for r in requests]
         plan.num_new_tokens = num_new = [chosen[r] for r in requests]
         # Hot at every step: one pass, locals only (a decode's delta is its one new token).
         num_samples, sampling = plan.num_samples, out.sampling_requests
         joining, running, shipped_of = plan.new_requests, plan.running_requests, self._shipped
+        if any(r.spec_token_ids for r in requests):
+            plan.num_spec_tokens = [len(r.spec_token_ids) for r in requests]
         for index, (request, start, count) in enumerate(
             zip(requests, computed, num_new, strict=True)
         ):
-            tokens, table = request.token_ids, request.block_table
+            tokens, table, drafts = request.token_ids, request.block_table, request.spec_token_ids
+            if drafts:
+                plan.spec_token_ids += drafts
+                count -= len(drafts)  # its known tokens: the drafts follow them
             shipped = shipped_of.get(request)
             if shipped is None:
                 joining.append(

@@ -29,6 +29,14 @@ batch changes and what to compute:
    and each one this step completes gets its pooled vector, in batch order.
 6. `block_copies`: copy-on-write (source, destination) KV block copies to make before the
    forward writes, every source read before any destination is written.
+7. Speculative decoding (engine.spec_decode): `num_spec_tokens[i]` tokens drafted for entry i
+   (the list is empty when no entry drafted), their ids concatenated in `spec_token_ids`. Such
+   an entry computes its last known token and then its drafts: its num_new_tokens counts them,
+   its drafts are never part of the row's token ids, and it gets num_spec_tokens[i] + 1 logits
+   rows (each position's next token, last known token's first), in place of its one sampled
+   row. `block_truncations` (seq_id, number of block ids kept): rows whose block table lost its
+   tail since the last plan (the blocks only rejected drafts had reached), applied after the
+   departures and before the joins.
 
 Every field is an int, a list of ints or (rank 0 only) SamplingParams, so the plan encodes
 as one flat int64 array (`encode` / `decode`, no pickle) that torch.distributed or protobuf can
@@ -98,6 +106,9 @@ class StepPlan:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     prompt_logprob_spans: list[PromptLogprobSpan] = field(default_factory=list)
     pooled_entries: list[int] = field(default_factory=list)
+    num_spec_tokens: list[int] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)
+    block_truncations: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled(self) -> int:
@@ -109,7 +120,8 @@ class StepPlan:
 
     @property
     def num_sampled_rows(self) -> int:
-        return sum(self.num_samples)
+        """Sampled logits rows: one per sample, and one more per drafted token."""
+        return sum(self.num_samples) + len(self.spec_token_ids)
 
     @property
     def is_empty(self) -> bool:
@@ -125,7 +137,7 @@ class StepPlan:
 # A sequence of int lists, each written as its length followed by its values; a list of
 # lists (per new request) is its count, then each list in turn. Version first, so a rank that
 # runs other code refuses the plan instead of misreading it.
-ENCODING_VERSION = 2
+ENCODING_VERSION = 3
 
 
 def encode(plan: StepPlan) -> np.ndarray:
@@ -158,6 +170,9 @@ def encode(plan: StepPlan) -> np.ndarray:
     put([block for pair in plan.block_copies for block in pair])
     put([v for s in plan.prompt_logprob_spans for v in (s.batch_index, s.first_token, s.count)])
     put(plan.pooled_entries)
+    put(plan.num_spec_tokens)
+    put(plan.spec_token_ids)
+    put([v for pair in plan.block_truncations for v in pair])
     return np.array(out, dtype=np.int64)
 
 
@@ -200,6 +215,10 @@ def decode(encoded: np.ndarray | Sequence[int]) -> StepPlan:
         PromptLogprobSpan(*spans[i : i + 3]) for i in range(0, len(spans), 3)
     ]
     plan.pooled_entries = take()
+    plan.num_spec_tokens = take()
+    plan.spec_token_ids = take()
+    kept = take()
+    plan.block_truncations = list(zip(kept[0::2], kept[1::2], strict=True))
     if next(values, None) is not None:
         raise ValueError("step plan encoding has trailing values")
     return plan

@@ -1,0 +1,79 @@
+"""`--speculative-config JSON`: which proposer drafts tokens for the engine to verify, with
+vLLM's keys, parsed and checked once at start-up.
+
+Keys: `method` ("ngram"; "draft_model" is refused until it exists), and
+`num_speculative_tokens` (the most tokens drafted per request and step, 1..MAX_SPECULATIVE_TOKENS);
+for ngram `prompt_lookup_min` / `prompt_lookup_max` (the n-gram lengths matched). An unknown key
+or method, or a value out of range, is a ValueError naming the key. Plain data: this module
+never touches a model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+class SpeculativeConfigError(ValueError):
+    """A bad --speculative-config, naming its key."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"speculative_config: {key}: {message}")
+        self.key = key
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SpeculativeConfigError("(json)", f"not valid JSON: {exc}") from None
+        if not isinstance(values, dict):
+            raise SpeculativeConfigError("(json)", "must be a JSON object")
+        return cls.from_dict(values)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:
+        known = {f.name for f in fields(cls)}
+        for key in values:
+            if key not in known:
+                raise SpeculativeConfigError(
+                    key, f"unknown key (known: {', '.join(sorted(known))})"
+                )
+        if "method" not in values:
+            raise SpeculativeConfigError("method", f"required, one of {SPECULATIVE_METHODS}")
+        method = values["method"]
+        if method == "draft_model":
+            raise SpeculativeConfigError("method", "draft_model is not supported yet; use ngram")
+        if method not in SPECULATIVE_METHODS:
+            raise SpeculativeConfigError(
+                "method", f"unknown method {method!r}, expected one of {SPECULATIVE_METHODS}"
+            )
+        for key, value in values.items():
+            if key != "method" and (not isinstance(value, int) or isinstance(value, bool)):
+                raise SpeculativeConfigError(key, f"must be an integer, got {value!r}")
+        config = cls(**values)
+        config._check()
+        return config
+
+    def _check(self) -> None:
+        def at_least(key: str, low: int, high: int | None = None) -> None:
+            value = getattr(self, key)
+            if value < low or (high is not None and value > high):
+                bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+                raise SpeculativeConfigError(key, f"must be {bound}, got {value}")
+
+        at_least("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
+        at_least("prompt_lookup_min", 1)
+        at_least("prompt_lookup_max", self.prompt_lookup_min)

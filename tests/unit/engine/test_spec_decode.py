@@ -1,0 +1,232 @@
+"""Speculative decoding (engine/spec_decode): --speculative-config is checked naming its key; the
+ngram proposer; greedy tokens with drafts equal those without (tiny model: chunked prefill,
+preemption, n = 2, a stop token; the default model on copy-heavy prompts); rejected drafts
+leave no block, hash or KV event behind; sampled tokens keep their distribution (chi-square)."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from common.block_hash import ROOT_HASH, hash_block
+from common.config import EngineConfig
+from common.sampling_params import SamplingParams
+from common.speculative import SpeculativeConfig
+from engine.core.request import Request
+from engine.engine import LLMEngine
+from engine.llm import LLM
+from engine.sampler import Sampler
+from engine.spec_decode.ngram import propose_ngram
+from engine.spec_decode.verify import Verifier
+from tiny_models import VARIANTS, make_checkpoint
+
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+
+
+@pytest.mark.parametrize(
+    ("values", "key"),
+    [
+        ({"method": "eagle"}, "method"),
+        ({"method": "draft_model", "model": "x"}, "model"),
+        ({"method": "draft_model"}, "method"),
+        ({"num_speculative_tokens": 2}, "method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": "4"}, "num_speculative_tokens"),
+        ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max"),
+        ({"method": "ngram", "lookahead": 2}, "lookahead"),
+    ],
+)
+def test_bad_config_is_refused_naming_the_key(values, key):
+    with pytest.raises(ValueError, match=f"speculative_config: {key}:"):
+        EngineConfig(speculative_config=json.dumps(values))
+
+
+def test_config_keys_and_defaults():
+    config = EngineConfig(speculative_config='{"method": "ngram", "prompt_lookup_max": 3}')
+    assert config.speculative == SpeculativeConfig("ngram", 4, 2, 3)
+    with pytest.raises(ValueError, match=r"speculative_config: \(json\)"):
+        EngineConfig(speculative_config="{method: ngram}")
+
+
+def test_ngram_drafts_the_continuation_of_the_latest_longest_match():
+    tokens = [1, 2, 3, 4, 9, 9, 2, 3, 5, 6, 7, 2, 3]
+    # "2 3" occurs at 1 and at 6: the later one (followed by 5 6 7) wins.
+    assert propose_ngram(tokens, 3, 1, 3) == [5, 6, 7]
+    # A longer match beats a later shorter one: "4 2 3" ... occurs after 8 only.
+    assert propose_ngram([8, 4, 2, 3, 5, 2, 3, 1, 4, 2, 3], 2, 1, 3) == [5, 2]
+    assert propose_ngram([1, 2, 3], 4, 2, 3) == []  # nothing repeats
+    assert propose_ngram([5, 5, 5], 2, 1, 2) == [5]  # a run predicts itself
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("spec-llama")
+    return directory, make_checkpoint(directory, *VARIANTS["llama"])
+
+
+def engine_on(tiny, spec: str | None, **overrides) -> LLMEngine:
+    args = dict(
+        model=str(tiny[0]),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=40,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        enforce_eager=True,
+        speculative_config=spec,
+    )
+    args.update(overrides)
+    return LLMEngine(EngineConfig(**args))
+
+
+def run(engine: LLMEngine, prompts, params) -> dict[tuple[str, int], list[int]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    tokens: dict[tuple[str, int], list[int]] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+    return tokens
+
+
+def repetitive_prompts(count: int, length: int = 12, repeats: int = 3) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, 150) for _ in range(length)] * repeats for _ in range(count)]
+
+
+def test_greedy_tokens_equal_without_drafts_through_preemption_chunks_and_n2(tiny):
+    """A small KV pool preempts, a 32-token budget chunks the prompts, n = 2 forks: every
+    sample's tokens equal the engine's without speculation, and once it is all done every block
+    is free again."""
+    prompts = repetitive_prompts(5)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=2)
+    plain, spec = engine_on(tiny, None), engine_on(tiny, NGRAM)
+    expected, got = run(plain, prompts, params), run(spec, prompts, params)
+    assert got == expected
+    stats = spec.stats()
+    assert stats.num_preemptions > 0
+    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
+    assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert spec.kv_cache.num_free_blocks == plain.kv_cache.num_free_blocks
+
+
+def test_a_stop_token_ends_a_drafting_request_as_without_drafts(tiny):
+    """A stop token the request reaches while drafting ends it where it ends without
+    speculation: tokens a step accepts past a stop are not the request's."""
+    [prompt] = repetitive_prompts(1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    [tokens] = run(engine_on(tiny, None), [prompt], greedy).values()
+    late = next(t for i, t in enumerate(tokens) if i >= 6 and t not in tokens[:i])
+    stop = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[late])
+    expected = run(engine_on(tiny, None), [prompt], stop)
+    spec = engine_on(tiny, NGRAM)
+    assert run(spec, [prompt], stop) == expected
+    assert spec.stats().spec_num_draft_tokens > 0
+
+
+def test_rejected_drafts_leave_the_block_table_as_without_them(tiny):
+    """Step by step, a drafting request holds exactly the blocks its computed tokens need, and
+    its chained hashes are those of its own tokens' full blocks; in the end the prefix cache
+    holds (and KV events announced) the blocks a run without speculation leaves."""
+    spec = engine_on(tiny, NGRAM, num_kv_blocks=64)
+    [prompt] = repetitive_prompts(1)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    spec.add_request("r", prompt, params)
+    request = spec.requests["r"]
+    while True:
+        spec.step()
+        if request.is_finished:
+            break
+        if not request.output_token_ids:
+            continue  # its prompt is prefilled in chunks
+        assert len(request.block_table) == -(-request.num_computed_tokens // 4)
+        assert request.num_computed_tokens == request.num_tokens - 1
+        parent, hashes = ROOT_HASH, []
+        for i in range(request.num_computed_tokens // 4):
+            parent = hash_block(parent, request.token_ids[i * 4 : (i + 1) * 4])
+            hashes.append(parent)
+        assert request.block_hashes == hashes
+    assert request.num_drafted_tokens > request.num_accepted_tokens
+    plain = engine_on(tiny, None, num_kv_blocks=64)
+    run(plain, [prompt], params)
+    assert spec.kv_cache.announced_hashes() == plain.kv_cache.announced_hashes()
+
+
+def _chi_square_p(a: list[int], b: list[int]) -> float:
+    """p-value of the chi-square test that two samples of tokens share one distribution (bins
+    with fewer than 10 expected pooled together)."""
+    tokens = sorted(set(a) | set(b))
+    counts_a, counts_b = Counter(a), Counter(b)
+    ca = torch.tensor([counts_a[t] for t in tokens], dtype=torch.float64)
+    cb = torch.tensor([counts_b[t] for t in tokens], dtype=torch.float64)
+    small = (ca + cb) < 20
+    if small.any():
+        ca = torch.cat([ca[~small], ca[small].sum()[None]])
+        cb = torch.cat([cb[~small], cb[small].sum()[None]])
+    total = ca + cb
+    ea, eb = total * ca.sum() / total.sum(), total * cb.sum() / total.sum()
+    statistic = float((((ca - ea) ** 2) / ea + ((cb - eb) ** 2) / eb).sum())
+    df = len(total) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(statistic / 2)))
+
+
+def test_rejection_sampling_keeps_the_distribution(tiny):
+    """On a tiny model's own distributions p0, p1 (after a context, and after it plus a draft d
+    that p0 finds likely): 20,000 verified steps give a first token distributed as p0 and, when
+    d was accepted, a second token distributed as p1, as 20,000 plain draws do (chi-square
+    p > 0.001); the first token is d as often as p0 says, so both paths ran."""
+    _, model = tiny
+    context = repetitive_prompts(1, length=10, repeats=1)[0]
+    with torch.no_grad():
+        p0 = model(torch.tensor([context])).logits[0, -1]
+        draft = int(p0.topk(2).indices[1])  # likely, not certain: accepted and rejected
+        rows = model(torch.tensor([[*context, draft]])).logits[0, -2:]
+    params = SamplingParams(temperature=1.0, top_k=40)
+    count = 20_000
+    sampler = Sampler(rows.shape[1], [2], seed=3)
+    drafting = []
+    for _ in range(count):
+        request = Request("r", context, params)
+        request.spec_token_ids = [draft]
+        drafting.append(request)
+    verified = Verifier(sampler, seed=5).sample(rows.repeat(count, 1), drafting, None)
+    assert verified.accepted is not None
+    firsts = [a[0] if a else t for a, t in zip(verified.accepted, verified.token_ids, strict=True)]
+    seconds = [t for a, t in zip(verified.accepted, verified.token_ids, strict=True) if a]
+    plain = [Request("r", context, params) for _ in range(count)]
+    expected_firsts = sampler.sample(rows[:1].repeat(count, 1), plain).token_ids
+    expected_seconds = sampler.sample(rows[1:].repeat(count, 1), plain).token_ids
+    assert 0.05 < len(seconds) / count < 0.95
+    assert _chi_square_p(firsts, expected_firsts) > 0.001
+    assert _chi_square_p(seconds, expected_seconds[: len(seconds)]) > 0.001
+
+
+@pytest.fixture(scope="module")
+def smollm2(default_model_dir):
+    with (
+        LLM(str(default_model_dir), dtype="float32", enforce_eager=True) as plain,
+        LLM(
+            str(default_model_dir), dtype="float32", enforce_eager=True, speculative_config=NGRAM
+        ) as spec,
+    ):
+        yield plain, spec
+
+
+COPY_PROMPTS = [
+    "Repeat this code exactly:\ndef add(a, b):\n    return a + b\n\ndef sub(a, b):\n    "
+    "return a - b\n\nRepeated:\ndef add(a, b):\n",
+    "Copy the list: apple, banana, cherry, date, elderberry, fig, grape. Copy: apple, banana,",
+]
+
+
+def test_default_model_greedy_equal_on_copy_heavy_prompts(smollm2):
+    plain, spec = smollm2
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    expected, got = plain.generate(COPY_PROMPTS, params), spec.generate(COPY_PROMPTS, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    assert sum(r.num_accepted_tokens for r in got) > 0
