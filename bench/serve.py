@@ -525,6 +525,9 @@ def run_serve_benchmark(args: argparse.Namespace) -> list[Comparison]:
         + ", ".join(f"{label} x {n}" for label, _, n in levels(args))
     )
     print("TTFT, TPOT and ITL in ms as p50/p90/p99", flush=True)
+    from bench.startup import cpu_description  # (bench.startup imports this module)
+
+    print(f"CPU: {cpu_description()}", flush=True)
     if args.url:
         served = event_loop.run(bench_gateway(args.url.rstrip("/"), args, prompts))
     else:

@@ -61,7 +61,8 @@ def cpu_description() -> str:
             model = line.split(":", 1)[1].strip()
         elif line.startswith("flags"):
             flags = set(line.split(":", 1)[1].split())
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    features = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+    isa = [f for f in features if f in flags]
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return f"{model}, {len(os.sched_getaffinity(0))} cores, {' '.join(isa)}; load average {load}"
 
