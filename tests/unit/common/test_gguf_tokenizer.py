@@ -1,10 +1,12 @@
 """A GGUF's tokenizer read from its metadata without transformers equals transformers' GGUF
 tokenizer (the oracle): on the default model's GGUF (SmolLM2: byte-level BPE, "smollm"
-pre-tokenizer), and on a copy of its vocabulary with Llama 3's split and BOS added; a
-tokenizer kind Folio does not read (SentencePiece's, another split) is refused naming the key."""
+pre-tokenizer), on a copy of its vocabulary with Llama 3's split and BOS added, and on a
+SentencePiece vocabulary (Llama 2's kind) learned here; a tokenizer kind Folio does not read
+(T5's unigram, another split) is refused naming the key."""
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -86,7 +88,7 @@ def test_llama3_s_split_and_an_added_bos(tmp_path, gguf_source):
 @pytest.mark.parametrize(
     ("key", "metadata"),
     [
-        ("tokenizer.ggml.model 'llama'", {"tokenizer.ggml.model": "llama"}),
+        ("tokenizer.ggml.model 't5'", {"tokenizer.ggml.model": "t5"}),
         (
             "tokenizer.ggml.pre 'qwen2'",
             {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2"},
@@ -103,3 +105,79 @@ def test_a_tokenizer_folio_does_not_read_is_refused(tmp_path, key, metadata):
     writer.close()
     with pytest.raises(ValueError, match=re.escape(key)):
         Tokenizer.from_dir(tmp_path / "t.gguf")
+
+
+# llama.cpp's token types.
+NORMAL, UNKNOWN, CONTROL, BYTE = 1, 2, 3, 6
+CORPUS = "the cat sat on the mat. the cats ate the rat; naive caf\u00e9 at 10:30 on the 2nd"
+
+
+def sentencepiece_vocabulary(merges: int) -> tuple[list[str], list[float], list[int]]:
+    """A small SentencePiece BPE vocabulary as llama.cpp writes one (Llama 2's layout: <unk>,
+    <s>, </s>, the 256 byte tokens, then pieces best-scored first), learned here from CORPUS by
+    merging the most frequent pair of pieces `merges` times."""
+    words = [[*("\u2581" + w)] for w in CORPUS.split(" ")]
+    pieces = sorted({c for w in words for c in w})
+    for _ in range(merges):
+        counts: dict[tuple[str, str], int] = {}
+        for w in words:
+            for pair in itertools.pairwise(w):
+                counts[pair] = counts.get(pair, 0) + 1
+        if not counts:
+            break
+        best = max(counts, key=lambda p: (counts[p], p))
+        pieces.append(best[0] + best[1])
+        for w in words:
+            i = 0
+            while i < len(w) - 1:
+                if (w[i], w[i + 1]) == best:
+                    w[i : i + 2] = [best[0] + best[1]]
+                i += 1
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    # Merged pieces score above single characters, later merges lower (as SentencePiece's).
+    singles = [p for p in pieces if len(p) == 1]
+    merged = [p for p in pieces if len(p) > 1]
+    scores = [0.0, 0.0, 0.0, *([0.0] * 256)]
+    scores += [-float(i) for i in range(len(merged))]
+    scores += [-1000.0 - i for i in range(len(singles))]
+    types = [UNKNOWN, CONTROL, CONTROL, *([BYTE] * 256)] + [NORMAL] * len(pieces)
+    return tokens + merged + singles, scores, types
+
+
+@pytest.mark.parametrize("listed_merges", [False, True], ids=["scores", "merges"])
+def test_a_sentencepiece_vocabulary_tokenizes_as_transformers_does(tmp_path, listed_merges):
+    """tokenizer.ggml.model 'llama' (Llama 2's, Mistral's): BPE over the pieces with byte
+    fallback for what no piece spells (the accents, the digits here), merges from the scores or
+    as the file lists them; BOS added by default, decoded back to the text."""
+    tokens, scores, types = sentencepiece_vocabulary(40)
+    path = tmp_path / "spm.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_string("tokenizer.ggml.model", "llama")
+    writer.add_array("tokenizer.ggml.tokens", tokens)
+    writer.add_array("tokenizer.ggml.scores", scores)
+    writer.add_array("tokenizer.ggml.token_type", types)
+    if listed_merges:  # in the reverse of the scores' order: the file's win
+        pieces = set(tokens)
+        merges = [
+            next(f"{t[:i]} {t[i:]}" for i in range(1, len(t)) if {t[:i], t[i:]} <= pieces)
+            for t in tokens[259:]
+            if len(t) > 1
+        ]
+        writer.add_array("tokenizer.ggml.merges", merges[::-1])
+    writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    writer.add_uint32("tokenizer.ggml.unknown_token_id", 0)
+    writer.add_uint32("llama.context_length", 512)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours = Tokenizer.from_dir(path)
+    reference = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in [CORPUS, "the cat ate", " the  mat ", "caf\u00e9 \U0001f642 at 12", "Zebra!"]:
+        ids = ours.encode(text)
+        assert ids == reference.encode(text), text
+        assert ids[0] == 1
+        assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True), text
+    assert len(ours.encode("the cat sat")) < len("the cat sat")  # pieces, not bytes
+    assert ours.vocab_size == len(reference)
