@@ -195,7 +195,7 @@ def _implied_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, s
     the best-scored product first (then the longer left part, then the longer right part), in
     vocabulary order otherwise."""
     ids = {token: i for i, token in enumerate(tokens)}
-    pairs = []
+    pairs: list[tuple[float, str, str]] = []
     for token, score in zip(tokens, scores, strict=True):
         splits = [
             (token[:cut], token[cut:])
