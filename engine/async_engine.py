@@ -33,6 +33,7 @@ from common.service_level import NO_SERVICE_LEVEL, ServiceLevel
 from engine.core.outputs import EngineStats, RequestOutput, StepTimings
 from engine.engine import LLMEngine
 from engine.errors import EngineError, EngineGroupError
+from engine.lora.registry import lora_listing
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +111,10 @@ class AsyncEngine:
         priority: int = 0,
         pooling: PoolingParams | None = None,
         service: ServiceLevel = NO_SERVICE_LEVEL,
+        lora_name: str | None = None,
     ) -> None:
-        """Queue a request (an embedding request with `pooling`). Its outputs, or one
-        RequestFailed, arrive in `events` as lists."""
+        """Queue a request (an embedding request with `pooling`; with the LoRA adapter
+        `lora_name`). Its outputs, or one RequestFailed, arrive in `events` as lists."""
         sink = _Sink(asyncio.get_running_loop(), events)
         queued = time.monotonic()
         # Its deadlines count from now: the wait for the loop to take it is spent from them.
@@ -125,6 +127,7 @@ class AsyncEngine:
                 pooling,
                 sink,
                 service.after(time.monotonic() - queued),
+                lora_name,
             )
         )
 
@@ -136,6 +139,27 @@ class AsyncEngine:
         Callers that do not need the answer (a cancelled stream) may drop the future.
         """
         return self._call(self._abort, list(request_ids))
+
+    def load_lora_adapter(self, name: str, path: str) -> concurrent.futures.Future[None]:
+        """Serve a LoRA adapter from now on (LLMEngine.load_lora_adapter: its rules and errors);
+        the loop reads it between two steps."""
+        return self._call(lambda: self._built().load_lora_adapter(name, path))
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving a LoRA adapter: new requests for it are refused from the loop's next
+        command on; returns once its running requests have ended and it is freed (NotFound if
+        no such adapter is served)."""
+        gone: concurrent.futures.Future[None] = concurrent.futures.Future()
+        await asyncio.wrap_future(
+            self._call(
+                lambda: self._built().unload_lora_adapter(name, lambda: gone.set_result(None))
+            )
+        )
+        await asyncio.wrap_future(gone)
+
+    async def lora_adapters(self) -> list[tuple[str, bool]]:
+        """The LoRA adapters served, each with whether it is resident in a slot."""
+        return await asyncio.wrap_future(self._call(lambda: lora_listing(self._built().lora)))
 
     async def stats(self) -> tuple[EngineStats, StepTimings]:
         """Counters read between steps, so they are consistent with each other."""
@@ -217,10 +241,17 @@ class AsyncEngine:
         pooling: PoolingParams | None,
         sink: _Sink,
         service: ServiceLevel,
+        lora_name: str | None,
     ) -> None:
         try:
             self._built().add_request(
-                request_id, prompt_token_ids, params, priority, pooling, service=service
+                request_id,
+                prompt_token_ids,
+                params,
+                priority,
+                pooling,
+                service=service,
+                lora_name=lora_name,
             )
         except Exception as exc:
             # EngineError is the caller's fault or a full queue; anything else is logged as a bug.

@@ -122,6 +122,13 @@ def _bench_routing(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_lora(args: argparse.Namespace) -> int:
+    from bench.lora import run_lora_benchmark
+
+    run_lora_benchmark(args)
+    return 0
+
+
 def _bench_startup(args: argparse.Namespace) -> int:
     from bench.startup import run_startup_benchmark
 
@@ -342,6 +349,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(startup, StartupWorkload)
     add_flags(startup, EngineConfig)
     startup.set_defaults(func=_bench_startup)
+    lora = bench_sub.add_parser(
+        "lora", help="streams over 1, 4 and 16 LoRA adapters against the base model alone"
+    )
+    from bench.lora import LoraWorkload
+
+    add_flags(lora, LoraWorkload)
+    add_flags(lora, EngineConfig)
+    lora.set_defaults(func=_bench_lora)
     return parser
 
 

@@ -274,3 +274,11 @@ def runtime_lora(registry: LoraRegistry | None, config: EngineConfig) -> LoraReg
             "--lora-modules) to load them at run time"
         )
     return registry
+
+
+def lora_listing(registry: LoraRegistry | None) -> list[tuple[str, bool]]:
+    """The adapters new requests may use, each with whether it sits in a slot now."""
+    if registry is None:
+        return []
+    resident = set(registry.resident())
+    return [(name, name in resident) for name in registry.served()]

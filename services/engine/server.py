@@ -14,7 +14,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from common.grpc_stubs.folio.v1 import engine_pb2 as pb
 from common.grpc_stubs.folio.v1 import engine_pb2_grpc
 
 from common.config import EngineConfig
-from common.errors import UnavailableError
+from common.errors import FolioError, UnavailableError, status_code_for
 from common.grpc_server import GrpcService
 from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams, parent_request_id, sample_request_id
@@ -175,6 +175,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     request.priority,
                     pooling,
                     service=_service_level(request),
+                    lora_name=request.lora_name or None,
                 )
         else:
             return False
@@ -223,6 +224,32 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             queued_prefill_tokens=stats.queued_prefill_tokens,
             prefill_token_seconds=stats.prefill_token_seconds,
             decode_step_seconds=stats.decode_step_seconds,
+            spec_num_drafts=stats.spec_num_drafts,
+            spec_num_draft_tokens=stats.spec_num_draft_tokens,
+            spec_num_accepted_tokens=stats.spec_num_accepted_tokens,
+        )
+
+    async def LoadLoraAdapter(
+        self, request: pb.LoadLoraAdapterRequest, context
+    ) -> pb.LoadLoraAdapterResponse:
+        engine = await self._engine(context)
+        loaded = asyncio.wrap_future(engine.load_lora_adapter(request.lora_name, request.lora_path))
+        await _as_status(loaded, context)
+        return pb.LoadLoraAdapterResponse()
+
+    async def UnloadLoraAdapter(
+        self, request: pb.UnloadLoraAdapterRequest, context
+    ) -> pb.UnloadLoraAdapterResponse:
+        engine = await self._engine(context)
+        await _as_status(engine.unload_lora_adapter(request.lora_name), context)
+        return pb.UnloadLoraAdapterResponse()
+
+    async def ListLoraAdapters(
+        self, request: pb.ListLoraAdaptersRequest, context
+    ) -> pb.ListLoraAdaptersResponse:
+        listing = await (await self._engine(context)).lora_adapters()
+        return pb.ListLoraAdaptersResponse(
+            adapters=[pb.LoraAdapter(name=name, resident=resident) for name, resident in listing]
         )
 
     async def SubscribeKvEvents(
@@ -250,6 +277,14 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         finally:
             subscription.close()
             self._service.kv_subscribers.discard(batches)
+
+
+async def _as_status(call: Awaitable[None], context) -> None:
+    """Await `call`; a FolioError it raises ends the RPC with its status and message."""
+    try:
+        await call
+    except FolioError as exc:
+        await context.abort(status_code_for(exc), str(exc))
 
 
 def _exit_unless_stopped_soon(error: Exception) -> None:

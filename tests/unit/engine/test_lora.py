@@ -226,3 +226,30 @@ def test_runtime_updates_can_be_disabled(models):
             engine.load_lora_adapter("x", "all8")
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize(("method", "max_error"), [(None, 1e-5), ("int8", 0.05), ("int4", 0.35)])
+def test_adapter_on_a_quantized_base_within_the_quantization_bound(models, method, max_error):
+    """The adapter's logits on an int8/int4 base are as far from transformers + peft's as the
+    quantized base alone is from the float one (test_quantization's bounds), and exact on a
+    float32 base."""
+    import numpy as np
+    import torch
+    from test_models import Runner, hf_logits, random_tokens
+    from test_quantization import relative_error
+
+    from engine.layers.lora import LoraSlots, fill_groups
+    from engine.lora.host import LoraHost
+    from engine.models.loader import load_model
+
+    root, base_dir, _, oracles = models
+    model, config = load_model(base_dir, torch.float32, "cpu", quantization=method)
+    slots = LoraSlots(model, config, 1, 8, 4, torch.float32, torch.device("cpu"))
+    host = LoraHost(slots, 8, torch.float32)
+    host.load_lora(1, str(root / "all8"))
+    host.activate_lora(0, 1)
+    prompt = random_tokens(12, 5)
+    fill_groups(slots.step, np.zeros(len(prompt), dtype=np.int64), torch.device("cpu"), False)
+    (logits,) = Runner(model, config).step([("a", prompt)])
+    error = relative_error(logits, hf_logits(oracles["all8"], prompt))
+    assert error <= max_error

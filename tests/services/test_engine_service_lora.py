@@ -1,0 +1,107 @@
+"""The engine service's LoRA calls over real gRPC on loopback (a tiny random Llama, adapters
+made with peft): LoadLoraAdapter from inside --lora-root (INVALID_ARGUMENT naming the rule or
+the adapter's problem otherwise), ListLoraAdapters, EngineRequest.lora_name picking the adapter
+(transformers + peft's greedy tokens; an unknown name fails the request naming it), and
+UnloadLoraAdapter answering once the adapter's running request has ended, which ends
+normally."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+from common.config import EngineConfig
+from grpc_helpers import TIMEOUT, RequestStream, ServerThread
+from lora_adapters import make_adapter
+from polling import wait_until
+from services.engine.server import EngineService
+from tiny_models import VARIANTS, hf_greedy, make_checkpoint
+
+PROMPT = [5, 17, 33, 2, 90, 41, 7]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-root")
+    base = tmp_path_factory.mktemp("llama")
+    config_class, kwargs = VARIANTS["llama"]
+    make_checkpoint(base, config_class, dict(kwargs, max_position_embeddings=4096))
+    oracle = make_adapter(base, root / "a8", rank=8, alpha=16, seed=3)
+    config = EngineConfig(
+        model=str(base), dtype="float32", num_kv_blocks=512, lora_root=str(root), max_lora_rank=8
+    )
+    server = ServerThread(EngineService(config, "127.0.0.1", 0))
+    yield engine_pb2_grpc.EngineServiceStub(server.channel), oracle
+    server.close()
+
+
+def request(request_id: str, lora_name: str, max_tokens: int) -> engine_pb2.GenerateRequest:
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return engine_pb2.GenerateRequest(
+        add=engine_pb2.EngineRequest(
+            request_id=request_id,
+            prompt_token_ids=PROMPT,
+            sampling_params=params,
+            lora_name=lora_name,
+        )
+    )
+
+
+def listed(stub) -> dict[str, bool]:
+    answer = stub.ListLoraAdapters(engine_pb2.ListLoraAdaptersRequest(), timeout=TIMEOUT)
+    return {a.name: a.resident for a in answer.adapters}
+
+
+def test_load_generate_unload(served):
+    stub, oracle = served
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.LoadLoraAdapter(
+            engine_pb2.LoadLoraAdapterRequest(lora_name="x", lora_path="/etc"), timeout=TIMEOUT
+        )
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "inside the server's --lora-root" in refused.value.details()
+    stub.LoadLoraAdapter(
+        engine_pb2.LoadLoraAdapterRequest(lora_name="a", lora_path="a8"), timeout=TIMEOUT
+    )
+    assert listed(stub) == {"a": False}
+    (unknown,) = [
+        out
+        for response in stub.Generate(iter([request("u", "nope", 2)]), timeout=TIMEOUT)
+        for out in response.outputs
+    ]
+    assert unknown.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "'nope' does not exist" in unknown.error.message
+    tokens = [
+        t
+        for response in stub.Generate(iter([request("g", "a", 6)]), timeout=TIMEOUT)
+        for out in response.outputs
+        for t in out.token_ids
+    ]
+    assert tokens == hf_greedy(oracle, PROMPT, 6)
+    assert listed(stub) == {"a": True}
+    # Unload while a request runs with it: the call answers once that request has ended.
+    stream = RequestStream()
+    responses = iter(stub.Generate(iter(stream), timeout=TIMEOUT))
+    stream.send(request("long", "a", 300))
+    next(responses)  # running
+    unloaded: list[object] = []
+    unload = threading.Thread(
+        target=lambda: unloaded.append(
+            stub.UnloadLoraAdapter(
+                engine_pb2.UnloadLoraAdapterRequest(lora_name="a"), timeout=TIMEOUT
+            )
+        )
+    )
+    unload.start()
+    wait_until(lambda: "a" not in listed(stub), "the unload to take the name away", TIMEOUT)
+    stream.close()
+    last = [out for response in responses for out in response.outputs if out.finished]
+    unload.join(TIMEOUT)
+    assert [out.finish_reason for out in last] == [common_pb2.FINISH_REASON_LENGTH]
+    assert unloaded and listed(stub) == {}
+    with pytest.raises(grpc.RpcError) as gone:
+        stub.UnloadLoraAdapter(engine_pb2.UnloadLoraAdapterRequest(lora_name="a"), timeout=TIMEOUT)
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
