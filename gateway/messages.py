@@ -48,6 +48,10 @@ class EngineStats:
     queued_prefill_tokens: int = 0
     prefill_token_seconds: float = 0.0
     decode_step_seconds: float = 0.0
+    # Speculative decoding's counters (summed over the replicas).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)

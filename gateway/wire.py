@@ -87,6 +87,9 @@ def engine_stats(stats: engine_pb2.GetStatsResponse) -> EngineStats:
         queued_prefill_tokens=stats.queued_prefill_tokens,
         prefill_token_seconds=stats.prefill_token_seconds,
         decode_step_seconds=stats.decode_step_seconds,
+        spec_num_drafts=stats.spec_num_drafts,
+        spec_num_draft_tokens=stats.spec_num_draft_tokens,
+        spec_num_accepted_tokens=stats.spec_num_accepted_tokens,
     )
 
 

@@ -194,6 +194,9 @@ class EnginePool:
             total.prefix_cache_queries += answer.prefix_cache_queries
             total.prefix_cache_hits += answer.prefix_cache_hits
             total.num_preemptions += answer.num_preemptions
+            total.spec_num_drafts += answer.spec_num_drafts
+            total.spec_num_draft_tokens += answer.spec_num_draft_tokens
+            total.spec_num_accepted_tokens += answer.spec_num_accepted_tokens
             total.num_steps += answer.num_steps
             for phase, seconds in answer.step_seconds.items():
                 total.step_seconds[phase] = total.step_seconds.get(phase, 0.0) + seconds

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gateway.messages import EngineStats
 
@@ -41,3 +41,14 @@ def vllm_families(stats: EngineStats) -> Iterator[Metric]:
     )
     config.add_metric([str(stats.block_size), str(stats.num_kv_blocks)], 1.0)
     yield config
+    # Speculative decoding (engine/spec_decode), summed over the engines.
+    for name, text, value in (
+        (
+            "num_drafts",
+            "Verification steps of a request with drafted tokens",
+            stats.spec_num_drafts,
+        ),
+        ("num_draft_tokens", "Tokens drafted", stats.spec_num_draft_tokens),
+        ("num_accepted_tokens", "Drafted tokens accepted", stats.spec_num_accepted_tokens),
+    ):
+        yield CounterMetricFamily(f"vllm:spec_decode_{name}", f"{text} (vLLM name).", value=value)

@@ -64,6 +64,8 @@ def _output_to_proto(out: RequestOutput) -> engine_pb2.RequestOutput:
                 prompt_tokens=out.num_prompt_tokens,
                 completion_tokens=out.num_output_tokens,
                 cached_tokens=out.num_cached_tokens,
+                draft_tokens=out.num_draft_tokens,
+                accepted_draft_tokens=out.num_accepted_tokens,
             )
         )
         message.queue_seconds = out.queue_seconds

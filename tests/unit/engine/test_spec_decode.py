@@ -1,7 +1,8 @@
 """Speculative decoding (engine/spec_decode): --speculative-config is checked naming its key; the
 ngram proposer; greedy tokens with drafts equal those without (tiny model: chunked prefill,
 preemption, n = 2, a stop token; the default model on copy-heavy prompts); rejected drafts
-leave no block, hash or KV event behind; sampled tokens keep their distribution (chi-square)."""
+leave no block, hash or KV event behind; sampled tokens keep their distribution (chi-square);
+the served usage and /metrics count drafts."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections import Counter
 
 import pytest
 import torch
+from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 from common.block_hash import ROOT_HASH, hash_block
 from common.config import EngineConfig
@@ -22,6 +24,10 @@ from engine.llm import LLM
 from engine.sampler import Sampler
 from engine.spec_decode.ngram import propose_ngram
 from engine.spec_decode.verify import Verifier
+from gateway.engines.vllm_metrics import vllm_families
+from gateway.wire import engine_stats
+from grpc_helpers import ServerThread
+from services.engine.server import EngineService
 from tiny_models import VARIANTS, make_checkpoint
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
@@ -230,3 +236,40 @@ def test_default_model_greedy_equal_on_copy_heavy_prompts(smollm2):
     expected, got = plain.generate(COPY_PROMPTS, params), spec.generate(COPY_PROMPTS, params)
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     assert sum(r.num_accepted_tokens for r in got) > 0
+
+
+def test_served_usage_and_vllm_metrics_count_drafts(tiny):
+    """Over the engine service: the last output's usage carries the request's drafted and
+    accepted tokens, GetStats the engine's counters, and /metrics names them as vLLM does."""
+    service = EngineService(
+        EngineConfig(
+            model=str(tiny[0]),
+            dtype="float32",
+            num_kv_blocks=64,
+            enforce_eager=True,
+            speculative_config=NGRAM,
+        ),
+        "127.0.0.1",
+        0,
+    )
+    server = ServerThread(service)
+    try:
+        stub = engine_pb2_grpc.EngineServiceStub(server.channel)
+        request = engine_pb2.EngineRequest(
+            request_id="r",
+            prompt_token_ids=repetitive_prompts(1)[0],
+            sampling_params=common_pb2.SamplingParams(
+                temperature=0.0, max_tokens=20, ignore_eos=True
+            ),
+        )
+        responses = stub.Generate(iter([engine_pb2.GenerateRequest(add=request)]), timeout=60)
+        [last] = [o for r in responses for o in r.outputs if o.finished]
+        stats = stub.GetStats(engine_pb2.GetStatsRequest(), timeout=60)
+    finally:
+        server.close()
+    assert last.usage.draft_tokens == stats.spec_num_draft_tokens > 0
+    assert last.usage.accepted_draft_tokens == stats.spec_num_accepted_tokens
+    families = {f.name: f for f in vllm_families(engine_stats(stats))}
+    [sample] = families["vllm:spec_decode_num_draft_tokens"].samples
+    assert sample.value == stats.spec_num_draft_tokens
+    assert families["vllm:spec_decode_num_drafts"].samples[0].value == stats.spec_num_drafts > 0
