@@ -144,10 +144,11 @@ def test_greedy_tokens_through_preemption_and_prefix_hits(tmp_path, variant, num
 
 
 # Each new architecture at TP=2 (worker ranks as subprocesses): Phi-3's stacked qkv_proj and
-# gate_up_proj split by rank, Gemma 3's KV groups in each rank's cache.
-@pytest.mark.parametrize("variant", ["phi3-longrope", "gemma3-window3"])
+# gate_up_proj split by rank, Gemma 3's KV groups in each rank's cache, gpt-oss's sinks split
+# with their heads and its experts' down biases added by one rank.
+@pytest.mark.parametrize("variant", ["phi3-longrope", "gemma3-window3", "gpt-oss"])
 def test_two_ranks_give_transformers_greedy_tokens(tmp_path, variant):
-    reference = make_checkpoint(tmp_path, *VARIANTS[variant])
+    reference = make_checkpoint(tmp_path, *{**VARIANTS, **MOE_VARIANTS}[variant])
     engine = engine_on(tmp_path, 64, tp=2)
     base = [(5 * i) % 150 + 3 for i in range(26)]
     prompts = {"a": base, "b": [*base[:21], 9, 8]}
