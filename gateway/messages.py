@@ -103,6 +103,9 @@ class StepOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None  # set when finished
     cached_tokens: int = 0
+    # Speculative decoding: tokens drafted for the sample, and how many were accepted.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
     queue_seconds: float = 0.0
     error: RequestError | None = None
     # An embedding request's one output: its pooled vector.

@@ -138,6 +138,8 @@ def step_output(output: engine_pb2.RequestOutput) -> StepOutput:
             else None
         ),
         cached_tokens=output.usage.cached_tokens,
+        draft_tokens=output.usage.draft_tokens,
+        accepted_draft_tokens=output.usage.accepted_draft_tokens,
         queue_seconds=output.queue_seconds,
         embedding=list(output.embedding) if output.embedding else None,
     )

@@ -328,6 +328,8 @@ def _usage(plan: Plan, usages: list[Usage | None]) -> api.Usage:
     firsts = [u for u in usages[:: plan.n] if u is not None]
     prompt = sum(u.prompt_tokens for u in firsts)
     completion = sum(u.completion_tokens for u in usages if u is not None)
+    drafted = sum(u.draft_tokens for u in usages if u is not None)
+    accepted = sum(u.accepted_draft_tokens for u in usages if u is not None)
     return api.Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
@@ -335,6 +337,11 @@ def _usage(plan: Plan, usages: list[Usage | None]) -> api.Usage:
         prompt_tokens_details=api.PromptTokensDetails(
             cached_tokens=sum(u.cached_tokens for u in firsts)
         ),
+        completion_tokens_details=api.CompletionTokensDetails(
+            accepted_prediction_tokens=accepted, rejected_prediction_tokens=drafted - accepted
+        )
+        if drafted
+        else None,
     )
 
 

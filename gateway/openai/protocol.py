@@ -287,11 +287,19 @@ class PromptTokensDetails(ResponseBody):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(ResponseBody):
+    # Speculative decoding's drafts (OpenAI's names, from its Predicted Outputs).
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(ResponseBody):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    # Only when the engine drafted tokens for the request (--speculative-config).
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class TopLogprob(ResponseBody):

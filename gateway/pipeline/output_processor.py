@@ -358,7 +358,13 @@ class OutputProcessor:
         made of); the request is forgotten once each of its samples has ended."""
         assert delta.finish_reason is not None
         sequence.done = True
-        delta.usage = Usage(len(request.text.prompt_ids), sequence.num_tokens, last.cached_tokens)
+        delta.usage = Usage(
+            len(request.text.prompt_ids),
+            sequence.num_tokens,
+            last.cached_tokens,
+            last.draft_tokens,
+            last.accepted_draft_tokens,
+        )
         self._metrics.e2e.observe(time.monotonic() - request.arrival)
         self._metrics.queue_time.observe(last.queue_seconds)
         self._metrics.request_finished(delta.finish_reason)

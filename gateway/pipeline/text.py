@@ -47,6 +47,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    # Speculative decoding: drafted tokens, and how many were accepted.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass

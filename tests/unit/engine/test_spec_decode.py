@@ -25,6 +25,8 @@ from engine.sampler import Sampler
 from engine.spec_decode.ngram import propose_ngram
 from engine.spec_decode.verify import Verifier
 from gateway.engines.vllm_metrics import vllm_families
+from gateway.openai.completions import Plan, _usage
+from gateway.pipeline.text import Usage
 from gateway.wire import engine_stats
 from grpc_helpers import ServerThread
 from services.engine.server import EngineService
@@ -273,3 +275,14 @@ def test_served_usage_and_vllm_metrics_count_drafts(tiny):
     [sample] = families["vllm:spec_decode_num_draft_tokens"].samples
     assert sample.value == stats.spec_num_draft_tokens
     assert families["vllm:spec_decode_num_drafts"].samples[0].value == stats.spec_num_drafts > 0
+
+
+def test_openai_usage_names_accepted_and_rejected_drafts():
+    """The OpenAI usage of a request whose choices drafted tokens: completion_tokens_details
+    with OpenAI's Predicted Outputs names, summed over the choices; absent without drafts."""
+    plan = Plan(False, "cmpl", "m", [], 2, False, True, 0)
+    usages: list[Usage | None] = [Usage(7, 20, 0, 12, 9), Usage(7, 18, 0, 4, 1)]
+    details = _usage(plan, usages).completion_tokens_details
+    assert details is not None
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (10, 6)
+    assert _usage(plan, [Usage(7, 20), Usage(7, 18)]).completion_tokens_details is None
