@@ -100,7 +100,6 @@ VARIANTS = {
     ),
     "gemma3-window3": (
         Gemma3TextConfig,
-        GptOssConfig,
         dict(
             SMALL,
             num_hidden_layers=4,
