@@ -19,10 +19,6 @@ from typing import ClassVar
 
 import torch
 
-from engine.attention.backend import AttentionBackend
-from engine.layers.attention import Attention
-from engine.layers.parallel import SINGLE, TensorParallel, split_evenly
-from engine.models.config import ModelConfig
 from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, MlpFactory
 from engine.models.mixtral import moe_mlp
 from engine.models.mxfp4 import dequantize_mxfp4
@@ -33,20 +29,7 @@ _EXPERTS = ".mlp.experts."
 class GptOssAttention(LlamaAttention):
     """Llama's attention with a sink per query head (this rank's heads)."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        layer_index: int,
-        backend: AttentionBackend,
-        dtype,
-        device,
-        tp: TensorParallel = SINGLE,
-    ) -> None:
-        super().__init__(config, layer_index, backend, dtype, device, tp)
-        heads = split_evenly(config.num_attention_heads, tp)
-        self.attn = Attention(
-            backend, layer_index, self.attn.scale, self.attn.window, heads, dtype, device
-        )
+    attention_sinks = True
 
 
 class GptOssDecoderLayer(LlamaDecoderLayer):

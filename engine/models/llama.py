@@ -46,6 +46,9 @@ from engine.models.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
+    # Whether each query head has an attention sink (a subclass's: gpt-oss's).
+    attention_sinks: ClassVar[bool] = False
+
     def __init__(
         self,
         config: ModelConfig,
@@ -68,7 +71,8 @@ class LlamaAttention(nn.Module):
         # layer's window comes from the config (engine.models.config's layer_windows).
         scale = (config.query_pre_attn_scalar or d) ** -0.5
         window = config.layer_windows[layer_index] if config.layer_windows else None
-        self.attn = Attention(backend, layer_index, scale, window)
+        sink_heads = split_evenly(config.num_attention_heads, tp) if self.attention_sinks else None
+        self.attn = Attention(backend, layer_index, scale, window, sink_heads, dtype, device)
         self.qkv_proj = column_linear(
             config.hidden_size, [q_rows, kv_rows, kv_rows], config.attention_bias, dtype, device, tp
         )
