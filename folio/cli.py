@@ -129,6 +129,13 @@ def _bench_lora(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_spec(args: argparse.Namespace) -> int:
+    from bench.spec import run_spec_benchmark
+
+    run_spec_benchmark(args)
+    return 0
+
+
 def _bench_startup(args: argparse.Namespace) -> int:
     from bench.startup import run_startup_benchmark
 
@@ -320,6 +327,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(profile, ProfileShapes)
     add_flags(profile, EngineConfig)
     profile.set_defaults(func=_bench_profile)
+    spec = bench_sub.add_parser(
+        "spec", help="the engine with and without speculative decoding, same workload"
+    )
+    from bench.spec import SpecWorkload
+
+    add_flags(spec, SpecWorkload)
+    add_flags(spec, EngineConfig)
+    spec.set_defaults(func=_bench_spec)
     routing = bench_sub.add_parser(
         "routing", help="multi-turn chats over engine replicas under each routing policy"
     )

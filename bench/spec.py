@@ -1,0 +1,196 @@
+"""`folio bench spec`: the engine with and without speculative decoding on one workload.
+
+Two workloads of chat prompts: copy-heavy (edit a code file and return it whole, summarize a
+text quoting it, a multi-turn chat asking to repeat an earlier answer) and open-ended (stories,
+explanations). Each runs at each stream count (requests in flight at once: 1, 16) on an engine
+without speculation and on one per --methods entry, greedy, and prints output tokens/s, the mean
+time per output token (TPOT) of the requests, the acceptance (accepted / drafted tokens) and the
+ratio of tokens/s to the engine without speculation. Greedy outputs are checked equal to the
+run without speculation (a speed-up that changes tokens is not one). A benchmark, not a test: it
+asserts nothing and never runs in the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+
+from common.flags import flag
+
+
+@dataclass
+class SpecWorkload:
+    """Workload."""
+
+    methods: str = flag("ngram", "comma-separated speculative methods to measure")
+    streams: str = flag("1,16", "comma-separated requests in flight at once")
+    max_tokens: int = flag(128, "output tokens per request")
+    spec_tokens: int = flag(4, "num_speculative_tokens of each method")
+    rounds: int = flag(
+        1, "times each workload's prompts are sent (each stream sends its next when one ends)"
+    )
+
+
+CODE = '''def parse_config(path):
+    """Read a key=value file into a dict, skipping comments."""
+    values = {}
+    with open(path) as handle:
+        for line in handle:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, _, value = line.partition("=")
+            values[key.strip()] = value.strip()
+    return values
+
+
+def merge(defaults, overrides):
+    merged = dict(defaults)
+    merged.update(overrides)
+    return merged
+'''
+
+TEXT = (
+    "The committee met on Tuesday to review the new library budget. Members agreed that the "
+    "children's section needs more books, that opening hours should extend to eight in the "
+    "evening on weekdays, and that the roof repairs must be finished before winter. The "
+    "treasurer warned that the heating costs rose by a third last year."
+)
+
+COPY_HEAVY = [
+    [
+        {
+            "role": "user",
+            "content": f"Rename the function merge to combine and return the whole "
+            f"file, unchanged otherwise:\n\n{CODE}",
+        }
+    ],
+    [
+        {
+            "role": "user",
+            "content": f"Summarize this text, quoting its sentences word for word:\n\n{TEXT}",
+        }
+    ],
+    [
+        {"role": "user", "content": "List five tips for writing clean Python code."},
+        {
+            "role": "assistant",
+            "content": "1. Use descriptive names. 2. Keep functions short. "
+            "3. Write docstrings. 4. Prefer explicit over implicit. 5. Test your code.",
+        },
+        {"role": "user", "content": "Repeat your previous answer exactly, then add a sixth tip."},
+    ],
+    [
+        {
+            "role": "user",
+            "content": f"Add type hints to every function and return the whole file:\n\n{CODE}",
+        }
+    ],
+]
+OPEN_ENDED = [
+    [{"role": "user", "content": "Write a short story about a lighthouse keeper."}],
+    [{"role": "user", "content": "Explain how a rainbow forms."}],
+    [{"role": "user", "content": "Give me ideas for a weekend trip in the mountains."}],
+    [{"role": "user", "content": "Why do cats purr?"}],
+]
+
+
+@dataclass
+class Measured:
+    tokens_per_second: float
+    tpot_seconds: float
+    drafted: int
+    accepted: int
+    outputs: list[list[int]]
+
+
+def run_spec_benchmark(args: argparse.Namespace) -> None:
+    from common.config import engine_config_from_args
+    from common.sampling_params import SamplingParams
+    from common.tokenizer import Tokenizer
+    from engine.engine import LLMEngine
+
+    base = engine_config_from_args(args)
+    methods: list[str | None] = [None, *args.methods.split(",")]
+    streams = [int(s) for s in args.streams.split(",")]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    results: dict[tuple[str, int, str | None], Measured] = {}
+    for method in methods:
+        spec = None
+        if method is not None:
+            spec = json.dumps({"method": method, "num_speculative_tokens": args.spec_tokens})
+        config = engine_config_from_args(args)
+        config.speculative_config = spec
+        engine = LLMEngine(config)
+        tokenizer = Tokenizer.from_dir(engine.model_path)
+        workloads = {
+            "copy-heavy": [tokenizer.encode_chat(m) for m in COPY_HEAVY],
+            "open-ended": [tokenizer.encode_chat(m) for m in OPEN_ENDED],
+        }
+        # A warm-up request: the first steps pay one-off costs (allocations, kernel selection).
+        _measure(engine, [workloads["open-ended"][0]], 1, 1, SamplingParams(max_tokens=8))
+        for name, prompts in workloads.items():
+            for count in streams:
+                results[name, count, method] = _measure(engine, prompts, count, args.rounds, params)
+        engine.close()
+    print(
+        f"speculative decoding, {base.device}, model {base.model or 'default'}, greedy, "
+        f"{args.max_tokens} tokens per request, num_speculative_tokens {args.spec_tokens}"
+    )
+    print(
+        f"{'workload':12s} {'streams':>7s} {'method':>8s} {'tok/s':>8s} {'TPOT ms':>8s} "
+        f"{'accept':>7s} {'x none':>7s} same"
+    )
+    for (name, count, method), m in results.items():
+        none = results[name, count, None]
+        accept = f"{m.accepted / m.drafted:.2f}" if m.drafted else "-"
+        same = "yes" if m.outputs == none.outputs else "NO"
+        print(
+            f"{name:12s} {count:7d} {method or 'none':>8s} {m.tokens_per_second:8.1f} "
+            f"{m.tpot_seconds * 1e3:8.1f} {accept:>7s} "
+            f"{m.tokens_per_second / none.tokens_per_second:7.2f} {same}"
+        )
+
+
+def _measure(engine, prompts: list[list[int]], streams: int, rounds: int, params) -> Measured:
+    """`streams` requests in flight, every prompt (and at least one per stream) `rounds` times,
+    prompts taken in turn."""
+    before = engine.stats()
+    total = max(streams, len(prompts)) * rounds
+    submitted = 0
+    first: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {}
+    tpots: list[float] = []
+
+    def submit() -> None:
+        nonlocal submitted
+        request_id = f"b{id(tokens)}-{submitted}"
+        engine.add_request(request_id, prompts[submitted % len(prompts)], params)
+        tokens[request_id] = []
+        submitted += 1
+
+    start = time.perf_counter()
+    for _ in range(min(streams, total)):
+        submit()
+    while engine.has_unfinished:
+        for out in engine.step():
+            now = time.perf_counter()
+            tokens[out.request_id] += out.new_token_ids
+            first.setdefault(out.request_id, now)
+            if out.finished:
+                n = len(tokens[out.request_id])
+                if n > 1:
+                    tpots.append((now - first[out.request_id]) / (n - 1))
+                if submitted < total:
+                    submit()
+    elapsed = time.perf_counter() - start
+    after = engine.stats()
+    return Measured(
+        tokens_per_second=sum(len(t) for t in tokens.values()) / elapsed,
+        tpot_seconds=sum(tpots) / max(1, len(tpots)),
+        drafted=after.spec_num_draft_tokens - before.spec_num_draft_tokens,
+        accepted=after.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
+        outputs=[tokens[k] for k in sorted(tokens, key=lambda k: int(k.rsplit("-", 1)[1]))],
+    )
