@@ -16,12 +16,14 @@ from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 from common.block_hash import ROOT_HASH, hash_block
 from common.config import EngineConfig
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, StructuredOutput
 from common.speculative import SpeculativeConfig
 from engine.core.request import Request
+from engine.core.step_cost import LiveStepCost, StepCostModel
 from engine.engine import LLMEngine
 from engine.llm import LLM
 from engine.sampler import Sampler
+from engine.spec_decode.drafter import Drafter
 from engine.spec_decode.ngram import propose_ngram
 from engine.spec_decode.verify import Verifier
 from gateway.engines.vllm_metrics import vllm_families
@@ -286,3 +288,59 @@ def test_openai_usage_names_accepted_and_rejected_drafts():
     assert details is not None
     assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (10, 6)
     assert _usage(plan, [Usage(7, 20), Usage(7, 18)]).completion_tokens_details is None
+
+
+def drafting_request(tokens: list[int], **params) -> Request:
+    """A request decoding after its first output token, as the drafter sees it."""
+    request = Request("d", tokens[:-1], SamplingParams(**params))
+    request.append_output(tokens[-1])
+    request.num_computed_tokens = request.num_tokens - 1
+    return request
+
+
+def test_draft_length_follows_acceptance_and_low_acceptance_pauses():
+    config = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1)
+    drafter = Drafter(config, max_model_len=1000, step_cost=None)
+    request = drafting_request([1, 2, 3, 4, 5, 6, 7, 8, 9] * 3)
+    drafter.propose([request])
+    assert request.spec_token_ids == [1, 2, 3]  # starting rate 0.5: 2 expected + 1
+    for _ in range(3):
+        drafter.settle(request, 3, 3)
+    drafter.propose([request])
+    assert len(request.spec_token_ids) == 4  # all accepted: the full length
+    for _ in range(8):
+        drafter.settle(request, 4, 0)
+        drafter.propose([request])
+        if not request.spec_token_ids:
+            break
+    assert request.spec_token_ids == []  # rejected again and again: it pauses
+    for _ in range(20):
+        drafter.propose([request])
+    assert request.spec_token_ids == [1]  # then it tries one token
+    assert drafter.stats.num_draft_tokens == request.num_drafted_tokens
+
+
+def test_drafting_stops_for_a_batch_where_verifying_costs_more_than_it_saves():
+    """With a step cost model (fixed 20 ms, 1 ms per prefill token, 0.5 ms per decoding
+    sequence) and rate 0.5 drafting pays while B < 0.5 * 20 / (1 - 0.25) = 13.3 sequences."""
+    config = SpeculativeConfig("ngram", num_speculative_tokens=2, prompt_lookup_min=1)
+    cost = LiveStepCost(StepCostModel(0.02, 0.001, 0.0005))
+    drafter = Drafter(config, max_model_len=1000, step_cost=cost)
+    for size, drafts in ((13, True), (14, False)):
+        batch = [drafting_request([1, 2, 3, 1, 2, 3]) for _ in range(size)]
+        drafter.propose(batch)
+        assert all(bool(r.spec_token_ids) == drafts for r in batch), size
+
+
+def test_requests_whose_distribution_follows_their_drafts_never_draft():
+    drafter = Drafter(SpeculativeConfig("ngram", prompt_lookup_min=1), 1000, None)
+    tokens = [1, 2, 3, 1, 2, 3]
+    for params in (
+        dict(repetition_penalty=1.2),
+        dict(frequency_penalty=0.5),
+        dict(min_tokens=5),
+        dict(structured_output=StructuredOutput(regex="[0-9]+")),
+    ):
+        request = drafting_request(tokens, **params)
+        drafter.propose([request])
+        assert request.spec_token_ids == [], params
