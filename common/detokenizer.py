@@ -17,6 +17,17 @@ from common.tokenizer import Tokenizer
 REPLACEMENT_CHAR = "\ufffd"
 
 
+def bad_token_id(token_ids: Sequence[int], tokenizer: Tokenizer) -> str | None:
+    """Why `token_ids` cannot be decoded, or None. tokenizers silently decodes an unknown id to
+    nothing; an id outside the vocabulary must not vanish."""
+    for token_id in token_ids:
+        if not 0 <= token_id < tokenizer.vocab_size:
+            return (
+                f"token_ids contains {token_id}, outside the vocabulary [0, {tokenizer.vocab_size})"
+            )
+    return None
+
+
 @dataclass
 class DetokenizerDelta:
     """Text that became certain with the latest tokens; stop_matched is the stop string that
@@ -74,6 +85,14 @@ class IncrementalDetokenizer:
         if self.finished:
             return DetokenizerDelta("")
         return self._release(self._decode_new(final=True), final=True)
+
+    def advance(self, token_ids: Sequence[int], finish: bool = False) -> DetokenizerDelta:
+        """push; with `finish` (the generation ended with these tokens) also flush what is held
+        back, unless a stop string matched. The text one message of a stream makes certain."""
+        delta = self.push(token_ids)
+        if finish and delta.stop_matched is None:
+            delta.text += self.finish().text
+        return delta
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)

@@ -198,6 +198,8 @@ class Tokenizer:
             token_id for token_id, added in fast.get_added_tokens_decoder().items() if added.special
         )
         self.byte_fallback_ids = self._find_byte_fallback_ids()
+        # Read once: a detokenizer checks every generated token against it.
+        self._vocab_size: int = fast.get_vocab_size(with_added_tokens=True)
         self.max_model_len: int | None = next(
             (model_config[key] for key in CONTEXT_LENGTH_KEYS if key in model_config), None
         )
@@ -220,6 +222,18 @@ class Tokenizer:
             _load_chat_template(path, tokenizer_config),
         )
 
+    def to_json(self) -> str:
+        """The fast tokenizer serialized (tokenizer.json's form, a GGUF's too): what
+        `decoding_only` rebuilds in another process."""
+        return self._fast.to_str()
+
+    @classmethod
+    def decoding_only(cls, tokenizer_json: str) -> Tokenizer:
+        """A tokenizer rebuilt from `to_json`'s text that decodes as the original does (its
+        vocabulary, special tokens and byte fallback are all in that text); it has no chat
+        template, named special tokens, EOS ids or context length."""
+        return cls(FastTokenizer.from_str(tokenizer_json), {}, {}, {}, None)
+
     def _find_byte_fallback_ids(self) -> frozenset[int]:
         # A ByteFallback decoder turns a run of <0xXX> tokens into the characters of their bytes,
         # or into one U+FFFD per token when the run is not valid UTF-8 as a whole.
@@ -232,7 +246,7 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         """Number of token ids the tokenizer knows, added tokens included."""
-        return self._fast.get_vocab_size(with_added_tokens=True)
+        return self._vocab_size
 
     def id_to_token(self, token_id: int) -> str | None:
         """The token's string in the vocabulary (byte-level or SentencePiece form), None if

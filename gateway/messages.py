@@ -58,6 +58,7 @@ class EngineStats:
 class KvEvent:
     kind: Literal["block_stored", "block_removed", "all_blocks_cleared"]
     block_hashes: tuple[bytes, ...] = ()
+    medium: str = "GPU"  # "GPU": the engine's KV pool; "CPU": its host tier
 
 
 @dataclass(frozen=True)
@@ -158,53 +159,6 @@ class Tokenized:
     token_ids: list[int]
     prompt: str  # the text the ids stand for (a chat's rendered template)
     token_strs: list[str]  # each token's text, when asked for
-
-
-@dataclass(frozen=True)
-class DetokenizeOptions:
-    """How a sequence's text is made: its stop strings and special tokens."""
-
-    stop: tuple[str, ...] = ()
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool | None = None  # unset: the tokenizer's default
-
-
-@dataclass(slots=True)
-class SequenceTokens:
-    """A sequence's new tokens on the DetokenizeSequences stream; its options with the first."""
-
-    sequence_id: int
-    token_ids: tuple[int, ...]
-    finish: bool = False
-    options: DetokenizeOptions | None = None
-
-
-@dataclass
-class DetokenizeSequences:
-    """One message on the DetokenizeSequences stream: one engine step's sequences, the token
-    texts logprobs still need, and the sequences the tokenizer may forget."""
-
-    sequences: list[SequenceTokens] = field(default_factory=list)
-    token_text_ids: list[int] = field(default_factory=list)
-    released_sequence_ids: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)  # not frozen, as StepOutput
-class SequenceText:
-    """A sequence's new text, and whether a stop string matched (or why it failed)."""
-
-    sequence_id: int
-    text: str
-    stop_matched: str = ""
-    error: str = ""
-
-
-@dataclass(frozen=True)
-class SequenceTexts:
-    """The answer to one DetokenizeSequences message, in its order."""
-
-    sequences: list[SequenceText]
-    token_texts: list[str]  # of its token_text_ids
 
 
 # -- the gateway's own gRPC text API ------------------------------------------------------------

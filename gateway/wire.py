@@ -26,16 +26,12 @@ from gateway.messages import (
     AskedLevel,
     ChatFormats,
     ChatTurn,
-    DetokenizeOptions,
-    DetokenizeSequences,
     EngineModel,
     EngineStats,
     KvEvent,
     KvEventBatch,
     Logprob,
     RequestError,
-    SequenceText,
-    SequenceTexts,
     StepOutput,
     TextCall,
     Tokenized,
@@ -46,9 +42,6 @@ from gateway.pipeline.text import TextDelta, TokenLogprob
 
 # What a Generate stream sends: the clients carry these without reading them.
 GenerateMessage = engine_pb2.GenerateRequest
-# What the DetokenizeSequences stream sends and answers.
-SequencesMessage = tok_pb2.DetokenizeSequencesRequest
-SequencesAnswer = tok_pb2.DetokenizeSequencesResponse
 # The calls and answers of folio.v1.GatewayService, as its servicer receives and sends them.
 GenerateCall = gateway_pb2.GatewayServiceGenerateRequest
 GenerateAnswer = gateway_pb2.GatewayServiceGenerateResponse
@@ -276,37 +269,13 @@ def chat_formats(info: tok_pb2.GetInfoResponse) -> ChatFormats:
     return ChatFormats(tool_call=info.tool_call_format, reasoning=info.reasoning_format)
 
 
-def _options(options: DetokenizeOptions) -> tok_pb2.DetokenizeOptions:
-    return tok_pb2.DetokenizeOptions(
-        stop=options.stop,
-        include_stop_str_in_output=options.include_stop_str_in_output,
-        skip_special_tokens=options.skip_special_tokens,
-    )
+def tokenizer_json_request() -> tok_pb2.GetTokenizerJsonRequest:
+    return tok_pb2.GetTokenizerJsonRequest()
 
 
-def sequences_message(message: DetokenizeSequences) -> SequencesMessage:
-    request = tok_pb2.DetokenizeSequencesRequest(
-        token_text_ids=message.token_text_ids,
-        released_sequence_ids=message.released_sequence_ids,
-    )
-    # Entries are added in place: a list handed to the message's constructor is copied.
-    entries = request.sequences
-    for sequence in message.sequences:
-        options = sequence.options
-        entries.add(
-            sequence_id=sequence.sequence_id,
-            token_ids=sequence.token_ids,
-            finish=sequence.finish,
-            options=None if options is None else _options(options),
-        )
-    return request
-
-
-def sequence_texts(answer: SequencesAnswer) -> SequenceTexts:
-    return SequenceTexts(
-        [SequenceText(s.sequence_id, s.text, s.stop_matched, s.error) for s in answer.sequences],
-        list(answer.token_texts),
-    )
+def tokenizer_json(chunks: Iterable[tok_pb2.GetTokenizerJsonResponse]) -> str:
+    """The tokenizer's JSON text from GetTokenizerJson's chunks, in order."""
+    return b"".join(response.chunk for response in chunks).decode()
 
 
 # -- health -------------------------------------------------------------------------------------

@@ -4,11 +4,11 @@ Every request to a replica rides on one long-lived, multiplexed Engine.Generate 
 than one stream per request: the engine then sends one message per step for all of them
 instead of one per request per step, and per-message cost is what limits Python gRPC at high
 concurrency. The replica's session (gateway/engines/session.py) opens it, reads it, and opens
-a fresh one after a break. Likewise one DetokenizeSequences stream carries the text of every
-sequence: one message per engine step, not one per sequence. Every call carries the internal token
-when there is one (FOLIO_INTERNAL_TOKEN), and unary calls carry what is left of their request's
-deadline (gateway/limits/deadlines.py). Transport and translation only: this module never validates
-or decides anything.
+a fresh one after a break. Generated tokens become text in the gateway itself, with the
+tokenizer fetched once (GetTokenizerJson): no tokenizer call per step. Every call carries the
+internal token when there is one (FOLIO_INTERNAL_TOKEN), and unary calls carry what is left of
+their request's deadline (gateway/limits/deadlines.py). Transport and translation only: this
+module never validates or decides anything.
 """
 
 from __future__ import annotations
@@ -41,11 +41,9 @@ from gateway.limits.service_level import current_service_level
 from gateway.messages import (
     ChatFormats,
     ChatTurn,
-    DetokenizeSequences,
     EngineModel,
     EngineStats,
     KvEventBatch,
-    SequenceTexts,
     StepOutput,
     Tokenized,
     ToolSpec,
@@ -240,56 +238,6 @@ class EngineClient(_ServiceClient):
 # -- tokenizer ----------------------------------------------------------------------------------
 
 
-class SequenceDetokenizer:
-    """The gateway's one DetokenizeSequences stream: one message out, its answer back, one
-    exchange at a time. A stream that fails is dropped (and with it the tokenizer's state of
-    every sequence on it); the next exchange opens a fresh one."""
-
-    def __init__(
-        self,
-        stub: tokenizer_pb2_grpc.TokenizerServiceAsyncStub,
-        metadata: tuple[tuple[str, str], ...],
-        errors: ServiceErrors,
-    ) -> None:
-        self._errors = errors
-        self._stub = stub
-        self._metadata = metadata
-        self._call: (
-            grpc.aio.StreamStreamCall[wire.SequencesMessage, wire.SequencesAnswer] | None
-        ) = None
-        self._lock = asyncio.Lock()
-
-    async def exchange(self, message: DetokenizeSequences) -> SequenceTexts:
-        async with self._lock:
-            call = self._call
-            if call is None:
-                call = self._call = self._stub.DetokenizeSequences(metadata=self._metadata)
-            try:
-                await call.write(wire.sequences_message(message))
-                response = await call.read()
-            except grpc.aio.AioRpcError as exc:
-                self._drop()
-                raise self._errors.rpc_error(exc) from None
-            except asyncio.InvalidStateError:
-                # The stream had already ended between two messages (the tokenizer went away).
-                self._drop()
-                raise self._errors.error(await call.code(), await call.details()) from None
-            if not isinstance(response, wire.SequencesAnswer):  # EOF
-                self._drop()
-                raise self._errors.error(
-                    grpc.StatusCode.UNAVAILABLE, "the DetokenizeSequences stream ended early"
-                )
-            return wire.sequence_texts(response)
-
-    def _drop(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
-            self._call = None
-
-    def close(self) -> None:
-        self._drop()
-
-
 class TokenizerClient(_ServiceClient):
     service = "tokenizer"
 
@@ -324,5 +272,17 @@ class TokenizerClient(_ServiceClient):
         """The tool-call and reasoning formats the model's chat template teaches."""
         return wire.chat_formats(await self._unary(self._stub.GetInfo, wire.info_request()))
 
-    def sequence_detokenizer(self) -> SequenceDetokenizer:
-        return SequenceDetokenizer(self._stub, self._metadata, self.errors)
+    async def tokenizer_json(self) -> str:
+        """The tokenizer itself as its JSON text (GetTokenizerJson), for detokenizing in this
+        process."""
+        call = self._stub.GetTokenizerJson(
+            wire.tokenizer_json_request(),
+            timeout=call_timeout(UNARY_TIMEOUT),
+            metadata=self._metadata,
+        )
+        try:
+            chunks = [chunk async for chunk in call]
+        except grpc.aio.AioRpcError as exc:
+            raise self.errors.rpc_error(exc) from None
+        self.errors.answered()
+        return wire.tokenizer_json(chunks)

@@ -32,7 +32,7 @@ from gateway.engines.routing import Decision, PrefixIndex, ReplicaLoad, RoutingP
 from gateway.engines.session import ReplicaSession
 from gateway.messages import EngineModel, EngineStats, KvEventBatch
 from gateway.metrics import Metrics
-from gateway.pipeline.output_processor import Detokenizer, TokenTexts, TrackedRequest
+from gateway.pipeline.output_processor import TrackedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -102,13 +102,10 @@ class EnginePool:
         self,
         clients: Sequence[EngineClient],
         policy: RoutingPolicy,
-        detokenizer: Detokenizer,
-        token_texts: TokenTexts,
         metrics: Metrics,
     ) -> None:
-        """`detokenizer` and `token_texts`: what each replica's output processor turns tokens
-        into text with; `metrics`: where the replicas' requests routed, health and indexed
-        blocks count (and the request-level series their processors observe)."""
+        """`metrics`: where the replicas' requests routed, health and indexed blocks count (and
+        the request-level series their processors observe)."""
         if not clients:
             raise ValueError("at least one engine address is needed")
         self.replicas = [Replica(i, client) for i, client in enumerate(clients)]
@@ -118,8 +115,6 @@ class EnginePool:
         for replica in self.replicas:
             replica.session = ReplicaSession(
                 replica.client,
-                detokenizer,
-                token_texts,
                 metrics,
                 retry=functools.partial(self._retry, failed=replica),
                 on_broken=functools.partial(self._lost, replica, "its Generate stream broke"),

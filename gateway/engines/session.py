@@ -22,11 +22,9 @@ from common.sampling_params import SamplingParams
 from gateway.engines.clients import EngineClient, GenerateStream
 from gateway.metrics import Metrics
 from gateway.pipeline.output_processor import (
-    Detokenizer,
     OutputProcessingError,
     OutputProcessor,
     RetryHook,
-    TokenTexts,
     TrackedRequest,
 )
 
@@ -40,8 +38,6 @@ class ReplicaSession:
     def __init__(
         self,
         client: EngineClient,
-        detokenizer: Detokenizer,
-        token_texts: TokenTexts,
         metrics: Metrics,
         retry: RetryHook,
         on_broken: Callable[[], None],
@@ -49,7 +45,7 @@ class ReplicaSession:
         """`retry`: offered each request a broken stream had not started; `on_broken`: told
         when the stream breaks, before its requests fail."""
         self.client = client
-        self.processor = OutputProcessor(detokenizer, self._abort, metrics, token_texts, retry)
+        self.processor = OutputProcessor(self._abort, metrics, retry)
         self._on_broken = on_broken
         self._stream: GenerateStream | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -79,7 +75,7 @@ class ReplicaSession:
         try:
             async with contextlib.aclosing(stream.steps()) as steps:
                 async for outputs in steps:
-                    await self.processor.process_outputs(outputs)
+                    self.processor.process_outputs(outputs)
         except Exception as exc:
             logger.exception("engine %s: processing the Generate stream failed", stream.address)
             error = OutputProcessingError(f"processing the engine's outputs failed: {exc}")

@@ -405,7 +405,7 @@ async def detokenize(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     gateway = _context(request).gateway
-    engine, tokenizer = await asyncio.gather(gateway.engine.serving(), gateway.tokenizer.serving())
+    engine, tokenizer = await asyncio.gather(gateway.engine.serving(), gateway.text_ready())
     down = [name for name, up in (("engine", engine), ("tokenizer", tokenizer)) if not up]
     if gateway.draining:
         down.append("gateway (draining)")

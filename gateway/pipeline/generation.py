@@ -2,7 +2,8 @@
 
 Token ids go to an engine replica (gateway/engines/replicas.py picks it) on that replica's shared
 Generate stream; its output processor (gateway/pipeline/output_processor.py) turns the tokens that
-come back into text and hands each call its deltas; a prompt's n choices are one engine request with
+come back into text, with the model's tokenizer held here (fetched from the tokenizer service
+once), and hands each call its deltas; a prompt's n choices are one engine request with
 n samples (the prompt computed once). When the caller goes away (the iterator is closed or
 cancelled) what still runs is aborted at once. The served model's facts (asked of the engine),
 the tokenizer calls the front ends make and the drain state live here too; what a request must
@@ -23,13 +24,15 @@ from typing import Any
 
 from common.errors import DeadlineExceededError, FolioError, ModelNotFound, UnavailableError
 from common.sampling_params import SamplingParams
+from common.tokenizer import Tokenizer
 from gateway.engines.clients import EngineClient, TokenizerClient
 from gateway.engines.replicas import EnginePool
 from gateway.engines.routing import make_policy
 from gateway.limits.deadlines import at_deadline
 from gateway.messages import ChatFormats, ChatTurn, EngineStats, Tokenized, ToolSpec
 from gateway.metrics import Metrics
-from gateway.pipeline.output_processor import ChoiceItem, TokenTexts, TrackedRequest
+from gateway.pipeline.model_text import ModelText
+from gateway.pipeline.output_processor import ChoiceItem, TrackedRequest
 from gateway.pipeline.text import TextDelta, TextRequest
 from gateway.pipeline.validation import ModelInfo
 
@@ -52,15 +55,11 @@ class Gateway:
         routing_policy: str = "cache_aware",
     ) -> None:
         """`engines`: one client per engine replica; `routing_policy` picks among them."""
-        self._token_texts = TokenTexts()  # for logprobs; bounded by the vocabulary
-        self.engine = EnginePool(
-            engines,
-            make_policy(routing_policy),
-            tokenizer.sequence_detokenizer(),
-            self._token_texts,
-            metrics,
-        )
+        self.engine = EnginePool(engines, make_policy(routing_policy), metrics)
         self.tokenizer = tokenizer
+        # The model's tokenizer in this process, fetched from the tokenizer service once.
+        self._model_text: ModelText | None = None
+        self._model_text_lock = asyncio.Lock()
         self.metrics = metrics
         self.served_model_name = served_model_name
         self.draining = False
@@ -91,7 +90,7 @@ class Gateway:
                 logger.warning(
                     "the engine came back with another model: %s, was %s", fresh, self._info
                 )
-                self._token_texts.clear()
+                self._model_text = None  # fetched again, from the tokenizer serving it
             self._info, self._info_broken_streams = fresh, broken_streams
         return self._info
 
@@ -104,6 +103,32 @@ class Gateway:
                 f"the model {name!r} does not exist; this server serves {info.name!r}", "model"
             )
         return info
+
+    async def model_text(self) -> ModelText:
+        """The model's tokenizer in this process, for the token path: fetched from the tokenizer
+        service (GetTokenizerJson) the first time, and again after the model changed; raises
+        UnavailableError while the tokenizer is down then."""
+        model_text = self._model_text
+        if model_text is None:
+            async with self._model_text_lock:  # one fetch for the requests that wait on it
+                model_text = self._model_text
+                if model_text is None:
+                    text = await self.tokenizer.tokenizer_json()
+                    # A large vocabulary takes a while to build: off the event loop.
+                    tokenizer = await asyncio.to_thread(Tokenizer.decoding_only, text)
+                    model_text = self._model_text = ModelText(tokenizer)
+        return model_text
+
+    async def text_ready(self) -> bool:
+        """The tokenizer serves, and this process holds the model's tokenizer (fetched now if it
+        did not yet): what /health asks of the text side."""
+        if not await self.tokenizer.serving():
+            return False
+        try:
+            await self.model_text()
+        except FolioError:
+            return False
+        return True
 
     async def engine_stats(self) -> EngineStats | None:
         """The engine's load and counters (GetStats), as /metrics and the dashboard show them;
@@ -163,6 +188,7 @@ class Gateway:
         max_n = SamplingParams.MAX_N
         if any(r.params.n > 1 for r in requests):
             max_n = min(max_n, (await self.model()).max_num_seqs)
+        model_text = await self.model_text()
         deltas: asyncio.Queue[ChoiceItem] = asyncio.Queue()
         tracked: list[TrackedRequest] = []
         timer = None
@@ -188,7 +214,9 @@ class Gateway:
                         else f"{request_id}-{choice}"
                     )
                     tracked.append(
-                        TrackedRequest(engine_id, request, count, choice, arrival, deltas)
+                        TrackedRequest(
+                            engine_id, request, count, choice, arrival, deltas, model_text
+                        )
                     )
                     self.engine.submit(tracked[-1], params, request.priority)
                     choice += count

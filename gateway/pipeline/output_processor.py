@@ -2,41 +2,33 @@
 reads the replica's Generate stream) turns each engine step's token ids into every sequence's
 text.
 
-Per GenerateResponse (one engine step) it sends one message on the tokenizer's multiplexed
-DetokenizeSequences stream, with an entry for each sequence that advanced (the logprob texts it
-does not know yet ride along), reads the one answer, hands each caller its TextDelta, and aborts
-the sequences whose stop string matched in one batched Abort. A sequence that stopped gets its
-last delta (finish reason "stop") only once the engine has confirmed the abort, so a finished
-answer never leaves work behind. The `n` samples of a request are one engine request; their
-outputs are told apart by index. An embedding request's one output (its vector) goes to its
-caller at once: it has no text. It counts the request-level metrics as tokens pass.
+Per GenerateResponse (one engine step) it turns each sequence's new tokens into text in this
+process (gateway/pipeline/model_text.py: an incremental detokenizer per sequence, with its stop
+strings), hands each caller its TextDelta, and aborts the sequences whose stop string matched in
+one batched Abort. A sequence that stopped gets its last delta (finish reason "stop") only once
+the engine has confirmed the abort, so a finished answer never leaves work behind. The `n`
+samples of a request are one engine request; their outputs are told apart by index. An
+embedding request's one output (its vector) goes to its caller at once: it has no text. It
+counts the request-level metrics as tokens pass.
 
 It never validates a request, never opens a connection of its own and never builds an OpenAI or
-protobuf answer shape: the detokenizer and the abort sink are handed to it.
+protobuf answer shape: the model's text and the abort sink are handed to it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from common.errors import FolioError, InternalError, error_for
-from gateway.messages import (
-    DetokenizeOptions,
-    DetokenizeSequences,
-    Logprob,
-    SequenceText,
-    SequenceTexts,
-    SequenceTokens,
-    StepOutput,
-)
+from common.detokenizer import IncrementalDetokenizer
+from common.errors import InternalError, error_for
+from gateway.messages import StepOutput
 from gateway.metrics import Metrics
-from gateway.pipeline.text import TextDelta, TextRequest, TokenLogprob, Usage
+from gateway.pipeline.model_text import ModelText
+from gateway.pipeline.text import TextDelta, TextRequest, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -44,16 +36,6 @@ logger = logging.getLogger(__name__)
 class OutputProcessingError(InternalError):
     """A bug processing an engine's outputs (the gateway's own): its traceback is logged once,
     where it happened, and each request it failed carries this error."""
-
-
-# Sequence ids on the tokenizer's stream: unique for the life of the gateway process.
-_sequence_ids = itertools.count(1)
-
-
-class Detokenizer(Protocol):
-    """The tokenizer's DetokenizeSequences stream: one answer per message, in order."""
-
-    async def exchange(self, message: DetokenizeSequences) -> SequenceTexts: ...
 
 
 # Aborts, in one message: whole requests by id, and single samples as (request id, index).
@@ -66,59 +48,14 @@ ChoiceItem = tuple[int, TextDelta] | Exception
 RetryHook = Callable[["TrackedRequest"], bool]
 
 
-class TokenTexts:
-    """Each token id's text on its own (special tokens kept), as logprobs show it; learnt from
-    the tokenizer and kept for the gateway's life (bounded by the vocabulary)."""
-
-    def __init__(self) -> None:
-        self._texts: dict[int, str] = {}
-
-    def missing(self, token_ids: Iterable[int]) -> set[int]:
-        return {i for i in token_ids if i not in self._texts}
-
-    def learn(self, token_ids: Sequence[int], texts: Sequence[str]) -> None:
-        self._texts.update(zip(token_ids, texts, strict=True))
-
-    def clear(self) -> None:
-        self._texts.clear()
-
-    def logprobs(
-        self, records: Sequence[Logprob], first_prompt_token: int | None = None
-    ) -> list[TokenLogprob]:
-        """The records with token texts; a prompt's first token, when given, leads them with no
-        logprob (the engine sends none for it)."""
-        texts = self._texts
-        first = (
-            []
-            if first_prompt_token is None
-            else [TokenLogprob(first_prompt_token, texts[first_prompt_token], None, [])]
-        )
-        return first + [
-            TokenLogprob(
-                lp.token_id,
-                texts[lp.token_id],
-                lp.logprob,
-                [(token_id, texts[token_id], logprob) for token_id, logprob in lp.top],
-            )
-            for lp in records
-        ]
-
-
-def _logprob_ids(records: Sequence[Logprob]) -> Iterable[int]:
-    for lp in records:
-        yield lp.token_id
-        for token_id, _ in lp.top:
-            yield token_id
-
-
 @dataclass(eq=False)
 class _Sequence:
-    """One sample of a tracked request: its text on the tokenizer's stream and its counts."""
+    """One sample of a tracked request: its text so far and its counts."""
 
     index: int  # the sample's index in the engine request
     choice: int  # its index among the caller's choices
-    sequence_id: int = field(default_factory=lambda: next(_sequence_ids))
-    opened: bool = False  # its options went to the tokenizer
+    # Made with its first output: its text has started.
+    detokenizer: IncrementalDetokenizer | None = None
     prompt_logprobs_due: bool = False  # asked for: they come with its first output
     num_tokens: int = 0
     last_token_at: float | None = None
@@ -129,7 +66,8 @@ class _Sequence:
 
 @dataclass(eq=False)
 class TrackedRequest:
-    """One engine request and where its choices' deltas go."""
+    """One engine request, the model text its tokens become, and where its choices' deltas
+    go."""
 
     request_id: str
     text: TextRequest
@@ -137,8 +75,8 @@ class TrackedRequest:
     first_choice: int  # the caller's choice index of sample 0
     arrival: float  # time.monotonic() at the gateway
     deltas: asyncio.Queue[ChoiceItem]
+    model_text: ModelText
     sequences: list[_Sequence] = field(init=False)
-    options: DetokenizeOptions = field(init=False)
 
     def __post_init__(self) -> None:
         prompt_logprobs = self.text.params.prompt_logprobs is not None
@@ -146,11 +84,6 @@ class TrackedRequest:
             _Sequence(i, self.first_choice + i, prompt_logprobs_due=prompt_logprobs)
             for i in range(self.n)
         ]
-        self.options = DetokenizeOptions(
-            stop=tuple(self.text.stop),
-            include_stop_str_in_output=self.text.include_stop_str_in_output,
-            skip_special_tokens=self.text.skip_special_tokens,
-        )
 
     @property
     def live(self) -> list[_Sequence]:
@@ -158,18 +91,8 @@ class TrackedRequest:
 
     @property
     def started(self) -> bool:
-        """Something of it reached the tokenizer or its caller: it can no longer run anew."""
-        return any(s.opened or s.done for s in self.sequences)
-
-
-@dataclass
-class _Step:
-    """One engine output waiting for its text."""
-
-    request: TrackedRequest
-    sequence: _Sequence
-    output: StepOutput
-    first_prompt_token: int | None  # set when this output carries the prompt's logprobs
+        """Some of its tokens became text, or a choice ended: it can no longer run anew."""
+        return any(s.detokenizer is not None or s.done for s in self.sequences)
 
 
 class OutputProcessor:
@@ -178,19 +101,14 @@ class OutputProcessor:
 
     def __init__(
         self,
-        detokenizer: Detokenizer,
         abort: AbortSink,
         metrics: Metrics,
-        token_texts: TokenTexts,
         retry: RetryHook | None = None,
     ) -> None:
-        self._detokenizer = detokenizer
         self._retry = retry
         self._abort = abort
         self._metrics = metrics
-        self._token_texts = token_texts
         self._requests: dict[str, TrackedRequest] = {}
-        self._released_sequences: list[int] = []  # told to the tokenizer with the next message
 
     def add(self, request: TrackedRequest) -> None:
         self._requests[request.request_id] = request
@@ -207,7 +125,6 @@ class OutputProcessor:
             live = request.live
             if live:
                 aborted.append(request.request_id)
-            self._released_sequences += [s.sequence_id for s in live if s.opened]
             for sequence in live:
                 sequence.done = True
         if aborted:
@@ -221,13 +138,13 @@ class OutputProcessor:
                 request.deltas.put_nowait(error)
         self._requests.clear()
 
-    async def process_outputs(self, outputs: Sequence[StepOutput]) -> None:
-        """One engine step: every output's text in one tokenizer round trip, then each caller
-        its delta and one Abort for the stop strings that matched. A failure here is the
-        gateway's own (a bug): it is logged, the step's requests fail with an InternalError and
-        are aborted, and the stream goes on for the others (the engine did nothing wrong)."""
+    def process_outputs(self, outputs: Sequence[StepOutput]) -> None:
+        """One engine step: each output's text, each caller its delta, and one Abort for the
+        stop strings that matched. A failure here is the gateway's own (a bug): it is logged,
+        the step's requests fail with an InternalError and are aborted, and the stream goes on
+        for the others (the engine did nothing wrong)."""
         try:
-            await self._process(outputs)
+            self._process(outputs)
         except Exception as exc:
             logger.exception("processing an engine step failed; its requests fail")
             step = {output.request_id for output in outputs}
@@ -237,13 +154,11 @@ class OutputProcessor:
                 True,
             )
 
-    async def _process(self, outputs: Sequence[StepOutput]) -> None:
-        message = DetokenizeSequences()
-        entries = message.sequences
-        steps: list[_Step] = []
-        text_ids: set[int] = set()
+    def _process(self, outputs: Sequence[StepOutput]) -> None:
         now = time.monotonic()  # the step's tokens all arrived now
         step_tokens = 0
+        aborted_requests: list[str] = []
+        aborted_samples: list[tuple[str, int]] = []
         for output in outputs:
             request = self._requests.get(output.request_id)
             if request is None:  # already let go (aborted, the caller left)
@@ -272,65 +187,17 @@ class OutputProcessor:
                 if output.finished:
                     self._finish(request, sequence, sequence.stopped, output)
                 continue
-            token_ids = output.token_ids
-            if token_ids:
-                count = len(token_ids)
+            if output.token_ids:
+                count = len(output.token_ids)
                 self._observe_tokens(request, sequence, count, now)
                 step_tokens += count
-            entry = SequenceTokens(sequence.sequence_id, token_ids, output.finished)
-            if not sequence.opened:
-                entry.options = request.options
-                sequence.opened = True
-            entries.append(entry)
-            if output.logprobs:
-                text_ids.update(_logprob_ids(output.logprobs))
-            first_prompt_token = None
-            if sequence.prompt_logprobs_due:  # the engine sends them with its first output
-                sequence.prompt_logprobs_due = False
-                first_prompt_token = request.text.prompt_ids[0]
-                text_ids.update(_logprob_ids(output.prompt_logprobs))
-                text_ids.add(first_prompt_token)
-            steps.append(_Step(request, sequence, output, first_prompt_token))
-        if step_tokens:  # one counter update per step, not one per sequence
-            self._metrics.generation_tokens.inc(step_tokens)
-        if not steps:
-            return
-        missing = sorted(self._token_texts.missing(text_ids)) if text_ids else []
-        message.token_text_ids = missing
-        message.released_sequence_ids = self._released_sequences
-        self._released_sequences = []
-        try:
-            answer = await self._detokenizer.exchange(message)
-        except FolioError as exc:
-            # The tokenizer's stream is gone, and with it the text state of every sequence.
-            lost = [r for r in self._requests.values() if any(s.opened for s in r.live)]
-            self._fail(lost, exc, True)
-            return
-        if missing:
-            self._token_texts.learn(missing, answer.token_texts)
-        self._deliver(steps, answer.sequences)
-
-    def _deliver(self, steps: Sequence[_Step], texts: Sequence[SequenceText]) -> None:
-        aborted_requests: list[str] = []
-        aborted_samples: list[tuple[str, int]] = []
-        for step, text in zip(steps, texts, strict=True):
-            request, sequence, output = step.request, step.sequence, step.output
-            if sequence.done or self._requests.get(request.request_id) is not request:
-                continue  # released or failed while the tokenizer answered
-            if text.error:
-                self._fail([request], InternalError(f"tokenizer: {text.error}"), True)
+            try:
+                delta = self._text(request, sequence, output)
+            except ValueError as exc:  # an id outside the vocabulary
+                self._fail([request], InternalError(f"detokenizing: {exc}"), True)
                 continue
-            delta = TextDelta(
-                text.text,
-                self._token_texts.logprobs(output.logprobs) if output.logprobs else [],
-            )
-            if step.first_prompt_token is not None:
-                delta.prompt_logprobs = self._token_texts.logprobs(
-                    output.prompt_logprobs, step.first_prompt_token
-                )
-            if text.stop_matched:
+            if delta.stop_matched:
                 delta.finish_reason = "stop"
-                delta.stop_matched = text.stop_matched
                 if output.finished:
                     self._finish(request, sequence, delta, output)
                 else:
@@ -344,8 +211,32 @@ class OutputProcessor:
                 self._finish(request, sequence, delta, output)
             elif delta.text or delta.logprobs or delta.prompt_logprobs:
                 request.deltas.put_nowait((sequence.choice, delta))
+        if step_tokens:  # one counter update per step, not one per sequence
+            self._metrics.generation_tokens.inc(step_tokens)
         if aborted_requests or aborted_samples:
             self._abort(aborted_requests, aborted_samples)
+
+    @staticmethod
+    def _text(request: TrackedRequest, sequence: _Sequence, output: StepOutput) -> TextDelta:
+        """The text the output makes certain, with its logprobs (and the prompt's, with a
+        sequence's first output when asked); ValueError names an id outside the vocabulary."""
+        model_text = request.model_text
+        if (bad := model_text.bad_token_id(output.token_ids)) is not None:
+            raise ValueError(bad)
+        if sequence.detokenizer is None:
+            sequence.detokenizer = model_text.detokenizer(request.text)
+        text = sequence.detokenizer.advance(output.token_ids, output.finished)
+        delta = TextDelta(
+            text.text,
+            model_text.logprobs(output.logprobs) if output.logprobs else [],
+            stop_matched=text.stop_matched,
+        )
+        if sequence.prompt_logprobs_due:  # the engine sends them with its first output
+            sequence.prompt_logprobs_due = False
+            delta.prompt_logprobs = model_text.logprobs(
+                output.prompt_logprobs, request.text.prompt_ids[0]
+            )
+        return delta
 
     def _finish(
         self,
@@ -378,10 +269,8 @@ class OutputProcessor:
         failed = [r for r in requests if self._requests.get(r.request_id) is r]
         for request in failed:
             del self._requests[request.request_id]
-            live = request.live
-            for sequence in live:
+            for sequence in request.live:
                 sequence.done = True
-            self._released_sequences += [s.sequence_id for s in live if s.opened]
             request.deltas.put_nowait(error)
         if abort and failed:
             self._abort([r.request_id for r in failed], [])

@@ -3,8 +3,9 @@ common.detokenizer.
 
 It owns text: tokenization, chat templates, incremental detokenization with stop strings, one
 sequence per DetokenizeStream or many per DetokenizeSequences (SequenceTexts keeps a stream's
-live sequences by id). It translates messages and errors only; it must never import torch or the
-engine.
+live sequences by id), and hands out the tokenizer itself (GetTokenizerJson) to callers that
+detokenize in their own process, as the gateway does. It translates messages and errors only; it
+must never import torch or the engine.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from common.grpc_stubs.folio.v1 import tokenizer_pb2 as pb
 from common.grpc_stubs.folio.v1 import tokenizer_pb2_grpc
 
 from common.default_model import resolve_model_path
-from common.detokenizer import IncrementalDetokenizer
+from common.detokenizer import IncrementalDetokenizer, bad_token_id
 from common.errors import InvalidRequestError, status_code_for
 from common.grpc_server import GrpcService
 from common.tokenizer import Tokenizer
+
+# GetTokenizerJson's chunks: well inside the message limit (common.config.GRPC_MAX_MESSAGE_BYTES).
+TOKENIZER_JSON_CHUNK_BYTES = 1 << 20
 
 
 def _flag(message, name: str, default: bool) -> bool:
@@ -96,17 +100,6 @@ def _detokenizer(tokenizer: Tokenizer, options: pb.DetokenizeOptions) -> Increme
     )
 
 
-def _bad_token(token_ids: Sequence[int], tokenizer: Tokenizer) -> str | None:
-    """Why `token_ids` cannot be decoded, or None. tokenizers silently decodes an unknown id to
-    nothing; a caller's bad id must not vanish."""
-    for token_id in token_ids:
-        if not 0 <= token_id < tokenizer.vocab_size:
-            return (
-                f"token_ids contains {token_id}, outside the vocabulary [0, {tokenizer.vocab_size})"
-            )
-    return None
-
-
 class SequenceTexts:
     """The sequences of one DetokenizeSequences stream: one incremental detokenizer per live
     sequence id, each message answered entry by entry."""
@@ -125,7 +118,7 @@ class SequenceTexts:
             sequences=[self._advance(entry) for entry in request.sequences]
         )
         if request.token_text_ids:
-            if (bad := _bad_token(request.token_text_ids, self._tokenizer)) is not None:
+            if (bad := bad_token_id(request.token_text_ids, self._tokenizer)) is not None:
                 raise ValueError(f"token_text_ids: {bad}")
             # Special tokens keep their text here: a logprob for "<|im_end|>" must say so.
             response.token_texts.extend(
@@ -144,20 +137,20 @@ class SequenceTexts:
             detokenizer = self._live.get(sequence_id)
             if detokenizer is None:
                 raise ValueError(f"sequence {sequence_id} is not live: start it with options")
-            if (bad := _bad_token(entry.token_ids, self._tokenizer)) is not None:
+            if (bad := bad_token_id(entry.token_ids, self._tokenizer)) is not None:
                 raise ValueError(bad)
         except ValueError as exc:
             self._live.pop(sequence_id, None)
             return pb.SequenceText(sequence_id=sequence_id, finished=True, error=str(exc))
-        delta = detokenizer.push(entry.token_ids)
-        text, stop = delta.text, delta.stop_matched
-        if entry.finish and stop is None:
-            text += detokenizer.finish().text
-        finished = entry.finish or stop is not None
+        delta = detokenizer.advance(entry.token_ids, entry.finish)
+        finished = entry.finish or delta.stop_matched is not None
         if finished:
             del self._live[sequence_id]
         return pb.SequenceText(
-            sequence_id=sequence_id, text=text, stop_matched=stop or "", finished=finished
+            sequence_id=sequence_id,
+            text=delta.text,
+            stop_matched=delta.stop_matched or "",
+            finished=finished,
         )
 
 
@@ -171,7 +164,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         return self._service.tokenizer
 
     async def _check_ids(self, ids: Sequence[int], tokenizer: Tokenizer, context) -> None:
-        if (bad := _bad_token(ids, tokenizer)) is not None:
+        if (bad := bad_token_id(ids, tokenizer)) is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
@@ -230,12 +223,11 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 yield pb.DetokenizeStreamResponse(finished=True)
                 continue
             assert detokenizer is not None  # context.abort() raised otherwise
-            delta = detokenizer.push(request.token_ids)
-            text, stop = delta.text, delta.stop_matched
-            if request.finish and stop is None:
-                text += detokenizer.finish().text
-            ended = request.finish or stop is not None
-            yield pb.DetokenizeStreamResponse(text=text, stop_matched=stop or "", finished=ended)
+            delta = detokenizer.advance(request.token_ids, request.finish)
+            ended = request.finish or delta.stop_matched is not None
+            yield pb.DetokenizeStreamResponse(
+                text=delta.text, stop_matched=delta.stop_matched or "", finished=ended
+            )
 
     async def DetokenizeSequences(
         self, request_iterator: AsyncIterator[pb.DetokenizeSequencesRequest], context
@@ -246,6 +238,17 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 yield sequences.handle(request)
             except ValueError as exc:  # a malformed message, not one sequence's fault
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def GetTokenizerJson(
+        self, request: pb.GetTokenizerJsonRequest, context
+    ) -> AsyncIterator[pb.GetTokenizerJsonResponse]:
+        await self._service.abort_unless_available(context)
+        data = self._service.tokenizer_json
+        assert data is not None  # serving: warm-up made it
+        for start in range(0, len(data), TOKENIZER_JSON_CHUNK_BYTES):
+            yield pb.GetTokenizerJsonResponse(
+                chunk=data[start : start + TOKENIZER_JSON_CHUNK_BYTES]
+            )
 
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.GetInfoResponse:
         tokenizer = await self._tokenizer(context)
@@ -275,12 +278,15 @@ class TokenizerService(GrpcService):
         super().__init__(host, port)
         self.model = model
         self.tokenizer: Tokenizer | None = None
+        self.tokenizer_json: bytes | None = None  # GetTokenizerJson's answer, made once
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
         tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(TokenizerServicer(self), server)
 
     async def warm_up(self) -> None:
         # The default model may need converting first (once, minutes): off the event loop.
-        self.tokenizer = await asyncio.to_thread(
+        tokenizer = await asyncio.to_thread(
             lambda: Tokenizer.from_dir(resolve_model_path(self.model))
         )
+        self.tokenizer_json = await asyncio.to_thread(lambda: tokenizer.to_json().encode())
+        self.tokenizer = tokenizer

@@ -22,13 +22,14 @@ from common.config import EngineConfig, GatewayConfig
 from common.errors import InternalError
 from common.sampling_params import SamplingParams
 from engine.simulated import StepCostModel
-from gateway.engines.clients import EngineClient, SequenceDetokenizer
+from gateway.engines.clients import EngineClient
 from gateway.engines.session import ReplicaSession
 from gateway.front import grpc_service
 from gateway.metrics import Metrics
 from gateway.openai import completions
 from gateway.openai.responses import translate
-from gateway.pipeline.output_processor import OutputProcessor, TokenTexts, TrackedRequest
+from gateway.pipeline.model_text import ModelText
+from gateway.pipeline.output_processor import OutputProcessor, TrackedRequest
 from gateway.pipeline.text import TextRequest
 from gateway_helpers import GatewayThread, engine_stats, read_metrics
 from grpc_helpers import TIMEOUT, ServerThread
@@ -37,7 +38,7 @@ from services.tokenizer.server import TokenizerService
 
 BUG = "injected: a bug in the gateway"
 # A stop string no answer holds: it marks the requests whose engine outputs the injected bug
-# breaks (the tokenizer learns a sequence's stop strings with its first tokens).
+# breaks (a sequence's detokenizer takes its stop strings with its first tokens).
 MARKER = "<fault-marker>"
 # Slow steps: a request left running in the engine would run for minutes.
 SLOW = StepCostModel(fixed_seconds=0.05, prefill_token_seconds=0.0, decode_sequence_seconds=0.0)
@@ -139,15 +140,15 @@ def test_a_bug_processing_engine_outputs_fails_its_requests_not_the_replica(
     replicas, monkeypatch, caplog
 ):
     engines, tokenizer = replicas
-    exchange = SequenceDetokenizer.exchange
+    detokenizer = ModelText.detokenizer
 
-    async def exchange_with_bug(self, message):
-        # A sequence's options (its stop strings) come with its first tokens only.
-        if any(e.options and MARKER in e.options.stop for e in message.sequences):
+    def detokenizer_with_bug(self, request):
+        # A sequence's detokenizer (with its stop strings) is made with its first tokens.
+        if MARKER in request.stop:
             raise_bug()
-        return await exchange(self, message)
+        return detokenizer(self, request)
 
-    monkeypatch.setattr(SequenceDetokenizer, "exchange", exchange_with_bug)
+    monkeypatch.setattr(ModelText, "detokenizer", detokenizer_with_bug)
     addresses = [f"127.0.0.1:{e.port}" for e in engines]
     gateway = GatewayThread(
         addresses, f"127.0.0.1:{tokenizer.port}", GatewayConfig(routing_policy="round_robin")
@@ -182,7 +183,7 @@ def test_a_bug_processing_engine_outputs_fails_its_requests_not_the_replica(
         gateway.close()
 
 
-async def step_with_bug(processor: OutputProcessor, outputs: object) -> None:
+def step_with_bug(processor: OutputProcessor, outputs: object) -> None:
     """An output processor's step with a bug it lets out (it contains its own)."""
     raise_bug()
 
@@ -196,14 +197,12 @@ def test_a_bug_the_processor_lets_out_cancels_the_stream_and_keeps_the_replica(
 
     async def run() -> tuple[Exception, int, int]:
         client = EngineClient(f"127.0.0.1:{engine.port}")
-        # No detokenizer: the bug comes before any text is asked for.
-        session = ReplicaSession(
-            client, None, TokenTexts(), Metrics(), lambda _: False, lambda: broken.append(True)
-        )
+        session = ReplicaSession(client, Metrics(), lambda _: False, lambda: broken.append(True))
         try:
             params = SamplingParams(max_tokens=3000, ignore_eos=True)
+            # No model text: the bug comes before any text is made.
             request = TrackedRequest(
-                "r", TextRequest([1, 2, 3], params), 1, 0, 0.0, asyncio.Queue()
+                "r", TextRequest([1, 2, 3], params), 1, 0, 0.0, asyncio.Queue(), None
             )
             session.submit(request, params, 0)
             error = await asyncio.wait_for(request.deltas.get(), TIMEOUT)

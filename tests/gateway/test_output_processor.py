@@ -1,9 +1,8 @@
-"""The gateway's output processor, fed engine outputs made up here (no engine, no model): one
-tokenizer message per engine step however many sequences advanced, texts equal to the
-tokenizer's, stop strings aborted in one batched message and finished only once the engine
-confirms, the samples of n > 1 told apart by index, logprob texts in the same round trip, and
-failures reaching the right callers. The tokenizer side is the real one (the tokenizer service's
-SequenceTexts over the default model's tokenizer), called in process."""
+"""The gateway's output processor, fed engine outputs made up here (no engine, no model): texts
+equal to the tokenizer's, turned into text in the gateway's own process, stop strings aborted in
+one batched message and finished only once the engine confirms, the samples of n > 1 told apart
+by index, logprob texts, and failures reaching the right callers. The tokenizer is the default
+model's, rebuilt from its JSON as the gateway gets it from the tokenizer service."""
 
 from __future__ import annotations
 
@@ -12,46 +11,25 @@ import asyncio
 import pytest
 from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2
 
-from common.errors import InvalidRequestError, UnavailableError
+from common.errors import InternalError, InvalidRequestError, UnavailableError
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from gateway import wire
-from gateway.messages import DetokenizeSequences
-from gateway.messages import SequenceTexts as TextsAnswer
 from gateway.metrics import Metrics
-from gateway.pipeline.output_processor import OutputProcessor, TokenTexts, TrackedRequest
+from gateway.pipeline.model_text import ModelText
+from gateway.pipeline.output_processor import OutputProcessor, TrackedRequest
 from gateway.pipeline.text import TextRequest
-from services.tokenizer.server import SequenceTexts
 
 PROMPT = [1, 2, 3]
 
 
-class InProcessDetokenizer:
-    """The tokenizer service's handling of a DetokenizeSequences stream, without the network
-    (through the gateway's protobuf edge); it keeps every message it was sent."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.texts = SequenceTexts(tokenizer)
-        self.sent: list[DetokenizeSequences] = []
-        self.fail_with: Exception | None = None
-
-    async def exchange(self, message: DetokenizeSequences) -> TextsAnswer:
-        self.sent.append(message)
-        if self.fail_with is not None:
-            raise self.fail_with
-        return wire.sequence_texts(self.texts.handle(wire.sequences_message(message)))
-
-
 class Harness:
     def __init__(self, tokenizer: Tokenizer) -> None:
-        self.detokenizer = InProcessDetokenizer(tokenizer)
+        self.model_text = ModelText(Tokenizer.decoding_only(tokenizer.to_json()))
         self.aborts: list[tuple[list[str], list[tuple[str, int]]]] = []
         self.metrics = Metrics()
         self.processor = OutputProcessor(
-            self.detokenizer,
-            lambda ids, samples: self.aborts.append((list(ids), list(samples))),
-            self.metrics,
-            TokenTexts(),
+            lambda ids, samples: self.aborts.append((list(ids), list(samples))), self.metrics
         )
 
     def track(
@@ -65,13 +43,14 @@ class Harness:
             first_choice,
             0.0,
             asyncio.Queue(),
+            self.model_text,
         )
         self.processor.add(request)
         return request
 
     def step(self, *outputs: engine_pb2.RequestOutput) -> None:
         """One engine step, its outputs as the engine sends them (read through the wire edge)."""
-        asyncio.run(self.processor.process_outputs([wire.step_output(o) for o in outputs]))
+        self.processor.process_outputs([wire.step_output(o) for o in outputs])
 
 
 def out(request_id: str, token_ids=(), index: int = 0, **fields) -> engine_pb2.RequestOutput:
@@ -103,7 +82,7 @@ def library(default_model_dir) -> Tokenizer:
     return Tokenizer.from_dir(default_model_dir)
 
 
-def test_one_tokenizer_message_per_step_and_texts_equal_the_tokenizers(library):
+def test_texts_equal_the_tokenizers(library):
     harness = Harness(library)
     texts = {"a": "Llama: 🦙, hug: 🤗, 日本語!", "b": "A plain sentence, then more words."}
     ids = {key: library.encode(text, add_special_tokens=False) for key, text in texts.items()}
@@ -119,8 +98,6 @@ def test_one_tokenizer_message_per_step_and_texts_equal_the_tokenizers(library):
                     last(key, common_pb2.FINISH_REASON_LENGTH, len(tokens), token_ids=[tokens[-1]])
                 )
         harness.step(*outputs)
-    assert len(harness.detokenizer.sent) == steps  # one round trip per engine step
-    assert len(harness.detokenizer.sent[0].sequences) == 2  # both sequences in one message
     for key, request in requests.items():
         deltas = [item[1] for item in drain(request)]
         assert all(choice == 0 for choice, _ in [(0, d) for d in deltas])
@@ -131,7 +108,6 @@ def test_one_tokenizer_message_per_step_and_texts_equal_the_tokenizers(library):
         assert deltas[-1].usage.completion_tokens == len(ids[key])
         assert deltas[-1].usage.prompt_tokens == len(PROMPT)
     assert len(harness.processor) == 0  # both ended: forgotten
-    assert len(harness.detokenizer.texts) == 0  # and the tokenizer dropped their state
     metrics = harness.metrics
     assert metrics.value("folio_generation_tokens_total") == sum(map(len, ids.values()))
     assert metrics.value("folio_requests_total", {"finish_reason": "length"}) == 2
@@ -153,10 +129,8 @@ def test_stop_strings_are_aborted_in_one_message_and_end_when_the_engine_confirm
     assert all(d.finish_reason is None for ds in deltas.values() for d in ds)
     # Tokens the engine made before the abort landed are not text, nor counted.
     harness.step(out("a", [ids[stop_at + 1]]), out("b", [ids[stop_at + 1]]))
-    sent_before = len(harness.detokenizer.sent)
     harness.step(last("a", common_pb2.FINISH_REASON_ABORT, stop_at + 2))
     harness.step(last("b", common_pb2.FINISH_REASON_ABORT, stop_at + 2))
-    assert len(harness.detokenizer.sent) == sent_before  # nothing left to detokenize
     for request in requests:
         deltas[request.request_id] += [item[1] for item in drain(request)]
         texts = deltas[request.request_id]
@@ -190,7 +164,7 @@ def test_samples_are_told_apart_by_index_and_a_stop_aborts_its_sample_alone(libr
     assert len(harness.processor) == 0
 
 
-def test_logprob_texts_come_in_the_same_round_trip_and_are_learnt_once(library):
+def test_logprob_texts_are_each_tokens_own_with_special_tokens_kept(library):
     harness = Harness(library)
     request = harness.track("lp", logprobs=1)
     im_end = library.encode("<|im_end|>", add_special_tokens=False)[0]
@@ -205,9 +179,6 @@ def test_logprob_texts_come_in_the_same_round_trip_and_are_learnt_once(library):
 
     harness.step(out("lp", [hello], logprobs=[record(hello, im_end)]))
     harness.step(out("lp", [hello], logprobs=[record(hello, im_end)]))
-    assert len(harness.detokenizer.sent) == 2  # no Detokenize calls beside the stream
-    assert sorted(harness.detokenizer.sent[0].token_text_ids) == sorted({hello, im_end})
-    assert not harness.detokenizer.sent[1].token_text_ids  # learnt already
     first, second = (item[1] for item in drain(request))
     assert first.logprobs[0].token == "Hello" and second.logprobs[0].token == "Hello"
     assert first.logprobs[0].top == [(im_end, "<|im_end|>", -1.0)]
@@ -227,14 +198,12 @@ def test_failures_reach_their_callers(library):
     (error,) = drain(refused)
     assert isinstance(error, InvalidRequestError) and "n is too large" in str(error)
     assert not harness.aborts  # it ended in the engine: nothing to abort
-    # The tokenizer's stream is lost: every sequence that had text state fails, the others
-    # (not started yet) go on.
-    harness.detokenizer.fail_with = UnavailableError("tokenizer: gone")
-    harness.step(out("running", [29]))
-    assert isinstance(drain(running)[-1], UnavailableError)
+    # A token id with no text (outside the vocabulary) fails its request alone, aborted.
+    outside = library.vocab_size + 5
+    harness.step(out("running", [outside]), out("other", [30]))
+    error = drain(running)[-1]
+    assert isinstance(error, InternalError) and str(outside) in str(error)
     assert harness.aborts == [(["running"], [])]
-    harness.detokenizer.fail_with = None
-    harness.step(out("other", [30]))
     assert drain(other)[0][1].text
     # The engine stream ends: what it carried fails.
     harness.processor.fail_all(UnavailableError("engine: the Generate stream ended"))
@@ -242,26 +211,27 @@ def test_failures_reach_their_callers(library):
     assert len(harness.processor) == 0
 
 
-def test_a_caller_that_leaves_is_aborted_and_its_text_state_released(library):
+def test_a_caller_that_leaves_is_aborted_and_its_later_outputs_dropped(library):
     harness = Harness(library)
     request = harness.track("left", n=2)
     harness.step(out("left", [28], 0))
-    sequence_id = harness.detokenizer.sent[0].sequences[0].sequence_id
+    assert request.started
     harness.processor.release([request])
     assert harness.aborts == [(["left"], [])]
-    # Later outputs of it are dropped; the tokenizer hears of the release with the next message.
+    drain(request)
     other = harness.track("other")
     harness.step(out("left", [29], 0), out("other", [30]))
-    assert [e.sequence_id for e in harness.detokenizer.sent[-1].sequences] != [sequence_id]
-    assert list(harness.detokenizer.sent[-1].released_sequence_ids) == [sequence_id]
-    assert len(harness.detokenizer.texts) == 1  # "other" alone
+    assert not drain(request)
     assert drain(other)
+    assert len(harness.processor) == 1  # "other" alone
 
 
 def test_each_sample_gets_the_prompt_logprobs_its_first_output_carries(library):
     harness = Harness(library)
     params = SamplingParams(n=2, max_tokens=100, prompt_logprobs=0)
-    request = TrackedRequest("echo", TextRequest(list(PROMPT), params), 2, 0, 0.0, asyncio.Queue())
+    request = TrackedRequest(
+        "echo", TextRequest(list(PROMPT), params), 2, 0, 0.0, asyncio.Queue(), harness.model_text
+    )
     harness.processor.add(request)
     records = [common_pb2.TokenLogprob(token_id=t, logprob=-1.0) for t in PROMPT[1:]]
     harness.step(

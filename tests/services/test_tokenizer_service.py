@@ -1,7 +1,8 @@
 """The tokenizer service over real gRPC on loopback with the default model's tokenizer: results
-equal the tokenizer library's, the streaming detokenizer never splits a character (an emoji
-spread over three tokens) and holds back a partial stop string, bad input answers
-INVALID_ARGUMENT, and health and reflection are served. A template that knows tools (Qwen2.5's)
+equal the tokenizer library's (the tokenizer itself too, rebuilt from the JSON it hands out),
+the streaming detokenizer never splits a character (an emoji spread over three tokens) and holds
+back a partial stop string, bad input answers INVALID_ARGUMENT, and health and reflection are
+served. A template that knows tools (Qwen2.5's)
 gets the tools and the conversation's calls as the library gives them, and its tool-call format
 is reported."""
 
@@ -104,6 +105,18 @@ def test_get_info_equals_the_library(stub, library):
     assert set(info.special_token_ids) == library.special_token_ids
     named = {t.name: (t.text, t.token_id) for t in info.special_tokens}
     assert named["eos_token"] == (library.special_tokens["eos_token"], library.eos_token_ids[0])
+
+
+def test_the_tokenizer_itself_rebuilt_from_its_json_decodes_as_the_library(stub, library):
+    chunks = list(stub.GetTokenizerJson(tokenizer_pb2.GetTokenizerJsonRequest(), timeout=TIMEOUT))
+    assert len(chunks) > 1  # the default model's is over one chunk: they join in order
+    rebuilt = Tokenizer.decoding_only(b"".join(c.chunk for c in chunks).decode())
+    ids = library.encode_chat(CONVERSATION) + library.encode("日本語 🦙", add_special_tokens=False)
+    for skip in (True, False):
+        assert rebuilt.decode(ids, skip_special_tokens=skip) == library.decode(ids, skip)
+    assert rebuilt.vocab_size == library.vocab_size
+    assert rebuilt.special_token_ids == library.special_token_ids
+    assert rebuilt.byte_fallback_ids == library.byte_fallback_ids
 
 
 def detokenize_stream(stub, chunks: list[list[int]], finish: bool = True, **options):
