@@ -108,7 +108,9 @@ _REQUEST_ERROR = "invalid_request_error"
 # Most specific first: the first row whose class the exception is an instance of wins.
 ERROR_TABLE: tuple[ErrorMapping, ...] = (
     ErrorMapping(ModelNotFound, _INVALID, 404, _REQUEST_ERROR, "model_not_found"),
-    ErrorMapping(NotFound, grpc.StatusCode.NOT_FOUND, 404, _REQUEST_ERROR, "not_found"),
+    ErrorMapping(
+        NotFound, grpc.StatusCode.NOT_FOUND, 404, _REQUEST_ERROR, "not_found", from_status=True
+    ),
     ErrorMapping(UnsupportedMediaType, _INVALID, 415, _REQUEST_ERROR),
     ErrorMapping(RequestTooLarge, _INVALID, 413, _REQUEST_ERROR, "request_too_large"),
     ErrorMapping(InvalidRequestError, _INVALID, 400, _REQUEST_ERROR, from_status=True),

@@ -150,12 +150,15 @@ def add_request(
     pooling: PoolingParams | None = None,
     *,
     service: ServiceLevel = NO_SERVICE_LEVEL,
+    lora_name: str | None = None,
 ) -> GenerateMessage:
-    """A new request; with `pooling`, an embedding request (its sampling params unsent)."""
+    """A new request; with `pooling`, an embedding request (its sampling params unsent); with
+    `lora_name`, run with that LoRA adapter."""
     request = engine_pb2.EngineRequest(
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,
         priority=priority,
+        lora_name=lora_name or "",
         **_service_fields(service),
     )
     if pooling is not None:
@@ -192,6 +195,23 @@ def model_info_request() -> engine_pb2.GetModelInfoRequest:
 
 def stats_request() -> engine_pb2.GetStatsRequest:
     return engine_pb2.GetStatsRequest()
+
+
+def load_lora_request(name: str, path: str) -> engine_pb2.LoadLoraAdapterRequest:
+    return engine_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+
+
+def unload_lora_request(name: str) -> engine_pb2.UnloadLoraAdapterRequest:
+    return engine_pb2.UnloadLoraAdapterRequest(lora_name=name)
+
+
+def list_lora_request() -> engine_pb2.ListLoraAdaptersRequest:
+    return engine_pb2.ListLoraAdaptersRequest()
+
+
+def lora_adapters(response: engine_pb2.ListLoraAdaptersResponse) -> dict[str, bool]:
+    """Adapter name -> resident in one of the engine's slots."""
+    return {adapter.name: adapter.resident for adapter in response.adapters}
 
 
 def kv_events_request(

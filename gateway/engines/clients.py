@@ -36,6 +36,7 @@ from common.errors import UnavailableError, error_for
 from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from gateway import wire
+from gateway.engines.lora import current_lora
 from gateway.limits.deadlines import call_timeout
 from gateway.limits.service_level import current_service_level
 from gateway.messages import (
@@ -190,6 +191,7 @@ class GenerateStream:
                 priority,
                 pooling,
                 service=current_service_level(),
+                lora_name=current_lora(),
             )
         )
 
@@ -222,6 +224,17 @@ class EngineClient(_ServiceClient):
 
     async def stats(self) -> EngineStats:
         return wire.engine_stats(await self._unary(self._stub.GetStats, wire.stats_request()))
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        await self._unary(self._stub.LoadLoraAdapter, wire.load_lora_request(name, path))
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._unary(self._stub.UnloadLoraAdapter, wire.unload_lora_request(name))
+
+    async def lora_adapters(self) -> dict[str, bool]:
+        return wire.lora_adapters(
+            await self._unary(self._stub.ListLoraAdapters, wire.list_lora_request())
+        )
 
     async def kv_events(
         self, start_sequence_number: int, epoch: str

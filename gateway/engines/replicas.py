@@ -166,6 +166,23 @@ class EnginePool:
             return info
         raise error
 
+    async def lora_adapters(self) -> dict[str, bool]:
+        """The LoRA adapters the replicas in rotation serve (each: resident on any of them)."""
+        answers = await asyncio.gather(*(r.client.lora_adapters() for r in self._in_rotation()))
+        served: dict[str, bool] = {}
+        for answer in answers:
+            for name, resident in answer.items():
+                served[name] = served.get(name, False) or resident
+        return served
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load it on every replica in rotation (the first refusal is raised)."""
+        await asyncio.gather(*(r.client.load_lora_adapter(name, path) for r in self._in_rotation()))
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Unload it on every replica in rotation; returns once its requests ended on all."""
+        await asyncio.gather(*(r.client.unload_lora_adapter(name) for r in self._in_rotation()))
+
     async def stats(self) -> EngineStats:
         """Every replica's stats (kept for the per-replica series), and their sum for the
         engine-wide ones; raises when no replica answers."""

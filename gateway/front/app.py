@@ -354,19 +354,31 @@ async def rerank(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    info = await _context(request).gateway.check_model(None)
-    return ModelResponse(
-        api.ModelList(
-            data=[
-                api.ModelCard(
-                    id=info.name,
-                    created=info.created,
-                    root=info.path,
-                    max_model_len=info.max_model_len,
-                )
-            ]
-        )
+    gateway = _context(request).gateway
+    info = await gateway.check_model(None)
+    base = api.ModelCard(
+        id=info.name, created=info.created, root=info.path, max_model_len=info.max_model_len
     )
+    adapters = [
+        base.model_copy(update=dict(id=name, root=name, parent=info.name))
+        for name in await gateway.engine.lora_adapters()
+    ]
+    return ModelResponse(api.ModelList(data=[base, *adapters]))
+
+
+async def load_lora_adapter(request: Request) -> Response:
+    body = await read_body(request, api.LoadLoraAdapterRequest)
+    gateway = _context(request).gateway
+    if body.lora_name == (await gateway.check_model(None)).name:
+        raise api.InvalidParameter("lora_name must differ from the base model's name", "lora_name")
+    await gateway.engine.load_lora_adapter(body.lora_name, body.lora_path)
+    return ModelResponse(api.LoraAdapterStatus(lora_name=body.lora_name, status="loaded"))
+
+
+async def unload_lora_adapter(request: Request) -> Response:
+    body = await read_body(request, api.UnloadLoraAdapterRequest)
+    await _context(request).gateway.engine.unload_lora_adapter(body.lora_name)
+    return ModelResponse(api.LoraAdapterStatus(lora_name=body.lora_name, status="unloaded"))
 
 
 async def tokenize(request: Request) -> Response:
@@ -575,11 +587,29 @@ ENDPOINTS = [
     Endpoint(
         "/v1/models",
         "GET",
-        "The served model",
+        "The served model, and its LoRA adapters (parent: the base model)",
         models,
         None,
         api.ModelList,
         errors=SERVICE_ERRORS,
+    ),
+    Endpoint(
+        "/v1/load_lora_adapter",
+        "POST",
+        "Serve a LoRA adapter from the engines' --lora-root under a model name (vLLM)",
+        load_lora_adapter,
+        api.LoadLoraAdapterRequest,
+        api.LoraAdapterStatus,
+        errors=BODY_ERRORS,
+    ),
+    Endpoint(
+        "/v1/unload_lora_adapter",
+        "POST",
+        "Stop serving a LoRA adapter; answers once its requests have ended (vLLM)",
+        unload_lora_adapter,
+        api.UnloadLoraAdapterRequest,
+        api.LoraAdapterStatus,
+        errors=BODY_ERRORS,
     ),
     Endpoint(
         "/tokenize",

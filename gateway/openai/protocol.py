@@ -428,6 +428,25 @@ class ModelCard(ResponseBody):
     owned_by: str = "folio"
     root: str
     max_model_len: int
+    # A LoRA adapter's base model (vLLM's shape); None for the base model itself.
+    parent: str | None = None
+
+
+class LoadLoraAdapterRequest(RequestBody):
+    """vLLM's /v1/load_lora_adapter body: lora_path inside the engine's --lora-root."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(RequestBody):
+    lora_name: str = Field(min_length=1)
+
+
+class LoraAdapterStatus(ResponseBody):
+    object: Literal["lora_adapter"] = "lora_adapter"
+    lora_name: str
+    status: Literal["loaded", "unloaded"]
 
 
 class ModelList(ResponseBody):

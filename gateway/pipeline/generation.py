@@ -26,6 +26,7 @@ from common.errors import DeadlineExceededError, FolioError, ModelNotFound, Unav
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from gateway.engines.clients import EngineClient, TokenizerClient
+from gateway.engines.lora import set_lora
 from gateway.engines.replicas import EnginePool
 from gateway.engines.routing import make_policy
 from gateway.limits.deadlines import at_deadline
@@ -98,7 +99,9 @@ class Gateway:
         """The served model, if `name` is unset or names it; else ModelNotFound."""
         self.check_available()
         info = await self.model()
-        if name and name != info.name:
+        if name and name != info.name and name in await self.engine.lora_adapters():
+            set_lora(name)  # a LoRA adapter of the served model (gateway.engines.lora)
+        elif name and name != info.name:
             raise ModelNotFound(
                 f"the model {name!r} does not exist; this server serves {info.name!r}", "model"
             )
