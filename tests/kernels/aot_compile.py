@@ -149,6 +149,7 @@ def cases(dtype: str):
                 a_ptr=f"*{dtype}",
                 w_ptr=f"*{dtype}",
                 c_ptr=f"*{dtype}",
+                bias_ptr=f"*{dtype}",
                 weights_ptr="*fp32",
                 sorted_pairs_ptr="*i32",
                 block_expert_ptr="*i32",
@@ -163,6 +164,7 @@ def cases(dtype: str):
             dict(
                 TOP_K=1,
                 MUL_WEIGHT=True,
+                HAS_BIAS=True,
                 BLOCK_M=16,
                 BLOCK_N=64,
                 BLOCK_K=64,

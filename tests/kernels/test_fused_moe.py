@@ -1,9 +1,9 @@
 """The fused MoE kernel (grouped GEMMs over pairs sorted by expert) against the plain loop over
-experts, under the Triton interpreter (or natively with FOLIO_KERNEL_DEVICE=cuda): uneven
-expert loads with idle experts, one token, pairs that belong to no expert (another rank's, with
-expert parallelism), and the sorted layout itself; and a Mixtral through the whole engine on the
-Triton backend (where MoE layers take the fused kernel) gives the torch backend's greedy
-tokens."""
+experts, under the Triton interpreter (or natively with FOLIO_KERNEL_DEVICE=cuda): uneven expert
+loads with idle experts, one token, pairs that belong to no expert (another rank's, with expert
+parallelism), gpt-oss's biases and clamped SwiGLU, and the sorted layout itself; and a Mixtral
+through the whole engine on the Triton backend (where MoE layers take the fused kernel) gives the
+torch backend's greedy tokens."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from kernel_utils import DEVICE, DTYPES, assert_close, randn
 from test_triton_engine import greedy_tokens
 
+from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.triton.fused_moe import BLOCK_M, align_pairs, fused_moe, fused_moe_ref
 from engine.layers.moe import SparseMoe
 from engine.models.loader import load_model
@@ -46,6 +47,27 @@ def test_fused_moe_matches_the_loop_over_experts(dtype, num_tokens, top_k):
         torch.testing.assert_close(out.float(), expected.float(), atol=bound, rtol=0.03)
     else:
         assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_fused_moe_with_gpt_oss_biases_and_clamped_swiglu(dtype):
+    """Each GEMM adds its expert's bias row before the routing weight scales it; the
+    activation between them is the one given (gpt-oss's clamped SwiGLU, its limit reached)."""
+    x = randn(21, HIDDEN, dtype=dtype, seed=8)
+    w13 = randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, dtype=dtype, seed=9, scale=0.2)
+    w2 = randn(EXPERTS, HIDDEN, INTERMEDIATE, dtype=dtype, seed=10, scale=0.2)
+    b13 = randn(EXPERTS, 2 * INTERMEDIATE, dtype=dtype, seed=11)
+    b2 = randn(EXPERTS, HIDDEN, dtype=dtype, seed=12)
+    weights, ids = routing(21, 2, seed=13)
+
+    def act(gate_up: torch.Tensor) -> torch.Tensor:
+        return TorchAttentionBackend().clamped_swiglu(gate_up, 1.702, 0.5)
+
+    out = fused_moe(x, w13, w2, weights, ids, b13, b2, act)
+    expected = fused_moe_ref(x, w13, w2, weights, ids, b13, b2, act)
+    assert_close(out, expected, dtype)
+    unbiased = fused_moe_ref(x, w13, w2, weights, ids, None, None, act)
+    assert not torch.allclose(expected.float(), unbiased.float(), atol=0.1)
 
 
 def test_pairs_of_no_expert_add_nothing():
