@@ -4,11 +4,15 @@ through ragged, chunked and prefix-cached steps; the engine's greedy tokens equa
 transformers' through chunked prefill, prefix hits and preemption, at TP=1 and TP=2 (a slice
 of every expert per rank, or whole experts per rank); int8/int4 experts run through Folio's
 quantized linears; routing variants Folio does not implement are refused naming the config
-key."""
+key; the per-expert path runs as is inside compiled programs, and the model code imports no
+dynamo."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -200,6 +204,35 @@ def test_moe_config_shapes_and_refusals(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(config, scoring_func="sigmoid")))
     with pytest.raises(ValueError, match="scoring_func"):
         LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32"))
+
+
+def test_experts_run_as_is_in_compiled_programs_and_dense_models_never_import_dynamo():
+    """The per-expert path (data-dependent sizes) is dynamo's disabled function, applied when a
+    block is built: importing the model code, as every engine start does, loads no dynamo (a
+    fresh interpreter: this test's own imports load it)."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import engine.engine, engine.models.loader
+        assert "torch._dynamo" not in sys.modules, "importing the model code loaded dynamo"
+        import torch
+        import torch._dynamo
+        from engine.attention.torch_backend import TorchAttentionBackend
+        from engine.layers.moe import SparseMoe
+
+        torch.manual_seed(0)
+        block = SparseMoe(16, 4, 2, 32, True, TorchAttentionBackend(), torch.float32, "cpu")
+        for parameter in block.parameters():
+            torch.nn.init.normal_(parameter)
+        x = torch.randn(5, 16)
+        explained = torch._dynamo.explain(block)(x)
+        assert any("disable()" in r.reason for r in explained.break_reasons), explained
+        assert torch.equal(torch.compile(block, backend="eager")(x), block(x))
+        print("ok")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
 def random_mxfp4(*shape: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
