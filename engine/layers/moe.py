@@ -8,8 +8,7 @@ softmax weights (renormalised over the k where the model does), experts that are
 - The GPU path (the Triton backend) stacks the experts' weights once loaded and runs the fused
   kernel of engine.kernels.triton.fused_moe: the pairs sorted by expert in blocks, one grouped
   GEMM for gate_up, one activation, one grouped GEMM for down, with no host synchronisation.
-  Its kernel has no biases and no clamped SwiGLU: gpt-oss's experts take the per-expert path
-  on GPUs too.
+  gpt-oss's experts add their biases in the GEMMs and apply the clamped SwiGLU between them.
 
 With tensor parallelism each rank holds a slice of every expert (its rows of gate_up, its
 columns of down), or with expert parallelism whole experts, an even share of them; either way
@@ -202,11 +201,14 @@ class SparseMoe(nn.Module):
         )
         # The fused GPU path (set by finalize_weights): every local expert's gate_up and down
         # weights stacked, [E_local, 2I, hidden] and [E_local, hidden, I].
-        self.fused = (
-            not isinstance(backend, TorchAttentionBackend) and not biases and not clamped_swiglu
-        )
+        self.fused = not isinstance(backend, TorchAttentionBackend)
         self.w13: torch.Tensor | None = None
         self.w2: torch.Tensor | None = None
+        # gpt-oss's: the experts' biases stacked ([E_local, 2I] and [E_local, hidden], the
+        # latter only on the rank that adds it), and their activation.
+        self.b13: torch.Tensor | None = None
+        self.b2: torch.Tensor | None = None
+        self.fused_act: nn.Module | None = None
         # Data-dependent sizes: a compiled decode program calls the per-expert path as is
         # (dynamo's disable). Wrapped here rather than decorated: the decorator imports dynamo
         # (about a second) with this module, which every engine start imports, MoE or not.
@@ -220,6 +222,12 @@ class SparseMoe(nn.Module):
         experts = [cast(Expert, self.experts[str(e)]) for e in self.local_experts]
         self.w13 = torch.stack([e.gate_up_proj.weight.data for e in experts])
         self.w2 = torch.stack([e.down_proj.weight.data for e in experts])
+        first = experts[0]
+        if first.gate_up_proj.bias is not None:
+            self.b13 = torch.stack([cast(torch.Tensor, e.gate_up_proj.bias).data for e in experts])
+        if first.down_proj.bias is not None and first.down_proj.adds_bias:
+            self.b2 = torch.stack([cast(torch.Tensor, e.down_proj.bias).data for e in experts])
+        self.fused_act = first.act
         self.experts = nn.ModuleDict()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -234,11 +242,12 @@ class SparseMoe(nn.Module):
         from engine.kernels.triton.fused_moe import fused_moe
 
         assert self.w13 is not None and self.w2 is not None, "finalize_weights() was not called"
+        assert self.fused_act is not None
         first = self.local_experts.start
         if len(self.local_experts) != self.num_experts:  # another rank's experts: no expert here
             local = ids - first
             ids = local.masked_fill_((local < 0) | (local >= len(self.local_experts)), -1)
-        return fused_moe(x, self.w13, self.w2, weights, ids)
+        return fused_moe(x, self.w13, self.w2, weights, ids, self.b13, self.b2, self.fused_act)
 
     def _per_expert(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
