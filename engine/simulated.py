@@ -29,6 +29,7 @@ from engine.core.step_cost import StepCostModel
 from engine.engine import LLMEngine
 from engine.errors import EngineGroupError, InvalidRequestError
 from engine.executor import ExecutorOutput
+from engine.kv_tiers.book import TierBook
 from engine.lora.registry import LoraBackend
 from engine.models.config import ModelConfig
 
@@ -64,7 +65,7 @@ class SimulatedExecutor:
         )
         self.num_blocks = config.num_kv_blocks or DEFAULT_NUM_BLOCKS
         self.kv_groups = kv_groups(model_config.layer_windows, model_config.num_hidden_layers)
-        self.kv_tier_book = None  # no KV tensors: no tiers
+        self.kv_tier_book: TierBook | None = None  # no KV tensors: no tiers
         self.max_model_len = min(
             config.max_model_len or model_config.max_position_embeddings,
             self.num_blocks * config.block_size,
