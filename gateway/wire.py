@@ -91,9 +91,11 @@ def kv_event_batch(batch: engine_pb2.SubscribeKvEventsResponse) -> KvEventBatch:
     for event in batch.events:
         kind = event.WhichOneof("event")
         if kind == "block_stored":
-            events.append(KvEvent(kind, tuple(event.block_stored.block_hashes)))
+            stored = event.block_stored
+            events.append(KvEvent(kind, tuple(stored.block_hashes), stored.medium or "GPU"))
         elif kind == "block_removed":
-            events.append(KvEvent(kind, tuple(event.block_removed.block_hashes)))
+            removed = event.block_removed
+            events.append(KvEvent(kind, tuple(removed.block_hashes), removed.medium or "GPU"))
         elif kind == "all_blocks_cleared":
             events.append(KvEvent(kind))
     return KvEventBatch(batch.sequence_number, batch.epoch, tuple(events))

@@ -465,7 +465,8 @@ class KVCacheManager:
         """The blocks stored in and removed from the prefix cache since the last call, in
         order; clears them."""
         events, self._kv_events = self._kv_events, []
-        return events
+        # The host tier's after the pool's: each medium's own order is kept.
+        return events + self.tiers.take_events() if self.tiers is not None else events
 
     def _evict(self) -> int:
         block, _ = self._evictable.popitem(last=False)

@@ -7,7 +7,11 @@ engine start), keeps the latest batches in a bounded replay buffer and passes ea
 subscribers. A subscriber that comes back knowing batches up to N (of the same epoch) gets N+1
 onwards from the buffer; one whose gap is older than the buffer, or from another epoch, gets a
 snapshot instead: AllBlocksCleared, then BlockStored for every block the cache holds. The shapes
-follow vLLM's KV events, so routers built on those carry over.
+follow vLLM's KV events, so routers built on those carry over, `medium` included: MEDIUM_POOL
+("GPU", vLLM's name for the engine's KV pool, whatever its device) or MEDIUM_HOST ("CPU": the
+host tier under the pool, engine.kv_tiers; its BlockStored carry the hashes only, no token ids).
+A block moved from the pool to the host tier is a BlockRemoved in one medium and a BlockStored in
+the other.
 
 This module never touches KV tensors and never decides anything about blocks: it only records,
 numbers and hands on. Thread-safe: the engine thread publishes, service threads subscribe.
@@ -22,6 +26,9 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+MEDIUM_POOL = "GPU"
+MEDIUM_HOST = "CPU"
+
 
 @dataclass
 class BlockStored:
@@ -33,6 +40,7 @@ class BlockStored:
     parent_block_hash: bytes
     token_ids: list[int]
     block_size: int
+    medium: str = MEDIUM_POOL
 
 
 @dataclass
@@ -40,6 +48,7 @@ class BlockRemoved:
     """Blocks evicted from the prefix cache: their hashes no longer name cached content."""
 
     block_hashes: list[bytes]
+    medium: str = MEDIUM_POOL
 
 
 @dataclass
@@ -66,6 +75,7 @@ class KVEventBatch:
 class _CachedBlock:
     parent_hash: bytes
     token_ids: list[int]
+    block_size: int
 
 
 @dataclass(eq=False)
@@ -92,7 +102,7 @@ class KVEventPublisher:
         self._subscribers: list[Subscription] = []
         # What the cache holds now, from the events themselves, for snapshots; insertion
         # order puts every parent before its children.
-        self._blocks: dict[bytes, _CachedBlock] = {}
+        self._blocks: dict[tuple[str, bytes], _CachedBlock] = {}  # by (medium, hash)
 
     @property
     def last_sequence_number(self) -> int:
@@ -142,13 +152,13 @@ class KVEventPublisher:
         if isinstance(event, BlockStored):
             parent, size = event.parent_block_hash, event.block_size
             for i, block_hash in enumerate(event.block_hashes):
-                self._blocks[block_hash] = _CachedBlock(
-                    parent, event.token_ids[i * size : (i + 1) * size]
+                self._blocks[event.medium, block_hash] = _CachedBlock(
+                    parent, event.token_ids[i * size : (i + 1) * size], size
                 )
                 parent = block_hash
         elif isinstance(event, BlockRemoved):
             for block_hash in event.block_hashes:
-                self._blocks.pop(block_hash, None)
+                self._blocks.pop((event.medium, block_hash), None)
         else:
             self._blocks.clear()
 
@@ -160,13 +170,13 @@ class KVEventPublisher:
 
     def _chains(self) -> Iterator[BlockStored]:
         """The cached blocks as BlockStored runs: a block joins the run before it when that
-        run ends with its parent."""
+        run (of its medium) ends with its parent."""
         run: BlockStored | None = None
-        for block_hash, block in self._blocks.items():
-            if run is None or run.block_hashes[-1] != block.parent_hash:
+        for (medium, block_hash), block in self._blocks.items():
+            if run is None or run.block_hashes[-1] != block.parent_hash or run.medium != medium:
                 if run is not None:
                     yield run
-                run = BlockStored([], block.parent_hash, [], len(block.token_ids))
+                run = BlockStored([], block.parent_hash, [], block.block_size, medium)
             run.block_hashes.append(block_hash)
             run.token_ids.extend(block.token_ids)
         if run is not None:

@@ -20,6 +20,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.core.kv_events import MEDIUM_HOST, BlockRemoved, BlockStored, KVEvent
 from engine.kv_tiers.disk_tier import DiskTier
 
 # The placeholder get_cached_prefix puts where a lower tier holds the block (never a block id).
@@ -51,8 +52,10 @@ class Source:
 
 
 class TierBook:
-    def __init__(self, host_blocks: int, disk: DiskTier | None = None) -> None:
+    def __init__(self, host_blocks: int, disk: DiskTier | None = None, block_size: int = 0) -> None:
+        """`block_size`: tokens per block, as the host tier's KV events say."""
         self.host_blocks = host_blocks
+        self.block_size = block_size
         self.disk = disk
         self._host: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, oldest first
         self._free_slots = list(range(host_blocks - 1, -1, -1))
@@ -68,6 +71,8 @@ class TierBook:
         # Blocks served, per tier ("host", "disk"), and evicted to the host tier.
         self.hits: Counter[str] = Counter()
         self.offloaded = 0
+        # The host tier's KV events (medium MEDIUM_HOST) since the last take_events.
+        self._events: list[KVEvent] = []
 
     @property
     def host_used(self) -> int:
@@ -90,6 +95,7 @@ class TierBook:
         slot = self._host.pop(block_hash, None)
         if slot is not None:
             self._released.append(slot)
+            self._events.append(BlockRemoved([block_hash], MEDIUM_HOST))
             self.hits["host"] += 1
             return Source(slot=slot)
         self.hits["disk"] += 1
@@ -112,10 +118,12 @@ class TierBook:
         if self._free_slots:
             slot = self._free_slots.pop()
         elif self._host:
-            _, slot = self._host.popitem(last=False)  # the least recently evicted drops out
+            dropped, slot = self._host.popitem(last=False)  # the least recently evicted
+            self._events.append(BlockRemoved([dropped], MEDIUM_HOST))
         else:
             return  # every slot is being loaded from this step
         self._host[block_hash] = slot
+        self._events.append(BlockStored([block_hash], b"", [], self.block_size, MEDIUM_HOST))
         self._saves[slot] = block
         self.offloaded += 1
 
@@ -133,6 +141,10 @@ class TierBook:
         self._staged.clear()
         self._staged_bytes = 0
         return transfers
+
+    def take_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
 
     def flush(self) -> None:
         """After a step: the blocks it cached go to the sink, to be written to disk."""

@@ -87,7 +87,7 @@ class KVTierStore:
                 bytes_per_block(shape, dtype, "native"),
                 identity,
             )
-        book = TierBook(host.data.shape[0] if host is not None else 0, disk)
+        book = TierBook(host.data.shape[0] if host is not None else 0, disk, block_size)
         return cls(kv_slots, book, host)
 
     def _gather(self, blocks: list[int]) -> torch.Tensor:

@@ -343,9 +343,9 @@ class EnginePool:
     def _apply(self, replica: int, batch: KvEventBatch) -> None:
         for event in batch.events:
             if event.kind == "block_stored":
-                self.index.stored(replica, event.block_hashes)
+                self.index.stored(replica, event.block_hashes, event.medium)
             elif event.kind == "block_removed":
-                self.index.removed(replica, event.block_hashes)
+                self.index.removed(replica, event.block_hashes, event.medium)
             else:
                 self.index.clear(replica)
 

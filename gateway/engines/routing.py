@@ -1,7 +1,8 @@
 """Which engine replica a request goes to: the routing policies, over a prefix index and loads.
 
 The PrefixIndex maps block hash (common/block_hash.py, as the engines compute it) -> the replicas
-whose prefix cache holds that block; the engines' KV events keep it current
+whose prefix cache holds that block, in the KV pool (medium "GPU") or in the host tier under it
+(medium "CPU", --kv-offload-gib); the engines' KV events keep it current
 (gateway/engines/replicas.py feeds it). A policy chooses among candidate replicas given the prompt's
 block hashes, the index and each replica's load:
 
@@ -9,10 +10,12 @@ block hashes, the index and each replica's load:
 - least_load: the least loaded (ties in turn).
 - cache_aware: the replica where this request's first token is expected soonest: the prompt
   tokens queued there and not computed yet, plus this prompt's tokens that replica does not
-  hold in its prefix cache, at that replica's measured prefill rate, plus the steps its decoding
-  sequences stretch; a replica whose KV cache could not hold that work without preempting is
-  avoided (a hard limit) while another can. Expected times within a step of the best are a tie,
-  won by the replica holding the most leading blocks, then the least loaded. Engines that do
+  hold in its prefix cache (a block its host tier holds counts HOST_BLOCK_COST of a block to
+  compute: it is loaded, not computed), at that replica's measured prefill rate, plus the steps
+  its decoding sequences stretch; a replica whose KV cache could not hold that work without
+  preempting is avoided (a hard limit) while another can. Expected times within a step of the
+  best are a tie, won by the replica holding the most leading blocks (in its pool, then in its
+  host tier), then the least loaded. Engines that do
   not report step timings are weighed by request counts as before: replicas over the load
   threshold skipped, the longest worthwhile prefix, ties to the least loaded.
 
@@ -36,6 +39,11 @@ from common.config import ROUTING_POLICIES
 BALANCE_ABS = 4.0
 BALANCE_REL = 1.5
 MIN_MATCH_SHARE = 0.25
+# cache_aware: what loading a block from a replica's host tier costs, as a share of computing it
+# (a copy, and on the CPU a dequantization, against a forward through every layer): a replica
+# holding a prefix there is scored between one holding it in the pool and one holding nothing.
+HOST_BLOCK_COST = 0.1
+MEDIUM_POOL, MEDIUM_HOST = "GPU", "CPU"  # the KV events' mediums (engine.core.kv_events)
 
 
 @dataclass(frozen=True)
@@ -94,30 +102,46 @@ class Decision:
 
 
 class PrefixIndex:
-    """Block hash -> replicas holding it, fed from KV events."""
+    """Block hash -> replicas holding it, per medium (the pool's, the host tier's), fed from
+    KV events."""
 
     def __init__(self) -> None:
         self._holders: dict[bytes, set[int]] = {}
         self._blocks: dict[int, set[bytes]] = {}  # replica -> its blocks, to clear it
+        self._host_holders: dict[bytes, set[int]] = {}
+        self._host_blocks: dict[int, set[bytes]] = {}
 
-    def stored(self, replica: int, block_hashes: Iterable[bytes]) -> None:
-        mine = self._blocks.setdefault(replica, set())
+    def _of(self, medium: str) -> tuple[dict[bytes, set[int]], dict[int, set[bytes]]]:
+        if medium == MEDIUM_HOST:
+            return self._host_holders, self._host_blocks
+        return self._holders, self._blocks
+
+    def stored(
+        self, replica: int, block_hashes: Iterable[bytes], medium: str = MEDIUM_POOL
+    ) -> None:
+        all_holders, blocks = self._of(medium)
+        mine = blocks.setdefault(replica, set())
         for block_hash in block_hashes:
-            self._holders.setdefault(block_hash, set()).add(replica)
+            all_holders.setdefault(block_hash, set()).add(replica)
             mine.add(block_hash)
 
-    def removed(self, replica: int, block_hashes: Iterable[bytes]) -> None:
-        mine = self._blocks.get(replica, set())
+    def removed(
+        self, replica: int, block_hashes: Iterable[bytes], medium: str = MEDIUM_POOL
+    ) -> None:
+        all_holders, blocks = self._of(medium)
+        mine = blocks.get(replica, set())
         for block_hash in block_hashes:
-            holders = self._holders.get(block_hash)
+            holders = all_holders.get(block_hash)
             if holders is not None:
                 holders.discard(replica)
                 if not holders:
-                    del self._holders[block_hash]
+                    del all_holders[block_hash]
             mine.discard(block_hash)
 
     def clear(self, replica: int) -> None:
-        self.removed(replica, list(self._blocks.pop(replica, ())))
+        for medium in (MEDIUM_POOL, MEDIUM_HOST):
+            blocks = self._of(medium)[1]
+            self.removed(replica, list(blocks.pop(replica, ())), medium)
 
     def num_blocks(self, replica: int) -> int:
         return len(self._blocks.get(replica, ()))
@@ -136,6 +160,24 @@ class PrefixIndex:
             for replica in alive:
                 matched[replica] = depth + 1
         return matched
+
+    def match_tiers(self, block_hashes: Sequence[bytes]) -> dict[int, tuple[int, int]]:
+        """Replica -> (pool blocks, host-tier blocks) of the leading blocks of `block_hashes`
+        it holds in either (those holding any): what its engine finds without computing."""
+        replicas = {r for h in block_hashes[:1] for r in self._holders.get(h, ())}
+        replicas |= {r for h in block_hashes[:1] for r in self._host_holders.get(h, ())}
+        counts = {}
+        for replica in replicas:
+            pool = host = 0
+            for block_hash in block_hashes:
+                if replica in self._holders.get(block_hash, ()):
+                    pool += 1
+                elif replica in self._host_holders.get(block_hash, ()):
+                    host += 1
+                else:
+                    break
+            counts[replica] = (pool, host)
+        return counts
 
 
 class RoutingPolicy(Protocol):
@@ -215,11 +257,13 @@ class CacheAware:
         index: PrefixIndex,
         loads: Mapping[int, ReplicaLoad],
     ) -> Decision:
-        matched = index.match(block_hashes)
+        held = index.match_tiers(block_hashes)
 
         def new_tokens(replica: int) -> int:
             # Full blocks only: a prompt's partial last block is computed everywhere alike.
-            return (len(block_hashes) - matched.get(replica, 0)) * loads[replica].block_size
+            pool, host = held.get(replica, (0, 0))
+            cost = len(block_hashes) - pool - host + host * HOST_BLOCK_COST
+            return math.ceil(cost * loads[replica].block_size)
 
         fitting = [r for r in candidates if loads[r].fits(new_tokens(r))]
         usable = fitting or list(candidates)
@@ -229,16 +273,18 @@ class CacheAware:
         # Within a step (the soonest replica's) of the best is a tie: then the cache decides,
         # then the load.
         near = [r for r in usable if expected[r] <= best + loads[soonest].decode_step_seconds]
-        most = max(matched.get(r, 0) for r in near)
-        holders = [r for r in near if matched.get(r, 0) == most]
+        most = max(held.get(r, (0, 0)) for r in near)  # pool blocks first, then host ones
+        holders = [r for r in near if held.get(r, (0, 0)) == most]
         decision = self._least_load.choose(holders, block_hashes, index, loads)
         skipped = len(candidates) - len(fitting)
         note = f"; {skipped} without KV room skipped" if fitting and skipped else ""
+        pool, host = most
+        tier = f" (and {host} in its host tier)" if host else ""
         return Decision(
             decision.replica,
-            most,
+            pool + host,
             f"first token expected in {expected[decision.replica] * 1e3:.0f} ms (best "
-            f"{best * 1e3:.0f} ms), holds {most}/{len(block_hashes)} leading blocks, "
+            f"{best * 1e3:.0f} ms), holds {pool}/{len(block_hashes)} leading blocks{tier}, "
             f"{decision.reason}{note}",
         )
 

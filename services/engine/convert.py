@@ -80,11 +80,14 @@ def _kv_event_to_proto(event: KVEvent) -> engine_pb2.KvEvent:
                 parent_block_hash=event.parent_block_hash,
                 token_ids=event.token_ids,
                 block_size=event.block_size,
+                medium=event.medium,
             )
         )
     if isinstance(event, BlockRemoved):
         return engine_pb2.KvEvent(
-            block_removed=engine_pb2.BlockRemoved(block_hashes=event.block_hashes)
+            block_removed=engine_pb2.BlockRemoved(
+                block_hashes=event.block_hashes, medium=event.medium
+            )
         )
     return engine_pb2.KvEvent(all_blocks_cleared=engine_pb2.AllBlocksCleared())
 

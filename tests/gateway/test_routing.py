@@ -140,3 +140,23 @@ def test_cache_aware_avoids_a_replica_that_would_have_to_preempt():
     # When none has room, the soonest still takes it.
     full = {0: timed(kv_usage=0.995), 1: timed(kv_usage=0.999, queued_prefill_tokens=500)}
     assert CacheAware().choose([0, 1], HASHES, index_with({}), full).replica == 0
+
+
+def test_a_prefix_in_a_host_tier_scores_between_the_pool_and_nothing():
+    """Replica 0 holds the prompt in its pool, replica 1 in its host tier (KV events of medium
+    "CPU": loaded, not computed), replica 2 not at all; all idle alike."""
+    index = PrefixIndex()
+    index.stored(0, HASHES)
+    index.stored(1, HASHES[:2])
+    index.stored(1, HASHES[2:], "CPU")
+    loads = {r: timed(prefill_token_seconds=0.01) for r in (0, 1, 2)}
+    assert index.match_tiers(HASHES) == {0: (8, 0), 1: (2, 6)}
+    assert CacheAware().choose([0, 1, 2], HASHES, index, loads).replica == 0
+    decision = CacheAware().choose([1, 2], HASHES, index, loads)
+    assert decision.replica == 1 and "and 6 in its host tier" in decision.reason
+    # Moved back into the pool, out of the host tier: events of both mediums; a clear drops both.
+    index.removed(1, HASHES[2:], "CPU")
+    index.stored(1, HASHES[2:])
+    assert index.match_tiers(HASHES)[1] == (8, 0)
+    index.clear(1)
+    assert 1 not in index.match_tiers(HASHES)

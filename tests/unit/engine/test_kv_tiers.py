@@ -16,11 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_engine import BLOCK, prompt
+from test_engine import make_engine as engine_on
 
 from common.block_hash import prefix_block_hashes
 from common.config import EngineConfig
 from common.sampling_params import SamplingParams
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_events import KVEventPublisher
 from engine.core.request import Request
 from engine.engine import LLMEngine
 from engine.kv_tiers.book import TierBook
@@ -28,7 +31,6 @@ from engine.kv_tiers.disk_tier import DiskTier
 from engine.kv_tiers.host_tier import dequantize, quantize
 from tiny_models import VARIANTS, hf_greedy, make_checkpoint
 
-BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
 # The int8 host tier's bound on the tiny model: |logprob difference| of the greedy tokens.
 INT8_LOGPROB_BOUND = 0.1
@@ -41,21 +43,9 @@ def llama(tmp_path_factory):
 
 
 def make_engine(directory, **overrides) -> LLMEngine:
-    args = dict(
-        model=str(directory),
-        dtype="float32",
-        block_size=BLOCK,
-        num_kv_blocks=16,
-        max_num_batched_tokens=64,
-        max_num_seqs=4,
-        enforce_eager=True,
-    )
-    args.update(overrides)
-    return LLMEngine(EngineConfig(**args))
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 150, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    """test_engine's engine with a 16-block pool, one step per prompt, no compilation."""
+    args = dict(num_kv_blocks=16, max_num_batched_tokens=64, max_num_seqs=4, enforce_eager=True)
+    return engine_on(directory, **(args | overrides))
 
 
 def generate(engine: LLMEngine, rid: str, ids: list[int]) -> tuple[list[int], list[float], int]:
@@ -145,6 +135,13 @@ def test_eviction_goes_pool_then_host_least_recent_first():
     assert list(book._host) == [a1, a0]
     run([*list(range(31, 39)), 99])  # b1, b0 leave: a1, then a0 drop out of the host tier
     assert list(book._host) == [b1, b0]
+    # The KV events say where each block went: medium "GPU" the pool, "CPU" the host tier.
+    publisher = KVEventPublisher(16)
+    publisher.publish(kv.take_kv_events())
+    (snapshot,), _ = publisher.subscribe(0, "another engine's", lambda batch: None)
+    held = {(e.medium, h) for e in snapshot.events[1:] for h in e.block_hashes}
+    assert {h for medium, h in held if medium == "CPU"} == {b0, b1}
+    assert not {a0, a1, b0, b1} & {h for medium, h in held if medium == "GPU"}
     book.take_transfers()
     again = Request("b2", [*b, 7], SamplingParams(max_tokens=1))
     blocks, num_cached = kv.get_cached_prefix(again)
