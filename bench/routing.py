@@ -3,9 +3,11 @@ replicas behind one gateway, once per routing policy, each on a fresh stack (col
 
 Per policy it prints the prefix-cache hit rate (prompt tokens found in the engines' caches),
 TTFT p50/p99 as the client sees it (streamed chat completions), throughput, and how evenly the
-requests spread over the replicas (the busiest replica's share against the mean share). Real
-replicas run under `folio serve --engine-replicas N`; simulated ones (--simulate) in one
-`folio engine --simulate --replicas N` process beside a tokenizer and a gateway, and then the
+requests spread over the replicas (the busiest replica's share against the mean share), then
+per replica (the gateway's series by their `replica` label) the requests routed to it and its
+hit rate. Real replicas run under `folio serve --engine-replicas N`; simulated ones (--simulate)
+in one `folio engine --simulate --replicas N` process beside a tokenizer and a gateway, each
+started with its config dataclass's flags (common.flags.command_line), and then the
 share of the modelled step time the simulated steps overran (the machine's CPU deciding rather
 than the model) is printed too. A one-engine run of the same workload gives the hit rate to
 compare with. Targets, printed as ratios from the same run: cache_aware's TTFT p99 at most 1.1x
@@ -34,8 +36,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import ROUTING_POLICIES
-from common.flags import flag
+from common.config import (
+    ROUTING_POLICIES,
+    EngineServiceConfig,
+    GatewayConfig,
+    GatewayFrontConfig,
+    GatewayServerConfig,
+    ListenConfig,
+    SimulationConfig,
+    StepCostConfig,
+    TokenizerServiceConfig,
+    engine_config_from_args,
+)
+from common.flags import command_line, flag
+from services.supervisor import ServeConfig
 
 SERVING = re.compile(r"serving on (http://\S+) ")
 GATEWAY = re.compile(r"gateway listening on (http://\S+) ")
@@ -379,89 +393,61 @@ class _Process:
         self._file.close()
 
 
-def _engine_flags(args: argparse.Namespace) -> list[str]:
-    from common.config import engine_args_from_config, engine_config_from_args
+def _listen() -> ListenConfig:
+    """Any free port; a stack stops at once."""
+    return ListenConfig(port=0, drain_seconds=1.0)
 
-    return engine_args_from_config(engine_config_from_args(args))
+
+def _front(policy: str) -> GatewayFrontConfig:
+    return GatewayFrontConfig(
+        listen=_listen(), grpc_port=0, policy=GatewayConfig(routing_policy=policy)
+    )
 
 
 @contextlib.contextmanager
 def _stack(args: argparse.Namespace, policy: str, replicas: int, log_dir: Path) -> Iterator[str]:
-    """A gateway over `replicas` engines; yields its URL."""
+    """A gateway over `replicas` engines; yields its URL. Each process's command line is its
+    config dataclass's (common.flags.command_line), as a user would start it."""
+    engine = engine_config_from_args(args)
     env = {**os.environ, "FOLIO_INTERNAL_TOKEN": "", "FOLIO_API_KEYS": ""}
     processes: list[_Process] = []
     try:
         if not args.simulate:
-            serve = _Process(
-                [
-                    "serve",
-                    "--port",
-                    "0",
-                    "--grpc-port",
-                    "0",
-                    "--engine-port",
-                    "0",
-                    "--tokenizer-port",
-                    "0",
-                    "--engine-replicas",
-                    str(replicas),
-                    "--routing-policy",
-                    policy,
-                    "--drain-seconds",
-                    "1",
-                    *_engine_flags(args),
-                ],
-                env,
-                log_dir,
-                f"serve-{policy}-{replicas}",
+            serve = ServeConfig(
+                front=_front(policy),
+                engine_port=0,
+                tokenizer_port=0,
+                engine_replicas=replicas,
+                startup_timeout=args.startup_timeout,
+                engine=engine,
             )
-            processes.append(serve)
-            yield serve.wait_for(SERVING, args.startup_timeout)[1]
+            process = _Process(
+                ["serve", *command_line(serve)], env, log_dir, f"serve-{policy}-{replicas}"
+            )
+            processes.append(process)
+            yield process.wait_for(SERVING, args.startup_timeout)[1]
             return
-        model = ["--model", args.model] if args.model else []
-        engines = _Process(
-            [
-                "engine",
-                "--simulate",
-                "--replicas",
-                str(replicas),
-                "--port",
-                "0",
-                "--drain-seconds",
-                "1",
-                "--step-cost",
-                str(args.step_cost),
-                *_engine_flags(args),
-            ],
-            env,
-            log_dir,
-            f"engines-{policy}",
+        simulated = EngineServiceConfig(
+            listen=_listen(),
+            engine=engine,
+            simulation=SimulationConfig(
+                simulate=True, replicas=replicas, cost=StepCostConfig(Path(args.step_cost))
+            ),
         )
+        engines = _Process(["engine", *command_line(simulated)], env, log_dir, f"engines-{policy}")
+        tokenizer_config = TokenizerServiceConfig(model=engine.model, listen=_listen())
         tokenizer = _Process(
-            ["tokenizer", *model, "--port", "0", "--drain-seconds", "1"], env, log_dir, "tokenizer"
+            ["tokenizer", *command_line(tokenizer_config)], env, log_dir, "tokenizer"
         )
         processes += [engines, tokenizer]
         host, ports = engines.wait_for(ENGINES, args.startup_timeout).groups()
-        tokenizer_address = tokenizer.wait_for(TOKENIZER, args.startup_timeout)[1]
-        addresses = [a for port in ports.split(",") for a in ("--engine-address", f"{host}:{port}")]
+        gateway_config = GatewayServerConfig(
+            front=_front(policy),
+            engine_address=tuple(f"{host}:{port}" for port in ports.split(",")),
+            tokenizer_address=tokenizer.wait_for(TOKENIZER, args.startup_timeout)[1],
+        )
         gateway = _Process(
-            [
-                "gateway",
-                "--port",
-                "0",
-                "--grpc-port",
-                "0",
-                *addresses,
-                "--tokenizer-address",
-                tokenizer_address,
-                "--routing-policy",
-                policy,
-                "--drain-seconds",
-                "1",
-            ],
-            env,
-            log_dir,
-            f"gateway-{policy}",
+            ["gateway", *command_line(gateway_config)], env, log_dir, f"gateway-{policy}"
         )
         processes.append(gateway)
         url = gateway.wait_for(GATEWAY, args.startup_timeout)[1]
@@ -494,18 +480,22 @@ def _run_one(args, policy: str, replicas: int, conversations, log_dir: Path) -> 
         metrics = _metrics(url)
     hits = metrics.get(("folio_prefix_cache_hits_total", ()), 0.0)
     queries = metrics.get(("folio_prefix_cache_queries_total", ()), 0.0)
-    routed = [
-        value
-        for (name, labels), value in metrics.items()
-        if name == "folio_replica_requests_routed_total"
-    ] or [float(results.requests)]
-    mean = sum(routed) / len(routed) if routed else 0.0
+    by_replica = _per_replica(metrics, "folio_replica_requests_routed_total")
+    routed = list(by_replica.values()) or [float(results.requests)]
+    mean = sum(routed) / len(routed)
+    replica_hits = _per_replica(metrics, "folio_replica_prefix_cache_hits_total")
+    replica_queries = _per_replica(metrics, "folio_replica_prefix_cache_queries_total")
+    detail = ", ".join(
+        f"{replica} routed {count:.0f}, hit rate "
+        f"{_ratio(replica_hits.get(replica, 0.0), replica_queries.get(replica, 0.0)) * 100:.1f}%"
+        for replica, count in sorted(by_replica.items())
+    )
     modelled = metrics.get(("folio_engine_step_seconds_total", (("phase", "forward"),)), 0.0)
     overrun = metrics.get(("folio_engine_step_seconds_total", (("phase", "overrun"),)), None)
     return {
         "policy": policy if replicas > 1 else "(one engine)",
         "replicas": replicas,
-        "hit_rate": hits / queries if queries else float("nan"),
+        "hit_rate": _ratio(hits, queries),
         "ttft_p50": statistics.median(results.ttfts) if results.ttfts else float("nan"),
         "ttft_p99": _percentile(results.ttfts, 0.99),
         "requests_per_s": results.requests / results.seconds,
@@ -513,6 +503,20 @@ def _run_one(args, policy: str, replicas: int, conversations, log_dir: Path) -> 
         "max_share": max(routed) / mean if mean else float("nan"),
         "failures": results.failures,
         "overrun": None if overrun is None or not modelled else overrun / modelled,
+        "replicas_detail": detail if replicas > 1 else "",
+    }
+
+
+def _ratio(part: float, whole: float) -> float:
+    return part / whole if whole else float("nan")
+
+
+def _per_replica(metrics: dict, sample: str) -> dict[str, float]:
+    """A per-replica series' values by its `replica` label (the engine's address)."""
+    return {
+        labels["replica"]: value
+        for (name, label_items), value in metrics.items()
+        if name == sample and "replica" in (labels := dict(label_items))
     }
 
 
@@ -544,6 +548,8 @@ def run_routing_benchmark(args: argparse.Namespace) -> None:
             row = _run_one(args, policy, replicas, conversations, log_dir)
             rows.append(row)
             print(_format(row), flush=True)
+            if row["replicas_detail"]:
+                print(f"  per replica: {row['replicas_detail']}", flush=True)
     print("\nsummary:")
     print(
         f"  {'policy':14s} {'hit rate':>9s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'req/s':>7s} "

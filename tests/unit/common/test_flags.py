@@ -22,7 +22,7 @@ from common.config import (
     GatewayServerConfig,
     TokenizerServiceConfig,
 )
-from common.flags import from_args, from_json, to_json
+from common.flags import command_line, from_args, from_json, to_json
 from folio.cli import build_parser
 from services.supervisor import ServeConfig
 
@@ -177,3 +177,11 @@ def test_environment_defaults_reach_the_help_and_the_engine_child():
         text=True,
     ).stdout
     assert "(default: --enforce-eager)" in help_text
+
+
+@pytest.mark.parametrize("command", [*SERVICES, "serve"])
+def test_a_config_survives_its_command_line(command):
+    """`folio bench routing` starts each process with its config's flags, as a user would."""
+    config = SERVICES.get(command) or changed(ServeConfig)
+    args = command_parser(command).parse_args(command_line(config))
+    assert from_args(type(config), args) == config
