@@ -276,7 +276,7 @@ class LLMEngine:
         sampling_requests: list[Request],
         sampled: SamplerOutput,
     ) -> list[RequestOutput]:
-        accepted = sampled.accepted or [[] for _ in sampling_requests]
+        accepted = sampled.accepted
         for request, num_new in zip(scheduled, num_new_tokens, strict=False):
             request.num_computed_tokens += num_new
             if request.spec_token_ids:
@@ -294,14 +294,18 @@ class LLMEngine:
                 new_token_ids, new_logprobs, reason = [], [], FinishReason.LENGTH
             else:
                 # Speculative decoding: the drafts verification accepted come first.
-                new_token_ids = [*accepted[row], sampled.token_ids[row]]
+                new_token_ids = (
+                    [*accepted[row], sampled.token_ids[row]]
+                    if accepted
+                    else [sampled.token_ids[row]]
+                )
                 last = sampled.logprobs[row]
                 new_logprobs = (
                     [] if last is None else [*self._accepted_logprobs(sampled, row), last]
                 )
                 drafted = bool(request.spec_token_ids)
                 if drafted:
-                    self._settle_drafts(request, len(accepted[row]))
+                    self._settle_drafts(request, len(accepted[row]) if accepted else 0)
                 reason = None
                 for count, token_id in enumerate(new_token_ids, 1):
                     request.append_output(token_id)
