@@ -95,32 +95,48 @@ struct StoreOutputs {
   }
 };
 
+// What every product over pack_bf16_weight's tiles starts with, checked: the activations x
+// [..., in] (of `dtype`) as rows [rows, in], each contiguous; the empty output [..., out] of the
+// same dtype; the bias, contiguous (of `dtype`, one value per output; undefined without one).
+struct TiledProduct {
+  at::Tensor rows, y, bias;
+  int64_t in;
+};
+
+TiledProduct start_tiled_product(const char* op, at::ScalarType dtype, const char* dtype_name,
+                                 const at::Tensor& x, const at::Tensor& packed,
+                                 const std::optional<at::Tensor>& bias, int64_t out) {
+  TORCH_CHECK(x.scalar_type() == dtype && packed.scalar_type() == at::kBFloat16, op,
+              " multiplies ", dtype_name, " activations by a bfloat16 weight");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 2 * kTileRows && packed.is_contiguous() &&
+                  packed.size(0) * kTileRows >= out && packed.size(0) * kTileRows < out + kTileRows,
+              op, "'s weight must come from pack_bf16_weight, with ", out, " outputs");
+  const int64_t in = 2 * packed.size(1);
+  TORCH_CHECK(x.size(-1) == in, op, ": activations have ", x.size(-1), " features, the weight ",
+              in);
+  at::Tensor rows = x.reshape({-1, in});
+  TORCH_CHECK(rows.stride(1) == 1, op, ": each activation row must be contiguous");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out;
+  at::Tensor bias_values;
+  if (bias.has_value()) {
+    bias_values = bias->contiguous();
+    TORCH_CHECK(bias_values.scalar_type() == dtype && bias_values.numel() == out, op,
+                ": the bias must be ", dtype_name, " with one value per output");
+  }
+  return {rows, at::empty(shape, x.options()), bias_values, in};
+}
+
 // x [..., in] bfloat16 @ weight.T (+ bias [out]) -> [..., out] bfloat16, for a weight packed by
 // pack_bf16_weight with `out` real output rows.
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed,
                        const std::optional<at::Tensor>& bias, int64_t out) {
   TORCH_CHECK(cpu_has_avx512_bf16(), "bf16_linear needs a CPU with AVX-512 BF16");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
-              "bf16_linear multiplies bfloat16 activations by a bfloat16 weight");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 2 * kTileRows && packed.is_contiguous() &&
-                  packed.size(0) * kTileRows >= out && packed.size(0) * kTileRows < out + kTileRows,
-              "bf16_linear's weight must come from pack_bf16_weight, with ", out, " outputs");
-  const int64_t in = 2 * packed.size(1);
-  TORCH_CHECK(x.size(-1) == in, "bf16_linear: activations have ", x.size(-1),
-              " features, the weight ", in);
-  const at::Tensor flat = x.reshape({-1, in});
-  TORCH_CHECK(flat.stride(1) == 1, "bf16_linear: each activation row must be contiguous");
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = out;
-  at::Tensor y = at::empty(shape, x.options());
-  const int64_t rows = flat.size(0);
+  const TiledProduct product =
+      start_tiled_product("bf16_linear", at::kBFloat16, "bfloat16", x, packed, bias, out);
+  const at::Tensor &flat = product.rows, &y = product.y, &bias_values = product.bias;
+  const int64_t in = product.in, rows = flat.size(0);
   if (rows == 0) return y;
-  at::Tensor bias_values;
-  if (bias.has_value()) {
-    bias_values = bias->contiguous();
-    TORCH_CHECK(bias_values.scalar_type() == at::kBFloat16 && bias_values.numel() == out,
-                "bf16_linear: the bias must be bfloat16 with one value per output");
-  }
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(flat.data_ptr<at::BFloat16>());
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const uint16_t* bias_data =
@@ -155,9 +171,10 @@ constexpr int kWidenedRows = 4;
 
 // Rows x[m] (m < ROWS, float32, `x_row` apart, `pairs` pairs each) times one tile:
 // store(m, low, high) gets row m's float32 sums of output rows 0 .. 8 and 8 .. 16 (handed over,
-// not kept in an array: GCC then stored the sums to memory at every step). With one or two rows the even and odd
-// inputs' products go to separate sums, so that consecutive multiply-adds do not wait on each
-// other. Meanwhile `prefetch` (or nullptr), the next tile a caller will read, comes into L2.
+// not kept in an array: GCC then stored the sums to memory at every step). With one or two rows
+// the even and odd inputs' products go to separate sums, so that consecutive multiply-adds do
+// not wait on each other. Meanwhile `prefetch` (or nullptr), the next tile a caller will read,
+// comes into L2.
 template <int ROWS, typename Store>
 inline void widened_tile(const float* x, int64_t x_row, const uint16_t* tile, int64_t pairs,
                          const uint16_t* prefetch, const Store& store) {
@@ -225,28 +242,11 @@ inline void widened_rows(int64_t rows, const float* x, int64_t x_row, const uint
 // weight packed by pack_bf16_weight with `out` real output rows.
 at::Tensor widened_bf16_linear(const at::Tensor& x, const at::Tensor& packed,
                                const std::optional<at::Tensor>& bias, int64_t out) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kBFloat16,
-              "widened_bf16_linear multiplies float32 activations by a bfloat16 weight");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 2 * kTileRows && packed.is_contiguous() &&
-                  packed.size(0) * kTileRows >= out && packed.size(0) * kTileRows < out + kTileRows,
-              "widened_bf16_linear's weight must come from pack_bf16_weight, with ", out,
-              " outputs");
-  const int64_t in = 2 * packed.size(1);
-  TORCH_CHECK(x.size(-1) == in, "widened_bf16_linear: activations have ", x.size(-1),
-              " features, the weight ", in);
-  const at::Tensor flat = x.reshape({-1, in});
-  TORCH_CHECK(flat.stride(1) == 1, "widened_bf16_linear: each activation row must be contiguous");
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = out;
-  at::Tensor y = at::empty(shape, x.options());
-  const int64_t rows = flat.size(0);
+  const TiledProduct product =
+      start_tiled_product("widened_bf16_linear", at::kFloat, "float32", x, packed, bias, out);
+  const at::Tensor &flat = product.rows, &y = product.y, &bias_values = product.bias;
+  const int64_t in = product.in, rows = flat.size(0);
   if (rows == 0) return y;
-  at::Tensor bias_values;
-  if (bias.has_value()) {
-    bias_values = bias->contiguous();
-    TORCH_CHECK(bias_values.scalar_type() == at::kFloat && bias_values.numel() == out,
-                "widened_bf16_linear: the bias must be float32 with one value per output");
-  }
   const float* xs = flat.data_ptr<float>();
   const int64_t x_row = flat.stride(0);
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
