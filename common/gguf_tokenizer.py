@@ -76,6 +76,14 @@ def read_gguf_tokenizer(path: str | Path) -> GgufTokenizer:
             f"GGUF {str(path)!r}: tokenizer.ggml.model {kind!r} is not read yet; Folio reads "
             "byte-level BPE ('gpt2') and SentencePiece ('llama') vocabularies"
         )
+    arch = meta.get("general.architecture")
+    if kind == "llama" and str(arch).startswith("gemma"):
+        # Gemma's pieces spell runs of spaces as spaces and its merges follow the file's order,
+        # not the scores (transformers has a reader of its own for them).
+        raise ValueError(
+            f"GGUF {str(path)!r}: tokenizer.ggml.model 'llama' of a {arch} file is not read yet "
+            "(Gemma's SentencePiece vocabulary)"
+        )
     pre = meta.get("tokenizer.ggml.pre", "default")
     if kind == "gpt2" and pre not in PRE_TOKENIZER_SPLITS:
         raise ValueError(
@@ -117,7 +125,6 @@ def read_gguf_tokenizer(path: str | Path) -> GgufTokenizer:
         fast.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, vocab[bos])]
         )
-    arch = meta.get("general.architecture")
     model_config = {
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),

@@ -2,7 +2,8 @@
 converting the file to anything first (engine.models.gguf_metadata reads its config).
 
 Llama-family files (`general.architecture` llama, as SmolLM2's are; qwen2 with its q/k/v biases;
-qwen3 with its q/k norms). Tensor types:
+qwen3 with its q/k norms; gemma3, whose norms the converter stores as 1 + w: the load takes the
+1 off). Tensor types:
 F32, F16 and BF16 are read as they are; Q4_0 and Q4_1 go straight into Folio's int4 layout
 (engine.layers.quantization: groups of 32 with a float16 scale and minimum and two codes to a
 byte in Q4_1's order, so Q4_1's blocks are copied bit for bit and Q4_0's scale d becomes a
@@ -60,6 +61,13 @@ _LAYER_TENSORS = {
 }
 # The tensors llama.cpp's converter permutes in a llama file.
 _ROPE_PERMUTED = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
+# Gemma 3's: the norms after attention and around the MLP (its ffn_norm is the one before it).
+_GEMMA3_TENSORS = {
+    **_LAYER_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -96,8 +104,9 @@ def load_gguf_weights(
     params = dict(model.named_parameters())
     parts: dict[str, dict[int | None, _Part]] = {}
     unexpected = []
+    gemma3 = config.model_type == "gemma3"
     for tensor in reader.tensors:
-        hf_name = _hf_name(tensor.name)
+        hf_name = _hf_name(tensor.name, _GEMMA3_TENSORS if gemma3 else _LAYER_TENSORS)
         if hf_name is None or (config.tie_word_embeddings and hf_name == "lm_head.weight"):
             unexpected.append(tensor.name)
             continue
@@ -134,6 +143,8 @@ def load_gguf_weights(
                 sizes = cast(list[int], module.output_sizes)
                 target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
             values = torch.from_numpy(_as_float32(part))
+            if gemma3 and name.endswith("norm.weight"):
+                values -= 1  # the converter's 1 + w
             if values.shape != target.shape:
                 raise ValueError(
                     f"GGUF tensor {part.gguf_name!r} has shape {tuple(values.shape)}, "
@@ -142,15 +153,15 @@ def load_gguf_weights(
             target.copy_(values)
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, layer_tensors: dict[str, str]) -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     blk, layer, kind, suffix = [*gguf_name.split("."), "", "", ""][:4]
-    if blk != "blk" or not layer.isdigit() or kind not in _LAYER_TENSORS:
+    if blk != "blk" or not layer.isdigit() or kind not in layer_tensors:
         return None
     if suffix not in ("weight", "bias"):  # (llama.cpp's names end in one or the other)
         return None
-    return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
+    return f"model.layers.{layer}.{layer_tensors[kind]}.{suffix}"
 
 
 def _missing(model: LlamaForCausalLM, params: dict, parts: dict) -> list[str]:

@@ -16,7 +16,12 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+# Gemma 3 as llama.cpp runs a file of it (it writes no key for these): every sixth layer
+# global, the local layers' rope base 10000, attention scaled by the head size (27B's
+# query_pre_attn_scalar, hidden / heads, is the one size where that differs).
+GEMMA3_PATTERN, GEMMA3_LOCAL_BASE = 6, 10000.0
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -71,7 +76,9 @@ def gguf_config(path: str | Path) -> dict[str, Any]:
         )
     names = {t.name for t in reader.tensors}
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none" or "rope_freqs.weight" in names:
+    # Gemma 3's global layers scale linearly (4B and up); the other kinds are not read yet.
+    linear = arch == "gemma3" and scaling == "linear"
+    if (scaling != "none" and not linear) or "rope_freqs.weight" in names:
         raise ValueError(
             f"GGUF {str(path)!r}: RoPE scaling ({arch}.rope.scaling.type {scaling!r}"
             f"{', a rope_freqs tensor' if 'rope_freqs.weight' in names else ''}) is not read yet"
@@ -87,7 +94,23 @@ def gguf_config(path: str | Path) -> dict[str, Any]:
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
     if not vocab:
         vocab = next(t for t in reader.tensors if t.name == "token_embd.weight").shape[-1]
-    return {
+    gemma3: dict[str, Any] = {}
+    if arch == "gemma3":
+        head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
+        gemma3 = {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": head_dim,
+            "sliding_window": key("attention.sliding_window"),
+            "sliding_window_pattern": meta.get(
+                f"{arch}.attention.sliding_window_pattern", GEMMA3_PATTERN
+            ),
+            "rope_local_base_freq": meta.get(f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_BASE),
+            "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping"),
+        }
+        if linear:
+            factor = key("rope.scaling.factor")
+            gemma3["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+    return gemma3 | {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
         "vocab_size": int(vocab),

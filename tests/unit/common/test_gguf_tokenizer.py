@@ -181,3 +181,14 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_transformers_does(tmp_path, lis
         assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True), text
     assert len(ours.encode("the cat sat")) < len("the cat sat")  # pieces, not bytes
     assert ours.vocab_size == len(reference)
+
+
+def test_gemma_s_sentencepiece_vocabulary_is_refused(tmp_path):
+    writer = GGUFWriter(str(tmp_path / "g.gguf"), "gemma3")
+    writer.add_string("tokenizer.ggml.model", "llama")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=re.escape("tokenizer.ggml.model 'llama' of a gemma3")):
+        Tokenizer.from_dir(tmp_path / "g.gguf")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import zlib
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -109,13 +110,27 @@ def write_gguf(
     writer.add_uint32(f"{arch}.attention.head_count_kv", config.num_key_value_heads)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_uint32(f"{arch}.attention.key_length", head_dim)
-    writer.add_float32(f"{arch}.rope.freq_base", config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters
+    rope = rope.get("full_attention", rope)  # Gemma 3's global layers' (its local: 10000)
+    writer.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
     writer.add_uint32(f"{arch}.vocab_size", config.vocab_size)
+    # Gemma 3's names from gguf's own map (its ffn_norm is the norm before the MLP), its window.
+    names = None
+    if arch == "gemma3":
+        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, config.num_hidden_layers)
+        writer.add_uint32(f"{arch}.attention.sliding_window", config.sliding_window)
     for name, tensor in reference.state_dict().items():
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue  # a tied file has no output.weight
         values = tensor.float().numpy()
+        if names is not None and name.endswith("norm.weight"):
+            values = values + 1  # llama.cpp's Gemma norms scale by w, Hugging Face's by 1 + w
+        if names is not None:
+            module, _, suffix = name.rpartition(".")
+            file_name = f"{names.get_name(module)}.{suffix}"
+        else:
+            file_name = gguf_name(name)
         # llama.cpp permutes a llama's Q and K rows for its rope; Qwen's rotate as HF's do.
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
@@ -128,11 +143,11 @@ def write_gguf(
             else:
                 blocks = quantize(values, linear_type)
             if dequantized:
-                writer.add_tensor(gguf_name(name), dequantize(blocks, linear_type))
+                writer.add_tensor(file_name, dequantize(blocks, linear_type))
             else:
-                writer.add_tensor(gguf_name(name), blocks, raw_dtype=linear_type)
+                writer.add_tensor(file_name, blocks, raw_dtype=linear_type)
         else:
-            writer.add_tensor(gguf_name(name), np.ascontiguousarray(values))
+            writer.add_tensor(file_name, np.ascontiguousarray(values))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -359,13 +374,13 @@ def test_what_a_gguf_is_not_served_with_is_refused(tmp_path, reference):
         load_model(path, torch.float32, "cpu", quantization="int8")
     with pytest.raises(ValueError, match=r"tensor-parallel size 1 \(got 2\)"):
         load_model(path, torch.float32, "cpu", tp=TensorParallel(rank=0, size=2))
-    writer = GGUFWriter(str(tmp_path / "gemma3.gguf"), "gemma3")
+    writer = GGUFWriter(str(tmp_path / "phi3.gguf"), "phi3")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"general\.architecture 'gemma3' is not served"):
-        ModelConfig.from_dir(tmp_path / "gemma3.gguf")
+    with pytest.raises(ValueError, match=r"general\.architecture 'phi3' is not served"):
+        ModelConfig.from_dir(tmp_path / "phi3.gguf")
 
 
 # Qwen2's q/k/v biases and tied embedding, Qwen3's q/k norms: each as llama.cpp writes it (no
@@ -391,3 +406,25 @@ def test_qwen_ggufs_give_their_safetensors_twins_tokens(tmp_path, variant, arch,
     if qtype == Q.F32:
         for rid, ids in PROMPTS.items():
             assert got[rid] == hf_greedy(reference, ids, GREEDY.max_tokens), rid
+
+
+def test_a_gemma3_gguf_gives_its_safetensors_twin_s_tokens(tmp_path):
+    """Gemma 3 as llama.cpp writes it (norms stored as 1 + w, its post-attention and
+    feed-forward norms' names, the window in its metadata) and runs it (every sixth layer global,
+    local rope base 10000, attention scaled by the head size): the greedy tokens of the same
+    model from safetensors, and transformers'."""
+    config = dict(
+        VARIANTS["gemma3-window3"][1],
+        num_hidden_layers=6,
+        query_pre_attn_scalar=16,
+        final_logit_softcapping=None,
+        layer_types=None,
+        rope_parameters=None,
+    )
+    reference = make_checkpoint(tmp_path / "hf", VARIANTS["gemma3-window3"][0], config)
+    assert reference.config.layer_types[4:] == ["sliding_attention", "full_attention"]
+    path = write_gguf(tmp_path / "gemma3.gguf", reference, Q.F32, arch="gemma3")
+    got = engine_greedy(path)
+    assert got == engine_greedy(tmp_path / "hf")
+    for rid, ids in PROMPTS.items():
+        assert got[rid] == hf_greedy(reference, ids, GREEDY.max_tokens), rid
