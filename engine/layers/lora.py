@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from engine.core.step_plan import NewRequestPlan
-from engine.layers.linear import Linear
+from engine.layers.linear import Linear, PackedWeight, linear, pack_weight
 from engine.lora.adapter import LoraWeights, ModuleShape
 from engine.models.config import ModelConfig
 
@@ -62,6 +62,11 @@ class LoraLinear(nn.Module):
         out = self.shard_offsets[-1]
         self.lora_a = torch.zeros(max_loras, width, shape.in_features, dtype=dtype, device=device)
         self.lora_b = torch.zeros(max_loras, out, width, dtype=dtype, device=device)
+        # Each slot's A and B in the form Folio's linear kernels read (engine.layers.linear):
+        # torch's own bfloat16 matmul of these small shapes ran slower than the base product.
+        self.packed: list[tuple[PackedWeight | None, PackedWeight | None]] = [
+            (None, None)
+        ] * max_loras
         self.step = step
 
     def load(self, slot: int, shards: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -73,6 +78,7 @@ class LoraLinear(nn.Module):
             rows = slice(self.shard_offsets[shard], self.shard_offsets[shard + 1])
             self.lora_a[slot, cols].copy_(a)
             self.lora_b[slot, rows, cols].copy_(b)
+        self.packed[slot] = (pack_weight(self.lora_a[slot]), pack_weight(self.lora_b[slot]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
@@ -85,7 +91,9 @@ class LoraLinear(nn.Module):
             lora_expand(shrunk, self.lora_b, step.sorted_rows, step.segments, out)
             return out
         for slot, rows in step.groups:
-            delta = (x[rows] @ self.lora_a[slot].T) @ self.lora_b[slot].T
+            packed_a, packed_b = self.packed[slot]
+            shrunk = linear(x[rows], self.lora_a[slot], packed_a)
+            delta = linear(shrunk, self.lora_b[slot], packed_b)
             if isinstance(rows, slice):
                 out[rows] += delta
             else:

@@ -124,7 +124,7 @@ def test_unload_waits_for_the_running_request(stack):
     stream = client.completions.create(
         model="second",
         prompt=PROMPT,
-        max_tokens=200,
+        max_tokens=48,
         temperature=0.0,
         stream=True,
         extra_body={"ignore_eos": True},

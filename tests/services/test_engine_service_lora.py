@@ -2,21 +2,18 @@
 made with peft): LoadLoraAdapter from inside --lora-root (INVALID_ARGUMENT naming the rule or
 the adapter's problem otherwise), ListLoraAdapters, EngineRequest.lora_name picking the adapter
 (transformers + peft's greedy tokens; an unknown name fails the request naming it), and
-UnloadLoraAdapter answering once the adapter's running request has ended, which ends
-normally."""
+UnloadLoraAdapter (NOT_FOUND for a name not served). An unload under traffic is
+tests/gateway/test_lora_api.py's and tests/unit/engine/test_lora.py's."""
 
 from __future__ import annotations
-
-import threading
 
 import grpc
 import pytest
 from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 from common.config import EngineConfig
-from grpc_helpers import TIMEOUT, RequestStream, ServerThread
+from grpc_helpers import TIMEOUT, ServerThread
 from lora_adapters import make_adapter
-from polling import wait_until
 from services.engine.server import EngineService
 from tiny_models import VARIANTS, hf_greedy, make_checkpoint
 
@@ -82,26 +79,8 @@ def test_load_generate_unload(served):
     ]
     assert tokens == hf_greedy(oracle, PROMPT, 6)
     assert listed(stub) == {"a": True}
-    # Unload while a request runs with it: the call answers once that request has ended.
-    stream = RequestStream()
-    responses = iter(stub.Generate(iter(stream), timeout=TIMEOUT))
-    stream.send(request("long", "a", 300))
-    next(responses)  # running
-    unloaded: list[object] = []
-    unload = threading.Thread(
-        target=lambda: unloaded.append(
-            stub.UnloadLoraAdapter(
-                engine_pb2.UnloadLoraAdapterRequest(lora_name="a"), timeout=TIMEOUT
-            )
-        )
-    )
-    unload.start()
-    wait_until(lambda: "a" not in listed(stub), "the unload to take the name away", TIMEOUT)
-    stream.close()
-    last = [out for response in responses for out in response.outputs if out.finished]
-    unload.join(TIMEOUT)
-    assert [out.finish_reason for out in last] == [common_pb2.FINISH_REASON_LENGTH]
-    assert unloaded and listed(stub) == {}
+    stub.UnloadLoraAdapter(engine_pb2.UnloadLoraAdapterRequest(lora_name="a"), timeout=TIMEOUT)
+    assert listed(stub) == {}
     with pytest.raises(grpc.RpcError) as gone:
         stub.UnloadLoraAdapter(engine_pb2.UnloadLoraAdapterRequest(lora_name="a"), timeout=TIMEOUT)
     assert gone.value.code() == grpc.StatusCode.NOT_FOUND
