@@ -388,7 +388,8 @@ class Scheduler:
     def _over_share_victim(self, request: Request) -> Request | None:
         """Under fair: the latest admitted request of the tenant running the most sequences
         over its weighted share of max_num_seqs, if `request`'s tenant is within its share
-        with `request` running too; else None (it waits for a free slot)."""
+        with `request` running too and not ahead of that tenant in tokens served (virtual
+        time) by more than `request`'s own; else None (it waits for a free slot)."""
         seqs = Counter[str]()
         for running in self.running:
             seqs[running.tenant] += running.num_seqs
@@ -403,6 +404,14 @@ class Scheduler:
             return None
         over = max(seqs, key=lambda t: seqs[t] - fair_seqs(t))
         if seqs[over] <= fair_seqs(over):
+            return None
+        # A burst of a tenant behind in tokens (the light one) may hold more than its share of
+        # slots for a moment: taking one back would recompute it for the tenant ahead. Within
+        # this request's own tokens counts as level (the requester's last prefill was charged
+        # at once).
+        virtual = self.shares.virtual_time
+        lead = request.num_tokens / weight(request.tenant)
+        if virtual(over) + lead < virtual(request.tenant):
             return None
         return max((r for r in self.running if r.tenant == over), key=lambda r: r.times.arrival)
 

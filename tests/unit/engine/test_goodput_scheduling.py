@@ -249,17 +249,16 @@ def test_engine_ends_a_request_at_its_total_deadline(default_model_dir):
 
 
 def test_fair_admission_takes_the_request_not_the_victim_put_back_before_it():
-    # Tenant a holds both slots with short prompts; b computed more tokens before (a long
-    # prompt, ended), so a is behind in tokens while over its share of slots.
+    # Tenant a holds both slots; b comes back level with it in virtual time (idle time is not
+    # banked) and within its share of slots, so it preempts a's latest request, which, put
+    # back, leads the tie of virtual times (put-back requests come first).
     sched = make(scheduling_policy="fair", max_num_seqs=2, max_num_batched_tokens=64)
-    past = req("past", 48, arrival=0.0, tenant="b", max_tokens=1)
-    sched.add_request(past)
     a = [req(f"a{i}", 4, arrival=1.0 + i, tenant="a", max_tokens=1000) for i in range(2)]
     for r in a:
         sched.add_request(r)
-    advance(sched, sched.schedule())  # past (48 tokens for b) and a0 run
+    advance(sched, sched.schedule())
     b_next = req("b1", 4, arrival=5.0, tenant="b")
-    sched.add_request(b_next)  # b still has past live, so it keeps its virtual time
+    sched.add_request(b_next)
     for _ in range(3):
         advance(sched, sched.schedule())
     assert b_next.status is RequestStatus.RUNNING and b_next not in list(sched.waiting)
@@ -300,3 +299,18 @@ def test_fair_admission_counts_on_preempting_for_a_tenant_within_its_share():
     # A flood request with the same deadline waits for a slot to free: refused.
     with pytest.raises(DeadlineUnmeetable):
         sched.add_request(req("f-late", 4, arrival=11.0, tenant="flood", ttft_ms=200))
+
+
+def test_fair_never_preempts_for_a_tenant_ahead_in_tokens():
+    # A burst of the light tenant holds three of four slots, over its share of two, but it is
+    # far behind in tokens served: the heavy tenant's next request, within its share of slots,
+    # waits for a free one instead of having a light request recomputed for it.
+    sched = make(scheduling_policy="fair", max_num_seqs=4, max_num_batched_tokens=128)
+    sched.add_request(req("h0", 100, arrival=0.0, tenant="heavy", max_tokens=1000))
+    for i in range(3):
+        sched.add_request(req(f"l{i}", 4, arrival=1.0 + i, tenant="light", max_tokens=1000))
+    advance(sched, sched.schedule())  # all four run: 100 tokens for heavy, 12 for light
+    h1 = req("h1", 4, arrival=10.0, tenant="heavy")
+    sched.add_request(h1)
+    out = sched.schedule()
+    assert not out.preempted and h1 not in out.requests
