@@ -214,6 +214,8 @@ class LLMEngine:
             stats.spec_num_drafts = spec.num_drafts
             stats.spec_num_draft_tokens = spec.num_draft_tokens
             stats.spec_num_accepted_tokens = spec.num_accepted_tokens
+        if self.kv_cache.tiers is not None:
+            stats.kv_tier_hits, stats.kv_tier_usage = self.kv_cache.tiers.report()
         return stats
 
     # -- the loop ---------------------------------------------------------------------------

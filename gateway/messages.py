@@ -52,6 +52,10 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # KV cache tiers, per tier ("host", "disk"): prompt tokens served (summed over the replicas)
+    # and the share of capacity in use (their mean).
+    kv_tier_hits: dict[str, int] = field(default_factory=dict)
+    kv_tier_usage: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,22 @@ class EngineStatsCollector(Collector):
             "Prompt tokens found in the prefix cache.",
             value=stats.prefix_cache_hits,
         )
+        hits = CounterMetricFamily(
+            "folio_kv_tier_hits",
+            "Prompt tokens served from each KV cache tier below the pool (host, disk).",
+            labels=["tier"],
+        )
+        usage = GaugeMetricFamily(
+            "folio_kv_tier_usage_ratio",
+            "Share of each KV cache tier's capacity in use (0 to 1).",
+            labels=["tier"],
+        )
+        for tier, tokens in sorted(stats.kv_tier_hits.items()):
+            hits.add_metric([tier], tokens)
+        for tier, share in sorted(stats.kv_tier_usage.items()):
+            usage.add_metric([tier], share)
+        yield hits
+        yield usage
         yield CounterMetricFamily(
             "folio_num_preemptions",
             "Requests preempted by the scheduler.",

@@ -83,6 +83,8 @@ def engine_stats(stats: engine_pb2.GetStatsResponse) -> EngineStats:
         spec_num_drafts=stats.spec_num_drafts,
         spec_num_draft_tokens=stats.spec_num_draft_tokens,
         spec_num_accepted_tokens=stats.spec_num_accepted_tokens,
+        kv_tier_hits=dict(stats.kv_tier_hits),
+        kv_tier_usage=dict(stats.kv_tier_usage),
     )
 
 

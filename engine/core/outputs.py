@@ -117,3 +117,7 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # KV cache tiers (engine.kv_tiers), per tier in use: prompt tokens served from it since the
+    # start (counted in prefix_cache_hits too), and the share of its capacity in use.
+    kv_tier_hits: dict[str, int] = field(default_factory=dict)
+    kv_tier_usage: dict[str, float] = field(default_factory=dict)

@@ -142,6 +142,18 @@ class TierBook:
         self._staged_bytes = 0
         return transfers
 
+    def report(self) -> tuple[dict[str, int], dict[str, float]]:
+        """Per tier ("host", "disk", those in use): prompt tokens served since the start, and
+        the share of its capacity in use (0 to 1)."""
+        hits, usage = {}, {}
+        if self.host_blocks:
+            hits["host"] = self.hits["host"] * self.block_size
+            usage["host"] = len(self._host) / self.host_blocks
+        if self.disk is not None:
+            hits["disk"] = self.hits["disk"] * self.block_size
+            usage["disk"] = min(1.0, self.disk.used_bytes / self.disk.max_bytes)
+        return hits, usage
+
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
         return events

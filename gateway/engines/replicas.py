@@ -191,6 +191,7 @@ class EnginePool:
         )
         total = EngineStats()
         usage_blocks = 0.0
+        tier_usage: dict[str, list[float]] = {}
         error: BaseException | None = None
         for replica, answer in zip(self.replicas, answers, strict=True):
             if isinstance(answer, BaseException):
@@ -212,11 +213,16 @@ class EnginePool:
             total.num_steps += answer.num_steps
             for phase, seconds in answer.step_seconds.items():
                 total.step_seconds[phase] = total.step_seconds.get(phase, 0.0) + seconds
+            for tier, tokens in answer.kv_tier_hits.items():
+                total.kv_tier_hits[tier] = total.kv_tier_hits.get(tier, 0) + tokens
+            for tier, share in answer.kv_tier_usage.items():
+                tier_usage.setdefault(tier, []).append(share)
         if all(isinstance(a, BaseException) for a in answers):
             assert error is not None
             raise error
         if total.num_kv_blocks:
             total.kv_cache_usage = usage_blocks / total.num_kv_blocks
+        total.kv_tier_usage = {tier: sum(s) / len(s) for tier, s in tier_usage.items()}
         return total
 
     # -- placing requests -----------------------------------------------------------------------

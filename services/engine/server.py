@@ -227,6 +227,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             spec_num_drafts=stats.spec_num_drafts,
             spec_num_draft_tokens=stats.spec_num_draft_tokens,
             spec_num_accepted_tokens=stats.spec_num_accepted_tokens,
+            kv_tier_hits=stats.kv_tier_hits,
+            kv_tier_usage=stats.kv_tier_usage,
         )
 
     async def LoadLoraAdapter(

@@ -1,7 +1,9 @@
 """The routing policies as pure decisions over a prefix index and loads made up in the test:
 cache_aware follows the longest held prefix, breaks ties and unheld prompts by load, skips a
-replica over the load threshold and says why; least_load and round_robin do what they say; the
-index follows stored, removed and cleared blocks and matches leading blocks only."""
+replica over the load threshold and says why, and scores a prefix in a replica's KV host tier
+between one in its pool and none; least_load and round_robin do what they say; the index follows
+stored, removed and cleared blocks and matches leading blocks only. (And the KV tiers' series
+on /metrics, which the same engine reports feed.)"""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from gateway.engines.routing import (
     RoundRobin,
     make_policy,
 )
+from gateway.messages import EngineStats
+from gateway.metrics import Metrics
 
 BLOCK = 4
 PROMPT = list(range(100, 132))  # 8 full blocks
@@ -160,3 +164,12 @@ def test_a_prefix_in_a_host_tier_scores_between_the_pool_and_nothing():
     assert index.match_tiers(HASHES)[1] == (8, 0)
     index.clear(1)
     assert 1 not in index.match_tiers(HASHES)
+
+
+def test_the_tiers_series_on_metrics():
+    """/metrics' per-tier series, from an engine's GetStats answer (rendered as scraped)."""
+    stats = EngineStats(kv_tier_hits={"host": 48, "disk": 16}, kv_tier_usage={"host": 0.25})
+    text = Metrics().render(stats).decode()
+    assert 'folio_kv_tier_hits_total{tier="host"} 48.0' in text
+    assert 'folio_kv_tier_hits_total{tier="disk"} 16.0' in text
+    assert 'folio_kv_tier_usage_ratio{tier="host"} 0.25' in text

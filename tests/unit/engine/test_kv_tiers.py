@@ -82,6 +82,8 @@ def test_blocks_evicted_to_the_host_tier_come_back(llama, fmt):
     assert book is not None and book.offloaded >= 6 and book.hits["host"] == 0
     tokens, logprobs, cached = generate(engine, "again", FOLLOW_UP)
     assert cached == 24 and book.hits["host"] == 6
+    stats = engine.stats()
+    assert stats.kv_tier_hits == {"host": 24} and 0 < stats.kv_tier_usage["host"] < 1
     plain = make_engine(directory, num_kv_blocks=64)
     expected, expected_logprobs, _ = generate(plain, "alone", FOLLOW_UP)
     assert expected == hf_greedy(reference, FOLLOW_UP, 6)
@@ -165,22 +167,27 @@ def test_disk_tier_serves_a_new_engine_and_skips_bad_files(llama, tmp_path, capl
     tokens, _, cached = generate(second, "again", FOLLOW_UP)
     assert cached == 24 and tokens == hf_greedy(reference, FOLLOW_UP, 6)
     assert second.kv_cache.tiers.hits["disk"] == 6
+    assert second.stats().kv_tier_hits == {"disk": 24}
     good = paths[3].read_bytes()
     damages = {
         "corrupt": good[:-1] + bytes([good[-1] ^ 0xFF]),
         "truncated": good[:-10],
         "foreign": paths[0].read_bytes(),  # another block's file under this block's name
     }
+    identity = json.loads((disk.dir / "fingerprint.json").read_text())
+    block_hash = prefix_block_hashes(FOLLOW_UP, BLOCK)[3]
     for kind, data in damages.items():
         paths[3].write_bytes(data)
         caplog.clear()
-        engine = make_engine(directory, kv_cache_dir=str(tmp_path))
+        fresh = DiskTier(str(tmp_path), 10**9, disk.block_bytes, identity)
         with caplog.at_level(logging.WARNING, logger="engine.kv_tiers.disk_tier"):
-            tokens, _, cached = generate(engine, "bad", FOLLOW_UP)
-            generate(engine, "bad again", FOLLOW_UP[:20])  # the pool's: the file not read again
-        assert cached == 12 and tokens == hf_greedy(reference, FOLLOW_UP, 6), kind
+            assert fresh.read(block_hash) is None and fresh.read(block_hash) is None, kind
         warned = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
         assert len(warned) == 1 and paths[3].name in warned[0], (kind, warned)
+    # An engine over the foreign file: served up to it, computed from it on.
+    engine = make_engine(directory, kv_cache_dir=str(tmp_path))
+    tokens, _, cached = generate(engine, "bad", FOLLOW_UP)
+    assert cached == 12 and tokens == hf_greedy(reference, FOLLOW_UP, 6)
 
 
 # The engine process of the restart test: computes the prompt, waits for its files, hangs.
