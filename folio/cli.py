@@ -129,6 +129,13 @@ def _bench_lora(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_kv_tiers(args: argparse.Namespace) -> int:
+    from bench.kv_tiers import run_kv_tiers_benchmark
+
+    run_kv_tiers_benchmark(args)
+    return 0
+
+
 def _bench_spec(args: argparse.Namespace) -> int:
     from bench.spec import run_spec_benchmark
 
@@ -364,6 +371,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(startup, StartupWorkload)
     add_flags(startup, EngineConfig)
     startup.set_defaults(func=_bench_startup)
+    kv_tiers = bench_sub.add_parser(
+        "kv-tiers",
+        help="multi-turn chats over a pool a quarter of their working set, with and without "
+        "the KV cache tiers; the first request after a restart with the disk tier",
+    )
+    from bench.kv_tiers import KVTiersWorkload
+
+    add_flags(kv_tiers, KVTiersWorkload)
+    add_flags(kv_tiers, EngineConfig)
+    kv_tiers.set_defaults(func=_bench_kv_tiers, enforce_eager=True)
     lora = bench_sub.add_parser(
         "lora", help="streams over 1, 4 and 16 LoRA adapters against the base model alone"
     )
