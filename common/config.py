@@ -172,7 +172,7 @@ class EngineConfig:
     lora_root: str | None = flag(
         None,
         "the directory runtime LoRA loads (POST /v1/load_lora_adapter) must resolve inside, "
-        "symlinks followed; without it adapters load at start-up only",
+        "symlinks followed; default: none, adapters load at start-up only",
     )
     lora_runtime_updates: bool = flag(
         True, "allow loading and unloading LoRA adapters at run time (needs --lora-root)"

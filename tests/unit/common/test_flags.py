@@ -87,13 +87,23 @@ def test_serve_has_every_engine_and_gateway_flag():
         assert flags <= serve, flags - serve
 
 
+# Flags whose value has a form of its own: a valid one that is not the default. The LoRA
+# flags stay at theirs (LoRA is refused with tensor parallelism, which changed() turns on).
+FORMED = {"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'}
+KEPT = {"lora_modules", "lora_root"}
+
+
 def changed(config_type):
     """A config whose every flag without choices differs from its default (recursively)."""
     values = {}
     hints = typing.get_type_hints(config_type)
     for f in dataclasses.fields(config_type):
         hint = hints[f.name]
-        if dataclasses.is_dataclass(hint):
+        if f.name in KEPT:
+            continue
+        if f.name in FORMED:
+            values[f.name] = FORMED[f.name]
+        elif dataclasses.is_dataclass(hint):
             values[f.name] = changed(hint)
         elif "folio_flag" in f.metadata and not f.metadata["folio_flag"].choices:
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
