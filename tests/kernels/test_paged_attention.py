@@ -92,18 +92,28 @@ def test_prefill_matches_reference(shape, dtype):
     assert not out[0].any()
 
 
+def mixed_step(
+    shape: tuple[int, int, int, int],
+    query_lens: list[int],
+    seq_lens: list[int],
+    dtype: torch.dtype,
+    seed: int,
+):
+    """A step's block tables, metadata, cache, and q, k and v as strided views of one fused
+    projection, as the model passes them."""
+    num_heads, num_kv_heads, head_dim, block_size = shape
+    table_list = tables(seq_lens, block_size, seed=seed)
+    meta = build_metadata(query_lens, seq_lens, table_list, block_size)
+    cache = make_cache(num_kv_heads, head_dim, block_size, dtype, seed=seed + 1)
+    qkv = randn(sum(query_lens), num_heads + 2 * num_kv_heads, head_dim, dtype=dtype, seed=seed + 2)
+    q, k, v = qkv[:, :num_heads], qkv[:, num_heads:-num_kv_heads], qkv[:, -num_kv_heads:]
+    return table_list, meta, cache, q, k, v
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_triton_backend_matches_torch_backend_on_a_mixed_step(dtype):
-    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 8
     # Two decodes, an extend over a cached prefix and a fresh prefill.
-    query_lens, seq_lens = [1, 1, 4, 6], [12, 1, 21, 6]
-    table_list = tables(seq_lens, block_size, seed=7)
-    meta = build_metadata(query_lens, seq_lens, table_list, block_size)
-    cache = make_cache(num_kv_heads, head_dim, block_size, dtype, seed=8)
-    num_tokens = sum(query_lens)
-    # q, k and v as strided views of one fused projection, as the model passes them.
-    qkv = randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype, seed=9)
-    q, k, v = qkv[:, :num_heads], qkv[:, num_heads:-num_kv_heads], qkv[:, -num_kv_heads:]
+    _, meta, cache, q, k, v = mixed_step((9, 3, 64, 8), [1, 1, 4, 6], [12, 1, 21, 6], dtype, 7)
 
     expected_cache = cache.cpu().clone()
     backend = TorchAttentionBackend()
@@ -173,14 +183,11 @@ def test_attention_sinks_in_both_backends(dtype, window):
     """gpt-oss's sinks (one more logit per head, of no value) on a mixed step: two decodes, an
     extend over a cached prefix and a fresh prefill, in the torch backend (its plain path: its
     C++ kernel has no sinks) and the Triton one, against the float32 reference."""
-    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 16, 4
+    num_heads, head_dim = 8, 16
     query_lens, seq_lens = [1, 1, 4, 7], [12, 3, 21, 7]
-    table_list = tables(seq_lens, block_size, seed=13)
-    meta = build_metadata(query_lens, seq_lens, table_list, block_size)
-    cache = make_cache(num_kv_heads, head_dim, block_size, dtype, seed=14)
-    num_tokens = sum(query_lens)
-    qkv = randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype, seed=15)
-    q, k, v = qkv[:, :num_heads], qkv[:, num_heads:-num_kv_heads], qkv[:, -num_kv_heads:]
+    table_list, meta, cache, q, k, v = mixed_step(
+        (num_heads, 2, head_dim, 4), query_lens, seq_lens, dtype, 13
+    )
     # Sinks as large as the scores, so that they move every row's weights.
     sinks = randn(num_heads, dtype=dtype, seed=16, scale=2.0)
     scale = head_dim**-0.5
