@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
-from common.block_hash import ROOT_HASH, hash_block
+from common.block_hash import hash_block
 from engine.core.kv_events import BlockRemoved, BlockStored, KVEvent
 from engine.core.request import Request
 from engine.kv_tiers.book import TIER_BLOCK, TierBook
@@ -349,7 +349,7 @@ class KVCacheManager:
         block_hash, size = request.block_hashes[index], self.block_size
         self._cached[0, block_hash] = block
         self._block_hash[block] = (0, block_hash)
-        parent = request.block_hashes[index - 1] if index else ROOT_HASH
+        parent = request.block_hashes[index - 1] if index else request.hash_root
         tokens = request.token_ids[index * size : (index + 1) * size]
         self._kv_events.append(BlockStored([block_hash], parent, tokens, size))
 
