@@ -259,6 +259,11 @@ class LLMEngine:
         t3 = time.perf_counter()
         num_decodes = sched.num_decodes
         self.step_cost.observe(sched.total_tokens - num_decodes, num_decodes, t3 - t0 + between)
+        plan = sched.plan
+        if self.drafter is not None and sched.total_tokens == plan.num_scheduled + len(
+            plan.spec_token_ids
+        ):  # a step of decodes and drafts only: what drafting changes
+            self.drafter.observe_step(bool(plan.spec_token_ids), plan.num_scheduled, t3 - t0)
         self._busy_since = t3 if self.scheduler.has_unfinished else None
         self.timings.add(
             t1 - t0,

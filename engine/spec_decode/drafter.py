@@ -5,7 +5,9 @@ that may speculate: its proposer's tokens, at most its adaptive length. The leng
 request's recent acceptance (an exponentially weighted rate): a request whose drafts keep being
 rejected stops drafting for a while, then tries one token again. The whole step drafts nothing
 when the batch is large enough that verifying costs more than it saves, a threshold computed
-from the step cost model (`folio bench profile`; engine.core.step_cost), not a constant.
+from the step cost model (`folio bench profile`; engine.core.step_cost), not a constant, and
+when the steps this engine measured say so: a step with drafts must take less time per sequence
+than the plain steps it replaces (one in PROBE_STEPS steps drafts anyway, to measure again).
 
 After the step, `settle` records how many of a request's drafts were accepted. Requests whose
 tokens depend on their own output in ways a draft would change (penalties, min_tokens not yet
@@ -34,6 +36,10 @@ INITIAL_RATE = 0.5
 # Below this rate a request stops drafting for PAUSE_STEPS steps, then tries one token.
 LOW_RATE = 0.15
 PAUSE_STEPS = 16
+# Weight of one step in the measured step times; while drafting does not pay, one step in
+# PROBE_STEPS drafts anyway, so that a change (requests that copy more) is seen.
+TIME_WEIGHT = 0.1
+PROBE_STEPS = 32
 
 
 @dataclass(slots=True)
@@ -64,6 +70,10 @@ class Drafter:
             weakref.WeakKeyDictionary()
         )
         self._said: set[str] = set()
+        # Measured seconds of recent steps that verified drafts and of those that did not,
+        # per sequence they decoded (None until one was seen), and steps since the last probe.
+        self._step_seconds: dict[bool, float | None] = {True: None, False: None}
+        self._since_probe = 0
 
     def propose(self, running: list[Request]) -> None:
         """Set spec_token_ids of the running requests that draft this step (others get [])."""
@@ -71,6 +81,8 @@ class Drafter:
         for request in running:
             request.spec_token_ids = []
         if not candidates or not self._worth_it(len(running), candidates):
+            return
+        if not self._pays_as_measured(candidates):
             return
         for request in candidates:
             state = self._acceptance.setdefault(request, _Acceptance())
@@ -109,6 +121,34 @@ class Drafter:
         rate = sum(rates) / len(rates)
         margin = model.prefill_token_seconds - rate * model.decode_sequence_seconds
         return margin <= 0 or batch < rate * model.fixed_seconds / margin
+
+    def _pays_as_measured(self, candidates: list[Request]) -> bool:
+        """Whether the steps measured so far say drafting pays: a drafting step yields
+        1 + (expected accepted tokens) per sequence where a plain one yields 1, so it pays while
+        its time per sequence is below that many plain steps' (on a CPU a step with drafts also
+        runs eagerly where a plain decode runs its compiled program). Unmeasured: it does."""
+        drafting, plain = self._step_seconds[True], self._step_seconds[False]
+        if drafting is None or plain is None:
+            return True
+        rates = [self._acceptance.get(r, _Acceptance()).rate for r in candidates]
+        expected = sum(rate * self._length(_Acceptance(rate)) for rate in rates) / len(rates)
+        if drafting < plain * (1 + expected):
+            return True
+        self._since_probe += 1
+        if self._since_probe >= PROBE_STEPS:
+            self._since_probe = 0
+            return True
+        return False
+
+    def observe_step(self, drafted: bool, num_sequences: int, seconds: float) -> None:
+        """A step's measured time (the engine's), with or without drafts to verify."""
+        if num_sequences <= 0 or seconds <= 0:
+            return
+        per_sequence = seconds / num_sequences
+        last = self._step_seconds[drafted]
+        self._step_seconds[drafted] = (
+            per_sequence if last is None else last + TIME_WEIGHT * (per_sequence - last)
+        )
 
     def _may_draft(self, request: Request) -> bool:
         """A decoding request whose next tokens depend on nothing a draft changes."""

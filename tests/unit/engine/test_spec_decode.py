@@ -23,7 +23,7 @@ from engine.core.step_cost import LiveStepCost, StepCostModel
 from engine.engine import LLMEngine
 from engine.llm import LLM
 from engine.sampler import Sampler
-from engine.spec_decode.drafter import Drafter
+from engine.spec_decode.drafter import PROBE_STEPS, Drafter
 from engine.spec_decode.ngram import propose_ngram
 from engine.spec_decode.verify import Verifier
 from gateway.engines.vllm_metrics import vllm_families
@@ -344,3 +344,23 @@ def test_requests_whose_distribution_follows_their_drafts_never_draft():
         request = drafting_request(tokens, **params)
         drafter.propose([request])
         assert request.spec_token_ids == [], params
+
+
+def test_drafting_stops_while_measured_steps_say_it_does_not_pay_and_probes_again():
+    """Plain steps of 100 ms per sequence, drafting ones of 300 ms at rate 0.5 (3 drafts, 1.5
+    expected accepted): 300 > 100 * 2.5, so it stops, drafting once every PROBE_STEPS steps;
+    drafting steps of 200 ms pay."""
+    config = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1)
+    drafter = Drafter(config, max_model_len=1000, step_cost=None)
+    request = drafting_request([1, 2, 3, 1, 2, 3])
+    drafter.observe_step(False, 1, 0.1)
+    drafter.observe_step(True, 1, 0.3)
+    drafted = []
+    for _ in range(PROBE_STEPS):
+        drafter.propose([request])
+        drafted.append(bool(request.spec_token_ids))
+    assert drafted == [False] * (PROBE_STEPS - 1) + [True]
+    for _ in range(40):
+        drafter.observe_step(True, 1, 0.2)
+    drafter.propose([request])
+    assert request.spec_token_ids
