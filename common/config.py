@@ -194,7 +194,7 @@ class EngineConfig:
     )
     speculative_config: str | None = flag(
         None,
-        'speculative decoding, vLLM\'s JSON: {"method": "ngram", '
+        'speculative decoding, vLLM\'s JSON: {"method": "ngram" or "suffix", '
         '"num_speculative_tokens": 4, ...} (docs/speculative_decoding.md); default off',
     )
 

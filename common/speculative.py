@@ -1,9 +1,11 @@
 """`--speculative-config JSON`: which proposer drafts tokens for the engine to verify, with
 vLLM's keys, parsed and checked once at start-up.
 
-Keys: `method` ("ngram"; "draft_model" is refused until it exists), and
+Keys: `method` ("ngram", "suffix"; "draft_model" is refused until it exists), and
 `num_speculative_tokens` (the most tokens drafted per request and step, 1..MAX_SPECULATIVE_TOKENS);
-for ngram `prompt_lookup_min` / `prompt_lookup_max` (the n-gram lengths matched). An unknown key
+for ngram `prompt_lookup_min` / `prompt_lookup_max` (the n-gram lengths matched); for suffix
+`suffix_decoding_max_tree_depth` (the longest suffix matched) and
+`suffix_decoding_max_cached_requests` (how many recent outputs it searches too). An unknown key
 or method, or a value out of range, is a ValueError naming the key. Plain data: this module
 never touches a model.
 """
@@ -14,7 +16,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -32,6 +34,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 64
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
@@ -55,7 +59,9 @@ class SpeculativeConfig:
             raise SpeculativeConfigError("method", f"required, one of {SPECULATIVE_METHODS}")
         method = values["method"]
         if method == "draft_model":
-            raise SpeculativeConfigError("method", "draft_model is not supported yet; use ngram")
+            raise SpeculativeConfigError(
+                "method", "draft_model is not supported yet; use ngram or suffix"
+            )
         if method not in SPECULATIVE_METHODS:
             raise SpeculativeConfigError(
                 "method", f"unknown method {method!r}, expected one of {SPECULATIVE_METHODS}"
@@ -77,3 +83,5 @@ class SpeculativeConfig:
         at_least("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
         at_least("prompt_lookup_min", 1)
         at_least("prompt_lookup_max", self.prompt_lookup_min)
+        at_least("suffix_decoding_max_tree_depth", 2)
+        at_least("suffix_decoding_max_cached_requests", 0)

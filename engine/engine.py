@@ -168,6 +168,8 @@ class LLMEngine:
         last live sample of an n > 1 request takes that request with it."""
         self.scheduler.finish(request)
         self.executor.leave(request)
+        if self.drafter is not None:
+            self.drafter.finished(request)
         if self.lora is not None:
             self.lora.leave(request)
         del self.requests[request.request_id]

@@ -27,6 +27,7 @@ from common.speculative import SpeculativeConfig
 from engine.core.request import Request
 from engine.core.step_cost import LiveStepCost
 from engine.spec_decode.ngram import propose_ngram
+from engine.spec_decode.suffix import SuffixIndex
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,13 @@ class Drafter:
         self.max_model_len = max_model_len
         self.step_cost = step_cost
         self.stats = SpecStats()
+        self.suffix = (
+            SuffixIndex(
+                config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests
+            )
+            if config.method == "suffix"
+            else None
+        )
         self._acceptance: weakref.WeakKeyDictionary[Request, _Acceptance] = (
             weakref.WeakKeyDictionary()
         )
@@ -105,6 +113,8 @@ class Drafter:
 
     def _draft(self, request: Request, k: int) -> list[int]:
         config = self.config
+        if self.suffix is not None:
+            return self.suffix.propose(request.token_ids, k)
         return propose_ngram(
             request.token_ids, k, config.prompt_lookup_min, config.prompt_lookup_max
         )
@@ -168,6 +178,11 @@ class Drafter:
             self._said.add(reason)
             logger.info("speculative decoding skips requests with %s", reason)
         return False
+
+    def finished(self, request: Request) -> None:
+        """A request that ended: the suffix proposer searches its output for later requests."""
+        if self.suffix is not None and request.output_token_ids:
+            self.suffix.finished(request.output_token_ids)
 
     def settle(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         """After a verification step: `num_accepted` of the request's `num_drafted` drafts."""

@@ -25,6 +25,7 @@ from engine.llm import LLM
 from engine.sampler import Sampler
 from engine.spec_decode.drafter import PROBE_STEPS, Drafter
 from engine.spec_decode.ngram import propose_ngram
+from engine.spec_decode.suffix import SuffixIndex
 from engine.spec_decode.verify import Verifier
 from gateway.engines.vllm_metrics import vllm_families
 from gateway.openai.completions import Plan, _usage
@@ -35,6 +36,7 @@ from services.engine.server import EngineService
 from tiny_models import VARIANTS, make_checkpoint
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+SUFFIX = json.dumps({"method": "suffix", "num_speculative_tokens": 3})
 
 
 @pytest.mark.parametrize(
@@ -43,6 +45,10 @@ NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_look
         ({"method": "eagle"}, "method"),
         ({"method": "draft_model", "model": "x"}, "model"),
         ({"method": "draft_model"}, "method"),
+        (
+            {"method": "suffix", "suffix_decoding_max_tree_depth": 1},
+            "suffix_decoding_max_tree_depth",
+        ),
         ({"num_speculative_tokens": 2}, "method"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens"),
@@ -58,7 +64,7 @@ def test_bad_config_is_refused_naming_the_key(values, key):
 
 def test_config_keys_and_defaults():
     config = EngineConfig(speculative_config='{"method": "ngram", "prompt_lookup_max": 3}')
-    assert config.speculative == SpeculativeConfig("ngram", 4, 2, 3)
+    assert config.speculative == SpeculativeConfig("ngram", prompt_lookup_max=3)
     with pytest.raises(ValueError, match=r"speculative_config: \(json\)"):
         EngineConfig(speculative_config="{method: ngram}")
 
@@ -71,6 +77,21 @@ def test_ngram_drafts_the_continuation_of_the_latest_longest_match():
     assert propose_ngram([8, 4, 2, 3, 5, 2, 3, 1, 4, 2, 3], 2, 1, 3) == [5, 2]
     assert propose_ngram([1, 2, 3], 4, 2, 3) == []  # nothing repeats
     assert propose_ngram([5, 5, 5], 2, 1, 2) == [5]  # a run predicts itself
+
+
+def test_suffix_drafts_the_most_frequent_continuation_across_requests():
+    index = SuffixIndex(max_depth=8, max_requests=2)
+    assert index.propose([7, 8, 9, 1, 2], 3) == []
+    index.finished([5, 1, 2, 3, 4, 6])
+    index.finished([9, 1, 2, 3, 5, 6])
+    index.finished([0, 1, 2, 3, 5, 7])  # the window holds the last two outputs only
+    # "1 2" continues with "3 5" twice: the most frequent continuation wins.
+    assert index.propose([7, 8, 9, 1, 2], 3) == [3, 5, 6]
+    # A longer match narrows the candidates: "9 1 2" occurs once.
+    assert index.propose([4, 9, 1, 2], 3) == [3, 5, 6]
+    assert index.propose([0, 1, 2], 3) == [3, 5, 7]
+    # The request's own text counts too.
+    assert SuffixIndex(8, 0).propose([4, 4, 6, 1, 4, 4], 2) == [6, 1]
 
 
 @pytest.fixture(scope="module")
@@ -109,13 +130,14 @@ def repetitive_prompts(count: int, length: int = 12, repeats: int = 3) -> list[l
     return [[rng.randrange(3, 150) for _ in range(length)] * repeats for _ in range(count)]
 
 
-def test_greedy_tokens_equal_without_drafts_through_preemption_chunks_and_n2(tiny):
+@pytest.mark.parametrize("method", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+def test_greedy_tokens_equal_without_drafts_through_preemption_chunks_and_n2(tiny, method):
     """A small KV pool preempts, a 32-token budget chunks the prompts, n = 2 forks: every
     sample's tokens equal the engine's without speculation, and once it is all done every block
     is free again."""
     prompts = repetitive_prompts(5)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=2)
-    plain, spec = engine_on(tiny, None), engine_on(tiny, NGRAM)
+    plain, spec = engine_on(tiny, None), engine_on(tiny, method)
     expected, got = run(plain, prompts, params), run(spec, prompts, params)
     assert got == expected
     stats = spec.stats()
