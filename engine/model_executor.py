@@ -28,6 +28,7 @@ from engine.core.scheduler import SchedulerOutput
 from engine.distributed import EngineGroup, start_engine_group
 from engine.errors import EngineGroupError, InvalidRequestError
 from engine.executor import ExecutorOutput
+from engine.fallback import warn_fallback
 from engine.grammar import validate_sampling_params
 from engine.kv_tiers.store import KVTierStore
 from engine.layers.parallel import (
@@ -118,6 +119,13 @@ class ModelExecutor:
         self.lora_backend: LoraBackend | None = (
             LoraHost(slots, config.max_lora_rank, self.runner.dtype) if slots is not None else None
         )
+        if slots is not None and not config.enforce_eager:
+            warn_fallback(
+                logger,
+                "compiled decode steps and CUDA graphs",
+                "decode steps run eagerly",
+                "the engine serves LoRA adapters, whose rows change per step",
+            )
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.sampler = Sampler(
