@@ -130,9 +130,11 @@ def run_spec_benchmark(args: argparse.Namespace) -> None:
         "copy-heavy": [tokenizer.encode_chat(m) for m in COPY_HEAVY],
         "open-ended": [tokenizer.encode_chat(m) for m in OPEN_ENDED],
     }
+    warm_up = [prompts[0] for prompts in workloads.values()]
     for engine in engines.values():
-        # A warm-up request: the first steps pay one-off costs (allocations, kernel selection).
-        _measure(engine, [workloads["open-ended"][0]], 1, 1, SamplingParams(max_tokens=8))
+        # A request of each workload first: the first steps at a context length pay one-off
+        # costs (allocations, kernel selection, a compiled program for that length).
+        _measure(engine, warm_up, 1, 1, SamplingParams(max_tokens=8))
     # The engines take turns on each workload, so a shared machine's load drifting during the
     # run weighs on all of them alike.
     for name, prompts in workloads.items():
