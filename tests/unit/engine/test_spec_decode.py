@@ -1,6 +1,6 @@
 """Speculative decoding (engine/spec_decode): --speculative-config is checked naming its key; the
 ngram proposer; greedy tokens with drafts equal those without (tiny model: chunked prefill,
-preemption, n = 2, a stop token; the default model on copy-heavy prompts); rejected drafts
+preemption, n = 2, a stop token, logprobs; the default model on copy-heavy prompts); rejected drafts
 leave no block, hash or KV event behind; sampled tokens keep their distribution (chi-square);
 the served usage and /metrics count drafts."""
 
@@ -386,3 +386,41 @@ def test_drafting_stops_while_measured_steps_say_it_does_not_pay_and_probes_agai
         drafter.observe_step(True, 1, 0.2)
     drafter.propose([request])
     assert request.spec_token_ids
+
+
+def run_with_logprobs(engine: LLMEngine, prompts, params) -> dict[str, list]:
+    """Each request's (token, logprob record) pairs, in order."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    records: dict[str, list] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            assert len(out.new_logprobs) == len(out.new_token_ids)
+            records.setdefault(out.request_id, []).extend(
+                zip(out.new_token_ids, out.new_logprobs, strict=True)
+            )
+    return records
+
+
+def test_logprobs_of_accepted_drafts_equal_those_without_drafts(tiny, monkeypatch):
+    """Greedy requests asking for logprobs and top logprobs: every token's record (its logprob,
+    the top 3 ids and their logprobs) with ngram drafts equals the record without them, within
+    1e-4 in float32, accepted drafts included."""
+    prompts = repetitive_prompts(3)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+    expected = run_with_logprobs(engine_on(tiny, None), prompts, params)
+    spec = engine_on(tiny, NGRAM)
+    assert spec.drafter is not None
+    # Drafting stops while measured step times say it does not pay, which depends on the
+    # machine's load: unmeasured, it keeps drafting, so the accepted drafts are deterministic.
+    monkeypatch.setattr(spec.drafter, "observe_step", lambda *step: None)
+    got = run_with_logprobs(spec, prompts, params)
+    assert spec.stats().spec_num_accepted_tokens > 0
+    assert got.keys() == expected.keys()
+    for rid, records in expected.items():
+        assert [t for t, _ in got[rid]] == [t for t, _ in records]
+        for (_, (value, top)), (_, (want, want_top)) in zip(got[rid], records, strict=True):
+            assert value == pytest.approx(want, abs=1e-4)
+            assert [i for i, _ in top] == [i for i, _ in want_top]
+            assert [v for _, v in top] == pytest.approx([v for _, v in want_top], abs=1e-4)
+            assert len(top) == 3
