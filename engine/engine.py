@@ -29,6 +29,7 @@ from engine.core.step_cost import LiveStepCost, StepCostModel
 from engine.core.stopping import check_stop
 from engine.errors import EngineGroupError, InvalidRequestError
 from engine.executor import Executor
+from engine.kv_tiers.pins import MAX_PIN_TTL_SECONDS
 from engine.lora.registry import LoraRegistry, find_adapter, runtime_lora
 from engine.spec_decode.drafter import Drafter
 
@@ -95,12 +96,18 @@ class LLMEngine:
         pooling: PoolingParams | None = None,
         service: ServiceLevel = NO_SERVICE_LEVEL,
         lora_name: str | None = None,
+        pin_ttl_seconds: float = 0.0,
     ) -> Request:
         """Validate and queue a request; raises InvalidRequestError or QueueFullError. With
         params.n > 1 its samples are registered too (ids from sample_request_id): the prompt is
         computed once, then each sample reports under request_id with its index. With `pooling`
         it is an embedding request: `params` are ignored, its prompt is computed once and its
-        one output carries the pooled vector (RequestOutput.embedding)."""
+        one output carries the pooled vector (RequestOutput.embedding). With pin_ttl_seconds
+        > 0 its prompt's full blocks are pinned in the KV cache that long (engine.kv_tiers.pins)."""
+        if not 0 <= pin_ttl_seconds <= MAX_PIN_TTL_SECONDS:
+            raise InvalidRequestError(
+                f"pin_ttl_seconds must be within [0, {MAX_PIN_TTL_SECONDS}], got {pin_ttl_seconds}"
+            )
         if pooling is not None:
             params = SamplingParams()
         check_new_request(
@@ -128,6 +135,7 @@ class LLMEngine:
             priority=priority,
             service=service,
             pooling=pooling,
+            pin_ttl_seconds=pin_ttl_seconds,
         )
         if any(sample.request_id in self.requests for sample in request.samples):
             raise InvalidRequestError(

@@ -32,12 +32,17 @@ With tiers below the pool (engine.kv_tiers: a host tier, a disk tier; one-group 
 cached block evicted from the pool goes down to them, a prompt's prefix found there is loaded
 back into fresh blocks instead of recomputed, and newly cached blocks are written through to disk.
 
+A request may pin its prompt's full blocks for a TTL (engine.kv_tiers.pins): a pinned block
+that drops to refcount 0 is parked in the pool, neither free nor evictable, until its pin ends;
+pins hold at most a share of the pool, and a prompt past that bound is pinned only up to it.
+
 This module only moves block ids around: it never touches KV tensors (the executor owns them)
 and never decides which request runs or gets preempted (the scheduler does).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +52,9 @@ from common.block_hash import hash_block
 from engine.core.kv_events import BlockRemoved, BlockStored, KVEvent
 from engine.core.request import Request
 from engine.kv_tiers.book import TIER_BLOCK, TierBook
+from engine.kv_tiers.pins import MAX_PINNED_SHARE, PinBook
+
+logger = logging.getLogger(__name__)
 
 # The table entry of a sliding group's block freed out of its window (when any group slides,
 # block 0 is kept out of the pool for it). Backends never read it: it lies outside the window.
@@ -171,6 +179,9 @@ class KVCacheManager:
         self._usable = len(self._free)
         # Refcount-0 blocks still registered in the cache; the first entry is evicted first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        # Refcount-0 cached blocks whose hash is pinned: kept until the pin ends.
+        self._parked: dict[int, None] = {}
+        self.pins = PinBook(int(self._usable * MAX_PINNED_SHARE))
         # (group, chained hash) -> the group's block registered under it.
         self._cached: dict[tuple[int, bytes], int] = {}
         self._block_hash: list[tuple[int, bytes] | None] = [None] * num_blocks
@@ -260,6 +271,7 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        self._unpin_expired()
         if cached_blocks and request.block_table:
             raise ValueError(
                 f"request {request.request_id} already holds blocks; cannot take cached ones"
@@ -288,11 +300,7 @@ class KVCacheManager:
                 and self._ref_counts[table[first_new * groups + g]] != 1
             ]
         # Taking an evictable cached block removes it from what fresh blocks can come from.
-        num_revived = sum(
-            1
-            for block in cached_blocks
-            if block not in (self._null, TIER_BLOCK) and self._ref_counts[block] == 0
-        )
+        num_revived = sum(1 for block in cached_blocks if block in self._evictable)
         num_loaded = cached_blocks.count(TIER_BLOCK)
         if num_fresh + len(shared) + num_loaded > self.num_free_blocks - num_revived:
             return False
@@ -303,7 +311,10 @@ class KVCacheManager:
         for block in cached_blocks:
             if block not in (self._null, TIER_BLOCK):
                 if self._ref_counts[block] == 0:
-                    del self._evictable[block]
+                    if block in self._evictable:
+                        del self._evictable[block]
+                    else:
+                        del self._parked[block]
                 self._ref_counts[block] += 1
             table.append(block)
         # The hit's chained hashes (a sliding group's early blocks are not in the table).
@@ -356,10 +367,47 @@ class KVCacheManager:
     def _release(self, block: int) -> None:
         self._ref_counts[block] -= 1
         if self._ref_counts[block] == 0:
-            if self._block_hash[block] is None:
+            key = self._block_hash[block]
+            if key is None:
                 self._free.append(block)
+            elif self.pins.is_pinned(key[1]):
+                self._parked[block] = None
             else:
                 self._evictable[block] = None
+
+    def _pin_prompt(self, request: Request) -> None:
+        """Pin the request's hashed prompt blocks not pinned yet (clipped at the bound)."""
+        prompt_blocks = len(request.prompt_token_ids) // self.block_size
+        for i in range(request.num_pinned_blocks, min(prompt_blocks, len(request.block_hashes))):
+            block_hash = request.block_hashes[i]
+            if not self.pins.pin(block_hash, request.pin_ttl_seconds):
+                logger.warning(
+                    "request %s: pinned %d of its %d prompt blocks; pins already hold %d blocks, "
+                    "the bound (%.0f%% of the KV pool)",
+                    request.request_id,
+                    i,
+                    prompt_blocks,
+                    self.pins.max_blocks,
+                    MAX_PINNED_SHARE * 100,
+                )
+                request.num_pinned_blocks = prompt_blocks  # clipped: not tried again
+                return
+            # Another block may be the cached copy of this content: keep that one too.
+            for g in range(self.num_groups):
+                block = self._cached.get((g, block_hash))
+                if block is not None and block in self._evictable:
+                    del self._evictable[block]
+                    self._parked[block] = None
+            request.num_pinned_blocks = i + 1
+
+    def _unpin_expired(self) -> None:
+        """Blocks whose pins ended become evictable again (most recently used last)."""
+        for block_hash in self.pins.expire():
+            for g in range(self.num_groups):
+                block = self._cached.get((g, block_hash))
+                if block is not None and block in self._parked:
+                    del self._parked[block]
+                    self._evictable[block] = None
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` (holding no blocks) the parent's blocks by reference, with the prefix
@@ -423,6 +471,8 @@ class KVCacheManager:
                     self._kv_events.append(stored)
                 stored.block_hashes.append(block_hash)
                 stored.token_ids += block_tokens
+        if request.pin_ttl_seconds > 0:
+            self._pin_prompt(request)
 
     def trim(self, request: Request, num_tokens: int) -> bool:
         """Release the request's blocks past those holding its first `num_tokens` tokens (the

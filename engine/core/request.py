@@ -91,6 +91,10 @@ class Request:
     lora_name: str | None = None
     lora_slot: int = -1
     hash_root: bytes = ROOT_HASH
+    # Pinning (engine.kv_tiers.pins): keep the prompt's full blocks for this many seconds from
+    # when they are cached (0: no pin), and how many of them are pinned so far.
+    pin_ttl_seconds: float = 0.0
+    num_pinned_blocks: int = 0
     # The request's name in step plans (engine.core.step_plan): an int, so plans stay numeric.
     seq_id: int = field(init=False)
     # Speculative decoding (engine.spec_decode): the tokens drafted for the next step to verify

@@ -26,6 +26,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_events import KVEventPublisher
 from engine.core.request import Request
 from engine.engine import LLMEngine
+from engine.errors import InvalidRequestError
 from engine.kv_tiers.book import TierBook
 from engine.kv_tiers.disk_tier import DiskTier
 from engine.kv_tiers.host_tier import dequantize, quantize
@@ -196,6 +197,7 @@ import json, sys, time
 from common.config import EngineConfig
 from common.sampling_params import SamplingParams
 from engine.engine import LLMEngine
+from engine.errors import InvalidRequestError
 
 engine = LLMEngine(EngineConfig(**json.loads(sys.argv[1])))
 engine.add_request("system", json.loads(sys.argv[2]), SamplingParams(max_tokens=1))
@@ -289,3 +291,47 @@ def test_start_up_refuses_bad_input_naming_the_flag(llama, tmp_path, caplog):
     assert warning.startswith("--kv-cache-dir ") and "starting cold" in warning
     assert new.num_blocks == 0 and new.read(bytes(32)) is None
     assert old_file.read_bytes() == before
+
+
+class Clock:
+    """The pins' clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_pinned_prefix_outlives_a_flood_until_its_ttl_ends(llama):
+    directory, _ = llama
+    engine = make_engine(directory)
+    clock = engine.kv_cache.pins.clock = Clock()
+    engine.add_request("pinned", SHARED, GREEDY, pin_ttl_seconds=600)
+    while engine.has_unfinished:
+        engine.step()
+    generate(engine, "plain", prompt(24, 9))
+    push_out(engine)
+    assert generate(engine, "pinned again", FOLLOW_UP)[2] == 24
+    # The control: the unpinned prompt's blocks were evicted by the same flood.
+    assert generate(engine, "plain again", prompt(24, 9) + prompt(6, 2))[2] == 0
+    clock.now = 601.0
+    push_out(engine)
+    assert generate(engine, "after the ttl", FOLLOW_UP)[2] == 0
+
+
+def test_pins_are_bounded_by_a_share_of_the_pool(llama, caplog):
+    directory, _ = llama
+    engine = make_engine(directory)  # 16 blocks: pins hold at most 8
+    long_prompt = prompt(40, 7)  # ten blocks
+    with caplog.at_level(logging.WARNING):
+        generate(engine, "unpinned", long_prompt)
+        engine.add_request("clipped", [*long_prompt, 3], GREEDY, pin_ttl_seconds=60)
+        while engine.has_unfinished:
+            engine.step()
+    assert engine.kv_cache.pins.num_pinned == 8
+    assert "pinned 8 of its 10 prompt blocks" in caplog.text
+    push_out(engine)
+    assert generate(engine, "again", long_prompt)[2] == 32
+    with pytest.raises(InvalidRequestError, match="pin_ttl_seconds"):
+        engine.add_request("bad", SHARED, GREEDY, pin_ttl_seconds=-1)
