@@ -56,6 +56,13 @@ class EngineStats:
     # and the share of capacity in use (their mean).
     kv_tier_hits: dict[str, int] = field(default_factory=dict)
     kv_tier_usage: dict[str, float] = field(default_factory=dict)
+    # LoRA adapters: the running and the waiting requests' and the resident ones (the union over
+    # the replicas), the slots and requests per adapter (summed).
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
+    resident_lora_adapters: list[str] = field(default_factory=list)
+    max_lora: int = 0
+    lora_requests: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,15 @@ class EngineStatsCollector(Collector):
             usage.add_metric([tier], share)
         yield hits
         yield usage
+        if stats.max_lora:
+            lora = CounterMetricFamily(
+                "folio_lora_requests",
+                "Requests that named each LoRA adapter.",
+                labels=["lora_name"],
+            )
+            for name, count in sorted(stats.lora_requests.items()):
+                lora.add_metric([name], count)
+            yield lora
         yield CounterMetricFamily(
             "folio_num_preemptions",
             "Requests preempted by the scheduler.",

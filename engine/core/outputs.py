@@ -121,3 +121,10 @@ class EngineStats:
     # start (counted in prefix_cache_hits too), and the share of its capacity in use.
     kv_tier_hits: dict[str, int] = field(default_factory=dict)
     kv_tier_usage: dict[str, float] = field(default_factory=dict)
+    # LoRA adapters (engine.lora.registry; empty without them): those of the running and of the
+    # waiting requests, those in the model's slots, the slots, requests per adapter since start.
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
+    resident_lora_adapters: list[str] = field(default_factory=list)
+    max_lora: int = 0
+    lora_requests: dict[str, int] = field(default_factory=dict)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -23,6 +23,7 @@ from typing import Protocol
 from common.block_hash import ROOT_HASH
 from common.config import EngineConfig
 from common.errors import InvalidRequestError, ModelNotFound, NotFound
+from engine.core.outputs import EngineStats
 from engine.core.request import Request
 
 
@@ -75,6 +76,8 @@ class LoraRegistry:
         self._slots: list[Adapter | None] = [None] * max_loras
         self._clock = itertools.count(1)
         self.num_swaps = 0
+        # Requests that named each adapter since the start (kept past an unload: a counter).
+        self.requests_total: dict[str, int] = {}
 
     @classmethod
     def start(cls, config: EngineConfig, backend: LoraBackend | None) -> LoraRegistry | None:
@@ -131,6 +134,17 @@ class LoraRegistry:
     def resident(self) -> list[str]:
         return [a.name for a in self._slots if a is not None]
 
+    def report(
+        self, stats: EngineStats, running: Iterable[Request], waiting: Iterable[Request]
+    ) -> None:
+        """Fill `stats`' LoRA fields (vLLM's lora_requests_info: the adapters of the running
+        and of the waiting requests, each once) from the scheduler's queues."""
+        stats.running_lora_adapters = sorted({r.lora_name for r in running if r.lora_name})
+        stats.waiting_lora_adapters = sorted({r.lora_name for r in waiting if r.lora_name})
+        stats.resident_lora_adapters = self.resident()
+        stats.max_lora = self.max_loras
+        stats.lora_requests = dict(self.requests_total)
+
     def get(self, name: str) -> Adapter | None:
         """The adapter new requests naming `name` use; None if unknown or being unloaded."""
         adapter = self.adapters.get(name)
@@ -182,6 +196,7 @@ class LoraRegistry:
         adapter = self._of(request)
         if adapter is not None:
             adapter.in_flight += 1
+            self.requests_total[adapter.name] = self.requests_total.get(adapter.name, 0) + 1
 
     def leave(self, request: Request) -> None:
         """A request (or sample) ended: it pins nothing any more; a top-level one no longer

@@ -97,6 +97,20 @@ class _Placement:
     tried: set[int] = field(default_factory=set)
 
 
+def _add_lora(total: EngineStats, answer: EngineStats) -> None:
+    """One replica's LoRA adapters into the pool's: each adapter once among the running,
+    waiting and resident ones, the slots and requests per adapter summed."""
+    for names, more in (
+        (total.running_lora_adapters, answer.running_lora_adapters),
+        (total.waiting_lora_adapters, answer.waiting_lora_adapters),
+        (total.resident_lora_adapters, answer.resident_lora_adapters),
+    ):
+        names.extend(name for name in more if name not in names)
+    total.max_lora += answer.max_lora
+    for name, count in answer.lora_requests.items():
+        total.lora_requests[name] = total.lora_requests.get(name, 0) + count
+
+
 class EnginePool:
     def __init__(
         self,
@@ -217,6 +231,7 @@ class EnginePool:
                 total.kv_tier_hits[tier] = total.kv_tier_hits.get(tier, 0) + tokens
             for tier, share in answer.kv_tier_usage.items():
                 tier_usage.setdefault(tier, []).append(share)
+            _add_lora(total, answer)
         if all(isinstance(a, BaseException) for a in answers):
             assert error is not None
             raise error

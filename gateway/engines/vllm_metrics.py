@@ -10,6 +10,7 @@ recording rules by convention only). Formatting only: it never talks to a servic
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -52,3 +53,20 @@ def vllm_families(stats: EngineStats) -> Iterator[Metric]:
         ("num_accepted_tokens", "Drafted tokens accepted", stats.spec_num_accepted_tokens),
     ):
         yield CounterMetricFamily(f"vllm:spec_decode_{name}", f"{text} (vLLM name).", value=value)
+    if stats.max_lora:
+        # vLLM's shape: the adapters in the labels, comma-separated, and the time of the
+        # answer as the value (a reader takes the newest series).
+        lora = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "The LoRA adapters of the running and of the waiting requests (vLLM name).",
+            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        lora.add_metric(
+            [
+                ",".join(stats.running_lora_adapters),
+                ",".join(stats.waiting_lora_adapters),
+                str(stats.max_lora),
+            ],
+            time.time(),
+        )
+        yield lora

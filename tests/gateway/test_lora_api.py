@@ -92,6 +92,30 @@ def test_model_name_picks_the_adapter(stack):
         greedy(client, "second")
 
 
+def lora_series(gateway) -> tuple[str, float]:
+    """/metrics' vllm:lora_requests_info line and the "first" adapter's request count."""
+    text = httpx.get(gateway.url + "/metrics", timeout=TIMEOUT).text
+    lines = text.splitlines()
+    info = [line for line in lines if line.startswith("vllm:lora_requests_info{")]
+    count = [
+        line for line in lines if line.startswith('folio_lora_requests_total{lora_name="first"}')
+    ]
+    assert len(info) == 1 and len(count) == 1, text
+    return info[0], float(count[0].split()[-1])
+
+
+def test_metrics_show_the_adapters_and_their_requests(stack):
+    gateway, client, _, _ = stack
+    _, before = lora_series(gateway)
+    greedy(client, "first")
+    info, after = lora_series(gateway)
+    assert after == before + 1
+    # vLLM's shape: the adapters in the labels (none running or waiting once it ended), the
+    # time of the answer as the value.
+    assert 'running_lora_adapters=""' in info and 'waiting_lora_adapters=""' in info
+    assert 'max_lora="1"' in info and float(info.split()[-1]) > 1e9
+
+
 def test_runtime_load_needs_a_key_and_the_lora_root(stack, tmp_path):
     gateway, client, base, oracles = stack
     assert (

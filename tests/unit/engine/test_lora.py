@@ -218,6 +218,28 @@ def test_load_and_unload_under_traffic(models, served):
         served.unload_lora_adapter("again8")
 
 
+def test_stats_name_the_adapters_running_waiting_and_resident(served):
+    """Three adapters' requests on two slots: two run, the third waits for a slot; the stats
+    say which (each adapter once) and count the requests per adapter."""
+    before = served.stats().lora_requests
+    for i, lora in enumerate(("all8", "attn4", "mlp2")):
+        served.add_request(f"stats{i}", PROMPTS[i], GREEDY, lora_name=lora)
+    queued = served.stats()
+    assert queued.running_lora_adapters == []
+    assert queued.waiting_lora_adapters == ["all8", "attn4", "mlp2"]
+    served.step()
+    stepped = served.stats()
+    assert stepped.running_lora_adapters == ["all8", "attn4"]
+    assert stepped.waiting_lora_adapters == ["mlp2"]
+    assert sorted(stepped.resident_lora_adapters) == ["all8", "attn4"]
+    assert stepped.max_lora == 2
+    for lora in ("all8", "attn4", "mlp2"):
+        assert stepped.lora_requests[lora] == before.get(lora, 0) + 1
+    while served.has_unfinished:
+        served.step()
+    assert served.stats().running_lora_adapters == served.stats().waiting_lora_adapters == []
+
+
 def test_runtime_updates_can_be_disabled(models):
     root, base_dir, _, _ = models
     engine = engine_for(root, base_dir, 1, lora_root=str(root), lora_runtime_updates=False)
