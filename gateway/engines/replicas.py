@@ -28,6 +28,7 @@ from common.block_hash import prefix_block_hashes
 from common.errors import FolioError, UnavailableError
 from common.sampling_params import SamplingParams
 from gateway.engines.clients import EngineClient
+from gateway.engines.lora import current_lora
 from gateway.engines.routing import Decision, PrefixIndex, ReplicaLoad, RoutingPolicy
 from gateway.engines.session import ReplicaSession
 from gateway.messages import EngineModel, EngineStats, KvEventBatch
@@ -60,10 +61,11 @@ class Replica:
         """Its label in metrics and logs."""
         return self.client.address
 
-    def load(self, token_budget: int) -> ReplicaLoad:
+    def load(self, token_budget: int, lora_name: str | None = None) -> ReplicaLoad:
         """What the engine reports, not this gateway's own in-flight count: the workers of a
         gateway, and several gateways, then weigh the replica alike. `token_budget`: its
-        max_num_batched_tokens (0: unknown)."""
+        max_num_batched_tokens (0: unknown); `lora_name`: the request's adapter (None: the
+        base model), resident there or not as its last answer said."""
         stats = self.stats
         if stats is None:
             return ReplicaLoad(self.placed_since_stats, unreported_tokens=self.tokens_since_stats)
@@ -79,6 +81,7 @@ class Replica:
             num_kv_blocks=stats.num_kv_blocks,
             block_size=stats.block_size,
             token_budget=token_budget,
+            adapter_resident=lora_name is not None and lora_name in stats.resident_lora_adapters,
         )
 
     def reported(self, stats: EngineStats | None) -> None:
@@ -287,7 +290,7 @@ class EnginePool:
             [r.index for r in candidates],
             hashes,
             self.index,
-            {r.index: r.load(self._token_budget) for r in candidates},
+            {r.index: r.load(self._token_budget, current_lora()) for r in candidates},
         )
         chosen = self.replicas[decision.replica]
         if logger.isEnabledFor(logging.DEBUG):

@@ -15,9 +15,12 @@ block hashes, the index and each replica's load:
   its decoding sequences stretch; a replica whose KV cache could not hold that work without
   preempting is avoided (a hard limit) while another can. Expected times within a step of the
   best are a tie, won by the replica holding the most leading blocks (in its pool, then in its
-  host tier), then the least loaded. Engines that do
+  host tier), then by one where the request's LoRA adapter is resident (in a slot: no swap
+  before it runs), then the least loaded. Engines that do
   not report step timings are weighed by request counts as before: replicas over the load
-  threshold skipped, the longest worthwhile prefix, ties to the least loaded.
+  threshold skipped, the longest worthwhile prefix, ties to a replica with the adapter resident,
+  then to the least loaded; with no worthwhile prefix, among the replicas under the threshold
+  those with the adapter resident first.
 
 Pure decisions: this module never talks to a service and never waits. Every decision says why,
 for the debug log.
@@ -64,6 +67,8 @@ class ReplicaLoad:
     num_kv_blocks: int = 0
     block_size: int = 0
     token_budget: int = 0  # max_num_batched_tokens
+    # The request's LoRA adapter sits in one of its slots (False for base-model requests).
+    adapter_resident: bool = False
 
     @property
     def timed(self) -> bool:
@@ -214,6 +219,17 @@ def _load(loads: Mapping[int, ReplicaLoad], replica: int) -> float:
     return loads.get(replica, ReplicaLoad()).requests
 
 
+def _adapter_first(replicas: list[int], loads: Mapping[int, ReplicaLoad]) -> list[int]:
+    """Those of `replicas` where the request's adapter is resident, if any; else all."""
+    return [r for r in replicas if loads.get(r, ReplicaLoad()).adapter_resident] or replicas
+
+
+def _adapter_note(replica: int, loads: Mapping[int, ReplicaLoad]) -> str:
+    return (
+        ", its LoRA adapter resident" if loads.get(replica, ReplicaLoad()).adapter_resident else ""
+    )
+
+
 @dataclass
 class LeastLoad:
     name: str = "least_load"
@@ -274,7 +290,7 @@ class CacheAware:
         # then the load.
         near = [r for r in usable if expected[r] <= best + loads[soonest].decode_step_seconds]
         most = max(held.get(r, (0, 0)) for r in near)  # pool blocks first, then host ones
-        holders = [r for r in near if held.get(r, (0, 0)) == most]
+        holders = _adapter_first([r for r in near if held.get(r, (0, 0)) == most], loads)
         decision = self._least_load.choose(holders, block_hashes, index, loads)
         skipped = len(candidates) - len(fitting)
         note = f"; {skipped} without KV room skipped" if fitting and skipped else ""
@@ -284,8 +300,8 @@ class CacheAware:
             decision.replica,
             pool + host,
             f"first token expected in {expected[decision.replica] * 1e3:.0f} ms (best "
-            f"{best * 1e3:.0f} ms), holds {pool}/{len(block_hashes)} leading blocks{tier}, "
-            f"{decision.reason}{note}",
+            f"{best * 1e3:.0f} ms), holds {pool}/{len(block_hashes)} leading blocks{tier}"
+            f"{_adapter_note(decision.replica, loads)}, {decision.reason}{note}",
         )
 
     def _by_counts(
@@ -303,19 +319,22 @@ class CacheAware:
         matched = index.match(block_hashes)
         best = max((matched.get(r, 0) for r in usable), default=0)
         if block_hashes and best >= max(1, self.min_match_share * len(block_hashes)):
-            holders = [r for r in usable if matched.get(r, 0) == best]
+            holders = _adapter_first([r for r in usable if matched.get(r, 0) == best], loads)
             decision = self._least_load.choose(holders, block_hashes, index, loads)
             return Decision(
                 decision.replica,
                 best,
-                f"holds {best}/{len(block_hashes)} leading blocks, {decision.reason}{note}",
+                f"holds {best}/{len(block_hashes)} leading blocks"
+                f"{_adapter_note(decision.replica, loads)}, {decision.reason}{note}",
             )
-        decision = self._least_load.choose(usable, block_hashes, index, loads)
+        decision = self._least_load.choose(
+            _adapter_first(usable, loads), block_hashes, index, loads
+        )
         return Decision(
             decision.replica,
             matched.get(decision.replica, 0),
-            f"no replica holds enough of the prompt ({best}/{len(block_hashes)} blocks), "
-            f"{decision.reason}{note}",
+            f"no replica holds enough of the prompt ({best}/{len(block_hashes)} blocks)"
+            f"{_adapter_note(decision.replica, loads)}, {decision.reason}{note}",
         )
 
 

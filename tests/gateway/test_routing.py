@@ -1,7 +1,8 @@
 """The routing policies as pure decisions over a prefix index and loads made up in the test:
 cache_aware follows the longest held prefix, breaks ties and unheld prompts by load, skips a
-replica over the load threshold and says why, and scores a prefix in a replica's KV host tier
-between one in its pool and none; least_load and round_robin do what they say; the index follows
+replica over the load threshold and says why, scores a prefix in a replica's KV host tier
+between one in its pool and none, and prefers a replica with the request's LoRA adapter resident
+(after the prefix, before the load); least_load and round_robin do what they say; the index follows
 stored, removed and cleared blocks and matches leading blocks only. (And the KV tiers' series
 on /metrics, which the same engine reports feed.)"""
 
@@ -12,6 +13,7 @@ from collections import Counter
 import pytest
 
 from common.block_hash import prefix_block_hashes
+from gateway.engines.replicas import Replica
 from gateway.engines.routing import (
     BALANCE_ABS,
     CacheAware,
@@ -173,3 +175,32 @@ def test_the_tiers_series_on_metrics():
     assert 'folio_kv_tier_hits_total{tier="host"} 48.0' in text
     assert 'folio_kv_tier_hits_total{tier="disk"} 16.0' in text
     assert 'folio_kv_tier_usage_ratio{tier="host"} 0.25' in text
+
+
+def test_cache_aware_prefers_a_replica_with_the_request_s_adapter_resident():
+    """A request's LoRA adapter resident on a replica (no swap before it runs) breaks ties
+    after the prefix, and among replicas under the load threshold when none holds the prefix;
+    it never outweighs a longer prefix, the threshold, or more than a step of expected time."""
+    resident = ReplicaLoad(adapter_resident=True)
+    tie = CacheAware().choose(
+        [0, 1, 2], HASHES, index_with({0: 8, 1: 8, 2: 8}), {0: ReplicaLoad(), 1: resident}
+    )
+    assert tie.replica == 1 and "its LoRA adapter resident" in tie.reason
+    loads = {0: ReplicaLoad(running=1), 1: ReplicaLoad(running=2, adapter_resident=True)}
+    assert CacheAware().choose([0, 1], HASHES, index_with({}), loads).replica == 1
+    prefix = CacheAware().choose([0, 1], HASHES, index_with({0: 8, 1: 4}), {1: resident})
+    assert prefix.replica == 0 and "resident" not in prefix.reason
+    busy = {1: ReplicaLoad(running=int(BALANCE_ABS) + 6, adapter_resident=True)}
+    assert CacheAware().choose([0, 1], HASHES, index_with({}), busy).replica == 0
+    # Timed engines: 10 more queued tokens is within a step of the best, 100 more is not.
+    near = {0: timed(), 1: timed(queued_prefill_tokens=10, adapter_resident=True)}
+    assert CacheAware().choose([0, 1], HASHES, index_with({}), near).replica == 1
+    far = {0: timed(), 1: timed(queued_prefill_tokens=100, adapter_resident=True)}
+    assert CacheAware().choose([0, 1], HASHES, index_with({}), far).replica == 0
+
+
+def test_a_replica_s_load_says_whether_the_request_s_adapter_is_resident():
+    replica = Replica(0, client=None)  # type: ignore[arg-type]  # its last answer only
+    replica.reported(EngineStats(resident_lora_adapters=["sql"]))
+    assert replica.load(0, "sql").adapter_resident
+    assert not replica.load(0, "chat").adapter_resident and not replica.load(0).adapter_resident
