@@ -112,9 +112,11 @@ class AsyncEngine:
         pooling: PoolingParams | None = None,
         service: ServiceLevel = NO_SERVICE_LEVEL,
         lora_name: str | None = None,
+        pin_ttl_seconds: float = 0.0,
     ) -> None:
         """Queue a request (an embedding request with `pooling`; with the LoRA adapter
-        `lora_name`). Its outputs, or one RequestFailed, arrive in `events` as lists."""
+        `lora_name`; its prompt pinned for pin_ttl_seconds). Its outputs, or one
+        RequestFailed, arrive in `events` as lists."""
         sink = _Sink(asyncio.get_running_loop(), events)
         queued = time.monotonic()
         # Its deadlines count from now: the wait for the loop to take it is spent from them.
@@ -128,6 +130,7 @@ class AsyncEngine:
                 sink,
                 service.after(time.monotonic() - queued),
                 lora_name,
+                pin_ttl_seconds,
             )
         )
 
@@ -242,6 +245,7 @@ class AsyncEngine:
         sink: _Sink,
         service: ServiceLevel,
         lora_name: str | None,
+        pin_ttl_seconds: float,
     ) -> None:
         try:
             self._built().add_request(
@@ -252,6 +256,7 @@ class AsyncEngine:
                 pooling,
                 service=service,
                 lora_name=lora_name,
+                pin_ttl_seconds=pin_ttl_seconds,
             )
         except Exception as exc:
             # EngineError is the caller's fault or a full queue; anything else is logged as a bug.

@@ -160,14 +160,16 @@ def add_request(
     *,
     service: ServiceLevel = NO_SERVICE_LEVEL,
     lora_name: str | None = None,
+    pin_ttl_seconds: float = 0.0,
 ) -> GenerateMessage:
     """A new request; with `pooling`, an embedding request (its sampling params unsent); with
-    `lora_name`, run with that LoRA adapter."""
+    `lora_name`, run with that LoRA adapter; its prompt pinned for pin_ttl_seconds."""
     request = engine_pb2.EngineRequest(
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,
         priority=priority,
         lora_name=lora_name or "",
+        pin_ttl_seconds=pin_ttl_seconds,
         **_service_fields(service),
     )
     if pooling is not None:

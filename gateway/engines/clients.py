@@ -37,6 +37,7 @@ from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from gateway import wire
 from gateway.engines.lora import current_lora
+from gateway.engines.pinning import current_pin
 from gateway.limits.deadlines import call_timeout
 from gateway.limits.service_level import current_service_level
 from gateway.messages import (
@@ -192,6 +193,7 @@ class GenerateStream:
                 pooling,
                 service=current_service_level(),
                 lora_name=current_lora(),
+                pin_ttl_seconds=current_pin(),
             )
         )
 

@@ -19,6 +19,7 @@ import pydantic_core
 
 from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
+from gateway.engines.pinning import set_pin
 from gateway.front.http_errors import error_body, log_failure
 from gateway.front.sse import DONE, event
 from gateway.messages import ChatTurn, Tokenized
@@ -227,6 +228,7 @@ async def plan_chat(
 ) -> Plan:
     """`reasoning_parser`: the server's --reasoning-parser, if set."""
     info, chat, prompt = await chat_prompt(gateway, body, tool_call_parser)
+    set_pin(body.cache.ttl_seconds if body.cache is not None and body.cache.pin_prefix else 0.0)
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     params = _sampling_params(
         body,

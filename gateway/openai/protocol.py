@@ -236,6 +236,16 @@ class NamedToolChoice(RequestBody):
     function: NamedFunction
 
 
+class CacheOptions(RequestBody):
+    """Folio's extension: keep the prompt's prefix in the engine's KV cache (docs/kv_tiers.md)."""
+
+    # A misspelt key would silently drop the pin: refused, unlike other nested objects' extras.
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+    pin_prefix: bool = False
+    # Anthropic's cache_control TTLs are 5 minutes (the default) and an hour (the engine's most).
+    ttl_seconds: float = Field(300.0, gt=0, le=3600)
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Overrides max_tokens.")
@@ -250,6 +260,7 @@ class ChatCompletionRequest(SamplingFields):
     # Extra variables for the chat template (e.g. {"enable_thinking": false}); they never
     # replace the ones the server sets (messages, tools, add_generation_prompt, special tokens).
     chat_template_kwargs: dict[str, Any] | None = None
+    cache: CacheOptions | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -176,6 +176,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     pooling,
                     service=_service_level(request),
                     lora_name=request.lora_name or None,
+                    pin_ttl_seconds=request.pin_ttl_seconds,
                 )
         else:
             return False

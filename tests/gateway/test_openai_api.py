@@ -72,6 +72,17 @@ def test_chat_equals_the_engines_greedy_tokens_decoded(client, engine_stub, toke
     assert response.model == MODEL and response.object == "chat.completion"
 
 
+def test_a_pinned_chat_answers_as_an_unpinned_one(client):
+    """The `cache` extension reaches the engine (which would fail a TTL it refuses) and changes
+    nothing in the answer; tests/services/test_kv_pins.py shows the pin keeping the prefix."""
+    args = dict(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(**args)
+    pinned = client.chat.completions.create(
+        **args, extra_body={"cache": {"pin_prefix": True, "ttl_seconds": 600}}
+    )
+    assert pinned.choices[0].message.content == plain.choices[0].message.content
+
+
 def test_completion_equals_the_engines_greedy_tokens_decoded(client, engine_stub, tokenizer):
     response = client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
