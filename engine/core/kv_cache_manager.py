@@ -362,7 +362,8 @@ class KVCacheManager:
         self._block_hash[block] = (0, block_hash)
         parent = request.block_hashes[index - 1] if index else request.hash_root
         tokens = request.token_ids[index * size : (index + 1) * size]
-        self._kv_events.append(BlockStored([block_hash], parent, tokens, size))
+        lora = request.lora_name or ""
+        self._kv_events.append(BlockStored([block_hash], parent, tokens, size, lora_name=lora))
 
     def _release(self, block: int) -> None:
         self._ref_counts[block] -= 1
@@ -467,7 +468,7 @@ class KVCacheManager:
                 if g != 0:
                     continue  # routers hear of each prefix once: the first group's blocks
                 if stored is None or stored.block_hashes[-1] != parent:
-                    stored = BlockStored([], parent, [], size)
+                    stored = BlockStored([], parent, [], size, lora_name=request.lora_name or "")
                     self._kv_events.append(stored)
                 stored.block_hashes.append(block_hash)
                 stored.token_ids += block_tokens

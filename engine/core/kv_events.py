@@ -41,6 +41,8 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     medium: str = MEDIUM_POOL
+    # The LoRA adapter the blocks were computed with ("": the base model), as vLLM's lora_name.
+    lora_name: str = ""
 
 
 @dataclass
@@ -76,6 +78,7 @@ class _CachedBlock:
     parent_hash: bytes
     token_ids: list[int]
     block_size: int
+    lora_name: str
 
 
 @dataclass(eq=False)
@@ -153,7 +156,7 @@ class KVEventPublisher:
             parent, size = event.parent_block_hash, event.block_size
             for i, block_hash in enumerate(event.block_hashes):
                 self._blocks[event.medium, block_hash] = _CachedBlock(
-                    parent, event.token_ids[i * size : (i + 1) * size], size
+                    parent, event.token_ids[i * size : (i + 1) * size], size, event.lora_name
                 )
                 parent = block_hash
         elif isinstance(event, BlockRemoved):
@@ -170,13 +173,19 @@ class KVEventPublisher:
 
     def _chains(self) -> Iterator[BlockStored]:
         """The cached blocks as BlockStored runs: a block joins the run before it when that
-        run (of its medium) ends with its parent."""
+        run (of its medium and adapter) ends with its parent."""
         run: BlockStored | None = None
         for (medium, block_hash), block in self._blocks.items():
-            if run is None or run.block_hashes[-1] != block.parent_hash or run.medium != medium:
+            if (
+                run is None
+                or run.block_hashes[-1] != block.parent_hash
+                or (run.medium, run.lora_name) != (medium, block.lora_name)
+            ):
                 if run is not None:
                     yield run
-                run = BlockStored([], block.parent_hash, [], block.block_size, medium)
+                run = BlockStored(
+                    [], block.parent_hash, [], block.block_size, medium, block.lora_name
+                )
             run.block_hashes.append(block_hash)
             run.token_ids.extend(block.token_ids)
         if run is not None:

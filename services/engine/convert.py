@@ -81,6 +81,7 @@ def _kv_event_to_proto(event: KVEvent) -> engine_pb2.KvEvent:
                 token_ids=event.token_ids,
                 block_size=event.block_size,
                 medium=event.medium,
+                lora_name=event.lora_name,
             )
         )
     if isinstance(event, BlockRemoved):

@@ -2,7 +2,8 @@
 made with peft): LoadLoraAdapter from inside --lora-root (INVALID_ARGUMENT naming the rule or
 the adapter's problem otherwise), ListLoraAdapters, EngineRequest.lora_name picking the adapter
 (transformers + peft's greedy tokens; an unknown name fails the request naming it), and
-UnloadLoraAdapter (NOT_FOUND for a name not served). An unload under traffic is
+UnloadLoraAdapter (NOT_FOUND for a name not served); the KV events name the adapter of the blocks
+they announce (as a snapshot's do). An unload under traffic is
 tests/gateway/test_lora_api.py's and tests/unit/engine/test_lora.py's."""
 
 from __future__ import annotations
@@ -84,3 +85,36 @@ def test_load_generate_unload(served):
     with pytest.raises(grpc.RpcError) as gone:
         stub.UnloadLoraAdapter(engine_pb2.UnloadLoraAdapterRequest(lora_name="a"), timeout=TIMEOUT)
     assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_kv_events_name_the_adapter(served):
+    """The blocks a request of an adapter caches are announced with its name (vLLM's
+    lora_name), those of the base model with none."""
+    stub, _ = served
+    stub.LoadLoraAdapter(
+        engine_pb2.LoadLoraAdapterRequest(lora_name="kv", lora_path="a8"), timeout=TIMEOUT
+    )
+    long_prompt = list(range(3, 3 + 40))  # two full blocks of 16 at least
+    for request_id, lora in (("kv-lora", "kv"), ("kv-base", "")):
+        message = request(request_id, lora, 1)
+        message.add.prompt_token_ids[:] = [*long_prompt[:-1], 60 + len(lora)]
+        for _ in stub.Generate(iter([message]), timeout=TIMEOUT):
+            pass
+    call = stub.SubscribeKvEvents(engine_pb2.SubscribeKvEventsRequest(), timeout=TIMEOUT)
+    names: list[str] = []
+    for batch in call:
+        names += [e.block_stored.lora_name for e in batch.events if e.HasField("block_stored")]
+        if len(set(names)) == 2:
+            break
+    call.cancel()
+    assert set(names) == {"kv", ""}
+    # Another epoch's subscriber gets a snapshot at once: its runs keep the names apart.
+    call = stub.SubscribeKvEvents(
+        engine_pb2.SubscribeKvEventsRequest(epoch="another"), timeout=TIMEOUT
+    )
+    snapshot = next(call)
+    call.cancel()
+    assert snapshot.snapshot
+    stored = [e.block_stored for e in snapshot.events if e.HasField("block_stored")]
+    assert {s.lora_name for s in stored} == {"kv", ""}
+    stub.UnloadLoraAdapter(engine_pb2.UnloadLoraAdapterRequest(lora_name="kv"), timeout=TIMEOUT)
