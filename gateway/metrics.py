@@ -18,7 +18,8 @@ formatting here: it never talks to a service.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import TypeVar
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -119,46 +120,56 @@ class EngineStatsCollector(Collector):
             "Prompt tokens found in the prefix cache.",
             value=stats.prefix_cache_hits,
         )
-        hits = CounterMetricFamily(
-            "folio_kv_tier_hits",
-            "Prompt tokens served from each KV cache tier below the pool (host, disk).",
-            labels=["tier"],
+        yield _labelled(
+            CounterMetricFamily(
+                "folio_kv_tier_hits",
+                "Prompt tokens served from each KV cache tier below the pool (host, disk).",
+                labels=["tier"],
+            ),
+            stats.kv_tier_hits,
         )
-        usage = GaugeMetricFamily(
-            "folio_kv_tier_usage_ratio",
-            "Share of each KV cache tier's capacity in use (0 to 1).",
-            labels=["tier"],
+        yield _labelled(
+            GaugeMetricFamily(
+                "folio_kv_tier_usage_ratio",
+                "Share of each KV cache tier's capacity in use (0 to 1).",
+                labels=["tier"],
+            ),
+            stats.kv_tier_usage,
         )
-        for tier, tokens in sorted(stats.kv_tier_hits.items()):
-            hits.add_metric([tier], tokens)
-        for tier, share in sorted(stats.kv_tier_usage.items()):
-            usage.add_metric([tier], share)
-        yield hits
-        yield usage
         if stats.max_lora:
-            lora = CounterMetricFamily(
-                "folio_lora_requests",
-                "Requests that named each LoRA adapter.",
-                labels=["lora_name"],
+            yield _labelled(
+                CounterMetricFamily(
+                    "folio_lora_requests",
+                    "Requests that named each LoRA adapter.",
+                    labels=["lora_name"],
+                ),
+                stats.lora_requests,
             )
-            for name, count in sorted(stats.lora_requests.items()):
-                lora.add_metric([name], count)
-            yield lora
         yield CounterMetricFamily(
             "folio_num_preemptions",
             "Requests preempted by the scheduler.",
             value=stats.num_preemptions,
         )
         yield CounterMetricFamily("folio_engine_steps", "Engine steps run.", value=stats.num_steps)
-        phases = CounterMetricFamily(
-            "folio_engine_step_seconds",
-            "Seconds spent in each phase of the engine step.",
-            labels=["phase"],
+        yield _labelled(
+            CounterMetricFamily(
+                "folio_engine_step_seconds",
+                "Seconds spent in each phase of the engine step.",
+                labels=["phase"],
+            ),
+            stats.step_seconds,
         )
-        for phase, seconds in sorted(stats.step_seconds.items()):
-            phases.add_metric([phase], seconds)
-        yield phases
         yield from vllm_families(stats)
+
+
+_Family = TypeVar("_Family", CounterMetricFamily, GaugeMetricFamily)
+
+
+def _labelled(family: _Family, values: Mapping[str, float]) -> _Family:
+    """`family` with one series per key of `values` (its one label), in key order."""
+    for key, value in sorted(values.items()):
+        family.add_metric([key], value)
+    return family
 
 
 class Metrics:
