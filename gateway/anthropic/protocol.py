@@ -14,9 +14,21 @@ from pydantic import Field
 from gateway.openai import protocol as api
 
 
+class CacheControl(api.RequestBody):
+    """A cache breakpoint: here Folio pins the prompt's prefix for the TTL (docs/kv_tiers.md)."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] = "5m"
+
+
+# The seconds each CacheControl.ttl stands for.
+CACHE_TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
+
+
 class TextBlock(api.RequestBody):
     type: Literal["text"]
     text: str
+    cache_control: CacheControl | None = None
 
 
 class ToolUseBlock(api.RequestBody):
@@ -24,6 +36,7 @@ class ToolUseBlock(api.RequestBody):
     id: str
     name: str
     input: dict[str, Any]
+    cache_control: CacheControl | None = None
 
 
 class ToolResultBlock(api.RequestBody):
@@ -31,6 +44,7 @@ class ToolResultBlock(api.RequestBody):
     tool_use_id: str
     content: str | list[TextBlock] = ""
     is_error: bool = False
+    cache_control: CacheControl | None = None
 
 
 class ThinkingBlock(api.RequestBody):
@@ -58,6 +72,7 @@ class Tool(api.RequestBody):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     input_schema: dict[str, Any]
+    cache_control: CacheControl | None = None
 
 
 class ToolChoice(api.RequestBody):

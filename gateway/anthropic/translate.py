@@ -151,10 +151,27 @@ def chat_request(body: aapi.CountTokensRequest) -> api.ChatCompletionRequest:
     if body.tool_choice is not None:
         chat["tool_choice"] = _tool_choice(body.tool_choice)
         chat["parallel_tool_calls"] = not body.tool_choice.disable_parallel_tool_use
+    ttls = [aapi.CACHE_TTL_SECONDS[control.ttl] for control in _cache_controls(body)]
+    if ttls:  # the prompt is pinned whole, for the longest TTL asked
+        chat["cache"] = {"pin_prefix": True, "ttl_seconds": max(ttls)}
     try:
         return api.ChatCompletionRequest.model_validate(chat)
     except ValueError as exc:  # a field the chat request refuses
         raise api.InvalidParameter(f"messages: {exc}", "messages") from None
+
+
+def _cache_controls(body: aapi.CountTokensRequest) -> list[aapi.CacheControl]:
+    """Every cache breakpoint the request sets: on tools, system blocks and message blocks."""
+    blocks: list[Any] = list(body.tools or [])
+    if isinstance(body.system, list):
+        blocks += body.system
+    for message in body.messages:
+        if isinstance(message.content, list):
+            for block in message.content:
+                blocks.append(block)
+                if isinstance(block, aapi.ToolResultBlock) and isinstance(block.content, list):
+                    blocks += block.content
+    return [block.cache_control for block in blocks if getattr(block, "cache_control", None)]
 
 
 def _check_thinking(thinking: aapi.ThinkingConfig) -> None:

@@ -2,7 +2,7 @@
 default model: a greedy answer equal to the chat completion's, streamed in Anthropic's event
 order with the same text, stop reasons (max_tokens, stop_sequence, tool_use), a forced tool use
 and its tool_result turn, count_tokens equal to the chat template's prompt length, x-api-key
-auth, and bad input answered in Anthropic's error shape."""
+auth, cache_control mapped onto a pin, and bad input answered in Anthropic's error shape."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ import httpx
 import openai
 import pytest
 
+from gateway.anthropic import protocol as aapi
+from gateway.anthropic import translate
+from gateway.openai import protocol as api
 from gateway_helpers import MAX_MODEL_LEN, start_gateway
 from grpc_helpers import TIMEOUT
 
@@ -211,6 +214,16 @@ def test_x_api_key_is_the_api_key(services):
             "tool_choice",
         ),
         ({"model": "nope", "messages": [ASK], "max_tokens": 2}, 404, "not_found_error", "nope"),
+        (
+            {
+                "messages": [ASK],
+                "max_tokens": 2,
+                "tools": [WEATHER | {"cache_control": {"type": "ephemeral", "ttl": "2h"}}],
+            },
+            400,
+            "invalid_request_error",
+            "tools[0].cache_control.ttl",
+        ),
     ],
 )
 def test_bad_input_gets_anthropics_error_shape(gateway, body, status, kind, named):
@@ -219,6 +232,22 @@ def test_bad_input_gets_anthropics_error_shape(gateway, body, status, kind, name
     error = response.json()
     assert error["type"] == "error" and set(error["error"]) == {"type", "message"}
     assert error["error"]["type"] == kind and named in error["error"]["message"]
+
+
+def test_cache_control_pins_the_prompt_and_changes_nothing_in_the_answer(client):
+    """Cache breakpoints become the chat request's pin, for the longest TTL asked; the answer
+    is the unpinned one's (tests/services/test_kv_pins.py shows a pin keeping the prefix)."""
+    hour = {"type": "ephemeral", "ttl": "1h"}
+    cached = [{"type": "text", "text": SYSTEM, "cache_control": hour}]
+    body = {"messages": [ASK], "max_tokens": 6, "system": cached}
+    chat = translate.chat_request(aapi.MessagesRequest.model_validate(body))
+    assert chat.cache == api.CacheOptions(pin_prefix=True, ttl_seconds=3600.0)
+    body["system"] = SYSTEM
+    assert translate.chat_request(aapi.MessagesRequest.model_validate(body)).cache is None
+    kwargs = dict(model=MODEL, messages=[ASK], max_tokens=6, extra_body=GREEDY)
+    plain = client.messages.create(system=SYSTEM, **kwargs)
+    pinned = client.messages.create(system=cached, **kwargs)
+    assert pinned.content[0].text == plain.content[0].text
 
 
 def test_the_client_raises_on_bad_input(client):
