@@ -100,7 +100,7 @@ class _Placement:
     tried: set[int] = field(default_factory=set)
 
 
-def _add_lora(total: EngineStats, answer: EngineStats) -> None:
+def pool_lora_stats(total: EngineStats, answer: EngineStats) -> None:
     """One replica's LoRA adapters into the pool's: each adapter once among the running,
     waiting and resident ones, the slots and requests per adapter summed."""
     for names, more in (
@@ -234,7 +234,7 @@ class EnginePool:
                 total.kv_tier_hits[tier] = total.kv_tier_hits.get(tier, 0) + tokens
             for tier, share in answer.kv_tier_usage.items():
                 tier_usage.setdefault(tier, []).append(share)
-            _add_lora(total, answer)
+            pool_lora_stats(total, answer)
         if all(isinstance(a, BaseException) for a in answers):
             assert error is not None
             raise error

@@ -4,7 +4,7 @@ replica over the load threshold and says why, scores a prefix in a replica's KV 
 between one in its pool and none, and prefers a replica with the request's LoRA adapter resident
 (after the prefix, before the load); least_load and round_robin do what they say; the index follows
 stored, removed and cleared blocks and matches leading blocks only. (And the KV tiers' series
-on /metrics, which the same engine reports feed.)"""
+and the LoRA series on /metrics, pooled over replicas, which the same engine reports feed.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 from common.block_hash import prefix_block_hashes
-from gateway.engines.replicas import Replica
+from gateway.engines.replicas import Replica, pool_lora_stats
 from gateway.engines.routing import (
     BALANCE_ABS,
     CacheAware,
@@ -204,3 +204,34 @@ def test_a_replica_s_load_says_whether_the_request_s_adapter_is_resident():
     replica.reported(EngineStats(resident_lora_adapters=["sql"]))
     assert replica.load(0, "sql").adapter_resident
     assert not replica.load(0, "chat").adapter_resident and not replica.load(0).adapter_resident
+
+
+def test_the_lora_series_on_metrics_pool_the_replicas():
+    """vllm:lora_requests_info and the requests per adapter over two replicas' answers: each
+    adapter once in the labels, the slots and counts summed; none over engines without LoRA."""
+    total = EngineStats()
+    for answer in (
+        EngineStats(
+            running_lora_adapters=["a"],
+            waiting_lora_adapters=["b"],
+            resident_lora_adapters=["a"],
+            max_lora=2,
+            lora_requests={"a": 3, "b": 1},
+        ),
+        EngineStats(
+            running_lora_adapters=["a", "c"],
+            resident_lora_adapters=["c"],
+            max_lora=2,
+            lora_requests={"a": 1, "c": 2},
+        ),
+    ):
+        pool_lora_stats(total, answer)
+    assert total.resident_lora_adapters == ["a", "c"]
+    text = Metrics().render(total).decode()
+    assert (
+        'vllm:lora_requests_info{max_lora="4",running_lora_adapters="a,c",'
+        'waiting_lora_adapters="b"}' in text
+    )
+    for name, count in (("a", 4), ("b", 1), ("c", 2)):
+        assert f'folio_lora_requests_total{{lora_name="{name}"}} {count}.0' in text
+    assert "lora" not in Metrics().render(EngineStats()).decode()
