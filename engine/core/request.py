@@ -260,4 +260,7 @@ def ended_output(request: Request, reason: FinishReason) -> RequestOutput:
         num_output_tokens=request.num_output_tokens,
         num_cached_tokens=request.num_cached_tokens,
         queue_seconds=(request.times.first_scheduled or time.monotonic()) - request.times.arrival,
+        # Aborted at a stop string the gateway matched: its usage still counts its drafts.
+        num_draft_tokens=request.num_drafted_tokens,
+        num_accepted_tokens=request.num_accepted_tokens,
     )
