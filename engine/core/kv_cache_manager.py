@@ -34,7 +34,8 @@ back into fresh blocks instead of recomputed, and newly cached blocks are writte
 
 A request may pin its prompt's full blocks for a TTL (engine.kv_tiers.pins): a pinned block
 that drops to refcount 0 is parked in the pool, neither free nor evictable, until its pin ends;
-pins hold at most a share of the pool, and a prompt past that bound is pinned only up to it.
+pins hold at most a share of the pool, and a prompt past that bound is pinned only up to it;
+pins give way (first pinned first) to a request that would not fit in the pool otherwise.
 
 This module only moves block ids around: it never touches KV tensors (the executor owns them)
 and never decides which request runs or gets preempted (the scheduler does).
@@ -299,6 +300,9 @@ class KVCacheManager:
                 if table[first_new * groups + g] != self._null
                 and self._ref_counts[table[first_new * groups + g]] != 1
             ]
+        self._yield_pins(
+            request, len(table) + len(cached_blocks) + num_fresh + len(shared), cached_blocks
+        )
         # Taking an evictable cached block removes it from what fresh blocks can come from.
         num_revived = sum(1 for block in cached_blocks if block in self._evictable)
         num_loaded = cached_blocks.count(TIER_BLOCK)
@@ -404,11 +408,39 @@ class KVCacheManager:
     def _unpin_expired(self) -> None:
         """Blocks whose pins ended become evictable again (most recently used last)."""
         for block_hash in self.pins.expire():
-            for g in range(self.num_groups):
-                block = self._cached.get((g, block_hash))
-                if block is not None and block in self._parked:
-                    del self._parked[block]
-                    self._evictable[block] = None
+            self._unpark(block_hash)
+
+    def _unpark(self, block_hash: bytes, evict_first: bool = False) -> None:
+        for g in range(self.num_groups):
+            block = self._cached.get((g, block_hash))
+            if block is not None and block in self._parked:
+                del self._parked[block]
+                self._evictable[block] = None
+                if evict_first:
+                    self._evictable.move_to_end(block, last=False)
+
+    def _yield_pins(self, request: Request, total: int, keep: Sequence[int]) -> None:
+        """Pins never keep a request out of a pool it would fit in alone: when its `total`
+        blocks exceed the pool less the parked blocks (other than `keep`, its own hit), the
+        first parked blocks lose their pins and become the first evicted."""
+        own = sum(1 for block in keep if block in self._parked)
+        excess = total - (self._usable - len(self._parked) + own)
+        if excess <= 0:
+            return
+        victims = [block for block in self._parked if block not in keep][:excess]
+        logger.warning(
+            "request %s needs %d KV blocks, more than the pool less its pinned blocks: %d "
+            "blocks lose their pins",
+            request.request_id,
+            total,
+            len(victims),
+        )
+        for block in victims:
+            if block not in self._parked:  # another group's block of a hash unpinned here
+                continue
+            block_hash = cast(tuple[int, bytes], self._block_hash[block])[1]
+            self.pins.unpin(block_hash)
+            self._unpark(block_hash, evict_first=True)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` (holding no blocks) the parent's blocks by reference, with the prefix

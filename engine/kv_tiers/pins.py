@@ -43,6 +43,9 @@ class PinBook:
         heapq.heappush(self._deadlines, (until, block_hash))
         return True
 
+    def unpin(self, block_hash: bytes) -> None:
+        del self._until[block_hash]  # its heap entry is skipped as stale
+
     def is_pinned(self, block_hash: bytes) -> bool:
         return block_hash in self._until
 

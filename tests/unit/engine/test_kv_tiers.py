@@ -333,5 +333,13 @@ def test_pins_are_bounded_by_a_share_of_the_pool(llama, caplog):
     assert "pinned 8 of its 10 prompt blocks" in caplog.text
     push_out(engine)
     assert generate(engine, "again", long_prompt)[2] == 32
+    # 14 blocks, more than the 8 the pins leave: they give way, the request is not starved.
+    engine.add_request("long", prompt(48, 8), GREEDY)
+    for _ in range(100):
+        if not engine.has_unfinished:
+            break
+        engine.step()
+    assert not engine.has_unfinished and engine.kv_cache.pins.num_pinned < 8
+    assert "lose their pins" in caplog.text
     with pytest.raises(InvalidRequestError, match="pin_ttl_seconds"):
         engine.add_request("bad", SHARED, GREEDY, pin_ttl_seconds=-1)
