@@ -42,6 +42,9 @@ class DashboardSample(BaseModel):
     # Share of the prompt tokens looked up in the prefix cache over the interval that were
     # found there; null when none was looked up.
     prefix_cache_hit_rate: float | None
+    # Speculative decoding: share of the tokens drafted over the interval that verification
+    # accepted; null when none was drafted (or the engine does not speculate).
+    draft_acceptance_rate: float | None
     generation_tokens_per_second: float
     prompt_tokens_per_second: float
     steps_per_second: float | None
@@ -70,12 +73,17 @@ def sample(previous: Reading, current: Reading, wall_time: float) -> DashboardSa
     seconds = max(current.monotonic - previous.monotonic, 1e-9)
     stats, before = current.stats, previous.stats
     hit_rate: float | None = None
+    acceptance: float | None = None
     steps_per_second: float | None = None
     phase_ms: dict[str, float] = {}
     if stats is not None and before is not None:
         queries = stats.prefix_cache_queries - before.prefix_cache_queries
         if queries > 0:
             hit_rate = max(stats.prefix_cache_hits - before.prefix_cache_hits, 0) / queries
+        drafted = stats.spec_num_draft_tokens - before.spec_num_draft_tokens
+        if drafted > 0:
+            accepted = stats.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+            acceptance = max(accepted, 0) / drafted
         steps = stats.num_steps - before.num_steps
         steps_per_second = _rate(stats.num_steps, before.num_steps, seconds)
         if steps > 0:
@@ -92,6 +100,7 @@ def sample(previous: Reading, current: Reading, wall_time: float) -> DashboardSa
         kv_cache_usage=stats.kv_cache_usage if stats is not None else None,
         num_kv_blocks=stats.num_kv_blocks if stats is not None else None,
         prefix_cache_hit_rate=hit_rate,
+        draft_acceptance_rate=acceptance,
         generation_tokens_per_second=_rate(
             current.generation_tokens, previous.generation_tokens, seconds
         ),

@@ -59,6 +59,7 @@ FEED_FIELDS = {
     "kv_cache_usage",
     "num_kv_blocks",
     "prefix_cache_hit_rate",
+    "draft_acceptance_rate",
     "generation_tokens_per_second",
     "prompt_tokens_per_second",
     "steps_per_second",
@@ -240,6 +241,9 @@ def test_the_dashboard_moves_while_requests_run(gateway, engine_stub, tab):
     page.goto(gateway.url + "/dashboard")
     wait_until(page, "Number(document.body.dataset.samples) >= 2")
     assert dashboard_number(page, "running") == 0
+    # This engine does not speculate: the acceptance tile shows no value (Charts.format's
+    # en dash for null).
+    assert page.locator("#draft-acceptance").inner_text() == "\u2013"
     done = threading.Event()
 
     def request() -> int:
@@ -340,6 +344,8 @@ def test_a_sample_is_the_change_over_its_interval():
             prefix_cache_hits=16,
             num_steps=10,
             step_seconds={"forward": 1.0, "sample": 0.5},
+            spec_num_draft_tokens=40,
+            spec_num_accepted_tokens=10,
         ),
     )
     after = Reading(
@@ -354,6 +360,8 @@ def test_a_sample_is_the_change_over_its_interval():
             prefix_cache_hits=40,
             num_steps=15,
             step_seconds={"forward": 1.1, "sample": 0.51, "schedule": 0.005},
+            spec_num_draft_tokens=60,
+            spec_num_accepted_tokens=25,
         ),
     )
     sample = dashboard_sample(before, after, wall_time=1234.5).model_dump()
@@ -370,6 +378,7 @@ def test_a_sample_is_the_change_over_its_interval():
             "kv_cache_usage": 0.25,
             "num_kv_blocks": 100,
             "prefix_cache_hit_rate": 24 / 32,
+            "draft_acceptance_rate": 15 / 20,
             "generation_tokens_per_second": 60.0,
             "prompt_tokens_per_second": 40.0,
             "steps_per_second": 10.0,
@@ -378,6 +387,7 @@ def test_a_sample_is_the_change_over_its_interval():
     # No lookups, no steps: no hit rate and no phase times, rather than zeros.
     idle = dashboard_sample(after, Reading(11.0, 130, 60, after.stats), wall_time=1235.0)
     assert idle.prefix_cache_hit_rate is None and idle.step_phase_ms == {}
+    assert idle.draft_acceptance_rate is None  # nothing drafted: no rate, rather than 0
     assert idle.generation_tokens_per_second == 0 and idle.steps_per_second == 0
     # An engine that is down has no numbers; one that restarted has no rates yet.
     down = dashboard_sample(after, Reading(11.0, 130, 60, None), wall_time=1235.0)

@@ -30,6 +30,7 @@
     show("waiting", sample.waiting);
     show("kv-cache", percent(sample.kv_cache_usage), "%");
     show("prefix-hits", percent(sample.prefix_cache_hit_rate), "%");
+    show("draft-acceptance", percent(sample.draft_acceptance_rate), "%");
     show("generation-tps", sample.generation_tokens_per_second);
     show("prompt-tps", sample.prompt_tokens_per_second);
     show("steps", sample.steps_per_second);
@@ -42,6 +43,7 @@
     charts.cache.add(time, {
       kv: { label: "KV cache usage", value: percent(sample.kv_cache_usage) },
       prefix: { label: "prefix-cache hits", value: percent(sample.prefix_cache_hit_rate) },
+      drafts: { label: "drafts accepted", value: percent(sample.draft_acceptance_rate) },
     });
     charts.tokens.add(time, {
       generation: { label: "generated", value: sample.generation_tokens_per_second },
