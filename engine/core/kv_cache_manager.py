@@ -300,9 +300,8 @@ class KVCacheManager:
                 if table[first_new * groups + g] != self._null
                 and self._ref_counts[table[first_new * groups + g]] != 1
             ]
-        self._yield_pins(
-            request, len(table) + len(cached_blocks) + num_fresh + len(shared), cached_blocks
-        )
+        held = sum(1 for block in (*table, *cached_blocks) if block != self._null)
+        self._yield_pins(request, held + num_fresh + len(shared), cached_blocks)
         # Taking an evictable cached block removes it from what fresh blocks can come from.
         num_revived = sum(1 for block in cached_blocks if block in self._evictable)
         num_loaded = cached_blocks.count(TIER_BLOCK)

@@ -320,6 +320,19 @@ def test_a_pinned_prefix_outlives_a_flood_until_its_ttl_ends(llama):
     assert generate(engine, "after the ttl", FOLLOW_UP)[2] == 0
 
 
+def test_with_a_host_tier_a_pinned_prefix_stays_in_the_pool(llama):
+    directory, _ = llama
+    engine = make_engine(directory, kv_offload_gib=0.01, kv_offload_format="native")
+    engine.add_request("pinned", SHARED, GREEDY, pin_ttl_seconds=600)
+    while engine.has_unfinished:
+        engine.step()
+    push_out(engine)
+    book = engine.kv_cache.tiers
+    assert book is not None and book.offloaded > 0
+    assert generate(engine, "pinned again", FOLLOW_UP)[2] == 24
+    assert book.hits["host"] == 0  # a pool hit: the pinned blocks never went down
+
+
 def test_pins_are_bounded_by_a_share_of_the_pool(llama, caplog):
     directory, _ = llama
     engine = make_engine(directory)  # 16 blocks: pins hold at most 8
