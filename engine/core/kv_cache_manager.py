@@ -182,7 +182,8 @@ class KVCacheManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         # Refcount-0 cached blocks whose hash is pinned: kept until the pin ends.
         self._parked: dict[int, None] = {}
-        self.pins = PinBook(int(self._usable * MAX_PINNED_SHARE))
+        # Counted in hashes: each holds one block per group.
+        self.pins = PinBook(int(self._usable * MAX_PINNED_SHARE) // self.num_groups)
         # (group, chained hash) -> the group's block registered under it.
         self._cached: dict[tuple[int, bytes], int] = {}
         self._block_hash: list[tuple[int, bytes] | None] = [None] * num_blocks
@@ -300,8 +301,9 @@ class KVCacheManager:
                 if table[first_new * groups + g] != self._null
                 and self._ref_counts[table[first_new * groups + g]] != 1
             ]
-        held = sum(1 for block in (*table, *cached_blocks) if block != self._null)
-        self._yield_pins(request, held + num_fresh + len(shared), cached_blocks)
+        if self._parked:  # off the hot path while nothing is pinned
+            held = sum(1 for block in (*table, *cached_blocks) if block != self._null)
+            self._yield_pins(request, held + num_fresh + len(shared), cached_blocks)
         # Taking an evictable cached block removes it from what fresh blocks can come from.
         num_revived = sum(1 for block in cached_blocks if block in self._evictable)
         num_loaded = cached_blocks.count(TIER_BLOCK)

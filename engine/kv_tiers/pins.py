@@ -51,6 +51,8 @@ class PinBook:
 
     def expire(self) -> list[bytes]:
         """The hashes whose pins ended by now; they are no longer pinned."""
+        if not self._deadlines:
+            return []
         now, ended = self.clock(), []
         while self._deadlines and self._deadlines[0][0] <= now:
             until, block_hash = heapq.heappop(self._deadlines)
