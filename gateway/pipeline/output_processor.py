@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from common.detokenizer import IncrementalDetokenizer
+from common.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 from common.errors import InternalError, error_for
 from gateway.messages import StepOutput
 from gateway.metrics import Metrics
@@ -187,15 +187,14 @@ class OutputProcessor:
                 if output.finished:
                     self._finish(request, sequence, sequence.stopped, output)
                 continue
-            if output.token_ids:
-                count = len(output.token_ids)
-                self._observe_tokens(request, sequence, count, now)
-                step_tokens += count
             try:
-                delta = self._text(request, sequence, output)
+                delta, count = self._text(request, sequence, output)
             except ValueError as exc:  # an id outside the vocabulary
                 self._fail([request], InternalError(f"detokenizing: {exc}"), True)
                 continue
+            if count:
+                self._observe_tokens(request, sequence, count, now)
+                step_tokens += count
             if delta.stop_matched:
                 delta.finish_reason = "stop"
                 if output.finished:
@@ -217,18 +216,25 @@ class OutputProcessor:
             self._abort(aborted_requests, aborted_samples)
 
     @staticmethod
-    def _text(request: TrackedRequest, sequence: _Sequence, output: StepOutput) -> TextDelta:
+    def _text(
+        request: TrackedRequest, sequence: _Sequence, output: StepOutput
+    ) -> tuple[TextDelta, int]:
         """The text the output makes certain, with its logprobs (and the prompt's, with a
-        sequence's first output when asked); ValueError names an id outside the vocabulary."""
+        sequence's first output when asked), and how many of its tokens are the sequence's;
+        ValueError names an id outside the vocabulary."""
         model_text = request.model_text
         if (bad := model_text.bad_token_id(output.token_ids)) is not None:
             raise ValueError(bad)
         if sequence.detokenizer is None:
             sequence.detokenizer = model_text.detokenizer(request.text)
-        text = sequence.detokenizer.advance(output.token_ids, output.finished)
+        tokens = list(output.token_ids)
+        if len(tokens) > 1 and request.text.stop:
+            text, tokens = _advance_to_stop(sequence.detokenizer, tokens, output.finished)
+        else:
+            text = sequence.detokenizer.advance(tokens, output.finished)
         delta = TextDelta(
             text.text,
-            model_text.logprobs(output.logprobs) if output.logprobs else [],
+            model_text.logprobs(output.logprobs[: len(tokens)]) if output.logprobs else [],
             stop_matched=text.stop_matched,
         )
         if sequence.prompt_logprobs_due:  # the engine sends them with its first output
@@ -236,7 +242,7 @@ class OutputProcessor:
             delta.prompt_logprobs = model_text.logprobs(
                 output.prompt_logprobs, request.text.prompt_ids[0]
             )
-        return delta
+        return delta, len(tokens)
 
     def _finish(
         self,
@@ -288,3 +294,18 @@ class OutputProcessor:
             self._metrics.itl.observe((now - sequence.last_token_at) / count)
         sequence.last_token_at = now
         sequence.num_tokens += count
+
+
+def _advance_to_stop(
+    detokenizer: IncrementalDetokenizer, tokens: list[int], finish: bool
+) -> tuple[DetokenizerDelta, list[int]]:
+    """Several tokens of one step (accepted speculative drafts) pushed one at a time: the text,
+    and the tokens up to the one that completed a stop string, so that the text, logprobs and
+    token count end where they end when the tokens come one per step."""
+    text = ""
+    for i, token in enumerate(tokens):
+        delta = detokenizer.advance([token], finish and i == len(tokens) - 1)
+        text += delta.text
+        if delta.stop_matched is not None:
+            return DetokenizerDelta(text, delta.stop_matched), tokens[: i + 1]
+    return DetokenizerDelta(text), tokens

@@ -141,6 +141,27 @@ def test_stop_strings_are_aborted_in_one_message_and_end_when_the_engine_confirm
     assert len(harness.processor) == 0
 
 
+def test_a_step_of_several_tokens_ends_at_the_token_that_completes_a_stop(library):
+    """Accepted speculative drafts: one output carries the stop string's tokens and more. The
+    text, logprobs and token count end at the token that completed the stop, as when the tokens
+    come one per step."""
+    harness = Harness(library)
+    ids = library.encode("one two STOP three four five", add_special_tokens=False)
+    stop_at = next(i for i in range(len(ids)) if "STOP" in library.decode(ids[: i + 1]))
+    request = harness.track("a", stop=["STOP"], logprobs=0)
+    records = [common_pb2.TokenLogprob(token_id=t, logprob=-1.0) for t in ids]
+    harness.step(out("a", ids[:1], logprobs=records[:1]))
+    harness.step(out("a", ids[1:], logprobs=records[1:]))  # the stop and three tokens past it
+    assert harness.aborts == [(["a"], [])]
+    harness.step(last("a", common_pb2.FINISH_REASON_ABORT, len(ids)))
+    deltas = [item[1] for item in drain(request)]
+    assert "".join(d.text for d in deltas) == "one two "
+    assert deltas[-1].finish_reason == "stop"
+    assert deltas[-1].usage.completion_tokens == stop_at + 1
+    assert sum(len(d.logprobs) for d in deltas) == stop_at + 1
+    assert harness.metrics.value("folio_generation_tokens_total") == stop_at + 1
+
+
 def test_samples_are_told_apart_by_index_and_a_stop_aborts_its_sample_alone(library):
     harness = Harness(library)
     request = harness.track("par", n=2, first_choice=4, stop=["STOP"])
