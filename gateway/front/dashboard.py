@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 
 from pydantic import BaseModel
@@ -51,6 +51,14 @@ class DashboardSample(BaseModel):
     # Mean milliseconds an engine step spent in each phase over the interval ("schedule",
     # "prepare_inputs", "forward", "sample", "update"); empty when no step ran.
     step_phase_ms: dict[str, float]
+    # KV cache tiers ("host", "disk"; docs/kv_tiers.md): prompt tokens each served over the
+    # interval, and the share of each one's capacity in use now; empty without tiers.
+    kv_tier_hits: dict[str, int]
+    kv_tier_usage: dict[str, float]
+    # LoRA adapters (docs/lora.md): requests that named each adapter over the interval (those
+    # with none are left out), and the adapters in the engine's slots now; empty without them.
+    lora_requests: dict[str, int]
+    resident_lora_adapters: list[str]
 
 
 @dataclass
@@ -68,6 +76,12 @@ def _rate(now: float, before: float, seconds: float) -> float:
     return max(now - before, 0.0) / seconds
 
 
+def _growth(now: Mapping[str, int], before: Mapping[str, int]) -> dict[str, int]:
+    """Each counter's growth since `before` (one that went back, a restarted engine's, grew by
+    nothing)."""
+    return {key: max(value - before.get(key, 0), 0) for key, value in sorted(now.items())}
+
+
 def sample(previous: Reading, current: Reading, wall_time: float) -> DashboardSample:
     """What changed from `previous` to `current`, as the feed shows it."""
     seconds = max(current.monotonic - previous.monotonic, 1e-9)
@@ -76,7 +90,17 @@ def sample(previous: Reading, current: Reading, wall_time: float) -> DashboardSa
     acceptance: float | None = None
     steps_per_second: float | None = None
     phase_ms: dict[str, float] = {}
+    tier_hits: dict[str, int] = {}
+    lora_requests: dict[str, int] = {}
     if stats is not None and before is not None:
+        # Every tier in use is shown, at 0 over an interval it served nothing; of the adapters
+        # (dozens, many idle) only those requested.
+        tier_hits = _growth(stats.kv_tier_hits, before.kv_tier_hits)
+        lora_requests = {
+            name: count
+            for name, count in _growth(stats.lora_requests, before.lora_requests).items()
+            if count > 0
+        }
         queries = stats.prefix_cache_queries - before.prefix_cache_queries
         if queries > 0:
             hit_rate = max(stats.prefix_cache_hits - before.prefix_cache_hits, 0) / queries
@@ -107,6 +131,10 @@ def sample(previous: Reading, current: Reading, wall_time: float) -> DashboardSa
         prompt_tokens_per_second=_rate(current.prompt_tokens, previous.prompt_tokens, seconds),
         steps_per_second=steps_per_second,
         step_phase_ms=phase_ms,
+        kv_tier_hits=tier_hits,
+        kv_tier_usage=dict(sorted(stats.kv_tier_usage.items())) if stats is not None else {},
+        lora_requests=lora_requests,
+        resident_lora_adapters=sorted(stats.resident_lora_adapters) if stats is not None else [],
     )
 
 

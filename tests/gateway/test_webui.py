@@ -64,6 +64,10 @@ FEED_FIELDS = {
     "prompt_tokens_per_second",
     "steps_per_second",
     "step_phase_ms",
+    "kv_tier_hits",
+    "kv_tier_usage",
+    "lora_requests",
+    "resident_lora_adapters",
 }
 
 
@@ -244,6 +248,9 @@ def test_the_dashboard_moves_while_requests_run(gateway, engine_stub, tab):
     # This engine does not speculate: the acceptance tile shows no value (Charts.format's
     # en dash for null).
     assert page.locator("#draft-acceptance").inner_text() == "\u2013"
+    # Nor tiers nor adapters here: their tiles too.
+    assert page.locator("#tier-usage").inner_text() == "\u2013"
+    assert page.locator("#resident-adapters").inner_text() == "\u2013"
     done = threading.Event()
 
     def request() -> int:
@@ -346,6 +353,10 @@ def test_a_sample_is_the_change_over_its_interval():
             step_seconds={"forward": 1.0, "sample": 0.5},
             spec_num_draft_tokens=40,
             spec_num_accepted_tokens=10,
+            kv_tier_hits={"host": 32, "disk": 16},
+            kv_tier_usage={"host": 0.5, "disk": 0.1},
+            lora_requests={"sql": 3, "chat": 5, "idle": 1},
+            resident_lora_adapters=["sql", "chat"],
         ),
     )
     after = Reading(
@@ -362,12 +373,23 @@ def test_a_sample_is_the_change_over_its_interval():
             step_seconds={"forward": 1.1, "sample": 0.51, "schedule": 0.005},
             spec_num_draft_tokens=60,
             spec_num_accepted_tokens=25,
+            kv_tier_hits={"host": 48, "disk": 16},
+            kv_tier_usage={"host": 0.75, "disk": 0.125},
+            lora_requests={"sql": 7, "chat": 5, "idle": 1, "new": 2},
+            resident_lora_adapters=["sql", "new"],
         ),
     )
     sample = dashboard_sample(before, after, wall_time=1234.5).model_dump()
     assert sample.pop("step_phase_ms") == pytest.approx(
         {"forward": 20.0, "sample": 2.0, "schedule": 1.0}
     )
+    # Per tier: tokens served over the interval (every tier in use, at 0 if it served none) and
+    # the usage now; per adapter: the requests over the interval (only adapters requested in
+    # it, one first seen included), and the adapters resident now.
+    assert sample.pop("kv_tier_hits") == {"disk": 0, "host": 16}
+    assert sample.pop("kv_tier_usage") == {"disk": 0.125, "host": 0.75}
+    assert sample.pop("lora_requests") == {"new": 2, "sql": 4}
+    assert sample.pop("resident_lora_adapters") == ["new", "sql"]
     assert sample == pytest.approx(
         {
             "time": 1234.5,
@@ -389,11 +411,18 @@ def test_a_sample_is_the_change_over_its_interval():
     assert idle.prefix_cache_hit_rate is None and idle.step_phase_ms == {}
     assert idle.draft_acceptance_rate is None  # nothing drafted: no rate, rather than 0
     assert idle.generation_tokens_per_second == 0 and idle.steps_per_second == 0
+    assert idle.kv_tier_hits == {"disk": 0, "host": 0} and idle.lora_requests == {}
     # An engine that is down has no numbers; one that restarted has no rates yet.
     down = dashboard_sample(after, Reading(11.0, 130, 60, None), wall_time=1235.0)
     assert (down.engine_up, down.running, down.kv_cache_usage) == (False, None, None)
-    restarted = dashboard_sample(after, Reading(11.0, 130, 60, stats(num_steps=2)), 1235.0)
+    assert (down.kv_tier_hits, down.kv_tier_usage, down.lora_requests) == ({}, {}, {})
+    assert down.resident_lora_adapters == []
+    restarted_stats = stats(
+        num_steps=2, kv_tier_hits={"host": 8}, lora_requests={"sql": 1}, kv_tier_usage={"host": 0}
+    )
+    restarted = dashboard_sample(after, Reading(11.0, 130, 60, restarted_stats), 1235.0)
     assert restarted.steps_per_second == 0 and restarted.step_phase_ms == {}
+    assert restarted.kv_tier_hits == {"host": 0} and restarted.lora_requests == {}
 
 
 @pytest.fixture(scope="module")

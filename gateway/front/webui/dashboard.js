@@ -12,6 +12,8 @@
     cache: new Charts.TimeChart($("chart-cache"), { max: 100, unit: "%" }),
     tokens: new Charts.TimeChart($("chart-tokens")),
     phases: new Charts.TimeChart($("chart-phases"), { stacked: true, unit: " ms" }),
+    tiers: new Charts.TimeChart($("chart-tiers")),
+    lora: new Charts.TimeChart($("chart-lora"), { stacked: true }),
   };
   let source = null;
   let samples = 0;
@@ -20,6 +22,15 @@
 
   function show(id, value, unit = "") {
     $(id).textContent = Charts.format(value, unit);
+  }
+
+  // One chart series per key of a feed's map (a tier, an adapter).
+  function seriesOf(values, label) {
+    const series = {};
+    for (const [key, value] of Object.entries(values)) {
+      series[key] = { label: label(key), value };
+    }
+    return series;
   }
 
   function update(sample) {
@@ -35,6 +46,11 @@
     show("prompt-tps", sample.prompt_tokens_per_second);
     show("steps", sample.steps_per_second);
     show("step-ms", sample.steps_per_second ? stepMs : null, " ms");
+    const tierUsage = Object.entries(sample.kv_tier_usage);
+    $("tier-usage").textContent = tierUsage.length
+      ? tierUsage.map(([tier, share]) => `${tier} ${Charts.format(percent(share), "%")}`).join(" · ")
+      : "–";
+    $("resident-adapters").textContent = sample.resident_lora_adapters.join(", ") || "–";
     const time = sample.time;
     charts.requests.add(time, {
       running: { label: "running", value: sample.running },
@@ -44,6 +60,7 @@
       kv: { label: "KV cache usage", value: percent(sample.kv_cache_usage) },
       prefix: { label: "prefix-cache hits", value: percent(sample.prefix_cache_hit_rate) },
       drafts: { label: "drafts accepted", value: percent(sample.draft_acceptance_rate) },
+      ...seriesOf(sample.kv_tier_usage, (tier) => `${tier} tier usage`),
     });
     charts.tokens.add(time, {
       generation: { label: "generated", value: sample.generation_tokens_per_second },
@@ -54,6 +71,8 @@
       phases[phase] = { label: phase, value: ms };
     }
     charts.phases.add(time, phases);
+    charts.tiers.add(time, seriesOf(sample.kv_tier_hits, (tier) => `from ${tier}`));
+    charts.lora.add(time, seriesOf(sample.lora_requests, (name) => name));
     const clock = new Date(time * 1000).toLocaleTimeString();
     feedStatus.textContent = sample.engine_up
       ? `Live · ${clock}`
