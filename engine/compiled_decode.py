@@ -13,9 +13,13 @@ with its programs ready), or in the background (`background`, a served engine's 
 engine serves eagerly at once while a thread loads the stored programs, or has a process of its
 own build them, and decode steps switch to the programs between two steps once all are ready.
 A step reads the programs once, so it runs wholly eagerly or wholly compiled, and both give the
-same greedy tokens. Compiling is a speed-up, never a condition of serving: if it fails (no C++
-compiler, an inductor error), at start-up, in the background or in a later step, one warning
-says why and decode steps run eagerly from then on. Prefill and mixed steps run eagerly.
+same greedy tokens. An engine with LoRA slots (engine.layers.lora) has two sets: one for steps
+whose rows use no adapter (the base model's program) and one for steps with adapters, which
+reads the slots' step mask and weights, persistent tensors updated in place (an adapter loaded
+into a slot is seen by the next step's program). Compiling is a speed-up, never a condition
+of serving: if it fails (no C++ compiler, an inductor error), at start-up, in the background
+or in a later step, one warning says why and decode steps run eagerly from then on. Prefill and
+mixed steps run eagerly.
 `--enforce-eager` turns all of this off. This module never builds a real step's inputs (the
 model runner does) and is never used with a GPU, the Triton backend or tensor parallelism.
 """
@@ -50,6 +54,7 @@ from engine.decode_programs import (
     store,
 )
 from engine.fallback import warn_fallback
+from engine.layers.lora import LoraSlots
 from engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -59,12 +64,13 @@ FALLBACK = "running them eagerly"
 
 
 class DecodeRunner(Protocol):
-    """What compiling decode steps needs of the model runner: the model, where it runs and its
-    dtype."""
+    """What compiling decode steps needs of the model runner: the model, where it runs, its
+    dtype and its LoRA slots (None without)."""
 
     device: torch.device
     dtype: torch.dtype
     model: LlamaForCausalLM
+    lora: LoraSlots | None
 
 
 def give_up(error: BaseException | str) -> None:
@@ -100,6 +106,10 @@ class CompiledDecode:
 
     def __init__(self, runner: DecodeRunner, config: EngineConfig, model_path: str | Path) -> None:
         self.model = runner.model
+        # With LoRA slots, two sets of programs: for steps with no adapter (the base model's
+        # cost) and for steps with some, which read the slots' persistent mask and weights.
+        self.lora = runner.lora
+        lora = self.lora
         self.spec = ProgramsSpec.create(
             model_path,
             str(runner.dtype).removeprefix("torch."),
@@ -107,15 +117,19 @@ class CompiledDecode:
             config.attention_backend,
             torch.get_num_threads(),
             program_sizes(self.model, config.max_num_seqs),
+            None if lora is None else (lora.max_loras, lora.max_rank, len(lora.step.mask)),
         )
         # Set once, when every program is ready: a step reads it once (the switch-over).
         self._programs: list[Any] | None = None
-        # Batch size -> the program that takes it (None: none does; that size runs eagerly).
-        self._by_rows: dict[int, Any] = {}
+        # (Adapters in the step, batch size) -> the program that takes it (None: none does;
+        # that step runs eagerly).
+        self._by_rows: dict[tuple[bool, int], Any] = {}
         # How the programs came: "loaded" (stored before) or "compiled" (built now).
         self.origin: str | None = None
         # Decode steps run compiled, by batch size.
         self.rows_run: collections.Counter[int] = collections.Counter()
+        # Of those, the steps with LoRA adapters in them.
+        self.adapter_steps_run = 0
         self.done = threading.Event()  # ready, or given up
         if config.decode_compile == "background":
             logger.info(
@@ -149,9 +163,12 @@ class CompiledDecode:
         if programs is None:
             return None
         rows = len(input_ids)
-        if rows not in self._by_rows:
-            self._by_rows[rows] = self._pick(programs, input_ids, positions)
-        program = self._by_rows[rows]
+        active = self.lora is not None and self.lora.step.active
+        if (active, rows) not in self._by_rows:
+            sizes = len(self.spec.sizes)
+            variant = programs[sizes:] if active else programs[:sizes]
+            self._by_rows[active, rows] = self._pick(variant, input_ids, positions)
+        program = self._by_rows[active, rows]
         if program is None:
             return None
         backend = self.model.backend
@@ -162,6 +179,7 @@ class CompiledDecode:
         ):
             hidden = program(self.model, input_ids, positions)
         self.rows_run[rows] += 1
+        self.adapter_steps_run += active
         return hidden
 
     def _pick(self, programs: list[Any], input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
@@ -193,7 +211,7 @@ class CompiledDecode:
             else:
                 origin = "compiled"
                 if build_here:
-                    store(build(self.model, self.spec), path)
+                    store(build(self.model, self.spec, self.lora), path)
                 else:
                     self._build_in_child()
                 # What was stored, loaded like any other time: one way to the programs.

@@ -26,6 +26,7 @@ import dataclasses
 import fcntl
 import hashlib
 import importlib.util
+import itertools
 import json
 import logging
 import os
@@ -47,6 +48,7 @@ from common.parent_death import die_with_parent
 from engine.fallback import failure_reason
 from engine.kernels.cpu import extension
 from engine.kernels.cpu.capabilities import cpu_capabilities
+from engine.layers.lora import LoraSlots
 from engine.models.gguf_metadata import gguf_config, gguf_layout, is_gguf
 from engine.models.llama import LlamaForCausalLM
 
@@ -108,6 +110,9 @@ class ProgramsSpec:
     sizes: tuple[int, ...]  # one example batch size per program, in dispatch order
     key: str
     path: str
+    # An engine with LoRA slots (engine.layers.lora): how many, their rank and the rows of their
+    # step mask. Its programs are two sets of `sizes`: steps with no adapter, then steps with.
+    lora: tuple[int, int, int] | None = None
 
     @classmethod
     def create(
@@ -118,9 +123,12 @@ class ProgramsSpec:
         attention_backend: str,
         num_threads: int,
         sizes: tuple[int, ...],
+        lora: tuple[int, int, int] | None = None,
     ) -> ProgramsSpec:
         """The spec of these programs, with their key and the file they are stored in."""
-        key = programs_key(model_path, dtype, quantization, attention_backend, num_threads, sizes)
+        key = programs_key(
+            model_path, dtype, quantization, attention_backend, num_threads, sizes, lora
+        )
         return cls(
             str(model_path),
             dtype,
@@ -130,6 +138,7 @@ class ProgramsSpec:
             sizes,
             key,
             str(programs_dir() / f"{key}.programs"),
+            lora,
         )
 
     def to_json(self) -> str:
@@ -139,6 +148,8 @@ class ProgramsSpec:
     def from_json(cls, text: str) -> ProgramsSpec:
         plain = json.loads(text)
         plain["sizes"] = tuple(plain["sizes"])
+        if plain["lora"] is not None:
+            plain["lora"] = tuple(plain["lora"])
         return cls(**plain)
 
 
@@ -170,9 +181,11 @@ def programs_key(
     attention_backend: str,
     num_threads: int,
     sizes: tuple[int, ...],
+    lora: tuple[int, int, int] | None = None,
 ) -> str:
     """A hash of what the programs depend on, except the Python sources they are traced from
-    (recorded in the file, checked when it is loaded)."""
+    (recorded in the file, checked when it is loaded). An engine with LoRA slots never shares
+    one with an engine without (nor with other slots)."""
     digest = hashlib.sha256()
 
     def add(label: str, value: object) -> None:
@@ -191,6 +204,8 @@ def programs_key(
     add("attention", attention_backend)
     add("threads", num_threads)
     add("sizes", sizes)
+    if lora is not None:  # absent without LoRA: the keys stored before it came stay valid
+        add("lora", lora)
     # The model's config and its weights' names, dtypes and shapes (not their values: they
     # are the programs' inputs).
     if is_gguf(model_path):
@@ -241,9 +256,12 @@ class StaleProgramsError(Exception):
     """The stored programs were traced from sources that changed since."""
 
 
-def build(model: LlamaForCausalLM, spec: ProgramsSpec) -> StoredPrograms:
+def build(
+    model: LlamaForCausalLM, spec: ProgramsSpec, lora: LoraSlots | None = None
+) -> StoredPrograms:
     """Trace and compile one program per size (example inputs only: nothing runs), serialized
-    for storing."""
+    for storing; with `lora` (the model's slots, for a spec with LoRA), one per size for steps
+    without an adapter, then one per size for steps with."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
     # From dynamo's clean slate: what an earlier compile in this process learned (a float seen
     # to vary becomes a symbolic input) makes aot_compile raise the restart that a plain
@@ -251,15 +269,19 @@ def build(model: LlamaForCausalLM, spec: ProgramsSpec) -> StoredPrograms:
     torch._dynamo.reset()
     # torch.compile's wrapper of a function has aot_compile; its declared type does not say so.
     compiled: Any = torch.compile(model.hidden_states, fullgraph=True, options=compile_options())
+    if (lora is None) != (spec.lora is None):
+        raise ValueError("LoRA slots are built with a spec that has LoRA, and only then")
+    variants = (False, True) if lora is not None else (False,)
     serialized, sources = [], {}
-    for rows in spec.sizes:
+    for active, rows in itertools.product(variants, spec.sizes):
         # The runner's step inputs are slices of bigger persistent buffers; so are these.
         input_ids = torch.zeros(rows + 1, dtype=torch.int64)[:rows]
         positions = torch.zeros(rows + 1, dtype=torch.int64)[:rows]
         if rows > 1:
             torch._dynamo.mark_dynamic(input_ids, 0)
             torch._dynamo.mark_dynamic(positions, 0)
-        with torch.inference_mode():
+        tracing = lora.tracing(active) if lora is not None else contextlib.nullcontext()
+        with torch.inference_mode(), tracing:
             program = compiled.aot_compile(((input_ids, positions), {}))
         serialized.append(type(program).serialize(program).serialized_data)
         for inlined in program.source_info().inlined_sources:
@@ -321,15 +343,17 @@ def build_in_process(spec: ProgramsSpec) -> None:
     from engine.models.loader import load_model
 
     torch.set_num_threads(spec.num_threads)
-    model, _ = load_model(
-        spec.model_path,
-        getattr(torch, spec.dtype),
-        "cpu",
-        spec.attention_backend,
-        SINGLE,
-        spec.quantization,
+    dtype = getattr(torch, spec.dtype)
+    model, config = load_model(
+        spec.model_path, dtype, "cpu", spec.attention_backend, SINGLE, spec.quantization
     )
-    store(build(model, spec), Path(spec.path))
+    lora = None
+    if spec.lora is not None:
+        # Empty slots like the engine's: the programs read the slots' tensors, not their values.
+        max_loras, max_rank, mask_rows = spec.lora
+        device = torch.device("cpu")
+        lora = LoraSlots(model, config, max_loras, max_rank, 1, mask_rows, dtype, device)
+    store(build(model, spec, lora), Path(spec.path))
 
 
 def main() -> None:

@@ -119,10 +119,10 @@ class ModelExecutor:
         self.lora_backend: LoraBackend | None = (
             LoraHost(slots, config.max_lora_rank, self.runner.dtype) if slots is not None else None
         )
-        if slots is not None and not config.enforce_eager:
+        if slots is not None and not config.enforce_eager and self.runner.device.type == "cuda":
             warn_fallback(
                 logger,
-                "compiled decode steps and CUDA graphs",
+                "CUDA graphs",
                 "decode steps run eagerly",
                 "the engine serves LoRA adapters, whose rows change per step",
             )

@@ -185,22 +185,32 @@ class ModelRunner:
         self._arange = np.arange(max(max_model_len, max_tokens), dtype=np.int64)
         self.batch = PersistentBatch(max_seqs, max_model_len, self.max_blocks_per_seq)
         self.pooler = pooler
-        # Neither graph capture nor compilation covers the collectives of tensor parallelism.
-        # Compiled first: graph capture runs the model through run_model, which reads it.
-        # Nor do they cover several KV groups' tables.
-        # LoRA slots on the linears (engine.layers.lora), read per step from Python: eager only.
+        # LoRA slots on the linears (engine.layers.lora): compiled decode programs take them
+        # (their mask and weights are persistent tensors); CUDA graphs do not.
         self.lora = (
             LoraSlots(
-                self.model, cfg, config.max_loras, config.max_lora_rank, max_seqs, self.dtype, dev
+                self.model,
+                cfg,
+                config.max_loras,
+                config.max_lora_rank,
+                max_seqs,
+                max_tokens,
+                self.dtype,
+                dev,
             )
             if config.lora_enabled
             else None
         )
-        single = tp.size == 1 and groups.num_groups == 1 and self.lora is None
+        # Neither graph capture nor compilation covers the collectives of tensor parallelism.
+        # Compiled first: graph capture runs the model through run_model, which reads it.
+        # Nor do they cover several KV groups' tables.
+        single = tp.size == 1 and groups.num_groups == 1
         self.compiled_decode = (
             CompiledDecode.start_if_enabled(self, config, model_path) if single else None
         )
-        self.graphs = DecodeGraphs.capture_if_enabled(self, config) if single else None
+        self.graphs = (
+            DecodeGraphs.capture_if_enabled(self, config) if single and self.lora is None else None
+        )
 
     def prepare(self, plan: StepPlan) -> ModelInput:
         """Apply the plan to the persistent batch, then write the step's flat inputs: a few

@@ -16,33 +16,81 @@ and never decides which adapter is in which slot (engine.lora.registry does).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.core.step_plan import NewRequestPlan
-from engine.layers.linear import Linear, PackedWeight, linear, pack_weight
+from engine.layers.linear import Bf16Tiles, Linear, PackedWeight, linear, pack_weight
 from engine.lora.adapter import LoraWeights, ModuleShape
 from engine.models.config import ModelConfig
 
 NO_LORA = -1
+# Steps of at most this many tokens (decode steps, compiled or not) take every slot's product
+# at once (`dense`); larger ones (prompts) take each active slot's own over its rows.
+DENSE_MAX_TOKENS = 64
 
 
 @dataclass
 class LoraGroups:
-    """One step's rows by slot: (slot, rows) with rows a slice where they are contiguous, an
-    index tensor otherwise; and for the GPU kernels, the rows sorted by slot with each
-    segment's start, length and slot."""
+    """One step's rows by slot. `active`: some row uses an adapter (otherwise the wrapped layers
+    add nothing). On the CPU, `dense` steps read `mask`, a persistent [max tokens, slots] one-hot
+    of each token's slot (zero rows for the base model) that compiled decode programs read too;
+    other steps read `groups`: (slot, rows) with rows a slice where they are contiguous, an
+    index tensor otherwise. For the GPU kernels, the rows sorted by slot with each segment's
+    start, length and slot."""
 
+    mask: torch.Tensor
+    active: bool = False
+    dense: bool = False
     groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
     sorted_rows: torch.Tensor | None = None
     segments: torch.Tensor | None = None  # [segments, 3]: start, length, slot
 
+    @classmethod
+    def sized(
+        cls, max_tokens: int, max_loras: int, dtype: torch.dtype, device: torch.device
+    ) -> LoraGroups:
+        return cls(torch.zeros(max_tokens, max_loras, dtype=dtype, device=device))
+
+
+def pack_persistent(weight: torch.Tensor) -> PackedWeight | None:
+    """`weight`'s packed form for a tensor rewritten in place later (`copy_packed`): the same
+    form whatever its values, so never bfloat16 tiles of float32 (its zeros are bfloat16
+    values, an adapter's weights need not be): torch's F.linear there instead."""
+    packed = pack_weight(weight)
+    if isinstance(packed, Bf16Tiles) and packed.widened:
+        return None
+    return packed
+
+
+def copy_packed(weight: torch.Tensor, packed: PackedWeight | None, value: torch.Tensor) -> None:
+    """Write `value` into `weight` and its packed form in place: a compiled program reads the
+    same tensors from then on."""
+    weight.copy_(value)
+    fresh = pack_persistent(weight)
+    if isinstance(packed, Bf16Tiles):
+        assert isinstance(fresh, Bf16Tiles)
+        packed.tiles.copy_(fresh.tiles)
+    elif isinstance(packed, torch.Tensor):
+        assert isinstance(fresh, torch.Tensor)
+        packed.copy_(fresh)
+
 
 class LoraLinear(nn.Module):
-    """A linear layer plus `max_loras` LoRA slots over it."""
+    """A linear layer plus `max_loras` LoRA slots over it.
+
+    On the CPU every slot's weights are also held in the form of one product for all slots
+    (`dense`): A of every slot stacked shard-major ([shards * slots * max_rank, in]: one shrink
+    for the whole step), and per shard the slots' B side by side ([shard rows, slots *
+    max_rank]); each token's shrunk values are masked to its own slot's before the expand. No
+    Python loop over adapters, nothing that depends on which slots a step uses: compiled
+    decode programs take it whole."""
 
     def __init__(
         self,
@@ -56,21 +104,28 @@ class LoraLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.base = base
+        self.max_loras = max_loras
         self.max_rank = max_rank
         self.shard_offsets = np.cumsum((0, *shape.shard_rows)).tolist()
-        width = len(shape.shard_rows) * max_rank
+        self.num_shards = len(shape.shard_rows)
+        width = self.num_shards * max_rank
         out = self.shard_offsets[-1]
         self.lora_a = torch.zeros(max_loras, width, shape.in_features, dtype=dtype, device=device)
         self.lora_b = torch.zeros(max_loras, out, width, dtype=dtype, device=device)
-        # Each slot's A and B in the form Folio's linear kernels read (engine.layers.linear):
-        # torch's own bfloat16 matmul of these small shapes ran slower than the base product.
-        self.packed: list[tuple[PackedWeight | None, PackedWeight | None]] = [
-            (None, None)
-        ] * max_loras
         self.step = step
+        self.dense_a = torch.zeros(max_loras * width, shape.in_features, dtype=dtype, device=device)
+        self.dense_b = [
+            torch.zeros(rows, max_loras * max_rank, dtype=dtype, device=device)
+            for rows in shape.shard_rows
+        ]
+        # Folio's linear kernels (engine.layers.linear): torch's own bfloat16 matmul of these
+        # small shapes ran slower than the base product.
+        on_cpu = device.type == "cpu"
+        self.packed_a = pack_persistent(self.dense_a) if on_cpu else None
+        self.packed_b = [pack_persistent(b) if on_cpu else None for b in self.dense_b]
 
     def load(self, slot: int, shards: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Slot `slot` holds these shards' (A, B) (the others zero)."""
+        """Slot `slot` holds these shards' (A, B) (the others zero), written in place."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         for shard, (a, b) in shards.items():
@@ -78,11 +133,26 @@ class LoraLinear(nn.Module):
             rows = slice(self.shard_offsets[shard], self.shard_offsets[shard + 1])
             self.lora_a[slot, cols].copy_(a)
             self.lora_b[slot, rows, cols].copy_(b)
-        self.packed[slot] = (pack_weight(self.lora_a[slot]), pack_weight(self.lora_b[slot]))
+        slots, shards_n, rank = self.max_loras, self.num_shards, self.max_rank
+        # A's rows shard-major: [shard, slot, rank].
+        dense_a = (
+            self.lora_a.view(slots, shards_n, rank, -1)
+            .transpose(0, 1)
+            .reshape(shards_n * slots * rank, -1)
+        )
+        copy_packed(self.dense_a, self.packed_a, dense_a)
+        for shard, (dense_b, packed_b) in enumerate(zip(self.dense_b, self.packed_b, strict=True)):
+            rows = slice(self.shard_offsets[shard], self.shard_offsets[shard + 1])
+            cols = slice(shard * rank, (shard + 1) * rank)
+            # [rows, slot, rank]: slot s's B of this shard in columns s * rank onwards.
+            block = self.lora_b[:, rows, cols].permute(1, 0, 2).reshape(dense_b.shape[0], -1)
+            copy_packed(dense_b, packed_b, block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         step = self.step
+        if not step.active:
+            return out
         if step.segments is not None:
             from engine.kernels.triton.lora import lora_expand, lora_shrink
 
@@ -90,14 +160,29 @@ class LoraLinear(nn.Module):
             shrunk = lora_shrink(x, self.lora_a, step.sorted_rows, step.segments)
             lora_expand(shrunk, self.lora_b, step.sorted_rows, step.segments, out)
             return out
+        if step.dense:
+            return self._add_dense(x, out)
         for slot, rows in step.groups:
-            packed_a, packed_b = self.packed[slot]
-            shrunk = linear(x[rows], self.lora_a[slot], packed_a)
-            delta = linear(shrunk, self.lora_b[slot], packed_b)
+            shrunk = F.linear(x[rows], self.lora_a[slot])
+            delta = F.linear(shrunk, self.lora_b[slot])
             if isinstance(rows, slice):
                 out[rows] += delta
             else:
                 out.index_add_(0, rows, delta)
+        return out
+
+    def _add_dense(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Every slot's product at once: shrink by all slots, keep each token's slot's values
+        (the mask), expand per shard by all slots into the shard's columns."""
+        tokens, slots, rank = x.shape[0], self.max_loras, self.max_rank
+        shrunk = linear(x, self.dense_a, self.packed_a).view(tokens, self.num_shards, slots, rank)
+        shrunk = shrunk * self.step.mask[:tokens].view(tokens, 1, slots, 1)
+        for shard, (dense_b, packed_b) in enumerate(zip(self.dense_b, self.packed_b, strict=True)):
+            delta = linear(shrunk[:, shard].reshape(tokens, slots * rank), dense_b, packed_b)
+            if self.num_shards == 1:
+                out += delta
+            else:
+                out[:, self.shard_offsets[shard] : self.shard_offsets[shard + 1]] += delta
         return out
 
 
@@ -127,12 +212,14 @@ class LoraSlots:
         max_loras: int,
         max_rank: int,
         max_rows: int,
+        max_tokens: int,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         self.max_loras = max_loras
+        self.max_rank = max_rank
         self.device = device
-        self.step = LoraGroups()
+        self.step = LoraGroups.sized(max_tokens, max_loras, dtype, device)
         self.layers: dict[tuple[int, str], LoraLinear] = {}
         self.shapes: dict[tuple[int, str], ModuleShape] = {}
         per_layer = module_shapes(config)
@@ -165,17 +252,43 @@ class LoraSlots:
         """This step's groups: `token_rows` is each flat token's batch row."""
         fill_groups(self.step, self.row_slots[token_rows], self.device, self.device.type == "cuda")
 
+    @contextlib.contextmanager
+    def tracing(self, active: bool) -> Iterator[None]:
+        """Steps as a compiled decode program sees them while it is traced: every slot's
+        product at once (`active`), or none (no adapter in the step)."""
+        saved = self.step.active, self.step.dense
+        self.step.active = self.step.dense = active
+        try:
+            yield
+        finally:
+            self.step.active, self.step.dense = saved
 
-def fill_groups(step: LoraGroups, slots: np.ndarray, device: torch.device, kernels: bool) -> None:
-    """`step` for a step whose row i uses slot slots[i] (-1: the base model): per active slot
-    its rows (a slice where contiguous); with `kernels`, the rows sorted by slot and the
-    segments the Triton kernels take."""
+
+def fill_groups(
+    step: LoraGroups,
+    slots: np.ndarray,
+    device: torch.device,
+    kernels: bool,
+    dense_max_tokens: int = DENSE_MAX_TOKENS,
+) -> None:
+    """`step` for a step whose row i uses slot slots[i] (-1: the base model). With `kernels`,
+    the rows sorted by slot and the segments the Triton kernels take; else, up to
+    `dense_max_tokens` rows, the mask of every row's slot; else per active slot its rows (a
+    slice where contiguous)."""
     step.groups.clear()
     step.sorted_rows = step.segments = None
-    active = np.unique(slots)
-    active = active[active != NO_LORA]
-    if len(active) == 0:
+    used = slots != NO_LORA
+    step.active = bool(used.any())
+    step.dense = not kernels and len(slots) <= dense_max_tokens
+    if not step.active:
         return
+    if step.dense:
+        mask = step.mask[: len(slots)]
+        mask.zero_()
+        (rows,) = np.nonzero(used)
+        mask[torch.from_numpy(rows), torch.from_numpy(slots[rows])] = 1
+        return
+    active = np.unique(slots[used])
     counts = []
     for slot in active.tolist():
         (rows,) = np.nonzero(slots == slot)

@@ -21,7 +21,7 @@ MIXED = [0, -1, 3, 0, 0, 3, -1, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3]
 
 
 def kernel_groups(slots: list[int]) -> LoraGroups:
-    step = LoraGroups()
+    step = LoraGroups.sized(len(slots), SLOTS, torch.float32, torch.device(DEVICE))
     fill_groups(step, np.array(slots), torch.device(DEVICE), kernels=True)
     return step
 
@@ -50,12 +50,15 @@ def test_shrink_then_expand_matches_the_loop(dtype, slots):
         assert_close(out, expected, dtype)
 
 
-def test_wrapped_linear_gives_the_same_through_kernels_and_cpu_path():
-    """A fused three-shard linear with ranks 3 and 2 in a slot of width 4 per shard."""
+def test_wrapped_linear_gives_the_same_through_kernels_and_cpu_paths():
+    """A fused three-shard linear with ranks 3 and 2 in a slot of width 4 per shard: the same
+    output through the kernels, the CPU's per-slot loop and its product of every slot at once
+    (the mask); then a slot loaded again in place changes the dense product's rows of that
+    slot only."""
     shape = ModuleShape(IN, (24, 16, 16))
     base = Linear(IN, list(shape.shard_rows), False, torch.float32, DEVICE)
     base.weight.data.copy_(randn(56, IN, dtype=torch.float32, seed=5, scale=0.2))
-    step = LoraGroups()
+    step = LoraGroups.sized(len(MIXED), SLOTS, torch.float32, torch.device(DEVICE))
     layer = LoraLinear(base, shape, SLOTS, 4, torch.float32, torch.device(DEVICE), step)
     for slot, rank in ((0, 3), (2, 2), (3, 4)):
         shards = {
@@ -68,13 +71,31 @@ def test_wrapped_linear_gives_the_same_through_kernels_and_cpu_path():
         }
         layer.load(slot, shards)
     x = randn(len(MIXED), IN, dtype=torch.float32, seed=6)
-    fill_groups(step, np.array(MIXED), torch.device(DEVICE), kernels=False)
+    fill_groups(step, np.array(MIXED), torch.device(DEVICE), kernels=False, dense_max_tokens=0)
+    assert not step.dense and step.groups
     cpu_path = layer(x)
+    assert_rows_add_their_slots(layer, base, x, cpu_path)
+    fill_groups(step, np.array(MIXED), torch.device(DEVICE), kernels=False)
+    assert step.dense and not step.groups
+    dense = layer(x)
+    assert_close(dense, cpu_path, torch.float32)
     fill_groups(step, np.array(MIXED), torch.device(DEVICE), kernels=True)
     assert_close(layer(x), cpu_path, torch.float32)
-    # Each row: the base product plus its slot's shards' low-rank products.
+    # Slot 3 again, other weights, in place: the dense product's rows of slot 3 change, the
+    # others stay (each slot's columns of the stacked forms are its own).
+    a = randn(4, IN, dtype=torch.float32, seed=7, scale=0.3)
+    layer.load(3, {0: (a, randn(24, 4, dtype=torch.float32, seed=8, scale=0.3))})
+    fill_groups(step, np.array(MIXED), torch.device(DEVICE), kernels=False)
+    reloaded = layer(x)
+    assert_rows_add_their_slots(layer, base, x, reloaded)
+    for row, slot in enumerate(MIXED):
+        assert torch.equal(reloaded[row], dense[row]) == (slot != 3)
+
+
+def assert_rows_add_their_slots(layer: LoraLinear, base: Linear, x, out) -> None:
+    """Each row: the base product plus its slot's shards' low-rank products."""
     for row, slot in enumerate(MIXED):
         want = base(x[row : row + 1])
         if slot >= 0:
             want = want + x[row : row + 1] @ layer.lora_a[slot].T @ layer.lora_b[slot].T
-        assert_close(cpu_path[row : row + 1], want, torch.float32)
+        assert_close(out[row : row + 1], want, torch.float32)

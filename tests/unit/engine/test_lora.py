@@ -6,6 +6,7 @@ the problem; run-time loads only from inside --lora-root; an unload waits for it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -117,6 +118,43 @@ def test_prefix_cached_under_one_adapter_is_no_hit_for_another(models):
         assert engine.kv_cache.get_cached_prefix(request)[1] == len(SHARED)
     finally:
         engine.close()
+
+
+def test_compiled_decode_with_adapters_matches_transformers_with_peft(models):
+    """Decode steps through compiled programs (their own key: never a plain engine's): base and
+    three adapters through two slots, so adapters are copied into slots the programs read
+    while they are in use; then an adapter unloaded and loaded again under another name. Every
+    request's greedy tokens are transformers + peft's with its adapter; steps with and without
+    adapters both ran compiled."""
+    from engine.decode_programs import ProgramsSpec
+
+    root, base_dir, reference, oracles = models
+    engine = engine_for(
+        root, base_dir, 2, enforce_eager=False, decode_compile="startup", lora_root=str(root)
+    )
+    try:
+        compiled = engine.executor.runner.compiled_decode
+        assert compiled is not None and compiled.ready and compiled.spec.lora is not None
+        plain = ProgramsSpec.create(*dataclasses.astuple(compiled.spec)[:6])
+        assert plain.key != compiled.spec.key
+        got = run(engine, {f"r{i}": (PROMPTS[i], LORAS[i]) for i in range(4)})
+        assert engine.lora is not None and engine.lora.num_swaps >= 1
+        with_adapters = compiled.adapter_steps_run
+        assert with_adapters > 0
+        got.update(run(engine, {"base": (PROMPTS[1], None)}))
+        assert sum(compiled.rows_run.values()) > with_adapters  # a step with no adapter
+        engine.unload_lora_adapter("mlp2")
+        engine.load_lora_adapter("mlp2-again", "mlp2")
+        got.update(run(engine, {"again": (PROMPTS[2], "mlp2-again"), "r": (PROMPTS[3], "all8")}))
+        assert compiled.adapter_steps_run > with_adapters
+    finally:
+        engine.close()
+    oracle = {None: reference, "mlp2-again": oracles["mlp2"]} | oracles
+    want = {f"r{i}": hf_greedy(oracle[LORAS[i]], PROMPTS[i], GREEDY.max_tokens) for i in range(4)}
+    want["base"] = hf_greedy(reference, PROMPTS[1], GREEDY.max_tokens)
+    want["again"] = hf_greedy(oracles["mlp2"], PROMPTS[2], GREEDY.max_tokens)
+    want["r"] = hf_greedy(oracles["all8"], PROMPTS[3], GREEDY.max_tokens)
+    assert got == want
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +304,7 @@ def test_adapter_on_a_quantized_base_within_the_quantization_bound(models, metho
 
     root, base_dir, _, oracles = models
     model, config = load_model(base_dir, torch.float32, "cpu", quantization=method)
-    slots = LoraSlots(model, config, 1, 8, 4, torch.float32, torch.device("cpu"))
+    slots = LoraSlots(model, config, 1, 8, 4, 12, torch.float32, torch.device("cpu"))
     host = LoraHost(slots, 8, torch.float32)
     host.load_lora(1, str(root / "all8"))
     host.activate_lora(0, 1)
