@@ -13,6 +13,7 @@ device.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -407,6 +408,12 @@ class GatewayConfig:
         "plus max_tokens, what a sequence did not generate given back; default: "
         "unlimited",
     )
+    max_pinned_gib_per_key: float | None = flag(
+        None,
+        "KV cache an API key's pinned prefixes may hold at once, in GiB (the chat `cache` "
+        "extension, Anthropic's cache_control; requests without keys share one bound); past it "
+        "a prompt is pinned up to it; default: no bound but the engine's (half its KV pool)",
+    )
     webui: bool = flag(
         True,
         "serve the web pages: the playground at / and the live dashboard at /dashboard "
@@ -471,6 +478,9 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
+        pinned = self.max_pinned_gib_per_key
+        if pinned is not None and not (pinned >= 0 and math.isfinite(pinned)):
+            raise ValueError(f"--max-pinned-gib-per-key must be a number >= 0, got {pinned}")
 
 
 @dataclass

@@ -113,10 +113,13 @@ class AsyncEngine:
         service: ServiceLevel = NO_SERVICE_LEVEL,
         lora_name: str | None = None,
         pin_ttl_seconds: float = 0.0,
+        pin_owner: str = "",
+        pin_owner_max_bytes: int | None = None,
     ) -> None:
         """Queue a request (an embedding request with `pooling`; with the LoRA adapter
-        `lora_name`; its prompt pinned for pin_ttl_seconds). Its outputs, or one
-        RequestFailed, arrive in `events` as lists."""
+        `lora_name`; its prompt pinned for pin_ttl_seconds, as pin_owner's pins, of which at
+        most pin_owner_max_bytes at once). Its outputs, or one RequestFailed, arrive in
+        `events` as lists."""
         sink = _Sink(asyncio.get_running_loop(), events)
         queued = time.monotonic()
         # Its deadlines count from now: the wait for the loop to take it is spent from them.
@@ -131,6 +134,8 @@ class AsyncEngine:
                 service.after(time.monotonic() - queued),
                 lora_name,
                 pin_ttl_seconds,
+                pin_owner,
+                pin_owner_max_bytes,
             )
         )
 
@@ -246,6 +251,8 @@ class AsyncEngine:
         service: ServiceLevel,
         lora_name: str | None,
         pin_ttl_seconds: float,
+        pin_owner: str,
+        pin_owner_max_bytes: int | None,
     ) -> None:
         try:
             self._built().add_request(
@@ -257,6 +264,8 @@ class AsyncEngine:
                 service=service,
                 lora_name=lora_name,
                 pin_ttl_seconds=pin_ttl_seconds,
+                pin_owner=pin_owner,
+                pin_owner_max_bytes=pin_owner_max_bytes,
             )
         except Exception as exc:
             # EngineError is the caller's fault or a full queue; anything else is logged as a bug.

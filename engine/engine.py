@@ -97,16 +97,23 @@ class LLMEngine:
         service: ServiceLevel = NO_SERVICE_LEVEL,
         lora_name: str | None = None,
         pin_ttl_seconds: float = 0.0,
+        pin_owner: str = "",
+        pin_owner_max_bytes: int | None = None,
     ) -> Request:
         """Validate and queue a request; raises InvalidRequestError or QueueFullError. With
         params.n > 1 its samples are registered too (ids from sample_request_id): the prompt is
         computed once, then each sample reports under request_id with its index. With `pooling`
         it is an embedding request: `params` are ignored, its prompt is computed once and its
         one output carries the pooled vector (RequestOutput.embedding). With pin_ttl_seconds
-        > 0 its prompt's full blocks are pinned in the KV cache that long (engine.kv_tiers.pins)."""
+        > 0 its prompt's full blocks are pinned in the KV cache that long (engine.kv_tiers.pins),
+        as `pin_owner`'s pins, of which at most pin_owner_max_bytes (of KV) at once."""
         if not 0 <= pin_ttl_seconds <= MAX_PIN_TTL_SECONDS:
             raise InvalidRequestError(
                 f"pin_ttl_seconds must be within [0, {MAX_PIN_TTL_SECONDS}], got {pin_ttl_seconds}"
+            )
+        if pin_owner_max_bytes is not None and pin_owner_max_bytes < 0:
+            raise InvalidRequestError(
+                f"pin_owner_max_bytes must be >= 0, got {pin_owner_max_bytes}"
             )
         if pooling is not None:
             params = SamplingParams()
@@ -136,6 +143,12 @@ class LLMEngine:
             service=service,
             pooling=pooling,
             pin_ttl_seconds=pin_ttl_seconds,
+            pin_owner=pin_owner,
+            pin_owner_max_blocks=(
+                None
+                if pin_owner_max_bytes is None
+                else pin_owner_max_bytes // self.executor.kv_block_bytes
+            ),
         )
         if any(sample.request_id in self.requests for sample in request.samples):
             raise InvalidRequestError(

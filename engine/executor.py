@@ -58,6 +58,9 @@ class Executor(Protocol):
     # How the model's layers share the KV pool: sliding-window layers apart (their blocks freed
     # out of the window), all layers one group otherwise.
     kv_groups: KVGroups
+    # The bytes of KV one logical block of a sequence takes (every layer and KV group, on every
+    # rank): what pinning one prompt block keeps.
+    kv_block_bytes: int
     # The books of the KV tiers below the pool (engine.kv_tiers), None without tiers.
     kv_tier_book: TierBook | None
     # What holds LoRA adapters' weights (engine.lora.registry); None: it serves none.

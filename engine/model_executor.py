@@ -114,6 +114,13 @@ class ModelExecutor:
             config, self.runner.kv_slots, self.kv_groups.num_groups, self.model_path, quantization
         )
         self.kv_tier_book = self.kv_tiers.book if self.kv_tiers is not None else None
+        # A block id's bytes per rank (each slot tensor: [2, num_blocks, ...]), times its groups
+        # and ranks.
+        self.kv_block_bytes = (
+            sum(kv.nbytes // kv.shape[1] for kv in self.runner.kv_slots)
+            * self.kv_groups.num_groups
+            * tp_size
+        )
         # LoRA adapters' host copies behind the model's slots (engine.lora.host).
         slots = self.runner.lora
         self.lora_backend: LoraBackend | None = (

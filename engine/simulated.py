@@ -39,6 +39,7 @@ DEFAULT_NUM_BLOCKS = 1024
 # The placeholder token: a word that tokenizes back to itself when its text is sent again (a
 # later turn of a chat quotes the answer), so prefix caching sees what it would see for real.
 PLACEHOLDER_TEXT = " the"
+BFLOAT16_BYTES = 2
 
 
 class SimulatedExecutor:
@@ -66,6 +67,15 @@ class SimulatedExecutor:
         self.num_blocks = config.num_kv_blocks or DEFAULT_NUM_BLOCKS
         self.kv_groups = kv_groups(model_config.layer_windows, model_config.num_hidden_layers)
         self.kv_tier_book: TierBook | None = None  # no KV tensors: no tiers
+        # K and V of every layer, as the bfloat16 engine it stands for would hold them.
+        self.kv_block_bytes = (
+            2
+            * model_config.num_hidden_layers
+            * model_config.num_key_value_heads
+            * model_config.head_dim
+            * config.block_size
+            * BFLOAT16_BYTES
+        )
         self.max_model_len = min(
             config.max_model_len or model_config.max_position_embeddings,
             self.num_blocks * config.block_size,

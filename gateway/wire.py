@@ -22,6 +22,7 @@ from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from common.sampling_proto import sampling_params_from_proto, sampling_params_to_proto
 from common.service_level import NO_SERVICE_LEVEL, ServiceLevel
+from gateway.engines.pinning import NO_PIN, Pin
 from gateway.messages import (
     AskedLevel,
     ChatFormats,
@@ -160,16 +161,18 @@ def add_request(
     *,
     service: ServiceLevel = NO_SERVICE_LEVEL,
     lora_name: str | None = None,
-    pin_ttl_seconds: float = 0.0,
+    pin: Pin = NO_PIN,
 ) -> GenerateMessage:
     """A new request; with `pooling`, an embedding request (its sampling params unsent); with
-    `lora_name`, run with that LoRA adapter; its prompt pinned for pin_ttl_seconds."""
+    `lora_name`, run with that LoRA adapter; its prompt pinned as `pin` asks."""
     request = engine_pb2.EngineRequest(
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,
         priority=priority,
         lora_name=lora_name or "",
-        pin_ttl_seconds=pin_ttl_seconds,
+        pin_ttl_seconds=pin.ttl_seconds,
+        pin_owner=pin.owner,
+        pin_owner_max_bytes=pin.owner_max_bytes,
         **_service_fields(service),
     )
     if pooling is not None:

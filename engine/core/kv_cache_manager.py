@@ -35,7 +35,8 @@ back into fresh blocks instead of recomputed, and newly cached blocks are writte
 A request may pin its prompt's full blocks for a TTL (engine.kv_tiers.pins): a pinned block
 that drops to refcount 0 is parked in the pool, neither free nor evictable, until its pin ends;
 pins hold at most a share of the pool, and a prompt past that bound is pinned only up to it;
-pins give way (first pinned first) to a request that would not fit in the pool otherwise.
+pins give way (first pinned first) to a request that would not fit in the pool otherwise: with
+a tier below the pool they move down to it, still pinned; without one they lose their pins.
 
 This module only moves block ids around: it never touches KV tensors (the executor owns them)
 and never decides which request runs or gets preempted (the scheduler does).
@@ -53,7 +54,7 @@ from common.block_hash import hash_block
 from engine.core.kv_events import BlockRemoved, BlockStored, KVEvent
 from engine.core.request import Request
 from engine.kv_tiers.book import TIER_BLOCK, TierBook
-from engine.kv_tiers.pins import MAX_PINNED_SHARE, PinBook
+from engine.kv_tiers.pins import MAX_PINNED_SHARE, POOL_BOUND, PinBook
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +185,8 @@ class KVCacheManager:
         self._parked: dict[int, None] = {}
         # Counted in hashes: each holds one block per group.
         self.pins = PinBook(int(self._usable * MAX_PINNED_SHARE) // self.num_groups)
+        if tiers is not None:
+            tiers.pinned = self.pins.is_pinned
         # (group, chained hash) -> the group's block registered under it.
         self._cached: dict[tuple[int, bytes], int] = {}
         self._block_hash: list[tuple[int, bytes] | None] = [None] * num_blocks
@@ -382,19 +385,31 @@ class KVCacheManager:
                 self._evictable[block] = None
 
     def _pin_prompt(self, request: Request) -> None:
-        """Pin the request's hashed prompt blocks not pinned yet (clipped at the bound)."""
+        """Pin the request's hashed prompt blocks not pinned yet (clipped at the bounds)."""
         prompt_blocks = len(request.prompt_token_ids) // self.block_size
         for i in range(request.num_pinned_blocks, min(prompt_blocks, len(request.block_hashes))):
             block_hash = request.block_hashes[i]
-            if not self.pins.pin(block_hash, request.pin_ttl_seconds):
+            refused = self.pins.pin(
+                block_hash, request.pin_ttl_seconds, request.pin_owner, request.pin_owner_max_blocks
+            )
+            if refused is not None:
+                if refused == POOL_BOUND:
+                    bound = (
+                        f"pins already hold {self.pins.max_blocks} blocks, the bound "
+                        f"({MAX_PINNED_SHARE:.0%} of the KV pool)"
+                    )
+                else:
+                    bound = (
+                        f"its owner {request.pin_owner or 'anonymous'!r} already pins "
+                        f"{request.pin_owner_max_blocks} blocks, the bound per API key "
+                        "(the gateway's --max-pinned-gib-per-key)"
+                    )
                 logger.warning(
-                    "request %s: pinned %d of its %d prompt blocks; pins already hold %d blocks, "
-                    "the bound (%.0f%% of the KV pool)",
+                    "request %s: pinned %d of its %d prompt blocks; %s",
                     request.request_id,
                     i,
                     prompt_blocks,
-                    self.pins.max_blocks,
-                    MAX_PINNED_SHARE * 100,
+                    bound,
                 )
                 request.num_pinned_blocks = prompt_blocks  # clipped: not tried again
                 return
@@ -423,7 +438,9 @@ class KVCacheManager:
     def _yield_pins(self, request: Request, total: int, keep: Sequence[int]) -> None:
         """Pins never keep a request out of a pool it would fit in alone: when its `total`
         blocks exceed the pool less the parked blocks (other than `keep`, its own hit), the
-        first parked blocks lose their pins and become the first evicted."""
+        first parked blocks become the first evicted. With a tier below the pool they keep
+        their pins there (the host tier drops them last; the disk tier has them already);
+        without one they lose their pins."""
         own = sum(1 for block in keep if block in self._parked)
         excess = total - (self._usable - len(self._parked) + own)
         if excess <= 0:
@@ -431,16 +448,18 @@ class KVCacheManager:
         victims = [block for block in self._parked if block not in keep][:excess]
         logger.warning(
             "request %s needs %d KV blocks, more than the pool less its pinned blocks: %d "
-            "blocks lose their pins",
+            "pinned blocks %s",
             request.request_id,
             total,
             len(victims),
+            "move down a tier" if self.tiers is not None else "lose their pins",
         )
         for block in victims:
-            if block not in self._parked:  # another group's block of a hash unpinned here
+            if block not in self._parked:  # another group's block of a hash unparked here
                 continue
             block_hash = cast(tuple[int, bytes], self._block_hash[block])[1]
-            self.pins.unpin(block_hash)
+            if self.tiers is None:
+                self.pins.unpin(block_hash)
             self._unpark(block_hash, evict_first=True)
 
     def fork(self, parent: Request, child: Request) -> None:

@@ -92,9 +92,13 @@ class Request:
     lora_slot: int = -1
     hash_root: bytes = ROOT_HASH
     # Pinning (engine.kv_tiers.pins): keep the prompt's full blocks for this many seconds from
-    # when they are cached (0: no pin), and how many of them are pinned so far.
+    # when they are cached (0: no pin), and how many of them are pinned so far; whose pin it is
+    # (the gateway's name for an API key; "": the one owner of requests naming none) and how
+    # many blocks that owner may pin (None: no bound but the engine's).
     pin_ttl_seconds: float = 0.0
     num_pinned_blocks: int = 0
+    pin_owner: str = ""
+    pin_owner_max_blocks: int | None = None
     # The request's name in step plans (engine.core.step_plan): an int, so plans stay numeric.
     seq_id: int = field(init=False)
     # Speculative decoding (engine.spec_decode): the tokens drafted for the next step to verify

@@ -3,9 +3,10 @@ transfers a step owes.
 
 The KV cache manager (engine.core.kv_cache_manager) calls in at four points: a cached block
 evicted from the pool (`evicted`: it gets a host slot, the least recently evicted entry making
-room), a prompt looked up (`holds`), a looked-up block taken (`claim`, then `load` into a fresh
-pool block: it leaves the host tier, so every block lives in one memory tier and the order of
-eviction is one LRU from the pool down), and a block newly registered (`registered`: written
+room, pinned entries last: an unpinned block finding only pinned ones is not kept), a prompt
+looked up (`holds`), a looked-up block taken (`claim`, then `load` into a fresh pool block: it
+leaves the host tier, so every block lives in one memory tier and the order of eviction is one
+LRU from the pool down), and a block newly registered (`registered`: written
 through to disk when there is a disk tier, so a process killed a step later loses nothing). The
 executor's tier store (engine.kv_tiers.store) takes the step's saves and loads before the
 forward (`take_transfers`: saves first, since a block evicted this step may be the one a load
@@ -73,6 +74,9 @@ class TierBook:
         self.offloaded = 0
         # The host tier's KV events (medium MEDIUM_HOST) since the last take_events.
         self._events: list[KVEvent] = []
+        # Whether a hash is pinned (the KV cache manager's pins): the host tier drops a pinned
+        # block only when it holds nothing else.
+        self.pinned: Callable[[bytes], bool] = lambda block_hash: False
 
     @property
     def host_used(self) -> int:
@@ -117,15 +121,24 @@ class TierBook:
             return
         if self._free_slots:
             slot = self._free_slots.pop()
-        elif self._host:
-            dropped, slot = self._host.popitem(last=False)  # the least recently evicted
-            self._events.append(BlockRemoved([dropped], MEDIUM_HOST))
         else:
-            return  # every slot is being loaded from this step
+            dropped = self._victim(self.pinned(block_hash))
+            if dropped is None:
+                return  # every slot is being loaded from this step, or pinned
+            slot = self._host.pop(dropped)
+            self._events.append(BlockRemoved([dropped], MEDIUM_HOST))
         self._host[block_hash] = slot
         self._events.append(BlockStored([block_hash], b"", [], self.block_size, MEDIUM_HOST))
         self._saves[slot] = block
         self.offloaded += 1
+
+    def _victim(self, for_pinned: bool) -> bytes | None:
+        """The entry that makes room: the least recently evicted unpinned one; for a pinned
+        block, failing that, the least recently evicted pinned one."""
+        unpinned = next((h for h in self._host if not self.pinned(h)), None)
+        if unpinned is not None or not for_pinned:
+            return unpinned
+        return next(iter(self._host), None)
 
     def registered(self, block: int, block_hash: bytes) -> None:
         """A block newly registered in the prefix cache: written through to disk."""

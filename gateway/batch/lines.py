@@ -24,6 +24,7 @@ from common.errors import QueueFullError, UnavailableError
 from common.sampling_params import BATCH_PRIORITY
 from gateway.batch.protocol import InputLine, LineError, LineResponse, OutputLine
 from gateway.batch.store import Line, ReadLine, new_id
+from gateway.engines.pinning import set_pin_owner
 from gateway.front.http_errors import error_body, log_failure
 from gateway.front.serving import serve
 from gateway.limits.deadlines import set_deadline
@@ -178,6 +179,7 @@ async def answer(context: LineContext, owner: str, line: Line) -> tuple[bool, Ou
     failure (the engine unavailable or its queue full) is raised instead, for a later try."""
     request_id = new_id("req_")
     set_deadline(time.monotonic() + context.config.request_timeout)
+    set_pin_owner(owner, context.config.max_pinned_gib_per_key)  # its pins are its key's
     try:
         body = await ROUTES[line.url](context, owner, line.body.encode())
     except (UnavailableError, QueueFullError):

@@ -193,7 +193,7 @@ class GenerateStream:
                 pooling,
                 service=current_service_level(),
                 lora_name=current_lora(),
-                pin_ttl_seconds=current_pin(),
+                pin=current_pin(),
             )
         )
 

@@ -37,6 +37,7 @@ from gateway.anthropic import protocol as aapi
 from gateway.anthropic import translate as anthropic
 from gateway.batch import protocol as bapi
 from gateway.batch.service import BatchService, parse_query
+from gateway.engines.pinning import set_pin_owner
 from gateway.front import dashboard, smg
 from gateway.front.http_errors import error_body, error_headers, log_failure
 from gateway.front.openapi import openapi_document
@@ -806,6 +807,8 @@ def guarded(handler: Handler, body_of: ErrorBody = error_body) -> Handler:
             set_service_level(
                 context.access.service_levels.of(request.state.caller, request.headers)
             )
+            # Prefixes it pins count against its key's bound (gateway.engines.pinning).
+            set_pin_owner(context.access.owner(request), context.config.max_pinned_gib_per_key)
             return await handler(request)
         except ClientDisconnect:
             return Response(status_code=499)  # it left while sending its body

@@ -89,9 +89,10 @@ class Access:
         return caller
 
     def owner(self, request: Request) -> str:
-        """Who owns what a caller stores (batch files and jobs), for a request admit_http let
-        in: its API key as a SHA-256 digest (a key keeps what it owns when the key list changes
-        order), or ANONYMOUS_OWNER when no keys are configured."""
+        """Who owns what a caller stores (batch files and jobs; pinned prefixes, named by the
+        digest's first characters), for a request admit_http let in: its API key as a SHA-256
+        digest (a key keeps what it owns when the key list changes order), or ANONYMOUS_OWNER
+        when no keys are configured."""
         key = _presented_key(request)
         if not self.keys or key is None:
             return ANONYMOUS_OWNER

@@ -177,6 +177,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     service=_service_level(request),
                     lora_name=request.lora_name or None,
                     pin_ttl_seconds=request.pin_ttl_seconds,
+                    pin_owner=request.pin_owner,
+                    pin_owner_max_bytes=(
+                        request.pin_owner_max_bytes
+                        if request.HasField("pin_owner_max_bytes")
+                        else None
+                    ),
                 )
         else:
             return False

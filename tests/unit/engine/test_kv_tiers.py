@@ -356,3 +356,70 @@ def test_pins_are_bounded_by_a_share_of_the_pool(llama, caplog):
     assert "lose their pins" in caplog.text
     with pytest.raises(InvalidRequestError, match="pin_ttl_seconds"):
         engine.add_request("bad", SHARED, GREEDY, pin_ttl_seconds=-1)
+
+
+def run_pinned(engine: LLMEngine, rid: str, ids: list[int], **pin) -> None:
+    engine.add_request(rid, ids, GREEDY, pin_ttl_seconds=600, **pin)
+    while engine.has_unfinished:
+        engine.step()
+
+
+def test_pins_are_bounded_per_owner_counting_each_block_once_until_the_ttl(llama, caplog):
+    directory, _ = llama
+    engine = make_engine(directory)  # pins may hold 8 blocks in all
+    clock = engine.kv_cache.pins.clock = Clock()
+    # float32 K and V of 2 layers, 2 KV heads of 16 dimensions, 4 tokens a block.
+    assert engine.executor.kv_block_bytes == 2 * 2 * 2 * 16 * BLOCK * 4
+    four = 4 * engine.executor.kv_block_bytes + 100  # bytes: the bound is 4 whole blocks
+    pins = engine.kv_cache.pins
+    with caplog.at_level(logging.WARNING):
+        run_pinned(engine, "a", SHARED, pin_owner="key-a", pin_owner_max_bytes=four)
+        run_pinned(engine, "b", prompt(16, 12), pin_owner="key-b", pin_owner_max_bytes=four)
+    assert (pins.owned("key-a"), pins.owned("key-b")) == (4, 4)
+    assert "pinned 4 of its 6 prompt blocks" in caplog.text
+    assert "--max-pinned-gib-per-key" in caplog.text and "'key-a'" in caplog.text
+    assert "request b:" not in caplog.text  # key-b within its bound: no warning
+    push_out(engine)
+    # key-a's leading 4 blocks outlive the flood, its last 2 not; key-b's whole prompt does.
+    assert generate(engine, "a again", FOLLOW_UP)[2] == 16
+    assert generate(engine, "b again", [*prompt(16, 12), 5])[2] == 16
+    # Pinning the same prefix again refreshes its TTL and adds nothing.
+    clock.now = 500.0
+    run_pinned(engine, "a twice", SHARED, pin_owner="key-a", pin_owner_max_bytes=four)
+    assert pins.owned("key-a") == 4 and pins.num_pinned == 8
+    # Past the first TTL, before the refreshed one: key-a's pins last, key-b's ended.
+    clock.now = 700.0
+    generate(engine, "tick", prompt(8, 13))  # an allocation takes the ended pins
+    assert (pins.owned("key-a"), pins.owned("key-b")) == (4, 0)
+    # key-b's budget is free again: a new 4-block prompt of its is pinned whole.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        run_pinned(engine, "b new", prompt(16, 14), pin_owner="key-b", pin_owner_max_bytes=four)
+    assert pins.owned("key-b") == 4 and "pinned" not in caplog.text
+
+
+def test_pins_giving_way_move_down_to_the_host_tier_and_stay_there(llama, caplog):
+    """Pins that give way to a long request leave the pool for the host tier, still pinned; a
+    flood that cycles the host tier more than its size over drops unpinned blocks, not them."""
+    directory, _ = llama
+    host_slots = 8
+    engine = make_engine(
+        directory,
+        kv_offload_gib=host_slots * 2 * 2 * 2 * 16 * BLOCK * 4 / 1024**3,
+        kv_offload_format="native",
+    )
+    book = engine.kv_cache.tiers
+    assert book is not None and book.host_blocks == host_slots
+    run_pinned(engine, "pinned", SHARED)
+    pinned_hashes = prefix_block_hashes(SHARED, BLOCK)
+    with caplog.at_level(logging.WARNING):
+        generate(engine, "long", prompt(48, 8))  # 14 blocks: more than the pins leave
+    assert "move down a tier" in caplog.text
+    moved = [h for h in pinned_hashes if book.holds(h)]
+    assert moved and engine.kv_cache.pins.num_pinned == 6
+    offloaded = book.offloaded
+    push_out(engine)
+    assert book.offloaded - offloaded > host_slots  # every unpinned slot was taken again
+    assert all(book.holds(h) for h in moved)
+    assert generate(engine, "pinned again", FOLLOW_UP)[2] == 24
+    assert book.hits["host"] == len(moved)
