@@ -67,15 +67,18 @@ browser:
 # docker-compose.yml run for real (deploy/compose-smoke.sh: build the image, start the three
 # services, check health, restarts, the engine's fast paths and two chat completions), whenever
 # this machine can: with Docker where its daemon answers; else as root with podman, runc and
-# debootstrap from apt and podman-compose in a venv of its own; elsewhere it says why not. A first
-# run builds the base image and the wheelhouse, which later runs reuse.
+# debootstrap from apt (and iptables, which podman's network backend netavark runs to set up the
+# compose network: without it every container fails to start) and podman-compose in a venv of its
+# own; elsewhere it says why not. A first run builds the base image and the wheelhouse, which
+# later runs reuse.
 compose-smoke:
 	@if docker info >/dev/null 2>&1 && docker compose version >/dev/null 2>&1; then \
 		deploy/compose-smoke.sh; \
 	elif [ "$$(id -u)" = 0 ]; then \
-		for tool in podman runc debootstrap; do command -v $$tool >/dev/null || missing=1; done; \
+		for tool in podman runc debootstrap iptables; do command -v $$tool >/dev/null || missing=1; done; \
 		[ -z "$$missing" ] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-			apt-get install -y -qq podman runc netavark aardvark-dns debootstrap >/dev/null; } \
+			apt-get install -y -qq podman runc netavark aardvark-dns iptables debootstrap \
+			>/dev/null; } \
 			|| exit 1; \
 		[ -x $(COMPOSE_VENV)/bin/podman-compose ] || { $(PYTHON) -m venv $(COMPOSE_VENV) \
 			&& $(COMPOSE_VENV)/bin/pip install -q podman-compose==$(PODMAN_COMPOSE_VERSION); } \
