@@ -239,6 +239,7 @@ class LLMEngine:
             stats.spec_num_accepted_tokens = spec.num_accepted_tokens
         if self.kv_cache.tiers is not None:
             stats.kv_tier_hits, stats.kv_tier_usage = self.kv_cache.tiers.report()
+        stats.kv_pinned_blocks = self.kv_cache.num_pinned
         if self.lora is not None:
             self.lora.report(stats, self.scheduler.running, self.scheduler.waiting)
         return stats

@@ -56,6 +56,8 @@ class EngineStats:
     # and the share of capacity in use (their mean).
     kv_tier_hits: dict[str, int] = field(default_factory=dict)
     kv_tier_usage: dict[str, float] = field(default_factory=dict)
+    # Prompt blocks pinned now (summed over the replicas).
+    kv_pinned_blocks: int = 0
     # LoRA adapters: the running and the waiting requests' and the resident ones (the union over
     # the replicas), the slots and requests per adapter (summed).
     running_lora_adapters: list[str] = field(default_factory=list)

@@ -136,6 +136,11 @@ class EngineStatsCollector(Collector):
             ),
             stats.kv_tier_usage,
         )
+        yield GaugeMetricFamily(
+            "folio_kv_pinned_blocks",
+            "Prompt blocks pinned now (the chat cache extension, cache_control), in any tier.",
+            value=stats.kv_pinned_blocks,
+        )
         if stats.max_lora:
             yield _labelled(
                 CounterMetricFamily(

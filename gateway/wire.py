@@ -86,6 +86,7 @@ def engine_stats(stats: engine_pb2.GetStatsResponse) -> EngineStats:
         spec_num_accepted_tokens=stats.spec_num_accepted_tokens,
         kv_tier_hits=dict(stats.kv_tier_hits),
         kv_tier_usage=dict(stats.kv_tier_usage),
+        kv_pinned_blocks=stats.kv_pinned_blocks,
         running_lora_adapters=list(stats.running_lora_adapters),
         waiting_lora_adapters=list(stats.waiting_lora_adapters),
         resident_lora_adapters=list(stats.resident_lora_adapters),

@@ -211,6 +211,12 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self._usable
 
+    @property
+    def num_pinned(self) -> int:
+        """Block hashes pinned now (the pins whose TTL ended are taken first)."""
+        self._unpin_expired()
+        return self.pins.num_pinned
+
     def ref_count(self, block: int) -> int:
         """How many block tables hold `block`."""
         return self._ref_counts[block]

@@ -121,6 +121,8 @@ class EngineStats:
     # start (counted in prefix_cache_hits too), and the share of its capacity in use.
     kv_tier_hits: dict[str, int] = field(default_factory=dict)
     kv_tier_usage: dict[str, float] = field(default_factory=dict)
+    # Prompt blocks pinned now (engine.kv_tiers.pins: each hash once, in any tier).
+    kv_pinned_blocks: int = 0
     # LoRA adapters (engine.lora.registry; empty without them): those of the running and of the
     # waiting requests, those in the model's slots, the slots, requests per adapter since start.
     running_lora_adapters: list[str] = field(default_factory=list)

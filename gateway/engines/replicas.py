@@ -234,6 +234,7 @@ class EnginePool:
                 total.kv_tier_hits[tier] = total.kv_tier_hits.get(tier, 0) + tokens
             for tier, share in answer.kv_tier_usage.items():
                 tier_usage.setdefault(tier, []).append(share)
+            total.kv_pinned_blocks += answer.kv_pinned_blocks
             pool_lora_stats(total, answer)
         if all(isinstance(a, BaseException) for a in answers):
             assert error is not None

@@ -236,6 +236,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             spec_num_accepted_tokens=stats.spec_num_accepted_tokens,
             kv_tier_hits=stats.kv_tier_hits,
             kv_tier_usage=stats.kv_tier_usage,
+            kv_pinned_blocks=stats.kv_pinned_blocks,
             running_lora_adapters=stats.running_lora_adapters,
             waiting_lora_adapters=stats.waiting_lora_adapters,
             resident_lora_adapters=stats.resident_lora_adapters,

@@ -1,8 +1,8 @@
 """Pins bounded per API key through the real gateway, in front of a real engine (a tiny
 SmolLM2-shaped model, prefix caching on): a chat's `cache` extension pins its prompt under an
 owner named by the key's digest, never the key; past --max-pinned-gib-per-key a key's prompt is
-pinned up to the bound while another key's pins stay; without keys every caller is one owner; a
-bad value of the flag is refused at start-up naming it."""
+pinned up to the bound while another key's pins stay; /metrics counts the pinned blocks; without
+keys every caller is one owner; a bad value of the flag is refused at start-up naming it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from common.config import EngineConfig, GatewayConfig
-from gateway_helpers import ENGINE_ARGS, start_gateway
+from gateway_helpers import ENGINE_ARGS, read_metrics, start_gateway
 from grpc_helpers import TIMEOUT, ServerThread
 from services.engine.server import EngineService
 from services.tokenizer.server import TokenizerService
@@ -79,6 +79,9 @@ def test_a_key_past_its_bound_is_clipped_and_another_keys_pins_stay(services, ca
         pinned_chat(server.url, LONG_TEXT, KEYS[0])
         assert pins.owned(owner(KEYS[0])) == BOUND_BLOCKS
         assert pins.owned(KEYS[0]) == 0  # the key itself never names the owner
+        # /metrics counts each pinned block once, whoever pinned it.
+        assert read_metrics(server.url)["folio_kv_pinned_blocks"] == pins.num_pinned
+        assert pins.num_pinned >= BOUND_BLOCKS
     finally:
         server.close()
     assert all(key not in caplog.text for key in KEYS)
