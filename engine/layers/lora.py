@@ -1,18 +1,21 @@
 """Batched LoRA on the linear layers: the base product once for the whole batch, then each
 adapter's low-rank product over its own rows.
 
-`attach_lora` wraps a loaded model's q/k/v, o, gate/up and down linears (qkv_proj, o_proj,
+`LoraSlots` wraps a loaded model's q/k/v, o, gate/up and down linears (qkv_proj, o_proj,
 gate_up_proj, down_proj) in `LoraLinear`, which holds `max_loras` slots of A and B stacked: a
 fused module's shards side by side in A ([slots, shards * max_rank, in]) and block-diagonal in
 B ([slots, out, shards * max_rank], the scaling already in B), ranks below max_rank padded with
-zeros. `LoraSlots` writes an adapter's host weights (engine.lora.adapter) into a slot and, each
-step, says which rows of the batch use which slot: the runner hands it the rows' slots, the
-wrapped layers read the groups. On the CPU each active slot's rows go through two small matmuls
-(a contiguous run of rows as a view, scattered rows gathered and added back); on a GPU the
-segmented shrink/expand Triton kernels (engine.kernels.triton.lora) do every slot in two
-launches. Slot -1 is the base model: its rows get nothing added. This module never reads files
-and never decides which adapter is in which slot (engine.lora.registry does).
-"""
+zeros. `LoraSlots` writes an adapter's host weights (engine.lora.adapter) into a slot, in place,
+and, each step, says which rows of the batch use which slot: the runner hands it the rows'
+slots, the wrapped layers read the step's `LoraGroups`. A step where no row uses an adapter
+adds nothing. On the CPU, decode-sized steps (and steps with many slots active) take every
+slot's product at once over a persistent mask of each row's slot, with no Python loop over
+adapters: what compiled decode programs run (engine.compiled_decode); larger steps with few
+slots active take each active slot's two small matmuls over its rows (a contiguous run of rows
+as a view, scattered rows gathered and added back); on a GPU the segmented shrink/expand
+Triton kernels (engine.kernels.triton.lora) do every slot in two launches. Slot -1 is the base
+model: its rows get nothing added. This module never reads files and never decides which
+adapter is in which slot (engine.lora.registry does)."""
 
 from __future__ import annotations
 
@@ -32,8 +35,11 @@ from engine.models.config import ModelConfig
 
 NO_LORA = -1
 # Steps of at most this many tokens (decode steps, compiled or not) take every slot's product
-# at once (`dense`); larger ones (prompts) take each active slot's own over its rows.
+# at once (`dense`); larger ones (prompts) take each active slot's own over its rows, unless
+# 1 / DENSE_SLOT_SHARE of the slots or more are active: the loop's small products, one pair
+# per active slot per linear, then cost more than the dense one's unused slots.
 DENSE_MAX_TOKENS = 64
+DENSE_SLOT_SHARE = 4
 
 
 @dataclass
@@ -269,26 +275,32 @@ def fill_groups(
     slots: np.ndarray,
     device: torch.device,
     kernels: bool,
-    dense_max_tokens: int = DENSE_MAX_TOKENS,
+    dense: bool | None = None,
 ) -> None:
     """`step` for a step whose row i uses slot slots[i] (-1: the base model). With `kernels`,
-    the rows sorted by slot and the segments the Triton kernels take; else, up to
-    `dense_max_tokens` rows, the mask of every row's slot; else per active slot its rows (a
-    slice where contiguous)."""
+    the rows sorted by slot and the segments the Triton kernels take. Else the mask of every
+    row's slot (a compiled decode program reads it whatever the step's size), and unless the
+    step is `dense` (None: up to DENSE_MAX_TOKENS rows, or many slots active) per active slot
+    its rows (a slice where contiguous)."""
     step.groups.clear()
     step.sorted_rows = step.segments = None
     used = slots != NO_LORA
     step.active = bool(used.any())
-    step.dense = not kernels and len(slots) <= dense_max_tokens
+    step.dense = False
     if not step.active:
         return
-    if step.dense:
+    active = np.unique(slots[used])
+    if not kernels:
         mask = step.mask[: len(slots)]
         mask.zero_()
         (rows,) = np.nonzero(used)
         mask[torch.from_numpy(rows), torch.from_numpy(slots[rows])] = 1
-        return
-    active = np.unique(slots[used])
+        if dense is None:
+            many = len(active) * DENSE_SLOT_SHARE >= step.mask.shape[1]
+            dense = len(slots) <= DENSE_MAX_TOKENS or many
+        step.dense = dense
+        if dense:
+            return
     counts = []
     for slot in active.tolist():
         (rows,) = np.nonzero(slots == slot)

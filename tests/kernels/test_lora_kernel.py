@@ -71,7 +71,7 @@ def test_wrapped_linear_gives_the_same_through_kernels_and_cpu_paths():
         }
         layer.load(slot, shards)
     x = randn(len(MIXED), IN, dtype=torch.float32, seed=6)
-    fill_groups(step, np.array(MIXED), torch.device(DEVICE), kernels=False, dense_max_tokens=0)
+    fill_groups(step, np.array(MIXED), torch.device(DEVICE), kernels=False, dense=False)
     assert not step.dense and step.groups
     cpu_path = layer(x)
     assert_rows_add_their_slots(layer, base, x, cpu_path)
@@ -99,3 +99,17 @@ def assert_rows_add_their_slots(layer: LoraLinear, base: Linear, x, out) -> None
         if slot >= 0:
             want = want + x[row : row + 1] @ layer.lora_a[slot].T @ layer.lora_b[slot].T
         assert_close(out[row : row + 1], want, torch.float32)
+
+
+def test_a_step_too_large_for_the_dense_product_still_writes_the_mask():
+    """A compiled decode program reads the mask whatever the step's size: a step of 100 rows
+    with one slot of 16 active takes the per-slot loop eagerly, and its mask still says which
+    rows use which slot (and nothing of an earlier step's rows)."""
+    step = LoraGroups.sized(100, 16, torch.float32, torch.device(DEVICE))
+    fill_groups(step, np.arange(100) % 16, torch.device(DEVICE), kernels=False)
+    assert step.dense  # every slot active
+    slots = np.full(100, -1)
+    slots[[3, 70]] = 5
+    fill_groups(step, slots, torch.device(DEVICE), kernels=False)
+    assert not step.dense and len(step.groups) == 1
+    assert step.mask.nonzero().tolist() == [[3, 5], [70, 5]]
