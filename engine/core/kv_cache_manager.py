@@ -186,7 +186,7 @@ class KVCacheManager:
         # Counted in hashes: each holds one block per group.
         self.pins = PinBook(int(self._usable * MAX_PINNED_SHARE) // self.num_groups)
         if tiers is not None:
-            tiers.pinned = self.pins.is_pinned
+            tiers.track_pins(self.pins.is_pinned)
         # (group, chained hash) -> the group's block registered under it.
         self._cached: dict[tuple[int, bytes], int] = {}
         self._block_hash: list[tuple[int, bytes] | None] = [None] * num_blocks

@@ -74,9 +74,16 @@ class TierBook:
         self.offloaded = 0
         # The host tier's KV events (medium MEDIUM_HOST) since the last take_events.
         self._events: list[KVEvent] = []
-        # Whether a hash is pinned (the KV cache manager's pins): the host tier drops a pinned
-        # block only when it holds nothing else.
+        # Whether a hash is pinned (`track_pins`): the host tier drops a pinned block only when
+        # it holds nothing else.
         self.pinned: Callable[[bytes], bool] = lambda block_hash: False
+
+    def track_pins(self, pinned: Callable[[bytes], bool]) -> None:
+        """Which hashes are pinned (the KV cache manager's pins): the host tier drops them
+        last, the disk tier deletes their files last."""
+        self.pinned = pinned
+        if self.disk is not None:
+            self.disk.pinned = pinned
 
     @property
     def host_used(self) -> int:

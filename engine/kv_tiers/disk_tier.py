@@ -10,7 +10,8 @@ dtype). Files are written by a background thread into a temporary name and renam
 (atomic on POSIX), so an engine sharing the directory, or one restarted after `kill -9`, never
 sees half a file; a file that fails any check on reading (truncated, corrupt, foreign) is
 skipped with one warning and never served. Disk use is bounded: past the bound the oldest files
-(by modification time; a hit refreshes it) are deleted first.
+(by modification time; a hit refreshes it) are deleted first, those of pinned blocks (this
+engine's pins, `pinned`) last.
 
 Torch-free: payloads are bytes. This module never decides which blocks to keep (engine.kv_tiers.book
 does) and never touches KV tensors (engine.kv_tiers.store does).
@@ -27,6 +28,7 @@ import struct
 import tempfile
 import threading
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,6 +95,9 @@ class DiskTier:
         self.block_bytes = block_bytes
         (self.dir / "fingerprint.json").write_text(json.dumps(identity, sort_keys=True))
         self._lock = threading.Lock()
+        # Whether a hash is pinned (engine.kv_tiers.book.TierBook.track_pins), asked from the
+        # writer thread: a dict lookup, atomic under the GIL.
+        self.pinned: Callable[[bytes], bool] = lambda block_hash: False
         # The index: our fingerprint's files (this engine's and others' found on the way).
         self._files: dict[bytes, _File] = {}
         self._bad: set[bytes] = set()
@@ -252,11 +257,14 @@ class DiskTier:
             self._evict()
 
     def _evict(self) -> None:
-        """Delete the oldest files until within the bound (files other engines wrote into this
-        fingerprint's directory count too: the directory is scanned again first)."""
+        """Delete the oldest files until within the bound, pinned blocks' last (files other
+        engines wrote into this fingerprint's directory count too: the directory is scanned
+        again first)."""
         self._scan()
         with self._lock:
-            oldest = sorted(self._files.items(), key=lambda item: item[1].mtime)
+            oldest = sorted(
+                self._files.items(), key=lambda item: (self.pinned(item[0]), item[1].mtime)
+            )
             total = sum(f.size for f in self._files.values())
             doomed = []
             for block_hash, file in oldest:

@@ -267,6 +267,12 @@ def test_disk_bound_deletes_the_oldest_files_first(tmp_path):
     write(3, 2000)
     left = sorted(p.name for p in disk.dir.glob("*.kv"))
     assert left == sorted(h.hex() + ".kv" for h in (hashes[0], hashes[2], hashes[3]))
+    # A pinned block's file goes last: the oldest, hashes[2], stays; the next oldest goes.
+    disk.pinned = lambda block_hash: block_hash == hashes[2]
+    os.utime(disk.dir / (hashes[2].hex() + ".kv"), (1, 1))
+    write(1, 3000)
+    left = sorted(p.name for p in disk.dir.glob("*.kv"))
+    assert left == sorted(h.hex() + ".kv" for h in (hashes[0], hashes[1], hashes[2]))
 
 
 def test_start_up_refuses_bad_input_naming_the_flag(llama, tmp_path, caplog):
