@@ -141,11 +141,15 @@ class TierBook:
 
     def _victim(self, for_pinned: bool) -> bytes | None:
         """The entry that makes room: the least recently evicted unpinned one; for a pinned
-        block, failing that, the least recently evicted pinned one."""
-        unpinned = next((h for h in self._host if not self.pinned(h)), None)
-        if unpinned is not None or not for_pinned:
-            return unpinned
-        return next(iter(self._host), None)
+        block, failing that, the least recently evicted pinned one. Pinned entries passed over
+        go to the back, as if evicted now (as a parked block in the pool is the most recently
+        used when its pin ends), so the next call does not pass them again."""
+        for _ in range(len(self._host)):
+            oldest = next(iter(self._host))
+            if not self.pinned(oldest):
+                return oldest
+            self._host.move_to_end(oldest)
+        return next(iter(self._host), None) if for_pinned else None
 
     def registered(self, block: int, block_hash: bytes) -> None:
         """A block newly registered in the prefix cache: written through to disk."""

@@ -404,6 +404,26 @@ def test_pins_are_bounded_per_owner_counting_each_block_once_until_the_ttl(llama
     assert pins.owned("key-b") == 4 and "pinned" not in caplog.text
 
 
+def test_the_host_tier_drops_pinned_blocks_last():
+    """Torch-free: a 2-slot host tier makes room with its least recently evicted unpinned block;
+    an unpinned block finding only pinned ones is not kept; a pinned one then takes the oldest."""
+    book = TierBook(host_blocks=2)
+    pinned = {b"h1"}
+    book.track_pins(lambda block_hash: block_hash in pinned)
+    for block, block_hash in enumerate((b"h1", b"h2", b"h3", b"h4")):
+        book.evicted(block, block_hash)
+    assert [book.holds(h) for h in (b"h1", b"h2", b"h3", b"h4")] == [True, False, False, True]
+    pinned.clear()  # its pin ended: the next to go
+    book.evicted(5, b"h5")
+    assert not book.holds(b"h1") and book.holds(b"h4") and book.holds(b"h5")
+    pinned.update({b"h4", b"h5"})
+    book.evicted(6, b"h6")
+    assert not book.holds(b"h6")
+    pinned.add(b"h7")
+    book.evicted(7, b"h7")
+    assert [book.holds(h) for h in (b"h4", b"h5", b"h7")] == [False, True, True]
+
+
 def test_pins_giving_way_move_down_to_the_host_tier_and_stay_there(llama, caplog):
     """Pins that give way to a long request leave the pool for the host tier, still pinned; a
     flood that cycles the host tier more than its size over drops unpinned blocks, not them."""
