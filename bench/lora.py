@@ -6,8 +6,10 @@ streams spread round-robin over 1, 4 and 16 adapters of rank --lora-rank on ever
 gate/up/down (and once with no adapter named, for the wrappers' own cost). It prints output
 tokens/s of each with its ratio to the base model's, and how long loading one adapter takes
 (reading and checking its files into host memory; copying it into a slot is timed apart). The
-adapters are random PEFT-format files written to a temporary --lora-root. A benchmark, not a
-test: it asserts nothing and never runs in the suite.
+adapters are random PEFT-format files written to a temporary --lora-root. Both engines run their
+decode steps compiled on the CPU unless --enforce-eager (the programs are built or loaded when
+each engine starts, before any timing; the line under the figures says how the decode steps
+ran). A benchmark, not a test: it asserts nothing and never runs in the suite.
 """
 
 from __future__ import annotations
@@ -92,6 +94,15 @@ def run_streams(
     return generated / (time.perf_counter() - start)
 
 
+def decode_steps(engine) -> str:
+    """How the engine ran its decode steps, in words."""
+    compiled = getattr(engine.executor, "runner", None)
+    compiled = getattr(compiled, "compiled_decode", None)
+    if compiled is None or not compiled.ready:
+        return "eagerly"
+    return f"compiled ({sum(compiled.rows_run.values())} steps)"
+
+
 def run_lora_benchmark(args: argparse.Namespace) -> None:
     from bench.startup import cpu_description
     from engine.engine import LLMEngine
@@ -123,6 +134,7 @@ def run_lora_benchmark(args: argparse.Namespace) -> None:
             f"adapters of rank {args.lora_rank} on q/k/v/o/gate/up/down"
         )
         base_tps = best(base, [None] * args.streams)
+        base_steps = decode_steps(base)
         base.close()
         print(f"base model alone             {base_tps:8.1f} tok/s   1.00x")
         most = max(counts)
@@ -153,6 +165,7 @@ def run_lora_benchmark(args: argparse.Namespace) -> None:
             names = [f"a{i % count}" for i in range(args.streams)]
             tps = best(lora, names)
             print(f"{count:2d} adapter(s)                 {tps:8.1f} tok/s   {tps / base_tps:.2f}x")
+        print(f"decode steps: base engine {base_steps}, LoRA engine {decode_steps(lora)}")
         lora.close()
         print(
             f"adapter load (files -> host memory, checked): median "
