@@ -232,11 +232,6 @@ class EngineConfig:
         require(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
         require(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         require(
-            not self.lora_enabled or self.tensor_parallel_size == 1,
-            "LoRA adapters (lora_modules, lora_root) are not served with tensor parallelism yet "
-            f"(tensor_parallel_size {self.tensor_parallel_size})",
-        )
-        require(
             self.max_num_batched_tokens >= 1,
             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
         )

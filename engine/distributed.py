@@ -49,8 +49,9 @@ from engine.layers.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
-# Header of every broadcast: [command, payload length].
-STEP, STOP = 1, 2
+# Header of every broadcast: [command, payload length]. LORA: a LoRA adapter goes into a slot
+# (the payload: the slot, then the adapter directory's path in UTF-8, a byte per entry).
+STEP, STOP, LORA = 1, 2, 3
 _HEADER = 2
 # Collectives wait this long: an idle group sits in a broadcast for as long as it is idle, and
 # a dead peer is found by the heartbeats and the closed sockets, not by this timeout.
@@ -139,6 +140,14 @@ class Channel:
         return command, payload
 
 
+def encode_lora(slot: int, path: str) -> np.ndarray:
+    return np.array([slot, *path.encode()], dtype=np.int64)
+
+
+def decode_lora(payload: np.ndarray) -> tuple[int, str]:
+    return int(payload[0]), bytes(payload[1:].astype(np.uint8)).decode()
+
+
 # -- rank 0 -------------------------------------------------------------------------------------
 
 
@@ -223,6 +232,11 @@ class EngineGroup:
 
     def broadcast_plan(self, plan: StepPlan) -> None:
         self.channel.send(STEP, step_plan.encode(plan))
+
+    def broadcast_lora(self, slot: int, path: str) -> None:
+        """Every rank loads the adapter at `path` (already checked by rank 0) into `slot`, its
+        share of it, before the next step."""
+        self.channel.send(LORA, encode_lora(slot, path))
 
     def raise_if_failed(self) -> None:
         if self.failure is not None:

@@ -124,7 +124,14 @@ class ModelExecutor:
         # LoRA adapters' host copies behind the model's slots (engine.lora.host).
         slots = self.runner.lora
         self.lora_backend: LoraBackend | None = (
-            LoraHost(slots, config.max_lora_rank, self.runner.dtype) if slots is not None else None
+            LoraHost(
+                slots,
+                config.max_lora_rank,
+                self.runner.dtype,
+                self.group.broadcast_lora if self.group is not None else None,
+            )
+            if slots is not None
+            else None
         )
         if slots is not None and not config.enforce_eager and self.runner.device.type == "cuda":
             warn_fallback(

@@ -21,12 +21,14 @@ import torch
 from common.config import EngineConfig
 from engine.core import step_plan
 from engine.distributed import (
+    LORA,
     STEP,
     STOP,
     TP_RENDEZVOUS_RETRY_SECONDS,
     Channel,
     beat,
     connect_store,
+    decode_lora,
     engine_info,
     join_group,
     leave_group,
@@ -41,6 +43,7 @@ logger = logging.getLogger(__name__)
 def serve_engine(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
     """Join the engine at master_addr:master_port once and run its steps until it says stop.
     Raises when the engine cannot be reached or the group breaks."""
+    from engine.lora.adapter import load_adapter
     from engine.model_runner import ModelRunner
 
     store = connect_store(master_addr, master_port, rank, world_size, TP_RENDEZVOUS_RETRY_SECONDS)
@@ -74,6 +77,12 @@ def serve_engine(rank: int, world_size: int, master_addr: str, master_port: int)
             command, payload = channel.receive()
             if command == STOP:
                 return
+            if command == LORA and payload is not None and runner.lora is not None:
+                slot, path = decode_lora(payload.cpu().numpy())
+                runner.lora.load(
+                    slot, load_adapter(path, runner.lora.shapes, config.max_lora_rank, runner.dtype)
+                )
+                continue
             if command != STEP or payload is None:
                 raise ValueError(f"unknown command {command} from rank 0")
             plan = step_plan.decode(payload.cpu().numpy())

@@ -212,7 +212,12 @@ class RowParallelLinear(Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce_(linear(x, self.weight, self.packed), self.tp)
+        return self.reduce(linear(x, self.weight, self.packed))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `partial` product (this rank's, anything added to it
+        included), plus the bias."""
+        out = all_reduce_(partial, self.tp)
         return out if self.bias is None else out.add_(self.bias)
 
 

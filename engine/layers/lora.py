@@ -29,7 +29,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.core.step_plan import NewRequestPlan
-from engine.layers.linear import Bf16Tiles, Linear, PackedWeight, linear, pack_weight
+from engine.layers.linear import (
+    Bf16Tiles,
+    Linear,
+    PackedWeight,
+    RowParallelLinear,
+    linear,
+    pack_weight,
+)
+from engine.layers.parallel import CheckpointSlice
 from engine.lora.adapter import LoraWeights, ModuleShape
 from engine.models.config import ModelConfig
 
@@ -100,7 +108,7 @@ class LoraLinear(nn.Module):
 
     def __init__(
         self,
-        base: nn.Module,
+        base: Linear,
         shape: ModuleShape,
         max_loras: int,
         max_rank: int,
@@ -108,8 +116,20 @@ class LoraLinear(nn.Module):
         device: torch.device,
         step: LoraGroups,
     ) -> None:
+        """`shape` is the whole module's (an adapter's); with tensor parallelism the slots hold
+        this rank's share, as `base` does: of B's rows of each shard for a column-parallel
+        layer, of A's columns for a row-parallel one (whose partial products, the adapter's
+        included, the base layer's all-reduce sums)."""
         super().__init__()
         self.base = base
+        self.row_slices: list[CheckpointSlice] | None = base.checkpoint_rows
+        self.column_slice: CheckpointSlice | None = None
+        if isinstance(base, RowParallelLinear):
+            self.column_slice = base.checkpoint_columns
+        shape = ModuleShape(
+            shape.in_features if self.column_slice is None else self.column_slice.count,
+            tuple(base.output_sizes),
+        )
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.shard_offsets = np.cumsum((0, *shape.shard_rows)).tolist()
@@ -135,6 +155,12 @@ class LoraLinear(nn.Module):
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         for shard, (a, b) in shards.items():
+            if self.column_slice is not None:
+                held = self.column_slice
+                a = a[:, held.start : held.start + held.count]
+            if self.row_slices is not None:
+                rows_held = self.row_slices[shard]
+                b = b[rows_held.start : rows_held.start + rows_held.count]
             cols = slice(shard * self.max_rank, shard * self.max_rank + a.shape[0])
             rows = slice(self.shard_offsets[shard], self.shard_offsets[shard + 1])
             self.lora_a[slot, cols].copy_(a)
@@ -155,10 +181,18 @@ class LoraLinear(nn.Module):
             copy_packed(dense_b, packed_b, block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
         step = self.step
         if not step.active:
-            return out
+            return self.base(x)
+        base = self.base
+        if isinstance(base, RowParallelLinear):
+            # The adapter's partial product joins the base layer's before the all-reduce.
+            return base.reduce(self._add(x, linear(x, base.weight, base.packed)))
+        return self._add(x, base(x))
+
+    def _add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` plus each row's slot's low-rank product."""
+        step = self.step
         if step.segments is not None:
             from engine.kernels.triton.lora import lora_expand, lora_shrink
 

@@ -1,10 +1,14 @@
 """The model executor's side of LoRA (engine.lora.registry's LoraBackend): adapters' weights in
 host memory, read and checked once (engine.lora.adapter), copied into the model's slots
-(engine.layers.lora) when the registry gives one a slot. It never decides which adapter gets a
-slot, and never copies into a slot a running request uses (the registry guarantees it).
+(engine.layers.lora) when the registry gives one a slot; with tensor parallelism it has every
+other rank load the adapter into that slot too (`broadcast`: each reads the files itself and
+keeps its share). It never decides which adapter gets a slot, and never copies into a slot a
+running request uses (the registry guarantees it).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -13,17 +17,28 @@ from engine.lora.adapter import LoraWeights, load_adapter
 
 
 class LoraHost:
-    def __init__(self, slots: LoraSlots, max_rank: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        slots: LoraSlots,
+        max_rank: int,
+        dtype: torch.dtype,
+        broadcast: Callable[[int, str], None] | None = None,
+    ) -> None:
         self.slots = slots
         self.max_rank = max_rank
         self.dtype = dtype
-        self.adapters: dict[int, LoraWeights] = {}
+        self.broadcast = broadcast
+        self.adapters: dict[int, tuple[str, LoraWeights]] = {}
 
     def load_lora(self, adapter_id: int, path: str) -> None:
-        self.adapters[adapter_id] = load_adapter(path, self.slots.shapes, self.max_rank, self.dtype)
+        weights = load_adapter(path, self.slots.shapes, self.max_rank, self.dtype)
+        self.adapters[adapter_id] = path, weights
 
     def drop_lora(self, adapter_id: int) -> None:
         del self.adapters[adapter_id]
 
     def activate_lora(self, slot: int, adapter_id: int) -> None:
-        self.slots.load(slot, self.adapters[adapter_id])
+        path, weights = self.adapters[adapter_id]
+        if self.broadcast is not None:
+            self.broadcast(slot, path)
+        self.slots.load(slot, weights)

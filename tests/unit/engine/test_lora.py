@@ -157,6 +157,23 @@ def test_compiled_decode_with_adapters_matches_transformers_with_peft(models):
     assert got == want
 
 
+def test_tensor_parallel_serves_adapters_as_one_rank(models):
+    """Two ranks, each holding its share of the slots (B's rows of column-parallel layers, A's
+    columns of row-parallel ones): base and three adapters through two slots, so the second
+    rank loads adapters into slots between steps, give transformers + peft's greedy tokens
+    (those of one rank, test_mixed_batch_matches_transformers_with_peft)."""
+    root, base_dir, reference, oracles = models
+    engine = engine_for(root, base_dir, 2, tensor_parallel_size=2)
+    try:
+        got = run(engine, {f"r{i}": (PROMPTS[i], LORAS[i]) for i in range(4)})
+        assert engine.lora is not None and engine.lora.num_swaps >= 1
+    finally:
+        engine.close()
+    oracle = {None: reference} | oracles
+    want = {f"r{i}": hf_greedy(oracle[LORAS[i]], PROMPTS[i], GREEDY.max_tokens) for i in range(4)}
+    assert got == want
+
+
 @pytest.fixture(scope="module")
 def served(models, tmp_path_factory):
     """An engine with --lora-root over the adapters' directory."""
