@@ -18,8 +18,10 @@ whose rows use no adapter (the base model's program) and one for steps with adap
 reads the slots' step mask and weights, persistent tensors updated in place (an adapter loaded
 into a slot is seen by the next step's program). Compiling is a speed-up, never a condition
 of serving: if it fails (no C++ compiler, an inductor error), at start-up, in the background
-or in a later step, one warning says why and decode steps run eagerly from then on. Prefill and
-mixed steps run eagerly.
+or in a later step, one warning says why and decode steps run eagerly from then on. A step that
+only verifies speculative drafts (engine.spec_decode) runs its tokens as one-token rows, each the
+decode of a context ending at itself, through the same programs and under the same rules.
+Prefill and mixed steps run eagerly.
 `--enforce-eager` turns all of this off. This module never builds a real step's inputs (the
 model runner does) and is never used with a GPU, the Triton backend or tensor parallelism.
 """
@@ -84,6 +86,17 @@ def give_up(error: BaseException | str) -> None:
     )
 
 
+def max_rows(config: EngineConfig) -> int:
+    """The most rows a compiled step has: a request each, or with speculative decoding its
+    last token and drafts each (a verification step runs as one-token rows), within the
+    step's token budget."""
+    spec = config.speculative
+    per_request = 1 if spec is None else 1 + spec.num_speculative_tokens
+    return min(
+        config.max_num_seqs * per_request, max(config.max_num_seqs, config.max_num_batched_tokens)
+    )
+
+
 class BuildFailed(Exception):
     """The build process failed; its message is the reason it gave, in one line."""
 
@@ -116,7 +129,7 @@ class CompiledDecode:
             config.quantization,
             config.attention_backend,
             torch.get_num_threads(),
-            program_sizes(self.model, config.max_num_seqs),
+            program_sizes(self.model, max_rows(config)),
             None if lora is None else (lora.max_loras, lora.max_rank, len(lora.step.mask)),
         )
         # Set once, when every program is ready: a step reads it once (the switch-over).
@@ -128,8 +141,9 @@ class CompiledDecode:
         self.origin: str | None = None
         # Decode steps run compiled, by batch size.
         self.rows_run: collections.Counter[int] = collections.Counter()
-        # Of those, the steps with LoRA adapters in them.
+        # Of those, the steps with LoRA adapters in them, and those that verified drafts.
         self.adapter_steps_run = 0
+        self.verify_steps_run = 0
         self.done = threading.Event()  # ready, or given up
         if config.decode_compile == "background":
             logger.info(
@@ -156,9 +170,12 @@ class CompiledDecode:
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        verify: bool = False,
     ) -> torch.Tensor | None:
         """The step's hidden states through its program; None while there are no programs
-        yet, or none for this batch size (the caller runs the step eagerly)."""
+        yet, or none for this batch size (the caller runs the step eagerly). `meta` has one
+        query token a row: a decode step's, or a verification step's as one-token rows
+        (`verify`; engine.spec_decode.verify.as_decode_rows)."""
         programs = self._programs
         if programs is None:
             return None
@@ -180,6 +197,7 @@ class CompiledDecode:
             hidden = program(self.model, input_ids, positions)
         self.rows_run[rows] += 1
         self.adapter_steps_run += active
+        self.verify_steps_run += verify
         return hidden
 
     def _pick(self, programs: list[Any], input_ids: torch.Tensor, positions: torch.Tensor) -> Any:

@@ -3,7 +3,8 @@
 Owns the model weights and the paged KV cache tensors. Inputs are written into persistent
 host buffers (numpy views over torch tensors, so no per-step allocation of the big arrays)
 and, on a GPU, copied once per step into persistent device buffers; decode-only steps replay
-a captured CUDA graph on a GPU and run a compiled program on the CPU. Only the rows that will
+a captured CUDA graph on a GPU and run a compiled program on the CPU, where a step that only
+verifies speculative drafts runs one too (its tokens as one-token rows). Only the rows that will
 be sampled, and the prompt positions of requests that asked for prompt logprobs, are
 projected to logits; the hidden states of embedding requests go to the pooler (engine.pooler).
 It reads only the plain-data step plan (engine.core.step_plan), never a live Request: the requests'
@@ -41,7 +42,7 @@ from engine.models.config import ModelConfig
 from engine.models.gguf_metadata import file_quantization
 from engine.models.loader import load_model
 from engine.pooler import Pooler, PoolSlice
-from engine.spec_decode.verify import sampled_rows, write_drafts
+from engine.spec_decode.verify import as_decode_rows, sampled_rows, write_drafts
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -114,6 +115,9 @@ class ModelInput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # The embedding requests' new tokens (rank 0 only), in batch order.
     pool_slices: list[PoolSlice] = field(default_factory=list)
+    # A step that only verifies drafts, as one-token rows for the compiled decode programs
+    # (engine.spec_decode.verify.as_decode_rows); None otherwise, or without programs.
+    decode_rows: AttentionMetadata | None = None
 
 
 @dataclass
@@ -304,6 +308,9 @@ class ModelRunner:
         )
         if num_groups > 1:
             meta.layer_metas = self._group_metas(meta, entry, first_entries, positions, cols)
+        decode_rows = None
+        if self.compiled_decode is not None and plan.num_spec_tokens:
+            decode_rows = as_decode_rows(plan, meta, entry, positions, tables)
         return ModelInput(
             input_ids=self.input_ids.upload(num_tokens),
             positions=self.positions.upload(num_tokens),
@@ -313,6 +320,7 @@ class ModelRunner:
             graph_size=graph_size,
             block_copies=plan.block_copies,
             pool_slices=pool_slices,
+            decode_rows=decode_rows,
         )
 
     def _group_metas(
@@ -390,7 +398,10 @@ class ModelRunner:
             hidden = self.graphs.replay(model_input.graph_size)
         else:
             hidden = self.run_model(
-                model_input.input_ids, model_input.positions, model_input.attn_metadata
+                model_input.input_ids,
+                model_input.positions,
+                model_input.attn_metadata,
+                model_input.decode_rows,
             )
         pooled = None
         if self.pooler is not None and model_input.pool_slices:
@@ -403,11 +414,21 @@ class ModelRunner:
         return ForwardOutput(logits, pooled)
 
     def run_model(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        decode_rows: AttentionMetadata | None = None,
     ) -> torch.Tensor:
-        if self.compiled_decode is not None and meta.num_decodes == meta.num_reqs:
+        """The step's hidden states: a decode-only step, or one that only verifies drafts
+        (`decode_rows`: its tokens as one-token rows), through a compiled program where there is
+        one; any other step eagerly."""
+        compiled = meta if meta.num_decodes == meta.num_reqs else decode_rows
+        if self.compiled_decode is not None and compiled is not None:
             try:
-                hidden = self.compiled_decode(input_ids, positions, self.kv_caches, meta)
+                hidden = self.compiled_decode(
+                    input_ids, positions, self.kv_caches, compiled, verify=decode_rows is not None
+                )
             except Exception as error:  # an optional speed-up: see engine.fallback
                 # The eager run below writes the same KV slots the failed program may have.
                 self.compiled_decode = None

@@ -13,7 +13,9 @@ greedy request's are the tokens it gets without speculation.
 
 Draws use the request's own generator when it is seeded, else this verifier's. Only requests
 whose distributions do not depend on their own drafts ever draft (engine.spec_decode.drafter),
-so one row's parameters hold for all k + 1. It never schedules and never changes a request.
+so one row's parameters hold for all k + 1. A step that only verifies can also run as one-token
+rows (`as_decode_rows`), so that the CPU's compiled decode programs take it. It never schedules
+and never changes a request.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from engine.attention.metadata import AttentionMetadata
 from engine.core.outputs import Logprobs, SamplerOutput
 from engine.core.request import Request
 from engine.core.step_plan import StepPlan
@@ -51,6 +54,41 @@ def sampled_rows(ends: np.ndarray, plan: StepPlan) -> np.ndarray:
     first = np.cumsum(counts) - counts
     within = np.arange(int(counts.sum())) - np.repeat(first, counts)
     return np.repeat(ends - 1 - spec, counts) + within * np.repeat(spec > 0, counts)
+
+
+def as_decode_rows(
+    plan: StepPlan,
+    meta: AttentionMetadata,
+    entry: np.ndarray,
+    positions: np.ndarray,
+    tables: np.ndarray,
+) -> AttentionMetadata | None:
+    """A verification step (every entry a running request's last known token and its drafts,
+    no prompt chunk) as one-token rows: each flat token the decode of a context ending at
+    itself, through its entry's block table. That is the metadata a compiled decode program's
+    attention reads (engine.compiled_decode), and what a verifying entry's tokens attend to
+    anyway: every new K/V is written before any token attends. None for any other step.
+    `entry` and `positions`: each flat token's batch entry and position; `tables`: the step's
+    block tables (one KV group), a row per entry, meta's columns."""
+    if not plan.num_spec_tokens or any(
+        n != 1 + k for n, k in zip(plan.num_new_tokens, plan.num_spec_tokens, strict=True)
+    ):
+        return None
+    num_tokens = len(positions)
+    device = meta.seq_lens.device
+    seq_lens = positions.astype(np.int32) + 1
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping,
+        query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.from_numpy(seq_lens).to(device),
+        block_tables=torch.from_numpy(tables[entry, : meta.block_tables.shape[1]]).to(device),
+        query_lens_cpu=[1] * num_tokens,
+        seq_lens_cpu=seq_lens.tolist(),
+        num_decodes=num_tokens,
+        max_query_len=1,
+        max_seq_len=meta.max_seq_len,
+        block_size=meta.block_size,
+    )
 
 
 class Verifier:

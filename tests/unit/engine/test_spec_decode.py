@@ -2,7 +2,8 @@
 ngram proposer; greedy tokens with drafts equal those without (tiny model: chunked prefill,
 preemption, n = 2, a stop token, logprobs; the default model on copy-heavy prompts); rejected drafts
 leave no block, hash or KV event behind; sampled tokens keep their distribution (chi-square);
-the served usage and /metrics count drafts."""
+the served usage and /metrics count drafts; verification steps run the compiled CPU decode
+programs, with the same greedy tokens."""
 
 from __future__ import annotations
 
@@ -274,6 +275,25 @@ def test_default_model_greedy_equal_on_copy_heavy_prompts(smollm2):
     expected, got = plain.generate(COPY_PROMPTS, params), spec.generate(COPY_PROMPTS, params)
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     assert sum(r.num_accepted_tokens for r in got) > 0
+
+
+def test_verification_steps_run_compiled_with_the_greedy_tokens_of_compiled_decode(tiny):
+    """With compiled CPU decode, a step that only verifies drafts runs its tokens through the
+    compiled programs as one-token rows (counted apart), and the greedy tokens equal those of
+    the compiled engine without speculation, through chunked prompts and preemption."""
+    prompts = repetitive_prompts(5)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    compiled = dict(enforce_eager=False, decode_compile="startup")
+    plain, spec = engine_on(tiny, None, **compiled), engine_on(tiny, NGRAM, **compiled)
+    expected, got = run(plain, prompts, params), run(spec, prompts, params)
+    assert got == expected
+    programs = spec.executor.runner.compiled_decode
+    assert programs is not None and programs.ready
+    assert programs.verify_steps_run > 0
+    # Verification rows: each request's last token and its drafts, more rows than requests.
+    assert max(programs.rows_run) > len(prompts)
+    stats = spec.stats()
+    assert stats.num_preemptions > 0 and stats.spec_num_accepted_tokens > 0
 
 
 def test_served_usage_and_vllm_metrics_count_drafts(tiny):
