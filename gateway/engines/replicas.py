@@ -31,7 +31,7 @@ from gateway.engines.clients import EngineClient
 from gateway.engines.lora import current_lora
 from gateway.engines.routing import Decision, PrefixIndex, ReplicaLoad, RoutingPolicy
 from gateway.engines.session import ReplicaSession
-from gateway.messages import EngineModel, EngineStats, KvEventBatch
+from gateway.messages import EngineModel, EngineStats, KvEventBatch, StepOutput
 from gateway.metrics import Metrics
 from gateway.pipeline.output_processor import TrackedRequest
 
@@ -54,12 +54,20 @@ class Replica:
     in_flight: int = 0  # requests placed here that have not been released
     stats: EngineStats | None = None  # its latest GetStats answer
     placed_since_stats: int = 0  # requests placed here since `stats` came
-    tokens_since_stats: int = 0  # and their prompt tokens
+    # Of those, the ones without a first output yet: request id -> the prompt tokens the
+    # replica has to compute for it (those its prefix cache holds not counted). Its first
+    # output says its prefill is done: counted until then, its tokens would make a replica
+    # that serves a conversation's turns look busy for a whole poll after it computed them.
+    prefilling: dict[str, int] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         """Its label in metrics and logs."""
         return self.client.address
+
+    @property
+    def tokens_since_stats(self) -> int:
+        return sum(self.prefilling.values())
 
     def load(self, token_budget: int, lora_name: str | None = None) -> ReplicaLoad:
         """What the engine reports, not this gateway's own in-flight count: the workers of a
@@ -88,7 +96,13 @@ class Replica:
         """The engine's latest answer (None: none to trust); it counts what was placed so far."""
         self.stats = stats
         self.placed_since_stats = 0
-        self.tokens_since_stats = 0
+        self.prefilling.clear()
+
+    def progressed(self, outputs: Sequence[StepOutput]) -> None:
+        """A step's outputs from this replica: their requests' prefills are done."""
+        if self.prefilling:
+            for output in outputs:
+                self.prefilling.pop(output.request_id, None)
 
 
 @dataclass(eq=False)
@@ -135,6 +149,7 @@ class EnginePool:
                 metrics,
                 retry=functools.partial(self._retry, failed=replica),
                 on_broken=functools.partial(self._lost, replica, "its Generate stream broke"),
+                on_outputs=replica.progressed,
             )
             metrics.replica_routed.labels(replica.name)  # 0 until its first request
             self._set_healthy(replica, True)
@@ -269,19 +284,22 @@ class EnginePool:
     def _place(
         self, request: TrackedRequest, placement: _Placement, candidates: list[Replica]
     ) -> None:
-        replica = self._choose(request, candidates)
+        replica, matched_blocks = self._choose(request, candidates)
         placement.replica = replica
         placement.tried.add(replica.index)
         self._placements[request] = placement
         replica.in_flight += 1
         replica.placed_since_stats += 1
-        replica.tokens_since_stats += len(request.text.prompt_ids)
+        # What it will compute: the prompt less the leading blocks it was found to hold.
+        cached = matched_blocks * (self._block_size or 0)
+        replica.prefilling[request.request_id] = max(0, len(request.text.prompt_ids) - cached)
         self._metrics.replica_routed.labels(replica.name).inc()
         replica.session.submit(request, placement.params, placement.priority)
 
-    def _choose(self, request: TrackedRequest, candidates: list[Replica]) -> Replica:
+    def _choose(self, request: TrackedRequest, candidates: list[Replica]) -> tuple[Replica, int]:
+        """The replica for `request`, and how many leading blocks of its prompt it holds."""
         if len(candidates) == 1:
-            return candidates[0]
+            return candidates[0], 0
         hashes = (
             prefix_block_hashes(request.text.prompt_ids, self._block_size)
             if self._block_size and self.policy.name == "cache_aware"
@@ -302,7 +320,7 @@ class EnginePool:
                 chosen.name,
                 decision.reason,
             )
-        return chosen
+        return chosen, decision.matched_blocks
 
     def _retry(self, request: TrackedRequest, failed: Replica) -> bool:
         """A request the failed replica lost before its first token: once more elsewhere."""

@@ -53,7 +53,9 @@ MEDIUM_POOL, MEDIUM_HOST = "GPU", "CPU"  # the KV events' mediums (engine.core.k
 class ReplicaLoad:
     """What a replica has on its hands: what the engine last said (GetStats) it runs and
     queues, with its KV cache usage, and the requests this gateway sent it since that answer
-    (which the answer could not count yet: `unreported`, their prompts' `unreported_tokens`);
+    (which the answer could not count yet: `unreported`; `unreported_tokens`: the prompt
+    tokens it still has to compute for those without a first output yet, what its prefix
+    cache was found to hold not counted);
     what it said of its step times, and its sizes (0: unknown)."""
 
     unreported: int = 0

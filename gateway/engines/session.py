@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from common.errors import UnavailableError
 from common.sampling_params import SamplingParams
 from gateway.engines.clients import EngineClient, GenerateStream
+from gateway.messages import StepOutput
 from gateway.metrics import Metrics
 from gateway.pipeline.output_processor import (
     OutputProcessingError,
@@ -41,12 +42,15 @@ class ReplicaSession:
         metrics: Metrics,
         retry: RetryHook,
         on_broken: Callable[[], None],
+        on_outputs: Callable[[Sequence[StepOutput]], None] | None = None,
     ) -> None:
         """`retry`: offered each request a broken stream had not started; `on_broken`: told
-        when the stream breaks, before its requests fail."""
+        when the stream breaks, before its requests fail; `on_outputs`: given each step's
+        outputs once processed."""
         self.client = client
         self.processor = OutputProcessor(self._abort, metrics, retry)
         self._on_broken = on_broken
+        self._on_outputs = on_outputs
         self._stream: GenerateStream | None = None
         self._reader: asyncio.Task[None] | None = None
         # Generate streams that broke (the engine died or restarted): what the gateway learnt
@@ -76,6 +80,8 @@ class ReplicaSession:
             async with contextlib.aclosing(stream.steps()) as steps:
                 async for outputs in steps:
                     self.processor.process_outputs(outputs)
+                    if self._on_outputs is not None:
+                        self._on_outputs(outputs)
         except Exception as exc:
             logger.exception("engine %s: processing the Generate stream failed", stream.address)
             error = OutputProcessingError(f"processing the engine's outputs failed: {exc}")

@@ -16,6 +16,7 @@ import pytest
 import polling
 from common.config import EngineConfig, GatewayConfig
 from engine.simulated import StepCostModel, simulated_engine
+from gateway.engines import replicas as replicas_module
 from gateway_helpers import GatewayThread, read_metrics
 from grpc_helpers import TIMEOUT, ServerThread
 from services.engine.server import EngineService
@@ -101,6 +102,59 @@ def test_cache_aware_keeps_a_conversation_on_the_replica_holding_its_prefix(
                 assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
         hits = replica_series(gateway.url, "folio_replica_prefix_cache_hits_total")
         assert hits[first] > 0 and sum(hits.values()) == hits[first]
+    finally:
+        gateway.close()
+        for engine in engines:
+            engine.close()
+
+
+# Prefill tokens that cost something, so that where a prompt's tokens are counted matters.
+COSTED_PREFILL = StepCostModel(
+    fixed_seconds=0.002, prefill_token_seconds=0.0005, decode_sequence_seconds=0.0
+)
+
+
+def test_a_conversation_stays_on_its_replica_between_load_polls(
+    default_model_dir, tokenizer_address, monkeypatch
+):
+    # The load polls come seldom (as on a loaded machine, against turns that take
+    # milliseconds): the earlier turns, placed since the last poll and long computed, must not
+    # count as prefill still queued there, nor their cached prefixes as tokens to compute.
+    monkeypatch.setattr(replicas_module, "MONITOR_SECONDS", 3600.0)
+    config = engine_config(default_model_dir)
+    engines = [
+        ServerThread(s) for s in simulated_services(config, COSTED_PREFILL, "127.0.0.1", 0, 2)
+    ]
+    gateway = GatewayThread(
+        [f"127.0.0.1:{e.port}" for e in engines],
+        tokenizer_address,
+        GatewayConfig(routing_policy="cache_aware"),
+    )
+    try:
+        pool = gateway.server.gateway.engine
+        wait_until(lambda: all(r.stats for r in pool.replicas), "the first load poll")
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi!"}]
+        indexed = 0
+        for turn in range(4):
+            answer = chat(gateway.url, messages, max_tokens=8)
+            # Read in the gateway, not on /metrics: that asks GetStats, a poll.
+            placed = [r.placed_since_stats for r in pool.replicas]
+            assert sorted(placed) == [0, turn + 1], placed  # every turn on the same replica
+            [holder] = [r for r in pool.replicas if r.placed_since_stats]
+            assert holder.tokens_since_stats == 0  # every prefill is done
+            wait_until(
+                lambda holder=holder, indexed=indexed: (
+                    pool.index.num_blocks(holder.index) > indexed
+                ),
+                "the KV events of the turn",
+            )
+            indexed = pool.index.num_blocks(holder.index)
+            messages += [
+                {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+                {"role": "user", "content": f"And what about question {turn}?"},
+            ]
+            if turn:
+                assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
     finally:
         gateway.close()
         for engine in engines:
