@@ -89,6 +89,7 @@ class Replica:
             num_kv_blocks=stats.num_kv_blocks,
             block_size=stats.block_size,
             token_budget=token_budget,
+            measured_steps=stats.num_steps,
             adapter_resident=lora_name is not None and lora_name in stats.resident_lora_adapters,
         )
 

@@ -12,12 +12,13 @@ block hashes, the index and each replica's load:
   tokens queued there and not computed yet, plus this prompt's tokens that replica does not
   hold in its prefix cache (a block its host tier holds counts HOST_BLOCK_COST of a block to
   compute: it is loaded, not computed), at that replica's measured prefill rate, plus the steps
-  its decoding sequences stretch; a replica whose KV cache could not hold that work without
-  preempting is avoided (a hard limit) while another can. Expected times within a step of the
-  best are a tie, won by the replica holding the most leading blocks (in its pool, then in its
-  host tier), then by one where the request's LoRA adapter is resident (in a slot: no swap
-  before it runs), then the least loaded. Engines that do
-  not report step timings are weighed by request counts as before: replicas over the load
+  its decoding sequences stretch (a replica that has run too few steps for its timings to be
+  its own is timed at the scale of the one that ran the most); a replica whose KV cache could
+  not hold that work without preempting is avoided (a hard limit) while another can. Expected
+  times within a step of the best are a tie, won by the replica holding the most leading
+  blocks (in its pool, then in its host tier), then by one where the request's LoRA adapter is
+  resident (in a slot: no swap before it runs), then the least loaded. Engines that do not
+  report step timings are weighed by request counts as before: replicas over the load
   threshold skipped, the longest worthwhile prefix, ties to a replica with the adapter resident,
   then to the least loaded; with no worthwhile prefix, among the replicas under the threshold
   those with the adapter resident first.
@@ -28,6 +29,7 @@ for the debug log.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -46,6 +48,11 @@ MIN_MATCH_SHARE = 0.25
 # (a copy, and on the CPU a dequantization, against a forward through every layer): a replica
 # holding a prefix there is scored between one holding it in the pool and one holding nothing.
 HOST_BLOCK_COST = 0.1
+# cache_aware: an engine's step timings are its step cost model rescaled to the steps it
+# measured, over about the last 50 (engine/core/step_cost.py); until it has run this many it
+# still reports mostly the model it started from, which may be several times off (a fresh
+# replica looked 3x slower than a busy one in bench routing and got no request at all).
+SETTLED_STEPS = 100
 MEDIUM_POOL, MEDIUM_HOST = "GPU", "CPU"  # the KV events' mediums (engine.core.kv_events)
 
 
@@ -69,6 +76,7 @@ class ReplicaLoad:
     num_kv_blocks: int = 0
     block_size: int = 0
     token_budget: int = 0  # max_num_batched_tokens
+    measured_steps: int = 0  # steps the engine has run (and timed) since it started
     # The request's LoRA adapter sits in one of its slots (False for base-model requests).
     adapter_resident: bool = False
 
@@ -76,6 +84,16 @@ class ReplicaLoad:
     def timed(self) -> bool:
         """Whether the engine reports step timings to estimate with."""
         return self.decode_step_seconds > 0
+
+    def timed_like(self, reference: ReplicaLoad) -> ReplicaLoad:
+        """This load with its step timings at `reference`'s scale (the same model measured
+        there; its own decode load kept)."""
+        scale = reference.prefill_token_seconds / self.prefill_token_seconds
+        return dataclasses.replace(
+            self,
+            prefill_token_seconds=reference.prefill_token_seconds,
+            decode_step_seconds=self.decode_step_seconds * scale,
+        )
 
     def expected_ttft(self, new_tokens: int) -> float:
         """Seconds until the first token of a request with `new_tokens` uncached prompt tokens
@@ -232,6 +250,23 @@ def _adapter_note(replica: int, loads: Mapping[int, ReplicaLoad]) -> str:
     )
 
 
+def _settled(
+    candidates: Sequence[int], loads: Mapping[int, ReplicaLoad]
+) -> Mapping[int, ReplicaLoad]:
+    """`loads` whose timings compare: a replica that has not run SETTLED_STEPS steps is timed
+    at the scale of the candidate that ran the most, when that one has (the replicas of one
+    gateway serve one model)."""
+    reference = max((loads[r] for r in candidates), key=lambda load: load.measured_steps)
+    if reference.measured_steps < SETTLED_STEPS or not reference.prefill_token_seconds:
+        return loads
+    return {
+        r: load.timed_like(reference)
+        if load.measured_steps < SETTLED_STEPS and load.prefill_token_seconds
+        else load
+        for r, load in loads.items()
+    }
+
+
 @dataclass
 class LeastLoad:
     name: str = "least_load"
@@ -275,6 +310,7 @@ class CacheAware:
         index: PrefixIndex,
         loads: Mapping[int, ReplicaLoad],
     ) -> Decision:
+        loads = _settled(candidates, loads)
         held = index.match_tiers(block_hashes)
 
         def new_tokens(replica: int) -> int:

@@ -137,6 +137,29 @@ def test_cache_aware_prefers_the_prefix_when_within_a_step():
     assert decision.replica == 0 and decision.matched_blocks == 8
 
 
+def test_a_replica_too_fresh_for_its_own_timings_is_timed_like_the_one_that_ran_most():
+    # Replica 0 has run (and timed) 500 steps; replica 1 none: what it reports is the step
+    # cost model it started from, 3x off either way.
+    settled = dict(measured_steps=500)
+    # Slower than it is: replica 0, 72 tokens of prefill in two steps (112 ms) would win
+    # against 156 ms, though replica 1 computes the prompt in one step (52 ms).
+    loads = {
+        0: timed(queued_prefill_tokens=40, **settled),
+        1: timed(prefill_token_seconds=0.003, decode_step_seconds=0.06),
+    }
+    decision = CacheAware().choose([0, 1], HASHES, PrefixIndex(), loads)
+    assert decision.replica == 1 and "expected in 52 ms" in decision.reason
+    # Faster than it is: replica 0 holds the whole prompt (a step and 10 queued tokens, 90
+    # ms); replica 1 would seem to compute it in 52 ms, but takes 156.
+    slow = dict(prefill_token_seconds=0.003, decode_step_seconds=0.06)
+    loads = {0: timed(queued_prefill_tokens=10, **slow, **settled), 1: timed()}
+    decision = CacheAware().choose([0, 1], HASHES, index_with({0: 8}), loads)
+    assert decision.replica == 0 and decision.matched_blocks == 8
+    # With no replica settled yet, each one's own timings are all there is.
+    loads = {0: timed(queued_prefill_tokens=10, **slow, measured_steps=50), 1: timed()}
+    assert CacheAware().choose([0, 1], HASHES, index_with({0: 8}), loads).replica == 1
+
+
 def test_cache_aware_avoids_a_replica_that_would_have_to_preempt():
     # Replica 0 is soonest but its KV cache is nearly full: 32 more tokens (8 blocks) of 1,000
     # would go over.
