@@ -6,7 +6,8 @@ explanations). Each runs at each stream count (requests in flight at once: 1, 16
 without speculation and on one per --methods entry (all loaded at once, taking turns on each
 workload), greedy, and prints output tokens/s, the mean time per output token (TPOT) of the
 requests, the acceptance (accepted / drafted tokens), the ratio of tokens/s to the engine
-without speculation, and whether the greedy tokens are the same as without speculation. A
+without speculation, and whether the greedy tokens are the same as without speculation; then
+how many steps of each engine ran compiled decode programs (verification steps among them). A
 benchmark, not a test: it asserts nothing and never runs in the suite.
 """
 
@@ -141,6 +142,7 @@ def run_spec_benchmark(args: argparse.Namespace) -> None:
         for count in streams:
             for method, engine in engines.items():
                 results[name, count, method] = _measure(engine, prompts, count, args.rounds, params)
+    compiled = {method: _compiled_steps(engine) for method, engine in engines.items()}
     for engine in engines.values():
         engine.close()
     print(
@@ -160,6 +162,19 @@ def run_spec_benchmark(args: argparse.Namespace) -> None:
             f"{m.tpot_seconds * 1e3:8.1f} {accept:>7s} "
             f"{m.tokens_per_second / none.tokens_per_second:7.2f} {same}"
         )
+    for method, line in compiled.items():
+        print(f"{method or 'none'}: {line}")
+
+
+def _compiled_steps(engine) -> str:
+    """How the engine's decode and verification steps ran (warm-up included)."""
+    programs = engine.executor.runner.compiled_decode
+    if programs is None or not programs.ready:
+        return "every step eager (no compiled decode programs)"
+    return (
+        f"{sum(programs.rows_run.values())} steps compiled, "
+        f"{programs.verify_steps_run} of them verification steps"
+    )
 
 
 def _measure(engine, prompts: list[list[int]], streams: int, rounds: int, params) -> Measured:
