@@ -274,6 +274,8 @@ class EnginePool:
             if placement is None:
                 continue
             placement.replica.in_flight -= 1
+            # Ended or aborted before any output (no poll clears it with one replica).
+            placement.replica.prefilling.pop(request.request_id, None)
             placement.replica.session.release([request])
 
     def _in_rotation(self, excluding: set[int] | None = None) -> list[Replica]:
@@ -332,6 +334,7 @@ class EnginePool:
         if placement.attempts >= MAX_ATTEMPTS or not others:
             return False
         failed.in_flight -= 1
+        failed.prefilling.pop(request.request_id, None)
         placement.attempts += 1
         logger.info(
             "replica %s was lost before request %s started: retrying it elsewhere",

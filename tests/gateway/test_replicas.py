@@ -161,6 +161,31 @@ def test_a_conversation_stays_on_its_replica_between_load_polls(
             engine.close()
 
 
+def test_a_request_aborted_before_its_first_token_leaves_no_prefill_counted(
+    default_model_dir, tokenizer_address
+):
+    # One replica: no poll ever clears what its requests are counted for.
+    config = engine_config(default_model_dir)
+    [service] = simulated_services(config, SLOW_PREFILL, "127.0.0.1", 0, 1)
+    engine = ServerThread(service)
+    gateway = GatewayThread([f"127.0.0.1:{engine.port}"], tokenizer_address)
+    try:
+        [replica] = gateway.server.gateway.engine.replicas
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello"}]
+        # The client gives up during the prefill (seconds long): the gateway aborts it.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                gateway.url + "/v1/chat/completions",
+                json={"messages": messages, "max_tokens": 4, "stream": True},
+                timeout=httpx.Timeout(TIMEOUT, read=0.5),
+            )
+        wait_until(lambda: replica.in_flight == 0, "the request to be released")
+        assert replica.prefilling == {}
+    finally:
+        gateway.close()
+        engine.close()
+
+
 def test_a_replica_lost_before_the_first_token_is_retried_elsewhere_and_leaves_the_rotation(
     default_model_dir, tokenizer_address
 ):
