@@ -1,15 +1,17 @@
 """`folio bench lora`: many LoRA adapters on one engine against the base model alone.
 
 One workload (--streams greedy requests, all at once: --prompt-tokens each, --output-tokens
-generated) runs on the engine without LoRA, then on an engine with --max-loras slots, its
-streams spread round-robin over 1, 4 and 16 adapters of rank --lora-rank on every q/k/v/o and
-gate/up/down (and once with no adapter named, for the wrappers' own cost). It prints output
-tokens/s of each with its ratio to the base model's, and how long loading one adapter takes
-(reading and checking its files into host memory; copying it into a slot is timed apart). The
-adapters are random PEFT-format files written to a temporary --lora-root. Both engines run their
-decode steps compiled on the CPU unless --enforce-eager (the programs are built or loaded when
-each engine starts, before any timing; the line under the figures says how the decode steps
-ran). A benchmark, not a test: it asserts nothing and never runs in the suite.
+generated) runs on the engine without LoRA and on an engine with --max-loras slots, its streams
+spread round-robin over 1, 4 and 16 adapters of rank --lora-rank on every q/k/v/o and
+gate/up/down (and once with no adapter named, for the wrappers' own cost). Both engines are
+held at once and the cases run in turn, --repeats rounds, so that the shared machine's load
+weighs on every case alike. It prints output tokens/s of each (its fastest run) with its ratio
+to the base model's, and how long loading one adapter takes (reading and checking its files
+into host memory; copying it into a slot is timed apart). The adapters are random PEFT-format
+files written to a temporary --lora-root. Both engines run their decode steps compiled on the
+CPU unless --enforce-eager (the programs are built or loaded when each engine starts, before
+any timing; the line under the figures says how the decode steps ran). A benchmark, not a
+test: it asserts nothing and never runs in the suite.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ class LoraWorkload:
     output_tokens: int = flag(64, "tokens each request generates")
     lora_rank: int = flag(16, "rank of the adapters")
     adapter_counts: str = flag("1,4,16", "how many adapters the streams spread over, per run")
-    repeats: int = flag(2, "runs of each case; the fastest counts (the machine may be shared)")
+    repeats: int = flag(
+        2, "rounds over the cases (one run of each); each case's fastest counts (shared machine)"
+    )
 
 
 def write_adapter(directory: Path, config: dict, rank: int, seed: int) -> None:
@@ -121,22 +125,12 @@ def run_lora_benchmark(args: argparse.Namespace) -> None:
             for _ in range(args.streams)
         ]
 
-        def best(engine, loras) -> float:
-            run_streams(engine, prompts[:2], loras[:2], 4)  # warm-up
-            return max(
-                run_streams(engine, prompts, loras, args.output_tokens) for _ in range(args.repeats)
-            )
-
         print(f"CPU: {cpu_description()}")
         print(
             f"model {base.model_path.name}, {base.dtype_name}; {args.streams} streams of "
             f"{args.prompt_tokens} prompt tokens, {args.output_tokens} generated each; "
             f"adapters of rank {args.lora_rank} on q/k/v/o/gate/up/down"
         )
-        base_tps = best(base, [None] * args.streams)
-        base_steps = decode_steps(base)
-        base.close()
-        print(f"base model alone             {base_tps:8.1f} tok/s   1.00x")
         most = max(counts)
         lora = LLMEngine(
             dataclasses.replace(
@@ -159,13 +153,28 @@ def run_lora_benchmark(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             backend.activate_lora(i % registry.max_loras, adapter.adapter_id)
             activations.append(time.perf_counter() - t0)
-        tps = best(lora, [None] * args.streams)
-        print(f"LoRA engine, no adapter used {tps:8.1f} tok/s   {tps / base_tps:.2f}x")
-        for count in counts:
-            names = [f"a{i % count}" for i in range(args.streams)]
-            tps = best(lora, names)
-            print(f"{count:2d} adapter(s)                 {tps:8.1f} tok/s   {tps / base_tps:.2f}x")
-        print(f"decode steps: base engine {base_steps}, LoRA engine {decode_steps(lora)}")
+        cases = [
+            ("base model alone", base, [None] * args.streams),
+            ("LoRA engine, no adapter used", lora, [None] * args.streams),
+            *[
+                (f"{count:2d} adapter(s)", lora, [f"a{i % count}" for i in range(args.streams)])
+                for count in counts
+            ],
+        ]
+        for _, engine, loras in cases:
+            run_streams(engine, prompts[:2], loras[:2], 4)  # warm-up
+        # Round-robin over the cases, the fastest run of each counting: a change in the shared
+        # machine's load between cases weighs on all of them, not on one.
+        best = dict.fromkeys((label for label, _, _ in cases), 0.0)
+        for _ in range(args.repeats):
+            for label, engine, loras in cases:
+                tps = run_streams(engine, prompts, loras, args.output_tokens)
+                best[label] = max(best[label], tps)
+        base_tps = best["base model alone"]
+        for label, tps in best.items():
+            print(f"{label:28s} {tps:8.1f} tok/s   {tps / base_tps:.2f}x")
+        print(f"decode steps: base engine {decode_steps(base)}, LoRA engine {decode_steps(lora)}")
+        base.close()
         lora.close()
         print(
             f"adapter load (files -> host memory, checked): median "
