@@ -7,7 +7,8 @@ rejected stops drafting for a while, then tries one token again. The whole step 
 when the batch is large enough that verifying costs more than it saves, a threshold computed
 from the step cost model (`folio bench profile`; engine.core.step_cost), not a constant, and
 when the steps this engine measured say so: a step with drafts must take less time per sequence
-than the plain steps it replaces (one in PROBE_STEPS steps drafts anyway, to measure again).
+than the plain steps it replaces, the fastest of each kind's recent steps compared (one in
+PROBE_STEPS steps drafts anyway, to measure again).
 
 After the step, `settle` records how many of a request's drafts were accepted. Requests whose
 tokens depend on their own output in ways a draft would change (penalties, min_tokens not yet
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections import deque
 from dataclasses import dataclass
 
 from common.speculative import SpeculativeConfig
@@ -37,9 +39,10 @@ INITIAL_RATE = 0.5
 # Below this rate a request stops drafting for PAUSE_STEPS steps, then tries one token.
 LOW_RATE = 0.15
 PAUSE_STEPS = 16
-# Weight of one step in the measured step times; while drafting does not pay, one step in
-# PROBE_STEPS drafts anyway, so that a change (requests that copy more) is seen.
-TIME_WEIGHT = 0.1
+# Recent steps of each kind whose fastest is that kind's cost: a busy machine only ever adds
+# time to a step, and one slow step must not stop drafting. While drafting does not pay, one
+# step in PROBE_STEPS drafts anyway, so that a change (requests that copy more) is seen.
+TIMED_STEPS = 8
 PROBE_STEPS = 32
 
 
@@ -79,8 +82,11 @@ class Drafter:
         )
         self._said: set[str] = set()
         # Measured seconds of recent steps that verified drafts and of those that did not,
-        # per sequence they decoded (None until one was seen), and steps since the last probe.
-        self._step_seconds: dict[bool, float | None] = {True: None, False: None}
+        # per sequence they decoded, and steps since the last probe.
+        self._step_seconds: dict[bool, deque[float]] = {
+            True: deque(maxlen=TIMED_STEPS),
+            False: deque(maxlen=TIMED_STEPS),
+        }
         self._since_probe = 0
 
     def propose(self, running: list[Request]) -> None:
@@ -137,9 +143,9 @@ class Drafter:
         1 + (expected accepted tokens) per sequence where a plain one yields 1, so it pays while
         its time per sequence is below that many plain steps' (on a CPU a step with drafts also
         runs eagerly where a plain decode runs its compiled program). Unmeasured: it does."""
-        drafting, plain = self._step_seconds[True], self._step_seconds[False]
-        if drafting is None or plain is None:
+        if not self._step_seconds[True] or not self._step_seconds[False]:
             return True
+        drafting, plain = min(self._step_seconds[True]), min(self._step_seconds[False])
         rates = [self._acceptance.get(r, _Acceptance()).rate for r in candidates]
         expected = sum(rate * self._length(_Acceptance(rate)) for rate in rates) / len(rates)
         if drafting < plain * (1 + expected):
@@ -154,11 +160,7 @@ class Drafter:
         """A step's measured time (the engine's), with or without drafts to verify."""
         if num_sequences <= 0 or seconds <= 0:
             return
-        per_sequence = seconds / num_sequences
-        last = self._step_seconds[drafted]
-        self._step_seconds[drafted] = (
-            per_sequence if last is None else last + TIME_WEIGHT * (per_sequence - last)
-        )
+        self._step_seconds[drafted].append(seconds / num_sequences)
 
     def _may_draft(self, request: Request) -> bool:
         """A decoding request whose next tokens depend on nothing a draft changes."""

@@ -403,7 +403,8 @@ def test_requests_whose_distribution_follows_their_drafts_never_draft():
 def test_drafting_stops_while_measured_steps_say_it_does_not_pay_and_probes_again():
     """Plain steps of 100 ms per sequence, drafting ones of 300 ms at rate 0.5 (3 drafts, 1.5
     expected accepted): 300 > 100 * 2.5, so it stops, drafting once every PROBE_STEPS steps;
-    drafting steps of 200 ms pay."""
+    drafting steps of 200 ms pay, and one slow step among them (a busy machine) does not stop
+    drafting."""
     config = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1)
     drafter = Drafter(config, max_model_len=1000, step_cost=None)
     request = drafting_request([1, 2, 3, 1, 2, 3])
@@ -416,6 +417,9 @@ def test_drafting_stops_while_measured_steps_say_it_does_not_pay_and_probes_agai
     assert drafted == [False] * (PROBE_STEPS - 1) + [True]
     for _ in range(40):
         drafter.observe_step(True, 1, 0.2)
+    drafter.propose([request])
+    assert request.spec_token_ids
+    drafter.observe_step(True, 1, 3.0)
     drafter.propose([request])
     assert request.spec_token_ids
 
