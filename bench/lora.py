@@ -153,14 +153,14 @@ def run_lora_benchmark(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             backend.activate_lora(i % registry.max_loras, adapter.adapter_id)
             activations.append(time.perf_counter() - t0)
-        cases = [
-            ("base model alone", base, [None] * args.streams),
-            ("LoRA engine, no adapter used", lora, [None] * args.streams),
-            *[
-                (f"{count:2d} adapter(s)", lora, [f"a{i % count}" for i in range(args.streams)])
-                for count in counts
-            ],
+        no_adapter: list[str | None] = [None] * args.streams
+        cases: list[tuple[str, LLMEngine, list[str | None]]] = [
+            ("base model alone", base, no_adapter),
+            ("LoRA engine, no adapter used", lora, no_adapter),
         ]
+        for count in counts:
+            names: list[str | None] = [f"a{i % count}" for i in range(args.streams)]
+            cases.append((f"{count:2d} adapter(s)", lora, names))
         for _, engine, loras in cases:
             run_streams(engine, prompts[:2], loras[:2], 4)  # warm-up
         # Round-robin over the cases, the fastest run of each counting: a change in the shared
