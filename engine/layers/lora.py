@@ -139,16 +139,17 @@ class LoraLinear(nn.Module):
         self.lora_a = torch.zeros(max_loras, width, shape.in_features, dtype=dtype, device=device)
         self.lora_b = torch.zeros(max_loras, out, width, dtype=dtype, device=device)
         self.step = step
-        self.dense_a = torch.zeros(max_loras * width, shape.in_features, dtype=dtype, device=device)
-        self.dense_b = [
-            torch.zeros(rows, max_loras * max_rank, dtype=dtype, device=device)
-            for rows in shape.shard_rows
+        # The stacked forms are the CPU's (a GPU runs the Triton kernels over lora_a/lora_b):
+        # none elsewhere.
+        dense_shapes = [] if device.type != "cpu" else [(max_loras * width, shape.in_features)]
+        if dense_shapes:
+            dense_shapes += [(rows, max_loras * max_rank) for rows in shape.shard_rows]
+        dense = [torch.zeros(size, dtype=dtype, device=device) for size in dense_shapes]
+        # Each with its form for Folio's linear kernels (engine.layers.linear): torch's own
+        # bfloat16 matmul of these small shapes ran slower than the base product.
+        self.dense: list[tuple[torch.Tensor, PackedWeight | None]] = [
+            (weight, pack_persistent(weight)) for weight in dense
         ]
-        # Folio's linear kernels (engine.layers.linear): torch's own bfloat16 matmul of these
-        # small shapes ran slower than the base product.
-        on_cpu = device.type == "cpu"
-        self.packed_a = pack_persistent(self.dense_a) if on_cpu else None
-        self.packed_b = [pack_persistent(b) if on_cpu else None for b in self.dense_b]
 
     def load(self, slot: int, shards: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Slot `slot` holds these shards' (A, B) (the others zero), written in place."""
@@ -165,15 +166,18 @@ class LoraLinear(nn.Module):
             rows = slice(self.shard_offsets[shard], self.shard_offsets[shard + 1])
             self.lora_a[slot, cols].copy_(a)
             self.lora_b[slot, rows, cols].copy_(b)
+        if not self.dense:
+            return
         slots, shards_n, rank = self.max_loras, self.num_shards, self.max_rank
+        (dense_a, packed_a), *dense_bs = self.dense
         # A's rows shard-major: [shard, slot, rank].
-        dense_a = (
+        stacked = (
             self.lora_a.view(slots, shards_n, rank, -1)
             .transpose(0, 1)
             .reshape(shards_n * slots * rank, -1)
         )
-        copy_packed(self.dense_a, self.packed_a, dense_a)
-        for shard, (dense_b, packed_b) in enumerate(zip(self.dense_b, self.packed_b, strict=True)):
+        copy_packed(dense_a, packed_a, stacked)
+        for shard, (dense_b, packed_b) in enumerate(dense_bs):
             rows = slice(self.shard_offsets[shard], self.shard_offsets[shard + 1])
             cols = slice(shard * rank, (shard + 1) * rank)
             # [rows, slot, rank]: slot s's B of this shard in columns s * rank onwards.
@@ -215,9 +219,10 @@ class LoraLinear(nn.Module):
         """Every slot's product at once: shrink by all slots, keep each token's slot's values
         (the mask), expand per shard by all slots into the shard's columns."""
         tokens, slots, rank = x.shape[0], self.max_loras, self.max_rank
-        shrunk = linear(x, self.dense_a, self.packed_a).view(tokens, self.num_shards, slots, rank)
+        (dense_a, packed_a), *dense_bs = self.dense
+        shrunk = linear(x, dense_a, packed_a).view(tokens, self.num_shards, slots, rank)
         shrunk = shrunk * self.step.mask[:tokens].view(tokens, 1, slots, 1)
-        for shard, (dense_b, packed_b) in enumerate(zip(self.dense_b, self.packed_b, strict=True)):
+        for shard, (dense_b, packed_b) in enumerate(dense_bs):
             delta = linear(shrunk[:, shard].reshape(tokens, slots * rank), dense_b, packed_b)
             if self.num_shards == 1:
                 out += delta
