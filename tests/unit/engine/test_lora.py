@@ -1,5 +1,5 @@
-"""LoRA adapters (engine/lora/, engine/layers/lora.py) on a tiny random Llama: adapters made
-with peft, served together in one batch with the base model, give the greedy tokens of
+"""LoRA adapters (engine/lora/, engine/layers/lora.py) on a tiny random Llama (and one on the
+default model): adapters made with peft, served together in one batch with the base model, give the greedy tokens of
 transformers + peft with that adapter (float32), swapped through fewer slots than adapters
 too; a prefix cached under one adapter is no hit for another; bad adapters are refused naming
 the problem; run-time loads only from inside --lora-root; an unload waits for its requests."""
@@ -330,3 +330,36 @@ def test_adapter_on_a_quantized_base_within_the_quantization_bound(models, metho
     (logits,) = Runner(model, config).step([("a", prompt)])
     error = relative_error(logits, hf_logits(oracles["all8"], prompt))
     assert error <= max_error
+
+
+def test_an_adapter_on_the_default_model_matches_transformers_with_peft(
+    default_model_dir, tmp_path
+):
+    """The default model (float32) with a peft adapter on all seven targets, in one batch with a
+    base request: each gives transformers + peft's greedy tokens (the adapter disabled for the
+    base one), and the adapter changes the answer."""
+    from transformers import AutoTokenizer
+
+    oracle = make_adapter(default_model_dir, tmp_path / "chat", rank=8, alpha=16)
+    prompt = AutoTokenizer.from_pretrained(default_model_dir)("The capital of France is")[
+        "input_ids"
+    ]
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(default_model_dir),
+            dtype="float32",
+            num_kv_blocks=64,
+            lora_modules=(f"chat={tmp_path / 'chat'}",),
+            max_loras=1,
+            max_lora_rank=8,
+            enforce_eager=True,
+        )
+    )
+    try:
+        got = run(engine, {"adapter": (prompt, "chat"), "base": (prompt, None)})
+    finally:
+        engine.close()
+    assert got["adapter"] == hf_greedy(oracle, prompt, GREEDY.max_tokens)
+    with oracle.disable_adapter():
+        assert got["base"] == hf_greedy(oracle, prompt, GREEDY.max_tokens)
+    assert got["adapter"] != got["base"]
