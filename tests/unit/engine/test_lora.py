@@ -1,8 +1,9 @@
 """LoRA adapters (engine/lora/, engine/layers/lora.py) on a tiny random Llama (and one on the
-default model): adapters made with peft, served together in one batch with the base model, give the greedy tokens of
-transformers + peft with that adapter (float32), swapped through fewer slots than adapters
-too; a prefix cached under one adapter is no hit for another; bad adapters are refused naming
-the problem; run-time loads only from inside --lora-root; an unload waits for its requests."""
+default model): adapters made with peft, served together in one batch with the base model,
+give the greedy tokens of transformers + peft with that adapter (float32), swapped through
+fewer slots than adapters too; a prefix cached under one adapter is no hit for another; bad
+adapters are refused naming the problem; run-time loads only from inside --lora-root; an
+unload waits for its requests."""
 
 from __future__ import annotations
 
