@@ -32,7 +32,7 @@ from gateway.limits.rate_limit import RateLimiter
 from gateway.openai import completions, embeddings
 from gateway.openai import embeddings_protocol as eapi
 from gateway.openai import protocol as api
-from gateway.pipeline.generation import Gateway
+from gateway.pipeline.generation import Gateway, mark_in_flight
 from gateway.pipeline.text import TextDelta, TextRequest
 
 
@@ -180,6 +180,10 @@ async def answer(context: LineContext, owner: str, line: Line) -> tuple[bool, Ou
     request_id = new_id("req_")
     set_deadline(time.monotonic() + context.config.request_timeout)
     set_pin_owner(owner, context.config.max_pinned_gib_per_key)  # its pins are its key's
+    # Started by the runner, which stops starting lines when the gateway drains: the line is in
+    # flight, and a drain beginning while it runs must let it finish, not refuse it half-way
+    # (it would be counted as one more attempt and run again after the restart).
+    mark_in_flight()
     try:
         body = await ROUTES[line.url](context, owner, line.body.encode())
     except (UnavailableError, QueueFullError):

@@ -19,6 +19,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Mapping, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,17 @@ from gateway.pipeline.model_text import ModelText
 from gateway.pipeline.output_processor import ChoiceItem, TrackedRequest
 from gateway.pipeline.text import TextDelta, TextRequest
 from gateway.pipeline.validation import ModelInfo
+
+# Set in a task whose work was admitted before a drain could refuse it (a batch line its runner
+# started): the drain lets it finish, as it does an HTTP request already in flight.
+_admitted_before_drain: ContextVar[bool] = ContextVar("folio_admitted_before_drain", default=False)
+
+
+def mark_in_flight() -> None:
+    """This task's requests were admitted already: a drain beginning now does not refuse them
+    (the batch runner, which started them, waits for them up to the drain time)."""
+    _admitted_before_drain.set(True)
+
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +161,7 @@ class Gateway:
         return self._chat_formats
 
     def check_available(self) -> None:
-        if self.draining:
+        if self.draining and not _admitted_before_drain.get():
             raise UnavailableError("the gateway is draining; retry on another instance")
 
     # -- requests -----------------------------------------------------------------------------
