@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from common.grpc_stubs.folio.v1 import engine_pb2
-from playwright.sync_api import Browser, Page, Route, sync_playwright
+from playwright.sync_api import Browser, Page, Route, expect, sync_playwright
 
 from common.config import GatewayServerConfig
 from common.flags import from_args
@@ -476,8 +476,11 @@ def test_the_pages_ask_for_a_key_when_the_server_wants_one(browser, protected):
         key_field.wait_for()
         page.get_by_label("Max tokens").fill("2")
         send(page, "Hi")
-        # Refused: the message is given back to be sent once there is a key.
-        assert page.get_by_role("textbox", name="Message").input_value() == "Hi"
+        # Refused: the message is given back to be sent once there is a key. Sending clears the
+        # box at once; it is filled again only when the 401 arrives, so this waits for it.
+        expect(page.get_by_role("textbox", name="Message")).to_have_value(
+            "Hi", timeout=TIMEOUT * 1000
+        )
         key_field.fill(KEY)
         page.get_by_role("button", name="Use key").click()
         answer, stats = last_answer(page)
