@@ -92,6 +92,7 @@ class ModelExecutor:
             ),
         )
         self.group: EngineGroup | None = None
+        self.kv_tiers: KVTierStore | None = None  # set below; close() may run before
         if tp_size > 1:
             self.group = start_engine_group(
                 config, self.model_path, self.num_blocks, self.max_model_len
@@ -248,6 +249,8 @@ class ModelExecutor:
         )
 
     def close(self) -> None:
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()  # the host tier's queued saves, then its thread
         if self.group is not None:
             self.group.close()
 

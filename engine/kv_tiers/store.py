@@ -1,24 +1,34 @@
 """The tiers' data path in the model executor: moves KV blocks between the pool's tensors, the
 host tier (engine.kv_tiers.host_tier) and the disk tier (engine.kv_tiers.disk_tier).
 
-Per step, before the forward (`apply`): the blocks the step's allocations evicted are gathered
-from the pool in one indexed copy per layer and stored in their host slots, then the blocks
-claimed from the tiers are written into their fresh pool blocks, again one indexed copy per
-layer; after the step (`persist`, through the book's sink) the blocks newly cached are gathered
-once and queued, as bytes, for the disk tier's writer thread. Batched per step, never per block;
-on CUDA the host side is pinned memory. The host-side work runs on one torch thread: it is
-memory-bound, and torch's intra-op threads only wait on each other there (on the shared 2-core
-host, a restart's 62-block scatter took 350 ms on two threads and 27 ms on one; dequantizing 16
-blocks 12 ms and 1 ms).
+Per step, before the forward (`apply`): the blocks the step's allocations evicted are copied out
+of the pool, one indexed copy per layer into a staging tensor (the forward may overwrite their
+pool blocks next), and handed to the save thread (`SaveThread`), which stores them in their host
+slots (quantizing them in the int8 format) while the engine goes on with its step: the step pays
+one copy, never the quantization. Then the blocks claimed from the tiers are written into their
+fresh pool blocks, one indexed copy per layer; a load from a slot whose save is still queued
+first waits for that save (the book lists the block in the host tier from its eviction on). After
+the step (`persist`, through the book's sink) the blocks newly cached are gathered once and
+queued, as bytes, for the disk tier's writer thread. Batched per step, never per block; on CUDA
+the host side is pinned memory. The engine thread's host-side work runs on one torch thread, and
+so does the save thread: it is memory-bound, and torch's intra-op threads only wait on each other
+there (on the shared 2-core host, a restart's 62-block scatter took 350 ms on two threads and 27
+ms on one; dequantizing 16 blocks 12 ms and 1 ms).
 
-Built only where tiers are asked for (`create`), with the start-up checks that name the flag.
-It never decides which block goes where (the book does).
+The save thread is a speed-up, never a risk: if a save fails there, the failure is logged once,
+the saves it had not done are redone on the engine's thread in their order, and every later save
+runs there. Built only where tiers are asked for (`create`), with the start-up checks that name
+the flag. It never decides which block goes where (the book does).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,7 +38,116 @@ from engine.kv_tiers.book import TierBook, TierTransfers
 from engine.kv_tiers.disk_tier import DiskTier, model_identity
 from engine.kv_tiers.host_tier import HostTier, bytes_per_block, resolve_format
 
+logger = logging.getLogger(__name__)
+
 GIB = 1024**3
+# Staged bytes the save thread may have queued: past it a step waits for the oldest save (it
+# never drops one: the book already lists the blocks in the host tier).
+MAX_QUEUED_SAVE_BYTES = 256 * 1024**2
+
+
+@dataclass
+class _Save:
+    slots: torch.Tensor
+    blocks: torch.Tensor  # the staged copy: [layers, 2, n, block_size, heads, head_dim]
+    future: Future[None]
+
+
+class SaveThread:
+    """Stores staged blocks into their host slots on one background thread, in the order
+    submitted (so the last save into a slot wins, as the book's order says); `settle` makes a
+    load wait for the saves into the slots it reads."""
+
+    def __init__(self, host: HostTier) -> None:
+        self.host = host
+        self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            1, "kv-host-tier-saves", initializer=torch.set_num_threads, initargs=(1,)
+        )
+        self._queued: deque[_Save] = deque()  # oldest first, until seen done
+        self._queued_bytes = 0
+        # Loads that found a save into their slots still queued, and waited for it.
+        self.waited = 0
+
+    @property
+    def pending(self) -> int:
+        """Saves submitted and not seen done yet."""
+        self._reap()
+        return len(self._queued)
+
+    def submit(self, slots: torch.Tensor, blocks: torch.Tensor) -> None:
+        self._reap()
+        while self._queued and self._queued_bytes + blocks.nbytes > MAX_QUEUED_SAVE_BYTES:
+            self._wait(self._queued[0])
+        if self._executor is not None:
+            try:
+                future = self._executor.submit(self.host.store, slots, blocks)
+            except RuntimeError as error:  # the executor broke or was shut down
+                self._fall_back(error)
+            else:
+                self._queued.append(_Save(slots, blocks, future))
+                self._queued_bytes += blocks.nbytes
+                return
+        self.host.store(slots, blocks)
+
+    def settle(self, slots: list[int]) -> None:
+        """Return once no save into `slots` is queued (a load reads them next)."""
+        wanted = set(slots)
+        last = None
+        for save in self._queued:
+            if not wanted.isdisjoint(save.slots.tolist()):
+                last = save
+        if last is not None:
+            self.waited += 1
+            self._wait(last)
+
+    def drain(self) -> None:
+        """Return once every save submitted is stored (tests, benchmarks, shutdown)."""
+        if self._queued:
+            self._wait(self._queued[-1])
+
+    def close(self) -> None:
+        self.drain()
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+
+    def _wait(self, save: _Save) -> None:
+        """Until `save` is done (saves run in order: the ones before it too)."""
+        with contextlib.suppress(Exception):  # seen by _reap, which falls back
+            save.future.result()
+        self._reap()
+
+    def _reap(self) -> None:
+        """Forget the saves done, oldest first; the first failed one means falling back."""
+        while self._queued:
+            save = self._queued[0]
+            if not save.future.done():
+                return
+            error = save.future.exception()
+            if error is not None:
+                self._fall_back(error)
+                return
+            self._queued.popleft()
+            self._queued_bytes -= save.blocks.nbytes
+
+    def _fall_back(self, error: BaseException) -> None:
+        """The save thread failed: log once, let it finish what it holds, then redo on this
+        thread, in order, every save from the failed one on (one it did after the failure may
+        be overwritten by an older one redone, so all are redone), and do every later save
+        here."""
+        logger.error(
+            "--kv-offload-gib: the host tier's save thread failed (%s: %s); saving on the "
+            "engine's thread from now on",
+            type(error).__name__,
+            error,
+        )
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        while self._queued:
+            save = self._queued.popleft()
+            self._queued_bytes -= save.blocks.nbytes
+            self.host.store(save.slots, save.blocks)
 
 
 class KVTierStore:
@@ -40,6 +159,7 @@ class KVTierStore:
         self.device = kv_slots[0].device
         self.book = book
         self.host = host
+        self.saves = SaveThread(host) if host is not None else None
         book.sink = self.persist
 
     @classmethod
@@ -92,20 +212,25 @@ class KVTierStore:
                 bytes_per_block(shape, dtype, "native"),
                 identity,
             )
-        book = TierBook(host.data.shape[0] if host is not None else 0, disk, block_size)
+        book = TierBook(host.num_slots if host is not None else 0, disk, block_size)
         return cls(kv_slots, book, host)
 
     def _gather(self, blocks: list[int]) -> torch.Tensor:
-        """[n, layers, 2, block_size, heads, head_dim] copies of pool blocks, on the host."""
+        """[layers, 2, n, block_size, heads, head_dim] copies of pool blocks, on the pool's
+        device: one indexed copy per layer, straight into the result."""
         index = torch.tensor(blocks, device=self.device)
-        gathered = torch.stack([kv.index_select(1, index) for kv in self.kv_slots])
-        return gathered.permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+        layers, _, *block = self.block_shape
+        out = torch.empty((layers, 2, len(blocks), *block), dtype=self.dtype, device=self.device)
+        for layer, kv in enumerate(self.kv_slots):
+            torch.index_select(kv, 1, index, out=out[layer])
+        return out
 
     def _scatter(self, blocks: list[int], data: torch.Tensor) -> None:
+        """data: [layers, 2, n, ...] (any strides), into the pool blocks `blocks`."""
         index = torch.tensor(blocks, device=self.device)
         data = data.to(self.device, non_blocking=True)
         for layer, kv in enumerate(self.kv_slots):
-            kv.index_copy_(1, index, data[:, layer].transpose(0, 1))
+            kv.index_copy_(1, index, data[layer])
 
     def apply(self, transfers: TierTransfers) -> None:
         """The step's saves, then its loads (a block evicted this step may be loaded into)."""
@@ -114,18 +239,19 @@ class KVTierStore:
 
     def _apply(self, transfers: TierTransfers) -> None:
         if transfers.saves:
-            assert self.host is not None, "saves without a host tier"
+            assert self.saves is not None, "saves without a host tier"
             blocks, slots = zip(*transfers.saves, strict=True)
-            self.host.store(torch.tensor(slots), self._gather(list(blocks)))
+            self.saves.submit(torch.tensor(slots), self._gather(list(blocks)))
         if transfers.host_loads:
-            assert self.host is not None, "host loads without a host tier"
+            assert self.host is not None and self.saves is not None, "loads without a host tier"
             slots, blocks = zip(*transfers.host_loads, strict=True)
+            self.saves.settle(list(slots))
             self._scatter(list(blocks), self.host.fetch(torch.tensor(slots)))
         if transfers.disk_loads:
             payloads, blocks = zip(*transfers.disk_loads, strict=True)
             raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
             data = raw.view(self.dtype).reshape(len(blocks), *self.block_shape)
-            self._scatter(list(blocks), data)
+            self._scatter(list(blocks), data.movedim(0, 2))
 
     def persist(self, persists: list[tuple[int, bytes]]) -> None:
         """Queue the newly cached blocks' files (the disk tier writes them in its thread)."""
@@ -134,9 +260,15 @@ class KVTierStore:
             return
         blocks, hashes = zip(*persists, strict=True)
         with one_thread():
-            data = self._gather(list(blocks))
+            # A file holds one block: [layers, 2, block_size, heads, head_dim].
+            data = self._gather(list(blocks)).movedim(2, 0).contiguous().cpu()
         for block_hash, block in zip(hashes, data, strict=True):
             disk.write(block_hash, block.view(torch.uint8).numpy().tobytes())
+
+    def close(self) -> None:
+        """Finish the queued saves and stop the save thread."""
+        if self.saves is not None:
+            self.saves.close()
 
 
 @contextlib.contextmanager

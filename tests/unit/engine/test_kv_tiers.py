@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ from engine.errors import InvalidRequestError
 from engine.kv_tiers.book import TierBook
 from engine.kv_tiers.disk_tier import DiskTier
 from engine.kv_tiers.host_tier import dequantize, quantize
+from engine.kv_tiers.store import SaveThread
 from tiny_models import VARIANTS, hf_greedy, make_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
@@ -98,15 +100,90 @@ def test_blocks_evicted_to_the_host_tier_come_back(llama, fmt):
         assert worst < INT8_LOGPROB_BOUND, worst
 
 
+@pytest.fixture(scope="module")
+def pool_hit(llama):
+    """FOLLOW_UP's tokens and logprobs with SHARED's blocks still in the pool: the very
+    computation a load from a tier stands in for (the same steps, the KV bytes as they were)."""
+    engine = make_engine(llama[0], num_kv_blocks=64)
+    generate(engine, "first", SHARED)
+    tokens, logprobs, cached = generate(engine, "again", FOLLOW_UP)
+    assert cached == 24
+    return tokens, logprobs
+
+
+def hold_saves(engine: LLMEngine) -> tuple[SaveThread, threading.Event]:
+    """The engine's save thread, its stores held until the event is set."""
+    saves = engine.executor.kv_tiers.saves
+    gate, store = threading.Event(), saves.host.store
+
+    def held(slots: torch.Tensor, blocks: torch.Tensor) -> None:
+        gate.wait()
+        store(slots, blocks)
+
+    saves.host.store = held
+    return saves, gate
+
+
+@pytest.mark.parametrize("fmt", ["native", "int8"])
+def test_saves_run_off_the_step_and_a_load_racing_one_waits(llama, pool_hit, fmt):
+    """With the save thread held, other prompts overwrite the evicted blocks' pool blocks and
+    the saves stay queued; a prompt then loads those blocks while their saves are queued: the
+    load waits for them, and they store the blocks as they were at eviction (native: the
+    logprobs of a pool hit, bit for bit; int8: its tokens, logprobs within the bound)."""
+    directory, _ = llama
+    engine = make_engine(directory, kv_offload_gib=0.01, kv_offload_format=fmt)
+    saves, gate = hold_saves(engine)
+    generate(engine, "first", SHARED)
+    push_out(engine)
+    assert saves.pending >= 1 and engine.kv_cache.tiers.offloaded >= 6
+    threading.Timer(0.2, gate.set).start()  # released while the load below waits
+    tokens, logprobs, cached = generate(engine, "again", FOLLOW_UP)
+    assert cached == 24 and saves.waited >= 1
+    expected, expected_logprobs = pool_hit
+    assert tokens == expected
+    if fmt == "native":
+        assert logprobs == expected_logprobs
+    else:
+        worst = max(abs(a - b) for a, b in zip(logprobs, expected_logprobs, strict=True))
+        assert worst < INT8_LOGPROB_BOUND, worst
+
+
+def test_a_failing_save_thread_falls_back_to_saving_on_the_step(llama, pool_hit, caplog):
+    """Saves fail on the save thread (injected): one error is logged, the saves it failed are
+    redone on the engine's thread and every later one is done there; the blocks come back
+    exact."""
+    directory, _ = llama
+    engine = make_engine(directory, kv_offload_gib=0.01, kv_offload_format="native")
+    saves = engine.executor.kv_tiers.saves
+    store = saves.host.store
+
+    def fails_off_the_engine_thread(slots: torch.Tensor, blocks: torch.Tensor) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise MemoryError("injected")
+        store(slots, blocks)
+
+    saves.host.store = fails_off_the_engine_thread
+    with caplog.at_level(logging.ERROR, logger="engine.kv_tiers.store"):
+        generate(engine, "first", SHARED)
+        push_out(engine)
+        tokens, logprobs, cached = generate(engine, "again", FOLLOW_UP)
+    failed = [r.getMessage() for r in caplog.records if "save thread failed" in r.getMessage()]
+    assert len(failed) == 1 and "MemoryError: injected" in failed[0], failed
+    assert cached == 24 and (tokens, logprobs) == pool_hit
+    assert saves.pending == 0
+
+
 def test_int8_round_trip_error_is_within_half_a_step():
     blocks = (
         torch.randn(3, 2, 2, BLOCK, 2, 8)
         * torch.tensor([1.0, 10.0])[None, None, :, None, None, None]
     )
-    q, scales = quantize(blocks)
+    runs = blocks.flatten(3)  # one scale per block, layer and K|V
+    q, scales = quantize(runs)
+    assert q.shape == runs.shape and scales.shape == (3, 2, 2)
     back = dequantize(q, scales, torch.float32)
-    step = scales[:, :, :, None, None, None].expand_as(blocks)
-    assert ((back - blocks).abs() <= step / 2 + 1e-6).all()
+    step = scales[:, :, :, None].expand_as(runs)
+    assert ((back - runs).abs() <= step / 2 + 1e-6).all()
 
 
 def request(rid: str, tokens: list[int]) -> Request:
