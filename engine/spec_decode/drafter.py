@@ -6,8 +6,8 @@ request's recent acceptance (an exponentially weighted rate): a request whose dr
 rejected stops drafting for a while, then tries one token again. The whole step drafts nothing
 when the batch is large enough that verifying costs more than it saves, a threshold computed
 from the step cost model (`folio bench profile`; engine.core.step_cost), not a constant, and
-when the steps this engine measured say so: a step with drafts must take less time per sequence
-than the plain steps it replaces, the fastest of each kind's recent steps compared (one in
+when the steps this engine measured at that batch size say so (MeasuredSteps): a step with
+drafts must cost less time per token it yields than a plain step of as many sequences (one in
 PROBE_STEPS steps drafts anyway, to measure again).
 
 After the step, `settle` records how many of a request's drafts were accepted. Requests whose
@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from common.speculative import SpeculativeConfig
@@ -39,17 +40,76 @@ INITIAL_RATE = 0.5
 # Below this rate a request stops drafting for PAUSE_STEPS steps, then tries one token.
 LOW_RATE = 0.15
 PAUSE_STEPS = 16
-# Recent steps of each kind whose fastest is that kind's cost: a busy machine only ever adds
-# time to a step, and one slow step must not stop drafting. While drafting does not pay, one
-# step in PROBE_STEPS drafts anyway, so that a change (requests that copy more) is seen.
+# Recent steps of each kind and batch size whose fastest is that kind's cost there: a busy
+# machine only ever adds time to a step, and one slow step must not stop drafting. While drafting
+# does not pay, one step in PROBE_STEPS drafts anyway, so that a change (requests that copy
+# more) is seen.
 TIMED_STEPS = 8
 PROBE_STEPS = 32
+# Drafting levels of a step: none, at most one token a request, each request's adaptive length.
+NONE, FIRST_ONLY, FULL = 0, 1, 2
 
 
 @dataclass(slots=True)
 class _Acceptance:
     rate: float = INITIAL_RATE
     paused: int = 0  # steps left without drafting
+
+
+@dataclass(frozen=True, slots=True)
+class _DraftingStep:
+    seconds: float
+    rows: int  # query tokens: the sequences and their drafts
+    tokens: int  # tokens it yielded: the sequences' and their accepted drafts
+
+
+class MeasuredSteps:
+    """This engine's decode-only steps per batch size (sequences): plain ones, and those with
+    drafts at each drafting level (FIRST_ONLY: at most one draft a request; FULL: each
+    request's adaptive length).
+
+    A step's cost depends on its batch: one stream is memory-bound (verifying drafts nearly
+    free) where a large batch is compute-bound (each draft costs about what a sequence does),
+    so steps of different batch sizes are never compared. At a batch size, a plain step costs
+    its fastest recent time per sequence; a drafting step its fastest recent time per query
+    row times the rows it takes per token yielded (recent steps' sums: the acceptance actually
+    measured, not expected). A batch size counts as measured by its nearest measured neighbour
+    within an eighth of it (a finishing request changes the batch every few steps)."""
+
+    def __init__(self) -> None:
+        self._plain: dict[int, deque[float]] = {}
+        self._drafting: dict[tuple[int, int], deque[_DraftingStep]] = {}
+
+    def observe(self, level: int, batch: int, seconds: float, rows: int, tokens: int) -> None:
+        """A decode-only step of `batch` sequences at a drafting level: `rows` query tokens
+        (more than `batch` when it verified drafts) yielding `tokens` tokens, in `seconds`."""
+        if batch <= 0 or seconds <= 0:
+            return
+        if rows > batch:
+            steps = self._drafting.setdefault((level, batch), deque(maxlen=TIMED_STEPS))
+            steps.append(_DraftingStep(seconds, rows, max(tokens, batch)))
+        else:
+            self._plain.setdefault(batch, deque(maxlen=TIMED_STEPS)).append(seconds / batch)
+
+    def plain_measured(self, batch: int) -> bool:
+        return _nearest(self._plain, batch) is not None
+
+    def pays(self, level: int, batch: int) -> bool | None:
+        """Whether drafting at `level` pays at this batch size; None while unmeasured near it."""
+        b = _nearest((b for lv, b in self._drafting if lv == level), batch)
+        plain = _nearest(self._plain, batch)
+        if b is None or plain is None:
+            return None
+        steps = self._drafting[level, b]
+        per_row = min(step.seconds / step.rows for step in steps)
+        rows_per_token = sum(step.rows for step in steps) / sum(step.tokens for step in steps)
+        return per_row * rows_per_token < min(self._plain[plain])
+
+
+def _nearest(batches: Iterable[int], batch: int) -> int | None:
+    """The batch size nearest `batch` within an eighth of it (at least 1), if any."""
+    near = [b for b in batches if abs(b - batch) <= max(1, batch // 8)]
+    return min(near, key=lambda b: abs(b - batch)) if near else None
 
 
 @dataclass
@@ -81,22 +141,27 @@ class Drafter:
             weakref.WeakKeyDictionary()
         )
         self._said: set[str] = set()
-        # Measured seconds of recent steps that verified drafts and of those that did not,
-        # per sequence they decoded, and steps since the last probe.
-        self._step_seconds: dict[bool, deque[float]] = {
-            True: deque(maxlen=TIMED_STEPS),
-            False: deque(maxlen=TIMED_STEPS),
-        }
+        # None: no measured gate, drafting follows acceptance and the step cost model only
+        # (tests set it, so that a loaded machine's step times do not decide what is drafted).
+        self.measured: MeasuredSteps | None = MeasuredSteps()
         self._since_probe = 0
+        # The current step's drafts and accepted drafts (settle's), for its measurement.
+        self._step_drafted = 0
+        self._step_accepted = 0
+        self._step_level = NONE
 
     def propose(self, running: list[Request]) -> None:
         """Set spec_token_ids of the running requests that draft this step (others get [])."""
         candidates = [r for r in running if self._may_draft(r)]
         for request in running:
             request.spec_token_ids = []
+        self._step_drafted = self._step_accepted = 0
+        self._step_level = NONE
         if not candidates or not self._worth_it(len(running), candidates):
             return
-        if not self._pays_as_measured(candidates):
+        level = FULL if self.measured is None else self._measured_level(self.measured, len(running))
+        self._step_level = level
+        if level == NONE:
             return
         for request in candidates:
             state = self._acceptance.setdefault(request, _Acceptance())
@@ -107,7 +172,7 @@ class Drafter:
             max_tokens = request.sampling_params.max_tokens
             if max_tokens is not None:
                 room = min(room, max_tokens - request.num_output_tokens - 1)
-            k = min(room, self._length(state))
+            k = min(room, self._length(state), 1 if level == FIRST_ONLY else room)
             if k > 0:
                 request.spec_token_ids = self._draft(request, k)
 
@@ -138,29 +203,40 @@ class Drafter:
         margin = model.prefill_token_seconds - rate * model.decode_sequence_seconds
         return margin <= 0 or batch < rate * model.fixed_seconds / margin
 
-    def _pays_as_measured(self, candidates: list[Request]) -> bool:
-        """Whether the steps measured so far say drafting pays: a drafting step yields
-        1 + (expected accepted tokens) per sequence where a plain one yields 1, so it pays while
-        its time per sequence is below that many plain steps' (on a CPU a step with drafts also
-        runs eagerly where a plain decode runs its compiled program). Unmeasured: it does."""
-        if not self._step_seconds[True] or not self._step_seconds[False]:
-            return True
-        drafting, plain = min(self._step_seconds[True]), min(self._step_seconds[False])
-        rates = [self._acceptance.get(r, _Acceptance()).rate for r in candidates]
-        expected = sum(rate * self._length(_Acceptance(rate)) for rate in rates) / len(rates)
-        if drafting < plain * (1 + expected):
-            return True
+    def _measured_level(self, measured: MeasuredSteps, batch: int) -> int:
+        """How much to draft at this batch size, as the steps measured there say
+        (MeasuredSteps). Measured first: a plain step, then one with at most one draft a
+        request (the likeliest accepted: when those do not pay, longer drafts do not either;
+        while they do not, one step in PROBE_STEPS measures them again), then full lengths
+        (while they do not pay but single drafts do, one step in PROBE_STEPS tries them)."""
+        if not measured.plain_measured(batch):
+            return NONE
+        first = measured.pays(FIRST_ONLY, batch)
+        if first is None:
+            return FIRST_ONLY
+        full = measured.pays(FULL, batch) if first else False
+        if full is None or full:
+            return FULL
         self._since_probe += 1
         if self._since_probe >= PROBE_STEPS:
             self._since_probe = 0
-            return True
-        return False
+            return FULL if first else FIRST_ONLY
+        return FIRST_ONLY if first else NONE
 
     def observe_step(self, drafted: bool, num_sequences: int, seconds: float) -> None:
-        """A step's measured time (the engine's), with or without drafts to verify."""
-        if num_sequences <= 0 or seconds <= 0:
+        """A decode-only step's measured time (the engine's), with or without drafts to verify
+        (those settled since `propose`)."""
+        if self.measured is None:
             return
-        self._step_seconds[drafted].append(seconds / num_sequences)
+        num_drafted = self._step_drafted if drafted else 0
+        num_accepted = self._step_accepted if drafted else 0
+        self.measured.observe(
+            self._step_level,
+            num_sequences,
+            seconds,
+            num_sequences + num_drafted,
+            num_sequences + num_accepted,
+        )
 
     def _may_draft(self, request: Request) -> bool:
         """A decoding request whose next tokens depend on nothing a draft changes."""
@@ -192,6 +268,8 @@ class Drafter:
         stats.num_drafts += 1
         stats.num_draft_tokens += num_drafted
         stats.num_accepted_tokens += num_accepted
+        self._step_drafted += num_drafted
+        self._step_accepted += num_accepted
         request.num_drafted_tokens += num_drafted
         request.num_accepted_tokens += num_accepted
         state = self._acceptance.setdefault(request, _Acceptance())

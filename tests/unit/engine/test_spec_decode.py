@@ -24,7 +24,7 @@ from engine.core.step_cost import LiveStepCost, StepCostModel
 from engine.engine import LLMEngine
 from engine.llm import LLM
 from engine.sampler import Sampler
-from engine.spec_decode.drafter import PROBE_STEPS, Drafter
+from engine.spec_decode.drafter import PROBE_STEPS, TIMED_STEPS, Drafter
 from engine.spec_decode.ngram import propose_ngram
 from engine.spec_decode.suffix import SuffixIndex
 from engine.spec_decode.verify import Verifier
@@ -123,7 +123,7 @@ def unmeasured(engine: LLMEngine) -> LLMEngine:
     it before any draft was accepted); unmeasured it keeps drafting, so which drafts are made
     and accepted is the same every run. The gate has its own test on a bare drafter."""
     assert engine.drafter is not None
-    pytest.MonkeyPatch().setattr(engine.drafter, "observe_step", lambda *step: None)
+    engine.drafter.measured = None
     return engine
 
 
@@ -344,6 +344,13 @@ def test_openai_usage_names_accepted_and_rejected_drafts():
     assert _usage(plan, [Usage(7, 20), Usage(7, 18)]).completion_tokens_details is None
 
 
+def bare_drafter(config: SpeculativeConfig, step_cost: LiveStepCost | None = None) -> Drafter:
+    """A drafter on its own, without the measured-step gate (tested on its own below)."""
+    drafter = Drafter(config, max_model_len=1000, step_cost=step_cost)
+    drafter.measured = None
+    return drafter
+
+
 def drafting_request(tokens: list[int], **params) -> Request:
     """A request decoding after its first output token, as the drafter sees it."""
     request = Request("d", tokens[:-1], SamplingParams(**params))
@@ -354,7 +361,7 @@ def drafting_request(tokens: list[int], **params) -> Request:
 
 def test_draft_length_follows_acceptance_and_low_acceptance_pauses():
     config = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1)
-    drafter = Drafter(config, max_model_len=1000, step_cost=None)
+    drafter = bare_drafter(config)
     request = drafting_request([1, 2, 3, 4, 5, 6, 7, 8, 9] * 3)
     drafter.propose([request])
     assert request.spec_token_ids == [1, 2, 3]  # starting rate 0.5: 2 expected + 1
@@ -379,7 +386,7 @@ def test_drafting_stops_for_a_batch_where_verifying_costs_more_than_it_saves():
     sequence) and rate 0.5 drafting pays while B < 0.5 * 20 / (1 - 0.25) = 13.3 sequences."""
     config = SpeculativeConfig("ngram", num_speculative_tokens=2, prompt_lookup_min=1)
     cost = LiveStepCost(StepCostModel(0.02, 0.001, 0.0005))
-    drafter = Drafter(config, max_model_len=1000, step_cost=cost)
+    drafter = bare_drafter(config, cost)
     for size, drafts in ((13, True), (14, False)):
         batch = [drafting_request([1, 2, 3, 1, 2, 3]) for _ in range(size)]
         drafter.propose(batch)
@@ -387,7 +394,7 @@ def test_drafting_stops_for_a_batch_where_verifying_costs_more_than_it_saves():
 
 
 def test_requests_whose_distribution_follows_their_drafts_never_draft():
-    drafter = Drafter(SpeculativeConfig("ngram", prompt_lookup_min=1), 1000, None)
+    drafter = bare_drafter(SpeculativeConfig("ngram", prompt_lookup_min=1))
     tokens = [1, 2, 3, 1, 2, 3]
     for params in (
         dict(repetition_penalty=1.2),
@@ -400,28 +407,47 @@ def test_requests_whose_distribution_follows_their_drafts_never_draft():
         assert request.spec_token_ids == [], params
 
 
-def test_drafting_stops_while_measured_steps_say_it_does_not_pay_and_probes_again():
-    """Plain steps of 100 ms per sequence, drafting ones of 300 ms at rate 0.5 (3 drafts, 1.5
-    expected accepted): 300 > 100 * 2.5, so it stops, drafting once every PROBE_STEPS steps;
-    drafting steps of 200 ms pay, and one slow step among them (a busy machine) does not stop
-    drafting."""
+def measured_step(drafter: Drafter, batch: int, seconds: float, accepted: int) -> int:
+    """One decode-only step of `batch` fresh requests (each at the starting acceptance rate,
+    so its full draft length is 3) as the engine runs it: propose, verify (the first
+    `accepted` drafts of each request accepted), the step's time observed. Returns the drafts
+    a request."""
+    requests = [drafting_request([1, 2, 3, 1, 2, 3]) for _ in range(batch)]
+    drafter.propose(requests)
+    drafts = len(requests[0].spec_token_ids)
+    for request in requests:
+        if request.spec_token_ids:
+            k = len(request.spec_token_ids)
+            drafter.settle(request, k, min(k, accepted))
+    drafter.observe_step(drafts > 0, batch, seconds)
+    return drafts
+
+
+def test_drafting_follows_the_steps_measured_at_each_batch_size_and_probes_again():
+    """At a batch size never measured the drafter runs a plain step, then one with a single
+    draft a request; while single drafts do not pay (twice the plain step's time for the same
+    tokens) it measures them again once every PROBE_STEPS steps; when they pay, full lengths;
+    when those stop paying, single drafts, with full lengths once every PROBE_STEPS steps. One
+    slow step does not stop drafting; another batch size is measured afresh."""
     config = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1)
     drafter = Drafter(config, max_model_len=1000, step_cost=None)
-    request = drafting_request([1, 2, 3, 1, 2, 3])
-    drafter.observe_step(False, 1, 0.1)
-    drafter.observe_step(True, 1, 0.3)
-    drafted = []
-    for _ in range(PROBE_STEPS):
-        drafter.propose([request])
-        drafted.append(bool(request.spec_token_ids))
-    assert drafted == [False] * (PROBE_STEPS - 1) + [True]
-    for _ in range(40):
-        drafter.observe_step(True, 1, 0.2)
-    drafter.propose([request])
-    assert request.spec_token_ids
-    drafter.observe_step(True, 1, 3.0)
-    drafter.propose([request])
-    assert request.spec_token_ids
+    assert measured_step(drafter, 1, 0.1, accepted=0) == 0  # plain first
+    assert measured_step(drafter, 1, 0.2, accepted=0) == 1  # 0.2 s for 1 token: no
+    drafted = [measured_step(drafter, 1, 0.1, accepted=0) for _ in range(PROBE_STEPS - 1)]
+    assert drafted == [0] * (PROBE_STEPS - 1)
+    assert measured_step(drafter, 1, 0.11, accepted=3) == 1  # the probe: 2 tokens in 0.11 s
+    assert measured_step(drafter, 1, 0.12, accepted=3) == 3  # they pay: full lengths
+    assert measured_step(drafter, 1, 5.0, accepted=3) == 3  # a slow step among fast ones
+    # Full drafts rejected: 4 rows' time for 1 token, they stop paying (single ones still do).
+    steps = 0
+    while measured_step(drafter, 1, 0.4, accepted=0) != 1:
+        steps += 1
+        assert steps <= TIMED_STEPS
+    # Single drafts accepted, full ones 1 of 3: only single drafts keep paying.
+    drafted = [measured_step(drafter, 1, 0.12, accepted=1) for _ in range(PROBE_STEPS)]
+    assert sorted(drafted) == [1] * (PROBE_STEPS - 1) + [3]
+    # Another batch size: a plain step first again.
+    assert measured_step(drafter, 16, 0.3, accepted=3) == 0
 
 
 def run_with_logprobs(engine: LLMEngine, prompts, params) -> dict[str, list]:
