@@ -21,24 +21,34 @@ MIN_MATCH = 2
 MAX_OUTPUT_TOKENS = 4096
 
 
+# Between two outputs in the window's one array: no token equals it, so no match crosses it.
+SEPARATOR = -1
+
+
 class SuffixIndex:
     def __init__(self, max_depth: int, max_requests: int) -> None:
         self.max_depth = max_depth
         self._outputs: deque[np.ndarray] = deque(maxlen=max_requests)
+        # The window's outputs in one array, each followed by SEPARATOR (rebuilt when one
+        # joins): a step searches it with one pass instead of one per output.
+        self._window = np.empty(0, dtype=np.int64)
 
     def finished(self, output_token_ids: Sequence[int]) -> None:
         """A finished request's output joins the window (the oldest leaves when it is full)."""
         if len(output_token_ids) > MIN_MATCH and self._outputs.maxlen:
             self._outputs.append(np.asarray(output_token_ids[-MAX_OUTPUT_TOKENS:], np.int64))
+            separator = np.array([SEPARATOR], dtype=np.int64)
+            self._window = np.concatenate([part for o in self._outputs for part in (o, separator)])
 
     def propose(self, token_ids: Sequence[int], num_tokens: int) -> list[int]:
         """Up to `num_tokens` drafted tokens continuing `token_ids`; [] when nothing matches."""
         tokens = np.asarray(token_ids, dtype=np.int64)
         if num_tokens <= 0 or len(tokens) <= MIN_MATCH:
             return []
-        # The request's own tokens but its last (an occurrence must end before its suffix does).
-        texts = [tokens[:-1], *self._outputs]
-        candidates = self._continuations(tokens, texts, [tokens, *self._outputs], num_tokens)
+        # The request's own tokens but its last (an occurrence must end before its suffix
+        # does), read on to its end; then the window.
+        texts = [(tokens[:-1], tokens), (self._window, self._window)]
+        candidates = self._continuations(tokens, texts, num_tokens)
         draft: list[int] = []
         while candidates and len(draft) < num_tokens:
             token = Counter(c[0] for c in candidates).most_common(1)[0][0]
@@ -47,41 +57,33 @@ class SuffixIndex:
         return draft
 
     def _continuations(
-        self,
-        tokens: np.ndarray,
-        texts: list[np.ndarray],
-        sources: list[np.ndarray],
-        num_tokens: int,
+        self, tokens: np.ndarray, texts: list[tuple[np.ndarray, np.ndarray]], num_tokens: int
     ) -> list[tuple[int, ...]]:
-        """The next `num_tokens` tokens (read in `sources`, each text's whole) after each
-        occurrence in `texts` of the longest matching suffix."""
-        pattern = tokens[-MIN_MATCH:]
-        # Per text, the end positions (exclusive) of the occurrences matching so far.
-        ends: list[np.ndarray] = []
-        for text in texts:
+        """The next `num_tokens` tokens (read in each text's source, up to a SEPARATOR) after
+        each occurrence in the texts of the longest matching suffix."""
+        limit = min(self.max_depth, len(tokens))
+        # The suffix read backwards: suffix[j] is the token j places before the last.
+        suffix = tokens[::-1][:limit]
+        matches: list[tuple[np.ndarray, np.ndarray]] = []  # per text: ends, match lengths
+        for text, _ in texts:
             if len(text) < MIN_MATCH:
-                ends.append(np.empty(0, dtype=np.int64))
+                matches.append((np.empty(0, np.int64), np.empty(0, np.int64)))
                 continue
             windows = np.lib.stride_tricks.sliding_window_view(text, MIN_MATCH)
-            ends.append(np.flatnonzero((windows == pattern).all(axis=1)) + MIN_MATCH)
-        if not any(len(e) for e in ends):
+            ends = np.flatnonzero((windows == suffix[MIN_MATCH - 1 :: -1]).all(axis=1)) + MIN_MATCH
+            # How far back each occurrence agrees with the suffix (at most `limit` tokens).
+            back = ends[:, None] - 1 - np.arange(limit)
+            agree = (back >= 0) & (text[np.maximum(back, 0)] == suffix)
+            matches.append((ends, np.cumprod(agree, axis=1).sum(axis=1)))
+        depth = max((int(lengths.max()) for _, lengths in matches if len(lengths)), default=0)
+        if depth < MIN_MATCH:
             return []
-        depth = MIN_MATCH
-        limit = min(self.max_depth, len(tokens))
-        # Lengthen the match while some occurrence still agrees one token further back.
-        while depth < limit:
-            before = tokens[-depth - 1]
-            longer = [
-                e[(e - depth - 1 >= 0) & (text[np.maximum(e - depth - 1, 0)] == before)]
-                for e, text in zip(ends, texts, strict=True)
-            ]
-            if not any(len(e) for e in longer):
-                break
-            ends, depth = longer, depth + 1
         out = []
-        for e, source in zip(ends, sources, strict=True):
-            for end in e.tolist():
-                continuation = tuple(source[end : end + num_tokens].tolist())
+        for (ends, lengths), (_, source) in zip(matches, texts, strict=True):
+            for end in ends[lengths == depth].tolist():
+                continuation = source[end : end + num_tokens].tolist()
+                if SEPARATOR in continuation:
+                    continuation = continuation[: continuation.index(SEPARATOR)]
                 if continuation:
-                    out.append(continuation)
+                    out.append(tuple(continuation))
         return out
