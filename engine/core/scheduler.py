@@ -131,6 +131,9 @@ class Scheduler:
         # adapter has a slot); None: always.
         self.admission_gate: Callable[[Request], bool] | None = None
         self._truncations: list[tuple[int, int]] = []
+        # Waiting requests admitted with a deadline: the wait predicted for their first step,
+        # that step's length and when (measured when they start, to correct later predictions).
+        self._predicted_waits: dict[Request, tuple[float, float, float]] = {}
 
     @property
     def has_unfinished(self) -> bool:
@@ -169,14 +172,18 @@ class Scheduler:
         """Queue a request; QueueFullError when the queue is full, DeadlineUnmeetable when
         its deadline cannot be met behind the queue, InvalidRequestError when it cannot be met
         even by an idle engine."""
-        self._check_deadline(request)
+        predicted = self._check_deadline(request)
         self.waiting.add(request)
         self.shares.joined(request)
+        if predicted is not None:
+            self._predicted_waits[request] = (*predicted, time.monotonic())
 
-    def _check_deadline(self, request: Request) -> None:
+    def _check_deadline(self, request: Request) -> tuple[float, float] | None:
         """Refuse a request whose deadline (the sooner of its two) cannot be met: below one
         step of its prompt (InvalidRequestError), or behind the prefill queued ahead of it
-        (DeadlineUnmeetable, with how long until it could be)."""
+        (DeadlineUnmeetable, with how long until it could be). Else the seconds it is
+        predicted to wait for its first step and that step's, None without a deadline or a
+        cost model."""
         service, cost = request.service, self.step_cost
         given = [
             (ms, name)
@@ -184,7 +191,7 @@ class Scheduler:
             if ms is not None
         ]
         if cost is None or not given:
-            return
+            return None
         ms, name = min(given)
         _, num_cached = self.kv_cache.get_cached_prefix(request)
         own = request.num_tokens - num_cached
@@ -205,6 +212,10 @@ class Scheduler:
         # need not wait for one to free.
         if (ahead and self.policy != "fair") or self._victim_for(request) is None:
             expected += self._seconds_to_free_slots(len(ahead) + 1, ahead, cost)
+        # The queue's part, corrected by how waits predicted so have turned out lately.
+        own_step = cost.step_seconds(min(own, self.max_num_batched_tokens), self.num_running_seqs)
+        wait = max(0.0, expected - own_step)
+        expected = own_step + wait * cost.wait_ratio
         if expected > ms / 1000:
             raise DeadlineUnmeetable(
                 f"slo_{name} leaves {ms:.3g} ms, but the first token is expected in "
@@ -212,6 +223,14 @@ class Scheduler:
                 f"{len(self.running)} running requests; retry later",
                 retry_after=max(1, math.ceil(expected - ms / 1000)),
             )
+        return wait, own_step
+
+    def _observe_wait(self, predicted: float, step: float, since: float, now: float) -> None:
+        """Correct later predictions by this request's wait, unless both the predicted and the
+        measured wait are within one step (the order inside a step is not the queue's)."""
+        assert self.step_cost is not None  # it predicted the wait
+        if max(predicted, now - since) >= step:
+            self.step_cost.observe_wait(predicted, now - since)
 
     def _seconds_to_free_slots(
         self, needed: int, ahead: list[Request], cost: LiveStepCost
@@ -237,6 +256,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv_cache.free(request)
         request.status = RequestStatus.FINISHED
+        self._predicted_waits.pop(request, None)
         self._leave_batch(request, self._finished_ids)
         if request.parent is None:  # a sample's parent holds its tenant's place
             self.shares.left(request)
@@ -319,7 +339,9 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
                 request.status = RequestStatus.RUNNING
                 if request.times.first_scheduled is None:
-                    request.times.first_scheduled = time.monotonic()
+                    request.times.first_scheduled = now = time.monotonic()
+                    if (predicted := self._predicted_waits.pop(request, None)) is not None:
+                        self._observe_wait(*predicted, now)
                 self.running.append(request)
                 chosen[request] = num_new
                 budget -= num_new
@@ -388,8 +410,8 @@ class Scheduler:
     def _over_share_victim(self, request: Request) -> Request | None:
         """Under fair: the latest admitted request of the tenant running the most sequences
         over its weighted share of max_num_seqs, if `request`'s tenant is within its share
-        with `request` running too and not ahead of that tenant in tokens served (virtual
-        time) by more than `request`'s own; else None (it waits for a free slot)."""
+        with `request` running too and its lead in tokens served (virtual time) over that
+        tenant, if any, closes within `request`'s life; else None (it waits for a free slot)."""
         seqs = Counter[str]()
         for running in self.running:
             seqs[running.tenant] += running.num_seqs
@@ -406,11 +428,15 @@ class Scheduler:
         if seqs[over] <= fair_seqs(over):
             return None
         # A burst of a tenant behind in tokens (the light one) may hold more than its share of
-        # slots for a moment: taking one back would recompute it for the tenant ahead. Within
-        # this request's own tokens counts as level (the requester's last prefill was charged
-        # at once).
+        # slots for a moment: taking one back would recompute it for the tenant ahead. The
+        # requester's lead is let pass where it is lumpy, not real: its own tokens (a prefill is
+        # charged at once), and what the over-share tenant, still running more sequences per
+        # weight after the swap, gains on it at each step of this request's life.
         virtual = self.shares.virtual_time
-        lead = request.num_tokens / weight(request.tenant)
+        mine, theirs = weight(request.tenant), weight(over)
+        gain_per_step = (seqs[over] - request.num_seqs) / theirs
+        gain_per_step -= (seqs[request.tenant] + request.num_seqs) / mine
+        lead = request.num_tokens / mine + max(0.0, gain_per_step) * _output_bound(request)
         if virtual(over) + lead < virtual(request.tenant):
             return None
         return max((r for r in self.running if r.tenant == over), key=lambda r: r.times.arrival)

@@ -23,6 +23,8 @@ DEFAULT_PREFILL_TOKEN_SECONDS = 0.0002
 DEFAULT_DECODE_SEQUENCE_SECONDS = 0.0005
 # Weight of one measured step in the running ratio: about the last 50 steps count.
 RATIO_WEIGHT = 0.02
+# Weight of one measured queue wait in the running sums of waits: about the last 50 count.
+WAIT_WEIGHT = 0.02
 
 
 @dataclass(frozen=True)
@@ -73,11 +75,29 @@ class LiveStepCost:
     def __init__(self, model: StepCostModel) -> None:
         self.model = model
         self.ratio = 1.0  # measured / modelled seconds, weighted towards recent steps
+        # Queue waits, predicted at admission and then measured, summed with recent ones
+        # weighted most: what arrives later (a tenant within its share taking a slot, a
+        # preempted request put back ahead) lengthens waits beyond what the queue showed.
+        self._predicted_waits = 0.0
+        self._measured_waits = 0.0
 
     def observe(self, num_prefill_tokens: int, num_decodes: int, seconds: float) -> None:
         modelled = self.model.step_seconds(num_prefill_tokens, num_decodes)
         if modelled > 0 and seconds > 0:
             self.ratio += RATIO_WEIGHT * (seconds / modelled - self.ratio)
+
+    def observe_wait(self, predicted: float, measured: float) -> None:
+        """A request predicted to wait `predicted` seconds for its first step waited
+        `measured`."""
+        self._predicted_waits += WAIT_WEIGHT * (predicted - self._predicted_waits)
+        self._measured_waits += WAIT_WEIGHT * (measured - self._measured_waits)
+
+    @property
+    def wait_ratio(self) -> float:
+        """Measured over predicted queue waits lately (1 before any wait was measured)."""
+        if self._predicted_waits <= 0.0:
+            return 1.0
+        return self._measured_waits / self._predicted_waits
 
     def step_seconds(self, num_prefill_tokens: int, num_decodes: int) -> float:
         return self.ratio * self.model.step_seconds(num_prefill_tokens, num_decodes)

@@ -4,6 +4,8 @@ shares between tenants, who is preempted first under KV pressure, and the batch 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from common.config import EngineConfig
@@ -314,3 +316,52 @@ def test_fair_never_preempts_for_a_tenant_ahead_in_tokens():
     sched.add_request(h1)
     out = sched.schedule()
     assert not out.preempted and h1 not in out.requests
+
+
+def test_fair_lets_a_lumpy_lead_pass_when_the_flood_runs_far_over_its_share():
+    # The flood holds every slot; two light requests of 40 tokens come back level with it and
+    # take a slot each: their prefills, charged at once, put light 80 tokens ahead, more than a
+    # third light request's own tokens. The flood still runs 14 sequences of 16 to light's 2 and
+    # gains ten tokens a step on it: the lead is not real, and the third light request takes a
+    # flood slot at once instead of waiting steps for the flood to catch up.
+    sched = make(scheduling_policy="fair", max_num_seqs=16, max_num_batched_tokens=256)
+    for i in range(20):
+        sched.add_request(req(f"f{i}", 4, arrival=float(i), tenant="flood", max_tokens=1000))
+    advance(sched, sched.schedule())
+    for name in ("a", "b"):
+        sched.add_request(req(name, 40, arrival=50.0, tenant="light", max_tokens=24))
+    out = sched.schedule()
+    assert len(out.preempted) == 2 and all(r.tenant == "flood" for r in out.preempted)
+    advance(sched, out)
+    virtual = sched.shares.virtual_time
+    assert virtual("light") - virtual("flood") > 4  # ahead by more than the newcomer's tokens
+    third = req("c", 4, arrival=60.0, tenant="light", max_tokens=24)
+    sched.add_request(third)
+    out = sched.schedule()
+    assert third in out.requests
+    assert [r.tenant for r in out.preempted] == ["flood"]
+
+
+def test_admission_learns_from_waits_longer_than_predicted():
+    # One slot, held by a request ending in 5 steps: a 200 ms first-token deadline behind it is
+    # met by the cost model's account (50 ms of steps, then its own). Once a wait predicted so
+    # turned out six times longer (the engine stalled), the same deadline is refused.
+    def queue_behind_one(sched, name):
+        sched.add_request(req(f"{name}-ahead", 4, max_tokens=5))
+        advance(sched, sched.schedule())
+        return req(name, 4, ttft_ms=200)
+
+    fresh = make(cost=COST, max_num_seqs=1)
+    fresh.add_request(queue_behind_one(fresh, "c"))  # admitted
+
+    sched = make(cost=COST, max_num_seqs=1)
+    waiter = queue_behind_one(sched, "b")
+    sched.add_request(waiter)
+    time.sleep(0.3)  # longer than the 50 ms predicted
+    while waiter.status is not RequestStatus.RUNNING:
+        advance(sched, sched.schedule())
+    assert sched.step_cost.wait_ratio > 4
+    while sched.has_unfinished:
+        advance(sched, sched.schedule())
+    with pytest.raises(DeadlineUnmeetable):
+        sched.add_request(queue_behind_one(sched, "c"))
