@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import threading
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,7 +63,7 @@ class SaveThread:
     def __init__(self, host: HostTier) -> None:
         self.host = host
         self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(
-            1, "kv-host-tier-saves", initializer=torch.set_num_threads, initargs=(1,)
+            1, "kv-host-tier-saves", initializer=_background_thread
         )
         self._queued: deque[_Save] = deque()  # oldest first, until seen done
         self._queued_bytes = 0
@@ -76,8 +78,8 @@ class SaveThread:
 
     def submit(self, slots: torch.Tensor, blocks: torch.Tensor) -> None:
         self._reap()
-        while self._queued and self._queued_bytes + blocks.nbytes > MAX_QUEUED_SAVE_BYTES:
-            self._wait(self._queued[0])
+        if self._queued and self._queued_bytes + blocks.nbytes > MAX_QUEUED_SAVE_BYTES:
+            self._run_through(self._queued[0])
         if self._executor is not None:
             try:
                 future = self._executor.submit(self.host.store, slots, blocks)
@@ -98,12 +100,12 @@ class SaveThread:
                 last = save
         if last is not None:
             self.waited += 1
-            self._wait(last)
+            self._run_through(last)
 
     def drain(self) -> None:
         """Return once every save submitted is stored (tests, benchmarks, shutdown)."""
         if self._queued:
-            self._wait(self._queued[-1])
+            self._run_through(self._queued[-1])
 
     def close(self) -> None:
         self.drain()
@@ -111,30 +113,60 @@ class SaveThread:
             self._executor.shutdown()
             self._executor = None
 
-    def _wait(self, save: _Save) -> None:
-        """Until `save` is done (saves run in order: the ones before it too)."""
-        with contextlib.suppress(Exception):  # seen by _reap, which falls back
-            save.future.result()
-        self._reap()
+    def _run_through(self, last: _Save) -> None:
+        """Return once `last` and every save before it are stored. The save thread runs at
+        the lowest priority, so on a busy machine it may wait long: the saves it has not
+        started are taken back (cancelled from the newest: it starts them oldest first, so
+        those it started are a prefix) and the ones up to `last` are done on this thread, after
+        the one it is running; the ones after `last` are queued again behind them, in order."""
+        queued = list(self._queued)
+        taken: list[_Save] = []
+        for save in reversed(queued):
+            if not save.future.cancel():
+                break
+            taken.append(save)
+        taken.reverse()
+        started = queued[: len(queued) - len(taken)]
+        if started:
+            with contextlib.suppress(Exception):  # _reap sees it, and falls back
+                started[-1].future.result()
+            for _ in started:
+                self._reap_one()
+                if self._executor is None:
+                    return  # fallen back: every queued save is stored
+        index = next((i for i, save in enumerate(taken) if save is last), -1)
+        try:
+            for save in taken[: index + 1]:
+                self.host.store(save.slots, save.blocks)
+                self._queued.popleft()
+                self._queued_bytes -= save.blocks.nbytes
+        except Exception as error:
+            self._fall_back(error)  # this save again, then the ones after it, here
+            return
+        for save in taken[index + 1 :]:
+            assert self._executor is not None
+            save.future = self._executor.submit(self.host.store, save.slots, save.blocks)
 
     def _reap(self) -> None:
         """Forget the saves done, oldest first; the first failed one means falling back."""
-        while self._queued:
-            save = self._queued[0]
-            if not save.future.done():
-                return
-            error = save.future.exception()
-            if error is not None:
-                self._fall_back(error)
-                return
-            self._queued.popleft()
-            self._queued_bytes -= save.blocks.nbytes
+        while self._queued and self._queued[0].future.done() and self._executor is not None:
+            self._reap_one()
+
+    def _reap_one(self) -> None:
+        """The oldest save is done: forget it, or fall back if it failed."""
+        save = self._queued[0]
+        error = save.future.exception()
+        if error is not None:
+            self._fall_back(error)
+            return
+        self._queued.popleft()
+        self._queued_bytes -= save.blocks.nbytes
 
     def _fall_back(self, error: BaseException) -> None:
         """The save thread failed: log once, let it finish what it holds, then redo on this
-        thread, in order, every save from the failed one on (one it did after the failure may
-        be overwritten by an older one redone, so all are redone), and do every later save
-        here."""
+        thread, in their order, the failed save and every one queued after it (redoing only
+        the failed ones could write an older block over a newer one in a slot), and do every
+        later save here."""
         logger.error(
             "--kv-offload-gib: the host tier's save thread failed (%s: %s); saving on the "
             "engine's thread from now on",
@@ -269,6 +301,17 @@ class KVTierStore:
         """Finish the queued saves and stop the save thread."""
         if self.saves is not None:
             self.saves.close()
+
+
+def _background_thread() -> None:
+    """The save thread runs its torch work on one thread, and at the lowest priority (Linux:
+    a thread's nice value is its own): it takes the cores the engine leaves idle (its Python
+    between kernels, the decode steps' small forwards), not the forward's, whose OpenMP
+    threads would all wait for the one it displaced. A queued save a load needs is waited for
+    (the engine's thread then sleeps, and its core is free)."""
+    torch.set_num_threads(1)
+    with contextlib.suppress(OSError, AttributeError):  # a platform without per-thread nice
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 @contextlib.contextmanager

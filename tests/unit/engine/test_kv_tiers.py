@@ -126,13 +126,16 @@ def hold_saves(engine: LLMEngine) -> tuple[SaveThread, threading.Event]:
 
 @pytest.mark.parametrize("fmt", ["native", "int8"])
 def test_saves_run_off_the_step_and_a_load_racing_one_waits(llama, pool_hit, fmt):
-    """With the save thread held, other prompts overwrite the evicted blocks' pool blocks and
-    the saves stay queued; a prompt then loads those blocks while their saves are queued: the
-    load waits for them, and they store the blocks as they were at eviction (native: the
-    logprobs of a pool hit, bit for bit; int8: its tokens, logprobs within the bound)."""
+    """With the save thread held in its first save, other prompts overwrite the evicted blocks'
+    pool blocks and the saves stay queued; a prompt then loads SHARED's blocks while their saves
+    are queued: the load waits for the held save, does the queued ones up to SHARED's on the
+    engine's thread and queues the later ones again, and the blocks come back as they were at
+    eviction (native: the logprobs of a pool hit, bit for bit; int8: its tokens, logprobs within
+    the bound)."""
     directory, _ = llama
     engine = make_engine(directory, kv_offload_gib=0.01, kv_offload_format=fmt)
     saves, gate = hold_saves(engine)
+    generate(engine, "before", prompt(24, 9))  # evicted first: the save the thread holds
     generate(engine, "first", SHARED)
     push_out(engine)
     assert saves.pending >= 1 and engine.kv_cache.tiers.offloaded >= 6
