@@ -3,12 +3,14 @@
 Multi-turn: conversations take turns round-robin, each turn its whole history plus a new user
 message, so by the time a conversation comes back the others have pushed its blocks out of a
 pool that holds a quarter of the working set (the pool is sized from the workload). Run with no
-tier, with the host tier (int8 on the CPU) and with the disk tier alone; each prints TTFT p50/p99
-of the turns after the first round, the share of prompt tokens served from a cache, and
-throughput. Restart: an engine with the disk tier computes a long system prompt and is dropped;
-a new engine on the same directory, and a cold one without it, answer one question after it:
-the first request's TTFT of each, over several such pairs (a new question each time), and the
-ratio of their medians (one pair is at the mercy of a shared machine's load).
+tier, with the host tier (int8 and native) and with the disk tier alone, one engine each, all
+held at once and taking every turn in lockstep (the shared machine's load falls on each alike);
+each prints TTFT p50/p99 of the turns after the first round, the share of prompt tokens served
+from a cache, and throughput (tokens over its own requests' time). Restart: an engine with the
+disk tier computes a long system prompt and is dropped; a new engine on the same directory, and
+a cold one without it, answer one question after it: the first request's TTFT of each, over
+several such pairs (a new question each time), and the ratio of their medians (one pair is at
+the mercy of a shared machine's load).
 
 The offline engine in-process, one request at a time (TTFT = its prefill); random token ids in
 the model's vocabulary. Prints figures, asserts nothing.
@@ -88,30 +90,44 @@ def one_request(
     return ttft, tokens, cached
 
 
-def multi_turn(config: EngineConfig, work: KVTiersWorkload, label: str) -> Result:
-    engine = LLMEngine(config)
+def multi_turn(runs: list[tuple[str, EngineConfig]], work: KVTiersWorkload) -> list[Result]:
+    """The workload on one engine per configuration, all held at once and taking each turn in
+    lockstep (a turn on every engine, then the next turn), so that the shared machine's load
+    weighs on every configuration alike. Each engine keeps its own histories (the int8 tier's
+    answers may differ); the user messages are the same for all."""
+    engines = [LLMEngine(config) for _, config in runs]
     rng = random.Random(0)
-    vocab = engine.vocab_size - 1
-    histories = [
+    vocab = engines[0].vocab_size - 1
+    firsts = [
         [rng.randrange(vocab) for _ in range(work.first_turn_tokens)]
         for _ in range(work.conversations)
     ]
-    ttfts, prompt_tokens, cached_tokens, total = [], 0, 0, 0
-    start = time.perf_counter()
+    histories = [[list(first) for first in firsts] for _ in runs]
+    ttfts: list[list[float]] = [[] for _ in runs]
+    prompt_tokens, cached_tokens, total = [0] * len(runs), [0] * len(runs), [0] * len(runs)
+    seconds = [0.0] * len(runs)
     for turn in range(work.rounds):
-        for c, history in enumerate(histories):
-            if turn:
-                history += [rng.randrange(vocab) for _ in range(work.turn_tokens)]
-            ttft, tokens, cached = one_request(engine, f"{c}.{turn}", history, work.output_tokens)
-            history += tokens
-            total += len(history)
-            if turn:  # the first round is cold for every configuration
-                ttfts.append(ttft)
-                prompt_tokens += len(history) - len(tokens)
-                cached_tokens += cached
-    seconds = time.perf_counter() - start
-    engine.close()
-    return Result(label, ttfts, prompt_tokens, cached_tokens, total, seconds)
+        for c in range(work.conversations):
+            message = [rng.randrange(vocab) for _ in range(work.turn_tokens if turn else 0)]
+            for i, engine in enumerate(engines):
+                history = histories[i][c]
+                history += message
+                start = time.perf_counter()
+                rid = f"{c}.{turn}"
+                ttft, tokens, cached = one_request(engine, rid, history, work.output_tokens)
+                seconds[i] += time.perf_counter() - start
+                history += tokens
+                total[i] += len(history)
+                if turn:  # the first round is cold for every configuration
+                    ttfts[i].append(ttft)
+                    prompt_tokens[i] += len(history) - len(tokens)
+                    cached_tokens[i] += cached
+    for engine in engines:
+        engine.close()
+    return [
+        Result(label, ttfts[i], prompt_tokens[i], cached_tokens[i], total[i], seconds[i])
+        for i, (label, _) in enumerate(runs)
+    ]
 
 
 def restart(config: EngineConfig, work: KVTiersWorkload, directory: str) -> None:
@@ -166,7 +182,6 @@ def run_kv_tiers_benchmark(args: argparse.Namespace) -> None:
         f"tokens); TTFT of turns 2..{work.rounds}",
         flush=True,
     )
-    results = []
     with tempfile.TemporaryDirectory(prefix="folio-bench-kv-tiers-") as directory:
         runs = (
             ("no tier", config),
@@ -177,9 +192,9 @@ def run_kv_tiers_benchmark(args: argparse.Namespace) -> None:
             ),
             ("disk tier", dataclasses.replace(config, kv_cache_dir=directory + "/multi-turn")),
         )
-        for label, run_config in runs:
-            results.append(multi_turn(run_config, work, label))
-            print(results[-1].line(), flush=True)
+        results = multi_turn(list(runs), work)
+        for result in results:
+            print(result.line(), flush=True)
         base = statistics.median(results[0].ttfts)
         for result in results[1:]:
             print(
