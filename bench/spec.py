@@ -4,11 +4,12 @@ Two workloads of chat prompts: copy-heavy (edit a code file and return it whole,
 text quoting it, a multi-turn chat asking to repeat an earlier answer) and open-ended (stories,
 explanations). Each runs at each stream count (requests in flight at once: 1, 16) on an engine
 without speculation and on one per --methods entry (all loaded at once, taking turns on each
-workload), greedy, and prints output tokens/s, the mean time per output token (TPOT) of the
-requests, the acceptance (accepted / drafted tokens), the ratio of tokens/s to the engine
-without speculation, and whether the greedy tokens are the same as without speculation; then
-how many steps of each engine ran compiled decode programs (verification steps among them). A
-benchmark, not a test: it asserts nothing and never runs in the suite.
+workload, --repeats times: each engine's fastest turn counts), greedy, and prints output
+tokens/s, the mean time per output token (TPOT) of the requests, the acceptance (accepted /
+drafted tokens), the ratio of tokens/s to the engine without speculation, and whether the
+greedy tokens are the same as without speculation; then how many steps of each engine ran
+compiled decode programs (verification steps among them). A benchmark, not a test: it asserts
+nothing and never runs in the suite.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ class SpecWorkload:
     spec_tokens: int = flag(4, "num_speculative_tokens of each method")
     rounds: int = flag(
         1, "times each workload's prompts are sent (each stream sends its next when one ends)"
+    )
+    repeats: int = flag(
+        1,
+        "times the engines take turns on each workload and stream count; each engine's fastest "
+        "run counts (a shared machine's load spikes only ever slow a run down)",
     )
 
 
@@ -137,17 +143,22 @@ def run_spec_benchmark(args: argparse.Namespace) -> None:
         # costs (allocations, kernel selection, a compiled program for that length).
         _measure(engine, warm_up, 1, 1, SamplingParams(max_tokens=8))
     # The engines take turns on each workload, so a shared machine's load drifting during the
-    # run weighs on all of them alike.
+    # run weighs on all of them alike; with --repeats, each engine's fastest turn counts.
     for name, prompts in workloads.items():
         for count in streams:
-            for method, engine in engines.items():
-                results[name, count, method] = _measure(engine, prompts, count, args.rounds, params)
+            for _ in range(args.repeats):
+                for method, engine in engines.items():
+                    m = _measure(engine, prompts, count, args.rounds, params)
+                    best = results.get((name, count, method))
+                    if best is None or m.tokens_per_second > best.tokens_per_second:
+                        results[name, count, method] = m
     compiled = {method: _compiled_steps(engine) for method, engine in engines.items()}
     for engine in engines.values():
         engine.close()
     print(
         f"speculative decoding, {base.device}, model {base.model or 'default'}, greedy, "
-        f"{args.max_tokens} tokens per request, num_speculative_tokens {args.spec_tokens}"
+        f"{args.max_tokens} tokens per request, num_speculative_tokens {args.spec_tokens}, "
+        f"fastest of {args.repeats} turns"
     )
     print(
         f"{'workload':12s} {'streams':>7s} {'method':>8s} {'tok/s':>8s} {'TPOT ms':>8s} "
