@@ -3,14 +3,15 @@
 Multi-turn: conversations take turns round-robin, each turn its whole history plus a new user
 message, so by the time a conversation comes back the others have pushed its blocks out of a
 pool that holds a quarter of the working set (the pool is sized from the workload). Run with no
-tier, with the host tier (int8 and native) and with the disk tier alone, one engine each, all
-held at once and taking every turn in lockstep (the shared machine's load falls on each alike);
-each prints TTFT p50/p99 of the turns after the first round, the share of prompt tokens served
-from a cache, and throughput (tokens over its own requests' time). Restart: an engine with the
-disk tier computes a long system prompt and is dropped; a new engine on the same directory, and
-a cold one without it, answer one question after it: the first request's TTFT of each, over
-several such pairs (a new question each time), and the ratio of their medians (one pair is at
-the mercy of a shared machine's load).
+tier, with the host tier (int8 and native), with the disk tier alone and, as the ceiling, with
+a pool holding the whole working set, one engine each, all held at once and taking every turn
+in lockstep (the shared machine's load falls on each alike); each prints TTFT p50/p99 of the
+turns after the first round, the share of prompt tokens served from a cache, and throughput
+(tokens over its own requests' time). Restart: an engine with the disk tier computes a long
+system prompt and is dropped; a new engine on the same directory, and a cold one without it,
+answer one question after it: the first request's TTFT of each, over several such pairs (a new
+question each time), and the ratio of their medians (one pair is at the mercy of a shared
+machine's load).
 
 The offline engine in-process, one request at a time (TTFT = its prefill); random token ids in
 the model's vocabulary. Prints figures, asserts nothing.
@@ -191,6 +192,15 @@ def run_kv_tiers_benchmark(args: argparse.Namespace) -> None:
                 dataclasses.replace(config, kv_offload_gib=1.0, kv_offload_format="native"),
             ),
             ("disk tier", dataclasses.replace(config, kv_cache_dir=directory + "/multi-turn")),
+            # The ceiling: what no tier can beat, a pool that never evicts (each
+            # conversation's partial blocks besides its full ones).
+            (
+                "pool holding all (ceiling)",
+                dataclasses.replace(
+                    config,
+                    num_kv_blocks=working // config.block_size + 2 * work.conversations,
+                ),
+            ),
         )
         results = multi_turn(list(runs), work)
         for result in results:
