@@ -7,7 +7,9 @@ pool blocks next), and handed to the save thread (`SaveThread`), which stores th
 slots (quantizing them in the int8 format) while the engine goes on with its step: the step pays
 one copy, never the quantization. Then the blocks claimed from the tiers are written into their
 fresh pool blocks, one indexed copy per layer; a load from a slot whose save is still queued
-first waits for that save (the book lists the block in the host tier from its eviction on). After
+first has that save done (the book lists the block in the host tier from its eviction on: the
+save thread runs at the lowest priority, so the load takes back the saves it has not started
+and does them itself). After
 the step (`persist`, through the book's sink) the blocks newly cached are gathered once and
 queued, as bytes, for the disk tier's writer thread. Batched per step, never per block; on CUDA
 the host side is pinned memory. The engine thread's host-side work runs on one torch thread, and
