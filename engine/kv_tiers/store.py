@@ -64,9 +64,14 @@ class SaveThread:
 
     def __init__(self, host: HostTier) -> None:
         self.host = host
+        threads = torch.get_num_threads()
         self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(
             1, "kv-host-tier-saves", initializer=_background_thread
         )
+        # Started now, then torch's default for threads starting later put back: setting the
+        # save thread's one thread set it too (its own intra-op threads are its own).
+        self._executor.submit(int).result()
+        torch.set_num_threads(threads)
         self._queued: deque[_Save] = deque()  # oldest first, until seen done
         self._queued_bytes = 0
         # Loads that found a save into their slots still queued, and waited for it.
@@ -309,8 +314,11 @@ def _background_thread() -> None:
     """The save thread runs its torch work on one thread, and at the lowest priority (Linux:
     a thread's nice value is its own): it takes the cores the engine leaves idle (its Python
     between kernels, the decode steps' small forwards), not the forward's, whose OpenMP
-    threads would all wait for the one it displaced. A queued save a load needs is waited for
-    (the engine's thread then sleeps, and its core is free)."""
+    threads would all wait for the one it displaced (a load that needs a queued save takes it
+    back: SaveThread._run_through)."""
+    # A thread's first torch call reads the process's default number of intra-op threads into
+    # its own (OpenMP's are per thread): made first, so that the one set after stays.
+    torch.get_num_threads()
     torch.set_num_threads(1)
     with contextlib.suppress(OSError, AttributeError):  # a platform without per-thread nice
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)

@@ -135,6 +135,10 @@ def test_saves_run_off_the_step_and_a_load_racing_one_waits(llama, pool_hit, fmt
     directory, _ = llama
     engine = make_engine(directory, kv_offload_gib=0.01, kv_offload_format=fmt)
     saves, gate = hold_saves(engine)
+    # The save thread's torch work runs on one thread; the engine's keeps its own.
+    threads = torch.get_num_threads()
+    assert saves._executor.submit(torch.get_num_threads).result() == 1
+    assert torch.get_num_threads() == threads
     generate(engine, "before", prompt(24, 9))  # evicted first: the save the thread holds
     generate(engine, "first", SHARED)
     push_out(engine)
