@@ -131,6 +131,8 @@ class Scheduler:
         # adapter has a slot); None: always.
         self.admission_gate: Callable[[Request], bool] | None = None
         self._truncations: list[tuple[int, int]] = []
+        # The tokens of the step being planned, by request (empty between steps).
+        self._planned: dict[Request, int] = {}
         # Waiting requests admitted with a deadline: the wait predicted for their first step,
         # that step's length and when (measured when they start, to correct later predictions).
         self._predicted_waits: dict[Request, tuple[float, float, float]] = {}
@@ -271,6 +273,7 @@ class Scheduler:
         budget, the sequence slots or the KV blocks an interactive one asks for."""
         budget = self.max_num_batched_tokens
         chosen: dict[Request, int] = {}
+        self._planned = chosen
         preempted: list[Request] = []
 
         def preempt(victim: Request) -> None:
@@ -309,13 +312,14 @@ class Scheduler:
             # Under fair, tenants whose head cannot start now: the next tenant's may (a tenant
             # within its share preempts one over it), so one blocked head holds up no other.
             blocked: set[str] = set()
-            while budget > 0 and (request := self.waiting.peek(lane, blocked)) is not None:
+            while budget > 0 and (request := self._next_waiting(lane, blocked)) is not None:
                 if self.admission_gate is not None and not self.admission_gate(request):
                     return
                 cached_blocks, num_cached = self.kv_cache.get_cached_prefix(request)
                 num_new = min(request.num_tokens - num_cached, budget)
-                startable = True
-                while (
+                # Preempted in this step: it starts again in a later one (no churn, no loop).
+                startable = request not in preempted
+                while startable and (
                     self.num_running_seqs + request.num_seqs > self.max_num_seqs
                     or not self.kv_cache.allocate(request, num_new, cached_blocks)
                 ):
@@ -353,10 +357,28 @@ class Scheduler:
         advance([r for r in self.running if r.is_batch])
         if not preempted and self.waiting.lane_size(INTERACTIVE) == 0:
             admit(BATCH)
+        self._planned = {}
         if self.policy == "fair":
-            for request, num_new in chosen.items():
-                self.shares.charge(request.tenant, num_new)
+            self.shares.charge_step((r.tenant, num_new) for r, num_new in chosen.items())
         return self._batch(chosen, preempted)
+
+    def _next_waiting(self, lane: int, blocked: set[str]) -> Request | None:
+        """The waiting request to admit next in `lane`: by policy; under fair, a tenant within
+        its share of the sequence slots before those at it (a free slot given to a tenant at
+        its share would be taken back at once by one within its own)."""
+        if self.policy == "fair":
+            seqs = Counter[str]()
+            for running in self.running:
+                seqs[running.tenant] += running.num_seqs
+            waiting = self.waiting.tenants(lane)
+            weight = self.shares.weight
+            total_weight = sum(weight(t) for t in {*seqs, *waiting})
+            at_share = {
+                t for t in waiting if seqs[t] + 1 > self.max_num_seqs * weight(t) / total_weight
+            }
+            if (request := self.waiting.peek(lane, blocked | at_share)) is not None:
+                return request
+        return self.waiting.peek(lane, blocked)
 
     def fork(self, parent: Request) -> list[Request]:
         """Replace a running n > 1 request whose prompt is computed by its live samples: each
@@ -408,38 +430,68 @@ class Scheduler:
         return None
 
     def _over_share_victim(self, request: Request) -> Request | None:
-        """Under fair: the latest admitted request of the tenant running the most sequences
-        over its weighted share of max_num_seqs, if `request`'s tenant is within its share
-        with `request` running too and its lead in tokens served (virtual time) over that
-        tenant, if any, closes within `request`'s life; else None (it waits for a free slot)."""
+        """Under fair, the running request `request` may take the slot of (the latest admitted
+        of another tenant's), if any; else None (it waits for a free slot).
+
+        Within its weighted share of max_num_seqs with `request` running too, its tenant takes
+        from the tenant running the most sequences over its own share, unless ahead of it in
+        tokens served (virtual time) by more than `request`'s own tokens both now and at the
+        end of `request`'s life at the rates the two are served lately, or that tenant is
+        as far behind it. Over its share, it takes from the tenant furthest ahead in tokens
+        only if that far behind it: a real debt, not the lumpiness of prefills charged at
+        once, so the tenants do not trade slots back and forth."""
         seqs = Counter[str]()
         for running in self.running:
             seqs[running.tenant] += running.num_seqs
-        weight = self.shares.weight
-        tenants = {*seqs, request.tenant}
-        total_weight = sum(weight(t) for t in tenants)
+        others = [t for t in seqs if t != request.tenant]
+        if not others:
+            return None
+        weight, virtual = self.shares.weight, self.shares.virtual_time
+        total_weight = sum(weight(t) for t in {*seqs, request.tenant})
 
         def fair_seqs(tenant: str) -> float:
             return self.max_num_seqs * weight(tenant) / total_weight
 
+        def latest_of(tenant: str) -> Request:
+            return max(
+                (r for r in self.running if r.tenant == tenant), key=lambda r: r.times.arrival
+            )
+
         if seqs[request.tenant] + request.num_seqs > fair_seqs(request.tenant):
-            return None
-        over = max(seqs, key=lambda t: seqs[t] - fair_seqs(t))
+            ahead = max(others, key=virtual)
+            return latest_of(ahead) if self._really_behind(request, ahead) else None
+        over = max(others, key=lambda t: seqs[t] - fair_seqs(t))
         if seqs[over] <= fair_seqs(over):
             return None
-        # A burst of a tenant behind in tokens (the light one) may hold more than its share of
-        # slots for a moment: taking one back would recompute it for the tenant ahead. The
-        # requester's lead is let pass where it is lumpy, not real: its own tokens (a prefill is
-        # charged at once), and what the over-share tenant, still running more sequences per
-        # weight after the swap, gains on it at each step of this request's life.
-        virtual = self.shares.virtual_time
-        mine, theirs = weight(request.tenant), weight(over)
-        gain_per_step = (seqs[over] - request.num_seqs) / theirs
-        gain_per_step -= (seqs[request.tenant] + request.num_seqs) / mine
-        lead = request.num_tokens / mine + max(0.0, gain_per_step) * _output_bound(request)
-        if virtual(over) + lead < virtual(request.tenant):
+        victim = latest_of(over)
+        now, end = self._leads(request, over)
+        if min(now, end) > request.num_tokens / weight(request.tenant):
             return None
-        return max((r for r in self.running if r.tenant == over), key=lambda r: r.times.arrival)
+        return None if self._really_behind(victim, request.tenant) else victim
+
+    def _leads(self, request: Request, other: str) -> tuple[float, float]:
+        """`request`'s tenant's lead over `other` in tokens served (virtual time, counting the
+        tokens this step plans so far), now and at the end of `request`'s life at the rates
+        the two are served lately, were `request` to take a slot of `other`'s (the swap moves
+        one decode a step between them)."""
+        shares = self.shares
+        planned = Counter[str]()
+        for chosen, num_new in self._planned.items():
+            planned[chosen.tenant] += num_new
+
+        def virtual(tenant: str) -> float:
+            return shares.virtual_time(tenant) + planned[tenant] / shares.weight(tenant)
+
+        now = virtual(request.tenant) - virtual(other)
+        mine = (shares.rate(request.tenant) + request.num_seqs) / shares.weight(request.tenant)
+        theirs = (shares.rate(other) - request.num_seqs) / shares.weight(other)
+        return now, now + (mine - theirs) * _output_bound(request)
+
+    def _really_behind(self, request: Request, other: str) -> bool:
+        """Whether `request`'s tenant is behind `other` by more than `request`'s own tokens
+        now, and further behind at the end of its life even with the slot (_leads)."""
+        now, end = self._leads(request, other)
+        return end < now < -request.num_tokens / self.shares.weight(request.tenant)
 
     def roll_back(self, request: Request) -> None:
         """After verification rejected some of the request's drafts (its num_computed_tokens

@@ -18,12 +18,14 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 from engine.core.request import Request
 from engine.errors import QueueFullError
 
 INTERACTIVE, BATCH = 0, 1  # the lanes
+# Weight of one step in a tenant's running rate of tokens computed: about the last 20 count.
+RATE_WEIGHT = 0.05
 LANES = (INTERACTIVE, BATCH)
 
 # (priority or 0, 0 if put back after preemption else 1, deadline, arrival, counter), request
@@ -35,7 +37,8 @@ def lane_of(request: Request) -> int:
 
 
 class FairShares:
-    """Per tenant, its virtual time: the tokens computed for it divided by its weight.
+    """Per tenant, its virtual time: the tokens computed for it divided by its weight; and its
+    rate lately, tokens computed a step.
 
     A tenant that comes back after having nothing live starts no further behind than the least
     served live tenant (it cannot bank idle time and then starve the others); one with no debt
@@ -46,6 +49,7 @@ class FairShares:
         self._virtual: dict[str, float] = {}
         self._weight: dict[str, float] = {}
         self._live: Counter[str] = Counter()  # tenant -> its requests waiting or running
+        self._rate: dict[str, float] = {}
 
     def joined(self, request: Request) -> None:
         tenant = request.tenant
@@ -66,10 +70,22 @@ class FairShares:
         if floor is None or self._virtual.get(tenant, 0.0) <= floor:
             self._virtual.pop(tenant, None)
             self._weight.pop(tenant, None)
+            self._rate.pop(tenant, None)
 
-    def charge(self, tenant: str, num_tokens: int) -> None:
-        """`num_tokens` were computed for `tenant` (prompt, recomputed or generated)."""
-        self._virtual[tenant] = self.virtual_time(tenant) + num_tokens / self.weight(tenant)
+    def charge_step(self, computed: Iterable[tuple[str, int]]) -> None:
+        """One step computed these (tenant, tokens): prompt, recomputed or generated."""
+        step = Counter[str]()
+        for tenant, num_tokens in computed:
+            step[tenant] += num_tokens
+        for tenant, num_tokens in step.items():
+            self._virtual[tenant] = self.virtual_time(tenant) + num_tokens / self.weight(tenant)
+        for tenant in self._rate.keys() | step.keys():
+            rate = self._rate.get(tenant, 0.0)
+            self._rate[tenant] = rate + RATE_WEIGHT * (step[tenant] - rate)
+
+    def rate(self, tenant: str) -> float:
+        """Tokens computed for `tenant` a step, lately."""
+        return self._rate.get(tenant, 0.0)
 
     def virtual_time(self, tenant: str) -> float:
         return self._virtual.get(tenant, 0.0)
@@ -105,6 +121,10 @@ class WaitingQueue:
             for heap in lane.values():
                 for _key, request in heap:
                     yield request
+
+    def tenants(self, lane: int) -> set[str]:
+        """The tenants with requests waiting in `lane` (one, "", except under fair)."""
+        return {tenant for tenant, heap in self._heaps[lane].items() if heap}
 
     def lane_size(self, lane: int) -> int:
         return sum(len(heap) for heap in self._heaps[lane].values())

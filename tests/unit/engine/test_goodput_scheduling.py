@@ -319,15 +319,16 @@ def test_fair_never_preempts_for_a_tenant_ahead_in_tokens():
 
 
 def test_fair_lets_a_lumpy_lead_pass_when_the_flood_runs_far_over_its_share():
-    # The flood holds every slot; two light requests of 40 tokens come back level with it and
-    # take a slot each: their prefills, charged at once, put light 80 tokens ahead, more than a
-    # third light request's own tokens. The flood still runs 14 sequences of 16 to light's 2 and
-    # gains ten tokens a step on it: the lead is not real, and the third light request takes a
-    # flood slot at once instead of waiting steps for the flood to catch up.
+    # The flood has held every slot for a while; two light requests of 40 tokens come back
+    # level with it and take a slot each: their prefills, charged at once, put light some 60
+    # tokens ahead, more than a third light request's own tokens. But the flood, served 14
+    # tokens a step to light's few, makes that up within the third request's life: the lead is
+    # not real, and the third request takes a flood slot at once instead of waiting steps.
     sched = make(scheduling_policy="fair", max_num_seqs=16, max_num_batched_tokens=256)
     for i in range(20):
         sched.add_request(req(f"f{i}", 4, arrival=float(i), tenant="flood", max_tokens=1000))
-    advance(sched, sched.schedule())
+    for _ in range(40):
+        advance(sched, sched.schedule())
     for name in ("a", "b"):
         sched.add_request(req(name, 40, arrival=50.0, tenant="light", max_tokens=24))
     out = sched.schedule()
@@ -365,3 +366,30 @@ def test_admission_learns_from_waits_longer_than_predicted():
         advance(sched, sched.schedule())
     with pytest.raises(DeadlineUnmeetable):
         sched.add_request(queue_behind_one(sched, "c"))
+
+
+def test_fair_a_tenant_far_behind_in_tokens_may_run_over_its_share_of_slots():
+    # Light holds its share of the slots, two of four, and is ~190 tokens behind: a third light
+    # request takes a heavy slot (the debt is real: heavy also gains on it at every step). The
+    # heavy tenant, back within its share, takes none back: it is the one ahead.
+    sched = make(scheduling_policy="fair", max_num_seqs=4, max_num_batched_tokens=256)
+    for i in range(2):
+        sched.add_request(req(f"h{i}", 100, arrival=float(i), tenant="heavy", max_tokens=1000))
+        sched.add_request(req(f"l{i}", 4, arrival=2.0 + i, tenant="light", max_tokens=1000))
+    advance(sched, sched.schedule())
+    third = req("l2", 4, arrival=10.0, tenant="light", max_tokens=8)
+    sched.add_request(third)
+    out = sched.schedule()
+    assert third in out.requests
+    assert [r.request_id for r in out.preempted] == ["h1"]
+    advance(sched, out)
+    assert not sched.schedule().preempted
+
+
+def test_fair_level_tenants_do_not_trade_slots():
+    # Two floods of the same requests, each at its share of the slots: prefills charged at once
+    # put one ahead of the other by a request now and then, which is no debt to preempt for.
+    sched = make(scheduling_policy="fair", max_num_seqs=4, max_num_batched_tokens=64)
+    computed = run_flood(sched, {"a": 1.0, "b": 1.0}, steps=300, max_tokens=6)
+    assert sched.num_preemptions == 0
+    assert computed["a"] / sum(computed.values()) == pytest.approx(0.5, rel=0.05), computed
