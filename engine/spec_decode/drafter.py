@@ -46,6 +46,12 @@ PAUSE_STEPS = 16
 # more) is seen.
 TIMED_STEPS = 8
 PROBE_STEPS = 32
+# Plain steps are kept as far back as TIMED_STEPS probes reach: while drafting is off a plain
+# step runs every step and a probe one in PROBE_STEPS, and the fastest of a longer stretch is
+# likelier to come from a quiet moment of a shared machine. Over equal stretches, load spikes
+# favour neither kind (over 8 plain steps against 8 probes, a loaded machine turned drafting
+# on at 16 streams, where it costs more than it saves).
+TIMED_PLAIN_STEPS = TIMED_STEPS * PROBE_STEPS
 # Drafting levels of a step: none, at most one token a request, each request's adaptive length.
 NONE, FIRST_ONLY, FULL = 0, 1, 2
 
@@ -71,10 +77,11 @@ class MeasuredSteps:
     A step's cost depends on its batch: one stream is memory-bound (verifying drafts nearly
     free) where a large batch is compute-bound (each draft costs about what a sequence does),
     so steps of different batch sizes are never compared. At a batch size, a plain step costs
-    its fastest recent time per sequence; a drafting step its fastest recent time per query
-    row times the rows it takes per token yielded (recent steps' sums: the acceptance actually
-    measured, not expected). A batch size counts as measured by its nearest measured neighbour
-    within an eighth of it (a finishing request changes the batch every few steps)."""
+    its fastest recent time per sequence (of TIMED_PLAIN_STEPS); a drafting step its fastest
+    recent time per query row (of TIMED_STEPS) times the rows it takes per token yielded
+    (those steps' sums: the acceptance actually measured, not expected). A batch size counts
+    as measured by its nearest measured neighbour within an eighth of it (a finishing request
+    changes the batch every few steps)."""
 
     def __init__(self) -> None:
         self._plain: dict[int, deque[float]] = {}
@@ -89,7 +96,8 @@ class MeasuredSteps:
             steps = self._drafting.setdefault((level, batch), deque(maxlen=TIMED_STEPS))
             steps.append(_DraftingStep(seconds, rows, max(tokens, batch)))
         else:
-            self._plain.setdefault(batch, deque(maxlen=TIMED_STEPS)).append(seconds / batch)
+            plain = self._plain.setdefault(batch, deque(maxlen=TIMED_PLAIN_STEPS))
+            plain.append(seconds / batch)
 
     def plain_measured(self, batch: int) -> bool:
         return _nearest(self._plain, batch) is not None
