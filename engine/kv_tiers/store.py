@@ -64,18 +64,21 @@ class SaveThread:
 
     def __init__(self, host: HostTier) -> None:
         self.host = host
+        self._queued: deque[_Save] = deque()  # oldest first, until seen done
+        self._queued_bytes = 0
+        # Loads that found a save into their slots still queued, and had it done first.
+        self.waited = 0
         threads = torch.get_num_threads()
         self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(
             1, "kv-host-tier-saves", initializer=_background_thread
         )
         # Started now, then torch's default for threads starting later put back: setting the
         # save thread's one thread set it too (its own intra-op threads are its own).
-        self._executor.submit(int).result()
+        try:
+            self._executor.submit(int).result()
+        except Exception as error:  # the thread did not start: saves on the engine's thread
+            self._fall_back(error)
         torch.set_num_threads(threads)
-        self._queued: deque[_Save] = deque()  # oldest first, until seen done
-        self._queued_bytes = 0
-        # Loads that found a save into their slots still queued, and waited for it.
-        self.waited = 0
 
     @property
     def pending(self) -> int:
@@ -85,7 +88,7 @@ class SaveThread:
 
     def submit(self, slots: torch.Tensor, blocks: torch.Tensor) -> None:
         self._reap()
-        if self._queued and self._queued_bytes + blocks.nbytes > MAX_QUEUED_SAVE_BYTES:
+        while self._queued and self._queued_bytes + blocks.nbytes > MAX_QUEUED_SAVE_BYTES:
             self._run_through(self._queued[0])
         if self._executor is not None:
             try:

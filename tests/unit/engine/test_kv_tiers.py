@@ -28,9 +28,10 @@ from engine.core.kv_events import KVEventPublisher
 from engine.core.request import Request
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
+from engine.kv_tiers import store as kv_tier_store
 from engine.kv_tiers.book import TierBook
 from engine.kv_tiers.disk_tier import DiskTier
-from engine.kv_tiers.host_tier import dequantize, quantize
+from engine.kv_tiers.host_tier import HostTier, dequantize, quantize
 from engine.kv_tiers.store import SaveThread
 from tiny_models import VARIANTS, hf_greedy, make_checkpoint
 
@@ -178,6 +179,25 @@ def test_a_failing_save_thread_falls_back_to_saving_on_the_step(llama, pool_hit,
     assert len(failed) == 1 and "MemoryError: injected" in failed[0], failed
     assert cached == 24 and (tokens, logprobs) == pool_hit
     assert saves.pending == 0
+
+
+def test_saves_stay_within_their_bound_and_the_last_into_a_slot_wins(monkeypatch):
+    """With room for one queued save, each save has the ones before it done first (taken back
+    from the save thread when it has not started them); saves into the same slots, in any mix
+    of the two threads, leave each slot holding its last save."""
+    shape = (2, 2, 2, BLOCK, 2, 8)  # [layers, K|V, 2 blocks, block_size, heads, head_dim]
+    nbytes = torch.empty(shape).nbytes
+    monkeypatch.setattr(kv_tier_store, "MAX_QUEUED_SAVE_BYTES", nbytes)
+    host = HostTier(4, (2, 2, BLOCK, 2, 8), torch.float32, "native", pin=False)
+    saves = SaveThread(host)
+    for i in range(20):
+        saves.submit(torch.tensor([i % 3, 3]), torch.full(shape, float(i)))
+        assert saves._queued_bytes <= nbytes
+    saves.drain()
+    assert saves.pending == 0
+    held = host.fetch(torch.arange(4))  # [layers, K|V, slot, ...]
+    last = [[18.0], [19.0], [17.0], [19.0]]
+    assert [held[:, :, slot].unique().tolist() for slot in range(4)] == last
 
 
 def test_int8_round_trip_error_is_within_half_a_step():
