@@ -44,7 +44,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import EngineStats
 from engine.core.prompt_logprobs import plan_span
 from engine.core.request import Request, RequestStatus
-from engine.core.step_cost import LiveStepCost
+from engine.core.step_cost import LiveStepCost, QueueWaits
 from engine.core.step_plan import NewRequestPlan, RunningRequestPlan, StepPlan
 from engine.core.waiting import BATCH, INTERACTIVE, FairShares, WaitingQueue
 from engine.errors import DeadlineUnmeetable, InvalidRequestError
@@ -99,6 +99,11 @@ class _Shipped:
 ASSUMED_OUTPUT_TOKENS = 256
 
 
+def _wait_class(request: Request) -> tuple[str, int]:
+    """Whose queue waits `request`'s is predicted from (QueueWaits)."""
+    return request.tenant, request.priority
+
+
 def _output_bound(request: Request) -> int:
     """The most tokens `request` generates, as far as the scheduler can tell."""
     max_tokens = request.sampling_params.max_tokens
@@ -136,6 +141,7 @@ class Scheduler:
         # Waiting requests admitted with a deadline: the wait predicted for their first step,
         # that step's length and when (measured when they start, to correct later predictions).
         self._predicted_waits: dict[Request, tuple[float, float, float]] = {}
+        self.queue_waits = QueueWaits()
 
     @property
     def has_unfinished(self) -> bool:
@@ -217,7 +223,7 @@ class Scheduler:
         # The queue's part, corrected by how waits predicted so have turned out lately.
         own_step = cost.step_seconds(min(own, self.max_num_batched_tokens), self.num_running_seqs)
         wait = max(0.0, expected - own_step)
-        expected = own_step + wait * cost.wait_ratio
+        expected = own_step + wait * self.queue_waits.ratio(_wait_class(request))
         if expected > ms / 1000:
             raise DeadlineUnmeetable(
                 f"slo_{name} leaves {ms:.3g} ms, but the first token is expected in "
@@ -227,12 +233,13 @@ class Scheduler:
             )
         return wait, own_step
 
-    def _observe_wait(self, predicted: float, step: float, since: float, now: float) -> None:
+    def _observe_wait(
+        self, request: Request, predicted: float, step: float, since: float, now: float
+    ) -> None:
         """Correct later predictions by this request's wait, unless both the predicted and the
         measured wait are within one step (the order inside a step is not the queue's)."""
-        assert self.step_cost is not None  # it predicted the wait
         if max(predicted, now - since) >= step:
-            self.step_cost.observe_wait(predicted, now - since)
+            self.queue_waits.observe(_wait_class(request), predicted, now - since)
 
     def _seconds_to_free_slots(
         self, needed: int, ahead: list[Request], cost: LiveStepCost
@@ -345,7 +352,7 @@ class Scheduler:
                 if request.times.first_scheduled is None:
                     request.times.first_scheduled = now = time.monotonic()
                     if (predicted := self._predicted_waits.pop(request, None)) is not None:
-                        self._observe_wait(*predicted, now)
+                        self._observe_wait(request, *predicted, now)
                 self.running.append(request)
                 chosen[request] = num_new
                 budget -= num_new

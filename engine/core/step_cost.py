@@ -1,6 +1,7 @@
 """What an engine step costs in seconds: the step cost model (`folio bench profile` fits it,
 simulated engines run on it) and its live form, which the scheduler asks how long a queue will
-take (deadline admission, the load an engine reports to routers).
+take (deadline admission, the load an engine reports to routers); and how the queue waits
+predicted so turned out, per class of request (QueueWaits), to correct later predictions.
 
 A step costs fixed + per prefill token x prefill tokens + per decoding sequence x decoding
 sequences. The live model keeps the profile's shape and rescales it to the step times this
@@ -25,6 +26,8 @@ DEFAULT_DECODE_SEQUENCE_SECONDS = 0.0005
 RATIO_WEIGHT = 0.02
 # Weight of one measured queue wait in the running sums of waits: about the last 50 count.
 WAIT_WEIGHT = 0.02
+# Classes of requests whose queue waits are kept apart at most (the least recent go first).
+MAX_WAIT_CLASSES = 1024
 
 
 @dataclass(frozen=True)
@@ -75,29 +78,11 @@ class LiveStepCost:
     def __init__(self, model: StepCostModel) -> None:
         self.model = model
         self.ratio = 1.0  # measured / modelled seconds, weighted towards recent steps
-        # Queue waits, predicted at admission and then measured, summed with recent ones
-        # weighted most: what arrives later (a tenant within its share taking a slot, a
-        # preempted request put back ahead) lengthens waits beyond what the queue showed.
-        self._predicted_waits = 0.0
-        self._measured_waits = 0.0
 
     def observe(self, num_prefill_tokens: int, num_decodes: int, seconds: float) -> None:
         modelled = self.model.step_seconds(num_prefill_tokens, num_decodes)
         if modelled > 0 and seconds > 0:
             self.ratio += RATIO_WEIGHT * (seconds / modelled - self.ratio)
-
-    def observe_wait(self, predicted: float, measured: float) -> None:
-        """A request predicted to wait `predicted` seconds for its first step waited
-        `measured`."""
-        self._predicted_waits += WAIT_WEIGHT * (predicted - self._predicted_waits)
-        self._measured_waits += WAIT_WEIGHT * (measured - self._measured_waits)
-
-    @property
-    def wait_ratio(self) -> float:
-        """Measured over predicted queue waits lately (1 before any wait was measured)."""
-        if self._predicted_waits <= 0.0:
-            return 1.0
-        return self._measured_waits / self._predicted_waits
 
     def step_seconds(self, num_prefill_tokens: int, num_decodes: int) -> float:
         return self.ratio * self.model.step_seconds(num_prefill_tokens, num_decodes)
@@ -115,3 +100,28 @@ class LiveStepCost:
             steps * self.model.step_seconds(0, num_decodes)
             + self.model.prefill_token_seconds * num_tokens
         )
+
+
+class QueueWaits:
+    """How queue waits predicted at admission turned out, per class of request (its tenant
+    and priority: under fair or priority scheduling one class's requests jump the queue that
+    another's wait in): running sums of predicted and measured waits, recent ones weighted
+    most. What arrives after a prediction (a tenant within its share taking a slot, a
+    preempted request put back ahead) makes waits longer than the queue showed."""
+
+    def __init__(self) -> None:
+        self._sums: dict[tuple[str, int], tuple[float, float]] = {}  # (predicted, measured)
+
+    def observe(self, key: tuple[str, int], predicted: float, measured: float) -> None:
+        sums = self._sums.pop(key, (0.0, 0.0))  # re-inserted: the most recent last
+        self._sums[key] = (
+            sums[0] + WAIT_WEIGHT * (predicted - sums[0]),
+            sums[1] + WAIT_WEIGHT * (measured - sums[1]),
+        )
+        if len(self._sums) > MAX_WAIT_CLASSES:
+            del self._sums[next(iter(self._sums))]
+
+    def ratio(self, key: tuple[str, int]) -> float:
+        """Measured over predicted waits lately (1 before any wait of the class counted)."""
+        predicted, measured = self._sums.get(key, (0.0, 0.0))
+        return measured / predicted if predicted > 0.0 else 1.0

@@ -361,7 +361,7 @@ def test_admission_learns_from_waits_longer_than_predicted():
     time.sleep(0.3)  # longer than the 50 ms predicted
     while waiter.status is not RequestStatus.RUNNING:
         advance(sched, sched.schedule())
-    assert sched.step_cost.wait_ratio > 4
+    assert sched.queue_waits.ratio((waiter.tenant, waiter.priority)) > 4
     while sched.has_unfinished:
         advance(sched, sched.schedule())
     with pytest.raises(DeadlineUnmeetable):
