@@ -216,9 +216,10 @@ class Scheduler:
             tokens, self.num_running_seqs, self.max_num_batched_tokens
         )
         # Allowed to preempt for a slot and next in line (under fair, whichever of the other
-        # tenants' requests run first: its own tenant is within its share at its turn): it
+        # tenants' requests run first: its own tenant is within its share at its turn; under
+        # priority, those ahead are as urgent and preempt too while less urgent ones run): it
         # need not wait for one to free.
-        if (ahead and self.policy != "fair") or self._victim_for(request) is None:
+        if self._victim_for(request) is None or (ahead and not self._preempts_past(request, ahead)):
             expected += self._seconds_to_free_slots(len(ahead) + 1, ahead, cost)
         # The queue's part, corrected by how waits predicted so have turned out lately.
         own_step = cost.step_seconds(min(own, self.max_num_batched_tokens), self.num_running_seqs)
@@ -240,6 +241,17 @@ class Scheduler:
         measured wait are within one step (the order inside a step is not the queue's)."""
         if max(predicted, now - since) >= step:
             self.queue_waits.observe(_wait_class(request), predicted, now - since)
+
+    def _preempts_past(self, request: Request, ahead: list[Request]) -> bool:
+        """Whether `request`, allowed to preempt, also starts without waiting for a slot
+        behind the requests `ahead` of it: under fair always (those ahead are other tenants'
+        at their turn); under priority while enough less urgent requests run for them all."""
+        if self.policy == "fair":
+            return True
+        if self.policy == "priority":
+            less_urgent = sum(r.priority > request.priority for r in self.running)
+            return less_urgent > len(ahead)
+        return False
 
     def _seconds_to_free_slots(
         self, needed: int, ahead: list[Request], cost: LiveStepCost

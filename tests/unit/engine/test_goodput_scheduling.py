@@ -393,3 +393,21 @@ def test_fair_level_tenants_do_not_trade_slots():
     computed = run_flood(sched, {"a": 1.0, "b": 1.0}, steps=300, max_tokens=6)
     assert sched.num_preemptions == 0
     assert computed["a"] / sum(computed.values()) == pytest.approx(0.5, rel=0.05), computed
+
+
+def test_priority_admission_counts_on_preempting_behind_an_urgent_request_queued():
+    # Less urgent requests hold both slots for a thousand steps. Two urgent ones with a 200 ms
+    # deadline arrive before the next step: each takes a slot from them at its turn, so the
+    # second is not refused for a slot the first would wait for.
+    sched = make(cost=COST, scheduling_policy="priority", max_num_seqs=2)
+    for i in range(2):
+        sched.add_request(req(f"slow{i}", 4, priority=1, arrival=float(i), max_tokens=1000))
+    advance(sched, sched.schedule())
+    urgent = [req(f"urgent{i}", 4, arrival=10.0 + i, ttft_ms=200) for i in range(2)]
+    for r in urgent:
+        sched.add_request(r)
+    out = sched.schedule()
+    assert all(r in out.requests for r in urgent)
+    # A third, with no less urgent request left running to take from, waits for a slot.
+    with pytest.raises(DeadlineUnmeetable):
+        sched.add_request(req("urgent2", 4, arrival=12.0, ttft_ms=200))
