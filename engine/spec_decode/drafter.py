@@ -21,6 +21,7 @@ and never changes what a request has computed (the engine loop does).
 from __future__ import annotations
 
 import logging
+import statistics
 import weakref
 from collections import deque
 from collections.abc import Iterable
@@ -40,18 +41,20 @@ INITIAL_RATE = 0.5
 # Below this rate a request stops drafting for PAUSE_STEPS steps, then tries one token.
 LOW_RATE = 0.15
 PAUSE_STEPS = 16
-# Recent steps of each kind and batch size whose fastest is that kind's cost there: a busy
-# machine only ever adds time to a step, and one slow step must not stop drafting. While drafting
-# does not pay, one step in PROBE_STEPS drafts anyway, so that a change (requests that copy
-# more) is seen.
+# Recent steps of each kind and batch size that say what each costs there. A drafting step is
+# compared with the plain steps just before it (a shared machine's load changes over seconds,
+# so that pair sees about the same load), and the middle of those comparisons counts (one slow
+# step, of either kind, must not decide). Comparing fastest times instead, the fastest of many
+# plain steps against that of a few probes, a loaded machine turned drafting off at one stream
+# where it pays twice over. While drafting does not pay, one step in PROBE_STEPS drafts anyway,
+# so that a change (requests that copy more) is seen.
 TIMED_STEPS = 8
 PROBE_STEPS = 32
-# Plain steps are kept as far back as TIMED_STEPS probes reach: while drafting is off a plain
-# step runs every step and a probe one in PROBE_STEPS, and the fastest of a longer stretch is
-# likelier to come from a quiet moment of a shared machine. Over equal stretches, load spikes
-# favour neither kind (over 8 plain steps against 8 probes, a loaded machine turned drafting
-# on at 16 streams, where it costs more than it saves).
-TIMED_PLAIN_STEPS = TIMED_STEPS * PROBE_STEPS
+# Until a kind of drafting step has this many measurements at a batch size, it is measured
+# again every FEW_PROBE_STEPS steps instead: one step slowed by a busy machine must not stop
+# drafting for PROBE_STEPS steps (at one stream, most of a request).
+MIN_MEASURED = 4
+FEW_PROBE_STEPS = 4
 # Drafting levels of a step: none, at most one token a request, each request's adaptive length.
 NONE, FIRST_ONLY, FULL = 0, 1, 2
 
@@ -67,6 +70,7 @@ class _DraftingStep:
     seconds: float
     rows: int  # query tokens: the sequences and their drafts
     tokens: int  # tokens it yielded: the sequences' and their accepted drafts
+    plain: float  # seconds per sequence of the plain steps just before it (their median)
 
 
 class MeasuredSteps:
@@ -76,12 +80,12 @@ class MeasuredSteps:
 
     A step's cost depends on its batch: one stream is memory-bound (verifying drafts nearly
     free) where a large batch is compute-bound (each draft costs about what a sequence does),
-    so steps of different batch sizes are never compared. At a batch size, a plain step costs
-    its fastest recent time per sequence (of TIMED_PLAIN_STEPS); a drafting step its fastest
-    recent time per query row (of TIMED_STEPS) times the rows it takes per token yielded
-    (those steps' sums: the acceptance actually measured, not expected). A batch size counts
-    as measured by its nearest measured neighbour within an eighth of it (a finishing request
-    changes the batch every few steps)."""
+    so steps of different batch sizes are never compared. At a batch size, each drafting step's
+    time per query row is divided by the time per sequence of the plain steps just before it;
+    drafting pays while the middle (lower median) of those ratios, times the rows it takes per
+    token yielded (the recent steps' sums: the acceptance actually measured, not expected), is
+    below 1. A batch size counts as measured by its nearest measured neighbour within an eighth
+    of it (a finishing request changes the batch every few steps)."""
 
     def __init__(self) -> None:
         self._plain: dict[int, deque[float]] = {}
@@ -92,26 +96,33 @@ class MeasuredSteps:
         (more than `batch` when it verified drafts) yielding `tokens` tokens, in `seconds`."""
         if batch <= 0 or seconds <= 0:
             return
-        if rows > batch:
-            steps = self._drafting.setdefault((level, batch), deque(maxlen=TIMED_STEPS))
-            steps.append(_DraftingStep(seconds, rows, max(tokens, batch)))
-        else:
-            plain = self._plain.setdefault(batch, deque(maxlen=TIMED_PLAIN_STEPS))
-            plain.append(seconds / batch)
+        if rows <= batch:
+            self._plain.setdefault(batch, deque(maxlen=TIMED_STEPS)).append(seconds / batch)
+            return
+        near = _nearest(self._plain, batch)
+        if near is None:
+            return  # nothing to compare it with (a plain step is measured first)
+        plain = statistics.median(self._plain[near])
+        steps = self._drafting.setdefault((level, batch), deque(maxlen=TIMED_STEPS))
+        steps.append(_DraftingStep(seconds, rows, max(tokens, batch), plain))
 
     def plain_measured(self, batch: int) -> bool:
         return _nearest(self._plain, batch) is not None
 
+    def count(self, level: int, batch: int) -> int:
+        """How many drafting steps at `level` near this batch size are measured."""
+        b = _nearest((b for lv, b in self._drafting if lv == level), batch)
+        return 0 if b is None else len(self._drafting[level, b])
+
     def pays(self, level: int, batch: int) -> bool | None:
         """Whether drafting at `level` pays at this batch size; None while unmeasured near it."""
         b = _nearest((b for lv, b in self._drafting if lv == level), batch)
-        plain = _nearest(self._plain, batch)
-        if b is None or plain is None:
+        if b is None:
             return None
         steps = self._drafting[level, b]
-        per_row = min(step.seconds / step.rows for step in steps)
+        ratio = statistics.median_low(step.seconds / step.rows / step.plain for step in steps)
         rows_per_token = sum(step.rows for step in steps) / sum(step.tokens for step in steps)
-        return per_row * rows_per_token < min(self._plain[plain])
+        return ratio * rows_per_token < 1.0
 
 
 def _nearest(batches: Iterable[int], batch: int) -> int | None:
@@ -215,8 +226,9 @@ class Drafter:
         """How much to draft at this batch size, as the steps measured there say
         (MeasuredSteps). Measured first: a plain step, then one with at most one draft a
         request (the likeliest accepted: when those do not pay, longer drafts do not either;
-        while they do not, one step in PROBE_STEPS measures them again), then full lengths
-        (while they do not pay but single drafts do, one step in PROBE_STEPS tries them)."""
+        while they do not, one step in PROBE_STEPS measures them again, one in FEW_PROBE_STEPS
+        while fewer than MIN_MEASURED are), then full lengths (while they do not pay but single
+        drafts do, tried as often)."""
         if not measured.plain_measured(batch):
             return NONE
         first = measured.pays(FIRST_ONLY, batch)
@@ -225,10 +237,12 @@ class Drafter:
         full = measured.pays(FULL, batch) if first else False
         if full is None or full:
             return FULL
+        probe = FULL if first else FIRST_ONLY
+        every = PROBE_STEPS if measured.count(probe, batch) >= MIN_MEASURED else FEW_PROBE_STEPS
         self._since_probe += 1
-        if self._since_probe >= PROBE_STEPS:
+        if self._since_probe >= every:
             self._since_probe = 0
-            return FULL if first else FIRST_ONLY
+            return probe
         return FIRST_ONLY if first else NONE
 
     def observe_step(self, drafted: bool, num_sequences: int, seconds: float) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -24,7 +25,15 @@ from engine.core.step_cost import LiveStepCost, StepCostModel
 from engine.engine import LLMEngine
 from engine.llm import LLM
 from engine.sampler import Sampler
-from engine.spec_decode.drafter import PROBE_STEPS, TIMED_STEPS, Drafter
+from engine.spec_decode.drafter import (
+    FEW_PROBE_STEPS,
+    FIRST_ONLY,
+    FULL,
+    MIN_MEASURED,
+    PROBE_STEPS,
+    TIMED_STEPS,
+    Drafter,
+)
 from engine.spec_decode.ngram import propose_ngram
 from engine.spec_decode.suffix import SuffixIndex
 from engine.spec_decode.verify import Verifier
@@ -407,11 +416,13 @@ def test_requests_whose_distribution_follows_their_drafts_never_draft():
         assert request.spec_token_ids == [], params
 
 
-def measured_step(drafter: Drafter, batch: int, seconds: float, accepted: int) -> int:
+def measured_step(
+    drafter: Drafter, batch: int, seconds: Callable[[int], float], accepted: int
+) -> int:
     """One decode-only step of `batch` fresh requests (each at the starting acceptance rate,
     so its full draft length is 3) as the engine runs it: propose, verify (the first
-    `accepted` drafts of each request accepted), the step's time observed. Returns the drafts
-    a request."""
+    `accepted` drafts of each request accepted), the step's time observed: `seconds(drafts)`
+    a sequence. Returns the drafts a request."""
     requests = [drafting_request([1, 2, 3, 1, 2, 3]) for _ in range(batch)]
     drafter.propose(requests)
     drafts = len(requests[0].spec_token_ids)
@@ -419,35 +430,61 @@ def measured_step(drafter: Drafter, batch: int, seconds: float, accepted: int) -
         if request.spec_token_ids:
             k = len(request.spec_token_ids)
             drafter.settle(request, k, min(k, accepted))
-    drafter.observe_step(drafts > 0, batch, seconds)
+    drafter.observe_step(drafts > 0, batch, seconds(drafts) * batch)
     return drafts
+
+
+def flat(drafts: int) -> float:
+    """Memory-bound: drafts nearly free (0.1 s a sequence, 0.01 s a draft)."""
+    return 0.1 + 0.01 * drafts
+
+
+def steep(drafts: int) -> float:
+    """Compute-bound: each draft costs what a sequence does."""
+    return 0.1 + 0.1 * drafts
+
+
+def knee(drafts: int) -> float:
+    """The first draft nearly free, the next ones twice a sequence."""
+    return 0.1 + 0.01 * min(drafts, 1) + 0.2 * max(drafts - 1, 0)
 
 
 def test_drafting_follows_the_steps_measured_at_each_batch_size_and_probes_again():
     """At a batch size never measured the drafter runs a plain step, then one with a single
-    draft a request; while single drafts do not pay (twice the plain step's time for the same
-    tokens) it measures them again once every PROBE_STEPS steps; when they pay, full lengths;
-    when those stop paying, single drafts, with full lengths once every PROBE_STEPS steps. One
-    slow step does not stop drafting; another batch size is measured afresh."""
+    draft a request; while single drafts do not pay it measures them again once every
+    PROBE_STEPS steps (FEW_PROBE_STEPS while fewer than MIN_MEASURED are); when they pay, full
+    lengths; when those stop paying, single drafts, with full lengths tried as often. One slow
+    step does not stop drafting; another batch size is measured afresh."""
     config = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1)
     drafter = Drafter(config, max_model_len=1000, step_cost=None)
-    assert measured_step(drafter, 1, 0.1, accepted=0) == 0  # plain first
-    assert measured_step(drafter, 1, 0.2, accepted=0) == 1  # 0.2 s for 1 token: no
-    drafted = [measured_step(drafter, 1, 0.1, accepted=0) for _ in range(PROBE_STEPS - 1)]
+    assert measured_step(drafter, 1, steep, accepted=0) == 0  # plain first
+    assert measured_step(drafter, 1, steep, accepted=0) == 1  # twice the time, 1 token: no
+    # Measured again every FEW_PROBE_STEPS steps until MIN_MEASURED, then every PROBE_STEPS.
+    drafted = [measured_step(drafter, 1, steep, accepted=0) for _ in range(FEW_PROBE_STEPS)]
+    assert drafted == [0] * (FEW_PROBE_STEPS - 1) + [1]
+    while drafter.measured.count(FIRST_ONLY, 1) < MIN_MEASURED:
+        measured_step(drafter, 1, steep, accepted=0)
+    drafted = [measured_step(drafter, 1, steep, accepted=0) for _ in range(PROBE_STEPS - 1)]
     assert drafted == [0] * (PROBE_STEPS - 1)
-    assert measured_step(drafter, 1, 0.11, accepted=3) == 1  # the probe: 2 tokens in 0.11 s
-    assert measured_step(drafter, 1, 0.12, accepted=3) == 3  # they pay: full lengths
-    assert measured_step(drafter, 1, 5.0, accepted=3) == 3  # a slow step among fast ones
-    # Full drafts rejected: 4 rows' time for 1 token, they stop paying (single ones still do).
+    # Drafts now cost little: once the probes say single drafts pay, full lengths are tried.
     steps = 0
-    while measured_step(drafter, 1, 0.4, accepted=0) != 1:
+    while measured_step(drafter, 1, flat, accepted=3) < 3:
+        steps += 1
+        assert steps <= TIMED_STEPS * PROBE_STEPS
+    assert drafter.measured.pays(FIRST_ONLY, 1)
+    assert measured_step(drafter, 1, lambda d: 5.0, accepted=3) == 3  # one slow step
+    # Past the first draft each costs twice a sequence: full lengths stop paying, single
+    # drafts still pay.
+    steps = 0
+    while measured_step(drafter, 1, knee, accepted=1) != 1:
         steps += 1
         assert steps <= TIMED_STEPS
-    # Single drafts accepted, full ones 1 of 3: only single drafts keep paying.
-    drafted = [measured_step(drafter, 1, 0.12, accepted=1) for _ in range(PROBE_STEPS)]
+    while drafter.measured.count(FULL, 1) < MIN_MEASURED:
+        measured_step(drafter, 1, knee, accepted=1)
+    drafted = [measured_step(drafter, 1, knee, accepted=1) for _ in range(PROBE_STEPS)]
     assert sorted(drafted) == [1] * (PROBE_STEPS - 1) + [3]
     # Another batch size: a plain step first again.
-    assert measured_step(drafter, 16, 0.3, accepted=3) == 0
+    assert measured_step(drafter, 16, flat, accepted=3) == 0
 
 
 def run_with_logprobs(engine: LLMEngine, prompts, params) -> dict[str, list]:
