@@ -237,9 +237,10 @@ class Scheduler:
     def _observe_wait(
         self, request: Request, predicted: float, step: float, since: float, now: float
     ) -> None:
-        """Correct later predictions by this request's wait, unless both the predicted and the
-        measured wait are within one step (the order inside a step is not the queue's)."""
-        if max(predicted, now - since) >= step:
+        """Correct later predictions by this request's wait, if it was predicted to wait a
+        step or more for the queue (a shorter wait is the order inside a step and the engine
+        loop's own time, not the queue's: no measure of a queue's error)."""
+        if predicted >= step:
             self.queue_waits.observe(_wait_class(request), predicted, now - since)
 
     def _preempts_past(self, request: Request, ahead: list[Request]) -> bool:
