@@ -55,6 +55,10 @@ PROBE_STEPS = 32
 # drafting for PROBE_STEPS steps (at one stream, most of a request).
 MIN_MEASURED = 4
 FEW_PROBE_STEPS = 4
+# Drafting pays when its time per token is below this share of a plain step's: a margin for
+# the noise of a shared machine's step times, where drafting that only breaks even (16 streams
+# on 2 cores) gains nothing and a wrong turn on costs up to a fifth.
+PAYS_BELOW = 0.9
 # Drafting levels of a step: none, at most one token a request, each request's adaptive length.
 NONE, FIRST_ONLY, FULL = 0, 1, 2
 
@@ -84,8 +88,8 @@ class MeasuredSteps:
     time per query row is divided by the time per sequence of the plain steps just before it;
     drafting pays while the middle (lower median) of those ratios, times the rows it takes per
     token yielded (the recent steps' sums: the acceptance actually measured, not expected), is
-    below 1. A batch size counts as measured by its nearest measured neighbour within an eighth
-    of it (a finishing request changes the batch every few steps)."""
+    below PAYS_BELOW. A batch size counts as measured by its nearest measured neighbour within
+    an eighth of it (a finishing request changes the batch every few steps)."""
 
     def __init__(self) -> None:
         self._plain: dict[int, deque[float]] = {}
@@ -122,7 +126,7 @@ class MeasuredSteps:
         steps = self._drafting[level, b]
         ratio = statistics.median_low(step.seconds / step.rows / step.plain for step in steps)
         rows_per_token = sum(step.rows for step in steps) / sum(step.tokens for step in steps)
-        return ratio * rows_per_token < 1.0
+        return ratio * rows_per_token < PAYS_BELOW
 
 
 def _nearest(batches: Iterable[int], batch: int) -> int | None:
