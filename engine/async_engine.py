@@ -59,6 +59,14 @@ def release_free_heap() -> None:
         _MALLOC_TRIM(0)
 
 
+def _settle(target: concurrent.futures.Future, done: concurrent.futures.Future) -> None:
+    """Give `target` the outcome of `done`."""
+    if (error := done.exception()) is not None:
+        target.set_exception(error)
+    else:
+        target.set_result(done.result())
+
+
 @dataclass
 class RequestFailed:
     """A request that could not start (validation, full queue) or died with a failed step."""
@@ -149,9 +157,22 @@ class AsyncEngine:
         return self._call(self._abort, list(request_ids))
 
     def load_lora_adapter(self, name: str, path: str) -> concurrent.futures.Future[None]:
-        """Serve a LoRA adapter from now on (LLMEngine.load_lora_adapter: its rules and errors);
-        the loop reads it between two steps."""
-        return self._call(lambda: self._built().load_lora_adapter(name, path))
+        """Serve a LoRA adapter from now on (LLMEngine.load_lora_adapter: its rules and errors):
+        its files are read and checked on a thread of their own while the engine steps on, and
+        the loop serves it between two steps."""
+        loaded: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def read_then_serve() -> None:
+            try:
+                read = self._built().read_lora_adapter(name, path)
+            except Exception as exc:
+                loaded.set_exception(exc)
+                return
+            served = self._call(lambda: self._built().load_lora_adapter(name, path, read))
+            served.add_done_callback(lambda done: _settle(loaded, done))
+
+        threading.Thread(target=read_then_serve, name=f"lora-read-{name}", daemon=True).start()
+        return loaded
 
     async def unload_lora_adapter(self, name: str) -> None:
         """Stop serving a LoRA adapter: new requests for it are refused from the loop's next

@@ -201,10 +201,20 @@ class LLMEngine:
             if not parent.samples:
                 self._retire(parent)
 
-    def load_lora_adapter(self, name: str, path: str) -> None:
+    def read_lora_adapter(self, name: str, path: str) -> tuple[str, object]:
+        """Check and read the PEFT adapter at `path` for load_lora_adapter, from any thread
+        (nothing changes until that serves it); InvalidRequestError naming what is refused."""
+        registry = runtime_lora(self.lora, self.config)
+        return registry.runtime_read(name, path, self.config.lora_root)
+
+    def load_lora_adapter(
+        self, name: str, path: str, read: tuple[str, object] | None = None
+    ) -> None:
         """Serve the PEFT adapter at `path` as `name` from now on (run time: `path` must resolve
-        inside --lora-root); InvalidRequestError naming what is refused."""
-        runtime_lora(self.lora, self.config).runtime_add(name, path, self.config.lora_root)
+        inside --lora-root), read now unless `read` is read_lora_adapter's answer;
+        InvalidRequestError naming what is refused."""
+        registry = runtime_lora(self.lora, self.config)
+        registry.runtime_add(name, read or self.read_lora_adapter(name, path))
 
     def unload_lora_adapter(self, name: str, on_gone: Callable[[], None] | None = None) -> None:
         """New requests for `name` get ModelNotFound at once; it is freed (`on_gone` runs) once

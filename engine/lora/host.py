@@ -30,8 +30,11 @@ class LoraHost:
         self.broadcast = broadcast
         self.adapters: dict[int, tuple[str, LoraWeights]] = {}
 
-    def load_lora(self, adapter_id: int, path: str) -> None:
-        weights = load_adapter(path, self.slots.shapes, self.max_rank, self.dtype)
+    def read_lora(self, path: str) -> LoraWeights:
+        return load_adapter(path, self.slots.shapes, self.max_rank, self.dtype)
+
+    def load_lora(self, adapter_id: int, path: str, weights: object) -> None:
+        assert isinstance(weights, LoraWeights)  # read_lora's
         self.adapters[adapter_id] = path, weights
 
     def drop_lora(self, adapter_id: int) -> None:

@@ -30,9 +30,13 @@ from engine.core.request import Request
 class LoraBackend(Protocol):
     """What holds the adapters' weights (the model executor)."""
 
-    def load_lora(self, adapter_id: int, path: str) -> None:
-        """Read and check the adapter at `path` into host memory; AdapterError (a ValueError)
-        naming the problem."""
+    def read_lora(self, path: str) -> object:
+        """The adapter at `path` read and checked against the model, from any thread (it
+        changes nothing held); AdapterError (a ValueError) naming the problem."""
+        ...
+
+    def load_lora(self, adapter_id: int, path: str, weights: object) -> None:
+        """Hold `weights` (read_lora's, of `path`) in host memory as adapter `adapter_id`."""
         ...
 
     def drop_lora(self, adapter_id: int) -> None:
@@ -96,9 +100,11 @@ class LoraRegistry:
                 raise ValueError(f"lora_modules {name}: {exc}") from None
         return registry
 
-    def runtime_add(self, name: str, path: str, root: str | None) -> None:
-        """A load asked at run time: `path` must resolve (symlinks followed) inside `root`;
-        InvalidRequestError naming the rule or the adapter's problem, never a file's contents."""
+    def runtime_read(self, name: str, path: str, root: str | None) -> tuple[str, object]:
+        """The first half of a load asked at run time, from any thread: `path` must resolve
+        (symlinks followed) inside `root`; the resolved path and the adapter's weights read,
+        or InvalidRequestError naming the rule or the adapter's problem, never a file's
+        contents. runtime_add serves them."""
         if not name:
             raise InvalidRequestError("lora_name must not be empty", "lora_name")
         if root is None:
@@ -114,14 +120,23 @@ class LoraRegistry:
                 "--lora-root directory",
                 "lora_path",
             )
+        self._check_name_free(name)
+        try:
+            return str(resolved), self.backend.read_lora(str(resolved))
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), "lora_path") from None
+
+    def runtime_add(self, name: str, read: tuple[str, object]) -> None:
+        """Serve an adapter runtime_read read (on the engine's thread): InvalidRequestError if
+        the name was taken meanwhile."""
+        self._check_name_free(name)
+        self.add(name, *read)
+
+    def _check_name_free(self, name: str) -> None:
         if name in self.adapters:
             raise InvalidRequestError(
                 f"a LoRA adapter named {name!r} is already loaded", "lora_name"
             )
-        try:
-            self.add(name, str(resolved))
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc), "lora_path") from None
 
     def runtime_remove(self, name: str, on_gone: Callable[[], None] | None = None) -> None:
         if not self.unload(name, on_gone):
@@ -150,13 +165,15 @@ class LoraRegistry:
         adapter = self.adapters.get(name)
         return None if adapter is None or adapter.unloading else adapter
 
-    def add(self, name: str, path: str) -> Adapter:
-        """Register `path` under `name`; ValueError if the name is taken, the backend's
-        AdapterError if the files are refused."""
+    def add(self, name: str, path: str, weights: object = None) -> Adapter:
+        """Register `path` under `name` (its weights read now unless given); ValueError if the
+        name is taken, the backend's AdapterError if the files are refused."""
         if name in self.adapters:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
+        if weights is None:
+            weights = self.backend.read_lora(path)
         adapter_id = next(_IDS)
-        self.backend.load_lora(adapter_id, path)
+        self.backend.load_lora(adapter_id, path, weights)
         adapter = Adapter(name, path, adapter_id, adapter_hash_root(name, adapter_id))
         self.adapters[name] = adapter
         return adapter

@@ -7,9 +7,11 @@ unload waits for its requests."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
+import threading
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -17,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from common.config import EngineConfig
 from common.errors import InvalidRequestError, ModelNotFound, NotFound
 from common.sampling_params import SamplingParams
+from engine.async_engine import AsyncEngine
 from engine.engine import LLMEngine
 from lora_adapters import make_adapter
 from tiny_models import VARIANTS, hf_greedy, make_checkpoint
@@ -274,6 +277,54 @@ def test_load_and_unload_under_traffic(models, served):
         served.unload_lora_adapter("again8")
 
 
+def test_a_runtime_load_reads_its_files_while_the_engine_steps(models):
+    """Through the AsyncEngine: while an adapter's files are read (the read held here), a
+    running request keeps getting tokens; once read, the adapter is served."""
+    root, base_dir, _, oracles = models
+    engine = AsyncEngine(lambda: engine_for(root, base_dir, 1, lora_root=str(root)))
+    engine.start().result(60)
+    reading, release = threading.Event(), threading.Event()
+    backend = engine._built().lora.backend
+    read = backend.read_lora
+
+    def held_read(path):
+        reading.set()
+        release.wait(60)
+        return read(path)
+
+    backend.read_lora = held_read
+
+    async def load_beside_a_request():
+        events: asyncio.Queue = asyncio.Queue()
+        params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+        engine.add_request("long", PROMPTS[0], params, events)
+        await asyncio.wait_for(events.get(), 60)  # it runs
+        loaded = asyncio.wrap_future(engine.load_lora_adapter("late8", "all8"))
+        assert await asyncio.to_thread(reading.wait, 60)
+        tokens = 0
+        while tokens < 5:  # the loop steps on while the files are read
+            tokens += sum(len(o.new_token_ids) for o in await asyncio.wait_for(events.get(), 20))
+        assert not loaded.done()
+        release.set()
+        await asyncio.wait_for(loaded, 60)
+        late: asyncio.Queue = asyncio.Queue()
+        engine.add_request("late", PROMPTS[1], GREEDY, late, lora_name="late8")
+        tokens_of_late: list[int] = []
+        finished = False
+        while not finished:
+            outputs = await asyncio.wait_for(late.get(), 60)
+            tokens_of_late += [t for o in outputs for t in o.new_token_ids]
+            finished = any(o.finished for o in outputs)
+        return tokens_of_late
+
+    try:
+        got = asyncio.run(load_beside_a_request())
+        assert got == hf_greedy(oracles["all8"], PROMPTS[1], GREEDY.max_tokens)
+    finally:
+        release.set()
+        engine.shutdown(60)
+
+
 def test_stats_name_the_adapters_running_waiting_and_resident(served):
     """Three adapters' requests on two slots: two run, the third waits for a slot; the stats
     say which (each adapter once) and count the requests per adapter."""
@@ -324,7 +375,8 @@ def test_adapter_on_a_quantized_base_within_the_quantization_bound(models, metho
     model, config = load_model(base_dir, torch.float32, "cpu", quantization=method)
     slots = LoraSlots(model, config, 1, 8, 4, 12, torch.float32, torch.device("cpu"))
     host = LoraHost(slots, 8, torch.float32)
-    host.load_lora(1, str(root / "all8"))
+    path = str(root / "all8")
+    host.load_lora(1, path, host.read_lora(path))
     host.activate_lora(0, 1)
     prompt = random_tokens(12, 5)
     fill_groups(slots.step, np.zeros(len(prompt), dtype=np.int64), torch.device("cpu"), False)
