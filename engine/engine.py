@@ -214,7 +214,7 @@ class LLMEngine:
         inside --lora-root), read now unless `read` is read_lora_adapter's answer;
         InvalidRequestError naming what is refused."""
         registry = runtime_lora(self.lora, self.config)
-        registry.runtime_add(name, read or self.read_lora_adapter(name, path))
+        registry.runtime_add(name, read or registry.runtime_read(name, path, self.config.lora_root))
 
     def unload_lora_adapter(self, name: str, on_gone: Callable[[], None] | None = None) -> None:
         """New requests for `name` get ModelNotFound at once; it is freed (`on_gone` runs) once

@@ -387,15 +387,10 @@ class Scheduler:
         its share of the sequence slots before those at it (a free slot given to a tenant at
         its share would be taken back at once by one within its own)."""
         if self.policy == "fair":
-            seqs = Counter[str]()
-            for running in self.running:
-                seqs[running.tenant] += running.num_seqs
+            seqs = self._seqs_by_tenant()
             waiting = self.waiting.tenants(lane)
-            weight = self.shares.weight
-            total_weight = sum(weight(t) for t in {*seqs, *waiting})
-            at_share = {
-                t for t in waiting if seqs[t] + 1 > self.max_num_seqs * weight(t) / total_weight
-            }
+            share = self._slot_shares({*seqs, *waiting})
+            at_share = {t for t in waiting if seqs[t] + 1 > share[t]}
             if (request := self.waiting.peek(lane, blocked | at_share)) is not None:
                 return request
         return self.waiting.peek(lane, blocked)
@@ -460,34 +455,42 @@ class Scheduler:
         as far behind it. Over its share, it takes from the tenant furthest ahead in tokens
         only if that far behind it: a real debt, not the lumpiness of prefills charged at
         once, so the tenants do not trade slots back and forth."""
-        seqs = Counter[str]()
-        for running in self.running:
-            seqs[running.tenant] += running.num_seqs
+        seqs = self._seqs_by_tenant()
         others = [t for t in seqs if t != request.tenant]
         if not others:
             return None
         weight, virtual = self.shares.weight, self.shares.virtual_time
-        total_weight = sum(weight(t) for t in {*seqs, request.tenant})
-
-        def fair_seqs(tenant: str) -> float:
-            return self.max_num_seqs * weight(tenant) / total_weight
+        fair_seqs = self._slot_shares({*seqs, request.tenant})
 
         def latest_of(tenant: str) -> Request:
             return max(
                 (r for r in self.running if r.tenant == tenant), key=lambda r: r.times.arrival
             )
 
-        if seqs[request.tenant] + request.num_seqs > fair_seqs(request.tenant):
+        if seqs[request.tenant] + request.num_seqs > fair_seqs[request.tenant]:
             ahead = max(others, key=virtual)
             return latest_of(ahead) if self._really_behind(request, ahead) else None
-        over = max(others, key=lambda t: seqs[t] - fair_seqs(t))
-        if seqs[over] <= fair_seqs(over):
+        over = max(others, key=lambda t: seqs[t] - fair_seqs[t])
+        if seqs[over] <= fair_seqs[over]:
             return None
         victim = latest_of(over)
         now, end = self._leads(request, over)
         if min(now, end) > request.num_tokens / weight(request.tenant):
             return None
         return None if self._really_behind(victim, request.tenant) else victim
+
+    def _seqs_by_tenant(self) -> Counter[str]:
+        """The sequences each tenant has running."""
+        seqs = Counter[str]()
+        for running in self.running:
+            seqs[running.tenant] += running.num_seqs
+        return seqs
+
+    def _slot_shares(self, tenants: set[str]) -> dict[str, float]:
+        """Each of `tenants`' weighted share of max_num_seqs among them."""
+        weight = self.shares.weight
+        total_weight = sum(weight(t) for t in tenants)
+        return {t: self.max_num_seqs * weight(t) / total_weight for t in tenants}
 
     def _leads(self, request: Request, other: str) -> tuple[float, float]:
         """`request`'s tenant's lead over `other` in tokens served (virtual time, counting the
