@@ -148,8 +148,7 @@ class SaveThread:
         try:
             for save in taken[: index + 1]:
                 self.host.store(save.slots, save.blocks)
-                self._queued.popleft()
-                self._queued_bytes -= save.blocks.nbytes
+                self._pop_oldest()
         except Exception as error:
             self._fall_back(error)  # this save again, then the ones after it, here
             return
@@ -164,13 +163,16 @@ class SaveThread:
 
     def _reap_one(self) -> None:
         """The oldest save is done: forget it, or fall back if it failed."""
-        save = self._queued[0]
-        error = save.future.exception()
+        error = self._queued[0].future.exception()
         if error is not None:
             self._fall_back(error)
             return
-        self._queued.popleft()
+        self._pop_oldest()
+
+    def _pop_oldest(self) -> _Save:
+        save = self._queued.popleft()
         self._queued_bytes -= save.blocks.nbytes
+        return save
 
     def _fall_back(self, error: BaseException) -> None:
         """The save thread failed: log once, let it finish what it holds, then redo on this
@@ -187,8 +189,7 @@ class SaveThread:
             self._executor.shutdown(wait=True)
             self._executor = None
         while self._queued:
-            save = self._queued.popleft()
-            self._queued_bytes -= save.blocks.nbytes
+            save = self._pop_oldest()
             self.host.store(save.slots, save.blocks)
 
 

@@ -115,18 +115,22 @@ class MeasuredSteps:
 
     def count(self, level: int, batch: int) -> int:
         """How many drafting steps at `level` near this batch size are measured."""
-        b = _nearest((b for lv, b in self._drafting if lv == level), batch)
-        return 0 if b is None else len(self._drafting[level, b])
+        steps = self._drafting_near(level, batch)
+        return 0 if steps is None else len(steps)
 
     def pays(self, level: int, batch: int) -> bool | None:
         """Whether drafting at `level` pays at this batch size; None while unmeasured near it."""
-        b = _nearest((b for lv, b in self._drafting if lv == level), batch)
-        if b is None:
+        steps = self._drafting_near(level, batch)
+        if steps is None:
             return None
-        steps = self._drafting[level, b]
         ratio = statistics.median_low(step.seconds / step.rows / step.plain for step in steps)
         rows_per_token = sum(step.rows for step in steps) / sum(step.tokens for step in steps)
         return ratio * rows_per_token < PAYS_BELOW
+
+    def _drafting_near(self, level: int, batch: int) -> deque[_DraftingStep] | None:
+        """The drafting steps at `level` of the measured batch size nearest `batch`, if any."""
+        b = _nearest((b for lv, b in self._drafting if lv == level), batch)
+        return None if b is None else self._drafting[level, b]
 
 
 def _nearest(batches: Iterable[int], batch: int) -> int | None:
