@@ -98,13 +98,12 @@ class AttentionBackend(ABC):
         default."""
         return None
 
-    def decode_step_op(
-        self, q: torch.Tensor, window: int | None = None
-    ) -> Callable[..., torch.Tensor] | None:
-        """An op (q, k, v, layer, scale) -> out that a compiled decode-only program may call for
-        a layer's attention instead of going through Python, reading the caches and tables that
-        `bound_decode_step` binds around the program; None (the default) where the backend has
-        none for queries like q under that sliding window."""
+    def decode_step_op(self, q: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+        """An op (q, k, v, layer, scale, window, sinks) -> out (window 0: none; sinks as in
+        `forward`, or None) that a compiled decode-only program may call for a layer's attention
+        instead of going through Python, reading the caches and tables that `bound_decode_step`
+        binds around the program; None (the default) where the backend has none for queries
+        like q."""
         return None
 
     def bound_decode_step(

@@ -69,11 +69,11 @@ def attention(
     """Layer `layer`'s attention in the running step (AttentionBackend.forward's contract, over
     that layer's KV cache and its KV group's tables, under its sliding window if any, with its
     attention sinks if any). A compiled program calls the backend's own decode-step op where it
-    has one for q (no Python in between; none takes sinks), else folio::attention."""
+    has one for q (no Python in between), else folio::attention."""
     if torch.compiler.is_compiling():
-        op = backend.decode_step_op(q, window) if sinks is None else None
+        op = backend.decode_step_op(q)
         if op is not None:
-            return op(q, k, v, layer, scale)
+            return op(q, k, v, layer, scale, window or 0, sinks)
         return torch.ops.folio.attention(q, k, v, layer, scale, window or 0, sinks)
     return _attend(q, k, v, layer, scale, window, sinks)
 

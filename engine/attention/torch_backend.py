@@ -10,8 +10,8 @@ each) run together, in a few groups of similar context length to limit padding, 
 gathered into one workspace and put through two batched matmuls; prefills and extends run one
 request at a time through scaled_dot_product_attention. A sliding window (a layer's `window`) reads
 only the blocks that hold a token's last `window` positions and masks the rest. Attention sinks
-(gpt-oss) take the plain torch path: Folio's kernel has none; there each sink is one more logit in
-its head's softmax (one more key, of zero value, for scaled_dot_product_attention). It must never
+(gpt-oss) go to Folio's kernel as they are; in plain torch each sink is one more logit in its
+head's softmax (one more key, of zero value, for scaled_dot_product_attention). It must never
 keep per-request K/V between steps; the gather workspace is scratch, overwritten every layer.
 """
 
@@ -93,7 +93,7 @@ class TorchAttentionBackend(AttentionBackend):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
-        if self._kernel is not None and self._kernel_fits(q) and sinks is None:
+        if self._kernel is not None and self._kernel_fits(q):
             # The kernel writes the new K/V itself.
             return self._kernel(
                 q,
@@ -106,6 +106,7 @@ class TorchAttentionBackend(AttentionBackend):
                 meta.seq_lens,
                 scale,
                 window or 0,
+                sinks,
             )
 
         slots = kv_cache.view(2, -1, k.shape[1], head_dim)
@@ -123,10 +124,8 @@ class TorchAttentionBackend(AttentionBackend):
             _prefill(q[rows], k[rows], v[rows], kv_cache, p, scale, out[rows], sinks)
         return out
 
-    def decode_step_op(
-        self, q: torch.Tensor, window: int | None = None
-    ) -> Callable[..., torch.Tensor] | None:
-        if self._kernel is None or not self._kernel_fits(q) or window is not None:
+    def decode_step_op(self, q: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+        if self._kernel is None or not self._kernel_fits(q):
             return None
         return torch.ops.folio_cpu_attention.decode_step_attention
 

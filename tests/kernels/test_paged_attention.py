@@ -181,8 +181,8 @@ def test_sliding_window_reads_only_the_window(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_attention_sinks_in_both_backends(dtype, window):
     """gpt-oss's sinks (one more logit per head, of no value) on a mixed step: two decodes, an
-    extend over a cached prefix and a fresh prefill, in the torch backend (its plain path: its
-    C++ kernel has no sinks) and the Triton one, against the float32 reference."""
+    extend over a cached prefix and a fresh prefill, in the torch backend (Folio's C++ kernel
+    where it loads) and the Triton one, against the float32 reference."""
     num_heads, head_dim = 8, 16
     query_lens, seq_lens = [1, 1, 4, 7], [12, 3, 21, 7]
     table_list, meta, cache, q, k, v = mixed_step(

@@ -17,6 +17,9 @@
 // - A sliding window (`window` > 0, Mistral's and Gemma 3's local layers): a token sees only its
 //   last `window` positions, itself included, and only those are read; a windowed prefill takes
 //   the per-token path.
+// - Attention sinks (`sinks`, gpt-oss): one more logit per query head in every softmax's
+//   denominator, adding nothing to the values mixed; with a window too, the sink joins the
+//   softmax over the window's positions.
 //
 // Work is split over torch's thread pool only when there is enough of it to pay for the pool's
 // wake-up. This file computes attention only; choosing it over the backend's plain torch path
@@ -91,9 +94,10 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), exponent));
 }
 
-// s[0 .. length) becomes softmax(s).
-inline void softmax(float* s, int64_t length) {
-  const float top = *std::max_element(s, s + length);
+// s[0 .. length) becomes softmax(s), over one more logit `sink` that takes its share of the
+// denominator and is dropped (an attention sink; -infinity: none, its exponential 0).
+inline void softmax(float* s, int64_t length, float sink) {
+  const float top = std::max(*std::max_element(s, s + length), sink);
   const __m256 shift = _mm256_set1_ps(top);
   __m256 total8 = _mm256_setzero_ps();
   int64_t t = 0;
@@ -102,7 +106,7 @@ inline void softmax(float* s, int64_t length) {
     _mm256_storeu_ps(s + t, e);
     total8 = _mm256_add_ps(total8, e);
   }
-  float total = horizontal_sum(total8);
+  float total = horizontal_sum(total8) + std::exp(sink - top);
   for (; t < length; ++t) total += (s[t] = std::exp(s[t] - top));
   const __m256 inverse = _mm256_set1_ps(1.0f / total);
   for (t = 0; t + 8 <= length; t += 8)
@@ -118,7 +122,13 @@ struct Layout {
   int64_t value_offset;         // from a key to its value: num_blocks * block_values
   int64_t max_blocks;           // columns of the block table
   int64_t table_row;            // row stride of the block table
+  const float* sinks;           // [heads] each query head's attention-sink logit, or nullptr
 };
+
+// Query head h's sink logit: -infinity where the layer has none.
+inline float sink_of(const Layout& l, int64_t h) {
+  return l.sinks == nullptr ? -std::numeric_limits<float>::infinity() : l.sinks[h];
+}
 
 // Writes K and V of `rows` decode rows into their slots.
 template <typename T>
@@ -278,7 +288,8 @@ void attend(const Layout& l, const T* q, const T* cache, const int32_t* table, i
               dot(qs + h * d, block + o * token_values + kv * d, d) * scale;
         }
   }
-  for (int64_t h = 0; h < heads; ++h) softmax(scores + h * span, span);
+  for (int64_t h = 0; h < heads; ++h)
+    softmax(scores + h * span, span, sink_of(l, first_head + h));
   // out = probabilities . V, a block at a time: up to three heads and 32 features together.
   float* mixed = scratch.out.data();
   std::fill(mixed, mixed + heads * d, 0.0f);
@@ -415,7 +426,7 @@ void attend_block(const Layout& l, const bf16* q, int64_t token0, int64_t tokens
   for (int64_t r = 0; r < rows; ++r) {
     float* row = s.scores.data() + r * stride;
     const int64_t valid = first_length + r / group;
-    softmax(row, valid);
+    softmax(row, valid, sink_of(l, kv * group + r % group));
     probabilities_bf16(row, valid, 2 * pairs, s.probabilities.data() + r * 2 * pairs);
   }
   const int64_t value_tiles = d / tile, tile_values = context.value_pairs * 2 * tile;
@@ -530,7 +541,22 @@ Layout check_layout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   l.max_blocks = block_tables.size(1);
   l.table_row = block_tables.stride(0);
   l.window = window;
+  l.sinks = nullptr;
   return l;
+}
+
+// Checks a call's attention sinks (one per query head, float32 or q's dtype) and points the
+// layout at them as float32: the tensor returned holds them for the call (undefined: none).
+at::Tensor attach_sinks(Layout& l, const at::Tensor& q, const std::optional<at::Tensor>& sinks) {
+  if (!sinks.has_value()) return at::Tensor();
+  TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == l.heads,
+              "sinks must hold one logit per query head: [", l.heads, "], got ", sinks->sizes());
+  TORCH_CHECK(sinks->scalar_type() == at::kFloat || sinks->scalar_type() == q.scalar_type(),
+              "sinks must be float32 or q's dtype, got ", sinks->scalar_type());
+  TORCH_CHECK(sinks->device().is_cpu(), "sinks must be on the CPU");
+  at::Tensor floats = sinks->to(at::kFloat).contiguous();
+  l.sinks = floats.data_ptr<float>();
+  return floats;
 }
 
 void write_tokens(const Layout& l, const at::Tensor& k, const at::Tensor& v,
@@ -565,12 +591,15 @@ void check_length(const Layout& l, int64_t request, int64_t length) {
 }  // namespace
 
 // Decode rows: row b of q is request b's one new token; seq_lens [B] int32, each counting the
-// new token; a token sees its last `window` positions (0: all) -> [B, H, D].
+// new token; a token sees its last `window` positions (0: all); `sinks` [H], each query head's
+// attention-sink logit (none: no sinks) -> [B, H, D].
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   at::Tensor kv_cache, const at::Tensor& slot_mapping,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                  double scale, int64_t window) {
-  const Layout l = check_layout(q, k, v, kv_cache, slot_mapping, block_tables, window);
+                                  double scale, int64_t window,
+                                  const std::optional<at::Tensor>& sinks) {
+  Layout l = check_layout(q, k, v, kv_cache, slot_mapping, block_tables, window);
+  const at::Tensor sink_logits = attach_sinks(l, q, sinks);
   const int64_t rows = q.size(0);
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
                   block_tables.size(0) >= rows && seq_lens.size(0) >= rows,
@@ -592,12 +621,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, cons
 // Any step: request i's tokens are rows query_start_loc[i] .. query_start_loc[i + 1] of q
 // ([R + 1] int32), its context seq_lens[i] positions after them ([R] int32), the new tokens
 // last; each token sees the context up to itself, its last `window` positions of it with a
-// window (0: all) -> [N, H, D].
+// window (0: all), each query head's sink logit in its softmax with `sinks` [H] -> [N, H, D].
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            at::Tensor kv_cache, const at::Tensor& slot_mapping,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                           const at::Tensor& seq_lens, double scale, int64_t window) {
-  const Layout l = check_layout(q, k, v, kv_cache, slot_mapping, block_tables, window);
+                           const at::Tensor& seq_lens, double scale, int64_t window,
+                           const std::optional<at::Tensor>& sinks) {
+  Layout l = check_layout(q, k, v, kv_cache, slot_mapping, block_tables, window);
+  const at::Tensor sink_logits = attach_sinks(l, q, sinks);
   const int64_t requests = seq_lens.size(0);
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
                   seq_lens.is_contiguous() && query_start_loc.is_contiguous() &&
@@ -692,25 +723,27 @@ void unbind_decode_step() { bound_step = DecodeStep{}; }
 
 // paged_decode_attention over layer `layer`'s cache and the bound step's tables.
 at::Tensor decode_step_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 int64_t layer, double scale) {
+                                 int64_t layer, double scale, int64_t window,
+                                 const std::optional<at::Tensor>& sinks) {
   const DecodeStep& step = bound_step;
   TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(step.kv_caches.size()),
               "decode_step_attention: no decode step bound with a cache for layer ", layer);
   return paged_decode_attention(q, k, v, step.kv_caches[layer], step.slot_mapping,
-                                step.block_tables, step.seq_lens, scale, 0);
+                                step.block_tables, step.seq_lens, scale, window, sinks);
 }
 
 TORCH_LIBRARY(folio_cpu_attention, library) {
   library.def(
       "paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, "
-      "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale, int window=0) "
-      "-> Tensor");
+      "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale, int window=0, "
+      "Tensor? sinks=None) -> Tensor");
   library.def(
       "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, "
-      "int window=0) -> Tensor");
+      "int window=0, Tensor? sinks=None) -> Tensor");
   library.def(
-      "decode_step_attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor");
+      "decode_step_attention(Tensor q, Tensor k, Tensor v, int layer, float scale, int window=0, "
+      "Tensor? sinks=None) -> Tensor");
   library.def(
       "bind_decode_step(Tensor[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
       "Tensor seq_lens) -> ()");

@@ -156,7 +156,13 @@ def _register_output_shapes() -> None:
         return x.new_empty(*x.shape[:-1], out_features)
 
     def attention_shape(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        scale: float,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 

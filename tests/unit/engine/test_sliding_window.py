@@ -1,7 +1,8 @@
 """Sliding-window models end to end: the KV cache groups a hybrid model's layers, frees a
 sliding group's blocks once they fall behind its window and keeps prefix caching correct across
 both kinds of groups; greedy tokens equal transformers' (float32) over prompts longer than the
-window (3 positions, blocks of 4) through chunked prefill, prefix hits and preemption."""
+window (3 positions, blocks of 4) through chunked prefill, prefix hits and preemption, every
+layer's attention (gpt-oss's sinks included) through Folio's C++ kernel where it loads."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from engine.core.kv_cache_manager import NULL_BLOCK, KVCacheManager, kv_groups
 from engine.core.kv_events import BlockStored
 from engine.core.request import Request
 from engine.engine import LLMEngine
+from engine.kernels.cpu.capabilities import cpu_capabilities
 from tiny_models import MOE_VARIANTS, VARIANTS, hf_greedy, make_checkpoint
 
 BLOCK = 4
@@ -123,6 +125,27 @@ def greedy(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, list[i
     return got
 
 
+def watch_attention(engine: LLMEngine) -> list[list[bool]]:
+    """For each layer's attention the engine runs from now on: [went through Folio's C++
+    kernel, had sinks]. The backend's own calls, watched on their way (nothing replaced)."""
+    backend = engine.executor.runner.model.backend
+    forward, kernel = backend.forward, backend._kernel
+    calls: list[list[bool]] = []
+
+    def watched_forward(q, k, v, kv_cache, meta, scale, window=None, sinks=None):
+        calls.append([False, sinks is not None])
+        return forward(q, k, v, kv_cache, meta, scale, window, sinks)
+
+    def watched_kernel(*args):
+        calls[-1][0] = True
+        return kernel(*args)
+
+    backend.forward = watched_forward
+    if kernel is not None:
+        backend._kernel = watched_kernel
+    return calls
+
+
 # Gemma 3 and gpt-oss get too few blocks for all four requests at once: the last admitted are
 # preempted and recomputed. A sliding-only model holds a few blocks a request, freed as fast as
 # it takes new ones: it runs in a small pool without preemption.
@@ -133,9 +156,12 @@ def greedy(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, list[i
 def test_greedy_tokens_through_preemption_and_prefix_hits(tmp_path, variant, num_blocks, preempts):
     reference = make_checkpoint(tmp_path, *{**VARIANTS, **MOE_VARIANTS}[variant])
     engine = engine_on(tmp_path, num_blocks)
+    calls = watch_attention(engine)
     base = [(7 * i) % 150 + 3 for i in range(30)]
     prompts = {"a": base, "b": [*base[:22], 5, 6, 7], "c": base[::-1], "d": base[3:29]}
     got = greedy(engine, prompts)
+    assert calls and all(sinks == (variant == "gpt-oss") for _, sinks in calls)
+    assert all(kernel == cpu_capabilities().folio_kernels for kernel, _ in calls)
     for rid, ids in prompts.items():
         assert got[rid] == hf_greedy(reference, ids, 10), rid
     assert engine.kv_cache.prefix_cache_hits > 0

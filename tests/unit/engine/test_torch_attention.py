@@ -14,9 +14,10 @@ from engine.layers.attention import get_attention_backend
 from paged import BlockPool, build_metadata, outside_window
 
 
-def reference_attention(q, keys, values, query_lens, seq_lens, scale, window=None):
+def reference_attention(q, keys, values, query_lens, seq_lens, scale, window=None, sinks=None):
     """Per request, per query token, per head: an explicit softmax over contiguous K/V (the
-    last `window` positions of it under a sliding window)."""
+    last `window` positions of it under a sliding window), with each head's sink logit in its
+    denominator where there are `sinks`."""
     num_heads = q.shape[1]
     group = num_heads // keys[0].shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
@@ -30,9 +31,10 @@ def reference_attention(q, keys, values, query_lens, seq_lens, scale, window=Non
                     scale * float(q[token, h].double() @ k[p, h // group].double())
                     for p in range(first, last + 1)
                 ]
-                top = max(scores)
+                sink = [] if sinks is None else [float(sinks[h])]
+                top = max(scores + sink)
                 weights = torch.tensor([math.exp(s - top) for s in scores], dtype=torch.float64)
-                weights /= weights.sum()
+                weights /= weights.sum() + sum(math.exp(s - top) for s in sink)
                 out[token, h] = weights @ v[first : last + 1, h // group].double()
             token += 1
     return out
@@ -49,11 +51,13 @@ def run_case(
     seed=0,
     folio_kernels=True,
     window=None,
+    sinks=None,
 ):
     """Builds a pool with prefixes already cached, runs two layers through one backend, checks
     both. q, k and v are views of one fused tensor, as the model's projections hand them over.
     Under a sliding window, the blocks before each request's window are a NaN-filled block in
-    its table (the last of the pool), which must never be read."""
+    its table (the last of the pool), which must never be read. `sinks`: each head's
+    attention-sink logit (gpt-oss)."""
     torch.manual_seed(seed)
     num_blocks = sum(math.ceil(s / block_size) for s in seq_lens) + 7
     pool = BlockPool(num_blocks - 1, seed=seed)
@@ -90,7 +94,7 @@ def run_case(
         fused = torch.cat((q, new_k, new_v), dim=1)
         q, new_k, new_v = fused.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
 
-        out = backend.forward(q, new_k, new_v, cache, meta, scale, window)
+        out = backend.forward(q, new_k, new_v, cache, meta, scale, window, sinks)
 
         flat = cache.view(2, -1, num_kv_heads, head_dim)
         assert torch.equal(flat[0, meta.slot_mapping], new_k)
@@ -105,10 +109,13 @@ def run_case(
             equal_nan=True,
         )
 
-        expected = reference_attention(q, keys, values, query_lens, seq_lens, scale, window)
+        expected = reference_attention(q, keys, values, query_lens, seq_lens, scale, window, sinks)
         assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+        if sinks is not None:  # they matter here
+            without = reference_attention(q, keys, values, query_lens, seq_lens, scale, window)
+            assert not torch.allclose(without, expected, atol=10 * tol)
 
 
 # Decodes first (contexts: 1, a block multiple, not multiples), then a fresh prefill, an extend
@@ -143,6 +150,30 @@ def test_sliding_window_reads_only_the_window(dtype, folio_kernels):
         dtype=dtype,
         folio_kernels=folio_kernels,
         window=5,
+    )
+
+
+@pytest.mark.parametrize("folio_kernels", KERNEL_PATHS)
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_attention_sinks(dtype, window, folio_kernels):
+    """gpt-oss's sinks (one more logit per head, of no value) on decodes, a fresh prefill and
+    extends, with and without a window. In bfloat16 with 48 features a prompt's tokens go to the
+    kernel's prefill blocks on CPUs with AVX-512 BF16 (whole tiles of 16), token by token
+    elsewhere and under the window."""
+    # Sinks as large as the scores, so that they move every row's weights; as bfloat16 values
+    # the model's own sinks are handed over as they are (the kernel widens them).
+    sinks = (2 * torch.randn(6, generator=torch.Generator().manual_seed(7))).to(dtype)
+    run_case(
+        **MIXED,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=48,
+        block_size=4,
+        dtype=dtype,
+        folio_kernels=folio_kernels,
+        window=window,
+        sinks=sinks,
     )
 
 
@@ -366,6 +397,15 @@ def test_decode_step_op_reads_the_bound_step():
     # Layer 1's new K/V written as the backend writes them; layer 0's cache untouched.
     assert torch.equal(caches[1], expected_caches[1])
     assert torch.equal(caches[0], expected_caches[0])
+    # A sliding layer with sinks (gpt-oss's): the window and the sinks as the backend takes them.
+    sinks = torch.randn(9)
+    expected = backend.forward(q, k, v, expected_caches[0], meta, 0.125, 5, sinks)
+    with backend.bound_decode_step(meta, caches):
+        assert torch.equal(op(q, k, v, 0, 0.125, 5, sinks), expected)
+        with pytest.raises(RuntimeError, match=r"one logit per query head: \[9\], got \[3\]"):
+            op(q, k, v, 0, 0.125, 0, sinks[:3])
+        with pytest.raises(RuntimeError, match="sinks must be float32 or q's dtype, got Half"):
+            op(q, k, v, 0, 0.125, 0, sinks.half())
     with pytest.raises(RuntimeError, match="no decode step bound"):
         op(q, k, v, 0, 0.125)
     released = weakref.ref(caches[0])
