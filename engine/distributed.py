@@ -50,8 +50,9 @@ from engine.layers.parallel import TensorParallel
 logger = logging.getLogger(__name__)
 
 # Header of every broadcast: [command, payload length]. LORA: a LoRA adapter goes into a slot
-# (the payload: the slot, then the adapter directory's path in UTF-8, a byte per entry).
-STEP, STOP, LORA = 1, 2, 3
+# (the payload: the slot, then the adapter directory's path in UTF-8, a byte per entry). TIERS:
+# a KV tier message (engine.kv_tiers.ranks: a disk probe, or the blocks each rank moves).
+STEP, STOP, LORA, TIERS = 1, 2, 3, 4
 _HEADER = 2
 # Collectives wait this long: an idle group sits in a broadcast for as long as it is idle, and
 # a dead peer is found by the heartbeats and the closed sockets, not by this timeout.
@@ -138,6 +139,12 @@ class Channel:
         payload = torch.empty(length, dtype=torch.int64, device=self.device)
         dist.broadcast(payload, src=0)
         return command, payload
+
+    def all_min(self, values: np.ndarray) -> np.ndarray:
+        """Every rank's int64 `values` (the same length on all), reduced to their minimum."""
+        tensor = torch.from_numpy(values).to(self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return tensor.cpu().numpy()
 
 
 def encode_lora(slot: int, path: str) -> np.ndarray:
@@ -237,6 +244,13 @@ class EngineGroup:
         """Every rank loads the adapter at `path` (already checked by rank 0) into `slot`, its
         share of it, before the next step."""
         self.channel.send(LORA, encode_lora(slot, path))
+
+    def broadcast_tiers(self, message: np.ndarray) -> None:
+        """A KV tier message (engine.kv_tiers.ranks) for every rank's tier store."""
+        self.channel.send(TIERS, message)
+
+    def all_min(self, values: np.ndarray) -> np.ndarray:
+        return self.channel.all_min(values)
 
     def raise_if_failed(self) -> None:
         if self.failure is not None:

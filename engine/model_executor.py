@@ -114,6 +114,13 @@ class ModelExecutor:
         self.kv_tiers = KVTierStore.create(
             config, self.runner.kv_slots, self.kv_groups.num_groups, self.model_path, quantization
         )
+        if self.kv_tiers is not None and self.group is not None:
+            # The book stays here; every rank moves its own shard of the blocks it names.
+            group = self.group
+            self.kv_tiers.link_ranks(
+                lambda message: self._on_ranks(group.broadcast_tiers, message),
+                lambda flags: self._on_ranks(group.all_min, flags),
+            )
         self.kv_tier_book = self.kv_tiers.book if self.kv_tiers is not None else None
         # A block id's bytes per rank (each slot tensor: [2, num_blocks, ...]), times its groups
         # and ranks.

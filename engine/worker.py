@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -24,6 +25,7 @@ from engine.distributed import (
     LORA,
     STEP,
     STOP,
+    TIERS,
     TP_RENDEZVOUS_RETRY_SECONDS,
     Channel,
     beat,
@@ -43,8 +45,10 @@ logger = logging.getLogger(__name__)
 def serve_engine(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
     """Join the engine at master_addr:master_port once and run its steps until it says stop.
     Raises when the engine cannot be reached or the group breaks."""
+    from engine.kv_tiers.store import KVTierStore
     from engine.lora.adapter import load_adapter
     from engine.model_runner import ModelRunner
+    from engine.models.gguf_metadata import file_quantization
 
     store = connect_store(master_addr, master_port, rank, world_size, TP_RENDEZVOUS_RETRY_SECONDS)
     info = engine_info(store)
@@ -72,11 +76,28 @@ def serve_engine(rank: int, world_size: int, master_addr: str, master_port: int)
             config, info["model"], info["num_blocks"], info["max_model_len"], tp=tp
         )
         channel = Channel(config.device)
+        model_path = Path(info["model"])
+        # This rank's shard of the KV tiers: it moves the blocks rank 0's book names.
+        tiers = KVTierStore.create(
+            config,
+            runner.kv_slots,
+            runner.kv_groups.num_groups,
+            model_path,
+            config.quantization or file_quantization(model_path),
+            rank,
+        )
         logger.info("rank %d of %d: serving %s", rank, world_size, info["model"])
         while True:
             command, payload = channel.receive()
             if command == STOP:
+                if tiers is not None:
+                    tiers.close()
                 return
+            if command == TIERS and payload is not None:
+                if tiers is None:
+                    raise ValueError("rank 0 sent a KV tier message; this rank has no tiers")
+                tiers.receive(payload.cpu().numpy(), channel.all_min)
+                continue
             if command == LORA and payload is not None and runner.lora is not None:
                 slot, path = decode_lora(payload.cpu().numpy())
                 runner.lora.load(
@@ -87,6 +108,8 @@ def serve_engine(rank: int, world_size: int, master_addr: str, master_port: int)
                 raise ValueError(f"unknown command {command} from rank 0")
             plan = step_plan.decode(payload.cpu().numpy())
             runner.forward(runner.prepare(plan))
+            if tiers is not None:
+                tiers.step_done()
     finally:
         stop_beating.set()
         leave_group()

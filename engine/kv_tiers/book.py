@@ -36,9 +36,11 @@ class TierTransfers:
 
     # (pool block, host slot): copy out before anything writes the block.
     saves: list[tuple[int, int]] = field(default_factory=list)
-    # (host slot, pool block) and (verified disk payload, pool block).
+    # (host slot, pool block) and (block hash, pool block).
     host_loads: list[tuple[int, int]] = field(default_factory=list)
     disk_loads: list[tuple[bytes, int]] = field(default_factory=list)
+    # The disk loads' verified payloads, by hash (each rank has its own: never sent).
+    payloads: dict[bytes, bytes] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.saves or self.host_loads or self.disk_loads)
@@ -46,10 +48,11 @@ class TierTransfers:
 
 @dataclass(frozen=True)
 class Source:
-    """A claimed block: from a host slot, or a disk payload."""
+    """A claimed block: from a host slot, or a disk payload (and its hash)."""
 
     slot: int | None = None
     payload: bytes | None = None
+    block_hash: bytes = b""
 
 
 class TierBook:
@@ -77,6 +80,9 @@ class TierBook:
         # Whether a hash is pinned (`track_pins`): the host tier drops a pinned block only when
         # it holds nothing else.
         self.pinned: Callable[[bytes], bool] = lambda block_hash: False
+        # Whether every tensor-parallel rank holds a valid file of a block this rank's disk
+        # files hold (engine.kv_tiers.store asks them all); one rank: itself.
+        self.on_every_rank: Callable[[bytes], bool] = lambda block_hash: True
 
     def track_pins(self, pinned: Callable[[bytes], bool]) -> None:
         """Which hashes are pinned (the KV cache manager's pins): the host tier drops them
@@ -97,6 +103,10 @@ class TierBook:
         payload = self.disk.read(block_hash)
         if payload is None:
             return False
+        if not self.on_every_rank(block_hash):
+            # Some rank lacks its shard: computed here, and written again when registered.
+            self.disk.forget(block_hash)
+            return False
         self._staged[block_hash] = payload
         self._staged_bytes += len(payload)
         return True
@@ -110,14 +120,15 @@ class TierBook:
             self.hits["host"] += 1
             return Source(slot=slot)
         self.hits["disk"] += 1
-        return Source(payload=self._staged.pop(block_hash))
+        return Source(payload=self._staged.pop(block_hash), block_hash=block_hash)
 
     def load(self, source: Source, block: int) -> None:
         if source.slot is not None:
             self._transfers.host_loads.append((source.slot, block))
         else:
             assert source.payload is not None
-            self._transfers.disk_loads.append((source.payload, block))
+            self._transfers.disk_loads.append((source.block_hash, block))
+            self._transfers.payloads[source.block_hash] = source.payload
 
     def evicted(self, block: int, block_hash: bytes) -> None:
         """A cached block left the pool (its content intact until the step's forward)."""

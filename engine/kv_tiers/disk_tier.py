@@ -1,17 +1,18 @@
 """The disk tier: KV blocks as files in `--kv-cache-dir`, found again by a restarted engine.
 
-Layout: DIR/<fingerprint>/<chained block hash, hex>.kv, one file per block. The fingerprint
-names everything a block's bytes depend on (model files, dtype, block size, tensor-parallel
-layout, quantization, KV shape), so engines of another model share the directory without ever
-reading each other's blocks; a directory holding only other fingerprints means starting cold,
-and their files are left untouched. A file is a header (magic, JSON: fingerprint, block hash,
-payload length, CRC-32 of the payload) and the payload (the block's K/V bytes in the pool's
-dtype). Files are written by a background thread into a temporary name and renamed into place
-(atomic on POSIX), so an engine sharing the directory, or one restarted after `kill -9`, never
-sees half a file; a file that fails any check on reading (truncated, corrupt, foreign) is
-skipped with one warning and never served. Disk use is bounded: past the bound the oldest files
-(by modification time; a hit refreshes it) are deleted first, those of pinned blocks (this
-engine's pins, `pinned`) last.
+Layout: DIR/<fingerprint>/<chained block hash, hex>.kv, one file per block; with tensor
+parallelism each rank writes its own shard of the KV heads, DIR/<fingerprint>/rank<r>/<hash>.kv.
+The fingerprint names everything a block's bytes depend on (model files, dtype, block size,
+tensor-parallel size, quantization, KV shape per rank), so engines of another model or layout
+share the directory without ever reading each other's blocks; a directory holding only other
+fingerprints means starting cold, and their files are left untouched. A file is a header
+(magic, JSON: fingerprint, rank, block hash, payload length, CRC-32 of the payload) and the
+payload (the block's K/V bytes, this rank's heads, in the pool's dtype). Files are written by a
+background thread into a temporary name and renamed into place (atomic on POSIX), so an engine
+sharing the directory, or one restarted after `kill -9`, never sees half a file; a file that
+fails any check on reading (truncated, corrupt, foreign) is skipped with one warning and never
+served. Disk use is bounded: past the bound the oldest files (by modification time; a hit
+refreshes it) are deleted first, those of pinned blocks (this engine's pins, `pinned`) last.
 
 Torch-free: payloads are bytes. This module never decides which blocks to keep (engine.kv_tiers.book
 does) and never touches KV tensors (engine.kv_tiers.store does).
@@ -70,18 +71,28 @@ class _File:
 
 
 class DiskTier:
-    def __init__(self, directory: str, max_bytes: int, block_bytes: int, identity: dict) -> None:
+    def __init__(
+        self,
+        directory: str,
+        max_bytes: int,
+        block_bytes: int,
+        identity: dict,
+        rank: int | None = None,
+    ) -> None:
         """Start-up: ValueError in one line naming the flag when the directory cannot be used or
         the bound is below one block; a directory of other fingerprints only is logged (cold
-        start, files untouched)."""
+        start, files untouched). `rank`: this tensor-parallel rank's shard files (None: one
+        rank, no subdirectory)."""
         self.root = Path(directory)
+        self.rank = rank
         if max_bytes < block_bytes:
             raise ValueError(
                 f"--kv-cache-dir-gib {max_bytes / 1024**3:.6g} is below one KV block "
                 f"({block_bytes} bytes); raise it"
             )
         self.fingerprint = fingerprint(identity)
-        self.dir = self.root / self.fingerprint
+        home = self.root / self.fingerprint
+        self.dir = home if rank is None else home / f"rank{rank}"
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.dir, prefix=".probe-"):
@@ -93,7 +104,7 @@ class DiskTier:
             ) from None
         self.max_bytes = max_bytes
         self.block_bytes = block_bytes
-        (self.dir / "fingerprint.json").write_text(json.dumps(identity, sort_keys=True))
+        (home / "fingerprint.json").write_text(json.dumps(identity, sort_keys=True))
         self._lock = threading.Lock()
         # Whether a hash is pinned (engine.kv_tiers.book.TierBook.track_pins), asked from the
         # writer thread: a dict lookup, atomic under the GIL.
@@ -102,7 +113,7 @@ class DiskTier:
         self._files: dict[bytes, _File] = {}
         self._bad: set[bytes] = set()
         self._scan()
-        others = [p.name for p in self.root.iterdir() if p.is_dir() and p != self.dir]
+        others = [p.name for p in self.root.iterdir() if p.is_dir() and p != home]
         if others and not self._files:
             logger.warning(
                 "--kv-cache-dir %s: holds KV blocks of another model/dtype/block size/TP/"
@@ -150,6 +161,12 @@ class DiskTier:
         with self._lock:
             return block_hash in self._files
 
+    def forget(self, block_hash: bytes) -> None:
+        """Drop a block from the index (its file stays until overwritten): another rank lacks
+        its shard, so the block is written again, on every rank, when next registered."""
+        with self._lock:
+            self._files.pop(block_hash, None)
+
     def read(self, block_hash: bytes) -> bytes | None:
         """The block's payload, verified; None when there is no such file or it fails a check
         (warned once per file)."""
@@ -190,6 +207,7 @@ class DiskTier:
         if (
             not isinstance(header, dict)
             or header.get("fingerprint") != self.fingerprint
+            or header.get("rank", 0) != (self.rank or 0)
             or header.get("hash") != block_hash.hex()
             or header.get("nbytes") != len(payload)
             or len(payload) != self.block_bytes
@@ -235,6 +253,7 @@ class DiskTier:
         header = json.dumps(
             {
                 "fingerprint": self.fingerprint,
+                "rank": self.rank or 0,
                 "hash": block_hash.hex(),
                 "nbytes": len(payload),
                 "crc32": zlib.crc32(payload),

@@ -30,14 +30,16 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from common.config import EngineConfig
+from engine.kv_tiers import ranks
 from engine.kv_tiers.book import TierBook, TierTransfers
 from engine.kv_tiers.disk_tier import DiskTier, model_identity
 from engine.kv_tiers.host_tier import HostTier, bytes_per_block, resolve_format
@@ -194,16 +196,39 @@ class SaveThread:
 
 
 class KVTierStore:
-    def __init__(self, kv_slots: list[torch.Tensor], book: TierBook, host: HostTier | None) -> None:
+    """One rank's tiers: its host tier, its disk files, and on rank 0 the book. With tensor
+    parallelism rank 0 sends what the book decides to the other ranks (`link_ranks`), each of
+    which moves its own shard of the same blocks (`receive`: engine.kv_tiers.ranks)."""
+
+    def __init__(
+        self,
+        kv_slots: list[torch.Tensor],
+        host: HostTier | None,
+        disk: DiskTier | None,
+        book: TierBook | None,
+    ) -> None:
         self.kv_slots = kv_slots
         _, _, block_size, heads, head_dim = kv_slots[0].shape
         self.block_shape = (len(kv_slots), 2, block_size, heads, head_dim)
         self.dtype = kv_slots[0].dtype
         self.device = kv_slots[0].device
-        self.book = book
         self.host = host
+        self.disk = disk
         self.saves = SaveThread(host) if host is not None else None
-        book.sink = self.persist
+        # Rank 0's: the book, and (with other ranks) how it sends them a message and agrees.
+        self._book = book
+        self._share: Callable[[np.ndarray], None] | None = None
+        self._agree: Callable[[np.ndarray], np.ndarray] | None = None
+        # Another rank's: the disk payloads every rank verified at rank 0's probes, until the
+        # step that loads them (rank 0's book keeps its own).
+        self._staged: dict[bytes, bytes] = {}
+        if book is not None:
+            book.sink = self.persist
+
+    @property
+    def book(self) -> TierBook:
+        assert self._book is not None, "only rank 0 keeps the tiers' book"
+        return self._book
 
     @classmethod
     def create(
@@ -213,24 +238,27 @@ class KVTierStore:
         num_groups: int,
         model_path: Path,
         quantization: str | None,
+        rank: int = 0,
     ) -> KVTierStore | None:
-        """The store and its book, or None when no tier is asked for; ValueError in one line
-        naming the flag when the tiers cannot serve this engine."""
+        """The store of tensor-parallel rank `rank` (rank 0's with the book), or None when no
+        tier is asked for; ValueError in one line naming the flag when the tiers cannot serve
+        this engine. The flags bound the tiers of all ranks together: each rank holds 1/N of
+        every block (its KV heads) in 1/N of the bytes."""
         if not config.kv_offload_gib and config.kv_cache_dir is None:
             return None
-        if config.tensor_parallel_size > 1 or num_groups > 1:
+        if num_groups > 1:
             raise ValueError(
-                "--kv-offload-gib / --kv-cache-dir: KV cache tiers serve one-rank models without "
-                f"sliding windows (tensor_parallel_size {config.tensor_parallel_size}, "
-                f"{num_groups} KV groups)"
+                "--kv-offload-gib / --kv-cache-dir: KV cache tiers serve models without "
+                f"sliding windows (one KV group; this model has {num_groups})"
             )
+        tp_size = config.tensor_parallel_size
         _, _, block_size, heads, head_dim = kv_slots[0].shape
         shape = (len(kv_slots), 2, block_size, heads, head_dim)
         dtype, device = kv_slots[0].dtype, kv_slots[0].device
         host = None
         if config.kv_offload_gib:
             fmt = resolve_format(config.kv_offload_format, device)
-            per_block = bytes_per_block(shape, dtype, fmt)
+            per_block = bytes_per_block(shape, dtype, fmt) * tp_size
             num_slots = int(config.kv_offload_gib * GIB) // per_block
             if num_slots < 1:
                 raise ValueError(
@@ -245,18 +273,58 @@ class KVTierStore:
                 "model": model_identity(model_path),
                 "dtype": str(dtype),
                 "block_size": block_size,
-                "tensor_parallel_size": config.tensor_parallel_size,
+                "tensor_parallel_size": tp_size,
                 "quantization": quantization,
-                "kv_shape": list(shape),
+                "kv_shape": list(shape),  # one rank's
             }
             disk = DiskTier(
                 config.kv_cache_dir,
-                int(config.kv_cache_dir_gib * GIB),
+                int(config.kv_cache_dir_gib * GIB) // tp_size,
                 bytes_per_block(shape, dtype, "native"),
                 identity,
+                rank if tp_size > 1 else None,
             )
+        if rank:
+            return cls(kv_slots, host, disk, None)
         book = TierBook(host.num_slots if host is not None else 0, disk, block_size)
-        return cls(kv_slots, book, host)
+        return cls(kv_slots, host, disk, book)
+
+    def link_ranks(
+        self, share: Callable[[np.ndarray], None], agree: Callable[[np.ndarray], np.ndarray]
+    ) -> None:
+        """Rank 0 with other ranks: `share(message)` broadcasts a tier message to them (they
+        `receive` it), `agree(flags)` is the all-ranks minimum of each flag. From now on every
+        move the book makes is sent to them before rank 0 makes it, and a block found in rank
+        0's disk files counts as on disk only when every rank verified its own file of it."""
+        self._share, self._agree = share, agree
+        self.book.on_every_rank = self._on_every_rank
+
+    def _on_every_rank(self, block_hash: bytes) -> bool:
+        assert self._share is not None and self._agree is not None
+        self._share(ranks.encode_probe([block_hash]))
+        return bool(self._agree(np.ones(1, dtype=np.int64))[0])
+
+    def receive(self, message: np.ndarray, agree: Callable[[np.ndarray], np.ndarray]) -> None:
+        """Another rank: rank 0's tier message, on this rank's shard. A probe's verdict is
+        every rank's (`agree`), so all ranks stage, and later load, the same blocks."""
+        decoded = ranks.decode(message)
+        if isinstance(decoded, list):
+            payloads = [self.disk.read(h) if self.disk is not None else None for h in decoded]
+            held = agree(np.array([p is not None for p in payloads], dtype=np.int64))
+            for block_hash, payload, everywhere in zip(decoded, payloads, held, strict=True):
+                if everywhere and payload is not None:
+                    self._staged[block_hash] = payload
+            return
+        self._persist(decoded.persists)
+        transfers = decoded.transfers
+        transfers.payloads = {h: self._staged.pop(h) for h, _ in transfers.disk_loads}
+        with one_thread():
+            self._apply(transfers)
+
+    def step_done(self) -> None:
+        """Another rank, after each step: payloads staged and not loaded are dropped (rank 0's
+        book drops its own when the step takes its transfers)."""
+        self._staged.clear()
 
     def _gather(self, blocks: list[int]) -> torch.Tensor:
         """[layers, 2, n, block_size, heads, head_dim] copies of pool blocks, on the pool's
@@ -276,7 +344,10 @@ class KVTierStore:
             kv.index_copy_(1, index, data[layer])
 
     def apply(self, transfers: TierTransfers) -> None:
-        """The step's saves, then its loads (a block evicted this step may be loaded into)."""
+        """The step's saves, then its loads (a block evicted this step may be loaded into);
+        sent to the other ranks first, so that they move their shards meanwhile."""
+        if self._share is not None and transfers:
+            self._share(ranks.encode_moves(ranks.TierMoves(transfers=transfers)))
         with one_thread():
             self._apply(transfers)
 
@@ -291,27 +362,35 @@ class KVTierStore:
             self.saves.settle(list(slots))
             self._scatter(list(blocks), self.host.fetch(torch.tensor(slots)))
         if transfers.disk_loads:
-            payloads, blocks = zip(*transfers.disk_loads, strict=True)
-            raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
+            hashes, blocks = zip(*transfers.disk_loads, strict=True)
+            payload = b"".join(transfers.payloads[h] for h in hashes)
+            raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             data = raw.view(self.dtype).reshape(len(blocks), *self.block_shape)
             self._scatter(list(blocks), data.movedim(0, 2))
 
     def persist(self, persists: list[tuple[int, bytes]]) -> None:
-        """Queue the newly cached blocks' files (the disk tier writes them in its thread)."""
-        disk = self.book.disk
-        if not persists or disk is None:
+        """Queue the newly cached blocks' files (the disk tier writes them in its thread), on
+        every rank."""
+        if self._share is not None and persists:
+            self._share(ranks.encode_moves(ranks.TierMoves(persists=persists)))
+        self._persist(persists)
+
+    def _persist(self, persists: list[tuple[int, bytes]]) -> None:
+        if not persists or self.disk is None:
             return
         blocks, hashes = zip(*persists, strict=True)
         with one_thread():
             # A file holds one block: [layers, 2, block_size, heads, head_dim].
             data = self._gather(list(blocks)).movedim(2, 0).contiguous().cpu()
         for block_hash, block in zip(hashes, data, strict=True):
-            disk.write(block_hash, block.view(torch.uint8).numpy().tobytes())
+            self.disk.write(block_hash, block.view(torch.uint8).numpy().tobytes())
 
     def close(self) -> None:
-        """Finish the queued saves and stop the save thread."""
+        """Finish the queued saves and stop the save thread; write the queued files."""
         if self.saves is not None:
             self.saves.close()
+        if self.disk is not None:
+            self.disk.close()
 
 
 def _background_thread() -> None:

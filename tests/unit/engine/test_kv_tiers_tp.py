@@ -1,0 +1,133 @@
+"""KV cache tiers under tensor parallelism: TP=2 (a worker rank as a real subprocess over gloo)
+on test_kv_tiers' tiny random-weight float32 Llama, whose 2 KV heads give each rank one. Blocks
+evicted from the pool come back from every rank's host tier exact; a new TP=2 engine on the same
+directory finds every rank's shard files; a block whose file one rank lacks is computed on every
+rank (and written again); a one-rank engine on that directory reads none of the TP=2 files; the
+tier messages rank 0 sends survive their int64 encoding."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from test_engine import BLOCK
+from test_kv_tiers import FOLLOW_UP, SHARED, generate, make_engine, push_out
+
+from common.block_hash import prefix_block_hashes
+from engine.engine import LLMEngine
+from engine.kv_tiers import ranks
+from engine.kv_tiers.book import TierTransfers
+from tiny_models import VARIANTS, make_checkpoint
+
+HASHES = prefix_block_hashes(FOLLOW_UP, BLOCK)  # SHARED's six blocks, then one more
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama")
+    make_checkpoint(directory, *VARIANTS["llama"])
+    return directory
+
+
+@pytest.fixture(scope="module")
+def expected(llama):
+    """FOLLOW_UP's greedy tokens and logprobs on one rank without tiers."""
+    tokens, logprobs, _ = generate(make_engine(llama, num_kv_blocks=64), "alone", FOLLOW_UP)
+    return tokens, logprobs
+
+
+def tp2(llama, **tiers) -> LLMEngine:
+    return make_engine(llama, tensor_parallel_size=2, **tiers)
+
+
+def shard_files(kv_dir, rank: int) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in kv_dir.glob(f"*/rank{rank}/*.kv")}
+
+
+@pytest.fixture(scope="module")
+def kv_dir(llama, expected, tmp_path_factory):
+    """A TP=2 engine with both tiers: SHARED computed, pushed out of the pool to the host tier
+    and loaded back from it; its directory once it closed."""
+    kv_dir = tmp_path_factory.mktemp("kv")
+    engine = tp2(llama, kv_offload_gib=0.01, kv_offload_format="native", kv_cache_dir=str(kv_dir))
+    try:
+        generate(engine, "first", SHARED)
+        push_out(engine)
+        book = engine.kv_cache.tiers
+        assert book is not None and book.offloaded >= 6 and book.hits["host"] == 0
+        tokens, logprobs, cached = generate(engine, "again", FOLLOW_UP)
+        assert cached == 24 and book.hits["host"] == 6
+    finally:
+        engine.close()  # the ranks write their queued files first
+    assert tokens == expected[0]
+    assert logprobs == pytest.approx(expected[1], abs=1e-4)
+    return kv_dir
+
+
+def test_every_rank_writes_its_shard_of_every_block(kv_dir):
+    files = [shard_files(kv_dir, rank) for rank in (0, 1)]
+    assert set(files[0]) == set(files[1])
+    assert {h.hex() + ".kv" for h in HASHES[:6]} <= set(files[0])
+    name = HASHES[0].hex() + ".kv"
+    assert files[0][name] != files[1][name]  # each rank's own KV head
+
+
+def test_a_new_tp2_engine_finds_the_disk_tier_and_a_missing_shard_is_computed(
+    llama, kv_dir, expected
+):
+    # Rank 1 lacks block 3: every rank computes from it on, and it is written again.
+    (missing,) = kv_dir.glob(f"*/rank1/{HASHES[3].hex()}.kv")
+    missing.unlink()
+    engine = tp2(llama, kv_cache_dir=str(kv_dir))
+    try:
+        tokens, logprobs, cached = generate(engine, "restart", FOLLOW_UP)
+        assert cached == 12 and engine.kv_cache.tiers.hits["disk"] == 3
+        assert tokens == expected[0]
+        assert logprobs == pytest.approx(expected[1], abs=1e-4)
+        push_out(engine)  # (their prompts from disk too: the first engine computed them)
+        before = engine.kv_cache.tiers.hits["disk"]
+        # All seven of its blocks now: block 3 again, and its last, computed in the last run.
+        tokens, _, cached = generate(engine, "healed", FOLLOW_UP)
+        assert cached == 28 and engine.kv_cache.tiers.hits["disk"] == before + 7
+        assert tokens == expected[0]
+    finally:
+        engine.close()
+    assert missing.exists()
+
+
+def test_a_one_rank_engine_reads_none_of_the_tp2_files(llama, kv_dir, expected, caplog):
+    before = [shard_files(kv_dir, rank) for rank in (0, 1)]
+    with caplog.at_level(logging.WARNING, logger="engine.kv_tiers.disk_tier"):
+        engine = make_engine(llama, kv_cache_dir=str(kv_dir))
+    assert any("starting cold" in r.getMessage() for r in caplog.records)
+    tokens, _, cached = generate(engine, "one rank", FOLLOW_UP)
+    assert cached == 0 and tokens == expected[0]
+    engine.close()
+    assert [shard_files(kv_dir, rank) for rank in (0, 1)] == before
+
+
+def test_tier_messages_survive_their_encoding():
+    moves = ranks.TierMoves(
+        persists=[(3, HASHES[0]), (9, HASHES[1])],
+        transfers=TierTransfers(
+            saves=[(1, 0), (2, 5)],
+            host_loads=[(4, 7)],
+            disk_loads=[(HASHES[2], 11)],
+            payloads={HASHES[2]: b"never sent"},
+        ),
+    )
+    message = ranks.encode_moves(moves)
+    assert message.dtype == np.int64 and b"never sent" not in message.tobytes()
+    decoded = ranks.decode(message)
+    assert isinstance(decoded, ranks.TierMoves)
+    assert decoded.persists == moves.persists
+    assert decoded.transfers.saves == moves.transfers.saves
+    assert decoded.transfers.host_loads == moves.transfers.host_loads
+    assert decoded.transfers.disk_loads == moves.transfers.disk_loads
+    assert decoded.transfers.payloads == {}
+    assert ranks.decode(ranks.encode_probe(HASHES[:3])) == HASHES[:3]
+    with pytest.raises(ValueError, match="must be 32 bytes, got 3"):
+        ranks.encode_probe([b"abc"])
+    with pytest.raises(ValueError, match="its counts say"):
+        ranks.decode(message[:-1])
