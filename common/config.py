@@ -195,8 +195,9 @@ class EngineConfig:
     )
     speculative_config: str | None = flag(
         None,
-        'speculative decoding, vLLM\'s JSON: {"method": "ngram" or "suffix", '
-        '"num_speculative_tokens": 4, ...} (docs/speculative_decoding.md); default off',
+        'speculative decoding, vLLM\'s JSON: {"method": "ngram", "suffix" or "draft_model" '
+        '(with "model": DIR), "num_speculative_tokens": 4, ...} '
+        "(docs/speculative_decoding.md); default off",
     )
 
     @property

@@ -76,7 +76,11 @@ class LLMEngine:
             self.scheduler.admission_gate = self.lora.pin
         # Speculative decoding: what drafts tokens before each step (engine.spec_decode).
         spec = config.speculative
-        self.drafter = Drafter(spec, self.max_model_len, self.step_cost) if spec else None
+        self.drafter = (
+            Drafter(spec, self.max_model_len, self.step_cost, executor.draft_proposer)
+            if spec
+            else None
+        )
         self.requests: dict[str, Request] = {}
         # Requests with a total deadline, checked before every step.
         self._deadlines: dict[str, Request] = {}

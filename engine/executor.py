@@ -28,6 +28,7 @@ from engine.core.scheduler import SchedulerOutput
 from engine.errors import EngineGroupError
 from engine.kv_tiers.book import TierBook
 from engine.lora.registry import LoraBackend
+from engine.spec_decode.drafter import DraftProposer
 
 
 @dataclass
@@ -65,6 +66,8 @@ class Executor(Protocol):
     kv_tier_book: TierBook | None
     # What holds LoRA adapters' weights (engine.lora.registry); None: it serves none.
     lora_backend: LoraBackend | None
+    # The draft model of --speculative-config's draft_model method; None without one.
+    draft_proposer: DraftProposer | None
 
     @property
     def dtype_name(self) -> str:

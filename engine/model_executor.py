@@ -44,6 +44,8 @@ from engine.models.config import ModelConfig
 from engine.models.gguf_metadata import file_quantization
 from engine.pooler import Pooler, PoolingConfig, finish
 from engine.sampler import Sampler, record_prompt_logprobs
+from engine.spec_decode.draft_model import DraftModel
+from engine.spec_decode.drafter import DraftProposer
 from engine.spec_decode.verify import Verifier
 from engine.structured_output import StructuredOutputManager
 
@@ -106,6 +108,9 @@ class ModelExecutor:
                 self.group.tp if self.group else SINGLE,
                 Pooler(self.pooling.pooling_type),
             )
+            self.draft_proposer: DraftProposer | None = self._draft_model(
+                config, model_config.vocab_size
+            )
         except BaseException:
             self.close()
             raise
@@ -156,6 +161,24 @@ class ModelExecutor:
         self.verifier = Verifier(self.sampler, config.seed)
         self.structured = StructuredOutputManager(
             self.model_path, model_config.vocab_size, sorted(self.eos_token_ids), config.device
+        )
+
+    def _draft_model(self, config: EngineConfig, vocab_size: int) -> DraftModel | None:
+        """--speculative-config's draft model, on this device, with a KV pool of its own: as
+        many blocks as the target's plus one a sequence (the drafts past a request's tokens)."""
+        spec = config.speculative
+        if spec is None or spec.method != "draft_model":
+            return None
+        return DraftModel(
+            spec,
+            vocab_size,
+            resolve_dtype(config.dtype, config.device, spec.quantization),
+            self.runner.device,
+            config.attention_backend,
+            config.block_size,
+            self.num_blocks + config.max_num_seqs,
+            self.max_model_len,
+            config.max_num_batched_tokens,
         )
 
     @staticmethod

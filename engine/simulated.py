@@ -32,6 +32,7 @@ from engine.executor import ExecutorOutput
 from engine.kv_tiers.book import TierBook
 from engine.lora.registry import LoraBackend
 from engine.models.config import ModelConfig
+from engine.spec_decode.drafter import DraftProposer
 
 # The pool of a simulated engine when neither num_kv_blocks nor a memory budget is meant (it
 # has no tensors, so the memory budget means nothing).
@@ -48,6 +49,7 @@ class SimulatedExecutor:
 
     dtype_name = "simulated"
     lora_backend: LoraBackend | None = None  # no model, no adapters
+    draft_proposer: DraftProposer | None = None  # no model, no draft model
 
     def __init__(
         self,

@@ -1,7 +1,10 @@
 """Per step, which running requests draft tokens and how many; the acceptance books after.
 
 Before the scheduler runs, `propose` sets `request.spec_token_ids` for each decoding request
-that may speculate: its proposer's tokens, at most its adaptive length. The length follows the
+that may speculate: its proposer's tokens, at most its adaptive length. The ngram and suffix
+proposers draft a request at a time; a draft model (a DraftProposer: the model executor's
+engine.spec_decode.draft_model) drafts the step's requests in one batch, and its per-request
+KV blocks are freed when a request ends or stops running. The length follows the
 request's recent acceptance (an exponentially weighted rate): a request whose drafts keep being
 rejected stops drafting for a while, then tries one token again. The whole step drafts nothing
 when the batch is large enough that verifying costs more than it saves, a threshold computed
@@ -24,8 +27,9 @@ import logging
 import statistics
 import weakref
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from common.speculative import SpeculativeConfig
 from engine.core.request import Request
@@ -139,6 +143,23 @@ def _nearest(batches: Iterable[int], batch: int) -> int | None:
     return min(near, key=lambda b: abs(b - batch)) if near else None
 
 
+class DraftProposer(Protocol):
+    """A proposer that runs a model (engine.spec_decode.draft_model.DraftModel): it drafts a
+    step's requests in one batch and holds KV blocks per request until told to free them."""
+
+    def propose(self, requests: Sequence[Request], lengths: Sequence[int]) -> list[list[int]]:
+        """Up to lengths[i] drafted tokens continuing requests[i]'s tokens."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """The request ended: free what is held for it."""
+        ...
+
+    def retain(self, request_ids: set[str]) -> None:
+        """Only these requests run: free what is held for any other (preempted ones)."""
+        ...
+
+
 @dataclass
 class SpecStats:
     """Cumulative counters (vLLM's metrics): verification steps with drafts, drafted tokens,
@@ -151,9 +172,20 @@ class SpecStats:
 
 class Drafter:
     def __init__(
-        self, config: SpeculativeConfig, max_model_len: int, step_cost: LiveStepCost | None
+        self,
+        config: SpeculativeConfig,
+        max_model_len: int,
+        step_cost: LiveStepCost | None,
+        draft_model: DraftProposer | None = None,
     ) -> None:
+        """`draft_model`: the executor's draft model, for method draft_model."""
+        if config.method == "draft_model" and draft_model is None:
+            raise ValueError(
+                "speculative_config: method: draft_model needs an executor that runs models "
+                "(the model executor); this one has no draft model"
+            )
         self.config = config
+        self.draft_model = draft_model
         self.max_model_len = max_model_len
         self.step_cost = step_cost
         self.stats = SpecStats()
@@ -179,6 +211,8 @@ class Drafter:
 
     def propose(self, running: list[Request]) -> None:
         """Set spec_token_ids of the running requests that draft this step (others get [])."""
+        if self.draft_model is not None:
+            self.draft_model.retain({r.request_id for r in running})
         candidates = [r for r in running if self._may_draft(r)]
         for request in running:
             request.spec_token_ids = []
@@ -190,6 +224,7 @@ class Drafter:
         self._step_level = level
         if level == NONE:
             return
+        drafting: list[tuple[Request, int]] = []
         for request in candidates:
             state = self._acceptance.setdefault(request, _Acceptance())
             if state.paused:
@@ -201,7 +236,14 @@ class Drafter:
                 room = min(room, max_tokens - request.num_output_tokens - 1)
             k = min(room, self._length(state), 1 if level == FIRST_ONLY else room)
             if k > 0:
-                request.spec_token_ids = self._draft(request, k)
+                drafting.append((request, k))
+        if self.draft_model is not None and drafting:
+            requests, lengths = zip(*drafting, strict=True)
+            drafts = self.draft_model.propose(requests, lengths)
+        else:
+            drafts = [self._draft(request, k) for request, k in drafting]
+        for (request, _), draft in zip(drafting, drafts, strict=True):
+            request.spec_token_ids = draft
 
     def _length(self, state: _Acceptance) -> int:
         """The request's draft length: its expected accepted tokens plus one, at most the
@@ -288,7 +330,10 @@ class Drafter:
         return False
 
     def finished(self, request: Request) -> None:
-        """A request that ended: the suffix proposer searches its output for later requests."""
+        """A request that ended: the suffix proposer searches its output for later requests;
+        the draft model frees its KV blocks."""
+        if self.draft_model is not None:
+            self.draft_model.release(request.request_id)
         if self.suffix is not None and request.output_token_ids:
             self.suffix.finished(request.output_token_ids)
 

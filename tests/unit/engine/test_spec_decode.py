@@ -54,7 +54,7 @@ SUFFIX = json.dumps({"method": "suffix", "num_speculative_tokens": 3})
     [
         ({"method": "eagle"}, "method"),
         ({"method": "draft_model", "model": "x"}, "model"),
-        ({"method": "draft_model"}, "method"),
+        ({"method": "draft_model"}, "model"),
         (
             {"method": "suffix", "suffix_decoding_max_tree_depth": 1},
             "suffix_decoding_max_tree_depth",
