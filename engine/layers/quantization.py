@@ -4,7 +4,9 @@ groups of 32 input features; the activations stay in the model's dtype.
 int4 uses the scheme of GGUF's Q4_1 (each group of 32 weights: a scale and a minimum, codes
 0-15), so the default model, whose weights come from a Q4_1 GGUF, is served on exactly the 4-bit
 grid it was published on. The vocabulary projection is quantized to int8 in both modes, as that
-GGUF keeps its embedding in 8 bits.
+GGUF keeps its embedding in 8 bits. Folio's kernels keep the group scales and minimums in
+float16 (as Q4_1 does), or in float32 for a grid float16 would round (a Q4_K GGUF's, whose
+scales d * sc take up to 17 significant bits).
 
 Two kernels multiply: Folio's AVX2 kernels (engine/kernels/cpu/cpu_quant.cpp), for float32
 activations, which read the small weights once per step; and torch's weight-only kernels, made
@@ -44,7 +46,7 @@ class QuantizedWeight:
     # its high half (GGUF Q4_1's order).
     codes: torch.Tensor
     # int8: [out] scales; int4: [out, in / 32] scales, the weight being code * scale + minimum,
-    # both float16 values (as in Q4_1), stored as float16 for Folio's kernels.
+    # stored for Folio's kernels as float16 (Q4_1's) or, both of them, float32 (Q4_K's).
     scale: torch.Tensor
     minimum: torch.Tensor | None
     # Folio's AVX2 ops (float32 activations), or None to use torch's kernels, for which int4
@@ -134,12 +136,17 @@ def int4_weight(
     minimum: torch.Tensor,
     dtype: torch.dtype,
     folio_kernels: bool,
+    group_dtype: torch.dtype = torch.float16,
 ) -> QuantizedWeight:
     """An int4 weight from its codes ([out, in / 2] uint8, packed as QuantizedWeight.codes says)
-    and its per-group scales and minimums ([out, in / 32], float16 values), for activations of
-    `dtype`: what `quantize` computes, or what a Q4_0/Q4_1 GGUF tensor holds."""
+    and its per-group scales and minimums ([out, in / 32], values of `group_dtype`: float16, or
+    float32 where float16 would round them), for activations of `dtype`: what `quantize`
+    computes, or what a Q4_0/Q4_1/Q4_K GGUF tensor holds. Folio's kernels keep them in
+    `group_dtype`; torch's take them in `dtype`."""
+    if group_dtype not in (torch.float16, torch.float32):
+        raise ValueError(f"int4 group scales are float16 or float32, not {group_dtype}")
     kernels = torch.ops.folio_quant if folio_kernels else None
-    scale_dtype = torch.float16 if kernels is not None else dtype
+    scale_dtype = group_dtype if kernels is not None else dtype
     quantized = QuantizedWeight(
         "int4", nibbles, scale.to(scale_dtype), minimum.to(scale_dtype), kernels
     )

@@ -4,13 +4,15 @@ converting the file to anything first (engine.models.gguf_metadata reads its con
 Llama-family files (`general.architecture` llama, as SmolLM2's are; qwen2 with its q/k/v biases;
 qwen3 with its q/k norms; gemma3, whose norms the converter stores as 1 + w: the load takes the
 1 off). Tensor types:
-F32, F16 and BF16 are read as they are; Q4_0 and Q4_1 go straight into Folio's int4 layout
-(engine.layers.quantization: groups of 32 with a float16 scale and minimum and two codes to a
-byte in Q4_1's order, so Q4_1's blocks are copied bit for bit and Q4_0's scale d becomes a
-scale d with minimum -8d, exact in float16); Q8_0 is dequantized exactly into float32 (its
-scale is per 32 weights, Folio's int8 per output row: requantizing would round a second time),
-as are Q5_0, Q5_1 and the K-quants Q4_K, Q5_K and Q6_K (engine.models.gguf_dequant says why
-none of them fits Folio's integer layouts exactly).
+F32, F16 and BF16 are read as they are; Q4_0, Q4_1 and Q4_K go straight into Folio's int4
+layout (engine.layers.quantization: groups of 32 with a scale and a minimum, two codes to a byte
+in Q4_1's order), without rounding: Q4_1's blocks are copied bit for bit, Q4_0's scale d becomes
+a scale d with minimum -8d, exact in float16, and Q4_K's groups of 32 keep their codes (moved
+into Q4_1's order) with scales d * sc and minimums -dmin * m in float32, which float16 would
+round (a layer holding Q4_K has all its groups' scales in float32); Q8_0 is dequantized exactly
+into float32 (its scale is per 32 weights, Folio's int8 per output row: requantizing would round
+a second time), as are Q5_0, Q5_1, Q5_K and Q6_K (engine.models.gguf_dequant says why none of
+them fits Folio's integer layouts exactly).
 Any other type is refused, naming it and the tensor, before anything is loaded. llama.cpp's
 converter permutes the rows of Q and K of a llama file for its RoPE (pairs of adjacent features
 rotated together): the load undoes it (qwen2's and qwen3's rotate halves, as Hugging Face's do,
@@ -31,7 +33,7 @@ from gguf.quants import dequantize
 
 from engine.layers.linear import Linear, folio_quant_kernels
 from engine.layers.quantization import INT4_GROUP_SIZE, int4_weight
-from engine.models.gguf_dequant import dequantize_blocks
+from engine.models.gguf_dequant import BLOCK_BYTES, dequantize_blocks, q4_k_groups
 from engine.models.gguf_metadata import read_gguf
 
 if TYPE_CHECKING:
@@ -42,7 +44,9 @@ Q = GGMLQuantizationType
 # Dequantized by engine.models.gguf_dequant.
 BLOCK_TYPES = frozenset({Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0}) | BLOCK_TYPES
-INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1})
+# Read as Folio's int4 weights where every part of a linear layer is one of these (a Q4_K
+# tensor elsewhere, the embedding's say, is read as floats).
+INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
 READ_TYPES = ", ".join(t.name for t in sorted(FLOAT_TYPES | INT4_TYPES))
 
 # GGUF tensor names (llama.cpp's) -> Hugging Face's, per layer and global.
@@ -91,7 +95,7 @@ def load_gguf_weights(
 ) -> None:
     """Copies every tensor of the GGUF into `model` (built from gguf_config's config);
     `our_name` maps a Hugging Face name to (parameter, shard) as engine.models.loader does.
-    Linear layers whose every part is Q4_0/Q4_1 get their int4 weights here (on the CPU);
+    Linear layers whose every part is Q4_0/Q4_1/Q4_K get their int4 weights here (on the CPU);
     model.finalize_weights keeps them."""
     reader = read_gguf(path)
     for tensor in reader.tensors:
@@ -153,6 +157,19 @@ def load_gguf_weights(
             target.copy_(values)
 
 
+def _q4_k_as_int4(part: _Part) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_K part's codes in Folio's int4 order (in each group of 32, byte i: code i low, code
+    i + 16 high) and its groups' float32 scales and minimums, each [rows, ...]."""
+    # A copy: the file's memory map is read-only, which torch does not take.
+    rows = torch.from_numpy(part.rows.copy())
+    if rows.shape[-1] % BLOCK_BYTES["Q4_K"]:
+        raise ValueError(f"GGUF tensor {part.gguf_name!r} does not hold whole Q4_K blocks")
+    q, scale, minimum = q4_k_groups(rows)
+    halves = q.view(q.shape[0], -1, 2, INT4_GROUP_SIZE // 2)
+    nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(q.shape[0], -1)
+    return nibbles, scale, minimum
+
+
 def _hf_name(gguf_name: str, layer_tensors: dict[str, str]) -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
@@ -197,9 +214,16 @@ def _as_float32(part: _Part) -> np.ndarray:
 
 def _load_int4(module: Linear, parts: list[_Part]) -> None:
     """Q4_0/Q4_1 blocks (rows of 2-byte float16 d, for Q4_1 a float16 m, then 16 bytes of
-    codes) as Folio's int4 weight, the parts' rows stacked as the fused layer orders them."""
+    codes) or Q4_K super-blocks as Folio's int4 weight, the parts' rows stacked as the fused
+    layer orders them."""
     codes, scales, minimums = [], [], []
     for part in parts:
+        if part.type == Q.Q4_K:
+            nibbles, scale_k, minimum_k = _q4_k_as_int4(part)
+            codes.append(nibbles)
+            scales.append(scale_k)
+            minimums.append(minimum_k)
+            continue
         header = 4 if part.type == Q.Q4_1 else 2
         blocks = part.rows.reshape(part.rows.shape[0], -1, header + INT4_GROUP_SIZE // 2)
         scale = blocks[..., 0:2].copy().view(np.float16)[..., 0]
@@ -221,12 +245,14 @@ def _load_int4(module: Linear, parts: list[_Part]) -> None:
             f"GGUF tensors {names} hold {packed.shape[0]} rows of {packed.shape[1] * 2} weights, "
             f"the model expects {tuple(weight.shape)}"
         )
+    exact_in_half = all(part.type != Q.Q4_K for part in parts)
     module.packed = int4_weight(
         packed,
         torch.cat(scales),
         torch.cat(minimums),
         weight.dtype,
         folio_quant_kernels(weight.dtype, weight.device),
+        group_dtype=torch.float16 if exact_in_half else torch.float32,
     )
     # The int4 copy is the only one the forward reads.
     weight.data = weight.data.new_empty(0)

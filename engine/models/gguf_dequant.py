@@ -1,13 +1,14 @@
 """GGUF block types Folio reads as floats, dequantized in torch: Q5_0 and Q5_1 (blocks of 32)
-and the K-quants Q4_K, Q5_K and Q6_K (super-blocks of 256), as ggml defines them.
+and the K-quants Q4_K, Q5_K and Q6_K (super-blocks of 256), as ggml defines them; and Q4_K's
+groups of 32 as codes, scales and minimums, for Folio's int4 layout.
 
-None of these fits Folio's integer layouts without rounding: Q5's and Q6_K's codes take 5 and 6
-bits, and Folio's int4 groups of 32 (engine.layers.quantization) keep a float16 scale and
-minimum, where Q4_K's are d * sc and dmin * m (a float16 times a 6-bit integer: up to 17
-significant bits); Folio's int8 scale is per output row, theirs per 16 or 32 weights. So they are
-dequantized once, at load, exactly: every product here has at most 24 significant bits (float32
-holds it), and a minimum is subtracted in one rounding, as ggml does. This module only converts
-arrays of blocks: it never reads files.
+Q5's and Q6_K's codes take 5 and 6 bits, more than Folio's int4, and Folio's int8 scale is per
+output row, theirs per 16 or 32 weights: these are dequantized once, at load, exactly: every
+product here has at most 24 significant bits (float32 holds it), and a minimum is subtracted in
+one rounding, as ggml does. Q4_K's groups of 32 are Folio's int4 groups with a scale d * sc and a
+minimum -dmin * m (a float16 times a 6-bit integer: up to 17 significant bits, exact in float32,
+which Folio's int4 kernels then keep: engine.layers.quantization); dequantizing them here is the
+same arithmetic. This module only converts arrays of blocks: it never reads files.
 """
 
 from __future__ import annotations
@@ -72,7 +73,28 @@ def _scales_and_minimums(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return scales.float(), minimums.float()
 
 
-def _k_quant(blocks: torch.Tensor, fifth_bits: bool) -> torch.Tensor:
+def q4_k_groups(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K rows ([rows, blocks * 144] uint8) as groups of 32 weights, weight = code * scale +
+    minimum: codes [rows, weights] uint8 (0-15, in the weights' order), scales and minimums
+    [rows, weights / 32] float32, each exact (d * sc and -dmin * m)."""
+    size = BLOCK_BYTES["Q4_K"]
+    if rows.dtype != torch.uint8 or rows.shape[-1] % size:
+        raise ValueError(
+            f"Q4_K rows must be uint8 of whole {size}-byte blocks, got {rows.dtype} rows of "
+            f"{rows.shape[-1]} bytes"
+        )
+    q, scale, minimum = _k_quant_groups(rows.reshape(-1, size), fifth_bits=False)
+    return (
+        q.reshape(rows.shape[0], -1),
+        scale.reshape(rows.shape[0], -1),
+        minimum.reshape(rows.shape[0], -1),
+    )
+
+
+def _k_quant_groups(
+    blocks: torch.Tensor, fifth_bits: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K blocks -> codes [blocks, 8, 32] uint8, scales and minimums [blocks, 8] float32."""
     # d, dmin, 12 bytes of scales and minimums, (Q5_K: 32 bytes of fifth bits: bit s of byte l
     # is weight l of sub-block s's), then 4 chunks of 32 bytes: chunk c's low nibbles are
     # sub-block 2c, its high nibbles sub-block 2c + 1.
@@ -82,7 +104,13 @@ def _k_quant(blocks: torch.Tensor, fifth_bits: bool) -> torch.Tensor:
     q = _nibbles(codes.reshape(-1, 4, 32)).reshape(-1, 8, 32)
     if fifth_bits:
         q = q | (_bits(blocks[:, 16:48], 8) << 4)
-    weights = (d * scales)[..., None] * q.float() - (dmin * minimums)[..., None]
+    return q, d * scales, -(dmin * minimums)
+
+
+def _k_quant(blocks: torch.Tensor, fifth_bits: bool) -> torch.Tensor:
+    q, scale, minimum = _k_quant_groups(blocks, fifth_bits)
+    # code * scale is exact (at most 22 significant bits); the minimum added in one rounding.
+    weights = scale[..., None] * q.float() + minimum[..., None]
     return weights.reshape(-1, QK_K)
 
 

@@ -31,12 +31,12 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def file_quantization(path: str | Path) -> str | None:
-    """The quantization a model's files carry as they are: "int4" for a GGUF holding Q4_0 or
-    Q4_1 tensors (served on Folio's int4 kernels, which take float32 activations), else None."""
+    """The quantization a model's files carry as they are: "int4" for a GGUF holding Q4_0, Q4_1
+    or Q4_K tensors (served on Folio's int4 kernels, which take float32 activations), else None."""
     if not is_gguf(path):
         return None
     types = {tensor.tensor_type.name for tensor in read_gguf(path).tensors}
-    return "int4" if types & {"Q4_0", "Q4_1"} else None
+    return "int4" if types & {"Q4_0", "Q4_1", "Q4_K"} else None
 
 
 def gguf_layout(path: str | Path) -> list[tuple[str, str, tuple[int, ...]]]:

@@ -1,6 +1,7 @@
 // Weight-only quantized matrix products for float32 activations on x86 CPUs with AVX2 and FMA:
 // out[m, n] = sum_k x[m, k] * w[n, k], with w stored as int8 per output channel or as 4-bit
-// codes in groups of 32 (GGUF Q4_1's scheme: w = code * scale + min, scale and min float16).
+// codes in groups of 32 (GGUF Q4_1's scheme: w = code * scale + min, scale and min float16, or
+// float32 where float16 would round them: Q4_K's d * sc needs up to 17 significant bits).
 //
 // Integer dot products for decode batches and prefills alike (up to a few hundred rows; the caller
 // dequantizes beyond): each call first quantizes the activations in blocks of 32 features (x ~ q*d,
@@ -278,15 +279,24 @@ inline void one_weight_row(const Row& row, const typename Row::Code* q, int64_t 
   }
 }
 
-// out[0 .. 8) = h[0 .. 8) as float32, where `readable` of them can be read; past `count` the
-// values are zeros or whatever follows (finite scales, multiplied by zero-padded ones).
-inline void halves_to_floats(const at::Half* h, int64_t count, int64_t readable, float* out) {
+// out[0 .. 8) = h[0 .. 8) (float16 or float32 group scales) as float32, where `readable` of them
+// can be read; past `count` the values are zeros or whatever follows (finite scales, multiplied
+// by zero-padded ones).
+inline void eight_floats(const at::Half* h, int64_t count, int64_t readable, float* out) {
   if (readable >= 8) {
     _mm256_storeu_ps(out, _mm256_cvtph_ps(load_128(h)));
     return;
   }
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(h);
   for (int64_t i = 0; i < 8; ++i) out[i] = i < count ? _cvtsh_ss(bits[i]) : 0.0f;
+}
+
+inline void eight_floats(const float* f, int64_t count, int64_t readable, float* out) {
+  if (readable >= 8) {
+    _mm256_storeu_ps(out, _mm256_loadu_ps(f));
+    return;
+  }
+  for (int64_t i = 0; i < 8; ++i) out[i] = i < count ? f[i] : 0.0f;
 }
 
 void check_inputs(const at::Tensor& x, const at::Tensor& w, int64_t k) {
@@ -360,20 +370,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 
 // x [M, K] float32; codes [N, K/2] uint8 (in each group of 32 input features, 16 bytes: byte i
 // holds feature i in its low half, feature i + 16 in its high half); scale and min [N, K/32]
-// float16 -> [M, N] float32.
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                       const at::Tensor& min) {
+// float16, or both float32 -> [M, N] float32.
+template <typename S>
+at::Tensor int4_linear_with(const at::Tensor& x, const at::Tensor& codes, const S* scales,
+                            const S* mins) {
   const int64_t k = codes.size(1) * 2, n = codes.size(0), m = x.size(0);
-  check_inputs(x, codes, k);
-  TORCH_CHECK(k % kBlock == 0, "int4 needs input features divisible by ", kBlock);
-  TORCH_CHECK(codes.scalar_type() == at::kByte && scale.scalar_type() == at::kHalf &&
-                  min.scalar_type() == at::kHalf && scale.is_contiguous() &&
-                  min.is_contiguous() && scale.numel() == n * (k / kBlock) &&
-                  min.numel() == scale.numel(),
-              "int4_linear takes uint8 codes and float16 scales and minimums per group");
   const uint8_t* cs = codes.data_ptr<uint8_t>();
-  const at::Half* scales = scale.data_ptr<at::Half>();
-  const at::Half* mins = min.data_ptr<at::Half>();
   const int64_t groups = k / kBlock;
   const QuantizedActivations<int8_t> xq(x.data_ptr<float>(), m, k);
   const int64_t stride = xq.padded_blocks;
@@ -388,8 +390,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
     for (int64_t g = 0; g < groups; g += 8) {
       // Past this row's last group lie the next row's, finite, read eight at a time.
       const int64_t at = row * groups + g, readable = n * groups - at;
-      halves_to_floats(scales + at, groups - g, readable, weight_scale + g);
-      halves_to_floats(mins + at, groups - g, readable, weight_min + g);
+      eight_floats(scales + at, groups - g, readable, weight_scale + g);
+      eight_floats(mins + at, groups - g, readable, weight_min + g);
     }
     // The minimums' term: one row alone (decode), or eight activation rows at a time (rows
     // past the chunk's are zeros or the next chunk's, read and dropped), summed across in one
@@ -420,6 +422,22 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
     one_weight_row(Int4Row{cs + row * (k / 2), weight_scale}, xq.q.data() + first * xq.k32,
                    xq.k32, xq.blocks, rows, xq.d4.data() + first * groups * 4, groups * 4, sums);
   });
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                       const at::Tensor& min) {
+  const int64_t k = codes.size(1) * 2, n = codes.size(0);
+  check_inputs(x, codes, k);
+  TORCH_CHECK(k % kBlock == 0, "int4 needs input features divisible by ", kBlock);
+  const at::ScalarType type = scale.scalar_type();
+  TORCH_CHECK(codes.scalar_type() == at::kByte && (type == at::kHalf || type == at::kFloat) &&
+                  min.scalar_type() == type && scale.is_contiguous() && min.is_contiguous() &&
+                  scale.numel() == n * (k / kBlock) && min.numel() == scale.numel(),
+              "int4_linear takes uint8 codes and scales and minimums per group, both float16 "
+              "or both float32");
+  if (type == at::kFloat)
+    return int4_linear_with(x, codes, scale.data_ptr<float>(), min.data_ptr<float>());
+  return int4_linear_with(x, codes, scale.data_ptr<at::Half>(), min.data_ptr<at::Half>());
 }
 
 // Schemas here, kernels for the CPU key only, so torch.compile can trace the ops through the

@@ -1,6 +1,6 @@
 """Weight-only quantization: its error on Gaussian weights, agreement of every kernel path
 (Folio's AVX2 kernels, torch's weight-only kernels, dequantize-then-matmul), the exact Q4_1
-grid, and a quantized tiny model through the loader."""
+grid, int4 groups with float32 scales (Q4_K's), and a quantized tiny model through the loader."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import engine.layers.quantization as quantization
 from common.config import EngineConfig
 from engine.kernels.cpu.capabilities import cpu_capabilities
 from engine.layers.linear import Linear, pack_weight
-from engine.layers.quantization import QuantizedWeight, quantize
+from engine.layers.quantization import QuantizedWeight, int4_weight, quantize
 from engine.models.loader import load_model
 from tiny_models import VARIANTS, make_checkpoint
 
@@ -99,6 +99,43 @@ def test_every_kernel_path_computes_the_same_product(method, in_features):
     # Leading dimensions are kept: [2, 3, in] -> [2, 3, out].
     x = gaussian((2, 3, in_features), 9)
     assert folio.matmul(x).shape == (2, 3, 48)
+
+
+@needs_folio_kernels
+def test_int4_groups_with_float32_scales():
+    """Group scales and minimums that float16 cannot hold (Q4_K's d * sc, a float16 times a
+    6-bit integer) kept in float32: the same values as float16 or float32 give the same product
+    bit for bit; 17-bit scales dequantize to code * scale + minimum exactly, and the kernel's
+    product is the dense one with the activations quantized as it quantizes them."""
+    half = quantize(gaussian((48, 160), 2), "int4", folio_kernels=True)
+    assert half.scale.dtype == torch.float16
+    assert half.minimum is not None
+
+    def wide(scale: torch.Tensor, minimum: torch.Tensor) -> QuantizedWeight:
+        weight = int4_weight(half.codes, scale, minimum, torch.float32, True, torch.float32)
+        assert weight.scale.dtype == weight.minimum.dtype == torch.float32
+        return weight
+
+    same = wide(half.scale.float(), half.minimum.float())
+    g = torch.Generator().manual_seed(4)
+    d = (torch.rand(48, 5, generator=g) * 1e-3 + 1e-4).half().float()
+    scale = d * torch.randint(33, 64, (48, 5), generator=g)
+    minimum = -(d * torch.randint(0, 64, (48, 5), generator=g))
+    assert (scale.half().float() != scale).any()  # float16 would round these
+    exact = wide(scale, minimum)
+    nibbles = half.codes.view(48, 5, 16)
+    codes = torch.cat((nibbles & 0xF, nibbles >> 4), dim=-1).float()
+    dense = (codes * scale[..., None] + minimum[..., None]).view(48, 160)
+    assert torch.equal(exact.dequantized(torch.float32), dense)
+    for rows in (1, 5, 37):
+        x = gaussian((rows, 160), rows)
+        assert torch.equal(same.matmul(x), half.matmul(x))
+        expected = as_the_kernels_read(x, "int4") @ dense.t()
+        torch.testing.assert_close(exact.matmul(x), expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="both float16 or both float32"):
+        torch.ops.folio_quant.int4_linear(x, half.codes, half.scale, minimum)
+    with pytest.raises(ValueError, match="int4 group scales are float16 or float32"):
+        int4_weight(half.codes, scale, minimum, torch.float32, True, torch.bfloat16)
 
 
 def test_int4_reproduces_a_q4_1_grid_exactly():
