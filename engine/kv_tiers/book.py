@@ -12,6 +12,9 @@ executor's tier store (engine.kv_tiers.store) takes the step's saves and loads b
 forward (`take_transfers`: saves first, since a block evicted this step may be the one a load
 writes into); after the step the engine's `flush` hands it the blocks to persist.
 
+With tensor parallelism the book is rank 0's alone; a block it finds in rank 0's disk files
+counts only if every rank holds it (`on_every_rank`, the store's question to the ranks).
+
 Torch-free, like the core that calls it: slots and hashes only, never a tensor.
 """
 

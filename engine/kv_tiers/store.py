@@ -21,6 +21,11 @@ The save thread is a speed-up, never a risk: if a save fails there, the failure 
 the saves it had not done are redone on the engine's thread in their order, and every later save
 runs there. Built only where tiers are asked for (`create`), with the start-up checks that name
 the flag. It never decides which block goes where (the book does).
+
+With tensor parallelism every rank has a store of its own shard (its KV heads: its host tier,
+save thread and disk files); rank 0's has the book and sends every move it makes to the other
+ranks' first (engine.kv_tiers.ranks), and asks them all whether a block found in its own disk
+files is in theirs too: only a block every rank verified is loaded, by every rank.
 """
 
 from __future__ import annotations
