@@ -78,11 +78,13 @@ class DiskTier:
         block_bytes: int,
         identity: dict,
         rank: int | None = None,
+        ranks: int = 1,
     ) -> None:
         """Start-up: ValueError in one line naming the flag when the directory cannot be used or
         the bound is below one block; a directory of other fingerprints only is logged (cold
-        start, files untouched). `rank`: this tensor-parallel rank's shard files (None: one
-        rank, no subdirectory)."""
+        start, files untouched). `rank` of `ranks`: this tensor-parallel rank's shard files
+        (None: one rank, no subdirectory), holding 1/ranks of `max_bytes` and of every block's
+        `block_bytes` (both counted over all ranks)."""
         self.root = Path(directory)
         self.rank = rank
         if max_bytes < block_bytes:
@@ -90,6 +92,8 @@ class DiskTier:
                 f"--kv-cache-dir-gib {max_bytes / 1024**3:.6g} is below one KV block "
                 f"({block_bytes} bytes); raise it"
             )
+        max_bytes //= ranks
+        block_bytes //= ranks
         self.fingerprint = fingerprint(identity)
         home = self.root / self.fingerprint
         self.dir = home if rank is None else home / f"rank{rank}"

@@ -284,10 +284,11 @@ class KVTierStore:
             }
             disk = DiskTier(
                 config.kv_cache_dir,
-                int(config.kv_cache_dir_gib * GIB) // tp_size,
-                bytes_per_block(shape, dtype, "native"),
+                int(config.kv_cache_dir_gib * GIB),
+                bytes_per_block(shape, dtype, "native") * tp_size,
                 identity,
                 rank if tp_size > 1 else None,
+                tp_size,
             )
         if rank:
             return cls(kv_slots, host, disk, None)

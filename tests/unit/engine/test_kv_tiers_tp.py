@@ -1,9 +1,10 @@
 """KV cache tiers under tensor parallelism: TP=2 (a worker rank as a real subprocess over gloo)
 on test_kv_tiers' tiny random-weight float32 Llama, whose 2 KV heads give each rank one. Blocks
-evicted from the pool come back from every rank's host tier exact; a new TP=2 engine on the same
-directory finds every rank's shard files; a block whose file one rank lacks is computed on every
-rank (and written again); a one-rank engine on that directory reads none of the TP=2 files; the
-tier messages rank 0 sends survive their int64 encoding."""
+evicted from the pool come back from every rank's host tier exact (native) or within the int8
+format's bound; a new TP=2 engine on the same directory finds every rank's shard files; a block
+whose file one rank lacks is computed on every rank (and written again); a one-rank engine on
+that directory reads none of the TP=2 files; the tier messages rank 0 sends survive their int64
+encoding."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ import logging
 import numpy as np
 import pytest
 from test_engine import BLOCK
-from test_kv_tiers import FOLLOW_UP, SHARED, generate, make_engine, push_out
+from test_kv_tiers import (
+    FOLLOW_UP,
+    INT8_LOGPROB_BOUND,
+    SHARED,
+    generate,
+    make_engine,
+    push_out,
+)
 
 from common.block_hash import prefix_block_hashes
 from engine.engine import LLMEngine
@@ -105,6 +113,21 @@ def test_a_one_rank_engine_reads_none_of_the_tp2_files(llama, kv_dir, expected, 
     assert cached == 0 and tokens == expected[0]
     engine.close()
     assert [shard_files(kv_dir, rank) for rank in (0, 1)] == before
+
+
+def test_each_rank_quantizes_its_own_shard_in_the_int8_host_tier(llama, expected):
+    engine = tp2(llama, kv_offload_gib=0.01, kv_offload_format="int8")
+    try:
+        generate(engine, "first", SHARED)
+        push_out(engine)
+        tokens, logprobs, cached = generate(engine, "again", FOLLOW_UP)
+        assert cached == 24 and engine.kv_cache.tiers.hits["host"] == 6
+    finally:
+        engine.close()
+    assert tokens == expected[0]
+    worst = max(abs(a - b) for a, b in zip(logprobs, expected[1], strict=True))
+    print(f"int8 host tier, TP=2: greedy logprobs within {worst:.4f} of the exact run's")
+    assert worst < INT8_LOGPROB_BOUND, worst
 
 
 def test_tier_messages_survive_their_encoding():
