@@ -49,9 +49,11 @@ from engine.layers.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
-# Header of every broadcast: [command, payload length]. LORA: a LoRA adapter goes into a slot
-# (the payload: the slot, then the adapter directory's path in UTF-8, a byte per entry). TIERS:
-# a KV tier message (engine.kv_tiers.ranks: a disk probe, or the blocks each rank moves).
+# Header of every broadcast: [command, payload length]. LORA: a LoRA adapter message
+# (engine.lora.host: read an adapter, put it into a slot, or forget it; the payload: the
+# operation, the adapter's id, the slot, then the adapter directory's path in UTF-8, a byte per
+# entry). TIERS: a KV tier message (engine.kv_tiers.ranks: a disk probe, or the blocks each rank
+# moves).
 STEP, STOP, LORA, TIERS = 1, 2, 3, 4
 _HEADER = 2
 # Collectives wait this long: an idle group sits in a broadcast for as long as it is idle, and
@@ -147,12 +149,13 @@ class Channel:
         return tensor.cpu().numpy()
 
 
-def encode_lora(slot: int, path: str) -> np.ndarray:
-    return np.array([slot, *path.encode()], dtype=np.int64)
+def encode_lora(operation: int, adapter_id: int, slot: int, path: str) -> np.ndarray:
+    return np.array([operation, adapter_id, slot, *path.encode()], dtype=np.int64)
 
 
-def decode_lora(payload: np.ndarray) -> tuple[int, str]:
-    return int(payload[0]), bytes(payload[1:].astype(np.uint8)).decode()
+def decode_lora(payload: np.ndarray) -> tuple[int, int, int, str]:
+    operation, adapter_id, slot = (int(v) for v in payload[:3])
+    return operation, adapter_id, slot, bytes(payload[3:].astype(np.uint8)).decode()
 
 
 # -- rank 0 -------------------------------------------------------------------------------------
@@ -240,10 +243,10 @@ class EngineGroup:
     def broadcast_plan(self, plan: StepPlan) -> None:
         self.channel.send(STEP, step_plan.encode(plan))
 
-    def broadcast_lora(self, slot: int, path: str) -> None:
-        """Every rank loads the adapter at `path` (already checked by rank 0) into `slot`, its
-        share of it, before the next step."""
-        self.channel.send(LORA, encode_lora(slot, path))
+    def broadcast_lora(self, operation: int, adapter_id: int, slot: int, path: str) -> None:
+        """A LoRA adapter message (engine.lora.host) for every other rank, before the next
+        step."""
+        self.channel.send(LORA, encode_lora(operation, adapter_id, slot, path))
 
     def broadcast_tiers(self, message: np.ndarray) -> None:
         """A KV tier message (engine.kv_tiers.ranks) for every rank's tier store."""

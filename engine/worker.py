@@ -46,7 +46,7 @@ def serve_engine(rank: int, world_size: int, master_addr: str, master_port: int)
     """Join the engine at master_addr:master_port once and run its steps until it says stop.
     Raises when the engine cannot be reached or the group breaks."""
     from engine.kv_tiers.store import KVTierStore
-    from engine.lora.adapter import load_adapter
+    from engine.lora.host import WorkerLoras
     from engine.model_runner import ModelRunner
     from engine.models.gguf_metadata import file_quantization
 
@@ -86,23 +86,27 @@ def serve_engine(rank: int, world_size: int, master_addr: str, master_port: int)
             config.quantization or file_quantization(model_path),
             rank,
         )
+        loras = (
+            WorkerLoras(runner.lora, config.max_lora_rank, runner.dtype)
+            if runner.lora is not None
+            else None
+        )
         logger.info("rank %d of %d: serving %s", rank, world_size, info["model"])
         while True:
             command, payload = channel.receive()
             if command == STOP:
                 if tiers is not None:
                     tiers.close()
+                if loras is not None:
+                    loras.close()
                 return
             if command == TIERS and payload is not None:
                 if tiers is None:
                     raise ValueError("rank 0 sent a KV tier message; this rank has no tiers")
                 tiers.receive(payload.cpu().numpy(), channel.all_min)
                 continue
-            if command == LORA and payload is not None and runner.lora is not None:
-                slot, path = decode_lora(payload.cpu().numpy())
-                runner.lora.load(
-                    slot, load_adapter(path, runner.lora.shapes, config.max_lora_rank, runner.dtype)
-                )
+            if command == LORA and payload is not None and loras is not None:
+                loras.receive(*decode_lora(payload.cpu().numpy()))
                 continue
             if command != STEP or payload is None:
                 raise ValueError(f"unknown command {command} from rank 0")

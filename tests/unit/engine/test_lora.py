@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import shutil
 import threading
 
 import pytest
@@ -161,21 +162,33 @@ def test_compiled_decode_with_adapters_matches_transformers_with_peft(models):
     assert got == want
 
 
-def test_tensor_parallel_serves_adapters_as_one_rank(models):
+def test_tensor_parallel_serves_adapters_as_one_rank(models, tmp_path):
     """Two ranks, each holding its share of the slots (B's rows of column-parallel layers, A's
     columns of row-parallel ones): base and three adapters through two slots, so the second
     rank loads adapters into slots between steps, give transformers + peft's greedy tokens
-    (those of one rank, test_mixed_batch_matches_transformers_with_peft)."""
+    (those of one rank, test_mixed_batch_matches_transformers_with_peft). Every rank reads an
+    adapter's files once, when it is loaded, not when it takes a slot inside a step: with the
+    files gone, the adapters still swap through the slots and give the same tokens."""
     root, base_dir, reference, oracles = models
-    engine = engine_for(root, base_dir, 2, tensor_parallel_size=2)
+    for name in oracles:
+        shutil.copytree(root / name, tmp_path / name)
+    engine = engine_for(tmp_path, base_dir, 2, tensor_parallel_size=2)
+    requests = {f"r{i}": (PROMPTS[i], LORAS[i]) for i in range(4)}
     try:
-        got = run(engine, {f"r{i}": (PROMPTS[i], LORAS[i]) for i in range(4)})
-        assert engine.lora is not None and engine.lora.num_swaps >= 1
+        got = run(engine, requests)
+        assert engine.lora is not None
+        swaps = engine.lora.num_swaps
+        assert swaps >= 1
+        for name in oracles:
+            shutil.rmtree(tmp_path / name)
+        again = run(engine, {f"again-{r}": request for r, request in requests.items()})
+        assert engine.lora.num_swaps > swaps
     finally:
         engine.close()
     oracle = {None: reference} | oracles
     want = {f"r{i}": hf_greedy(oracle[LORAS[i]], PROMPTS[i], GREEDY.max_tokens) for i in range(4)}
     assert got == want
+    assert again == {f"again-{r}": tokens for r, tokens in want.items()}
 
 
 @pytest.fixture(scope="module")
