@@ -19,6 +19,7 @@ import json
 import time
 from dataclasses import dataclass
 
+from common.config import QUANTIZATIONS
 from common.flags import flag
 
 
@@ -26,7 +27,17 @@ from common.flags import flag
 class SpecWorkload:
     """Workload."""
 
-    methods: str = flag("ngram", "comma-separated speculative methods to measure")
+    methods: str = flag(
+        "ngram", "comma-separated speculative methods to measure (ngram, suffix, draft_model)"
+    )
+    draft_model: str | None = flag(
+        None, "the draft model's directory (or GGUF file), for --methods draft_model"
+    )
+    draft_quantization: str | None = flag(
+        None,
+        "the draft model's weight-only quantization, for draft_model (CPU only)",
+        choices=QUANTIZATIONS,
+    )
     streams: str = flag("1,16", "comma-separated requests in flight at once")
     max_tokens: int = flag(128, "output tokens per request")
     spec_tokens: int = flag(4, "num_speculative_tokens of each method")
@@ -128,9 +139,7 @@ def run_spec_benchmark(args: argparse.Namespace) -> None:
     for method in methods:
         config = engine_config_from_args(args)
         if method is not None:
-            config.speculative_config = json.dumps(
-                {"method": method, "num_speculative_tokens": args.spec_tokens}
-            )
+            config.speculative_config = json.dumps(_spec_config(method, args))
         engines[method] = LLMEngine(config)
     tokenizer = Tokenizer.from_dir(engines[None].model_path)
     workloads = {
@@ -155,13 +164,16 @@ def run_spec_benchmark(args: argparse.Namespace) -> None:
     compiled = {method: _compiled_steps(engine) for method, engine in engines.items()}
     for engine in engines.values():
         engine.close()
+    draft = ""
+    if "draft_model" in methods:
+        draft = f", draft model {args.draft_model} ({args.draft_quantization or 'unquantized'})"
     print(
         f"speculative decoding, {base.device}, model {base.model or 'default'}, greedy, "
         f"{args.max_tokens} tokens per request, num_speculative_tokens {args.spec_tokens}, "
-        f"fastest of {args.repeats} turns"
+        f"fastest of {args.repeats} turns{draft}"
     )
     print(
-        f"{'workload':12s} {'streams':>7s} {'method':>8s} {'tok/s':>8s} {'TPOT ms':>8s} "
+        f"{'workload':12s} {'streams':>7s} {'method':>11s} {'tok/s':>8s} {'TPOT ms':>8s} "
         f"{'accept':>7s} {'x none':>7s} same"
     )
     for (name, count, method), m in results.items():
@@ -169,12 +181,25 @@ def run_spec_benchmark(args: argparse.Namespace) -> None:
         accept = f"{m.accepted / m.drafted:.2f}" if m.drafted else "-"
         same = "yes" if m.outputs == none.outputs else "NO"
         print(
-            f"{name:12s} {count:7d} {method or 'none':>8s} {m.tokens_per_second:8.1f} "
+            f"{name:12s} {count:7d} {method or 'none':>11s} {m.tokens_per_second:8.1f} "
             f"{m.tpot_seconds * 1e3:8.1f} {accept:>7s} "
             f"{m.tokens_per_second / none.tokens_per_second:7.2f} {same}"
         )
     for method, line in compiled.items():
         print(f"{method or 'none'}: {line}")
+
+
+def _spec_config(method: str, args: argparse.Namespace) -> dict[str, object]:
+    """The --speculative-config of one measured method."""
+    spec: dict[str, object] = {"method": method, "num_speculative_tokens": args.spec_tokens}
+    if method != "draft_model":
+        return spec
+    if args.draft_model is None:
+        raise SystemExit("folio bench spec: --methods draft_model needs --draft-model DIR")
+    spec["model"] = args.draft_model
+    if args.draft_quantization is not None:
+        spec["quantization"] = args.draft_quantization
+    return spec
 
 
 def _compiled_steps(engine) -> str:
