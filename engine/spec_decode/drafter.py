@@ -17,7 +17,7 @@ After the step, `settle` records how many of a request's drafts were accepted. R
 tokens depend on their own output in ways a draft would change (penalties, min_tokens not yet
 reached, a structured-output grammar) never draft: one log line says so, once per reason.
 
-Torch-free: it never sees the model or the logits (verification is engine.spec_decode.rejection's)
+Torch-free: it never sees the model or the logits (verification is engine.spec_decode.verify's)
 and never changes what a request has computed (the engine loop does).
 """
 
