@@ -240,6 +240,7 @@ class KVCacheManager:
         size, groups = self.block_size, range(self.num_groups)
         # Per logical block of the prompt (its last token left out), each group's cached block.
         rows: list[list[int | None]] = []
+        hashes: list[bytes] = []
         parent = request.hash_root
         for i in range((len(tokens) - 1) // size):
             parent = hash_block(parent, tokens[i * size : (i + 1) * size])
@@ -249,6 +250,10 @@ class KVCacheManager:
                     break
                 row = [TIER_BLOCK]  # one group: loaded into a fresh block when allocated
             rows.append(row)
+            hashes.append(parent)
+        if self.tiers is not None:
+            # With tensor parallelism disk blocks count as far as every rank holds them.
+            del rows[self.tiers.held_on_every_rank(hashes) :]
         # The longest prefix whose last blocks every sliding group holds as far as it looks back.
         hit = len(rows)
         while hit > 0 and not all(

@@ -13,7 +13,8 @@ forward (`take_transfers`: saves first, since a block evicted this step may be t
 writes into); after the step the engine's `flush` hands it the blocks to persist.
 
 With tensor parallelism the book is rank 0's alone; a block it finds in rank 0's disk files
-counts only if every rank holds it (`on_every_rank`, the store's question to the ranks).
+counts only if every rank holds it (`held_on_every_rank`, called by the KV cache manager at the
+end of a lookup: one question to the ranks for all the blocks it found there).
 
 Torch-free, like the core that calls it: slots and hashes only, never a tensor.
 """
@@ -83,9 +84,11 @@ class TierBook:
         # Whether a hash is pinned (`track_pins`): the host tier drops a pinned block only when
         # it holds nothing else.
         self.pinned: Callable[[bytes], bool] = lambda block_hash: False
-        # Whether every tensor-parallel rank holds a valid file of a block this rank's disk
-        # files hold (engine.kv_tiers.store asks them all); one rank: itself.
-        self.on_every_rank: Callable[[bytes], bool] = lambda block_hash: True
+        # With tensor parallelism: whether every rank holds a valid file of each of these
+        # blocks, found in rank 0's disk files (engine.kv_tiers.store asks them all at once);
+        # the blocks a lookup found there wait in _unsure for held_on_every_rank.
+        self.ranks_hold: Callable[[list[bytes]], list[bool]] | None = None
+        self._unsure: list[bytes] = []
 
     def track_pins(self, pinned: Callable[[bytes], bool]) -> None:
         """Which hashes are pinned (the KV cache manager's pins): the host tier drops them
@@ -106,13 +109,29 @@ class TierBook:
         payload = self.disk.read(block_hash)
         if payload is None:
             return False
-        if not self.on_every_rank(block_hash):
-            # Some rank lacks its shard: computed here, and written again when registered.
-            self.disk.forget(block_hash)
-            return False
         self._staged[block_hash] = payload
         self._staged_bytes += len(payload)
+        if self.ranks_hold is not None:
+            self._unsure.append(block_hash)
         return True
+
+    def held_on_every_rank(self, hashes: list[bytes]) -> int:
+        """After a lookup found `hashes` (a prompt's leading blocks, in order) in the tiers:
+        how many of them count. With tensor parallelism a block found in rank 0's disk files
+        by this lookup counts only if every rank holds a valid file of it (all of them asked
+        at once); the prefix ends at the first that some rank lacks, and that block is
+        forgotten, so that once computed it is written again by every rank. One rank: all."""
+        unsure, self._unsure = self._unsure, []
+        if not unsure:
+            return len(hashes)
+        assert self.ranks_hold is not None and self.disk is not None
+        lacking = set()
+        for block_hash, everywhere in zip(unsure, self.ranks_hold(unsure), strict=True):
+            if not everywhere:
+                self._staged_bytes -= len(self._staged.pop(block_hash))
+                self.disk.forget(block_hash)
+                lacking.add(block_hash)
+        return next((i for i, h in enumerate(hashes) if h in lacking), len(hashes))
 
     def claim(self, block_hash: bytes) -> Source:
         """Take a block `holds` just said is here, before fresh pool blocks are taken for it."""

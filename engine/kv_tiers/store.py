@@ -303,12 +303,13 @@ class KVTierStore:
         move the book makes is sent to them before rank 0 makes it, and a block found in rank
         0's disk files counts as on disk only when every rank verified its own file of it."""
         self._share, self._agree = share, agree
-        self.book.on_every_rank = self._on_every_rank
+        self.book.ranks_hold = self._ranks_hold
 
-    def _on_every_rank(self, block_hash: bytes) -> bool:
+    def _ranks_hold(self, hashes: list[bytes]) -> list[bool]:
+        """Whether every rank verified its own file of each block (rank 0 has, already)."""
         assert self._share is not None and self._agree is not None
-        self._share(ranks.encode_probe([block_hash]))
-        return bool(self._agree(np.ones(1, dtype=np.int64))[0])
+        self._share(ranks.encode_probe(hashes))
+        return [bool(v) for v in self._agree(np.ones(len(hashes), dtype=np.int64))]
 
     def receive(self, message: np.ndarray, agree: Callable[[np.ndarray], np.ndarray]) -> None:
         """Another rank: rank 0's tier message, on this rank's shard. A probe's verdict is
