@@ -1,8 +1,9 @@
 """Structured output in the engine: each constrained request's grammar as a token mask.
 
 Owns everything llguidance needs at run time: its view of the model's tokenizer (built once, in
-the background, from the model directory's tokenizer.json), a bounded cache of compiled grammars
-(one pristine matcher per constraint, deep-copied for each request), each request's matcher,
+the background, from the model directory's tokenizer.json or a GGUF file's metadata), a bounded
+cache of compiled grammars (one pristine matcher per constraint, deep-copied for each request),
+each request's matcher,
 kept in step with the request's output tokens, and the masks of the batch. Masks are computed on
 a worker thread while the forward runs (llguidance releases the GIL), and only when some row of
 the batch is constrained.
@@ -28,6 +29,7 @@ import llguidance
 import numpy as np
 import torch
 
+from common.gguf_tokenizer import read_gguf_tokenizer
 from common.sampling_params import StructuredOutput
 from engine.core.request import Request
 from engine.errors import InvalidRequestError
@@ -62,7 +64,7 @@ class StructuredOutputManager:
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="folio-masks")
         # ~0.2 s for a 50k vocabulary: built while the model loads, not on the first request.
         self._tokenizer = self._worker.submit(
-            _load_tokenizer, Path(model_path) / "tokenizer.json", vocab_size, list(eos_token_ids)
+            _load_tokenizer, Path(model_path), vocab_size, list(eos_token_ids)
         )
         self._executor = llguidance.LLExecutor(num_threads=MASK_THREADS)
         self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
@@ -193,9 +195,15 @@ class StructuredOutputManager:
 
 
 def _load_tokenizer(
-    path: Path, vocab_size: int, eos_token_ids: list[int]
+    model_path: Path, vocab_size: int, eos_token_ids: list[int]
 ) -> llguidance.LLTokenizer | None:
-    if not path.is_file():
+    """llguidance's tokenizer from the directory's tokenizer.json or a GGUF file's metadata (the
+    same JSON, built by common.gguf_tokenizer); None when the directory has none."""
+    if model_path.suffix == ".gguf":
+        tokenizer_json = read_gguf_tokenizer(model_path).fast.to_str()
+    elif (model_path / "tokenizer.json").is_file():
+        tokenizer_json = (model_path / "tokenizer.json").read_text()
+    else:
         return None
     # n_vocab: the model's logits may be wider than the tokenizer (padded vocabularies).
-    return llguidance.LLTokenizer(path.read_text(), n_vocab=vocab_size, eos_token=eos_token_ids)
+    return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_ids)

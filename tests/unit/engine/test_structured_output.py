@@ -16,12 +16,14 @@ from tokenizers import Tokenizer
 from transformers import LlamaConfig
 
 from common.config import EngineConfig
+from common.default_model import gguf_path
 from common.sampling_params import SamplingParams, StructuredOutput
 from engine.core.request import Request
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from engine.grammar import validate_sampling_params
 from engine.sampler import Sampler
+from engine.structured_output import StructuredOutputManager
 from structured_schemas import Person
 from tiny_models import SMALL, make_checkpoint
 
@@ -205,6 +207,25 @@ def test_a_model_without_tokenizer_json_refuses_structured_output(tmp_path):
     engine = make_engine(tmp_path)
     with pytest.raises(InvalidRequestError, match=r"tokenizer\.json"):
         engine.add_request("r", [1, 2, 3], SamplingParams(structured_output=PERSON))
+
+
+def test_a_gguf_file_gives_the_masks_of_its_directory_twin(default_model_dir, tokenizer):
+    """The default model is served from its GGUF file: llguidance's tokenizer comes from the
+    file's metadata and masks exactly as the prepared directory's tokenizer.json does, before
+    and after the output's first tokens."""
+    opening = tokenizer.encode('{"', add_special_tokens=False).ids
+    masks = []
+    for model_path in (gguf_path(), default_model_dir):
+        manager = StructuredOutputManager(model_path, VOCAB, [EOS])
+        request = constrained("r", PERSON)
+        manager.add(request)
+        first = manager.disallowed([request], [0])
+        assert not first[0, opening[0]]  # the schema's object may open here
+        request.output_token_ids.extend(opening)
+        masks.append((first, manager.disallowed([request], [0])))
+    (file_first, file_next), (dir_first, dir_next) = masks
+    assert 0 < int((~file_next).sum()) < VOCAB
+    assert torch.equal(file_first, dir_first) and torch.equal(file_next, dir_next)
 
 
 def test_json_schema_outputs_validate_through_chunked_prefill_and_preemption(model_dir, tokenizer):
