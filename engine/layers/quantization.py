@@ -1,5 +1,7 @@
 """Weight-only quantization of linear layers on the CPU: int8 per output channel, or int4 in
-groups of 32 input features; the activations stay in the model's dtype.
+groups of 32 input features; the activations stay in the model's dtype. A GGUF's int8 tensors
+keep their own grid: int8 with a scale per group of 32 (Q8_0's blocks, copied bit for bit) or
+16 input features (Q6_K's sub-blocks), "grouped int8", on Folio's kernels only.
 
 int4 uses the scheme of GGUF's Q4_1 (each group of 32 weights: a scale and a minimum, codes
 0-15), so the default model, whose weights come from a Q4_1 GGUF, is served on exactly the 4-bit
@@ -27,6 +29,9 @@ import torch
 from common.config import QUANTIZATIONS
 
 INT4_GROUP_SIZE = 32
+# The group sizes of grouped int8 weights: Q8_0's blocks and Q6_K's sub-blocks.
+INT8_GROUP_SIZES = (32, 16)
+GROUPED_INT8 = "grouped int8"
 
 # Above this many rows a product dequantizes the weight and runs a dense matmul instead: the
 # dequantization's fixed cost against the dense matmul's lower cost per row puts the crossover
@@ -40,13 +45,15 @@ MAX_TORCH_KERNEL_ROWS = 16
 class QuantizedWeight:
     """An [out, in] weight; `matmul(x)` is x @ weight.T."""
 
-    method: str  # "int8" or "int4"
-    # int8: [out, in] int8 codes. int4: [out, in / 2] uint8, two 4-bit codes to a byte: in each
-    # group of 32 input features, byte i holds feature i in its low half and feature i + 16 in
-    # its high half (GGUF Q4_1's order).
+    method: str  # "int8", GROUPED_INT8 or "int4"
+    # int8 (either): [out, in] int8 codes. int4: [out, in / 2] uint8, two 4-bit codes to a
+    # byte: in each group of 32 input features, byte i holds feature i in its low half and
+    # feature i + 16 in its high half (GGUF Q4_1's order).
     codes: torch.Tensor
-    # int8: [out] scales; int4: [out, in / 32] scales, the weight being code * scale + minimum,
-    # stored for Folio's kernels as float16 (Q4_1's) or, both of them, float32 (Q4_K's).
+    # int8: [out] scales; grouped int8: [out, in / 32 or in / 16] scales, the weight being code
+    # * scale, float16 (Q8_0's) or float32 (Q6_K's d * sc); int4: [out, in / 32] scales, the
+    # weight being code * scale + minimum, stored for Folio's kernels as float16 (Q4_1's) or,
+    # both of them, float32 (Q4_K's).
     scale: torch.Tensor
     minimum: torch.Tensor | None
     # Folio's AVX2 ops (float32 activations), or None to use torch's kernels, for which int4
@@ -78,12 +85,16 @@ class QuantizedWeight:
     def _folio_kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.method == "int8":
             return self.kernels.int8_linear(x, self.codes, self.scale)
+        if self.method == GROUPED_INT8:
+            return self.kernels.grouped_int8_linear(x, self.codes, self.scale)
         return self.kernels.int4_linear(x, self.codes, self.scale, self.minimum)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The float weight [out, in] this one stands for."""
         if self.method == "int8":
             return self.codes.to(dtype) * self.scale.to(dtype)[:, None]
+        if self.method == GROUPED_INT8:
+            return _grouped(self.codes, self.scale, dtype).flatten(-2)
         assert self.minimum is not None
         out_features = self.codes.shape[0]
         packed = self.codes.view(out_features, -1, INT4_GROUP_SIZE // 2)
@@ -92,6 +103,51 @@ class QuantizedWeight:
             self.minimum.to(dtype)[..., None], groups, self.scale.to(dtype)[..., None]
         )
         return weight.view(out_features, -1)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the float32 weight (an embedding lookup: [*ids.shape, in]), of a
+        grouped int8 weight: only those rows are dequantized, exactly (code * scale: at most
+        18 significant bits for Q8_0's, 23 for Q6_K's)."""
+        if self.method != GROUPED_INT8:
+            raise ValueError(f"rows are looked up in grouped int8 weights, not {self.method}")
+        return _grouped(self.codes[ids], self.scale[ids], torch.float32).flatten(-2)
+
+
+def _grouped(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Grouped int8 codes [..., in] and scales [..., groups] -> [..., groups, group] weights."""
+    groups = codes.unflatten(-1, (scale.shape[-1], -1)).to(dtype)
+    return groups * scale.to(dtype)[..., None]
+
+
+def grouped_int8_weight(codes: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
+    """An int8 weight with a scale per group of input features, w = code * scale: codes
+    [out, in] int8 and scales [out, in / 32] float16 (a Q8_0 GGUF tensor's, kept as they are)
+    or [out, in / 16] float32 (a Q6_K tensor's d * sc, exact in float32), for float32
+    activations on Folio's kernels, which the caller has checked loaded
+    (engine.layers.linear.folio_quant_kernels); the input features a multiple of 32."""
+    if codes.dtype != torch.int8 or codes.dim() != 2:
+        raise ValueError(
+            f"grouped int8 codes are an int8 matrix, got {codes.dtype} of shape "
+            f"{tuple(codes.shape)}"
+        )
+    if scale.dtype not in (torch.float16, torch.float32):
+        raise ValueError(f"grouped int8 scales are float16 or float32, not {scale.dtype}")
+    out_features, in_features = codes.shape
+    if in_features % INT4_GROUP_SIZE:
+        raise ValueError(
+            f"grouped int8 needs input features divisible by {INT4_GROUP_SIZE}; a weight has "
+            f"{in_features}"
+        )
+    sizes = {in_features // size: size for size in INT8_GROUP_SIZES}
+    if scale.dim() != 2 or scale.shape[0] != out_features or scale.shape[1] not in sizes:
+        raise ValueError(
+            f"grouped int8 scales for a [{out_features}, {in_features}] weight are one per "
+            f"{' or '.join(map(str, INT8_GROUP_SIZES))} features, [{out_features}, "
+            f"{' or '.join(map(str, sizes))}]; got {tuple(scale.shape)}"
+        )
+    return QuantizedWeight(
+        GROUPED_INT8, codes.contiguous(), scale.contiguous(), None, torch.ops.folio_quant
+    )
 
 
 def check_quantizable(method: str, weight: torch.Tensor) -> None:

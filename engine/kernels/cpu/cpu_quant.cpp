@@ -1,13 +1,15 @@
 // Weight-only quantized matrix products for float32 activations on x86 CPUs with AVX2 and FMA:
-// out[m, n] = sum_k x[m, k] * w[n, k], with w stored as int8 per output channel or as 4-bit
-// codes in groups of 32 (GGUF Q4_1's scheme: w = code * scale + min, scale and min float16, or
-// float32 where float16 would round them: Q4_K's d * sc needs up to 17 significant bits).
+// out[m, n] = sum_k x[m, k] * w[n, k], with w stored as int8 per output channel, as int8 with a
+// scale per group of 32 or 16 input features (GGUF Q8_0's blocks, w = d * q with d float16, or
+// Q6_K's sub-blocks, d * sc in float32), or as 4-bit codes in groups of 32 (GGUF Q4_1's scheme:
+// w = code * scale + min, scale and min float16, or float32 where float16 would round them:
+// Q4_K's d * sc needs up to 17 significant bits).
 //
 // Integer dot products for decode batches and prefills alike (up to a few hundred rows; the caller
 // dequantizes beyond): each call first quantizes the activations in blocks of 32 features (x ~ q*d,
 // one float scale d per block), to int8 against int4 weights (llama.cpp's Q4_1 x Q8_1 scheme)
-// and to int16 against int8 weights (int8 x int8 would add about 0.5% of error to the int8 layers'
-// 0.8%; int16 keeps it at float's level and runs as fast). A block's 32 products are summed exactly
+// and to int16 against int8 weights, per row or per group (int8 x int8 would add about 0.5% of
+// error to the int8 layers' 0.8%; int16 keeps it at float's level and runs as fast). A block's 32 products are summed exactly
 // in int32 (_mm256_maddubs_epi16 / _mm256_madd_epi16), converted to float once and scaled, so no
 // weight is ever widened to float. Each weight row is read from memory once per chunk of activation
 // rows that fits in L1 and applied to each of them, four at a time; parallel over output channels
@@ -160,6 +162,48 @@ struct Int8Row {
   static inline __m256 accumulate(__m256 acc, __m256 products, const Weights&,
                                   const float* act_scale, int64_t b) {
     return _mm256_fmadd_ps(products, _mm256_broadcast_ss(act_scale + b), acc);
+  }
+};
+
+// One int8 row with a scale per group of kGroup (32 or 16) input features against int16
+// activations, a block of 32 at a time: as Int8Row, the weights sign-extended to int16 times
+// the block's codes in eight int32 partial sums, each scaled by the activation block's d times
+// its group's scale (`scale`: the row's group scales as float32). With groups of 32 the halves'
+// sums are added; with groups of 16 they stay apart (hadd: lanes 0, 1, 4, 5 sum the first
+// group's products, lanes 2, 3, 6, 7 the second's), each lane scaled by its own group's scale.
+template <int kGroup>
+struct GroupedInt8Row {
+  static_assert(kGroup == kBlock || 2 * kGroup == kBlock, "groups of 32 or 16 features");
+  using Code = int16_t;
+  static constexpr int kStep = 1;
+  const int8_t* w;
+  const float* scale;
+  struct Weights {
+    __m256i low, high;
+    __m256 scale;  // per lane, its group's scale
+  };
+  inline Weights load(int64_t b) const {
+    __m256 s;
+    if constexpr (kGroup == kBlock) {
+      s = _mm256_broadcast_ss(scale + b);
+    } else {  // groups 2b, 2b + 1 as s0 s0 s1 s1 in each lane
+      const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scale + 2 * b)));
+      const __m128 four = _mm_unpacklo_ps(two, two);
+      s = _mm256_set_m128(four, four);
+    }
+    return {_mm256_cvtepi8_epi16(load_128(w + b * kBlock)),
+            _mm256_cvtepi8_epi16(load_128(w + b * kBlock + 16)), s};
+  }
+  static inline __m256i dot(const Weights& wv, const int16_t* q) {
+    const __m256i low = _mm256_madd_epi16(wv.low, load_256(q));
+    const __m256i high = _mm256_madd_epi16(wv.high, load_256(q + 16));
+    if constexpr (kGroup == kBlock) return _mm256_add_epi32(low, high);
+    return _mm256_hadd_epi32(low, high);
+  }
+  static inline __m256 accumulate(__m256 acc, __m256 products, const Weights& wv,
+                                  const float* act_scale, int64_t b) {
+    return _mm256_fmadd_ps(_mm256_mul_ps(products, _mm256_broadcast_ss(act_scale + b)), wv.scale,
+                           acc);
   }
 };
 
@@ -368,6 +412,61 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   });
 }
 
+// x [M, K] float32, w [N, K] int8, scale [N, K/G] float16 or float32 (G = 32 or 16 features
+// to a group, w = scale * code) -> [M, N] float32.
+template <int kGroup, typename S>
+at::Tensor grouped_int8_linear_with(const at::Tensor& x, const at::Tensor& w, const S* scales) {
+  const int64_t k = w.size(1), n = w.size(0), m = x.size(0);
+  const int8_t* ws = w.data_ptr<int8_t>();
+  const int64_t groups = k / kGroup;
+  const QuantizedActivations<int16_t> xq(x.data_ptr<float>(), m, k);
+  const int64_t row_bytes = xq.k32 * static_cast<int64_t>(sizeof(int16_t));
+  constexpr bool kWide = std::is_same_v<S, float>;
+  // scratch: a float16 row's scales in float32 (float32 ones are read where they lie).
+  return for_each_output(m, n, x, row_bytes, kWide ? 0 : round_up(groups, 8),
+                         [&](int64_t row, int64_t first, int64_t rows, float* sums,
+                             float* scratch) {
+    const float* row_scale;
+    if constexpr (kWide) {
+      row_scale = scales + row * groups;
+    } else {
+      for (int64_t g = 0; g < groups; g += 8) {
+        const int64_t at = row * groups + g;
+        eight_floats(scales + at, groups - g, n * groups - at, scratch + g);
+      }
+      row_scale = scratch;
+    }
+    one_weight_row(GroupedInt8Row<kGroup>{ws + row * k, row_scale},
+                   xq.q.data() + first * xq.k32, xq.k32, xq.blocks, rows,
+                   xq.d.data() + first * xq.padded_blocks, xq.padded_blocks, sums);
+  });
+}
+
+at::Tensor grouped_int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  const int64_t k = w.size(1), n = w.size(0);
+  check_inputs(x, w, k);
+  const at::ScalarType type = scale.scalar_type();
+  TORCH_CHECK(w.scalar_type() == at::kChar && (type == at::kHalf || type == at::kFloat) &&
+                  scale.dim() == 2 && scale.size(0) == n && scale.is_contiguous(),
+              "grouped_int8_linear takes int8 weights [N, K] and float16 or float32 scales "
+              "[N, groups]");
+  TORCH_CHECK(k % kBlock == 0, "grouped int8 needs input features divisible by ", kBlock,
+              ", got ", k);
+  const int64_t groups = scale.size(1);
+  TORCH_CHECK(groups == k / kBlock || groups == 2 * (k / kBlock),
+              "grouped int8 takes a scale per 32 or per 16 input features: ", groups,
+              " groups for ", k, " features");
+  const bool halves = groups == 2 * (k / kBlock);
+  if (type == at::kFloat) {
+    const float* s = scale.data_ptr<float>();
+    return halves ? grouped_int8_linear_with<kBlock / 2>(x, w, s)
+                  : grouped_int8_linear_with<kBlock>(x, w, s);
+  }
+  const at::Half* s = scale.data_ptr<at::Half>();
+  return halves ? grouped_int8_linear_with<kBlock / 2>(x, w, s)
+                : grouped_int8_linear_with<kBlock>(x, w, s);
+}
+
 // x [M, K] float32; codes [N, K/2] uint8 (in each group of 32 input features, 16 bytes: byte i
 // holds feature i in its low half, feature i + 16 in its high half); scale and min [N, K/32]
 // float16, or both float32 -> [M, N] float32.
@@ -445,9 +544,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 TORCH_LIBRARY(folio_quant, library) {
   library.def("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   library.def("int4_linear(Tensor x, Tensor codes, Tensor scale, Tensor min) -> Tensor");
+  library.def("grouped_int8_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(folio_quant, CPU, library) {
   library.impl("int8_linear", &int8_linear);
   library.impl("int4_linear", &int4_linear);
+  library.impl("grouped_int8_linear", &grouped_int8_linear);
 }

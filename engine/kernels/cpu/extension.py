@@ -1,12 +1,12 @@
 """Loads Folio's AVX2 CPU kernels as one torch extension, compiled once per machine into the
 Folio cache directory and reused after that: the weight-only quantized matmuls (cpu_quant.cpp,
-ops torch.ops.folio_quant.int8_linear and int4_linear), paged attention (cpu_attention.cpp,
-torch.ops.folio_cpu_attention.paged_attention for any step, paged_decode_attention for
-decode-only ones, and decode_step_attention for compiled decode programs), and dense linears
-that compiled programs can call (cpu_linear.cpp: torch.ops.folio_linear.packed_linear over
-oneDNN-packed weights; bf16_linear, AVX-512 BF16 products over Folio's own tiles, on CPUs
-that have those; widened_bf16_linear, float32 activations times the same tiles widened to float32
-in registers, on any AVX2 CPU).
+ops torch.ops.folio_quant.int8_linear, grouped_int8_linear and int4_linear), paged attention
+(cpu_attention.cpp, torch.ops.folio_cpu_attention.paged_attention for any step,
+paged_decode_attention for decode-only ones, and decode_step_attention for compiled decode
+programs), and dense linears that compiled programs can call (cpu_linear.cpp:
+torch.ops.folio_linear.packed_linear over oneDNN-packed weights; bf16_linear, AVX-512 BF16
+products over Folio's own tiles, on CPUs that have those; widened_bf16_linear, float32
+activations times the same tiles widened to float32 in registers, on any AVX2 CPU).
 
 `load()` registers the ops and returns True, or False where they cannot run (a CPU without AVX2
 and FMA, no C++ compiler, a build error: one warning says which): callers then use torch's own
@@ -140,6 +140,11 @@ def _register_output_shapes() -> None:
     def int8_shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], codes.shape[0])
 
+    def grouped_int8_shape(
+        x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor
+    ) -> torch.Tensor:
+        return x.new_empty(x.shape[0], codes.shape[0])
+
     def int4_shape(
         x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
     ) -> torch.Tensor:
@@ -168,6 +173,7 @@ def _register_output_shapes() -> None:
 
     torch.library.register_fake("folio_quant::int8_linear")(int8_shape)
     torch.library.register_fake("folio_quant::int4_linear")(int4_shape)
+    torch.library.register_fake("folio_quant::grouped_int8_linear")(grouped_int8_shape)
     torch.library.register_fake("folio_cpu_attention::decode_step_attention")(attention_shape)
     torch.library.register_fake("folio_linear::packed_linear")(packed_linear_shape)
     torch.library.register_fake("folio_linear::bf16_linear")(bf16_linear_shape)

@@ -1,6 +1,7 @@
 """Weight-only quantization: its error on Gaussian weights, agreement of every kernel path
 (Folio's AVX2 kernels, torch's weight-only kernels, dequantize-then-matmul), the exact Q4_1
-grid, int4 groups with float32 scales (Q4_K's), and a quantized tiny model through the loader."""
+grid, int4 groups with float32 scales (Q4_K's), grouped int8 (Q8_0's and Q6_K's grids), and a
+quantized tiny model through the loader."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ import engine.layers.quantization as quantization
 from common.config import EngineConfig
 from engine.kernels.cpu.capabilities import cpu_capabilities
 from engine.layers.linear import Linear, pack_weight
-from engine.layers.quantization import QuantizedWeight, int4_weight, quantize
+from engine.layers.quantization import (
+    GROUPED_INT8,
+    QuantizedWeight,
+    grouped_int8_weight,
+    int4_weight,
+    quantize,
+)
 from engine.models.loader import load_model
 from tiny_models import VARIANTS, make_checkpoint
 
@@ -136,6 +143,94 @@ def test_int4_groups_with_float32_scales():
         torch.ops.folio_quant.int4_linear(x, half.codes, half.scale, minimum)
     with pytest.raises(ValueError, match="int4 group scales are float16 or float32"):
         int4_weight(half.codes, scale, minimum, torch.float32, True, torch.bfloat16)
+
+
+def grouped_codes(out_features: int, in_features: int, group: int, seed: int):
+    """Random codes and scales on a Q8_0 grid (groups of 32: int8 codes, -128 too, which Q8_0
+    never writes but the kernel takes, float16 d) or a Q6_K one (groups of 16: codes -32 to 31,
+    float32 scales d * sc, a float16 times an int8, which float16 would round)."""
+    g = torch.Generator().manual_seed(seed)
+    low, high = (-128, 128) if group == 32 else (-32, 32)
+    codes = torch.randint(low, high, (out_features, in_features), generator=g, dtype=torch.int8)
+    groups = (out_features, in_features // group)
+    d = (torch.rand(groups, generator=g) * 1e-2 + 1e-4).half()
+    if group == 32:
+        return codes, d
+    return codes, d.float() * torch.randint(-128, 128, groups, generator=g).float()
+
+
+def int16_rounding_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What the kernels' int16 activations may add to x @ weight.T at most: each feature off by
+    at most half a step, max|x| / 65534 over its block of 32, times |w| summed; plus float32's
+    summation (1e-5 of sum |x| |w|, far above what its rounding reaches here)."""
+    block_max = x.abs().unflatten(-1, (-1, 32)).amax(dim=-1, keepdim=True)
+    steps = block_max.expand(*block_max.shape[:-1], 32).flatten(-2)
+    return (steps.double() @ weight.abs().t()) / 65534 + 1e-5 * (
+        x.abs().double() @ weight.abs().t()
+    )
+
+
+@needs_folio_kernels
+@pytest.mark.parametrize(("group", "in_features"), [(32, 64), (32, 576), (16, 64), (16, 1056)])
+def test_grouped_int8_kernel_computes_the_dense_product(group, in_features):
+    """Folio's grouped int8 kernel (Q8_0's groups of 32 with float16 scales, Q6_K's groups of
+    16 with float32 ones): its weights are code * scale exactly; its product (decode-sized and
+    prefill-sized, odd row counts, a row of zeros, an outlier, rows in several L1-sized chunks)
+    is the dense product of those weights with the activations quantized as it quantizes them
+    (int16 per 32 features), and the float64 one within that rounding's bound; the same scales
+    as float16 or float32 give the same product bit for bit; looked-up rows are the weight's."""
+    codes, scale = grouped_codes(48, in_features, group, seed=group + in_features)
+    weight = grouped_int8_weight(codes, scale)
+    assert weight.method == GROUPED_INT8 and weight.scale.dtype == scale.dtype
+    exact = (codes.double().view(48, -1, group) * scale.double()[..., None]).view(48, -1)
+    dense = weight.dequantized(torch.float32)
+    assert torch.equal(dense.double(), exact)  # code * scale: exact in float32
+    wide = grouped_int8_weight(codes, scale.float())
+    worst = 0.0
+    for rows in (1, 2, 3, 4, 5, 16, 37, 300):
+        x = gaussian((rows, in_features), rows)
+        if rows > 1:
+            x[0] = 0
+            x[-1, 3] = 100.0
+        got = weight.matmul(x)
+        if rows <= quantization.MAX_FOLIO_KERNEL_ROWS:
+            # The same products, summed in another order (float32: 1e-5 of sum |x| |w|).
+            expected = as_the_kernels_read(x, "int8") @ dense.t()
+            assert ((got - expected).abs() <= 1e-5 * (x.abs() @ dense.abs().t())).all(), rows
+        assert torch.equal(wide.matmul(x), got)
+        reference = x.double() @ exact.t()
+        assert ((got - reference).abs() <= int16_rounding_bound(x, exact)).all(), rows
+        worst = max(worst, float((got - reference).norm() / reference.norm()))
+    print(f"grouped int8, groups of {group}, {in_features} features: {worst:.1e}")
+    x = gaussian((2, 3, in_features), 9)  # leading dimensions are kept
+    assert weight.matmul(x).shape == (2, 3, 48)
+    ids = torch.tensor([[0, 47, 5], [5, 5, 1]])
+    assert torch.equal(weight.rows(ids), dense[ids])
+
+
+@needs_folio_kernels
+def test_bad_grouped_int8_weights_are_refused_naming_the_problem():
+    codes, scale = grouped_codes(8, 64, 32, seed=1)
+    with pytest.raises(ValueError, match=r"an int8 matrix, got torch\.uint8"):
+        grouped_int8_weight(codes.view(torch.uint8), scale)
+    with pytest.raises(ValueError, match=r"float16 or float32, not torch\.bfloat16"):
+        grouped_int8_weight(codes, scale.bfloat16())
+    with pytest.raises(ValueError, match="divisible by 32; a weight has 48"):
+        grouped_int8_weight(codes[:, :48], scale[:, :1])
+    with pytest.raises(ValueError, match=r"one per 32 or 16 features, \[8, 2 or 4\]; got \(8, 3\)"):
+        grouped_int8_weight(codes, torch.ones(8, 3))
+    with pytest.raises(ValueError, match="rows are looked up in grouped int8 weights, not int8"):
+        quantize(torch.ones(8, 64), "int8", folio_kernels=True).rows(torch.tensor([0]))
+    op = torch.ops.folio_quant.grouped_int8_linear
+    x = torch.ones(2, 64)
+    with pytest.raises(RuntimeError, match="x has 63 columns, the weight 64"):
+        op(x[:, :63].contiguous(), codes, scale)
+    with pytest.raises(RuntimeError, match=r"int8 weights \[N, K\] and float16 or float32"):
+        op(x, codes, scale.bfloat16())
+    with pytest.raises(RuntimeError, match="a scale per 32 or per 16 input features: 3 groups"):
+        op(x, codes, torch.ones(8, 3))
+    with pytest.raises(RuntimeError, match="divisible by 32, got 48"):
+        op(x[:, :48].contiguous(), codes[:, :48].contiguous(), scale[:, :1].contiguous())
 
 
 def test_int4_reproduces_a_q4_1_grid_exactly():
