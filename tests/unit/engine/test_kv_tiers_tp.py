@@ -1,18 +1,23 @@
 """KV cache tiers under tensor parallelism: TP=2 (a worker rank as a real subprocess over gloo)
 on test_kv_tiers' tiny random-weight float32 Llama, whose 2 KV heads give each rank one. Blocks
 evicted from the pool come back from every rank's host tier exact (native) or within the int8
-format's bound; a new TP=2 engine on the same directory finds every rank's shard files; a block
-whose file one rank lacks is computed on every rank (and written again); a one-rank engine on
-that directory reads none of the TP=2 files; the tier messages rank 0 sends survive their int64
-encoding."""
+format's bound; a new TP=2 engine on the same directory finds every rank's shard files, after
+its predecessor closed or was killed with SIGKILL; a block whose file one rank lacks is computed
+on every rank (and written again); a one-rank engine on that directory reads none of the TP=2
+files; the tier messages rank 0 sends survive their int64 encoding."""
 
 from __future__ import annotations
 
+import json
 import logging
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
-from test_engine import BLOCK
+from test_engine import BLOCK, prompt
 from test_kv_tiers import (
     FOLLOW_UP,
     INT8_LOGPROB_BOUND,
@@ -23,6 +28,7 @@ from test_kv_tiers import (
 )
 
 from common.block_hash import prefix_block_hashes
+from common.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.kv_tiers import ranks
 from engine.kv_tiers.book import TierTransfers
@@ -113,6 +119,64 @@ def test_a_one_rank_engine_reads_none_of_the_tp2_files(llama, kv_dir, expected, 
     assert cached == 0 and tokens == expected[0]
     engine.close()
     assert [shard_files(kv_dir, rank) for rank in (0, 1)] == before
+
+
+# The engine process of the kill -9 test: computes the prompt, waits until both ranks wrote its
+# files, hangs.
+KILLED_CHILD = """
+import json, sys, time
+from pathlib import Path
+from common.config import EngineConfig
+from common.sampling_params import SamplingParams
+from engine.engine import LLMEngine
+
+config = json.loads(sys.argv[1])
+engine = LLMEngine(EngineConfig(**config))
+engine.add_request("system", json.loads(sys.argv[2]), SamplingParams(max_tokens=1))
+while engine.has_unfinished:
+    engine.step()
+engine.kv_cache.tiers.disk.drain()
+kv = Path(config["kv_cache_dir"])
+while len(list(kv.glob("*/rank1/*.kv"))) < len(list(kv.glob("*/rank0/*.kv"))):
+    time.sleep(0.05)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_tp2_engine_killed_with_sigkill_leaves_a_disk_tier_the_next_one_serves(llama, tmp_path):
+    system = prompt(200, 7)  # 50 blocks of 4
+    config = dict(
+        model=str(llama),
+        dtype="float32",
+        block_size=BLOCK,
+        num_kv_blocks=64,
+        max_num_batched_tokens=256,
+        enforce_eager=True,
+        tensor_parallel_size=2,
+        kv_cache_dir=str(tmp_path / "kv"),
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_CHILD, json.dumps(config), json.dumps(system)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[3],
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+    finally:
+        child.kill()  # SIGKILL; its worker rank gets SIGTERM as its parent dies
+        child.wait(60)
+    assert child.returncode == -signal.SIGKILL
+    question = system + prompt(5, 8)
+    engine = LLMEngine(EngineConfig(**config))
+    try:
+        tokens, _, cached = generate(engine, "after", question)
+        assert cached == 200 and engine.kv_cache.tiers.hits["disk"] == 50
+    finally:
+        engine.close()
+    plain = LLMEngine(EngineConfig(**dict(config, kv_cache_dir=None, tensor_parallel_size=1)))
+    assert tokens == generate(plain, "cold", question)[0]
 
 
 def test_each_rank_quantizes_its_own_shard_in_the_int8_host_tier(llama, expected):
