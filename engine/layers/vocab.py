@@ -1,7 +1,10 @@
 """The vocabulary's weights: the token embedding and the output projection (lm_head), each one
 [vocab rows, hidden] weight under its checkpoint name; with tensor parallelism each rank holds
 a padded share of the rows (engine.layers.parallel's embed and gather_logits combine them).
-This module only creates the parameters: the loader fills them, the model looks up and projects.
+A GGUF's Q8_0/Q6_K rows stay grouped int8 (engine.layers.quantization): the lookup dequantizes
+only the rows it reads, and a tied vocabulary projection multiplies by the same copy.
+This module only creates the parameters and looks rows up: the loader fills them, the model
+projects.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ import torch
 from torch import nn
 
 from engine.layers.linear import empty_parameter
-from engine.layers.parallel import CheckpointSlice, TensorParallel, vocab_slice
+from engine.layers.parallel import CheckpointSlice, TensorParallel, embed, vocab_slice
+from engine.layers.quantization import QuantizedWeight
 
 
 class VocabRows(nn.Module):
@@ -21,6 +25,14 @@ class VocabRows(nn.Module):
         super().__init__()
         self.weight = weight
         self.checkpoint_rows = checkpoint_rows
+        # The rows as a GGUF's grouped int8 (on one rank), `weight` then empty.
+        self.quantized: QuantizedWeight | None = None
+
+    def lookup(self, input_ids: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        """The embeddings of `input_ids`: [*ids.shape, hidden]."""
+        if self.quantized is not None:
+            return self.quantized.rows(input_ids).to(self.weight.dtype)
+        return embed(input_ids, self.weight, tp)
 
 
 def vocab_rows(

@@ -19,7 +19,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.layers.norm import OffsetRMSNorm
-from engine.layers.parallel import SINGLE, TensorParallel, embed
+from engine.layers.parallel import SINGLE, TensorParallel
 from engine.layers.rotary import RopeInputs, RotaryEmbedding
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, MlpFactory
@@ -95,7 +95,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         rope = self.rotary.step_inputs(positions)
         local_rope = self.local_rotary.step_inputs(positions)
-        x = embed(input_ids, self.model.embed_tokens.weight, self.tp) * self.embed_scale
+        x = self.model.embed_tokens.lookup(input_ids, self.tp) * self.embed_scale
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, local_rope if layer.sliding else rope)

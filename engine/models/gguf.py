@@ -9,10 +9,15 @@ layout (engine.layers.quantization: groups of 32 with a scale and a minimum, two
 in Q4_1's order), without rounding: Q4_1's blocks are copied bit for bit, Q4_0's scale d becomes
 a scale d with minimum -8d, exact in float16, and Q4_K's groups of 32 keep their codes (moved
 into Q4_1's order) with scales d * sc and minimums -dmin * m in float32, which float16 would
-round (a layer holding Q4_K has all its groups' scales in float32); Q8_0 is dequantized exactly
-into float32 (its scale is per 32 weights, Folio's int8 per output row: requantizing would round
-a second time), as are Q5_0, Q5_1, Q5_K and Q6_K (engine.models.gguf_dequant says why none of
-them fits Folio's integer layouts exactly).
+round (a layer holding Q4_K has all its groups' scales in float32). Q8_0 and Q6_K go into
+Folio's grouped int8 layout (int8 codes with a scale per group) where Folio's kernels take the
+model's dtype (float32 on an AVX2 CPU), without rounding: Q8_0's blocks are copied bit for bit
+(groups of 32, float16 d), Q6_K's sub-blocks become groups of 16 of codes q - 32 with float32
+scales d * sc (a layer holding Q6_K has groups of 16 throughout: a Q8_0 part's scale is then
+kept for each half of its block). So is the vocabulary's tensor: the token embedding looks up
+and dequantizes only the rows it needs, and a tied one is the vocabulary projection too, one
+copy for both. Elsewhere (another dtype) they are dequantized exactly into float32, as are
+Q5_0, Q5_1 and Q5_K (engine.models.gguf_dequant says why these fit no integer layout exactly).
 Any other type is refused, naming it and the tensor, before anything is loaded. llama.cpp's
 converter permutes the rows of Q and K of a llama file for its RoPE (pairs of adjacent features
 rotated together): the load undoes it (qwen2's and qwen3's rotate halves, as Hugging Face's do,
@@ -32,8 +37,14 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from engine.layers.linear import Linear, folio_quant_kernels
-from engine.layers.quantization import INT4_GROUP_SIZE, int4_weight
-from engine.models.gguf_dequant import BLOCK_BYTES, dequantize_blocks, q4_k_groups
+from engine.layers.quantization import (
+    INT4_GROUP_SIZE,
+    QuantizedWeight,
+    grouped_int8_weight,
+    int4_weight,
+)
+from engine.layers.vocab import VocabRows
+from engine.models.gguf_dequant import BLOCK_BYTES, dequantize_blocks, q4_k_groups, q6_k_groups
 from engine.models.gguf_metadata import read_gguf
 
 if TYPE_CHECKING:
@@ -47,6 +58,10 @@ FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0}) | BLOCK_TYPES
 # Read as Folio's int4 weights where every part of a linear layer is one of these (a Q4_K
 # tensor elsewhere, the embedding's say, is read as floats).
 INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
+# Read as Folio's grouped int8 weights where every part of a linear layer (or the vocabulary's
+# tensor) is one of these and Folio's kernels take the model's dtype; as floats elsewhere.
+INT8_TYPES = frozenset({Q.Q8_0, Q.Q6_K})
+Q8_0_BLOCK_BYTES = 2 + 32
 READ_TYPES = ", ".join(t.name for t in sorted(FLOAT_TYPES | INT4_TYPES))
 
 # GGUF tensor names (llama.cpp's) -> Hugging Face's, per layer and global.
@@ -95,7 +110,9 @@ def load_gguf_weights(
 ) -> None:
     """Copies every tensor of the GGUF into `model` (built from gguf_config's config);
     `our_name` maps a Hugging Face name to (parameter, shard) as engine.models.loader does.
-    Linear layers whose every part is Q4_0/Q4_1/Q4_K get their int4 weights here (on the CPU);
+    Linear layers whose every part is Q4_0/Q4_1/Q4_K get their int4 weights here (on the CPU),
+    those whose every part is Q8_0/Q6_K their grouped int8 weights (on Folio's kernels), as do
+    the vocabulary's rows (model.lm_head_packed, and the embedding's lookup);
     model.finalize_weights keeps them."""
     reader = read_gguf(path)
     for tensor in reader.tensors:
@@ -133,13 +150,23 @@ def load_gguf_weights(
     for name, shards in parts.items():
         module = model.get_submodule(name.rpartition(".")[0])
         param = params[name]
+        types = {p.type for p in shards.values()}
+        ordered = [shards[s] for s in sorted(shards, key=lambda s: s or 0)]
+        on_cpu = param.device.type == "cpu"
+        if isinstance(module, Linear) and name.endswith(".weight") and on_cpu:
+            if types <= INT4_TYPES:
+                _load_int4(module, ordered)
+                continue
+            if types <= INT8_TYPES and folio_quant_kernels(param.dtype, param.device):
+                module.packed = _grouped_int8(ordered, param)
+                param.data = param.data.new_empty(0)  # the int8 copy is the one read
+                continue
         if (
-            isinstance(module, Linear)
-            and name.endswith(".weight")
-            and param.device.type == "cpu"
-            and all(p.type in INT4_TYPES for p in shards.values())
+            isinstance(module, VocabRows)
+            and types <= INT8_TYPES
+            and folio_quant_kernels(param.dtype, param.device)
         ):
-            _load_int4(module, [shards[s] for s in sorted(shards, key=lambda s: s or 0)])
+            _load_vocabulary(model, module, _grouped_int8(ordered, param))
             continue
         for shard, part in shards.items():
             target = param.data
@@ -155,6 +182,51 @@ def load_gguf_weights(
                     f"the model expects {tuple(target.shape)}"
                 )
             target.copy_(values)
+
+
+def _load_vocabulary(model: LlamaForCausalLM, rows: VocabRows, weight: QuantizedWeight) -> None:
+    """The vocabulary's Q8_0/Q6_K rows as grouped int8, the only copy: the embedding looks rows
+    up in it, the vocabulary projection (the tied embedding, or lm_head) multiplies by it."""
+    if rows is model.model.embed_tokens:
+        rows.quantized = weight
+    if rows is model.lm_head or model.config.tie_word_embeddings:
+        model.lm_head_packed = weight
+    rows.weight.data = rows.weight.data.new_empty(0)
+
+
+def _grouped_int8(parts: list[_Part], param: torch.Tensor) -> QuantizedWeight:
+    """Q8_0 blocks (a float16 d, then 32 int8 codes) or Q6_K super-blocks as one grouped int8
+    weight, the parts' rows stacked as the fused layer orders them: groups of 32 with Q8_0's
+    float16 scales as they are, or, with any Q6_K part, groups of 16 with float32 scales (a
+    Q8_0 block's d for both its halves)."""
+    halves = any(part.type == Q.Q6_K for part in parts)
+    codes, scales = [], []
+    for part in parts:
+        # A copy: the file's memory map is read-only, which torch does not take.
+        rows = torch.from_numpy(part.rows.copy())
+        size = BLOCK_BYTES["Q6_K"] if part.type == Q.Q6_K else Q8_0_BLOCK_BYTES
+        if rows.dim() != 2 or rows.shape[-1] % size:
+            raise ValueError(
+                f"GGUF tensor {part.gguf_name!r} does not hold whole {part.type.name} blocks"
+            )
+        if part.type == Q.Q6_K:
+            q, scale = q6_k_groups(rows)
+        else:
+            blocks = rows.view(rows.shape[0], -1, size)
+            scale = blocks[..., :2].contiguous().view(torch.float16)[..., 0]
+            q = blocks[..., 2:].contiguous().view(torch.int8).flatten(1)
+            if halves:
+                scale = scale.float().repeat_interleave(2, dim=1)
+        codes.append(q)
+        scales.append(scale)
+    weight = torch.cat(codes)
+    if weight.shape != param.shape:
+        names = ", ".join(p.gguf_name for p in parts)
+        raise ValueError(
+            f"GGUF tensors {names} hold {weight.shape[0]} rows of {weight.shape[1]} weights, "
+            f"the model expects {tuple(param.shape)}"
+        )
+    return grouped_int8_weight(weight, torch.cat(scales))
 
 
 def _q4_k_as_int4(part: _Part) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

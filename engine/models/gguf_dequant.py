@@ -1,14 +1,16 @@
 """GGUF block types Folio reads as floats, dequantized in torch: Q5_0 and Q5_1 (blocks of 32)
 and the K-quants Q4_K, Q5_K and Q6_K (super-blocks of 256), as ggml defines them; and Q4_K's
-groups of 32 as codes, scales and minimums, for Folio's int4 layout.
+groups of 32 as codes, scales and minimums, for Folio's int4 layout, and Q6_K's groups of 16 as
+int8 codes and scales, for Folio's grouped int8 layout.
 
-Q5's and Q6_K's codes take 5 and 6 bits, more than Folio's int4, and Folio's int8 scale is per
-output row, theirs per 16 or 32 weights: these are dequantized once, at load, exactly: every
-product here has at most 24 significant bits (float32 holds it), and a minimum is subtracted in
-one rounding, as ggml does. Q4_K's groups of 32 are Folio's int4 groups with a scale d * sc and a
-minimum -dmin * m (a float16 times a 6-bit integer: up to 17 significant bits, exact in float32,
-which Folio's int4 kernels then keep: engine.layers.quantization); dequantizing them here is the
-same arithmetic. This module only converts arrays of blocks: it never reads files.
+Q5's codes take 5 bits, more than Folio's int4, and they have a minimum, which Folio's grouped
+int8 has not: these are dequantized once, at load, exactly: every product here has at most 24
+significant bits (float32 holds it), and a minimum is subtracted in one rounding, as ggml does.
+Q4_K's groups of 32 are Folio's int4 groups with a scale d * sc and a minimum -dmin * m (a
+float16 times a 6-bit integer: up to 17 significant bits, exact in float32, which Folio's int4
+kernels then keep: engine.layers.quantization); Q6_K's groups of 16 are grouped int8 ones, codes
+q - 32 with a scale d * sc (a float16 times an int8); dequantizing them here is the same
+arithmetic. This module only converts arrays of blocks: it never reads files.
 """
 
 from __future__ import annotations
@@ -114,17 +116,37 @@ def _k_quant(blocks: torch.Tensor, fifth_bits: bool) -> torch.Tensor:
     return weights.reshape(-1, QK_K)
 
 
-def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+def q6_k_groups(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K rows ([rows, blocks * 210] uint8) as groups of 16 weights, weight = code * scale:
+    codes [rows, weights] int8 (-32 to 31, in the weights' order) and scales [rows, weights /
+    16] float32, each exact (d * sc: a float16 times an int8, at most 18 significant bits; times
+    a code, at most 23: code * scale is exact in float32 too)."""
+    size = BLOCK_BYTES["Q6_K"]
+    if rows.dtype != torch.uint8 or rows.shape[-1] % size:
+        raise ValueError(
+            f"Q6_K rows must be uint8 of whole {size}-byte blocks, got {rows.dtype} rows of "
+            f"{rows.shape[-1]} bytes"
+        )
+    q, scale = _q6_k_groups(rows.reshape(-1, size))
+    return q.reshape(rows.shape[0], -1), scale.reshape(rows.shape[0], -1)
+
+
+def _q6_k_groups(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K blocks -> codes [blocks, 16, 16] int8 (-32 to 31), scales [blocks, 16] float32."""
     # 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one per 16 weights), d.
     # Each half of 128 weights: 64 low-nibble bytes l (weight l, then l + 64 from the high
     # nibbles) and 32 bytes of pairs (pair i of byte l: weight l + 32 i's top two bits).
     low = blocks[:, :128].reshape(-1, 2, 2, 32)  # [half, byte group of 32, l]
     low = torch.stack((low & 0x0F, low >> 4), dim=2).reshape(-1, 2, 4, 32)  # weight l + 32 i
     high = _bits(blocks[:, 128:192].reshape(-1, 2, 32), 4, width=2)  # [half, i, l]
-    q = (low | (high << 4)).float() - 32
+    q = (low | (high << 4)).to(torch.int8) - 32
     scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
-    d = _half(blocks, 208)
-    weights = q.reshape(-1, 16, 16) * (d * scales)[..., None]
+    return q.reshape(-1, 16, 16), _half(blocks, 208) * scales
+
+
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    q, scale = _q6_k_groups(blocks)
+    weights = q.float() * scale[..., None]
     return weights.reshape(-1, QK_K)
 
 

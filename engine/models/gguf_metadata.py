@@ -32,11 +32,15 @@ def is_gguf(path: str | Path) -> bool:
 
 def file_quantization(path: str | Path) -> str | None:
     """The quantization a model's files carry as they are: "int4" for a GGUF holding Q4_0, Q4_1
-    or Q4_K tensors (served on Folio's int4 kernels, which take float32 activations), else None."""
+    or Q4_K tensors (served on Folio's int4 kernels, which take float32 activations), "int8" for
+    one holding Q8_0 or Q6_K ones and none of those (Folio's grouped int8 kernel, float32 too),
+    else None."""
     if not is_gguf(path):
         return None
     types = {tensor.tensor_type.name for tensor in read_gguf(path).tensors}
-    return "int4" if types & {"Q4_0", "Q4_1", "Q4_K"} else None
+    if types & {"Q4_0", "Q4_1", "Q4_K"}:
+        return "int4"
+    return "int8" if types & {"Q8_0", "Q6_K"} else None
 
 
 def gguf_layout(path: str | Path) -> list[tuple[str, str, tuple[int, ...]]]:

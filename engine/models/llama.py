@@ -34,12 +34,12 @@ from engine.layers.norm import RMSNorm
 from engine.layers.parallel import (
     SINGLE,
     TensorParallel,
-    embed,
     gather_logits,
     kv_heads_slice,
     scaled,
     split_evenly,
 )
+from engine.layers.quantization import QuantizedWeight
 from engine.layers.rotary import RopeInputs, RotaryEmbedding
 from engine.layers.vocab import VocabRows, vocab_rows
 from engine.models.config import ModelConfig
@@ -272,9 +272,10 @@ class LlamaForCausalLM(nn.Module):
             elif module is not self and (finalize := getattr(module, "finalize_weights", None)):
                 finalize()
         # The embedding (often tied to lm_head) stays plain for the lookup; logits get a packed
-        # copy.
-        head = self.lm_head.weight
-        self.lm_head_packed = pack_weight(head, "int8" if quantization else None)
+        # copy, unless the vocabulary came quantized (a GGUF's Q8_0: kept as it came).
+        if not isinstance(self.lm_head_packed, QuantizedWeight):
+            head = self.lm_head.weight
+            self.lm_head_packed = pack_weight(head, "int8" if quantization else None)
 
     @torch.inference_mode()
     def forward(
@@ -292,7 +293,7 @@ class LlamaForCausalLM(nn.Module):
         """The layers, inside a running step (engine.attention.step): the part torch.compile
         compiles (engine.compiled_decode)."""
         rope = self.rotary.step_inputs(positions)
-        x = embed(input_ids, self.model.embed_tokens.weight, self.tp)
+        x = self.model.embed_tokens.lookup(input_ids, self.tp)
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, rope)

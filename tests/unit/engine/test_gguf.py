@@ -1,9 +1,11 @@
 """A GGUF file served as it is: GGUFs written here with gguf's writer from a tiny random Llama
 (llama.cpp's tensor names and Q/K row permutation) give transformers' greedy tokens (F32), and
 a quantized or half-precision one (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16)
-gives what the same weights in float32 give, Folio's dequantization equal to gguf's own; a type
-Folio does not read is refused, naming it and the tensor; the default
-model's own GGUF holds the codes and gives the logits of its prepared (converted) directory."""
+gives what the same weights in float32 give, Folio's dequantization equal to gguf's own; a tied
+Q8_0 or Q6_K vocabulary is one grouped int8 copy, embedding and projection; a type Folio does
+not read is refused, naming it and the tensor; the default model's own GGUF holds the codes
+(its tied Q8_0 vocabulary on the grouped int8 kernel) and gives the logits of its prepared
+(converted) directory."""
 
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ import engine.layers.quantization as quantization
 from common import default_model
 from common.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.layers.linear import Linear
-from engine.layers.quantization import QuantizedWeight
+from engine.layers.linear import Linear, describe_linears
+from engine.layers.parallel import SINGLE
+from engine.layers.quantization import GROUPED_INT8, QuantizedWeight
 from engine.model_runner import resolve_dtype
 from engine.models.gguf_dequant import BLOCK_BYTES, dequantize_blocks
 from engine.models.gguf_metadata import file_quantization
@@ -97,9 +100,11 @@ def write_gguf(
     linear_type: GGMLQuantizationType,
     dequantized: bool = False,
     arch: str = "llama",
+    vocab_type: GGMLQuantizationType = Q.F32,
 ) -> Path:
-    """The reference model as llama.cpp writes it for `arch`; linear weights in `linear_type`
-    (or, with `dequantized`, those quantized values back in F32: the file's float32 twin)."""
+    """The reference model as llama.cpp writes it for `arch`; linear weights in `linear_type`,
+    the token embedding (and an untied output) in `vocab_type` (or, with `dequantized`, those
+    quantized values back in F32: the file's float32 twin)."""
     config = reference.config
     writer = GGUFWriter(str(path), arch)
     writer.add_uint32(f"{arch}.context_length", config.max_position_embeddings)
@@ -136,16 +141,19 @@ def write_gguf(
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             values = rope_permute(values, heads)
         is_linear = values.ndim == 2 and name.startswith("model.layers.")
-        if is_linear and linear_type != Q.F32:
-            if linear_type.name.endswith("_K"):
+        qtype = linear_type if is_linear else Q.F32
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            qtype = vocab_type
+        if qtype != Q.F32:
+            if qtype.name.endswith("_K"):
                 seed = zlib.crc32(name.encode())
-                blocks = random_blocks(*values.shape, linear_type, seed)
+                blocks = random_blocks(*values.shape, qtype, seed)
             else:
-                blocks = quantize(values, linear_type)
+                blocks = quantize(values, qtype)
             if dequantized:
-                writer.add_tensor(file_name, dequantize(blocks, linear_type))
+                writer.add_tensor(file_name, dequantize(blocks, qtype))
             else:
-                writer.add_tensor(file_name, blocks, raw_dtype=linear_type)
+                writer.add_tensor(file_name, blocks, raw_dtype=qtype)
         else:
             writer.add_tensor(file_name, np.ascontiguousarray(values))
     writer.write_header_to_file()
@@ -181,15 +189,16 @@ def test_an_f32_gguf_gives_transformers_greedy_tokens(tmp_path, reference):
 
 
 # Bound on the logits' relative error against the float32 twin through the integer kernels:
-# F16, BF16 and Q8_0 are read exactly into float32 (only summation order differs); int4 weights meet
-# activations the kernels quantize to int8 per 32 features (engine.layers.quantization), the
-# twin's stay float32 (measured: 1.8% on this model).
+# F16, BF16, Q5_0 and Q5_1 are read exactly into float32 (only summation order differs); Q8_0's
+# grouped int8 weights meet activations the kernels quantize to int16 per 32 features
+# (measured: 7e-5), int4 weights activations quantized to int8 (measured: 1.8% on this model);
+# the twin's stay float32.
 @pytest.mark.parametrize(
     ("qtype", "max_error"),
     [
         (Q.F16, 1e-5),
         (Q.BF16, 1e-5),
-        (Q.Q8_0, 1e-5),
+        (Q.Q8_0, 3e-4),
         (Q.Q5_0, 1e-5),
         (Q.Q5_1, 1e-5),
         (Q.Q4_0, 0.03),
@@ -204,16 +213,17 @@ def test_a_quantized_gguf_gives_its_float32_twin_s_tokens(
     model, config = load_model(quantized, torch.float32, "cpu")
     twin_model, _ = load_model(twin, torch.float32, "cpu")
     state = reference.state_dict()
+    method = {Q.Q4_0: "int4", Q.Q4_1: "int4", Q.Q8_0: GROUPED_INT8}.get(qtype)
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or name == "lm_head":
             continue
-        if qtype not in (Q.Q4_0, Q.Q4_1):  # floats (Q8_0: Folio's int8 has a scale per row)
+        if method is None:  # read as floats
             assert not isinstance(module.packed, QuantizedWeight), name
             continue
-        # The file's 4-bit grid kept exactly (quantization is by rows: the rows' order does
-        # not change it), rows back in Hugging Face's order.
+        # The file's grid kept exactly (quantization is by rows: the rows' order does not
+        # change it), rows back in Hugging Face's order.
         assert isinstance(module.packed, QuantizedWeight), name
-        assert module.packed.method == "int4", name
+        assert module.packed.method == method, name
         parts = FUSED.get(name.rpartition(".")[2], [name.rpartition(".")[2]])
         expected = np.concatenate(
             [
@@ -262,22 +272,23 @@ def test_blocks_dequantize_as_gguf_does(name):
     assert got.shape == (3, 4 * size_weights(qtype))
 
 
-def wide_reference(tmp_path: Path):
+def wide_reference(tmp_path: Path, tied: bool = False):
     """A tiny llama 256 wide: the K-quants' super-blocks hold 256 weights of a row."""
-    wide = dict(VARIANTS["llama"][1], hidden_size=256, intermediate_size=256)
+    wide = dict(
+        VARIANTS["llama"][1], hidden_size=256, intermediate_size=256, tie_word_embeddings=tied
+    )
     return make_checkpoint(tmp_path / "hf", VARIANTS["llama"][0], wide)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
-def test_a_k_quant_gguf_gives_its_float32_twin_s_tokens(tmp_path, qtype):
-    """Q5_K and Q6_K read as floats, exactly: weights and logits equal the twin's written in F32
-    from gguf's dequantization of the same blocks, rows of Q and K unpermuted whole blocks at a
-    time (so the engine's tokens are the twin's too)."""
+def test_a_q5_k_gguf_gives_its_float32_twin_s_tokens(tmp_path):
+    """Q5_K read as floats, exactly: weights and logits equal the twin's written in F32 from
+    gguf's dequantization of the same blocks, rows of Q and K unpermuted whole blocks at a time
+    (so the engine's tokens are the twin's too)."""
     from test_models import Runner
 
     reference = wide_reference(tmp_path)
-    quantized = write_gguf(tmp_path / "k.gguf", reference, qtype)
-    twin = write_gguf(tmp_path / "twin.gguf", reference, qtype, dequantized=True)
+    quantized = write_gguf(tmp_path / "k.gguf", reference, Q.Q5_K)
+    twin = write_gguf(tmp_path / "twin.gguf", reference, Q.Q5_K, dequantized=True)
     model, config = load_model(quantized, torch.float32, "cpu")
     twin_model, _ = load_model(twin, torch.float32, "cpu")
     for (name, weight), (_, twin_weight) in zip(
@@ -304,19 +315,33 @@ def test_a_q4_k_gguf_runs_on_the_int4_kernels_without_rounding(tmp_path, monkeyp
     assert file_quantization(quantized) == "int4"
     model, config = load_model(quantized, torch.float32, "cpu")
     twin_model, _ = load_model(twin, torch.float32, "cpu")
+    packed = linears_as_in_file(model, config, quantized, "int4")
+    assert all(p.kernels is not None and p.scale.dtype == torch.float32 for p in packed)
+    assert any((p.scale.half().float() != p.scale).any() for p in packed)
+    kernels, dequantizing = logits_errors(model, twin_model, config, monkeypatch)
+    print(f"Q4_K: logits relative error {kernels:.3%} (kernels), {dequantizing:.1e}")
+    assert kernels <= 0.03
+    assert dequantizing <= 1e-5
+    monkeypatch.setattr(quantization, "MAX_FOLIO_KERNEL_ROWS", 0)
+    assert engine_greedy(quantized) == engine_greedy(twin)
+
+
+def linears_as_in_file(model, config, path: Path, method: str) -> list[QuantizedWeight]:
+    """Every linear layer's weight (`method` on Folio's kernels), which dequantized equals
+    gguf's dequantization of the file's blocks bit for bit, the fused layers' parts and Q and
+    K rows back in the file's order."""
     in_file = {
-        t.name: dequantize(np.asarray(t.data), t.tensor_type)
-        for t in gguf.GGUFReader(quantized).tensors
+        t.name: dequantize(np.asarray(t.data), t.tensor_type) for t in gguf.GGUFReader(path).tensors
     }
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
-    rounded_in_half = False
+    weights = []
     for name, module in model.named_modules():
-        if not isinstance(module, Linear) or name == "lm_head":
+        if not isinstance(module, Linear):
             continue
         packed = module.packed
-        assert isinstance(packed, QuantizedWeight) and packed.method == "int4", name
-        assert packed.kernels is not None and packed.scale.dtype == torch.float32, name
-        rounded_in_half |= bool((packed.scale.half().float() != packed.scale).any())
+        assert isinstance(packed, QuantizedWeight) and packed.method == method, name
+        assert packed.kernels is not None, name
+        weights.append(packed)
         prefix, _, fused = name.rpartition(".")
         # The fused layer's parts as the file holds them, Q and K rows in its rope order.
         expected = [in_file[gguf_name(f"{prefix}.{p}.weight")] for p in FUSED.get(fused, [fused])]
@@ -326,29 +351,72 @@ def test_a_q4_k_gguf_runs_on_the_int4_kernels_without_rounding(tmp_path, monkeyp
             if part in heads:
                 values = rope_permute(values, heads[part])
             assert np.array_equal(values, in_gguf), f"{prefix}.{part}"
-    assert rounded_in_half
+    return weights
+
+
+# Bound on the logits' relative error against the float32 twin through the grouped int8
+# kernel, whose activations are int16 per 32 features (measured: Q8_0 1.3e-4, Q6_K 1.1e-4).
+GROUPED_INT8_MAX_ERROR = 3e-4
+
+
+@pytest.mark.parametrize(("qtype", "group"), [(Q.Q8_0, 32), (Q.Q6_K, 16)], ids=str)
+def test_a_tied_int8_vocabulary_runs_on_the_grouped_int8_kernel(
+    tmp_path, qtype, group, monkeypatch
+):
+    """Q8_0 (or Q6_K) linears and a tied token_embd of that type: every linear and the
+    vocabulary projection run on Folio's grouped int8 kernel (groups of 32 with Q8_0's float16
+    scales, or of 16 with Q6_K's d * sc in float32), the vocabulary one copy that the embedding
+    looks rows up in (its float weight emptied). Every weight dequantized equals gguf's
+    dequantization of the file's blocks bit for bit, looked-up embeddings the float32 twin's;
+    the logits are the twin's within the kernel's int16 rounding of the activations
+    (GROUPED_INT8_MAX_ERROR), within summation order through the dequantizing path, and the
+    engine's greedy tokens are the twin's."""
+    reference = wide_reference(tmp_path, tied=True)
+    quantized = write_gguf(tmp_path / "q.gguf", reference, qtype, vocab_type=qtype)
+    twin = write_gguf(tmp_path / "twin.gguf", reference, qtype, dequantized=True, vocab_type=qtype)
+    assert file_quantization(quantized) == "int8"
+    model, config = load_model(quantized, torch.float32, "cpu")
+    twin_model, _ = load_model(twin, torch.float32, "cpu")
+    assert config.tie_word_embeddings
+    linears = linears_as_in_file(model, config, quantized, GROUPED_INT8)
+    head = model.lm_head_packed
+    assert isinstance(head, QuantizedWeight) and head.method == GROUPED_INT8
+    assert describe_linears(model) == f"{len(linears) + 1} grouped int8 (Folio)"
+    embedding = model.model.embed_tokens
+    assert embedding.quantized is head and embedding.weight.numel() == 0
+    for weight in [*linears, head]:
+        assert weight.codes.shape[1] == weight.scale.shape[1] * group
+    token_embd = {t.name: t for t in gguf.GGUFReader(quantized).tensors}["token_embd.weight"]
+    in_file = dequantize(np.asarray(token_embd.data), qtype)
+    assert np.array_equal(head.dequantized(torch.float32).numpy(), in_file)
+    ids = torch.tensor(PROMPTS["b"])
+    twin_rows = twin_model.model.embed_tokens.lookup(ids, SINGLE)
+    assert torch.equal(embedding.lookup(ids, SINGLE), twin_rows)
     kernels, dequantizing = logits_errors(model, twin_model, config, monkeypatch)
-    print(f"Q4_K: logits relative error {kernels:.3%} (kernels), {dequantizing:.1e}")
-    assert kernels <= 0.03
+    print(f"{qtype.name}: logits relative error {kernels:.1e} (kernels), {dequantizing:.1e}")
+    assert kernels <= GROUPED_INT8_MAX_ERROR
     assert dequantizing <= 1e-5
-    monkeypatch.setattr(quantization, "MAX_FOLIO_KERNEL_ROWS", 0)
     assert engine_greedy(quantized) == engine_greedy(twin)
 
 
 def test_dtype_auto_keeps_a_4_bit_file_on_the_integer_kernels(tmp_path, reference):
-    """The file's int4 layers take float32 activations, as --quantization int4's do."""
+    """The file's int4 (and a Q8_0 file's grouped int8) layers take float32 activations, as
+    --quantization int4's do; a file of floats is none of Folio's quantizations."""
     int4 = write_gguf(tmp_path / "q4.gguf", reference, Q.Q4_1)
-    floats = write_gguf(tmp_path / "q8.gguf", reference, Q.Q8_0)
-    assert (file_quantization(int4), file_quantization(floats)) == ("int4", None)
-    assert resolve_dtype("auto", "cpu", file_quantization(int4)) == resolve_dtype(
-        "auto", "cpu", "int4"
-    )
+    int8 = write_gguf(tmp_path / "q8.gguf", reference, Q.Q8_0)
+    floats = write_gguf(tmp_path / "f16.gguf", reference, Q.F16)
+    assert [file_quantization(p) for p in (int4, int8, floats)] == ["int4", "int8", None]
+    for path in (int4, int8):
+        assert resolve_dtype("auto", "cpu", file_quantization(path)) == resolve_dtype(
+            "auto", "cpu", "int4"
+        )
 
 
 def test_compiled_decode_runs_a_4_bit_file(tmp_path, reference):
     """Programs keyed by the file's config and tensor layout (it has no config.json), on
-    float32 activations (dtype auto), give the eager engine's tokens."""
-    model = write_gguf(tmp_path / "q4.gguf", reference, Q.Q4_1)
+    float32 activations (dtype auto), give the eager engine's tokens; the Q8_0 embedding's rows
+    are looked up in its grouped int8 copy inside them (and lm_head, untied, is grouped int8)."""
+    model = write_gguf(tmp_path / "q4.gguf", reference, Q.Q4_1, vocab_type=Q.Q8_0)
 
     def engine(eager: bool) -> LLMEngine:
         config = EngineConfig(
@@ -363,6 +431,10 @@ def test_compiled_decode_runs_a_4_bit_file(tmp_path, reference):
 
     eager = greedy(engine(True), PROMPTS)
     compiled = engine(False)
+    runner = compiled.executor.runner
+    assert runner.model.model.embed_tokens.quantized is not None
+    assert isinstance(runner.model.lm_head_packed, QuantizedWeight)
+    assert runner.model.lm_head_packed.method == GROUPED_INT8
     programs = compiled.executor.runner.compiled_decode
     assert programs is not None and programs.ready
     assert compiled.executor.runner.dtype == torch.float32
