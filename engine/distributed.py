@@ -62,6 +62,9 @@ _COLLECTIVE_TIMEOUT = datetime.timedelta(days=365)
 _JOIN_KEY = "folio/joined/{}"
 _HEARTBEAT_KEY = "folio/heartbeat/{}"
 _ENGINE_KEY = "folio/engine"
+# Set by rank 0 before it tells the workers to stop: a worker that comes back for the next engine
+# while this one's store still listens must not join a group whose rank 0 has left.
+_STOPPED_KEY = "folio/stopped"
 # Each worker rank bumps a counter in the rendezvous store this often; rank 0 declares a worker
 # dead when its counter has not moved for TP_HEARTBEAT_TIMEOUT_SECONDS (or at once when a worker
 # it started exits). Liveness never comes from a collective timing out: an idle group waits in
@@ -312,6 +315,9 @@ class EngineGroup:
         if self._closed.is_set():
             return
         self._closed.set()
+        if self._store is not None:
+            with contextlib.suppress(Exception):
+                self._store.set(_STOPPED_KEY, "1")
         if self.failure is None and hasattr(self, "channel"):
             with contextlib.suppress(Exception):
                 self.channel.send(STOP)
@@ -372,7 +378,10 @@ def connect_store(host: str, port: int, rank: int, size: int, timeout: float) ->
 
 def engine_info(store: dist.Store) -> dict:
     """What rank 0 left in the store: its EngineConfig fields, the resolved model directory,
-    num_blocks and max_model_len."""
+    num_blocks and max_model_len. Raises when that engine is stopping (its store not yet
+    closed): the worker tries again for the next one."""
+    if store.check([_STOPPED_KEY]):
+        raise RuntimeError("the engine at this address is stopping")
     return json.loads(store.get(_ENGINE_KEY))
 
 

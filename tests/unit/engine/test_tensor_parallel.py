@@ -13,7 +13,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -144,36 +146,58 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_worker(port: int) -> subprocess.Popen:
-    return subprocess.Popen(
-        [
-            *(sys.executable, "-m", "folio.cli", "engine-worker", "--rank", "1"),
-            *("--world-size", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)),
-        ],
-        stdin=subprocess.DEVNULL,
+def start_worker(port: int, log: Path) -> subprocess.Popen:
+    with log.open("w") as output:
+        return subprocess.Popen(
+            [
+                *(sys.executable, "-m", "folio.cli", "engine-worker", "--rank", "1"),
+                *("--world-size", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def start_engine_for_worker(model_dir, port: int) -> LLMEngine:
+    """A TP=2 engine on `port` whose rank 1 is an external worker; fails the test when the
+    worker has not joined within two minutes (the engine waits for it without end)."""
+    engines: list[LLMEngine] = []
+    config = EngineConfig(
+        model=str(model_dir),
+        dtype="float32",
+        num_kv_blocks=32,
+        tensor_parallel_size=2,
+        master_port=port,
+        external_workers=True,
     )
+    # Daemon: left waiting for the worker only when the test fails.
+    starting = threading.Thread(target=lambda: engines.append(LLMEngine(config)), daemon=True)
+    starting.start()
+    starting.join(120)
+    assert engines, "the worker never joined the engine's group"
+    return engines[0]
 
 
-def test_external_worker_waits_for_its_engine_and_rejoins_after_a_restart(model_dir, single):
+def test_external_worker_waits_for_its_engine_and_rejoins_after_a_restart(
+    model_dir, single, tmp_path
+):
+    """The second engine is the first one "restarted" on the same port. The first lingers a
+    while after it stopped the group (as a process does while it exits: its rendezvous store
+    still answers), and the worker, back at once for the next engine, must not join the stopped
+    one's group (it would wait there for a rank 0 that never comes)."""
     expected, _ = single
     port = free_port()
-    worker = start_worker(port)  # before any engine: it retries the rendezvous
+    log = tmp_path / "worker.log"
+    worker = start_worker(port, log)  # before any engine: it retries the rendezvous
     try:
-        for _ in range(2):  # the second engine is the first one "restarted" on the same port
-            engine = LLMEngine(
-                EngineConfig(
-                    model=str(model_dir),
-                    dtype="float32",
-                    num_kv_blocks=32,
-                    tensor_parallel_size=2,
-                    master_port=port,
-                    external_workers=True,
-                )
-            )
+        for _ in range(2):
+            engine = start_engine_for_worker(model_dir, port)
             try:
                 got = run(engine, {"a1": FIRST_WAVE["a1"]})
             finally:
                 engine.close()
+            time.sleep(2)  # the stopped engine's store still answers on the port
             # As when its process ends: the rendezvous port goes with the engine's last reference
             # (the model's process group holds the store).
             del engine
@@ -183,6 +207,8 @@ def test_external_worker_waits_for_its_engine_and_rejoins_after_a_restart(model_
     finally:
         worker.terminate()
         worker.wait(30)
+    # It served each engine once, and never the stopped one again.
+    assert log.read_text().count("rank 1 of 2: serving") == 2, log.read_text()
 
 
 def test_a_killed_worker_fails_the_engine_with_its_name(model_dir):
