@@ -135,11 +135,12 @@ def run_spec_benchmark(args: argparse.Namespace) -> None:
     streams = [int(s) for s in args.streams.split(",")]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     results: dict[tuple[str, int, str | None], Measured] = {}
+    # Built first, so that a missing --draft-model is said before any engine loads.
+    specs = {method: None if method is None else _spec_config(method, args) for method in methods}
     engines = {}
-    for method in methods:
+    for method, spec in specs.items():
         config = engine_config_from_args(args)
-        if method is not None:
-            config.speculative_config = json.dumps(_spec_config(method, args))
+        config.speculative_config = None if spec is None else json.dumps(spec)
         engines[method] = LLMEngine(config)
     tokenizer = Tokenizer.from_dir(engines[None].model_path)
     workloads = {
