@@ -101,10 +101,12 @@ def write_gguf(
     dequantized: bool = False,
     arch: str = "llama",
     vocab_type: GGMLQuantizationType = Q.F32,
+    part_types: dict[str, GGMLQuantizationType] | None = None,
 ) -> Path:
-    """The reference model as llama.cpp writes it for `arch`; linear weights in `linear_type`,
-    the token embedding (and an untied output) in `vocab_type` (or, with `dequantized`, those
-    quantized values back in F32: the file's float32 twin)."""
+    """The reference model as llama.cpp writes it for `arch`; linear weights in `linear_type`
+    but those `part_types` names (q_proj, down_proj, ...) in their own, the token embedding (and
+    an untied output) in `vocab_type` (or, with `dequantized`, those quantized values back in
+    F32: the file's float32 twin)."""
     config = reference.config
     writer = GGUFWriter(str(path), arch)
     writer.add_uint32(f"{arch}.context_length", config.max_position_embeddings)
@@ -142,6 +144,9 @@ def write_gguf(
             values = rope_permute(values, heads)
         is_linear = values.ndim == 2 and name.startswith("model.layers.")
         qtype = linear_type if is_linear else Q.F32
+        for part, part_type in (part_types or {}).items():
+            if is_linear and name.endswith(f".{part}.weight"):
+                qtype = part_type
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             qtype = vocab_type
         if qtype != Q.F32:
@@ -397,6 +402,35 @@ def test_a_tied_int8_vocabulary_runs_on_the_grouped_int8_kernel(
     assert kernels <= GROUPED_INT8_MAX_ERROR
     assert dequantizing <= 1e-5
     assert engine_greedy(quantized) == engine_greedy(twin)
+
+
+def test_a_layer_mixing_q8_0_and_q6_k_runs_in_groups_of_16(tmp_path, monkeypatch):
+    """Q8_0 linears but v_proj and down_proj in Q6_K (as llama.cpp's mixes keep some parts in
+    more bits): the fused qkv_proj holding both is grouped int8 in groups of 16 with float32
+    scales (a Q8_0 block's d for both its halves), the Q8_0-only layers keep groups of 32 with
+    float16 scales; every weight equals gguf's dequantization bit for bit, and the logits are
+    the float32 twin's within GROUPED_INT8_MAX_ERROR."""
+    reference = wide_reference(tmp_path)
+    mix = {"v_proj": Q.Q6_K, "down_proj": Q.Q6_K}
+    quantized = write_gguf(tmp_path / "q.gguf", reference, Q.Q8_0, part_types=mix)
+    twin = write_gguf(tmp_path / "twin.gguf", reference, Q.Q8_0, dequantized=True, part_types=mix)
+    model, config = load_model(quantized, torch.float32, "cpu")
+    twin_model, _ = load_model(twin, torch.float32, "cpu")
+    linears_as_in_file(model, config, quantized, GROUPED_INT8)
+    layer = model.model.layers[0]
+    for module, group, dtype in [
+        (layer.self_attn.qkv_proj, 16, torch.float32),
+        (layer.mlp.down_proj, 16, torch.float32),
+        (layer.self_attn.o_proj, 32, torch.float16),
+        (layer.mlp.gate_up_proj, 32, torch.float16),
+    ]:
+        packed = module.packed
+        assert isinstance(packed, QuantizedWeight) and packed.scale.dtype == dtype
+        assert packed.codes.shape[1] == packed.scale.shape[1] * group
+    kernels, dequantizing = logits_errors(model, twin_model, config, monkeypatch)
+    print(f"Q8_0 + Q6_K: logits relative error {kernels:.1e} (kernels), {dequantizing:.1e}")
+    assert kernels <= GROUPED_INT8_MAX_ERROR
+    assert dequantizing <= 1e-5
 
 
 def test_dtype_auto_keeps_a_4_bit_file_on_the_integer_kernels(tmp_path, reference):
