@@ -539,16 +539,101 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   return int4_linear_with(x, codes, scale.data_ptr<at::Half>(), min.data_ptr<at::Half>());
 }
 
+namespace {
+
+// A float's bfloat16 bits, rounded to nearest even (the weights are finite).
+inline __m128i to_bf16_bits(__m256 f) {
+  const __m256i bits = _mm256_castps_si256(f);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  // Pack the eight 32-bit lanes' low halves in order.
+  return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+}
+
+template <typename S, typename Out>
+void int4_dequantize_with(const uint8_t* codes, const S* scales, const S* mins, int64_t n,
+                          int64_t k, Out* out) {
+  const int64_t groups = k / kBlock;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t at = row * groups + g;
+        const __m256 scale = _mm256_set1_ps(static_cast<float>(scales[at]));
+        const __m256 minimum = _mm256_set1_ps(static_cast<float>(mins[at]));
+        // A group's 16 bytes: code i in the low half of byte i, code i + 16 in the high half.
+        const __m128i bytes = load_128(codes + at * (kBlock / 2));
+        const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+        const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+        const __m128i halves[2] = {low, high};
+        Out* dst = out + row * k + g * kBlock;
+        for (int h = 0; h < 2; ++h) {
+          for (int e = 0; e < 2; ++e) {
+            const __m128i eight = e == 0 ? halves[h] : _mm_srli_si128(halves[h], 8);
+            const __m256 w = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight)), scale, minimum);
+            Out* at_dst = dst + h * 16 + e * 8;
+            if constexpr (std::is_same_v<Out, float>) {
+              _mm256_storeu_ps(at_dst, w);
+            } else {
+              _mm_storeu_si128(reinterpret_cast<__m128i*>(at_dst), to_bf16_bits(w));
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// The float weight [N, K] of int4 codes (Q4_1's order) with float16 or float32 scales and
+// minimums per group of 32, as float32 (w = code * scale + min, exactly as the products use it)
+// or bfloat16 (that value rounded to nearest even): long prefills' products multiply by it in
+// one dense matmul. One pass, parallel over output rows.
+at::Tensor int4_dequantize(const at::Tensor& codes, const at::Tensor& scale,
+                           const at::Tensor& min, at::ScalarType dtype) {
+  const int64_t k = codes.size(1) * 2, n = codes.size(0);
+  const at::ScalarType type = scale.scalar_type();
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  k % kBlock == 0,
+              "int4_dequantize takes a contiguous uint8 code matrix of whole groups of 32");
+  TORCH_CHECK((type == at::kHalf || type == at::kFloat) && min.scalar_type() == type &&
+                  scale.is_contiguous() && min.is_contiguous() &&
+                  scale.numel() == n * (k / kBlock) && min.numel() == scale.numel(),
+              "int4_dequantize takes scales and minimums per group, both float16 or both float32");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "int4_dequantize writes float32 or bfloat16, not ", dtype);
+  at::Tensor out = at::empty({n, k}, codes.options().dtype(dtype));
+  const uint8_t* cs = codes.data_ptr<uint8_t>();
+  auto run = [&](auto* scales, auto* mins) {
+    if (dtype == at::kFloat) {
+      int4_dequantize_with(cs, scales, mins, n, k, out.data_ptr<float>());
+    } else {
+      int4_dequantize_with(cs, scales, mins, n, k,
+                           reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+    }
+  };
+  if (type == at::kFloat) {
+    run(scale.data_ptr<float>(), min.data_ptr<float>());
+  } else {
+    run(scale.data_ptr<at::Half>(), min.data_ptr<at::Half>());
+  }
+  return out;
+}
+
 // Schemas here, kernels for the CPU key only, so torch.compile can trace the ops through the
 // shape functions engine/kernels/cpu/extension.py registers.
 TORCH_LIBRARY(folio_quant, library) {
   library.def("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   library.def("int4_linear(Tensor x, Tensor codes, Tensor scale, Tensor min) -> Tensor");
   library.def("grouped_int8_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
+  library.def("int4_dequantize(Tensor codes, Tensor scale, Tensor min, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(folio_quant, CPU, library) {
   library.impl("int8_linear", &int8_linear);
   library.impl("int4_linear", &int4_linear);
   library.impl("grouped_int8_linear", &grouped_int8_linear);
+  library.impl("int4_dequantize", &int4_dequantize);
 }

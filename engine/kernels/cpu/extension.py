@@ -150,6 +150,11 @@ def _register_output_shapes() -> None:
     ) -> torch.Tensor:
         return x.new_empty(x.shape[0], codes.shape[0])
 
+    def int4_dequantize_shape(
+        codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        return codes.new_empty(codes.shape[0], codes.shape[1] * 2, dtype=dtype)
+
     def packed_linear_shape(
         x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
@@ -174,6 +179,7 @@ def _register_output_shapes() -> None:
     torch.library.register_fake("folio_quant::int8_linear")(int8_shape)
     torch.library.register_fake("folio_quant::int4_linear")(int4_shape)
     torch.library.register_fake("folio_quant::grouped_int8_linear")(grouped_int8_shape)
+    torch.library.register_fake("folio_quant::int4_dequantize")(int4_dequantize_shape)
     torch.library.register_fake("folio_cpu_attention::decode_step_attention")(attention_shape)
     torch.library.register_fake("folio_linear::packed_linear")(packed_linear_shape)
     torch.library.register_fake("folio_linear::bf16_linear")(bf16_linear_shape)

@@ -9,6 +9,7 @@ not read is refused, naming it and the tensor; the default model's own GGUF hold
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import engine.layers.quantization as quantization
 from common import default_model
 from common.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.kernels.cpu.capabilities import cpu_capabilities
 from engine.layers.linear import Linear, describe_linears
 from engine.layers.parallel import SINGLE
 from engine.layers.quantization import GROUPED_INT8, QuantizedWeight
@@ -240,17 +242,23 @@ def test_a_quantized_gguf_gives_its_float32_twin_s_tokens(
         )
         assert torch.equal(module.packed.dequantized(torch.float32), torch.from_numpy(expected))
 
-    kernels, dequantizing = logits_errors(model, twin_model, config, monkeypatch)
-    print(f"{qtype.name}: logits relative error {kernels:.3%} (kernels), {dequantizing:.1e}")
+    kernels, dequantizing, dense_bf16 = logits_errors(model, twin_model, config, monkeypatch)
+    print(
+        f"{qtype.name}: logits relative error {kernels:.3%} (kernels), {dequantizing:.1e} "
+        f"(dequantized, float32), {dense_bf16:.3%} (dequantized, bfloat16 where native)"
+    )
     assert kernels <= max_error
     assert dequantizing <= 1e-5
+    assert dense_bf16 <= max_error
     assert engine_greedy(quantized) == engine_greedy(twin)
 
 
-def logits_errors(model, twin_model, config, monkeypatch) -> tuple[float, float]:
+def logits_errors(model, twin_model, config, monkeypatch) -> tuple[float, float, float]:
     """The relative error of the model's logits against its float32 twin's over one prompt:
     through the integer kernels (a decode's few rows), then through the dequantizing path of
-    long prefills (the twin's float32 weights exactly, so only summation order differs)."""
+    long prefills in float32 (the twin's float32 weights exactly, so only summation order
+    differs: a CPU without native bfloat16), then as this CPU runs it (int4 weights' products
+    in bfloat16 where the CPU computes it natively)."""
     from test_models import Runner
 
     def error() -> float:
@@ -259,11 +267,26 @@ def logits_errors(model, twin_model, config, monkeypatch) -> tuple[float, float]
         return float((logits - twin_logits).norm() / twin_logits.norm())
 
     kernels = error()
-    monkeypatch.setattr(quantization, "MAX_FOLIO_KERNEL_ROWS", 0)
-    monkeypatch.setattr(quantization, "MAX_TORCH_KERNEL_ROWS", 0)
+    for limit in ("MAX_FOLIO_KERNEL_ROWS", "MAX_TORCH_KERNEL_ROWS", "MAX_INT4_KERNEL_ROWS"):
+        monkeypatch.setattr(quantization, limit, 0)
+    dense = error()
+    dense_in_float32(monkeypatch, model)
     dequantizing = error()
     monkeypatch.undo()
-    return kernels, dequantizing
+    return kernels, dequantizing, dense
+
+
+def dense_in_float32(monkeypatch, *models) -> None:
+    """Every product of any row count through the dequantizing path in float32, as on a CPU
+    without native bfloat16: in `models` and in those made from now on."""
+    monkeypatch.setattr(quantization, "MAX_FOLIO_KERNEL_ROWS", 0)
+    monkeypatch.setattr(quantization, "MAX_TORCH_KERNEL_ROWS", 0)
+    no_bf16 = dataclasses.replace(cpu_capabilities(), native_bf16=False)
+    monkeypatch.setattr(quantization, "cpu_capabilities", lambda: no_bf16)
+    for model in models:
+        for module in model.modules():
+            if isinstance(getattr(module, "packed", None), QuantizedWeight):
+                monkeypatch.setattr(module.packed, "dense_bf16", False)
 
 
 @pytest.mark.parametrize("name", list(BLOCK_BYTES))
@@ -323,11 +346,14 @@ def test_a_q4_k_gguf_runs_on_the_int4_kernels_without_rounding(tmp_path, monkeyp
     packed = linears_as_in_file(model, config, quantized, "int4")
     assert all(p.kernels is not None and p.scale.dtype == torch.float32 for p in packed)
     assert any((p.scale.half().float() != p.scale).any() for p in packed)
-    kernels, dequantizing = logits_errors(model, twin_model, config, monkeypatch)
-    print(f"Q4_K: logits relative error {kernels:.3%} (kernels), {dequantizing:.1e}")
-    assert kernels <= 0.03
+    kernels, dequantizing, dense_bf16 = logits_errors(model, twin_model, config, monkeypatch)
+    print(
+        f"Q4_K: logits relative error {kernels:.3%} (kernels), {dequantizing:.1e}, "
+        f"{dense_bf16:.3%} (dequantized, bfloat16 where native)"
+    )
+    assert kernels <= 0.03 and dense_bf16 <= 0.03
     assert dequantizing <= 1e-5
-    monkeypatch.setattr(quantization, "MAX_FOLIO_KERNEL_ROWS", 0)
+    dense_in_float32(monkeypatch)
     assert engine_greedy(quantized) == engine_greedy(twin)
 
 
@@ -397,10 +423,10 @@ def test_a_tied_int8_vocabulary_runs_on_the_grouped_int8_kernel(
     ids = torch.tensor(PROMPTS["b"])
     twin_rows = twin_model.model.embed_tokens.lookup(ids, SINGLE)
     assert torch.equal(embedding.lookup(ids, SINGLE), twin_rows)
-    kernels, dequantizing = logits_errors(model, twin_model, config, monkeypatch)
+    kernels, dequantizing, dense = logits_errors(model, twin_model, config, monkeypatch)
     print(f"{qtype.name}: logits relative error {kernels:.1e} (kernels), {dequantizing:.1e}")
     assert kernels <= GROUPED_INT8_MAX_ERROR
-    assert dequantizing <= 1e-5
+    assert dequantizing <= 1e-5 and dense <= 1e-5  # grouped int8: float32 either way
     assert engine_greedy(quantized) == engine_greedy(twin)
 
 
@@ -427,10 +453,10 @@ def test_a_layer_mixing_q8_0_and_q6_k_runs_in_groups_of_16(tmp_path, monkeypatch
         packed = module.packed
         assert isinstance(packed, QuantizedWeight) and packed.scale.dtype == dtype
         assert packed.codes.shape[1] == packed.scale.shape[1] * group
-    kernels, dequantizing = logits_errors(model, twin_model, config, monkeypatch)
+    kernels, dequantizing, dense = logits_errors(model, twin_model, config, monkeypatch)
     print(f"Q8_0 + Q6_K: logits relative error {kernels:.1e} (kernels), {dequantizing:.1e}")
     assert kernels <= GROUPED_INT8_MAX_ERROR
-    assert dequantizing <= 1e-5
+    assert dequantizing <= 1e-5 and dense <= 1e-5
 
 
 def test_dtype_auto_keeps_a_4_bit_file_on_the_integer_kernels(tmp_path, reference):
@@ -519,8 +545,7 @@ def test_the_default_model_s_own_gguf_served_as_it_is(default_model_dir, monkeyp
                 attention.qkv_proj.packed.dequantized(torch.float32), qkv, rtol=1e-6, atol=1e-7
             )
     prepared, _ = load_model(default_model_dir, torch.float32, "cpu")
-    monkeypatch.setattr(quantization, "MAX_FOLIO_KERNEL_ROWS", 0)
-    monkeypatch.setattr(quantization, "MAX_TORCH_KERNEL_ROWS", 0)
+    dense_in_float32(monkeypatch, gguf_model)
     prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 2, 198, 1, 4093, 198]
     (logits,) = Runner(gguf_model, config).step([("a", prompt)])
     (reference,) = Runner(prepared, config).step([("a", prompt)])

@@ -109,6 +109,34 @@ def test_every_kernel_path_computes_the_same_product(method, in_features):
 
 
 @needs_folio_kernels
+@pytest.mark.parametrize("group_dtype", [torch.float16, torch.float32])
+def test_int4_dequantizes_in_one_pass_as_the_dense_path_reads_it(group_dtype):
+    """Folio's int4 dequantization kernel gives code * scale + minimum (Q4_1's order) exactly
+    in float32, and that rounded to nearest even in bfloat16; a long product runs dense in
+    bfloat16 only where the CPU computes it natively, within bfloat16's rounding of the
+    float32 one."""
+    half = quantize(gaussian((48, 160), 3), "int4", folio_kernels=True)
+    assert half.minimum is not None
+    weight = int4_weight(
+        half.codes, half.scale.float(), half.minimum.float(), torch.float32, True, group_dtype
+    )
+    assert weight.minimum is not None
+    nibbles = weight.codes.view(48, 5, 16)
+    codes = torch.cat((nibbles & 0xF, nibbles >> 4), dim=-1).float()
+    scale, minimum = weight.scale.float(), weight.minimum.float()
+    exact = torch.addcmul(minimum[..., None], codes, scale[..., None]).view(48, 160)
+    assert torch.equal(weight.dequantized(torch.float32), exact)
+    assert torch.equal(weight.dequantized(torch.bfloat16), exact.bfloat16())
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        weight.kernels.int4_dequantize(weight.codes, weight.scale, weight.minimum, torch.float16)
+    assert weight.dense_bf16 == cpu_capabilities().native_bf16
+    x = gaussian((quantization.MAX_FOLIO_KERNEL_ROWS + 1, 160), 5)
+    reference = x.double() @ exact.double().t()
+    error = float((weight.matmul(x).double() - reference).norm() / reference.norm())
+    assert error <= (1e-2 if weight.dense_bf16 else 1e-6), error
+
+
+@needs_folio_kernels
 def test_int4_groups_with_float32_scales():
     """Group scales and minimums that float16 cannot hold (Q4_K's d * sc, a float16 times a
     6-bit integer) kept in float32: the same values as float16 or float32 give the same product
