@@ -170,15 +170,13 @@ class ModelExecutor:
         if spec is None or spec.method != "draft_model":
             return None
         return DraftModel(
+            config,
             spec,
             vocab_size,
             resolve_dtype(config.dtype, config.device, spec.quantization),
             self.runner.device,
-            config.attention_backend,
-            config.block_size,
             self.num_blocks + config.max_num_seqs,
             self.max_model_len,
-            config.max_num_batched_tokens,
         )
 
     @staticmethod

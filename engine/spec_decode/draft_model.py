@@ -1,16 +1,17 @@
 """The draft_model proposer: a smaller model with the target's vocabulary drafts greedily.
 
-It runs on the target's device through Folio's own model code (engine.models), eagerly, with a
-paged KV cache of its own: its own block pool, each drafting request its own blocks and the
-token ids whose K/V they hold. Each step, for the requests that draft (engine.spec_decode.drafter
-chose them and their lengths), the draft model first catches up on the tokens it has not
-computed (the prompt on a request's first draft; afterwards the tokens the target accepted
-since, usually one or two), in batched forwards of at most `max_batch_tokens` tokens (a long
-prompt in chunks), then runs greedy decode steps batched across requests, one token a request
-each, until each has its length. The K/V of the drafts it computed stay where they are: when
-the target accepts them they are the request's next tokens and need no recomputing; when it
-rejects them, what the draft model holds is cut back to the longest prefix the request's tokens
-share with it, and the next tokens are written over them.
+It runs on the target's device through Folio's own model code (engine.models): its decode
+steps through compiled programs of its own on the CPU, as the target's (engine.compiled_decode),
+every other forward eagerly. It has a paged KV cache of its own: its own block pool, each
+drafting request its own blocks and the token ids whose K/V they hold. Each step, for the
+requests that draft (engine.spec_decode.drafter chose them and their lengths), the draft model
+first catches up on the tokens it has not computed (the prompt on a request's first draft;
+afterwards the tokens the target accepted since, usually one or two), in batched forwards of at
+most `max_batch_tokens` tokens (a long prompt in chunks), then runs greedy decode steps batched
+across requests, one token a request each, until each has its length. The K/V of the drafts it
+computed stay where they are: when the target accepts them they are the request's next tokens
+and need no recomputing; when it rejects them, what the draft model holds is cut back to the
+longest prefix the request's tokens share with it, and the next tokens are written over them.
 
 A request's blocks go back to the pool when it ends, is aborted (`release`) or is no longer
 running (`retain`: preempted ones). A request whose blocks the pool cannot hold drafts nothing
@@ -22,6 +23,7 @@ It never sees the target's KV cache or logits, never schedules, and never change
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,10 +32,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.config import EngineConfig
 from common.speculative import SpeculativeConfig
 from engine.attention.metadata import AttentionMetadata
+from engine.compiled_decode import CompiledDecode
+from engine.compiled_decode import give_up as give_up_compiling
 from engine.core.kv_cache_manager import NULL_BLOCK, kv_groups
 from engine.core.request import Request
+from engine.layers.lora import LoraSlots
 from engine.layers.parallel import SINGLE
 from engine.model_runner import kv_pool_zeros
 from engine.models.config import ModelConfig
@@ -66,51 +72,54 @@ class DraftModel:
 
     def __init__(
         self,
+        config: EngineConfig,
         spec: SpeculativeConfig,
         target_vocab_size: int,
         dtype: torch.dtype,
         device: torch.device,
-        attention_backend: str,
-        block_size: int,
         num_blocks: int,
         max_model_len: int,
-        max_batch_tokens: int,
     ) -> None:
-        """`num_blocks`: the draft pool's size (block NULL_BLOCK never handed out);
-        `max_batch_tokens`: the most tokens of one catch-up forward."""
+        """`num_blocks`: the draft pool's size (block NULL_BLOCK never handed out). The target's
+        `config` gives the attention backend, block size, the most tokens of one catch-up
+        forward (max_num_batched_tokens) and whether and how decode steps compile."""
         assert spec.model is not None, "a draft_model config without its model"
         path = Path(spec.model)
         try:
-            config = ModelConfig.from_dir(path)
+            model_config = ModelConfig.from_dir(path)
         except (OSError, ValueError) as exc:
             raise ValueError(
                 f"speculative_config: model: cannot read the draft model at {spec.model!r}: {exc}"
             ) from exc
-        if config.vocab_size != target_vocab_size:
+        if model_config.vocab_size != target_vocab_size:
             raise ValueError(
-                f"speculative_config: model: the draft model's vocabulary ({config.vocab_size} "
-                f"tokens, {spec.model!r}) is not the target model's ({target_vocab_size} tokens); "
+                "speculative_config: model: the draft model's vocabulary "
+                f"({model_config.vocab_size} tokens, {spec.model!r}) is not the target model's "
+                f"({target_vocab_size} tokens); "
                 "a draft model must share the target's vocabulary"
             )
-        groups = kv_groups(config.layer_windows, config.num_hidden_layers)
+        groups = kv_groups(model_config.layer_windows, model_config.num_hidden_layers)
         if groups.num_groups > 1:
             raise ValueError(
                 f"speculative_config: model: the draft model at {spec.model!r} has sliding-window "
                 "layers, which a draft model does not support yet"
             )
-        self.model, self.config = load_model(
-            path, dtype, device, attention_backend, SINGLE, spec.quantization
+        self.model, _ = load_model(
+            path, dtype, device, config.attention_backend, SINGLE, spec.quantization
         )
         self.vocab_size = target_vocab_size
         self.device = device
+        self.dtype = dtype
+        self.lora: LoraSlots | None = None  # the draft model serves no adapters
+        block_size = config.block_size
         self.block_size = block_size
-        self.max_batch_tokens = max(1, max_batch_tokens)
+        self.max_batch_tokens = max(1, config.max_num_batched_tokens)
         # Positions the draft model has: a request past them drafts nothing.
-        self.max_len = min(max_model_len, config.max_position_embeddings)
+        self.max_len = min(max_model_len, model_config.max_position_embeddings)
         # One cache tensor per layer (one KV group): [2, blocks, block_size, kv heads, head dim].
         caches = [
             kv_pool_zeros(
-                (2, num_blocks, block_size, self.model.num_kv_heads, config.head_dim),
+                (2, num_blocks, block_size, self.model.num_kv_heads, model_config.head_dim),
                 dtype,
                 device,
             )
@@ -120,6 +129,10 @@ class DraftModel:
         self.num_blocks = num_blocks
         self._free = [b for b in range(num_blocks - 1, -1, -1) if b != NULL_BLOCK]
         self._requests: dict[str, _Drafting] = {}
+        # Programs for its decode steps (one token a request), keyed by its own path and
+        # quantization; None where the target's would be none too (a GPU, --enforce-eager).
+        own = dataclasses.replace(config, quantization=spec.quantization, speculative_config=None)
+        self.compiled_decode = CompiledDecode.start_if_enabled(self, own, path)
         logger.info(
             "draft model %s: %d layers, %d KV blocks of its own", path, len(caches), num_blocks
         )
@@ -144,7 +157,9 @@ class DraftModel:
         for request_id in [r for r in self._requests if r not in request_ids]:
             self.release(request_id)
 
-    @torch.inference_mode()
+    # Not inference mode: the compiled programs' guards take tensors made outside it (as the
+    # target's persistent input buffers are); the forwards enter it themselves.
+    @torch.no_grad()
     def propose(self, requests: Sequence[Request], lengths: Sequence[int]) -> list[list[int]]:
         """Up to lengths[i] greedy draft tokens continuing requests[i]'s tokens."""
         drafts: list[list[int]] = [[] for _ in requests]
@@ -273,8 +288,25 @@ class DraftModel:
         input_ids = torch.tensor(
             [t for _, new in parts for t in new], dtype=torch.int64, device=device
         )
-        hidden = self.model(input_ids, torch.from_numpy(positions).to(device), self.kv_caches, meta)
+        hidden = self._run(input_ids, torch.from_numpy(positions).to(device), meta)
         last = torch.from_numpy(ends - 1).to(device)
         logits = self.model.compute_logits(hidden[last])
         assert logits is not None, "a single-rank model gave no logits"
         return logits[:, : self.vocab_size].argmax(dim=-1).tolist()
+
+    def _run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The forward's hidden states: a decode step through a compiled program where there is
+        one (None: not yet, or not for this batch size), any other forward eagerly."""
+        if self.compiled_decode is not None and meta.num_decodes == meta.num_reqs:
+            try:
+                hidden = self.compiled_decode(input_ids, positions, self.kv_caches, meta)
+            except Exception as error:  # an optional speed-up: see engine.fallback
+                # The eager run below writes the same KV slots the failed program may have.
+                self.compiled_decode = None
+                give_up_compiling(error)
+            else:
+                if hidden is not None:
+                    return hidden
+        return self.model(input_ids, positions, self.kv_caches, meta)

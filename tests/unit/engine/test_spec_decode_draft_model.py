@@ -268,6 +268,23 @@ def test_aborted_requests_give_their_draft_blocks_back(models):
     assert pool.num_free_blocks == pool.num_blocks - 1
 
 
+def test_the_draft_models_decode_steps_run_compiled(models):
+    """With compiled CPU decode, the draft model's decode steps run programs of its own, its
+    drafts the same greedy tokens as eagerly (a copy of the target's weights: all accepted),
+    and the greedy tokens equal the compiled engine's without speculation."""
+    compiled = dict(enforce_eager=False, decode_compile="startup", num_kv_blocks=128)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    expected, _ = run(engine_on(models, None, **compiled), prompts(3), params)
+    engine = engine_on(models, "same", **compiled)
+    got, _ = run(engine, prompts(3), params)
+    assert got == expected
+    programs = draft_model(engine).compiled_decode
+    assert programs is not None and programs.ready
+    assert sum(programs.rows_run.values()) > 0
+    stats = engine.stats()
+    assert stats.spec_num_accepted_tokens >= 0.95 * stats.spec_num_draft_tokens > 0
+
+
 def test_a_draft_model_of_another_vocabulary_is_refused_naming_both(models, tmp_path):
     make_checkpoint(tmp_path, LlamaConfig, dict(DRAFT, vocab_size=170))
     with pytest.raises(ValueError, match=r"speculative_config: model: .*170 tokens.*160 tokens"):
