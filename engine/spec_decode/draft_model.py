@@ -133,6 +133,11 @@ class DraftModel:
         # quantization; None where the target's would be none too (a GPU, --enforce-eager).
         own = dataclasses.replace(config, quantization=spec.quantization, speculative_config=None)
         self.compiled_decode = CompiledDecode.start_if_enabled(self, own, path)
+        # Their inputs, as the target's: views of persistent buffers (a program for one row
+        # refuses a tensor that is its storage's whole).
+        rows = max(2, config.max_num_seqs)
+        self._decode_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        self._decode_positions = torch.zeros(rows, dtype=torch.int64, device=device)
         logger.info(
             "draft model %s: %d layers, %d KV blocks of its own", path, len(caches), num_blocks
         )
@@ -299,9 +304,16 @@ class DraftModel:
     ) -> torch.Tensor:
         """The forward's hidden states: a decode step through a compiled program where there is
         one (None: not yet, or not for this batch size), any other forward eagerly."""
-        if self.compiled_decode is not None and meta.num_decodes == meta.num_reqs:
+        rows = len(input_ids)
+        compiled = self.compiled_decode
+        if compiled is not None and meta.num_decodes == meta.num_reqs <= len(self._decode_ids):
             try:
-                hidden = self.compiled_decode(input_ids, positions, self.kv_caches, meta)
+                hidden = compiled(
+                    self._decode_ids[:rows].copy_(input_ids),
+                    self._decode_positions[:rows].copy_(positions),
+                    self.kv_caches,
+                    meta,
+                )
             except Exception as error:  # an optional speed-up: see engine.fallback
                 # The eager run below writes the same KV slots the failed program may have.
                 self.compiled_decode = None
