@@ -1,8 +1,8 @@
 # One image for Folio's three services. docker-compose.yml runs it three times, as
 # `folio tokenizer`, `folio engine` and `folio gateway`; `docker run` alone runs `folio serve`;
 # the Kubernetes manifests (deploy/kubernetes) run the same image. CPU build. The default model is
-# converted on first start into FOLIO_CACHE_DIR (a volume), not baked into the image; so are the
-# compiled decode programs (inductor's cache, under FOLIO_CACHE_DIR too): only the first start
+# served from the GGUF file of its wheel as it is. The compiled decode programs (inductor's
+# cache, under FOLIO_CACHE_DIR, a volume) are not baked into the image: only the first start
 # compiles them.
 FROM python:3.11-slim
 

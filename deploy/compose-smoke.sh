@@ -20,7 +20,7 @@
 #     sandbox allows), set in a containers.conf of its own (CONTAINERS_CONF), never in /etc.
 # Idempotent: the base image, the wheelhouse and the image's layers are reused by later runs;
 # the containers and their network are removed on exit, the model-cache volume is kept (the
-# first start converts the model and compiles decode steps into it). Podman 4.3 ignores
+# first start compiles decode steps into it). Podman 4.3 ignores
 # compose's healthcheck conditions (the gateway then starts first and reconnects) and, without
 # systemd, never runs health checks by itself: here they are run with `podman healthcheck run`.
 #
@@ -205,7 +205,7 @@ healthy() {
 }
 restarts() { "$ENGINE" inspect --format '{{.RestartCount}}' "$1"; }
 up_at=$SECONDS
-log "waiting for every container to be healthy (a first start converts the model and compiles decode steps)"
+log "waiting for every container to be healthy (a first start compiles decode steps)"
 deadline=$((SECONDS + TIMEOUT))
 for service in "${SERVICES[@]}"; do
     id=$(container "$service")

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from common.config import EngineConfig
-from common.default_model import resolve_model_path
+from common.default_model import engine_model_path
 from common.sampling_params import SamplingParams
 from engine.core.kv_cache_manager import kv_groups, num_blocks_for_budget
 from engine.core.request import Request
@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 class ModelExecutor:
     def __init__(self, config: EngineConfig) -> None:
-        self.model_path: Path = resolve_model_path(config.model)
+        self.model_path: Path = engine_model_path(config)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         model_config = ModelConfig.from_dir(self.model_path)

@@ -23,6 +23,7 @@ from common.grpc_stubs.folio.v1 import engine_pb2 as pb
 from common.grpc_stubs.folio.v1 import engine_pb2_grpc
 
 from common.config import EngineConfig
+from common.default_model import model_name
 from common.errors import FolioError, UnavailableError, status_code_for
 from common.grpc_server import GrpcService
 from common.pooling_params import PoolingParams
@@ -200,7 +201,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         assert llm is not None  # serving: the engine thread built it
         config = llm.config
         return pb.GetModelInfoResponse(
-            model=llm.model_path.name,
+            model=model_name(llm.model_path),
             model_path=str(llm.model_path),
             vocab_size=llm.vocab_size,
             max_model_len=llm.max_model_len,

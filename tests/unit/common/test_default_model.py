@@ -12,7 +12,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common import default_model
-from common.default_model import prepare_default_model, resolve_model_path
+from common.default_model import model_name, prepare_default_model, resolve_model_path
 
 TEXTS = [
     "The capital of France is",
@@ -100,8 +100,13 @@ def test_prepare_waits_for_a_concurrent_preparation(
     assert sorted(p.name for p in target.iterdir()) == [default_model.COMPLETE_MARKER]
 
 
-def test_resolve_model_path(default_model_dir: Path, tmp_path: Path) -> None:
-    assert resolve_model_path(None) == default_model_dir
+def test_resolve_model_path(default_model_dir: Path, gguf_source: Path, tmp_path: Path) -> None:
+    # The default model is served from the wheel's file as it is; an engine the file cannot
+    # serve as it is gets the directory prepared from it. Both go by the default model's name.
+    assert resolve_model_path(None) == gguf_source
+    assert resolve_model_path(None, file_as_is=False) == default_model_dir
+    assert model_name(gguf_source) == model_name(default_model_dir) == "SmolLM2-135M-Instruct"
+    assert model_name(tmp_path / "other.gguf") == "other.gguf"
     assert resolve_model_path(str(default_model_dir)) == default_model_dir
 
     missing = tmp_path / "missing"
