@@ -296,21 +296,44 @@ def test_disk_tier_serves_a_new_engine_and_skips_bad_files(llama, tmp_path, capl
 
 
 # The engine process of the restart test: computes the prompt, waits for its files, hangs.
+# An engine process that computes a prompt, waits until every rank has written its files of it,
+# says "ready" and waits to be killed.
 RESTART_CHILD = """
 import json, sys, time
+from pathlib import Path
 from common.config import EngineConfig
 from common.sampling_params import SamplingParams
 from engine.engine import LLMEngine
-from engine.errors import InvalidRequestError
 
-engine = LLMEngine(EngineConfig(**json.loads(sys.argv[1])))
+config = json.loads(sys.argv[1])
+engine = LLMEngine(EngineConfig(**config))
 engine.add_request("system", json.loads(sys.argv[2]), SamplingParams(max_tokens=1))
 while engine.has_unfinished:
     engine.step()
 engine.kv_cache.tiers.disk.drain()
+kv = Path(config["kv_cache_dir"])
+while len({len(list(rank.glob("*.kv"))) for rank in kv.glob("*/rank*")}) > 1:
+    time.sleep(0.05)  # the other ranks' files (tensor parallelism) still being written
 print("ready", flush=True)
 time.sleep(600)
 """
+
+
+def write_then_sigkill(config: dict, system: list[int]) -> None:
+    """An engine process of `config` (its kv_cache_dir) writes `system`'s blocks to the disk
+    tier and is killed with SIGKILL (its worker ranks get SIGTERM as their parent dies)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", RESTART_CHILD, json.dumps(config), json.dumps(system)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[3],
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+    finally:
+        child.kill()
+        child.wait(60)
+    assert child.returncode == -signal.SIGKILL
 
 
 def test_a_long_system_prompt_is_a_hit_after_kill_9_and_restart(tmp_path):
@@ -330,18 +353,7 @@ def test_a_long_system_prompt_is_a_hit_after_kill_9_and_restart(tmp_path):
         enforce_eager=True,
         kv_cache_dir=str(tmp_path / "kv"),
     )
-    child = subprocess.Popen(
-        [sys.executable, "-c", RESTART_CHILD, json.dumps(config), json.dumps(system)],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=Path(__file__).parents[3],
-    )
-    try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-    finally:
-        child.kill()  # SIGKILL
-        child.wait(60)
-    assert child.returncode == -signal.SIGKILL
+    write_then_sigkill(config, system)
     engine = LLMEngine(EngineConfig(**config))
     question = system + prompt(5, 8)
     tokens, _, cached = generate(engine, "after", question)

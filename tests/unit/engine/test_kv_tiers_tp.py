@@ -8,12 +8,7 @@ files; the tier messages rank 0 sends survive their int64 encoding."""
 
 from __future__ import annotations
 
-import json
 import logging
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +20,7 @@ from test_kv_tiers import (
     generate,
     make_engine,
     push_out,
+    write_then_sigkill,
 )
 
 from common.block_hash import prefix_block_hashes
@@ -123,27 +119,6 @@ def test_a_one_rank_engine_reads_none_of_the_tp2_files(llama, kv_dir, expected, 
 
 # The engine process of the kill -9 test: computes the prompt, waits until both ranks wrote its
 # files, hangs.
-KILLED_CHILD = """
-import json, sys, time
-from pathlib import Path
-from common.config import EngineConfig
-from common.sampling_params import SamplingParams
-from engine.engine import LLMEngine
-
-config = json.loads(sys.argv[1])
-engine = LLMEngine(EngineConfig(**config))
-engine.add_request("system", json.loads(sys.argv[2]), SamplingParams(max_tokens=1))
-while engine.has_unfinished:
-    engine.step()
-engine.kv_cache.tiers.disk.drain()
-kv = Path(config["kv_cache_dir"])
-while len(list(kv.glob("*/rank1/*.kv"))) < len(list(kv.glob("*/rank0/*.kv"))):
-    time.sleep(0.05)
-print("ready", flush=True)
-time.sleep(600)
-"""
-
-
 def test_a_tp2_engine_killed_with_sigkill_leaves_a_disk_tier_the_next_one_serves(llama, tmp_path):
     system = prompt(200, 7)  # 50 blocks of 4
     config = dict(
@@ -156,18 +131,7 @@ def test_a_tp2_engine_killed_with_sigkill_leaves_a_disk_tier_the_next_one_serves
         tensor_parallel_size=2,
         kv_cache_dir=str(tmp_path / "kv"),
     )
-    child = subprocess.Popen(
-        [sys.executable, "-c", KILLED_CHILD, json.dumps(config), json.dumps(system)],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=Path(__file__).parents[3],
-    )
-    try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-    finally:
-        child.kill()  # SIGKILL; its worker rank gets SIGTERM as its parent dies
-        child.wait(60)
-    assert child.returncode == -signal.SIGKILL
+    write_then_sigkill(config, system)
     question = system + prompt(5, 8)
     engine = LLMEngine(EngineConfig(**config))
     try:
