@@ -198,7 +198,7 @@ def programs_key(
     add("machine", platform.machine())
     add("cpu flags", _cpu_flags())
     add("capabilities", dataclasses.asdict(cpu_capabilities()))
-    add("kernels", sorted(_file_hash(p) for p in _kernel_sources()))
+    add("kernels", extension.build_hash())
     add("dtype", dtype)
     add("quantization", quantization)
     add("attention", attention_backend)
@@ -226,11 +226,6 @@ def _cpu_flags() -> str:
             if line.startswith("flags"):
                 return " ".join(sorted(line.split(":", 1)[1].split()))
     return platform.processor()
-
-
-def _kernel_sources() -> list[Path]:
-    folder = Path(extension.__file__).parent
-    return sorted([*folder.glob("*.cpp"), *folder.glob("*.h")])
 
 
 def _file_hash(path: Path) -> str:

@@ -97,10 +97,18 @@ def load() -> bool:
 
 
 def build_dir() -> Path:
-    """Where the kernels of these sources are built: a directory named by a hash of everything
-    the binary is made of (the sources' and headers' bytes, the compiler and its flags, torch's
-    version) and of where the sources lie, which torch's build commands name: a checkout never
-    rebuilds over another's binary, nor a change of the sources over the last one's."""
+    """Where the kernels of these sources are built: a directory named by build_hash(): a
+    checkout never rebuilds over another's binary, nor a change of the sources over the last
+    one's."""
+    return kernel_dir() / f"cpu_kernels-{build_hash()}"
+
+
+@functools.cache
+def build_hash() -> str:
+    """A hash of everything the binary is made of (the sources' and headers' bytes, the
+    compiler and its flags, torch's version) and of where the sources lie, which torch's build
+    commands name; read once, so that it names the kernels this process loads even when the
+    sources change while it runs (compiled decode programs are keyed by it)."""
     from torch.utils import cpp_extension
 
     digest = hashlib.sha256()
@@ -109,7 +117,7 @@ def build_dir() -> Path:
         digest.update(path.read_bytes())
     compiler = cpp_extension.get_cxx_compiler()
     digest.update("\0".join([compiler, *CFLAGS, *LDFLAGS, torch.__version__]).encode())
-    return kernel_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}"
+    return digest.hexdigest()[:16]
 
 
 @contextlib.contextmanager
