@@ -260,9 +260,10 @@ template <int ROWS, typename Row>
 inline void dot_rows(const Row& row, const typename Row::Code* q, int64_t k32,
                      const float* scale, int64_t scale_stride, int64_t blocks, float* sums) {
   constexpr int64_t kStep = Row::kStep;
-  // Two accumulators per row for one or two rows, so that consecutive FMAs do not wait on each
-  // other; more rows interleave by themselves.
-  constexpr int kChains = ROWS <= 2 ? 2 : 1;
+  // Two accumulators per row, so that one or two rows' consecutive FMAs do not wait on each
+  // other; for every tile alike, so that a row's sum is added in one order whatever rows share
+  // its tile (a request's tokens do not depend on the batch it runs in).
+  constexpr int kChains = 2;
   __m256 acc[kChains][ROWS];
   for (int c = 0; c < kChains; ++c)
     for (int r = 0; r < ROWS; ++r) acc[c][r] = _mm256_setzero_ps();
@@ -288,19 +289,17 @@ inline void dot_rows(const Row& row, const typename Row::Code* q, int64_t k32,
       }
     }
   }
-  __m256 total[ROWS];
-  for (int r = 0; r < ROWS; ++r) {
-    total[r] = acc[0][r];
-    for (int c = 1; c < kChains; ++c) total[r] = _mm256_add_ps(total[r], acc[c][r]);
+  // The tile's sums in one tree of horizontal adds, a short tile's missing rows zeros: the
+  // same order for a row in any tile.
+  __m256 total[kTile];
+  for (int r = 0; r < kTile; ++r) {
+    total[r] = r < ROWS ? _mm256_add_ps(acc[0][r], acc[1][r]) : _mm256_setzero_ps();
   }
-  if constexpr (ROWS == 4) {  // a whole tile: its four sums in one tree of horizontal adds
-    const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(total[0], total[1]),
-                                        _mm256_hadd_ps(total[2], total[3]));
-    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
-    _mm_storeu_ps(sums, _mm_add_ps(_mm_loadu_ps(sums), four));
-  } else {
-    for (int r = 0; r < ROWS; ++r) sums[r] += horizontal_sum(total[r]);
-  }
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(total[0], total[1]),
+                                      _mm256_hadd_ps(total[2], total[3]));
+  float four[kTile];
+  _mm_storeu_ps(four, _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)));
+  for (int r = 0; r < ROWS; ++r) sums[r] += four[r];
 }
 
 // sums[r] += the scaled dot products of one weight row with activation rows r < m of q (k32
@@ -492,31 +491,22 @@ at::Tensor int4_linear_with(const at::Tensor& x, const at::Tensor& codes, const 
       eight_floats(scales + at, groups - g, readable, weight_scale + g);
       eight_floats(mins + at, groups - g, readable, weight_min + g);
     }
-    // The minimums' term: one row alone (decode), or eight activation rows at a time (rows
-    // past the chunk's are zeros or the next chunk's, read and dropped), summed across in one
-    // tree.
-    if (rows == 1) {
-      __m256 min_term = _mm256_setzero_ps();
+    // The minimums' term, eight activation rows at a time (rows past the chunk's are zeros or
+    // the next chunk's, read and dropped; a decode's one row too, so that its sum is added in
+    // the order it would be in a batch), summed across in one tree.
+    for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+      __m256 min_term[8];
+      for (int j = 0; j < 8; ++j) min_term[j] = _mm256_setzero_ps();
       for (int64_t g = 0; g < groups; g += 8) {
-        min_term = _mm256_fmadd_ps(_mm256_loadu_ps(weight_min + g),
-                                   _mm256_loadu_ps(act_sum + g), min_term);
-      }
-      sums[0] += horizontal_sum(min_term);
-    } else {
-      for (int64_t r0 = 0; r0 < rows; r0 += 8) {
-        __m256 min_term[8];
-        for (int j = 0; j < 8; ++j) min_term[j] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < groups; g += 8) {
-          const __m256 w = _mm256_loadu_ps(weight_min + g);
-          for (int j = 0; j < 8; ++j) {
-            min_term[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(act_sum + (r0 + j) * stride + g),
-                                          min_term[j]);
-          }
+        const __m256 w = _mm256_loadu_ps(weight_min + g);
+        for (int j = 0; j < 8; ++j) {
+          min_term[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(act_sum + (r0 + j) * stride + g),
+                                        min_term[j]);
         }
-        float totals[8];
-        _mm256_storeu_ps(totals, folio::sum_each(min_term));
-        for (int64_t j = 0; j < std::min<int64_t>(8, rows - r0); ++j) sums[r0 + j] += totals[j];
       }
+      float totals[8];
+      _mm256_storeu_ps(totals, folio::sum_each(min_term));
+      for (int64_t j = 0; j < std::min<int64_t>(8, rows - r0); ++j) sums[r0 + j] += totals[j];
     }
     one_weight_row(Int4Row{cs + row * (k / 2), weight_scale}, xq.q.data() + first * xq.k32,
                    xq.k32, xq.blocks, rows, xq.d4.data() + first * groups * 4, groups * 4, sums);

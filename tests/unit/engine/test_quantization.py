@@ -109,6 +109,25 @@ def test_every_kernel_path_computes_the_same_product(method, in_features):
 
 
 @needs_folio_kernels
+def test_a_row_s_product_does_not_depend_on_the_rows_beside_it():
+    """Folio's kernels add each row's products in one order whatever rows share its call (its
+    tile of four, a lone decode row, a chunk): a request's greedy tokens do not depend on the
+    batch it runs in, and speculative verification rows give what plain decode rows give."""
+    codes = torch.randint(-127, 128, (96, 576), dtype=torch.int8, generator=torch.Generator())
+    weights = [
+        quantize(gaussian((96, 576), 1), "int4", folio_kernels=True),
+        quantize(gaussian((96, 72), 2), "int8", folio_kernels=True),
+        grouped_int8_weight(codes, (torch.rand(96, 18) * 0.01).half()),
+    ]
+    for weight in weights:
+        in_features = weight.codes.shape[1] * (2 if weight.method == "int4" else 1)
+        x = gaussian((quantization.MAX_INT4_KERNEL_ROWS, in_features), 3)
+        alone = torch.cat([weight.matmul(row[None]) for row in x])
+        for rows in (2, 3, 4, 5, 9, 17, len(x)):
+            assert torch.equal(weight.matmul(x[:rows]), alone[:rows]), (weight.method, rows)
+
+
+@needs_folio_kernels
 @pytest.mark.parametrize("group_dtype", [torch.float16, torch.float32])
 def test_int4_dequantizes_in_one_pass_as_the_dense_path_reads_it(group_dtype):
     """Folio's int4 dequantization kernel gives code * scale + minimum (Q4_1's order) exactly
