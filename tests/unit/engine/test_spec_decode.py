@@ -259,13 +259,15 @@ def test_rejection_sampling_keeps_the_distribution(tiny):
     assert _chi_square_p(seconds, expected_seconds[: len(seconds)]) > 0.001
 
 
-@pytest.fixture(scope="module")
-def smollm2(default_model_dir):
+@pytest.fixture(scope="module", params=["directory", "gguf"])
+def smollm2(request, default_model_dir):
+    """The default model as a float32 directory, and as it is served by default: its GGUF file
+    on the integer kernels (whose rows are added alike in any batch, so verification rows give
+    what decode rows give)."""
+    model = str(default_model_dir) if request.param == "directory" else None
     with (
-        LLM(str(default_model_dir), dtype="float32", enforce_eager=True) as plain,
-        LLM(
-            str(default_model_dir), dtype="float32", enforce_eager=True, speculative_config=NGRAM
-        ) as spec,
+        LLM(model, dtype="float32", enforce_eager=True) as plain,
+        LLM(model, dtype="float32", enforce_eager=True, speculative_config=NGRAM) as spec,
     ):
         unmeasured(spec.engine)
         yield plain, spec
