@@ -33,6 +33,7 @@ from engine.kv_tiers.book import TierBook
 from engine.kv_tiers.disk_tier import DiskTier
 from engine.kv_tiers.host_tier import HostTier, dequantize, quantize
 from engine.kv_tiers.store import SaveThread
+from polling import wait_until
 from tiny_models import VARIANTS, hf_greedy, make_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
@@ -76,16 +77,23 @@ def push_out(engine: LLMEngine) -> None:
         generate(engine, f"other{seed}", prompt(24, seed))
 
 
-@pytest.mark.parametrize("fmt", ["native", "int8"])
-def test_blocks_evicted_to_the_host_tier_come_back(llama, fmt):
-    directory, reference = llama
-    engine = make_engine(directory, kv_offload_gib=0.01, kv_offload_format=fmt)
+def through_the_host_tier(engine: LLMEngine) -> tuple[list[int], list[float]]:
+    """SHARED computed and pushed out of the pool to the host tier, then FOLLOW_UP served with
+    its six blocks loaded back from it: FOLLOW_UP's tokens and logprobs."""
     generate(engine, "first", SHARED)
     push_out(engine)
     book = engine.kv_cache.tiers
     assert book is not None and book.offloaded >= 6 and book.hits["host"] == 0
     tokens, logprobs, cached = generate(engine, "again", FOLLOW_UP)
     assert cached == 24 and book.hits["host"] == 6
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("fmt", ["native", "int8"])
+def test_blocks_evicted_to_the_host_tier_come_back(llama, fmt):
+    directory, reference = llama
+    engine = make_engine(directory, kv_offload_gib=0.01, kv_offload_format=fmt)
+    tokens, logprobs = through_the_host_tier(engine)
     stats = engine.stats()
     assert stats.kv_tier_hits == {"host": 24} and 0 < stats.kv_tier_usage["host"] < 1
     plain = make_engine(directory, num_kv_blocks=64)
@@ -174,6 +182,9 @@ def test_a_failing_save_thread_falls_back_to_saving_on_the_step(llama, pool_hit,
     with caplog.at_level(logging.ERROR, logger="engine.kv_tiers.store"):
         generate(engine, "first", SHARED)
         push_out(engine)
+        # The thread runs at the lowest priority: a load could take every save back before it
+        # tried one (and nothing would fail). Done, or failed and redone here, they leave.
+        wait_until(lambda: saves.pending == 0, "the save thread's saves", seconds=60)
         tokens, logprobs, cached = generate(engine, "again", FOLLOW_UP)
     failed = [r.getMessage() for r in caplog.records if "save thread failed" in r.getMessage()]
     assert len(failed) == 1 and "MemoryError: injected" in failed[0], failed

@@ -16,10 +16,10 @@ from test_engine import BLOCK, prompt
 from test_kv_tiers import (
     FOLLOW_UP,
     INT8_LOGPROB_BOUND,
-    SHARED,
     generate,
     make_engine,
     push_out,
+    through_the_host_tier,
     write_then_sigkill,
 )
 
@@ -62,12 +62,7 @@ def kv_dir(llama, expected, tmp_path_factory):
     kv_dir = tmp_path_factory.mktemp("kv")
     engine = tp2(llama, kv_offload_gib=0.01, kv_offload_format="native", kv_cache_dir=str(kv_dir))
     try:
-        generate(engine, "first", SHARED)
-        push_out(engine)
-        book = engine.kv_cache.tiers
-        assert book is not None and book.offloaded >= 6 and book.hits["host"] == 0
-        tokens, logprobs, cached = generate(engine, "again", FOLLOW_UP)
-        assert cached == 24 and book.hits["host"] == 6
+        tokens, logprobs = through_the_host_tier(engine)
     finally:
         engine.close()  # the ranks write their queued files first
     assert tokens == expected[0]
@@ -146,10 +141,7 @@ def test_a_tp2_engine_killed_with_sigkill_leaves_a_disk_tier_the_next_one_serves
 def test_each_rank_quantizes_its_own_shard_in_the_int8_host_tier(llama, expected):
     engine = tp2(llama, kv_offload_gib=0.01, kv_offload_format="int8")
     try:
-        generate(engine, "first", SHARED)
-        push_out(engine)
-        tokens, logprobs, cached = generate(engine, "again", FOLLOW_UP)
-        assert cached == 24 and engine.kv_cache.tiers.hits["host"] == 6
+        tokens, logprobs = through_the_host_tier(engine)
     finally:
         engine.close()
     assert tokens == expected[0]
