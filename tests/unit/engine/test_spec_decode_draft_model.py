@@ -17,6 +17,7 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_spec_decode import engine_on as spec_engine_on
 from transformers import LlamaConfig
 
 from common.config import EngineConfig
@@ -68,24 +69,10 @@ def spec_config(draft, k: int = 3) -> str:
 
 
 def engine_on(models, draft: str | None, **overrides) -> LLMEngine:
-    args = dict(
-        model=str(models / "target"),
-        dtype="float32",
-        block_size=4,
-        num_kv_blocks=40,
-        max_num_batched_tokens=32,
-        max_num_seqs=8,
-        enforce_eager=True,
-        speculative_config=spec_config(models / draft) if draft else None,
-    )
-    args.update(overrides)
-    engine = LLMEngine(EngineConfig(**args))
-    if draft:
-        # Without the measured-step gate, which follows the machine's load (see
-        # test_spec_decode.unmeasured): the same drafts every run.
-        assert engine.drafter is not None
-        engine.drafter.measured = None
-    return engine
+    """The target, drafting with `draft` (a directory under `models`) or not at all, without
+    the measured-step gate (test_spec_decode.engine_on's settings)."""
+    spec = spec_config(models / draft) if draft else None
+    return spec_engine_on((models / "target",), spec, **overrides)
 
 
 def draft_model(engine: LLMEngine) -> DraftModel:
