@@ -13,12 +13,14 @@ block hashes, the index and each replica's load:
   hold in its prefix cache (a block its host tier holds counts HOST_BLOCK_COST of a block to
   compute: it is loaded, not computed), at that replica's measured prefill rate, plus the steps
   its decoding sequences stretch (a replica that has run too few steps for its timings to be
-  its own is timed at the scale of the one that ran the most); a replica whose KV cache could
+  its own is timed at the scale of the one that ran the most; while none has, timings are not
+  compared at all: counts decide, as below); a replica whose KV cache could
   not hold that work without preempting is avoided (a hard limit) while another can. Expected
   times within a step of the best are a tie, won by the replica holding the most leading
   blocks (in its pool, then in its host tier), then by one where the request's LoRA adapter is
   resident (in a slot: no swap before it runs), then the least loaded. Engines that do not
-  report step timings are weighed by request counts as before: replicas over the load
+  report step timings, or none of which has settled, are weighed by request counts: replicas
+  over the load
   threshold skipped, the longest worthwhile prefix, ties to a replica with the adapter resident,
   then to the least loaded; with no worthwhile prefix, among the replicas under the threshold
   those with the adapter resident first.
@@ -51,7 +53,9 @@ HOST_BLOCK_COST = 0.1
 # cache_aware: an engine's step timings are its step cost model rescaled to the steps it
 # measured, over about the last 50 (engine/core/step_cost.py); until it has run this many it
 # still reports mostly the model it started from, which may be several times off (a fresh
-# replica looked 3x slower than a busy one in bench routing and got no request at all).
+# replica looked 3x slower than a busy one in bench routing and got no request at all). Two
+# fresh replicas' timings differ by more than a short prefix's prefill saves, so until one of
+# them has settled, routing goes by counts and prefixes.
 SETTLED_STEPS = 100
 MEDIUM_POOL, MEDIUM_HOST = "GPU", "CPU"  # the KV events' mediums (engine.core.kv_events)
 
@@ -254,10 +258,10 @@ def _settled(
     candidates: Sequence[int], loads: Mapping[int, ReplicaLoad]
 ) -> Mapping[int, ReplicaLoad]:
     """`loads` whose timings compare: a replica that has not run SETTLED_STEPS steps is timed
-    at the scale of the candidate that ran the most, when that one has (the replicas of one
-    gateway serve one model)."""
+    at the scale of the candidate that ran the most, which has (the replicas of one gateway
+    serve one model)."""
     reference = max((loads[r] for r in candidates), key=lambda load: load.measured_steps)
-    if reference.measured_steps < SETTLED_STEPS or not reference.prefill_token_seconds:
+    if not reference.prefill_token_seconds:
         return loads
     return {
         r: load.timed_like(reference)
@@ -299,7 +303,10 @@ class CacheAware:
         index: PrefixIndex,
         loads: Mapping[int, ReplicaLoad],
     ) -> Decision:
-        if all(loads.get(r, ReplicaLoad()).timed for r in candidates):
+        known = [loads.get(r, ReplicaLoad()) for r in candidates]
+        if all(load.timed for load in known) and any(
+            load.measured_steps >= SETTLED_STEPS for load in known
+        ):
             return self._soonest(candidates, block_hashes, index, loads)
         return self._by_counts(candidates, block_hashes, index, loads)
 

@@ -16,6 +16,7 @@ from common.block_hash import prefix_block_hashes
 from gateway.engines.replicas import Replica, pool_lora_stats
 from gateway.engines.routing import (
     BALANCE_ABS,
+    SETTLED_STEPS,
     CacheAware,
     LeastLoad,
     PrefixIndex,
@@ -102,9 +103,10 @@ def test_make_policy_names():
 
 
 def timed(**fields) -> ReplicaLoad:
-    """A replica that reports step timings: 1 ms a prefill token, 20 ms a step, 4-token blocks,
-    a pool of 1,000 blocks and a 64-token step budget, unless told otherwise."""
+    """A replica that reports step timings, settled: 1 ms a prefill token, 20 ms a step,
+    4-token blocks, a pool of 1,000 blocks and a 64-token step budget, unless told otherwise."""
     base = dict(
+        measured_steps=SETTLED_STEPS,
         prefill_token_seconds=0.001,
         decode_step_seconds=0.02,
         block_size=BLOCK,
@@ -145,19 +147,34 @@ def test_a_replica_too_fresh_for_its_own_timings_is_timed_like_the_one_that_ran_
     # against 156 ms, though replica 1 computes the prompt in one step (52 ms).
     loads = {
         0: timed(queued_prefill_tokens=40, **settled),
-        1: timed(prefill_token_seconds=0.003, decode_step_seconds=0.06),
+        1: timed(prefill_token_seconds=0.003, decode_step_seconds=0.06, measured_steps=0),
     }
     decision = CacheAware().choose([0, 1], HASHES, PrefixIndex(), loads)
     assert decision.replica == 1 and "expected in 52 ms" in decision.reason
     # Faster than it is: replica 0 holds the whole prompt (a step and 10 queued tokens, 90
     # ms); replica 1 would seem to compute it in 52 ms, but takes 156.
     slow = dict(prefill_token_seconds=0.003, decode_step_seconds=0.06)
-    loads = {0: timed(queued_prefill_tokens=10, **slow, **settled), 1: timed()}
+    loads = {0: timed(queued_prefill_tokens=10, **slow, **settled), 1: timed(measured_steps=0)}
     decision = CacheAware().choose([0, 1], HASHES, index_with({0: 8}), loads)
     assert decision.replica == 0 and decision.matched_blocks == 8
-    # With no replica settled yet, each one's own timings are all there is.
-    loads = {0: timed(queued_prefill_tokens=10, **slow, measured_steps=50), 1: timed()}
-    assert CacheAware().choose([0, 1], HASHES, index_with({0: 8}), loads).replica == 1
+
+
+def test_while_no_replica_has_settled_counts_and_prefixes_decide():
+    """Two fresh replicas' timings are their start-up cost models, apart by more than a short
+    prefix saves: the prefix holder wins though its own model calls it 3x slower, and the load
+    threshold still applies."""
+    slow = dict(prefill_token_seconds=0.003, decode_step_seconds=0.06)
+    loads = {0: timed(**slow, measured_steps=50), 1: timed(measured_steps=99)}
+    decision = CacheAware().choose([0, 1], HASHES, index_with({0: 8}), loads)
+    assert decision.replica == 0 and "holds 8/8 leading blocks" in decision.reason
+    assert "first token expected" not in decision.reason
+    loads = {0: timed(**slow, measured_steps=50, running=30), 1: timed(measured_steps=99)}
+    decision = CacheAware().choose([0, 1], HASHES, index_with({0: 8}), loads)
+    assert decision.replica == 1 and "over the load threshold" in decision.reason
+    # One settled replica is enough to time them all (the fresh one at its scale).
+    loads = {0: timed(**slow, measured_steps=50), 1: timed(measured_steps=SETTLED_STEPS)}
+    decision = CacheAware().choose([0, 1], HASHES, index_with({0: 8}), loads)
+    assert "first token expected" in decision.reason
 
 
 def test_cache_aware_avoids_a_replica_that_would_have_to_preempt():
