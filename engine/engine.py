@@ -77,7 +77,13 @@ class LLMEngine:
         # Speculative decoding: what drafts tokens before each step (engine.spec_decode).
         spec = config.speculative
         self.drafter = (
-            Drafter(spec, self.max_model_len, self.step_cost, executor.draft_proposer)
+            Drafter(
+                spec,
+                self.max_model_len,
+                self.step_cost,
+                executor.draft_proposer,
+                executor.grammar_allows,
+            )
             if spec
             else None
         )

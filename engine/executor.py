@@ -101,6 +101,11 @@ class Executor(Protocol):
         output grammar) is complete or broken, so the request must end."""
         ...
 
+    def grammar_allows(self, request: Request, tokens: list[int]) -> int:
+        """How many leading `tokens` the request's constraint accepts after its output so far
+        (all of them for an unconstrained request): speculative drafts are cut there."""
+        ...
+
     def close(self) -> None:
         """Release what the executor runs on (idempotent); it is unusable after."""
         ...

@@ -276,6 +276,11 @@ class ModelExecutor:
             request
         )
 
+    def grammar_allows(self, request: Request, tokens: list[int]) -> int:
+        if request.sampling_params.structured_output is None:
+            return len(tokens)
+        return self.structured.allowed_prefix(request, tokens)
+
     def close(self) -> None:
         if self.kv_tiers is not None:
             self.kv_tiers.close()  # the host tier's queued saves, then its thread

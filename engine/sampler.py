@@ -179,9 +179,17 @@ class Sampler:
         return SamplerOutput(token_ids, self._logprobs(logits, token_ids, rows))
 
     @torch.inference_mode()
-    def processed_probs(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        """[B, vocab_size]: the distribution each row's token is drawn from (one-hot if greedy)."""
+    def processed_probs(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[Request],
+        disallowed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[B, vocab_size]: the distribution each row's token is drawn from (one-hot if greedy),
+        `disallowed` (as sample's) never drawn."""
         logits = logits[:, : self.vocab_size].float()
+        if disallowed is not None:
+            logits = logits.masked_fill(disallowed, -math.inf)
         rows = self._rows_of(requests)
         adjusted = self._adjust_logits(logits, requests, rows)
         probs = torch.zeros_like(adjusted).scatter_(1, adjusted.argmax(-1, keepdim=True), 1.0)

@@ -118,6 +118,9 @@ class SimulatedExecutor:
     def constraint_ended(self, request: Request) -> bool:
         return False  # structured output is refused
 
+    def grammar_allows(self, request: Request, tokens: list[int]) -> int:
+        return len(tokens)
+
     def close(self) -> None:
         pass
 

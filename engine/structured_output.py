@@ -9,9 +9,12 @@ a worker thread while the forward runs (llguidance releases the GIL), and only w
 the batch is constrained.
 
 A matcher follows `request.output_token_ids`, whatever appended them, so chunked prefill and
-preemption (recompute keeps the output tokens) need nothing special. This module never chooses
-tokens (the sampler does) and never finishes a request itself (the engine does, when advance()
-says the grammar is complete).
+preemption (recompute keeps the output tokens) need nothing special. Speculative drafts
+(engine.spec_decode) are cut to what the grammar accepts before they are scheduled
+(`allowed_prefix`), and a drafting request gets a mask for each of its verified rows: the
+grammar's after each draft before it, its matcher stepped through the drafts and back. This
+module never chooses tokens (the sampler does) and never finishes a request itself (the engine
+does, when advance() says the grammar is complete).
 """
 
 from __future__ import annotations
@@ -120,6 +123,10 @@ class StructuredOutputManager:
             self._compiled.popitem(last=False)
         return matcher
 
+    def allowed_prefix(self, request: Request, tokens: list[int]) -> int:
+        """How many leading `tokens` the request's grammar accepts after its output so far."""
+        return self._synced(request).matcher.validate_tokens(tokens)
+
     def advance(self, request: Request) -> bool:
         """Feed the matcher the request's new output tokens; True when the grammar is complete
         (nothing but EOS may follow) or the tokens broke it, so the request must end."""
@@ -147,18 +154,36 @@ class StructuredOutputManager:
         return self._worker.submit(self.disallowed, requests, rows)
 
     def disallowed(self, requests: Sequence[Request], rows: Sequence[int]) -> torch.Tensor:
-        """bool [len(requests), vocab_size], True where the grammar of requests[i], i in rows,
-        forbids the token next; the other rows are all False."""
-        if len(self._bitmask) < len(rows):
-            self._bitmask = np.zeros((len(rows), self._words), dtype=np.int32)
-        bitmask = self._bitmask[: len(rows)]
-        # llguidance writes each listed row whole (one bit per token id): reuse needs no clearing.
-        self._executor.unsafe_compute_mask_ptr(
-            [(self._synced(requests[i]).matcher, j) for j, i in enumerate(rows)],
-            bitmask.ctypes.data,
-            self._words * 4,
-            len(rows),
-        )
+        """bool [sampled rows, vocab_size], True where the grammar of requests[i], i in rows,
+        forbids the token next; the other requests' rows are all False. A request has one
+        sampled row, or 1 + len(spec_token_ids) when it drafted (engine.spec_decode.verify's
+        layout): the mask before its first draft, then after each draft."""
+        counts = [1 + len(r.spec_token_ids) for r in requests]
+        firsts = np.cumsum(counts) - counts
+        masked: list[int] = []  # the sampled rows the bitmask's rows are, in order
+        places: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
+        for i in rows:
+            places.append(
+                (self._synced(requests[i]).matcher, len(masked), requests[i].spec_token_ids)
+            )
+            masked += range(firsts[i], firsts[i] + counts[i])
+        if len(self._bitmask) < len(masked):
+            self._bitmask = np.zeros((len(masked), self._words), dtype=np.int32)
+        bitmask = self._bitmask[: len(masked)]
+        # llguidance writes each listed row whole (one bit per token id): reuse needs no
+        # clearing. Drafts were cut to what the grammar accepts, so every draft row is written.
+        drafting = [place for place in places if place[2]]
+        if drafting:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(
+                drafting, bitmask.ctypes.data, self._words * 4, len(masked)
+            )
+        if len(drafting) < len(places):
+            self._executor.unsafe_compute_mask_ptr(
+                [(matcher, j) for matcher, j, drafts in places if not drafts],
+                bitmask.ctypes.data,
+                self._words * 4,
+                len(masked),
+            )
         if self.device.type == "cpu":
             # The inverted bits unpack straight into bools (True = forbidden), single-threaded:
             # torch's threads would contend with the forward running beside this.
@@ -172,12 +197,12 @@ class StructuredOutputManager:
             )
         else:
             packed = torch.from_numpy(bitmask).to(self.device)
-            forbidden = ((packed[:, :, None] & self._bits) == 0).view(len(rows), -1)
+            forbidden = ((packed[:, :, None] & self._bits) == 0).view(len(masked), -1)
             forbidden = forbidden[:, : self.vocab_size]
-        if len(rows) == len(requests):
+        if len(masked) == sum(counts):
             return forbidden
-        mask = torch.zeros(len(requests), self.vocab_size, dtype=torch.bool, device=self.device)
-        mask[torch.tensor(rows, device=self.device)] = forbidden
+        mask = torch.zeros(sum(counts), self.vocab_size, dtype=torch.bool, device=self.device)
+        mask[torch.tensor(masked, device=self.device)] = forbidden
         return mask
 
     def _synced(self, request: Request) -> _MatcherState:

@@ -15,7 +15,10 @@ PROBE_STEPS steps drafts anyway, to measure again).
 
 After the step, `settle` records how many of a request's drafts were accepted. Requests whose
 tokens depend on their own output in ways a draft would change (penalties, min_tokens not yet
-reached, a structured-output grammar) never draft: one log line says so, once per reason.
+reached) never draft: one log line says so, once per reason. A request with a structured-output
+grammar drafts only what its grammar accepts: its drafts are cut at the first token the grammar
+refuses (the executor's grammar_allows), and verification draws each position under the mask
+the grammar gives after the drafts before it (engine.structured_output).
 
 Torch-free: it never sees the model or the logits (verification is engine.spec_decode.verify's)
 and never changes what a request has computed (the engine loop does).
@@ -27,7 +30,7 @@ import logging
 import statistics
 import weakref
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -177,8 +180,11 @@ class Drafter:
         max_model_len: int,
         step_cost: LiveStepCost | None,
         draft_model: DraftProposer | None = None,
+        grammar_allows: Callable[[Request, list[int]], int] | None = None,
     ) -> None:
-        """`draft_model`: the executor's draft model, for method draft_model."""
+        """`draft_model`: the executor's draft model, for method draft_model. `grammar_allows`:
+        how many leading drafts a constrained request's grammar accepts (the executor's; None:
+        no request is constrained)."""
         if config.method == "draft_model" and draft_model is None:
             raise ValueError(
                 "speculative_config: method: draft_model needs an executor that runs models "
@@ -186,6 +192,7 @@ class Drafter:
             )
         self.config = config
         self.draft_model = draft_model
+        self.grammar_allows = grammar_allows
         self.max_model_len = max_model_len
         self.step_cost = step_cost
         self.stats = SpecStats()
@@ -243,6 +250,9 @@ class Drafter:
         else:
             drafts = [self._draft(request, k) for request, k in drafting]
         for (request, _), draft in zip(drafting, drafts, strict=True):
+            if draft and request.sampling_params.structured_output is not None:
+                assert self.grammar_allows is not None, "a constrained request without a grammar"
+                del draft[self.grammar_allows(request, draft) :]
             request.spec_token_ids = draft
 
     def _length(self, state: _Acceptance) -> int:
@@ -317,8 +327,6 @@ class Drafter:
         if request.pooling is not None or not request.output_token_ids:
             return False
         params = request.sampling_params
-        if params.structured_output is not None:
-            return self._skip("structured output (its grammar is not checked against drafts)")
         if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
             return self._skip("repetition, presence or frequency penalties")
         return request.num_output_tokens >= params.min_tokens

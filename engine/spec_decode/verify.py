@@ -105,9 +105,9 @@ class Verifier:
         disallowed: torch.Tensor | None,
     ) -> SamplerOutput:
         """logits: the step's sampled rows (sampled_rows' layout); requests: the sampling
-        requests, one per sample (each drafting one owns len(spec_token_ids) + 1 rows).
-        Rows that drafted nothing are sampled as usual (their masks in `disallowed`, one row
-        per request); the others are verified."""
+        requests, one per sample (each drafting one owns len(spec_token_ids) + 1 rows);
+        disallowed: the structured-output masks, a row per logits row. Rows that drafted
+        nothing are sampled as usual; the others are verified, each position under its mask."""
         counts = [len(r.spec_token_ids) + 1 for r in requests]
         last = np.cumsum(counts) - 1
         plain = [i for i, r in enumerate(requests) if not r.spec_token_ids]
@@ -118,7 +118,7 @@ class Verifier:
         if plain:
             index = torch.tensor(last[plain], device=logits.device)
             masks = (
-                disallowed[torch.tensor(plain, device=disallowed.device)]
+                disallowed[torch.tensor(last[plain], device=disallowed.device)]
                 if (disallowed is not None)
                 else None
             )
@@ -135,7 +135,12 @@ class Verifier:
             ]
             rows = logits[torch.tensor(row_index, device=logits.device)]
             expanded = [requests[i] for i in drafting for _ in range(counts[i])]
-            probs = self.sampler.processed_probs(rows, expanded).cpu()
+            masks = (
+                disallowed[torch.tensor(row_index, device=disallowed.device)]
+                if disallowed is not None
+                else None
+            )
+            probs = self.sampler.processed_probs(rows, expanded, masks).cpu()
             begin = 0
             starts = []
             for i in drafting:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from tokenizers import Tokenizer
 
 from common.block_hash import ROOT_HASH, hash_block
 from common.config import EngineConfig
@@ -37,6 +38,7 @@ from engine.spec_decode.drafter import (
 from engine.spec_decode.ngram import propose_ngram
 from engine.spec_decode.suffix import SuffixIndex
 from engine.spec_decode.verify import Verifier
+from engine.structured_output import StructuredOutputManager
 from gateway.engines.vllm_metrics import vllm_families
 from gateway.openai.completions import Plan, _usage
 from gateway.pipeline.text import Usage
@@ -288,6 +290,54 @@ def test_default_model_greedy_equal_on_copy_heavy_prompts(smollm2):
     assert sum(r.num_accepted_tokens for r in got) > 0
 
 
+def test_a_constrained_requests_drafts_are_cut_where_its_grammar_refuses(default_model_dir):
+    """Drafts of a request under a grammar end before the first token the grammar refuses
+    after its output so far (the default model's tokenizer, llguidance's own check)."""
+    structured = StructuredOutputManager(default_model_dir, 49152, [2])
+    tokenizer = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+    one, two, x = (tokenizer.token_to_id(t) for t in ("1", "2", "x"))
+    drafter = Drafter(
+        SpeculativeConfig("ngram", num_speculative_tokens=3, prompt_lookup_min=1),
+        max_model_len=1000,
+        step_cost=None,
+        grammar_allows=structured.allowed_prefix,
+    )
+    drafter.measured = None
+    digits = StructuredOutput(regex="[0-9]+")
+    tokens = [one, two, x, one, two, x, one]
+    constrained, free = drafting_request(tokens, structured_output=digits), drafting_request(tokens)
+    drafter.propose([constrained, free])
+    assert free.spec_token_ids == [two, x, one]
+    assert constrained.spec_token_ids == [two]  # "1" then "2" is a number, "12x" is not
+
+
+def test_default_model_greedy_equal_under_a_grammar(smollm2):
+    """Requests under a JSON schema and a regex draft, their drafts verified under the
+    grammar's mask at each position: the greedy tokens those of the engine without drafts,
+    drafts accepted, the output valid."""
+    plain, spec = smollm2
+    record = '{"name": "Ada Lovelace", "city": "London", "born": 1815}'
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "city": {"type": "string"},
+            "born": {"type": "integer"},
+        },
+        "required": ["name", "city", "born"],
+        "additionalProperties": False,
+    }
+    prompts = [f"Repeat this JSON exactly: {record}\nRepeated: ", "Count: 1 2 3 4 5 1 2 3 4 5 1"]
+    constraints = [StructuredOutput(json=schema), StructuredOutput(regex="( [1-5])+")]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, structured_output=c) for c in constraints
+    ]
+    expected, got = plain.generate(prompts, params), spec.generate(prompts, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    assert got[0].num_accepted_tokens > 0 and got[1].num_accepted_tokens > 0
+    assert json.loads(got[0].text) == json.loads(record)
+
+
 def test_verification_steps_run_compiled_with_the_greedy_tokens_of_compiled_decode(tiny):
     """With compiled CPU decode, a step that only verifies drafts runs its tokens through the
     compiled programs as one-token rows (counted apart), and the greedy tokens equal those of
@@ -411,7 +461,6 @@ def test_requests_whose_distribution_follows_their_drafts_never_draft():
         dict(repetition_penalty=1.2),
         dict(frequency_penalty=0.5),
         dict(min_tokens=5),
-        dict(structured_output=StructuredOutput(regex="[0-9]+")),
     ):
         request = drafting_request(tokens, **params)
         drafter.propose([request])
