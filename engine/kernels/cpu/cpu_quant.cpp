@@ -3,7 +3,9 @@
 // scale per group of 32 or 16 input features (GGUF Q8_0's blocks, w = d * q with d float16, or
 // Q6_K's sub-blocks, d * sc in float32), or as 4-bit codes in groups of 32 (GGUF Q4_1's scheme:
 // w = code * scale + min, scale and min float16, or float32 where float16 would round them:
-// Q4_K's d * sc needs up to 17 significant bits).
+// Q4_K's d * sc needs up to 17 significant bits); and a fused layer whose parts keep different
+// ones of these layouts (a GGUF Q4_K_M's q and k in Q4_K, v in Q6_K), its parts' products side by
+// side in one output.
 //
 // Integer dot products for decode batches and prefills alike (up to a few hundred rows; the caller
 // dequantizes beyond): each call first quantizes the activations in blocks of 32 features (x ~ q*d,
@@ -24,6 +26,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -358,17 +361,16 @@ inline int64_t chunk_rows(int64_t m, int64_t row_bytes) {
   return std::min(m, std::max<int64_t>(kTile, kChunkBytes / row_bytes / kTile * kTile));
 }
 
-// Runs `fill(row, first, rows, sums, scratch)` for every output channel `row` and every chunk of
-// activation rows [first, first + rows), in parallel over output channels, sums zeroed first,
-// and writes out[first .. first + rows, row]; scratch holds `scratch_floats` floats of the
+// Runs `fill(row, first, rows, sums, scratch)` for every output channel `row` < n and every chunk
+// of activation rows [first, first + rows), in parallel over output channels, sums zeroed first,
+// and writes out[(first + r) * ld + row] (`ld` the output's row stride: n, or a fused layer's
+// width where this product is one of its parts); scratch holds `scratch_floats` floats of the
 // worker's own. A chunk's quantized rows (`row_bytes` each) fit in L1 together, so each weight
 // row is read from memory once per chunk and the activations stay in L1 across weight rows.
 template <typename Fill>
-at::Tensor for_each_output(int64_t m, int64_t n, const at::Tensor& x, int64_t row_bytes,
-                           int64_t scratch_floats, const Fill& fill) {
+void for_each_output(int64_t m, int64_t n, int64_t row_bytes, int64_t scratch_floats, float* out,
+                     int64_t ld, const Fill& fill) {
   const int64_t chunk = chunk_rows(m, row_bytes);
-  at::Tensor out = at::empty({m, n}, x.options());
-  float* os = out.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> sums(chunk), scratch(scratch_floats);
     for (int64_t first = 0; first < m; first += chunk) {
@@ -376,55 +378,30 @@ at::Tensor for_each_output(int64_t m, int64_t n, const at::Tensor& x, int64_t ro
       for (int64_t row = begin; row < end; ++row) {
         std::fill(sums.begin(), sums.begin() + rows, 0.0f);
         fill(row, first, rows, sums.data(), scratch.data());
-        for (int64_t r = 0; r < rows; ++r) os[(first + r) * n + row] = sums[r];
+        for (int64_t r = 0; r < rows; ++r) out[(first + r) * ld + row] = sums[r];
       }
     }
   });
-  return out;
 }
 
-}  // namespace
-
-// x [M, K] float32, w [N, K] int8, scales [N] float32 -> [M, N] float32. Input features past the
-// last whole block of 32 are multiplied in float.
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
-  const int64_t k = w.size(1), m = x.size(0);
-  check_inputs(x, w, k);
-  TORCH_CHECK(w.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat &&
-                  scales.is_contiguous() && scales.numel() == w.size(0),
-              "int8_linear takes int8 weights and float32 scales, one per output channel");
-  const float* xs = x.data_ptr<float>();
-  const int8_t* ws = w.data_ptr<int8_t>();
-  const float* ss = scales.data_ptr<float>();
-  const QuantizedActivations<int16_t> xq(xs, m, k);
-  const int64_t row_bytes = xq.k32 * static_cast<int64_t>(sizeof(int16_t));
-  return for_each_output(m, w.size(0), x, row_bytes, 0,
-                         [&](int64_t row, int64_t first, int64_t rows, float* sums, float*) {
-    const int8_t* wr = ws + row * k;
-    one_weight_row(Int8Row{wr}, xq.q.data() + first * xq.k32, xq.k32, xq.blocks, rows,
-                   xq.d.data() + first * xq.padded_blocks, xq.padded_blocks, sums);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* xr = xs + (first + r) * k;
-      for (int64_t i = xq.k32; i < k; ++i) sums[r] += xr[i] * wr[i];
-      sums[r] *= ss[row];
-    }
-  });
+// A new [M, N] float32 output for x's rows.
+at::Tensor new_output(const at::Tensor& x, int64_t n) {
+  return at::empty({x.size(0), n}, x.options());
 }
 
-// x [M, K] float32, w [N, K] int8, scale [N, K/G] float16 or float32 (G = 32 or 16 features
-// to a group, w = scale * code) -> [M, N] float32.
+// x's rows [M, K] times grouped int8 weights w [N, K] with scales [N, K/G] float16 or float32
+// (G = 32 or 16 features to a group, w = scale * code), written to out[m, row] at m * ld + row.
 template <int kGroup, typename S>
-at::Tensor grouped_int8_linear_with(const at::Tensor& x, const at::Tensor& w, const S* scales) {
-  const int64_t k = w.size(1), n = w.size(0), m = x.size(0);
+void grouped_int8_rows(const QuantizedActivations<int16_t>& xq, int64_t m, const at::Tensor& w,
+                       const S* scales, float* out, int64_t ld) {
+  const int64_t k = w.size(1), n = w.size(0);
   const int8_t* ws = w.data_ptr<int8_t>();
   const int64_t groups = k / kGroup;
-  const QuantizedActivations<int16_t> xq(x.data_ptr<float>(), m, k);
   const int64_t row_bytes = xq.k32 * static_cast<int64_t>(sizeof(int16_t));
   constexpr bool kWide = std::is_same_v<S, float>;
   // scratch: a float16 row's scales in float32 (float32 ones are read where they lie).
-  return for_each_output(m, n, x, row_bytes, kWide ? 0 : round_up(groups, 8),
-                         [&](int64_t row, int64_t first, int64_t rows, float* sums,
-                             float* scratch) {
+  for_each_output(m, n, row_bytes, kWide ? 0 : round_up(groups, 8), out, ld,
+                  [&](int64_t row, int64_t first, int64_t rows, float* sums, float* scratch) {
     const float* row_scale;
     if constexpr (kWide) {
       row_scale = scales + row * groups;
@@ -441,9 +418,8 @@ at::Tensor grouped_int8_linear_with(const at::Tensor& x, const at::Tensor& w, co
   });
 }
 
-at::Tensor grouped_int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+void check_grouped_int8(const at::Tensor& w, const at::Tensor& scale) {
   const int64_t k = w.size(1), n = w.size(0);
-  check_inputs(x, w, k);
   const at::ScalarType type = scale.scalar_type();
   TORCH_CHECK(w.scalar_type() == at::kChar && (type == at::kHalf || type == at::kFloat) &&
                   scale.dim() == 2 && scale.size(0) == n && scale.is_contiguous(),
@@ -455,32 +431,37 @@ at::Tensor grouped_int8_linear(const at::Tensor& x, const at::Tensor& w, const a
   TORCH_CHECK(groups == k / kBlock || groups == 2 * (k / kBlock),
               "grouped int8 takes a scale per 32 or per 16 input features: ", groups,
               " groups for ", k, " features");
-  const bool halves = groups == 2 * (k / kBlock);
-  if (type == at::kFloat) {
-    const float* s = scale.data_ptr<float>();
-    return halves ? grouped_int8_linear_with<kBlock / 2>(x, w, s)
-                  : grouped_int8_linear_with<kBlock>(x, w, s);
-  }
-  const at::Half* s = scale.data_ptr<at::Half>();
-  return halves ? grouped_int8_linear_with<kBlock / 2>(x, w, s)
-                : grouped_int8_linear_with<kBlock>(x, w, s);
 }
 
-// x [M, K] float32; codes [N, K/2] uint8 (in each group of 32 input features, 16 bytes: byte i
-// holds feature i in its low half, feature i + 16 in its high half); scale and min [N, K/32]
-// float16, or both float32 -> [M, N] float32.
+// A checked grouped int8 weight's product (check_grouped_int8), its scales' type and group
+// size chosen.
+void grouped_int8_into(const QuantizedActivations<int16_t>& xq, int64_t m, const at::Tensor& w,
+                       const at::Tensor& scale, float* out, int64_t ld) {
+  const bool halves = scale.size(1) == 2 * (w.size(1) / kBlock);
+  if (scale.scalar_type() == at::kFloat) {
+    const float* s = scale.data_ptr<float>();
+    halves ? grouped_int8_rows<kBlock / 2>(xq, m, w, s, out, ld)
+           : grouped_int8_rows<kBlock>(xq, m, w, s, out, ld);
+    return;
+  }
+  const at::Half* s = scale.data_ptr<at::Half>();
+  halves ? grouped_int8_rows<kBlock / 2>(xq, m, w, s, out, ld)
+         : grouped_int8_rows<kBlock>(xq, m, w, s, out, ld);
+}
+
+// x's rows [M, K] times int4 codes [N, K/2] uint8 (in each group of 32 input features, 16
+// bytes: byte i holds feature i in its low half, feature i + 16 in its high half) with scale
+// and min [N, K/32] float16, or both float32, written to out[m, row] at m * ld + row.
 template <typename S>
-at::Tensor int4_linear_with(const at::Tensor& x, const at::Tensor& codes, const S* scales,
-                            const S* mins) {
-  const int64_t k = codes.size(1) * 2, n = codes.size(0), m = x.size(0);
+void int4_rows(const QuantizedActivations<int8_t>& xq, int64_t m, const at::Tensor& codes,
+               const S* scales, const S* mins, float* out, int64_t ld) {
+  const int64_t k = codes.size(1) * 2, n = codes.size(0);
   const uint8_t* cs = codes.data_ptr<uint8_t>();
   const int64_t groups = k / kBlock;
-  const QuantizedActivations<int8_t> xq(x.data_ptr<float>(), m, k);
   const int64_t stride = xq.padded_blocks;
   // scratch: this row's scales and minimums in float32, zero-padded like the activations'.
-  return for_each_output(m, n, x, xq.k32, 2 * stride,
-                         [&](int64_t row, int64_t first, int64_t rows, float* sums,
-                             float* scratch) {
+  for_each_output(m, n, xq.k32, 2 * stride, out, ld,
+                  [&](int64_t row, int64_t first, int64_t rows, float* sums, float* scratch) {
     // Locals, so that the stores below cannot be taken to change them.
     const float* const act_sum = xq.q_sum.data() + first * stride;
     float* const weight_scale = scratch;
@@ -513,10 +494,8 @@ at::Tensor int4_linear_with(const at::Tensor& x, const at::Tensor& codes, const 
   });
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                       const at::Tensor& min) {
+void check_int4(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min) {
   const int64_t k = codes.size(1) * 2, n = codes.size(0);
-  check_inputs(x, codes, k);
   TORCH_CHECK(k % kBlock == 0, "int4 needs input features divisible by ", kBlock);
   const at::ScalarType type = scale.scalar_type();
   TORCH_CHECK(codes.scalar_type() == at::kByte && (type == at::kHalf || type == at::kFloat) &&
@@ -524,9 +503,123 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
                   scale.numel() == n * (k / kBlock) && min.numel() == scale.numel(),
               "int4_linear takes uint8 codes and scales and minimums per group, both float16 "
               "or both float32");
-  if (type == at::kFloat)
-    return int4_linear_with(x, codes, scale.data_ptr<float>(), min.data_ptr<float>());
-  return int4_linear_with(x, codes, scale.data_ptr<at::Half>(), min.data_ptr<at::Half>());
+}
+
+// A checked int4 weight's product (check_int4), its scales' type chosen.
+void int4_into(const QuantizedActivations<int8_t>& xq, int64_t m, const at::Tensor& codes,
+               const at::Tensor& scale, const at::Tensor& min, float* out, int64_t ld) {
+  if (scale.scalar_type() == at::kFloat) {
+    int4_rows(xq, m, codes, scale.data_ptr<float>(), min.data_ptr<float>(), out, ld);
+  } else {
+    int4_rows(xq, m, codes, scale.data_ptr<at::Half>(), min.data_ptr<at::Half>(), out, ld);
+  }
+}
+
+}  // namespace
+
+// x [M, K] float32, w [N, K] int8, scales [N] float32 -> [M, N] float32. Input features past the
+// last whole block of 32 are multiplied in float.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  const int64_t k = w.size(1), m = x.size(0), n = w.size(0);
+  check_inputs(x, w, k);
+  TORCH_CHECK(w.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat &&
+                  scales.is_contiguous() && scales.numel() == n,
+              "int8_linear takes int8 weights and float32 scales, one per output channel");
+  const float* xs = x.data_ptr<float>();
+  const int8_t* ws = w.data_ptr<int8_t>();
+  const float* ss = scales.data_ptr<float>();
+  const QuantizedActivations<int16_t> xq(xs, m, k);
+  const int64_t row_bytes = xq.k32 * static_cast<int64_t>(sizeof(int16_t));
+  at::Tensor out = new_output(x, n);
+  for_each_output(m, n, row_bytes, 0, out.data_ptr<float>(), n,
+                  [&](int64_t row, int64_t first, int64_t rows, float* sums, float*) {
+    const int8_t* wr = ws + row * k;
+    one_weight_row(Int8Row{wr}, xq.q.data() + first * xq.k32, xq.k32, xq.blocks, rows,
+                   xq.d.data() + first * xq.padded_blocks, xq.padded_blocks, sums);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = xs + (first + r) * k;
+      for (int64_t i = xq.k32; i < k; ++i) sums[r] += xr[i] * wr[i];
+      sums[r] *= ss[row];
+    }
+  });
+  return out;
+}
+
+// x [M, K] float32, w [N, K] int8, scale [N, K/G] float16 or float32 (G = 32 or 16 features
+// to a group, w = scale * code) -> [M, N] float32.
+at::Tensor grouped_int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  check_inputs(x, w, w.size(1));
+  check_grouped_int8(w, scale);
+  const QuantizedActivations<int16_t> xq(x.data_ptr<float>(), x.size(0), w.size(1));
+  at::Tensor out = new_output(x, w.size(0));
+  grouped_int8_into(xq, x.size(0), w, scale, out.data_ptr<float>(), w.size(0));
+  return out;
+}
+
+// x [M, K] float32; codes [N, K/2] uint8 (int4_rows' order); scale and min [N, K/32] float16,
+// or both float32 -> [M, N] float32.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                       const at::Tensor& min) {
+  const int64_t k = codes.size(1) * 2;
+  check_inputs(x, codes, k);
+  check_int4(codes, scale, min);
+  const QuantizedActivations<int8_t> xq(x.data_ptr<float>(), x.size(0), k);
+  at::Tensor out = new_output(x, codes.size(0));
+  int4_into(xq, x.size(0), codes, scale, min, out.data_ptr<float>(), codes.size(0));
+  return out;
+}
+
+// A fused layer whose parts (q, k and v; gate and up) keep different layouts: part i is int4
+// (codes[i] uint8 [N_i, K/2], scales[i] and mins[i] as int4_linear's) or grouped int8 (codes[i]
+// int8 [N_i, K], scales[i] as grouped_int8_linear's, mins[i] None). x [M, K] float32 ->
+// [M, sum N_i] float32, part i's products in its columns, each exactly what its own op gives
+// (the activations quantized once per kind, each part writing its columns in place: no
+// per-part outputs to concatenate).
+at::Tensor parts_linear(const at::Tensor& x, at::TensorList codes, at::TensorList scales,
+                        const c10::List<std::optional<at::Tensor>>& mins) {
+  TORCH_CHECK(!codes.empty() && scales.size() == codes.size() && mins.size() == codes.size(),
+              "parts_linear takes as many scales and minimums as codes, at least one part; got ",
+              codes.size(), " codes, ", scales.size(), " scales and ", mins.size(), " minimums");
+  TORCH_CHECK(x.dim() == 2, "x must be a contiguous float32 matrix");
+  const int64_t k = x.size(1);
+  int64_t n = 0;
+  bool int4 = false, int8 = false;
+  for (size_t i = 0; i < codes.size(); ++i) {
+    const std::optional<at::Tensor> min = mins[i];
+    const bool is_int4 = min.has_value();
+    TORCH_CHECK(codes[i].dim() == 2, "part ", i, " of parts_linear: codes must be a matrix");
+    const int64_t width = codes[i].size(1) * (is_int4 ? 2 : 1);
+    TORCH_CHECK(width == k, "part ", i, " of parts_linear (", is_int4 ? "int4" : "grouped int8",
+                ", codes of shape ", codes[i].sizes(), ") takes ", width,
+                " input features; x has ", k);
+    check_inputs(x, codes[i], k);
+    if (is_int4) {
+      check_int4(codes[i], scales[i], *min);
+    } else {
+      check_grouped_int8(codes[i], scales[i]);
+    }
+    int4 = int4 || is_int4;
+    int8 = int8 || !is_int4;
+    n += codes[i].size(0);
+  }
+  const int64_t m = x.size(0);
+  const float* xs = x.data_ptr<float>();
+  std::optional<QuantizedActivations<int8_t>> x8;
+  std::optional<QuantizedActivations<int16_t>> x16;
+  if (int4) x8.emplace(xs, m, k);
+  if (int8) x16.emplace(xs, m, k);
+  at::Tensor out = new_output(x, n);
+  float* columns = out.data_ptr<float>();
+  for (size_t i = 0; i < codes.size(); ++i) {
+    const std::optional<at::Tensor> min = mins[i];
+    if (min.has_value()) {
+      int4_into(*x8, m, codes[i], scales[i], *min, columns, n);
+    } else {
+      grouped_int8_into(*x16, m, codes[i], scales[i], columns, n);
+    }
+    columns += codes[i].size(0);
+  }
+  return out;
 }
 
 namespace {
@@ -618,6 +711,7 @@ TORCH_LIBRARY(folio_quant, library) {
   library.def("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   library.def("int4_linear(Tensor x, Tensor codes, Tensor scale, Tensor min) -> Tensor");
   library.def("grouped_int8_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
+  library.def("parts_linear(Tensor x, Tensor[] codes, Tensor[] scales, Tensor?[] mins) -> Tensor");
   library.def("int4_dequantize(Tensor codes, Tensor scale, Tensor min, ScalarType dtype) -> Tensor");
 }
 
@@ -625,5 +719,6 @@ TORCH_LIBRARY_IMPL(folio_quant, CPU, library) {
   library.impl("int8_linear", &int8_linear);
   library.impl("int4_linear", &int4_linear);
   library.impl("grouped_int8_linear", &grouped_int8_linear);
+  library.impl("parts_linear", &parts_linear);
   library.impl("int4_dequantize", &int4_dequantize);
 }

@@ -1,6 +1,7 @@
 """Loads Folio's AVX2 CPU kernels as one torch extension, compiled once per machine into the
 Folio cache directory and reused after that: the weight-only quantized matmuls (cpu_quant.cpp,
-ops torch.ops.folio_quant.int8_linear, grouped_int8_linear and int4_linear), paged attention
+ops torch.ops.folio_quant.int8_linear, grouped_int8_linear, int4_linear and parts_linear, a fused
+layer's parts in different ones of those layouts), paged attention
 (cpu_attention.cpp, torch.ops.folio_cpu_attention.paged_attention for any step,
 paged_decode_attention for decode-only ones, and decode_step_attention for compiled decode
 programs), and dense linears that compiled programs can call (cpu_linear.cpp:
@@ -158,6 +159,14 @@ def _register_output_shapes() -> None:
     ) -> torch.Tensor:
         return x.new_empty(x.shape[0], codes.shape[0])
 
+    def parts_linear_shape(
+        x: torch.Tensor,
+        codes: list[torch.Tensor],
+        scales: list[torch.Tensor],
+        minimums: list[torch.Tensor | None],
+    ) -> torch.Tensor:
+        return x.new_empty(x.shape[0], sum(part.shape[0] for part in codes))
+
     def int4_dequantize_shape(
         codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
@@ -187,6 +196,7 @@ def _register_output_shapes() -> None:
     torch.library.register_fake("folio_quant::int8_linear")(int8_shape)
     torch.library.register_fake("folio_quant::int4_linear")(int4_shape)
     torch.library.register_fake("folio_quant::grouped_int8_linear")(grouped_int8_shape)
+    torch.library.register_fake("folio_quant::parts_linear")(parts_linear_shape)
     torch.library.register_fake("folio_quant::int4_dequantize")(int4_dequantize_shape)
     torch.library.register_fake("folio_cpu_attention::decode_step_attention")(attention_shape)
     torch.library.register_fake("folio_linear::packed_linear")(packed_linear_shape)
