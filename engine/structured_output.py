@@ -171,8 +171,11 @@ class StructuredOutputManager:
             self._bitmask = np.zeros((len(masked), self._words), dtype=np.int32)
         bitmask = self._bitmask[: len(masked)]
         # llguidance writes each listed row whole (one bit per token id): reuse needs no
-        # clearing. Drafts were cut to what the grammar accepts, so every draft row is written.
+        # clearing; but it stops at a draft that ends the grammar (EOS), leaving the rows after
+        # it, whose tokens the request never keeps, as they were: those allow everything.
         drafting = [place for place in places if place[2]]
+        for _, j, drafts in drafting:
+            bitmask[j + 1 : j + 1 + len(drafts)] = -1
         if drafting:
             self._executor.unsafe_compute_mask_ptr_with_draft_token(
                 drafting, bitmask.ctypes.data, self._words * 4, len(masked)

@@ -115,6 +115,32 @@ def test_masks_allow_what_the_grammar_allows_and_eos_only_when_complete(engine, 
     engine.executor.structured.release(request)
 
 
+def test_a_drafting_request_gets_the_grammars_mask_after_each_draft(engine, tokenizer):
+    """Speculative drafts: one mask row per verified row, the matcher stepped through the
+    drafts and back; a row past a draft that ends the grammar (EOS) allows everything (its
+    token is never kept), however the buffer was used before; an unconstrained request beside
+    it gets rows with nothing forbidden."""
+    structured = engine.executor.structured
+    one, two = tokenizer.token_to_id("1"), tokenizer.token_to_id("2")
+    digits = set(tokenizer.token_to_id(d) for d in "0123456789")
+    request = constrained("drafts", StructuredOutput(regex=r"[0-9]{2}"))
+    free = Request("free", [1, 9, 9], SamplingParams())
+    free.spec_token_ids = [5]
+    structured.add(request)
+    for drafts in ([one, two, EOS], [one, two]):
+        structured.disallowed([request, free], [0])  # the buffer holds other rows first
+        request.spec_token_ids = drafts
+        disallowed = structured.disallowed([free, request], [1])
+        assert disallowed.shape == (2 + 1 + len(drafts), VOCAB)
+        allowed = [set(torch.nonzero(~row).flatten().tolist()) for row in disallowed]
+        assert allowed[0] == allowed[1] == set(range(VOCAB))  # the unconstrained rows
+        assert allowed[2] == allowed[3] == digits and allowed[4] == {EOS}
+        assert allowed[5:] == [set(range(VOCAB))] * (len(drafts) - 2)
+    request.spec_token_ids = []
+    assert allowed_ids(engine, request) == digits  # the matcher stepped back
+    structured.release(request)
+
+
 def test_matchers_are_per_request_and_compiled_grammars_cached(engine, tokenizer):
     choice = StructuredOutput(choice=["yes", "no"])
     assert engine.executor.structured.compile(choice) is engine.executor.structured.compile(
