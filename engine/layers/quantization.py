@@ -1,7 +1,9 @@
 """Weight-only quantization of linear layers on the CPU: int8 per output channel, or int4 in
 groups of 32 input features; the activations stay in the model's dtype. A GGUF's int8 tensors
 keep their own grid: int8 with a scale per group of 32 (Q8_0's blocks, copied bit for bit) or
-16 input features (Q6_K's sub-blocks), "grouped int8", on Folio's kernels only.
+16 input features (Q6_K's sub-blocks), "grouped int8", on Folio's kernels only; a fused layer
+whose parts come in both (a Q4_K_M GGUF's q and k in Q4_K, v in Q6_K) keeps each part in its own
+layout, its product the parts' products side by side (`parts_weight`).
 
 int4 uses the scheme of GGUF's Q4_1 (each group of 32 weights: a scale and a minimum, codes
 0-15), so the default model, whose weights come from a Q4_1 GGUF, is served on exactly the 4-bit
@@ -51,7 +53,7 @@ MAX_INT4_KERNEL_ROWS = 64
 class QuantizedWeight:
     """An [out, in] weight; `matmul(x)` is x @ weight.T."""
 
-    method: str  # "int8", GROUPED_INT8 or "int4"
+    method: str  # "int8", GROUPED_INT8 or "int4" (a PartsWeight: its parts', e.g. "int4 + ...")
     # int8 (either): [out, in] int8 codes. int4: [out, in / 2] uint8, two 4-bit codes to a
     # byte: in each group of 32 input features, byte i holds feature i in its low half and
     # feature i + 16 in its high half (GGUF Q4_1's order).
@@ -132,6 +134,69 @@ class QuantizedWeight:
         if self.method != GROUPED_INT8:
             raise ValueError(f"rows are looked up in grouped int8 weights, not {self.method}")
         return _grouped(self.codes[ids], self.scale[ids], torch.float32).flatten(-2)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[out, in] of the float weight this one stands for."""
+        in_features = self.codes.shape[1] * (2 if self.method == "int4" else 1)
+        return self.codes.shape[0], in_features
+
+
+@dataclass
+class PartsWeight(QuantizedWeight):
+    """A fused layer's weight (q, k and v; gate and up) whose parts keep different layouts on
+    Folio's kernels, int4 and grouped int8 (a Q4_K_M GGUF's q and k in Q4_K, v in Q6_K; runs of
+    parts in one layout are one part here), none rounded to another's grid: x @ weight.T is the
+    parts' products side by side. Up to every part's row limit one parts_linear call writes them
+    into one output (each part's product exactly its own kernel's: no per-part outputs to
+    concatenate); beyond it each part takes its own path (a long prefill's dense products).
+    `codes` and `scale` are empty: the parts hold the weights."""
+
+    parts: tuple[QuantizedWeight, ...] = ()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if flat.shape[0] > self.max_kernel_rows:
+            out = torch.cat([part.matmul(flat) for part in self.parts], dim=-1)
+        else:
+            parts = self.parts
+            out = self.kernels.parts_linear(
+                flat.contiguous(),
+                [p.codes for p in parts],
+                [p.scale for p in parts],
+                [p.minimum for p in parts],
+            )
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+
+    @property
+    def max_kernel_rows(self) -> int:
+        return min(part.max_kernel_rows for part in self.parts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([part.dequantized(dtype) for part in self.parts])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        raise ValueError(f"rows are looked up in grouped int8 weights, not {self.method}")
+
+
+def parts_weight(parts: list[QuantizedWeight]) -> PartsWeight:
+    """The fused weight of `parts` (in the layer's order), each int4 or grouped int8 on Folio's
+    kernels, of the same input features."""
+    kinds = [part.method for part in parts]
+    if not parts or any(kind not in ("int4", GROUPED_INT8) for kind in kinds):
+        raise ValueError(f"a parts weight takes int4 and grouped int8 parts, got {kinds}")
+    if any(part.kernels is None for part in parts):
+        raise ValueError("a parts weight runs on Folio's kernels only; a part is on torch's")
+    widths = {part.shape[1] for part in parts}
+    if len(widths) != 1:
+        raise ValueError(f"a parts weight's parts take the same input features, got {widths}")
+    method = " + ".join(dict.fromkeys(kinds))
+    empty = torch.empty(0, dtype=torch.int8)
+    return PartsWeight(method, empty, empty, None, torch.ops.folio_quant, parts=tuple(parts))
 
 
 def _grouped(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

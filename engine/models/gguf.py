@@ -16,8 +16,12 @@ model's dtype (float32 on an AVX2 CPU), without rounding: Q8_0's blocks are copi
 scales d * sc (a layer holding Q6_K has groups of 16 throughout: a Q8_0 part's scale is then
 kept for each half of its block). So is the vocabulary's tensor: the token embedding looks up
 and dequantizes only the rows it needs, and a tied one is the vocabulary projection too, one
-copy for both. Elsewhere (another dtype) they are dequantized exactly into float32, as are
-Q5_0, Q5_1 and Q5_K (engine.models.gguf_dequant says why these fit no integer layout exactly).
+copy for both. A fused layer mixing the int4 and int8 kinds (a Q4_K_M file's q and k in Q4_K, v
+in Q6_K) keeps each run of parts in its own layout, its product the parts' side by side
+(engine.layers.quantization.PartsWeight), on Folio's kernels; a layer with a part of another
+type is read as floats. Elsewhere (another dtype) Q8_0 and Q6_K are dequantized exactly into
+float32 (so are a mixed layer's parts), as are Q5_0, Q5_1 and Q5_K (engine.models.gguf_dequant
+says why these fit no integer layout exactly).
 Any other type is refused, naming it and the tensor, before anything is loaded. llama.cpp's
 converter permutes the rows of Q and K of a llama file for its RoPE (pairs of adjacent features
 rotated together): the load undoes it (qwen2's and qwen3's rotate halves, as Hugging Face's do,
@@ -26,6 +30,7 @@ and are written as they are). This module never writes files and never quantizes
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +47,7 @@ from engine.layers.quantization import (
     QuantizedWeight,
     grouped_int8_weight,
     int4_weight,
+    parts_weight,
 )
 from engine.layers.vocab import VocabRows
 from engine.models.gguf_dequant import BLOCK_BYTES, dequantize_blocks, q4_k_groups, q6_k_groups
@@ -112,8 +118,9 @@ def load_gguf_weights(
     `our_name` maps a Hugging Face name to (parameter, shard) as engine.models.loader does.
     Linear layers whose every part is Q4_0/Q4_1/Q4_K get their int4 weights here (on the CPU),
     those whose every part is Q8_0/Q6_K their grouped int8 weights (on Folio's kernels), as do
-    the vocabulary's rows (model.lm_head_packed, and the embedding's lookup);
-    model.finalize_weights keeps them."""
+    the vocabulary's rows (model.lm_head_packed, and the embedding's lookup), and those mixing
+    the two kinds a parts weight of both (on Folio's kernels); model.finalize_weights keeps
+    them."""
     reader = read_gguf(path)
     for tensor in reader.tensors:
         if tensor.tensor_type not in FLOAT_TYPES | INT4_TYPES:
@@ -154,19 +161,17 @@ def load_gguf_weights(
         ordered = [shards[s] for s in sorted(shards, key=lambda s: s or 0)]
         on_cpu = param.device.type == "cpu"
         if isinstance(module, Linear) and name.endswith(".weight") and on_cpu:
-            if types <= INT4_TYPES:
-                _load_int4(module, ordered)
-                continue
-            if types <= INT8_TYPES and folio_quant_kernels(param.dtype, param.device):
-                module.packed = _grouped_int8(ordered, param)
-                param.data = param.data.new_empty(0)  # the int8 copy is the one read
+            packed = _integer_weight(ordered, param)
+            if packed is not None:
+                module.packed = packed
+                param.data = param.data.new_empty(0)  # the integer copy is the only one read
                 continue
         if (
             isinstance(module, VocabRows)
             and types <= INT8_TYPES
             and folio_quant_kernels(param.dtype, param.device)
         ):
-            _load_vocabulary(model, module, _grouped_int8(ordered, param))
+            _load_vocabulary(model, module, _checked(_grouped_int8(ordered), ordered, param))
             continue
         for shard, part in shards.items():
             target = param.data
@@ -194,7 +199,41 @@ def _load_vocabulary(model: LlamaForCausalLM, rows: VocabRows, weight: Quantized
     rows.weight.data = rows.weight.data.new_empty(0)
 
 
-def _grouped_int8(parts: list[_Part], param: torch.Tensor) -> QuantizedWeight:
+def _integer_weight(parts: list[_Part], param: torch.Tensor) -> QuantizedWeight | None:
+    """A linear layer's parts (in the fused layer's order) as one integer weight, where their
+    types allow: all Q4_0/Q4_1/Q4_K int4 (Folio's kernels, or torch's for another dtype), all
+    Q8_0/Q6_K grouped int8, or a mix of the two a parts weight, each run of parts of one kind
+    in its own layout (both on Folio's kernels only); None where the layer is read as floats."""
+    types = {part.type for part in parts}
+    folio = folio_quant_kernels(param.dtype, param.device)
+    if types <= INT4_TYPES:
+        return _checked(_int4(parts, param.dtype, folio), parts, param)
+    if not folio or not types <= INT4_TYPES | INT8_TYPES:
+        return None
+    if types <= INT8_TYPES:
+        return _checked(_grouped_int8(parts), parts, param)
+    runs = [list(run) for _, run in itertools.groupby(parts, key=lambda p: p.type in INT4_TYPES)]
+    weight = parts_weight(
+        [
+            _int4(run, param.dtype, folio) if run[0].type in INT4_TYPES else _grouped_int8(run)
+            for run in runs
+        ]
+    )
+    return _checked(weight, parts, param)
+
+
+def _checked(weight: QuantizedWeight, parts: list[_Part], param: torch.Tensor) -> QuantizedWeight:
+    """`weight`, made of `parts`, where it has the shape of the model's parameter."""
+    if weight.shape != tuple(param.shape):
+        names = ", ".join(p.gguf_name for p in parts)
+        raise ValueError(
+            f"GGUF tensors {names} hold {weight.shape[0]} rows of {weight.shape[1]} weights, "
+            f"the model expects {tuple(param.shape)}"
+        )
+    return weight
+
+
+def _grouped_int8(parts: list[_Part]) -> QuantizedWeight:
     """Q8_0 blocks (a float16 d, then 32 int8 codes) or Q6_K super-blocks as one grouped int8
     weight, the parts' rows stacked as the fused layer orders them: groups of 32 with Q8_0's
     float16 scales as they are, or, with any Q6_K part, groups of 16 with float32 scales (a
@@ -219,14 +258,7 @@ def _grouped_int8(parts: list[_Part], param: torch.Tensor) -> QuantizedWeight:
                 scale = scale.float().repeat_interleave(2, dim=1)
         codes.append(q)
         scales.append(scale)
-    weight = torch.cat(codes)
-    if weight.shape != param.shape:
-        names = ", ".join(p.gguf_name for p in parts)
-        raise ValueError(
-            f"GGUF tensors {names} hold {weight.shape[0]} rows of {weight.shape[1]} weights, "
-            f"the model expects {tuple(param.shape)}"
-        )
-    return grouped_int8_weight(weight, torch.cat(scales))
+    return grouped_int8_weight(torch.cat(codes), torch.cat(scales))
 
 
 def _q4_k_as_int4(part: _Part) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -284,10 +316,10 @@ def _as_float32(part: _Part) -> np.ndarray:
     return dequantize(part.rows, part.type)
 
 
-def _load_int4(module: Linear, parts: list[_Part]) -> None:
+def _int4(parts: list[_Part], dtype: torch.dtype, folio_kernels: bool) -> QuantizedWeight:
     """Q4_0/Q4_1 blocks (rows of 2-byte float16 d, for Q4_1 a float16 m, then 16 bytes of
-    codes) or Q4_K super-blocks as Folio's int4 weight, the parts' rows stacked as the fused
-    layer orders them."""
+    codes) or Q4_K super-blocks as Folio's int4 weight for activations of `dtype`, the parts'
+    rows stacked as the fused layer orders them."""
     codes, scales, minimums = [], [], []
     for part in parts:
         if part.type == Q.Q4_K:
@@ -309,22 +341,12 @@ def _load_int4(module: Linear, parts: list[_Part]) -> None:
         codes.append(torch.from_numpy(blocks[..., header:].reshape(blocks.shape[0], -1)))
         scales.append(torch.from_numpy(scale.astype(np.float32)))
         minimums.append(torch.from_numpy(minimum.astype(np.float32)))
-    weight = module.weight
-    packed = torch.cat(codes)
-    if tuple(packed.shape) != (weight.shape[0], weight.shape[1] // 2):
-        names = ", ".join(p.gguf_name for p in parts)
-        raise ValueError(
-            f"GGUF tensors {names} hold {packed.shape[0]} rows of {packed.shape[1] * 2} weights, "
-            f"the model expects {tuple(weight.shape)}"
-        )
     exact_in_half = all(part.type != Q.Q4_K for part in parts)
-    module.packed = int4_weight(
-        packed,
+    return int4_weight(
+        torch.cat(codes),
         torch.cat(scales),
         torch.cat(minimums),
-        weight.dtype,
-        folio_quant_kernels(weight.dtype, weight.device),
+        dtype,
+        folio_kernels,
         group_dtype=torch.float16 if exact_in_half else torch.float32,
     )
-    # The int4 copy is the only one the forward reads.
-    weight.data = weight.data.new_empty(0)

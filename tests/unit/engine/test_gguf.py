@@ -2,7 +2,9 @@
 (llama.cpp's tensor names and Q/K row permutation) give transformers' greedy tokens (F32), and
 a quantized or half-precision one (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16)
 gives what the same weights in float32 give, Folio's dequantization equal to gguf's own; a tied
-Q8_0 or Q6_K vocabulary is one grouped int8 copy, embedding and projection; a type Folio does
+Q8_0 or Q6_K vocabulary is one grouped int8 copy, embedding and projection; fused layers mixing
+Q4_K and Q6_K parts (llama.cpp's Q4_K_M) keep each part's grid on the integer kernels; a type
+Folio does
 not read is refused, naming it and the tensor; the default model's own GGUF holds the codes
 (its tied Q8_0 vocabulary on the grouped int8 kernel) and gives the logits of its prepared
 (converted) directory."""
@@ -28,7 +30,7 @@ from engine.engine import LLMEngine
 from engine.kernels.cpu.capabilities import cpu_capabilities
 from engine.layers.linear import Linear, describe_linears
 from engine.layers.parallel import SINGLE
-from engine.layers.quantization import GROUPED_INT8, QuantizedWeight
+from engine.layers.quantization import GROUPED_INT8, PartsWeight, QuantizedWeight, parts_weight
 from engine.model_runner import resolve_dtype
 from engine.models.gguf_dequant import BLOCK_BYTES, dequantize_blocks
 from engine.models.gguf_metadata import file_quantization
@@ -285,8 +287,10 @@ def dense_in_float32(monkeypatch, *models) -> None:
     monkeypatch.setattr(quantization, "cpu_capabilities", lambda: no_bf16)
     for model in models:
         for module in model.modules():
-            if isinstance(getattr(module, "packed", None), QuantizedWeight):
-                monkeypatch.setattr(module.packed, "dense_bf16", False)
+            packed = getattr(module, "packed", None)
+            for weight in getattr(packed, "parts", [packed]):
+                if isinstance(weight, QuantizedWeight):
+                    monkeypatch.setattr(weight, "dense_bf16", False)
 
 
 @pytest.mark.parametrize("name", list(BLOCK_BYTES))
@@ -357,10 +361,10 @@ def test_a_q4_k_gguf_runs_on_the_int4_kernels_without_rounding(tmp_path, monkeyp
     assert engine_greedy(quantized) == engine_greedy(twin)
 
 
-def linears_as_in_file(model, config, path: Path, method: str) -> list[QuantizedWeight]:
-    """Every linear layer's weight (`method` on Folio's kernels), which dequantized equals
-    gguf's dequantization of the file's blocks bit for bit, the fused layers' parts and Q and
-    K rows back in the file's order."""
+def linears_as_in_file(model, config, path: Path, method: str | None) -> list[QuantizedWeight]:
+    """Every linear layer's weight (`method` on Folio's kernels; None: any of their layouts),
+    which dequantized equals gguf's dequantization of the file's blocks bit for bit, the fused
+    layers' parts and Q and K rows back in the file's order."""
     in_file = {
         t.name: dequantize(np.asarray(t.data), t.tensor_type) for t in gguf.GGUFReader(path).tensors
     }
@@ -370,7 +374,8 @@ def linears_as_in_file(model, config, path: Path, method: str) -> list[Quantized
         if not isinstance(module, Linear):
             continue
         packed = module.packed
-        assert isinstance(packed, QuantizedWeight) and packed.method == method, name
+        assert isinstance(packed, QuantizedWeight), name
+        assert method is None or packed.method == method, name
         assert packed.kernels is not None, name
         weights.append(packed)
         prefix, _, fused = name.rpartition(".")
@@ -459,6 +464,74 @@ def test_a_layer_mixing_q8_0_and_q6_k_runs_in_groups_of_16(tmp_path, monkeypatch
     assert dequantizing <= 1e-5 and dense <= 1e-5
 
 
+def test_a_q4_k_m_gguf_keeps_its_mixed_layers_on_the_integer_kernels(tmp_path, monkeypatch):
+    """As llama.cpp's Q4_K_M mixes types: Q4_K linears but v_proj in Q6_K, up_proj in Q6_K on
+    layer 0 and down_proj on layer 1 (half the layers). The fused layers holding both (qkv_proj:
+    q and k Q4_K, v Q6_K; layer 0's gate_up_proj) are parts weights, each run of parts in its
+    own grid: int4 with Q4_K's float32 scales and minimums, grouped int8 in Q6_K's groups of 16
+    (they were read as floats); every weight dequantized equals gguf's dequantization bit for
+    bit. A parts weight's product equals its parts' own products side by side exactly, at a
+    decode's rows, a batch's and a long prefill's. The logits are the float32 twin's within the
+    int4 kernels' bound (3%, as a Q4_K file's), within summation order (1e-5) through the
+    dequantizing path, where the engine's greedy tokens are the twin's."""
+    reference = wide_reference(tmp_path)
+    mix = {"v_proj": Q.Q6_K, "0.mlp.up_proj": Q.Q6_K, "1.mlp.down_proj": Q.Q6_K}
+    quantized = write_gguf(tmp_path / "q.gguf", reference, Q.Q4_K, part_types=mix)
+    twin = write_gguf(tmp_path / "twin.gguf", reference, Q.Q4_K, dequantized=True, part_types=mix)
+    assert file_quantization(quantized) == "int4"
+    model, config = load_model(quantized, torch.float32, "cpu")
+    twin_model, _ = load_model(twin, torch.float32, "cpu")
+    linears_as_in_file(model, config, quantized, None)
+    first, second = model.model.layers
+    for module in (first.self_attn.qkv_proj, second.self_attn.qkv_proj, first.mlp.gate_up_proj):
+        packed = module.packed
+        assert isinstance(packed, PartsWeight) and packed.method == "int4 + grouped int8"
+        int4, int8 = packed.parts
+        assert int4.method == "int4" and int4.scale.dtype == torch.float32
+        assert int8.method == GROUPED_INT8 and int8.scale.dtype == torch.float32
+        assert int8.codes.shape[1] == int8.scale.shape[1] * 16
+        assert int8.shape[0] == module.output_sizes[-1]  # v, or up
+        for rows in (1, 5, 70, 300):
+            x = torch.randn(rows, packed.shape[1])
+            parts = torch.cat([part.matmul(x) for part in packed.parts], dim=-1)
+            assert torch.equal(packed.matmul(x), parts), rows
+    for module, method in [
+        (first.self_attn.o_proj, "int4"),
+        (first.mlp.down_proj, "int4"),
+        (second.mlp.gate_up_proj, "int4"),
+        (second.mlp.down_proj, GROUPED_INT8),
+    ]:
+        assert type(module.packed) is QuantizedWeight and module.packed.method == method
+    assert "3 int4 + grouped int8 (Folio)" in describe_linears(model)
+    kernels, dequantizing, dense_bf16 = logits_errors(model, twin_model, config, monkeypatch)
+    print(
+        f"Q4_K + Q6_K: logits relative error {kernels:.3%} (kernels), {dequantizing:.1e}, "
+        f"{dense_bf16:.3%} (dequantized, bfloat16 where native)"
+    )
+    assert kernels <= 0.03 and dense_bf16 <= 0.03
+    assert dequantizing <= 1e-5
+    dense_in_float32(monkeypatch)
+    assert engine_greedy(quantized) == engine_greedy(twin)
+
+
+def test_a_parts_weight_refuses_parts_it_cannot_multiply():
+    """Parts of different input features, or on torch's kernels, are refused naming the
+    problem, as is a product whose activations do not fit a part."""
+    int4 = quantization.quantize(torch.randn(32, 64), "int4", folio_kernels=True)
+    wider = quantization.quantize(torch.randn(32, 96), "int4", folio_kernels=True)
+    on_torch = quantization.quantize(torch.randn(32, 64), "int4", folio_kernels=False)
+    with pytest.raises(ValueError, match="same input features"):
+        parts_weight([int4, wider])
+    with pytest.raises(ValueError, match="Folio's kernels only"):
+        parts_weight([int4, on_torch])
+    with pytest.raises(ValueError, match=r"takes int4 and grouped int8 parts, got \['int8'\]"):
+        parts_weight([quantization.quantize(torch.randn(32, 64), "int8", folio_kernels=True)])
+    weight = parts_weight([int4, int4])
+    assert weight.shape == (64, 64)
+    with pytest.raises(RuntimeError, match="takes 64 input features; x has 96"):
+        weight.matmul(torch.randn(2, 96))
+
+
 def test_dtype_auto_keeps_a_4_bit_file_on_the_integer_kernels(tmp_path, reference):
     """The file's int4 (and a Q8_0 file's grouped int8) layers take float32 activations, as
     --quantization int4's do; a file of floats is none of Folio's quantizations."""
@@ -475,8 +548,11 @@ def test_dtype_auto_keeps_a_4_bit_file_on_the_integer_kernels(tmp_path, referenc
 def test_compiled_decode_runs_a_4_bit_file(tmp_path, reference):
     """Programs keyed by the file's config and tensor layout (it has no config.json), on
     float32 activations (dtype auto), give the eager engine's tokens; the Q8_0 embedding's rows
-    are looked up in its grouped int8 copy inside them (and lm_head, untied, is grouped int8)."""
-    model = write_gguf(tmp_path / "q4.gguf", reference, Q.Q4_1, vocab_type=Q.Q8_0)
+    are looked up in its grouped int8 copy inside them (and lm_head, untied, is grouped int8),
+    and qkv_proj, its v in Q8_0, is a parts weight of int4 and grouped int8."""
+    model = write_gguf(
+        tmp_path / "q4.gguf", reference, Q.Q4_1, vocab_type=Q.Q8_0, part_types={"v_proj": Q.Q8_0}
+    )
 
     def engine(eager: bool) -> LLMEngine:
         config = EngineConfig(
@@ -495,6 +571,7 @@ def test_compiled_decode_runs_a_4_bit_file(tmp_path, reference):
     assert runner.model.model.embed_tokens.quantized is not None
     assert isinstance(runner.model.lm_head_packed, QuantizedWeight)
     assert runner.model.lm_head_packed.method == GROUPED_INT8
+    assert isinstance(runner.model.model.layers[0].self_attn.qkv_proj.packed, PartsWeight)
     programs = compiled.executor.runner.compiled_decode
     assert programs is not None and programs.ready
     assert compiled.executor.runner.dtype == torch.float32
