@@ -4,7 +4,10 @@ softmax weights (renormalised over the k where the model does), experts that are
 
 - The CPU path (the torch attention backend) sorts the step's (token, expert) pairs by expert
   once and runs each expert once over the tokens routed to it, through engine.layers.linear, so
-  its weights get the packed, bfloat16-tile or int8/int4 forms every other linear gets.
+  its weights get the packed, bfloat16-tile or int8/int4 forms every other linear gets. Its
+  sizes depend on the routing, so inside a compiled decode program it is one opaque op,
+  folio::moe_experts, handed the experts' weights (as tensors and a layout of ints) and
+  rebuilding their linears from them: the program around it stays one graph.
 - The GPU path (the Triton backend) stacks the experts' weights once loaded and runs the fused
   kernel of engine.kernels.triton.fused_moe: the pairs sorted by expert in blocks, one grouped
   GEMM for gate_up, one activation, one grouped GEMM for down, with no host synchronisation.
@@ -19,6 +22,8 @@ which model has experts (engine.models does).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
@@ -28,7 +33,14 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.layers.activation import ClampedSwiGLU, SiluAndMul
-from engine.layers.linear import Linear, column_linear, empty_parameter, linear
+from engine.layers.linear import (
+    Bf16Tiles,
+    Linear,
+    PackedWeight,
+    column_linear,
+    empty_parameter,
+    linear,
+)
 from engine.layers.parallel import (
     SINGLE,
     CheckpointSlice,
@@ -36,6 +48,9 @@ from engine.layers.parallel import (
     all_reduce_,
     split_evenly,
 )
+from engine.layers.quantization import GROUPED_INT8, QuantizedWeight
+
+QUANTIZED = ("int8", GROUPED_INT8, "int4")  # QuantizedWeight's methods
 
 
 class Router(nn.Module):
@@ -209,17 +224,16 @@ class SparseMoe(nn.Module):
         self.b13: torch.Tensor | None = None
         self.b2: torch.Tensor | None = None
         self.fused_act: nn.Module | None = None
-        # Data-dependent sizes: a compiled decode program calls the per-expert path as is
-        # (dynamo's disable). Wrapped here rather than decorated: the decorator imports dynamo
-        # (about a second) with this module, which every engine start imports, MoE or not.
-        self._per_expert = torch.compiler.disable(self._per_expert)  # type: ignore[method-assign]
+        # The CPU path's experts in order, and (gpt-oss) their activation's constants.
+        self._expert_list = [cast(Expert, self.experts[str(e)]) for e in self.local_experts]
+        self._swiglu = list(clamped_swiglu) if clamped_swiglu else []
 
     def finalize_weights(self) -> None:
         """Called before the experts' own linears are finalized: the fused path takes their
         float weights (stacked) and the per-expert modules go."""
         if not self.fused:
             return
-        experts = [cast(Expert, self.experts[str(e)]) for e in self.local_experts]
+        experts = self._expert_list
         self.w13 = torch.stack([e.gate_up_proj.weight.data for e in experts])
         self.w2 = torch.stack([e.down_proj.weight.data for e in experts])
         first = experts[0]
@@ -229,10 +243,20 @@ class SparseMoe(nn.Module):
             self.b2 = torch.stack([cast(torch.Tensor, e.down_proj.bias).data for e in experts])
         self.fused_act = first.act
         self.experts = nn.ModuleDict()
+        self._expert_list = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = self._fused(x, weights, ids) if self.fused else self._per_expert(x, weights, ids)
+        if self.fused:
+            out = self._fused(x, weights, ids)
+        elif torch.compiler.is_compiling():
+            # One opaque op (its sizes depend on the routing): the program stays one graph.
+            parts, gate_up, down = self._op_weights()
+            out = torch.ops.folio.moe_experts(
+                x, weights, ids, parts, gate_up, down, self.local_experts.start, self._swiglu
+            )
+        else:
+            out = run_experts(x, weights, ids, self.local_experts.start, self._expert_list)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out += self.shared_expert_gate(x) * self.shared_expert(x)
         return out if self.tp.size == 1 else all_reduce_(out, self.tp)
@@ -249,23 +273,186 @@ class SparseMoe(nn.Module):
             ids = local.masked_fill_((local < 0) | (local >= len(self.local_experts)), -1)
         return fused_moe(x, self.w13, self.w2, weights, ids, self.b13, self.b2, self.fused_act)
 
-    def _per_expert(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-    ) -> torch.Tensor:
-        """Each of this rank's experts once, over the tokens routed to it, in expert order (as
-        transformers adds them up)."""
-        flat = ids.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        flat_weights = weights.flatten()
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            pairs = order[start : start + count]
-            start += count
-            if count == 0 or expert not in self.local_experts:
-                continue
-            tokens = pairs // self.top_k
-            h = self.experts[str(expert)](x[tokens])
-            out.index_add_(0, tokens, (h * flat_weights[pairs, None]).to(x.dtype))
-        return out
+    def _op_weights(self) -> tuple[list[torch.Tensor], list[int], list[int]]:
+        """The local experts' weights as folio::moe_experts takes them: every expert's gate_up
+        tensors then its down tensors, one expert after another, and the layout of each of the
+        two projections (the same for every expert). Traced by dynamo when a program is
+        compiled, so plain attribute reads only."""
+        parts: list[torch.Tensor] = []
+        layouts: list[list[int]] = []
+        for expert in self._expert_list:
+            down = expert.down_proj
+            for projection, bias in (
+                (expert.gate_up_proj, expert.gate_up_proj.bias),
+                (down, down.bias if down.adds_bias else None),
+            ):
+                layout, tensors = weight_layout(projection, bias)
+                parts.extend(tensors)
+                layouts.append(layout)
+        if any(layout != layouts[i % 2] for i, layout in enumerate(layouts)):
+            raise ValueError("the experts of a layer must share one weight form")
+        return parts, layouts[0], layouts[1]
+
+
+def run_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    first_expert: int,
+    experts: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+) -> torch.Tensor:
+    """The CPU path: each of this rank's experts (`experts[e - first_expert]` is expert e) once,
+    over the tokens routed to it, added up in expert order (as transformers adds them).
+    weights and ids are the router's [T, k]; the result is [T, hidden], partial with several
+    ranks."""
+    top_k = ids.shape[1]
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=first_expert + len(experts)).tolist()
+    flat_weights = weights.flatten()
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        pairs = order[start : start + count]
+        start += count
+        local = expert - first_expert
+        if count == 0 or not 0 <= local < len(experts):
+            continue
+        tokens = pairs // top_k
+        h = experts[local](x[tokens])
+        out.index_add_(0, tokens, (h * flat_weights[pairs, None]).to(x.dtype))
+    return out
+
+
+# How a linear's weight travels through folio::moe_experts: its tensors, and a layout of ints
+# (dynamo folds them into the program as constants): LAYOUT's fields, the form an index into
+# FORMS (engine.layers.linear.pack_weight's forms, and QuantizedWeight's methods).
+FORMS = ("dense", "oneDNN packed", "bfloat16 tiles", "widened bfloat16 tiles", *QUANTIZED)
+LAYOUT = ("form", "out_features", "folio_kernels", "minimum", "torch_int4", "dense_bf16", "bias")
+
+
+def weight_layout(
+    linear: Linear, bias: torch.Tensor | None
+) -> tuple[list[int], list[torch.Tensor]]:
+    """A linear's weight in the form it runs in, with `bias` (the linear's own, or None), as
+    (layout, tensors) for linear_from_layout."""
+    packed = linear.packed
+    fields = dict.fromkeys(LAYOUT, 0)
+    if isinstance(packed, QuantizedWeight):
+        fields.update(
+            form=FORMS.index(packed.method),
+            folio_kernels=packed.kernels is not None,
+            minimum=packed.minimum is not None,
+            torch_int4=packed.torch_int4 is not None,
+            dense_bf16=packed.dense_bf16,
+        )
+        tensors = [packed.codes, packed.scale]
+        if packed.minimum is not None:
+            tensors.append(packed.minimum)
+        if packed.torch_int4 is not None:
+            tensors.extend(packed.torch_int4)
+    elif isinstance(packed, Bf16Tiles):
+        form = "widened bfloat16 tiles" if packed.widened else "bfloat16 tiles"
+        fields.update(form=FORMS.index(form), out_features=packed.out_features)
+        tensors = [packed.tiles]
+    elif packed is not None:
+        fields.update(form=FORMS.index("oneDNN packed"))
+        tensors = [packed]
+    else:
+        tensors = [linear.weight]
+    if bias is not None:
+        fields.update(bias=True)
+        tensors.append(bias)
+    return [int(v) for v in fields.values()], tensors
+
+
+def linear_from_layout(
+    layout: list[int], tensors: list[torch.Tensor]
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
+    """What weight_layout took apart, as x -> x @ weight.T (+ bias) through the same kernel, and
+    how many of `tensors` (from the first) it used."""
+    fields = dict(zip(LAYOUT, layout, strict=True))
+    form = FORMS[fields["form"]]
+    count = 1
+    weight = _NO_WEIGHT
+    packed: PackedWeight | None
+    if form in QUANTIZED:
+        minimum = tensors[2] if fields["minimum"] else None
+        count = 2 + fields["minimum"]
+        torch_int4 = None
+        if fields["torch_int4"]:
+            torch_int4 = (tensors[count], tensors[count + 1])
+            count += 2
+        kernels = torch.ops.folio_quant if fields["folio_kernels"] else None
+        packed = QuantizedWeight(
+            form, tensors[0], tensors[1], minimum, kernels, torch_int4, bool(fields["dense_bf16"])
+        )
+    elif form == "dense":
+        weight, packed = tensors[0], None
+    elif form == "oneDNN packed":
+        packed = tensors[0]
+    else:
+        packed = Bf16Tiles(tensors[0], fields["out_features"], form == "widened bfloat16 tiles")
+    bias = tensors[count] if fields["bias"] else None
+    count += fields["bias"]
+    return functools.partial(linear, weight=weight, packed=packed, bias=bias), count
+
+
+# A dense weight's placeholder where the packed form is the one read.
+_NO_WEIGHT = torch.empty(0)
+
+
+@functools.cache
+def _activation(swiglu: tuple[float, ...]) -> nn.Module:
+    """The experts' activation on the CPU (the torch backend's): SiLU, or with (alpha, limit)
+    gpt-oss's clamped SwiGLU."""
+    backend = TorchAttentionBackend(use_folio_kernels=False)  # its activations hold no state
+    return ClampedSwiGLU(backend, *swiglu) if swiglu else SiluAndMul(backend)
+
+
+def _expert(
+    gate_up: Callable[[torch.Tensor], torch.Tensor],
+    act: nn.Module,
+    down: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+) -> torch.Tensor:
+    return down(act(gate_up(x)))
+
+
+@torch.library.custom_op("folio::moe_experts", mutates_args=())
+def _experts_op(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    parts: list[torch.Tensor],
+    gate_up: list[int],
+    down: list[int],
+    first_expert: int,
+    swiglu: list[float],
+) -> torch.Tensor:
+    """run_experts over the experts SparseMoe._op_weights took apart: what compiled programs
+    call, the sizes inside depending on the routing."""
+    act = _activation(tuple(swiglu))
+    experts = []
+    at = 0
+    while at < len(parts):
+        gate_up_linear, used = linear_from_layout(gate_up, parts[at:])
+        at += used
+        down_linear, used = linear_from_layout(down, parts[at:])
+        at += used
+        experts.append(functools.partial(_expert, gate_up_linear, act, down_linear))
+    return run_experts(x, weights, ids, first_expert, experts)
+
+
+@_experts_op.register_fake
+def _experts_shape(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    parts: list[torch.Tensor],
+    gate_up: list[int],
+    down: list[int],
+    first_expert: int,
+    swiglu: list[float],
+) -> torch.Tensor:
+    return torch.empty_like(x)
