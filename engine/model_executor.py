@@ -67,10 +67,11 @@ class ModelExecutor:
         quantization = config.quantization or file_quantization(self.model_path)
         dtype = resolve_dtype(config.dtype, config.device, quantization)
         tp_size = config.tensor_parallel_size
-        if config.speculative is not None and tp_size > 1:
+        spec = config.speculative
+        if spec is not None and spec.method == "draft_model" and tp_size > 1:
             raise ValueError(
-                "speculative_config: speculative decoding with tensor parallelism "
-                "(tensor_parallel_size > 1) is not supported yet"
+                "speculative_config: method draft_model with tensor parallelism "
+                "(tensor_parallel_size > 1) is not supported yet (ngram and suffix are)"
             )
         check_tensor_parallel_size(
             model_config.num_attention_heads, model_config.num_key_value_heads, tp_size

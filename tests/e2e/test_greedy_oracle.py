@@ -158,10 +158,21 @@ def test_preemption_matches_transformers(default_model_dir, prompts, reference):
 
 def test_tensor_parallel_3_matches_transformers(default_model_dir, prompts, reference):
     """SmolLM2-135M's 9 heads and 3 KV heads over 3 ranks (one KV head each): worker ranks as
-    real processes over gloo, the same greedy tokens."""
-    with LLM(model=str(default_model_dir), dtype="float32", tensor_parallel_size=3) as llm:
+    real processes over gloo, the same greedy tokens, with ngram drafts verified (their
+    tokens carried to the workers in the step's plan)."""
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    with LLM(
+        model=str(default_model_dir),
+        dtype="float32",
+        tensor_parallel_size=3,
+        speculative_config=ngram,
+    ) as llm:
+        assert llm.engine.drafter is not None
+        llm.engine.drafter.measured = None  # drafts whatever the machine's load says
         got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
         assert [r.token_ids for r in got] == reference
+        stats = llm.engine.stats()
+        assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
 
 
 @contextlib.contextmanager

@@ -56,19 +56,18 @@ FIRST_WAVE = {f"a{i}": prompt(SHARED + 7 * i, i) for i in range(4)}
 SECOND_WAVE = {"b0": FIRST_WAVE["a0"][:SHARED] + prompt(9, 50), "b1": prompt(30, 51)}
 
 
-def make_engine(model_dir, tp: int) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=str(model_dir),
-            dtype="float32",
-            block_size=BLOCK,
-            # Too few blocks for all four first-wave requests at once: some are preempted.
-            num_kv_blocks=14,
-            max_num_batched_tokens=BUDGET,
-            max_num_seqs=6,
-            tensor_parallel_size=tp,
-        )
+def make_engine(model_dir, tp: int, **overrides) -> LLMEngine:
+    args = dict(
+        model=str(model_dir),
+        dtype="float32",
+        block_size=BLOCK,
+        # Too few blocks for all four first-wave requests at once: some are preempted.
+        num_kv_blocks=14,
+        max_num_batched_tokens=BUDGET,
+        max_num_seqs=6,
+        tensor_parallel_size=tp,
     )
+    return LLMEngine(EngineConfig(**{**args, **overrides}))
 
 
 def run(engine: LLMEngine, wave: dict[str, list[int]], params: dict | None = None) -> dict:
@@ -118,6 +117,30 @@ def test_tensor_parallel_matches_one_rank(model_dir, single, tp):
             assert lp == pytest.approx(lp_ref, abs=1e-4)
             assert [t for t, _ in top] == [t for t, _ in top_ref]
             assert [v for _, v in top] == pytest.approx([v for _, v in top_ref], abs=1e-4)
+
+
+def test_speculative_drafts_under_tensor_parallelism_keep_the_greedy_tokens(model_dir):
+    """ngram drafts at TP=2 (the plan carries them to the worker, whose KV slots of rejected
+    drafts are written over as rank 0's are): the greedy tokens of TP=1 without drafts, with
+    drafts accepted and rejected, through chunked prefill and preemption."""
+    repeated = {f"r{i}": prompt(12, 60 + i) * 3 for i in range(3)}
+    # Long enough for the random model to repeat itself: drafts of its own output accepted.
+    params = dict.fromkeys(
+        repeated, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    )
+    expected = {k: v[0] for k, v in run(make_engine(model_dir, 1), repeated, params).items()}
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    engine = make_engine(model_dir, 2, speculative_config=ngram)
+    assert engine.drafter is not None
+    engine.drafter.measured = None  # drafts every step, whatever the machine's load
+    try:
+        got = {k: v[0] for k, v in run(engine, repeated, params).items()}
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert got == expected
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert stats.num_preemptions > 0
 
 
 def test_sizes_that_do_not_fit_the_heads_are_refused_by_number(model_dir):
