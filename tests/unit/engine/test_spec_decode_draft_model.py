@@ -285,6 +285,19 @@ def test_a_draft_model_of_another_vocabulary_is_refused_naming_both(models, tmp_
         )
 
 
+def test_a_draft_model_under_tensor_parallelism_is_refused_naming_the_method(models):
+    with pytest.raises(ValueError, match="speculative_config: method draft_model with tensor"):
+        LLMEngine(
+            EngineConfig(
+                model=str(models / "target"),
+                dtype="float32",
+                num_kv_blocks=16,
+                tensor_parallel_size=2,
+                speculative_config=spec_config(models / "target"),
+            )
+        )
+
+
 def test_a_missing_draft_model_is_refused_naming_the_path(tmp_path):
     missing = tmp_path / "nowhere"
     with pytest.raises(ValueError, match=f"speculative_config: model: no model at '{missing}'"):
