@@ -118,7 +118,7 @@ class ModelExecutor:
         if self.group is not None:
             self.runner.broadcast_plan = self.group.broadcast_plan
         self.kv_tiers = KVTierStore.create(
-            config, self.runner.kv_slots, self.kv_groups.num_groups, self.model_path, quantization
+            config, self.runner.kv_slots, self.kv_groups, self.model_path, quantization
         )
         if self.kv_tiers is not None and self.group is not None:
             # The book stays here; every rank moves its own shard of the blocks it names.

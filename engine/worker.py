@@ -81,7 +81,7 @@ def serve_engine(rank: int, world_size: int, master_addr: str, master_port: int)
         tiers = KVTierStore.create(
             config,
             runner.kv_slots,
-            runner.kv_groups.num_groups,
+            runner.kv_groups,
             model_path,
             config.quantization or file_quantization(model_path),
             rank,

@@ -28,9 +28,12 @@ blocks of its window before the hit's end. Only the first group's blocks are ann
 events, so a router sees each prefix once. With one group (no window) all of this reduces to
 one block id per logical block.
 
-With tiers below the pool (engine.kv_tiers: a host tier, a disk tier; one-group models only) a
-cached block evicted from the pool goes down to them, a prompt's prefix found there is loaded
-back into fresh blocks instead of recomputed, and newly cached blocks are written through to disk.
+With tiers below the pool (engine.kv_tiers: a host tier, a disk tier) a cached block evicted from
+the pool goes down to them, a prompt's prefix found there is loaded back into fresh blocks
+instead of recomputed, and newly cached blocks are written through to disk. The tiers keep each
+group's block under its chained hash apart, as the pool does; a lookup takes a group's block
+from them only where the hit needs it (a full group's for the whole prefix, a sliding group's
+within its window before the hit's end), and only a hit every group can serve is loaded.
 
 A request may pin its prompt's full blocks for a TTL (engine.kv_tiers.pins): a pinned block
 that drops to refcount 0 is parked in the pool, neither free nor evictable, until its pin ends;
@@ -159,9 +162,7 @@ class KVCacheManager:
         tiers: TierBook | None = None,
     ) -> None:
         """`windows`: the KV groups' (KVGroups.windows); one full group by default. `tiers`:
-        the books of the tiers below the pool (one group only)."""
-        if tiers is not None and len(windows) != 1:
-            raise ValueError("KV cache tiers serve models with one KV group (no sliding window)")
+        the books of the tiers below the pool."""
         self.tiers = tiers
         self.windows = tuple(windows)
         self.num_groups = len(self.windows)
@@ -186,7 +187,7 @@ class KVCacheManager:
         # Counted in hashes: each holds one block per group.
         self.pins = PinBook(int(self._usable * MAX_PINNED_SHARE) // self.num_groups)
         if tiers is not None:
-            tiers.track_pins(self.pins.is_pinned)
+            tiers.track_pins(self.pins)
         # (group, chained hash) -> the group's block registered under it.
         self._cached: dict[tuple[int, bytes], int] = {}
         self._block_hash: list[tuple[int, bytes] | None] = [None] * num_blocks
@@ -237,37 +238,86 @@ class KVCacheManager:
         ):
             return [], 0
         tokens = request.token_ids
-        size, groups = self.block_size, range(self.num_groups)
-        # Per logical block of the prompt (its last token left out), each group's cached block.
+        size, groups, tiers = self.block_size, range(self.num_groups), self.tiers
+        full = [g for g in groups if self.windows[g] is None]
+        # Per logical block of the prompt (its last token left out), each group's block: its
+        # cached pool block, TIER_BLOCK where a tier below holds it (loaded into a fresh block
+        # when allocated), None where neither does. The full groups' are looked for block by
+        # block up to the first that one lacks; the sliding groups' in the tiers only where a
+        # hit would read them (`sliding_hit`).
         rows: list[list[int | None]] = []
         hashes: list[bytes] = []
         parent = request.hash_root
         for i in range((len(tokens) - 1) // size):
             parent = hash_block(parent, tokens[i * size : (i + 1) * size])
             row = [self._cached.get((g, parent)) for g in groups]
-            if any(row[g] is None for g in groups if self.windows[g] is None):
-                if self.tiers is None or not self.tiers.holds(parent):
-                    break
-                row = [TIER_BLOCK]  # one group: loaded into a fresh block when allocated
+            for g in full:
+                if row[g] is None and tiers is not None and tiers.holds(parent, g):
+                    row[g] = TIER_BLOCK
+            if any(row[g] is None for g in full):
+                break
             rows.append(row)
             hashes.append(parent)
-        if self.tiers is not None:
-            # With tensor parallelism disk blocks count as far as every rank holds them.
-            del rows[self.tiers.held_on_every_rank(hashes) :]
-        # The longest prefix whose last blocks every sliding group holds as far as it looks back.
-        hit = len(rows)
-        while hit > 0 and not all(
-            row[g] is not None
-            for g in groups
-            for row in rows[self._first_seen(g, hit * size) : hit]
-        ):
-            hit -= 1
+        sliding = [g for g in groups if self.windows[g] is not None]
+        asked: set[tuple[int, int]] = set()  # (logical block, sliding group) asked of the tiers
+
+        def sliding_hit(limit: int) -> int:
+            """The longest prefix of at most `limit` blocks whose last blocks every sliding
+            group holds as far as it looks back (asking the tiers for those the pool lacks).
+            A hit that misses block j of a group misses it in every longer one that reads it
+            (windows only move forward): the next to try is j blocks long."""
+            hit = limit
+            while hit > 0:
+                for g in sliding:
+                    missing = self._last_missing(g, hit, rows, hashes, asked)
+                    if missing >= 0:
+                        hit = missing
+                        break
+                else:
+                    return hit
+            return 0
+
+        hit = sliding_hit(len(rows))
+        if tiers is not None:
+            # With tensor parallelism a block found on rank 0's disk counts only if every rank
+            # holds it: a full group's lacking ends the prefix there, a sliding group's is
+            # missing, and the hit is found again (any block the tiers were asked for meanwhile
+            # is asked of the ranks in turn).
+            index = {block_hash: i for i, block_hash in enumerate(hashes)}
+            while lacking := tiers.lacking_on_some_rank():
+                for block_hash, g in lacking:
+                    i = index[block_hash]
+                    if i < len(rows):
+                        rows[i][g] = None
+                        if g in full:
+                            del rows[i:]
+                hit = sliding_hit(min(hit, len(rows)))
         blocks = [
             self._null if i < self._first_seen(g, hit * size) else rows[i][g]
             for i in range(hit)
             for g in groups
         ]
         return cast(list[int], blocks), hit * size
+
+    def _last_missing(
+        self,
+        group: int,
+        hit: int,
+        rows: list[list[int | None]],
+        hashes: list[bytes],
+        asked: set[tuple[int, int]],
+    ) -> int:
+        """The last of the blocks a hit of `hit` logical blocks reads of sliding group `group`
+        that neither the pool nor a tier holds (the tiers asked once per block, newest first);
+        -1 when it has them all."""
+        for i in range(hit - 1, self._first_seen(group, hit * self.block_size) - 1, -1):
+            if rows[i][group] is None and self.tiers is not None and (i, group) not in asked:
+                asked.add((i, group))
+                if self.tiers.holds(hashes[i], group):
+                    rows[i][group] = TIER_BLOCK
+            if rows[i][group] is None:
+                return i
+        return -1
 
     def _first_seen(self, group: int, num_computed: int) -> int:
         """The first logical block group `group` still reads once num_computed tokens are
@@ -343,7 +393,7 @@ class KVCacheManager:
             request.block_hashes.append(parent)
         # A lower tier's blocks are claimed before this allocation evicts anything down to it.
         loads = [
-            (i, cast(TierBook, self.tiers).claim(request.block_hashes[i]))
+            (i, cast(TierBook, self.tiers).claim(request.block_hashes[i // groups], i % groups))
             for i, block in enumerate(cached_blocks)
             if block == TIER_BLOCK
         ]
@@ -374,11 +424,15 @@ class KVCacheManager:
                 table[i * groups + g] = self._null
                 i -= 1
 
-    def _register(self, block: int, index: int, request: Request) -> None:
-        """Register a block loaded from a tier (one group) under its hash, as BlockStored."""
+    def _register(self, block: int, entry: int, request: Request) -> None:
+        """Register a block loaded from a tier into table entry `entry` under its group and
+        hash; the first group's as BlockStored."""
+        index, group = divmod(entry, self.num_groups)
         block_hash, size = request.block_hashes[index], self.block_size
-        self._cached[0, block_hash] = block
-        self._block_hash[block] = (0, block_hash)
+        self._cached[group, block_hash] = block
+        self._block_hash[block] = (group, block_hash)
+        if group != 0:
+            return
         parent = request.block_hashes[index - 1] if index else request.hash_root
         tokens = request.token_ids[index * size : (index + 1) * size]
         lora = request.lora_name or ""
@@ -527,7 +581,7 @@ class KVCacheManager:
                 self._cached[g, block_hash] = block
                 self._block_hash[block] = (g, block_hash)
                 if self.tiers is not None:
-                    self.tiers.registered(block, block_hash)
+                    self.tiers.registered(block, block_hash, g)
                 if g != 0:
                     continue  # routers hear of each prefix once: the first group's blocks
                 if stored is None or stored.block_hashes[-1] != parent:
@@ -585,7 +639,8 @@ class KVCacheManager:
     def _evict(self) -> int:
         block, _ = self._evictable.popitem(last=False)
         if self.tiers is not None:
-            self.tiers.evicted(block, cast(tuple[int, bytes], self._block_hash[block])[1])
+            group, block_hash = cast(tuple[int, bytes], self._block_hash[block])
+            self.tiers.evicted(block, block_hash, group)
         self._uncache(block)
         return block
 

@@ -38,10 +38,15 @@ class PinBook:
         self._pins: dict[bytes, dict[str, float]] = {}  # hash -> owner -> when its pin ends
         self._owned: Counter[str] = Counter()  # owner -> hashes it pins
         self._deadlines: list[tuple[float, bytes, str]] = []  # heap; stale entries skipped
+        # Counts the changes to which hashes are pinned (what other ranks are sent anew).
+        self.changes = 0
 
     @property
     def num_pinned(self) -> int:
         return len(self._pins)
+
+    def pinned_hashes(self) -> list[bytes]:
+        return list(self._pins)
 
     def owned(self, owner: str) -> int:
         """How many hashes `owner` pins."""
@@ -60,6 +65,8 @@ class PinBook:
             if not owners and len(self._pins) >= self.max_blocks:
                 return POOL_BOUND
             self._owned[owner] += 1
+            if not owners:
+                self.changes += 1
         until = max(owners.get(owner, 0.0), self.clock() + ttl_seconds)
         owners[owner] = until
         self._pins[block_hash] = owners
@@ -70,6 +77,7 @@ class PinBook:
         """Every owner's pin of the hash ends now (their heap entries are skipped as stale)."""
         for owner in self._pins.pop(block_hash):
             self._disown(owner)
+        self.changes += 1
 
     def is_pinned(self, block_hash: bytes) -> bool:
         return block_hash in self._pins
@@ -90,6 +98,7 @@ class PinBook:
             if not owners:
                 del self._pins[block_hash]
                 ended.append(block_hash)
+                self.changes += 1
         return ended
 
     def _disown(self, owner: str) -> None:

@@ -24,8 +24,10 @@ the flag. It never decides which block goes where (the book does).
 
 With tensor parallelism every rank has a store of its own shard (its KV heads: its host tier,
 save thread and disk files); rank 0's has the book and sends every move it makes to the other
-ranks' first (engine.kv_tiers.ranks), and asks them all whether a block found in its own disk
-files is in theirs too: only a block every rank verified is loaded, by every rank.
+ranks' first (engine.kv_tiers.ranks), with the blocks to write the pinned hashes when they
+changed (every rank's disk bound deletes pinned blocks' files last), and asks them all whether a
+block found in its own disk files is in theirs too: only a block every rank verified is loaded,
+by every rank.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ import numpy as np
 import torch
 
 from common.config import EngineConfig
+from engine.core.kv_cache_manager import KVGroups
 from engine.kv_tiers import ranks
-from engine.kv_tiers.book import TierBook, TierTransfers
+from engine.kv_tiers.book import TierBook, TierTransfers, key_hash
 from engine.kv_tiers.disk_tier import DiskTier, model_identity
 from engine.kv_tiers.host_tier import HostTier, bytes_per_block, resolve_format
 
@@ -225,10 +228,14 @@ class KVTierStore:
         self._share: Callable[[np.ndarray], None] | None = None
         self._agree: Callable[[np.ndarray], np.ndarray] | None = None
         # Another rank's: the disk payloads every rank verified at rank 0's probes, until the
-        # step that loads them (rank 0's book keeps its own).
+        # step that loads them (rank 0's book keeps its own), and the block hashes rank 0 last
+        # said are pinned (its disk bound deletes their files last, as rank 0's does).
         self._staged: dict[bytes, bytes] = {}
+        self._pinned: frozenset[bytes] = frozenset()
         if book is not None:
             book.sink = self.persist
+        elif disk is not None:
+            disk.pinned = lambda key: key_hash(key) in self._pinned
 
     @property
     def book(self) -> TierBook:
@@ -240,7 +247,7 @@ class KVTierStore:
         cls,
         config: EngineConfig,
         kv_slots: list[torch.Tensor],
-        num_groups: int,
+        groups: KVGroups,
         model_path: Path,
         quantization: str | None,
         rank: int = 0,
@@ -248,14 +255,10 @@ class KVTierStore:
         """The store of tensor-parallel rank `rank` (rank 0's with the book), or None when no
         tier is asked for; ValueError in one line naming the flag when the tiers cannot serve
         this engine. The flags bound the tiers of all ranks together: each rank holds 1/N of
-        every block (its KV heads) in 1/N of the bytes."""
+        every block (its KV heads) in 1/N of the bytes. An entry of a tier is one block id of
+        the pool (every cache slot's block: one KV group's layers), whatever `groups` say."""
         if not config.kv_offload_gib and config.kv_cache_dir is None:
             return None
-        if num_groups > 1:
-            raise ValueError(
-                "--kv-offload-gib / --kv-cache-dir: KV cache tiers serve models without "
-                f"sliding windows (one KV group; this model has {num_groups})"
-            )
         tp_size = config.tensor_parallel_size
         _, _, block_size, heads, head_dim = kv_slots[0].shape
         shape = (len(kv_slots), 2, block_size, heads, head_dim)
@@ -282,6 +285,14 @@ class KVTierStore:
                 "quantization": quantization,
                 "kv_shape": list(shape),  # one rank's
             }
+            if groups.num_groups > 1:
+                # Which layers a group's block holds in which cache slot (a one-group model's
+                # identity has none, as before groups had tiers).
+                identity["kv_groups"] = {
+                    "windows": list(groups.windows),
+                    "layer_group": list(groups.layer_group),
+                    "layer_slot": list(groups.layer_slot),
+                }
             disk = DiskTier(
                 config.kv_cache_dir,
                 int(config.kv_cache_dir_gib * GIB),
@@ -318,10 +329,12 @@ class KVTierStore:
         if isinstance(decoded, list):
             payloads = [self.disk.read(h) if self.disk is not None else None for h in decoded]
             held = agree(np.array([p is not None for p in payloads], dtype=np.int64))
-            for block_hash, payload, everywhere in zip(decoded, payloads, held, strict=True):
+            for key, payload, everywhere in zip(decoded, payloads, held, strict=True):
                 if everywhere and payload is not None:
-                    self._staged[block_hash] = payload
+                    self._staged[key] = payload
             return
+        if decoded.pinned is not None:
+            self._pinned = frozenset(decoded.pinned)  # read by the disk tier's writer thread
         self._persist(decoded.persists)
         transfers = decoded.transfers
         transfers.payloads = {h: self._staged.pop(h) for h, _ in transfers.disk_loads}
@@ -369,28 +382,28 @@ class KVTierStore:
             self.saves.settle(list(slots))
             self._scatter(list(blocks), self.host.fetch(torch.tensor(slots)))
         if transfers.disk_loads:
-            hashes, blocks = zip(*transfers.disk_loads, strict=True)
-            payload = b"".join(transfers.payloads[h] for h in hashes)
+            keys, blocks = zip(*transfers.disk_loads, strict=True)
+            payload = b"".join(transfers.payloads[k] for k in keys)
             raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             data = raw.view(self.dtype).reshape(len(blocks), *self.block_shape)
             self._scatter(list(blocks), data.movedim(0, 2))
 
-    def persist(self, persists: list[tuple[int, bytes]]) -> None:
+    def persist(self, persists: list[tuple[int, bytes]], pinned: list[bytes] | None) -> None:
         """Queue the newly cached blocks' files (the disk tier writes them in its thread), on
-        every rank."""
+        every rank; the other ranks are sent the pinned hashes too when they changed."""
         if self._share is not None and persists:
-            self._share(ranks.encode_moves(ranks.TierMoves(persists=persists)))
+            self._share(ranks.encode_moves(ranks.TierMoves(persists=persists, pinned=pinned)))
         self._persist(persists)
 
     def _persist(self, persists: list[tuple[int, bytes]]) -> None:
         if not persists or self.disk is None:
             return
-        blocks, hashes = zip(*persists, strict=True)
+        blocks, keys = zip(*persists, strict=True)
         with one_thread():
             # A file holds one block: [layers, 2, block_size, heads, head_dim].
             data = self._gather(list(blocks)).movedim(2, 0).contiguous().cpu()
-        for block_hash, block in zip(hashes, data, strict=True):
-            self.disk.write(block_hash, block.view(torch.uint8).numpy().tobytes())
+        for key, block in zip(keys, data, strict=True):
+            self.disk.write(key, block.view(torch.uint8).numpy().tobytes())
 
     def close(self) -> None:
         """Finish the queued saves and stop the save thread; write the queued files."""

@@ -32,6 +32,7 @@ from engine.kv_tiers import store as kv_tier_store
 from engine.kv_tiers.book import TierBook
 from engine.kv_tiers.disk_tier import DiskTier
 from engine.kv_tiers.host_tier import HostTier, dequantize, quantize
+from engine.kv_tiers.pins import PinBook
 from engine.kv_tiers.store import SaveThread
 from polling import wait_until
 from tiny_models import VARIANTS, hf_greedy, make_checkpoint
@@ -535,18 +536,20 @@ def test_the_host_tier_drops_pinned_blocks_last():
     """Torch-free: a 2-slot host tier makes room with its least recently evicted unpinned block;
     an unpinned block finding only pinned ones is not kept; a pinned one then takes the oldest."""
     book = TierBook(host_blocks=2)
-    pinned = {b"h1"}
-    book.track_pins(lambda block_hash: block_hash in pinned)
+    pins = PinBook(8)
+    book.track_pins(pins)
+    pins.pin(b"h1", 600)
     for block, block_hash in enumerate((b"h1", b"h2", b"h3", b"h4")):
         book.evicted(block, block_hash)
     assert [book.holds(h) for h in (b"h1", b"h2", b"h3", b"h4")] == [True, False, False, True]
-    pinned.clear()  # its pin ended: the next to go
+    pins.unpin(b"h1")  # its pin ended: the next to go
     book.evicted(5, b"h5")
     assert not book.holds(b"h1") and book.holds(b"h4") and book.holds(b"h5")
-    pinned.update({b"h4", b"h5"})
+    pins.pin(b"h4", 600)
+    pins.pin(b"h5", 600)
     book.evicted(6, b"h6")
     assert not book.holds(b"h6")
-    pinned.add(b"h7")
+    pins.pin(b"h7", 600)
     book.evicted(7, b"h7")
     assert [book.holds(h) for h in (b"h4", b"h5", b"h7")] == [False, True, True]
 

@@ -4,7 +4,8 @@ evicted from the pool come back from every rank's host tier exact (native) or wi
 format's bound; a new TP=2 engine on the same directory finds every rank's shard files, after
 its predecessor closed or was killed with SIGKILL; a block whose file one rank lacks is computed
 on every rank (and written again); a one-rank engine on that directory reads none of the TP=2
-files; the tier messages rank 0 sends survive their int64 encoding."""
+files; the tier messages rank 0 sends survive their int64 encoding; a worker rank's disk bound
+deletes rank 0's pinned blocks' files last."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import logging
 
 import numpy as np
 import pytest
+import torch
 from test_engine import BLOCK, prompt
 from test_kv_tiers import (
     FOLLOW_UP,
     INT8_LOGPROB_BOUND,
+    Clock,
     generate,
     make_engine,
     push_out,
@@ -25,9 +28,13 @@ from test_kv_tiers import (
 
 from common.block_hash import prefix_block_hashes
 from common.config import EngineConfig
+from common.sampling_params import SamplingParams
+from engine.core.kv_cache_manager import KVCacheManager, kv_groups
+from engine.core.request import Request
 from engine.engine import LLMEngine
 from engine.kv_tiers import ranks
-from engine.kv_tiers.book import TierTransfers
+from engine.kv_tiers.book import TierTransfers, tier_key
+from engine.kv_tiers.store import GIB, KVTierStore
 from tiny_models import VARIANTS, make_checkpoint
 
 HASHES = prefix_block_hashes(FOLLOW_UP, BLOCK)  # SHARED's six blocks, then one more
@@ -151,14 +158,17 @@ def test_each_rank_quantizes_its_own_shard_in_the_int8_host_tier(llama, expected
 
 
 def test_tier_messages_survive_their_encoding():
+    # Blocks of KV groups 0 and 3 (a sliding-window model's), and the pinned hashes.
+    sliding = tier_key(HASHES[2], 3)
     moves = ranks.TierMoves(
-        persists=[(3, HASHES[0]), (9, HASHES[1])],
+        persists=[(3, HASHES[0]), (9, tier_key(HASHES[1], 3))],
         transfers=TierTransfers(
             saves=[(1, 0), (2, 5)],
             host_loads=[(4, 7)],
-            disk_loads=[(HASHES[2], 11)],
-            payloads={HASHES[2]: b"never sent"},
+            disk_loads=[(sliding, 11)],
+            payloads={sliding: b"never sent"},
         ),
+        pinned=HASHES[4:6],
     )
     message = ranks.encode_moves(moves)
     assert message.dtype == np.int64 and b"never sent" not in message.tobytes()
@@ -169,8 +179,62 @@ def test_tier_messages_survive_their_encoding():
     assert decoded.transfers.host_loads == moves.transfers.host_loads
     assert decoded.transfers.disk_loads == moves.transfers.disk_loads
     assert decoded.transfers.payloads == {}
-    assert ranks.decode(ranks.encode_probe(HASHES[:3])) == HASHES[:3]
+    assert decoded.pinned == HASHES[4:6]
+    # Pins unchanged (None) and no pins left ([]) are told apart.
+    for pinned in (None, []):
+        unchanged = ranks.decode(ranks.encode_moves(ranks.TierMoves(pinned=pinned)))
+        assert isinstance(unchanged, ranks.TierMoves) and unchanged.pinned == pinned
+    keys = [HASHES[0], sliding, tier_key(HASHES[1], 1)]
+    assert ranks.decode(ranks.encode_probe(keys)) == keys
     with pytest.raises(ValueError, match="must be 32 bytes, got 3"):
         ranks.encode_probe([b"abc"])
     with pytest.raises(ValueError, match="its counts say"):
         ranks.decode(message[:-1])
+
+
+def test_a_worker_rank_s_disk_bound_deletes_rank_0_s_pinned_files_last(llama, tmp_path):
+    """Rank 0's store and a worker rank's, in one process, linked as the TIERS broadcast links
+    them (the message encoded and decoded on its way): a pinned prompt's blocks, the oldest
+    files, outlive a flood past the disk bound on the worker rank as on rank 0 until the pin
+    ends; then they are the oldest, and go first."""
+    config = EngineConfig(
+        model=str(llama),
+        dtype="float32",
+        block_size=BLOCK,
+        tensor_parallel_size=2,
+        kv_cache_dir=str(tmp_path),
+        kv_cache_dir_gib=14 * 2 * 256 / GIB,  # 14 blocks' payloads: 12 files with headers
+    )
+    groups = kv_groups([], 1)
+    # One layer of one KV head (of 8 dimensions) per rank: 256 bytes a block.
+    stores = [
+        KVTierStore.create(config, [torch.randn(2, 64, BLOCK, 1, 8)], groups, llama, None, rank)
+        for rank in (0, 1)
+    ]
+    rank0, worker = stores
+    rank0.link_ranks(lambda message: worker.receive(message, lambda flags: flags), lambda f: f)
+    kv = KVCacheManager(64, BLOCK, tiers=rank0.book)
+    clock = kv.pins.clock = Clock()
+
+    def run(rid: str, tokens: list[int], **pin) -> list[bytes]:
+        req = Request(rid, tokens, SamplingParams(max_tokens=1), **pin)
+        assert kv.allocate(req, len(tokens))
+        kv.cache_blocks(req, len(tokens))
+        kv.free(req)
+        rank0.book.flush()
+        for store in stores:
+            store.disk.drain()
+        return req.block_hashes
+
+    def files(rank: int) -> set[str]:
+        return {p.name for p in stores[rank].disk.dir.glob("*.kv")}
+
+    pinned = {h.hex() + ".kv" for h in run("pinned", prompt(16, 1), pin_ttl_seconds=600)}
+    for seed in range(2, 6):
+        run(f"flood{seed}", prompt(16, seed))
+    assert files(0) == files(1) and pinned <= files(1) and len(files(1)) < 20
+    clock.now = 601.0  # the pin ends: its blocks' files are the oldest
+    run("flood6", prompt(16, 6))
+    assert files(0) == files(1) and not pinned & files(1)
+    for store in stores:
+        store.close()
