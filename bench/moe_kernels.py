@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.attention import get_attention_backend
-from engine.layers.linear import Linear
 from engine.layers.moe import Expert, SparseMoe
 
 
@@ -59,10 +58,11 @@ def build_layer(
             expert = cast(Expert, layer.experts[str(e)])
             expert.gate_up_proj.weight.copy_(w13[e])
             expert.down_proj.weight.copy_(w2[e])
-    layer.finalize_weights()
+    # In the model's order (LlamaForCausalLM.finalize_weights): the block, then its router and
+    # experts' linears.
     for module in layer.modules():
-        if isinstance(module, Linear):
-            module.finalize_weights()
+        if finalize := getattr(module, "finalize_weights", None):
+            finalize()
     return layer
 
 
