@@ -7,14 +7,16 @@ gathered tokens through Folio's linears (oneDNN-packed float32, bfloat16 tiles);
 fused Triton kernel (pairs sorted by expert, two grouped GEMMs). The baseline routes the same
 way, then for every expert finds its tokens with torch.where, gathers them and runs F.linear on
 the expert's weights, adding the weighted results back (transformers' MixtralExperts loop).
-Prints the median and fastest milliseconds of each and their ratios, and the largest difference
-between the two outputs. A benchmark,
-not a test: it asserts nothing else and never runs in the suite.
+Prints the median and fastest milliseconds of each (the two taking turns, so that other work on
+a shared machine slows both alike), their ratios, the largest difference between the two
+outputs and the load average; with --profile, torch's profile of each step. A benchmark, not a
+test: it asserts nothing else and never runs in the suite.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -83,19 +85,34 @@ def loop_over_experts(
     return out
 
 
-def timings_ms(step: Callable[[], torch.Tensor], repeats: int, device: str) -> tuple[float, float]:
-    """Median and fastest milliseconds of a call (the fastest is the steadier figure on a
-    shared machine)."""
-    times = []
-    for _ in range(repeats + 2):  # two warm-up calls
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[2:]) * 1e3, min(times[2:]) * 1e3
+def timings_ms(
+    steps: list[Callable[[], torch.Tensor]], repeats: int, device: str
+) -> list[tuple[float, float]]:
+    """Median and fastest milliseconds of each call, the calls taking turns (a burst of other
+    work on a shared machine then slows them alike; the fastest is the steadier figure)."""
+    times: list[list[float]] = [[] for _ in steps]
+    for repeat in range(repeats + 2):  # two warm-up rounds
+        for step, measured in zip(steps, times, strict=True):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if repeat >= 2:
+                measured.append(time.perf_counter() - start)
+    return [(statistics.median(t) * 1e3, min(t) * 1e3) for t in times]
+
+
+def profile(step: Callable[[], torch.Tensor], label: str) -> None:
+    """Where a step's time goes: torch's profiler, the ops by their own CPU time."""
+    from torch.profiler import profile as profiler
+
+    with profiler() as recorded:
+        for _ in range(10):
+            step()
+    print(f"{label}, 10 calls:")
+    print(recorded.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
 def run(args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
@@ -105,20 +122,24 @@ def run(args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(1)
     for tokens in args.tokens:
         x = torch.randn(tokens, args.hidden, generator=generator).to(dtype).to(device)
+        baseline = partial(loop_over_experts, x, router, w13, w2, args.top_k)
         with torch.inference_mode():
-            ours = timings_ms(partial(layer, x), args.repeats, device)
-            baseline = partial(loop_over_experts, x, router, w13, w2, args.top_k)
-            loop = timings_ms(baseline, args.repeats, device)
-            expected = loop_over_experts(x, router, w13, w2, args.top_k).float()
+            ours, loop = timings_ms([partial(layer, x), baseline], args.repeats, device)
+            expected = baseline().float()
             error = (layer(x).float() - expected).abs().max().item()
         path = "fused Triton kernel" if layer.fused else "per expert, Folio's linears"
+        label = f"{device} {str(dtype).removeprefix('torch.'):8s} tokens={tokens:4d}"
         print(
-            f"{device} {str(dtype).removeprefix('torch.'):8s} tokens={tokens:4d}: "
-            f"Folio ({path}) {ours[0]:8.3f} ms (min {ours[1]:8.3f}), loop over experts "
-            f"{loop[0]:8.3f} ms (min {loop[1]:8.3f}): x{loop[0] / ours[0]:5.2f} "
-            f"(fastest x{loop[1] / ours[1]:5.2f}; max difference {error:.1e})",
+            f"{label}: Folio ({path}) {ours[0]:8.3f} ms (min {ours[1]:8.3f}), loop over "
+            f"experts {loop[0]:8.3f} ms (min {loop[1]:8.3f}): x{loop[0] / ours[0]:5.2f} "
+            f"(fastest x{loop[1] / ours[1]:5.2f}; max difference {error:.1e}; load average "
+            f"{os.getloadavg()[0]:.2f})",
             flush=True,
         )
+        if args.profile:
+            with torch.inference_mode():
+                profile(partial(layer, x), f"{label}, Folio")
+                profile(baseline, f"{label}, loop over experts")
 
 
 def main() -> None:
@@ -132,6 +153,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (torch's default)")
+    parser.add_argument("--profile", action="store_true", help="print where each step's time goes")
     args = parser.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
     if args.threads:
