@@ -5,7 +5,7 @@ back from the host tier (exact in the native format, the same tokens in int8) an
 tier in a new engine, each group's blocks only as far as the hit reads them (the full group's
 all, the sliding groups' the window before its end); a sliding group's missing block makes the
 hit shorter, never served; another group layout starts cold and leaves the files alone; with
-tensor parallelism the worker ranks' disk bounds keep rank 0's pinned blocks' files."""
+tensor parallelism both ranks write and agree on every group's blocks."""
 
 from __future__ import annotations
 
@@ -137,6 +137,27 @@ def test_a_hybrid_model_s_disk_tier_serves_a_new_engine_where_every_group_can(
     store.close()
     kept = {p.name: p.read_bytes() for p in disk.dir.glob("*.kv")}
     assert {name: kept.get(name) for name in files} == files
+
+
+def test_two_ranks_serve_a_hybrid_model_s_prefix_from_disk(gemma3, tmp_path):
+    """TP=2 (the worker rank a real process): both ranks write every group's blocks, and a new
+    TP=2 engine serves the prefix from both ranks' files once they agree on every group's."""
+    directory, (expected, expected_logprobs) = gemma3
+    tp2 = dict(GEMMA3, tensor_parallel_size=2, kv_cache_dir=str(tmp_path))
+    first = make_engine(directory, **tp2)
+    try:
+        generate(first, "first", SHARED)
+    finally:
+        first.close()  # the ranks write their queued files first
+    second = make_engine(directory, **tp2)
+    try:
+        claimed = watch_claims(second)
+        tokens, logprobs, cached = generate(second, "restart", FOLLOW_UP)
+    finally:
+        second.close()
+    assert cached == 24 and tokens == expected
+    assert logprobs == pytest.approx(expected_logprobs, abs=1e-4)
+    assert sorted(claimed) == sorted([(h, 0) for h in HASHES[:6]] + WINDOW_LOADS)
 
 
 def test_a_sliding_only_model_loads_its_window_from_each_tier(mistral, tmp_path):
