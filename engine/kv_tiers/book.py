@@ -183,7 +183,8 @@ class TierBook:
                 self._events.append(BlockRemoved([block_hash], MEDIUM_HOST))
                 self.hits["host"] += 1
             return Source(slot=slot)
-        self.hits["disk"] += group == 0
+        if group == 0:
+            self.hits["disk"] += 1
         return Source(payload=self._staged.pop(key), key=key)
 
     def load(self, source: Source, block: int) -> None:
