@@ -87,6 +87,9 @@ class Sample:
     num_tokens: int = 0
     # Told by the server's usage; None where it streams none (tokens are then counted by chunk).
     prompt_tokens: int | None = None
+    # Speculative tokens a peer drafted and accepted for it, where it tells them (llama-server).
+    drafted: int = 0
+    accepted: int = 0
 
     @property
     def ttft(self) -> float:
@@ -228,11 +231,12 @@ async def drive(
     return list(samples), time.perf_counter() - start
 
 
-def http_client(session, url: str, model: str) -> Client:
+def http_client(session, url: str, model: str, ignore_eos: bool = True) -> Client:
     """Streams /v1/completions. Asks for exactly `output_len` tokens (max_tokens and ignore_eos,
-    which llama-server and vLLM honour too) and usage in the stream; a chunk with text is a token
-    arriving, and where no usage comes (llama-server without include_usage support, say) the
-    tokens are those chunks."""
+    which llama-server and vLLM honour too; at most that many without ignore_eos) and usage in
+    the stream; a chunk with text is a token arriving, and where no usage comes (llama-server
+    without include_usage support, say) the tokens are those chunks. llama-server's drafted and
+    accepted tokens (its `timings`), where it tells them, go into the sample too."""
 
     async def run(request_id: str, prompt: Prompt, output_len: int) -> Sample:
         body = {
@@ -240,7 +244,7 @@ def http_client(session, url: str, model: str) -> Client:
             "prompt": prompt,
             "max_tokens": output_len,
             "temperature": 0.0,
-            "ignore_eos": True,
+            "ignore_eos": ignore_eos,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
@@ -257,6 +261,9 @@ def http_client(session, url: str, model: str) -> Client:
                 if usage := chunk.get("usage"):
                     sample.num_tokens = usage["completion_tokens"]
                     sample.prompt_tokens = usage.get("prompt_tokens")
+                if timings := chunk.get("timings"):
+                    sample.drafted = timings.get("draft_n", sample.drafted)
+                    sample.accepted = timings.get("draft_n_accepted", sample.accepted)
         if not sample.token_times:
             raise RuntimeError(f"{url} streamed no text for {request_id}")
         if not sample.num_tokens:

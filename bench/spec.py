@@ -8,8 +8,11 @@ workload, --repeats times: each engine's fastest turn counts), greedy, and print
 tokens/s, the mean time per output token (TPOT) of the requests, the acceptance (accepted /
 drafted tokens), the ratio of tokens/s to the engine without speculation, and whether the
 greedy tokens are the same as without speculation; then how many steps of each engine ran
-compiled decode programs (verification steps among them). A benchmark, not a test: it asserts
-nothing and never runs in the suite.
+compiled decode programs (verification steps among them). With --compare-url, once Folio's
+engines are closed, the same token ids go to that OpenAI-compatible server (llama-server with
+its own speculation on, say: same model file, same streams, greedy, EOS honoured), and each row
+prints its figures beside Folio's best method's. A benchmark, not a test: it asserts nothing
+and never runs in the suite.
 """
 
 from __future__ import annotations
@@ -18,9 +21,14 @@ import argparse
 import json
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from common import event_loop
 from common.config import QUANTIZATIONS
 from common.flags import flag
+
+if TYPE_CHECKING:
+    from bench.serve import Prompt
 
 
 @dataclass
@@ -48,6 +56,14 @@ class SpecWorkload:
         1,
         "times the engines take turns on each workload and stream count; each engine's fastest "
         "run counts (a shared machine's load spikes only ever slow a run down)",
+    )
+    compare_url: str | None = flag(
+        None,
+        "also run both workloads (the same token ids) on this OpenAI-compatible server, e.g. "
+        "llama-server with --spec-type ngram-simple, and print Folio's best method / it",
+    )
+    compare_model: str | None = flag(
+        None, "model name sent to --compare-url (default: the first id of its /v1/models)"
     )
 
 
@@ -165,6 +181,16 @@ def run_spec_benchmark(args: argparse.Namespace) -> None:
     compiled = {method: _compiled_steps(engine) for method, engine in engines.items()}
     for engine in engines.values():
         engine.close()
+    peer: dict[tuple[str, int], Measured] = {}
+    if args.compare_url:
+        # After Folio's engines are closed: the peer gets the machine to itself, as they did.
+        for name, prompts in workloads.items():
+            for count in streams:
+                for _ in range(args.repeats):
+                    m = event_loop.run(_measure_peer(args, prompts, count))
+                    best = peer.get((name, count))
+                    if best is None or m.tokens_per_second > best.tokens_per_second:
+                        peer[name, count] = m
     draft = ""
     if "draft_model" in methods:
         draft = f", draft model {args.draft_model} ({args.draft_quantization or 'unquantized'})"
@@ -188,6 +214,50 @@ def run_spec_benchmark(args: argparse.Namespace) -> None:
         )
     for method, line in compiled.items():
         print(f"{method or 'none'}: {line}")
+    if peer:
+        print(f"against {args.compare_url}, same token ids, its fastest of {args.repeats} turns:")
+        print(
+            f"{'workload':12s} {'streams':>7s} {'tok/s':>8s} {'TPOT ms':>8s} {'accept':>7s} "
+            f"{'Folio best':>11s} {'x peer':>7s}"
+        )
+        for (name, count), m in peer.items():
+            method, ours = max(
+                ((method, results[name, count, method]) for method in methods),
+                key=lambda pair: pair[1].tokens_per_second,
+            )
+            accept = f"{m.accepted / m.drafted:.2f}" if m.drafted else "-"
+            print(
+                f"{name:12s} {count:7d} {m.tokens_per_second:8.1f} {m.tpot_seconds * 1e3:8.1f} "
+                f"{accept:>7s} {method or 'none':>11s} "
+                f"{ours.tokens_per_second / m.tokens_per_second:7.2f}"
+            )
+
+
+async def _measure_peer(args: argparse.Namespace, prompts: list[list[int]], streams: int):
+    """_measure's workload on --compare-url: the same prompts in turn, `streams` at a time."""
+    import httpx
+
+    from bench.serve import drive, http_client
+
+    url = args.compare_url.rstrip("/")
+    total = max(streams, len(prompts)) * args.rounds
+    sent: list[Prompt] = [prompts[i % len(prompts)] for i in range(total)]
+    # A new connection per request: llama-server closes idle kept-alive ones after seconds.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as session:
+        model = args.compare_model
+        if model is None:
+            model = (await session.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        client = http_client(session, url, model, ignore_eos=False)
+        samples, elapsed = await drive(client, sent, args.max_tokens, streams, None, 0)
+    tpots = [t for t in (s.tpot for s in samples) if t is not None]
+    return Measured(
+        tokens_per_second=sum(s.num_tokens for s in samples) / elapsed,
+        tpot_seconds=sum(tpots) / max(1, len(tpots)),
+        drafted=sum(s.drafted for s in samples),
+        accepted=sum(s.accepted for s in samples),
+        outputs=[],
+    )
 
 
 def _spec_config(method: str, args: argparse.Namespace) -> dict[str, object]:
