@@ -15,7 +15,7 @@ own build them, and decode steps switch to the programs between two steps once a
 A step reads the programs once, so it runs wholly eagerly or wholly compiled, and both give the
 same greedy tokens. An engine with LoRA slots (engine.layers.lora) has two sets: one for steps
 whose rows use no adapter (the base model's program) and one for steps with adapters, which
-reads the slots' step mask and weights, persistent tensors updated in place (an adapter loaded
+reads the step's token slots and weights, persistent tensors updated in place (an adapter loaded
 into a slot is seen by the next step's program). Compiling is a speed-up, never a condition
 of serving: if it fails (no C++ compiler, an inductor error), at start-up, in the background
 or in a later step, one warning says why and decode steps run eagerly from then on. A step that
@@ -120,7 +120,7 @@ class CompiledDecode:
     def __init__(self, runner: DecodeRunner, config: EngineConfig, model_path: str | Path) -> None:
         self.model = runner.model
         # With LoRA slots, two sets of programs: for steps with no adapter (the base model's
-        # cost) and for steps with some, which read the slots' persistent mask and weights.
+        # cost) and for steps with some, which read the persistent token slots and weights.
         self.lora = runner.lora
         lora = self.lora
         self.spec = ProgramsSpec.create(
@@ -130,7 +130,7 @@ class CompiledDecode:
             config.attention_backend,
             torch.get_num_threads(),
             program_sizes(self.model, max_rows(config)),
-            None if lora is None else (lora.max_loras, lora.max_rank, len(lora.step.mask)),
+            None if lora is None else (lora.max_loras, lora.max_rank, len(lora.step.slots)),
         )
         # Set once, when every program is ready: a step reads it once (the switch-over).
         self._programs: list[Any] | None = None

@@ -111,7 +111,8 @@ class ProgramsSpec:
     key: str
     path: str
     # An engine with LoRA slots (engine.layers.lora): how many, their rank and the rows of their
-    # step mask. Its programs are two sets of `sizes`: steps with no adapter, then steps with.
+    # step's token slots. Its programs are two sets of `sizes`: steps with no adapter, then
+    # steps with.
     lora: tuple[int, int, int] | None = None
 
     @classmethod
@@ -345,9 +346,9 @@ def build_in_process(spec: ProgramsSpec) -> None:
     lora = None
     if spec.lora is not None:
         # Empty slots like the engine's: the programs read the slots' tensors, not their values.
-        max_loras, max_rank, mask_rows = spec.lora
+        max_loras, max_rank, slot_rows = spec.lora
         device = torch.device("cpu")
-        lora = LoraSlots(model, config, max_loras, max_rank, 1, mask_rows, dtype, device)
+        lora = LoraSlots(model, config, max_loras, max_rank, 1, slot_rows, dtype, device)
     store(build(model, spec, lora), Path(spec.path))
 
 

@@ -3,25 +3,26 @@ adapter's low-rank product over its own rows.
 
 `LoraSlots` wraps a loaded model's q/k/v, o, gate/up and down linears (qkv_proj, o_proj,
 gate_up_proj, down_proj) in `LoraLinear`, which holds `max_loras` slots of A and B stacked: a
-fused module's shards side by side in A ([slots, shards * max_rank, in]) and block-diagonal in
-B ([slots, out, shards * max_rank], the scaling already in B), ranks below max_rank padded with
-zeros. `LoraSlots` writes an adapter's host weights (engine.lora.adapter) into a slot, in place,
-and, each step, says which rows of the batch use which slot: the runner hands it the rows'
-slots, the wrapped layers read the step's `LoraGroups`. A step where no row uses an adapter
-adds nothing. On the CPU, decode-sized steps (and steps with many slots active) take every
-slot's product at once over a persistent mask of each row's slot, with no Python loop over
-adapters: what compiled decode programs run (engine.compiled_decode); larger steps with few
-slots active take each active slot's two small matmuls over its rows (a contiguous run of rows
-as a view, scattered rows gathered and added back); on a GPU the segmented shrink/expand
-Triton kernels (engine.kernels.triton.lora) do every slot in two launches. Slot -1 is the base
-model: its rows get nothing added. This module never reads files and never decides which
-adapter is in which slot (engine.lora.registry does)."""
+fused module's shards side by side in A ([slots, shards * max_rank, in]) and in B's output
+columns, the scaling already in B, ranks below max_rank padded with zeros. `LoraSlots` writes
+an adapter's host weights (engine.lora.adapter) into a slot, in place, and, each step, says
+which rows of the batch use which slot: the runner hands it the rows' slots, the wrapped layers
+read the step's `LoraGroups`. A step where no row uses an adapter adds nothing. On the CPU,
+every step (decode steps in compiled programs included, engine.compiled_decode) takes one call
+of Folio's grouped kernel per wrapped linear (engine/kernels/cpu/cpu_lora.cpp,
+folio_lora::lora_add) over a persistent tensor of each token's slot: the rows grouped by slot,
+each used slot's A and B read once, each row doing its own slot's arithmetic only; where Folio's
+kernels did not load, torch's ops do the same per used slot (folio::lora_add, also one op to a
+compiled program). On a GPU the segmented shrink/expand Triton kernels
+(engine.kernels.triton.lora) do every slot in two launches. Slot -1 is the base model: its
+rows get nothing added. This module never reads files and never decides which adapter is in
+which slot (engine.lora.registry does)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,82 +30,44 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.core.step_plan import NewRequestPlan
-from engine.layers.linear import (
-    Bf16Tiles,
-    Linear,
-    PackedWeight,
-    RowParallelLinear,
-    linear,
-    pack_weight,
-)
+from engine.kernels.cpu.capabilities import cpu_capabilities, forced_isa
+from engine.layers.linear import Linear, RowParallelLinear, linear
 from engine.layers.parallel import CheckpointSlice
 from engine.lora.adapter import LoraWeights, ModuleShape
 from engine.models.config import ModelConfig
 
 NO_LORA = -1
-# Steps of at most this many tokens (decode steps, compiled or not) take every slot's product
-# at once (`dense`); larger ones (prompts) take each active slot's own over its rows, unless
-# 1 / DENSE_SLOT_SHARE of the slots or more are active: the loop's small products, one pair
-# per active slot per linear, then cost more than the dense one's unused slots.
-DENSE_MAX_TOKENS = 64
-DENSE_SLOT_SHARE = 4
+# Output columns of a tile of B on the CPU (engine/kernels/cpu/cpu_lora.cpp): a tile's rank x
+# TILE values lie together, so the kernel reads each slot's B front to back.
+TILE = 32
 
 
 @dataclass
 class LoraGroups:
     """One step's rows by slot. `active`: some row uses an adapter (otherwise the wrapped layers
-    add nothing). On the CPU, `dense` steps read `mask`, a persistent [max tokens, slots] one-hot
-    of each token's slot (zero rows for the base model) that compiled decode programs read too;
-    other steps read `groups`: (slot, rows) with rows a slice where they are contiguous, an
-    index tensor otherwise. For the GPU kernels, the rows sorted by slot with each segment's
-    start, length and slot."""
+    add nothing). On the CPU, `slots`: a persistent [max tokens] int32 tensor of each token's
+    slot (-1 for the base model), written each step, that compiled decode programs read too.
+    For the GPU kernels, the rows sorted by slot with each segment's start, length and slot."""
 
-    mask: torch.Tensor
+    slots: torch.Tensor
     active: bool = False
-    dense: bool = False
-    groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
     sorted_rows: torch.Tensor | None = None
     segments: torch.Tensor | None = None  # [segments, 3]: start, length, slot
 
     @classmethod
-    def sized(
-        cls, max_tokens: int, max_loras: int, dtype: torch.dtype, device: torch.device
-    ) -> LoraGroups:
-        return cls(torch.zeros(max_tokens, max_loras, dtype=dtype, device=device))
-
-
-def pack_persistent(weight: torch.Tensor) -> PackedWeight | None:
-    """`weight`'s packed form for a tensor rewritten in place later (`copy_packed`): the same
-    form whatever its values, so never bfloat16 tiles of float32 (its zeros are bfloat16
-    values, an adapter's weights need not be): torch's F.linear there instead."""
-    packed = pack_weight(weight)
-    if isinstance(packed, Bf16Tiles) and packed.widened:
-        return None
-    return packed
-
-
-def copy_packed(weight: torch.Tensor, packed: PackedWeight | None, value: torch.Tensor) -> None:
-    """Write `value` into `weight` and its packed form in place: a compiled program reads the
-    same tensors from then on."""
-    weight.copy_(value)
-    fresh = pack_persistent(weight)
-    if isinstance(packed, Bf16Tiles):
-        assert isinstance(fresh, Bf16Tiles)
-        packed.tiles.copy_(fresh.tiles)
-    elif isinstance(packed, torch.Tensor):
-        assert isinstance(fresh, torch.Tensor)
-        packed.copy_(fresh)
+    def sized(cls, max_tokens: int, device: torch.device) -> LoraGroups:
+        return cls(torch.full((max_tokens,), NO_LORA, dtype=torch.int32, device=device))
 
 
 class LoraLinear(nn.Module):
     """A linear layer plus `max_loras` LoRA slots over it.
 
-    On the CPU every slot's weights are also held in the form of one product for all slots
-    (`dense`): A of every slot stacked shard-major ([shards * slots * max_rank, in]: one shrink
-    for the whole step), and per shard the slots' B side by side ([shard rows, slots *
-    max_rank]); each token's shrunk values are masked to its own slot's before the expand. No
-    Python loop over adapters, nothing that depends on which slots a step uses: compiled
-    decode programs take it whole."""
+    `lora_a` [slots, shards * max_rank, in] holds each slot's A, its shards' one after the
+    other. `lora_b` holds each slot's B, laid out for the product that reads it: on the CPU
+    in tiles of TILE output columns, [slots, tiles, max_rank, TILE] (`b_tiles`: Folio's grouped
+    kernel; shard k's tiles multiply A's rows of shard k, so no zeros between shards are
+    stored or read); on a GPU [slots, out, shards * max_rank] with each shard's block on the
+    diagonal (the Triton kernels')."""
 
     def __init__(
         self,
@@ -115,11 +78,13 @@ class LoraLinear(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         step: LoraGroups,
+        segmented: bool | None = None,
     ) -> None:
         """`shape` is the whole module's (an adapter's); with tensor parallelism the slots hold
         this rank's share, as `base` does: of B's rows of each shard for a column-parallel
         layer, of A's columns for a row-parallel one (whose partial products, the adapter's
-        included, the base layer's all-reduce sums)."""
+        included, the base layer's all-reduce sums). `segmented`: the Triton kernels read the
+        slots (None: on a GPU; the interpreter runs them on a CPU in tests)."""
         super().__init__()
         self.base = base
         self.row_slices: list[CheckpointSlice] | None = base.checkpoint_rows
@@ -132,27 +97,27 @@ class LoraLinear(nn.Module):
         )
         self.max_loras = max_loras
         self.max_rank = max_rank
+        self.shard_outputs = list(shape.shard_rows)
         self.shard_offsets = np.cumsum((0, *shape.shard_rows)).tolist()
-        self.num_shards = len(shape.shard_rows)
-        width = self.num_shards * max_rank
+        width = len(shape.shard_rows) * max_rank
         out = self.shard_offsets[-1]
         self.lora_a = torch.zeros(max_loras, width, shape.in_features, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(max_loras, out, width, dtype=dtype, device=device)
+        self.tiled_b = not (device.type == "cuda" if segmented is None else segmented)
+        self.tile_offsets = np.cumsum(
+            (0, *(-(-rows // TILE) for rows in shape.shard_rows))
+        ).tolist()
+        tiles = self.tile_offsets[-1]
+        b_shape = (tiles, max_rank, TILE) if self.tiled_b else (out, width)
+        self.lora_b = torch.zeros(max_loras, *b_shape, dtype=dtype, device=device)
         self.step = step
-        # The stacked forms are the CPU's (a GPU runs the Triton kernels over lora_a/lora_b):
-        # none elsewhere.
-        dense_shapes = [] if device.type != "cpu" else [(max_loras * width, shape.in_features)]
-        if dense_shapes:
-            dense_shapes += [(rows, max_loras * max_rank) for rows in shape.shard_rows]
-        dense = [torch.zeros(size, dtype=dtype, device=device) for size in dense_shapes]
-        # Each with its form for Folio's linear kernels (engine.layers.linear): torch's own
-        # bfloat16 matmul of these small shapes ran slower than the base product.
-        self.dense: list[tuple[torch.Tensor, PackedWeight | None]] = [
-            (weight, pack_persistent(weight)) for weight in dense
-        ]
+        # Decided here, not in a step: a compiled program keeps the choice as a constant.
+        cpu = self.tiled_b and device.type == "cpu"
+        self.folio_kernel = cpu and cpu_capabilities().folio_kernels
+        self.allow_avx512 = forced_isa() == "native"
 
     def load(self, slot: int, shards: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Slot `slot` holds these shards' (A, B) (the others zero), written in place."""
+        """Slot `slot` holds these shards' (A, B) (the others zero), written in place: a
+        compiled program reads the same tensors from then on."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         for shard, (a, b) in shards.items():
@@ -162,27 +127,15 @@ class LoraLinear(nn.Module):
             if self.row_slices is not None:
                 rows_held = self.row_slices[shard]
                 b = b[rows_held.start : rows_held.start + rows_held.count]
-            cols = slice(shard * self.max_rank, shard * self.max_rank + a.shape[0])
+            rank = a.shape[0]
+            cols = slice(shard * self.max_rank, shard * self.max_rank + rank)
             rows = slice(self.shard_offsets[shard], self.shard_offsets[shard + 1])
             self.lora_a[slot, cols].copy_(a)
-            self.lora_b[slot, rows, cols].copy_(b)
-        if not self.dense:
-            return
-        slots, shards_n, rank = self.max_loras, self.num_shards, self.max_rank
-        (dense_a, packed_a), *dense_bs = self.dense
-        # A's rows shard-major: [shard, slot, rank].
-        stacked = (
-            self.lora_a.view(slots, shards_n, rank, -1)
-            .transpose(0, 1)
-            .reshape(shards_n * slots * rank, -1)
-        )
-        copy_packed(dense_a, packed_a, stacked)
-        for shard, (dense_b, packed_b) in enumerate(dense_bs):
-            rows = slice(self.shard_offsets[shard], self.shard_offsets[shard + 1])
-            cols = slice(shard * rank, (shard + 1) * rank)
-            # [rows, slot, rank]: slot s's B of this shard in columns s * rank onwards.
-            block = self.lora_b[:, rows, cols].permute(1, 0, 2).reshape(dense_b.shape[0], -1)
-            copy_packed(dense_b, packed_b, block)
+            if self.tiled_b:
+                first, end = self.tile_offsets[shard : shard + 2]
+                self.lora_b[slot, first:end, :rank].copy_(b_tiles(b))
+            else:
+                self.lora_b[slot, rows, cols].copy_(b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         step = self.step
@@ -204,31 +157,63 @@ class LoraLinear(nn.Module):
             shrunk = lora_shrink(x, self.lora_a, step.sorted_rows, step.segments)
             lora_expand(shrunk, self.lora_b, step.sorted_rows, step.segments, out)
             return out
-        if step.dense:
-            return self._add_dense(x, out)
-        for slot, rows in step.groups:
-            shrunk = F.linear(x[rows], self.lora_a[slot])
-            delta = F.linear(shrunk, self.lora_b[slot])
-            if isinstance(rows, slice):
-                out[rows] += delta
-            else:
-                out.index_add_(0, rows, delta)
-        return out
+        slots = step.slots[: x.shape[0]]
+        if self.folio_kernel:
+            return torch.ops.folio_lora.lora_add(
+                out, x, slots, self.lora_a, self.lora_b, self.shard_outputs, self.allow_avx512
+            )
+        return torch_lora_add(out, x, slots, self.lora_a, self.lora_b, self.shard_outputs)
 
-    def _add_dense(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Every slot's product at once: shrink by all slots, keep each token's slot's values
-        (the mask), expand per shard by all slots into the shard's columns."""
-        tokens, slots, rank = x.shape[0], self.max_loras, self.max_rank
-        (dense_a, packed_a), *dense_bs = self.dense
-        shrunk = linear(x, dense_a, packed_a).view(tokens, self.num_shards, slots, rank)
-        shrunk = shrunk * self.step.mask[:tokens].view(tokens, 1, slots, 1)
-        for shard, (dense_b, packed_b) in enumerate(dense_bs):
-            delta = linear(shrunk[:, shard].reshape(tokens, slots * rank), dense_b, packed_b)
-            if self.num_shards == 1:
-                out += delta
-            else:
-                out[:, self.shard_offsets[shard] : self.shard_offsets[shard + 1]] += delta
-        return out
+
+@torch.library.custom_op("folio::lora_add", mutates_args=())
+def torch_lora_add(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    shard_outputs: list[int],
+) -> torch.Tensor:
+    """folio_lora::lora_add's contract (engine/kernels/cpu/cpu_lora.cpp) in torch's ops, where
+    Folio's kernels did not load: y plus, per used slot, its two products over its rows (b in
+    tiles, [slots, tiles, rank, TILE]). One op to a compiled program, as the kernel is."""
+    out = y.clone()
+    _, _, rank, tile = b.shape
+    slot_of = slots.numpy()
+    for slot in np.unique(slot_of[slot_of != NO_LORA]).tolist():
+        rows = torch.from_numpy(np.flatnonzero(slot_of == slot))
+        shrunk = F.linear(x[rows], a[slot])
+        # [rank, tiles * TILE]: the slot's B transposed, each shard's columns padded to tiles.
+        flat = b[slot].transpose(0, 1).reshape(rank, -1)
+        deltas, first = [], 0
+        for k, count in enumerate(shard_outputs):
+            b_k = flat[:, first * tile : first * tile + count]
+            deltas.append(shrunk[:, k * rank : (k + 1) * rank] @ b_k)
+            first += -(-count // tile)
+        out.index_add_(0, rows, torch.cat(deltas, dim=1))
+    return out
+
+
+@torch_lora_add.register_fake
+def _torch_lora_add_shape(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    shard_outputs: list[int],
+) -> torch.Tensor:
+    return torch.empty_like(y)
+
+
+def b_tiles(b: torch.Tensor) -> torch.Tensor:
+    """One shard's B [rows, rank] as Folio's CPU kernel reads it: [ceil(rows / TILE), rank,
+    TILE], tile t holding B's rows t * TILE onwards transposed, zeros past the last."""
+    rows, rank = b.shape
+    count = -(-rows // TILE)
+    padded = b.new_zeros(count * TILE, rank)
+    padded[:rows] = b
+    return padded.view(count, TILE, rank).transpose(1, 2)
 
 
 def module_shapes(config: ModelConfig) -> dict[str, ModuleShape]:
@@ -264,7 +249,7 @@ class LoraSlots:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.device = device
-        self.step = LoraGroups.sized(max_tokens, max_loras, dtype, device)
+        self.step = LoraGroups.sized(max_tokens, device)
         self.layers: dict[tuple[int, str], LoraLinear] = {}
         self.shapes: dict[tuple[int, str], ModuleShape] = {}
         per_layer = module_shapes(config)
@@ -299,60 +284,33 @@ class LoraSlots:
 
     @contextlib.contextmanager
     def tracing(self, active: bool) -> Iterator[None]:
-        """Steps as a compiled decode program sees them while it is traced: every slot's
-        product at once (`active`), or none (no adapter in the step)."""
-        saved = self.step.active, self.step.dense
-        self.step.active = self.step.dense = active
+        """Steps as a compiled decode program sees them while it is traced: with adapters
+        (`active`: the grouped product over the step's slots), or with none."""
+        saved = self.step.active
+        self.step.active = active
         try:
             yield
         finally:
-            self.step.active, self.step.dense = saved
+            self.step.active = saved
 
 
-def fill_groups(
-    step: LoraGroups,
-    slots: np.ndarray,
-    device: torch.device,
-    kernels: bool,
-    dense: bool | None = None,
-) -> None:
-    """`step` for a step whose row i uses slot slots[i] (-1: the base model). With `kernels`,
-    the rows sorted by slot and the segments the Triton kernels take. Else the mask of every
-    row's slot (a compiled decode program reads it whatever the step's size), and unless the
-    step is `dense` (None: up to DENSE_MAX_TOKENS rows, or many slots active) per active slot
-    its rows (a slice where contiguous)."""
-    step.groups.clear()
+def fill_groups(step: LoraGroups, slots: np.ndarray, device: torch.device, kernels: bool) -> None:
+    """`step` for a step whose row i uses slot slots[i] (-1: the base model). With `kernels`
+    (the GPU's), the rows sorted by slot and the segments the Triton kernels take; else the
+    persistent slots of the step's rows (what the CPU's product and compiled decode programs
+    read)."""
     step.sorted_rows = step.segments = None
     used = slots != NO_LORA
     step.active = bool(used.any())
-    step.dense = False
     if not step.active:
         return
-    active = np.unique(slots[used])
     if not kernels:
-        mask = step.mask[: len(slots)]
-        mask.zero_()
-        (rows,) = np.nonzero(used)
-        mask[torch.from_numpy(rows), torch.from_numpy(slots[rows])] = 1
-        if dense is None:
-            many = len(active) * DENSE_SLOT_SHARE >= step.mask.shape[1]
-            dense = len(slots) <= DENSE_MAX_TOKENS or many
-        step.dense = dense
-        if dense:
-            return
-    counts = []
-    for slot in active.tolist():
-        (rows,) = np.nonzero(slots == slot)
-        counts.append(len(rows))
-        first, last = int(rows[0]), int(rows[-1])
-        if last - first + 1 == len(rows):
-            step.groups.append((slot, slice(first, last + 1)))
-        else:
-            step.groups.append((slot, torch.from_numpy(rows).to(device)))
-    if kernels:
-        order = np.argsort(slots, kind="stable")
-        order = order[slots[order] != NO_LORA]
-        starts = np.cumsum([0, *counts[:-1]])
-        segments = np.stack([starts, counts, active], axis=1).astype(np.int32)
-        step.sorted_rows = torch.from_numpy(order.astype(np.int32)).to(device)
-        step.segments = torch.from_numpy(segments).to(device)
+        step.slots[: len(slots)].copy_(torch.from_numpy(slots.astype(np.int32)))
+        return
+    active, counts = np.unique(slots[used], return_counts=True)
+    order = np.argsort(slots, kind="stable")
+    order = order[slots[order] != NO_LORA]
+    starts = np.cumsum([0, *counts[:-1]])
+    segments = np.stack([starts, counts, active], axis=1).astype(np.int32)
+    step.sorted_rows = torch.from_numpy(order.astype(np.int32)).to(device)
+    step.segments = torch.from_numpy(segments).to(device)

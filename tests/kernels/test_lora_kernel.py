@@ -2,7 +2,8 @@
 output) against the plain loop over segments, under the Triton interpreter (or natively with
 FOLIO_KERNEL_DEVICE=cuda): uneven segments, rows of the base model in none, a slot unused,
 widths and outputs that are no power of two (masked tiles); and engine.layers.lora's wrapped
-linear gives the same output through the kernels as through its CPU path."""
+linear gives the same output through the kernels as through its CPU product (Folio's grouped
+kernel where it loaded)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ MIXED = [0, -1, 3, 0, 0, 3, -1, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3]
 
 
 def kernel_groups(slots: list[int]) -> LoraGroups:
-    step = LoraGroups.sized(len(slots), SLOTS, torch.float32, torch.device(DEVICE))
+    step = LoraGroups.sized(len(slots), torch.device(DEVICE))
     fill_groups(step, np.array(slots), torch.device(DEVICE), kernels=True)
     return step
 
@@ -51,17 +52,32 @@ def test_shrink_then_expand_matches_the_loop(dtype, slots):
 
 
 def test_wrapped_linear_gives_the_same_through_kernels_and_cpu_paths():
-    """A fused three-shard linear with ranks 3 and 2 in a slot of width 4 per shard: the same
-    output through the kernels, the CPU's per-slot loop and its product of every slot at once
-    (the mask); then a slot loaded again in place changes the dense product's rows of that
-    slot only."""
+    """A fused three-shard linear with ranks 3 and 2 in a slot of width 4 per shard: on the
+    CPU (Folio's grouped kernel, B in tiles) each row gets its slot's shards' low-rank
+    products, and the Triton kernels (B block-diagonal) give the same; then a slot loaded
+    again in place changes the rows of that slot only."""
     shape = ModuleShape(IN, (24, 16, 16))
-    base = Linear(IN, list(shape.shard_rows), False, torch.float32, DEVICE)
-    base.weight.data.copy_(randn(56, IN, dtype=torch.float32, seed=5, scale=0.2))
-    step = LoraGroups.sized(len(MIXED), SLOTS, torch.float32, torch.device(DEVICE))
-    layer = LoraLinear(base, shape, SLOTS, 4, torch.float32, torch.device(DEVICE), step)
+    base = Linear(IN, list(shape.shard_rows), False, torch.float32, "cpu")
+    base.weight.data.copy_(randn(56, IN, dtype=torch.float32, seed=5, scale=0.2).cpu())
+    cpu = torch.device("cpu")
+    step = LoraGroups.sized(len(MIXED), cpu)
+    layer = LoraLinear(base, shape, SLOTS, 4, torch.float32, cpu, step)
+    assert layer.tiled_b
+    kernels_base = Linear(IN, list(shape.shard_rows), False, torch.float32, DEVICE)
+    kernels_base.weight.data.copy_(base.weight.data)
+    kernels_layer = LoraLinear(
+        kernels_base,
+        shape,
+        SLOTS,
+        4,
+        torch.float32,
+        torch.device(DEVICE),
+        kernel_groups(MIXED),
+        segmented=True,
+    )
+    loaded: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
     for slot, rank in ((0, 3), (2, 2), (3, 4)):
-        shards = {
+        loaded[slot] = {
             s: (
                 randn(rank, IN, dtype=torch.float32, seed=10 * slot + s, scale=0.3),
                 randn(shape.shard_rows[s], rank, dtype=torch.float32, seed=99 - s, scale=0.3),
@@ -69,47 +85,46 @@ def test_wrapped_linear_gives_the_same_through_kernels_and_cpu_paths():
             for s in range(3)
             if (slot, s) != (2, 1)  # slot 2 leaves its second shard out
         }
-        layer.load(slot, shards)
-    x = randn(len(MIXED), IN, dtype=torch.float32, seed=6)
-    fill_groups(step, np.array(MIXED), torch.device(DEVICE), kernels=False, dense=False)
-    assert not step.dense and step.groups
+        layer.load(slot, loaded[slot])
+        kernels_layer.load(slot, loaded[slot])
+    x = randn(len(MIXED), IN, dtype=torch.float32, seed=6).cpu()
+    fill_groups(step, np.array(MIXED), cpu, kernels=False)
+    assert step.active and step.segments is None
     cpu_path = layer(x)
-    assert_rows_add_their_slots(layer, base, x, cpu_path)
-    fill_groups(step, np.array(MIXED), torch.device(DEVICE), kernels=False)
-    assert step.dense and not step.groups
-    dense = layer(x)
-    assert_close(dense, cpu_path, torch.float32)
-    fill_groups(step, np.array(MIXED), torch.device(DEVICE), kernels=True)
-    assert_close(layer(x), cpu_path, torch.float32)
-    # Slot 3 again, other weights, in place: the dense product's rows of slot 3 change, the
-    # others stay (each slot's columns of the stacked forms are its own).
-    a = randn(4, IN, dtype=torch.float32, seed=7, scale=0.3)
-    layer.load(3, {0: (a, randn(24, 4, dtype=torch.float32, seed=8, scale=0.3))})
-    fill_groups(step, np.array(MIXED), torch.device(DEVICE), kernels=False)
+    assert_rows_add_their_slots(base, loaded, x, cpu_path)
+    assert_close(kernels_layer(x.to(DEVICE)).cpu(), cpu_path, torch.float32)
+    # Slot 3 again, other weights, in place: the rows of slot 3 change, the others stay.
+    loaded[3] = {
+        0: (
+            randn(4, IN, dtype=torch.float32, seed=7, scale=0.3),
+            randn(24, 4, dtype=torch.float32, seed=8, scale=0.3),
+        )
+    }
+    layer.load(3, loaded[3])
     reloaded = layer(x)
-    assert_rows_add_their_slots(layer, base, x, reloaded)
+    assert_rows_add_their_slots(base, loaded, x, reloaded)
     for row, slot in enumerate(MIXED):
-        assert torch.equal(reloaded[row], dense[row]) == (slot != 3)
+        assert torch.equal(reloaded[row], cpu_path[row]) == (slot != 3)
 
 
-def assert_rows_add_their_slots(layer: LoraLinear, base: Linear, x, out) -> None:
+def assert_rows_add_their_slots(base: Linear, loaded, x, out) -> None:
     """Each row: the base product plus its slot's shards' low-rank products."""
+    bounds = [0, 24, 40, 56]
     for row, slot in enumerate(MIXED):
         want = base(x[row : row + 1])
-        if slot >= 0:
-            want = want + x[row : row + 1] @ layer.lora_a[slot].T @ layer.lora_b[slot].T
+        for shard, (a, b) in loaded.get(slot, {}).items():  # none for the base model (-1)
+            delta = x[row : row + 1] @ a.cpu().T @ b.cpu().T
+            want[:, bounds[shard] : bounds[shard + 1]] += delta
         assert_close(out[row : row + 1], want, torch.float32)
 
 
-def test_a_step_too_large_for_the_dense_product_still_writes_the_mask():
-    """A compiled decode program reads the mask whatever the step's size: a step of 100 rows
-    with one slot of 16 active takes the per-slot loop eagerly, and its mask still says which
-    rows use which slot (and nothing of an earlier step's rows)."""
-    step = LoraGroups.sized(100, 16, torch.float32, torch.device(DEVICE))
-    fill_groups(step, np.arange(100) % 16, torch.device(DEVICE), kernels=False)
-    assert step.dense  # every slot active
+def test_fill_groups_writes_each_rows_slot_or_nothing():
+    """A CPU step writes every row's slot into the persistent slots (what compiled decode
+    programs read, whatever the step's size); a step with no adapter is not active."""
+    step = LoraGroups.sized(100, torch.device("cpu"))
     slots = np.full(100, -1)
     slots[[3, 70]] = 5
-    fill_groups(step, slots, torch.device(DEVICE), kernels=False)
-    assert not step.dense and len(step.groups) == 1
-    assert step.mask.nonzero().tolist() == [[3, 5], [70, 5]]
+    fill_groups(step, slots, torch.device("cpu"), kernels=False)
+    assert step.active and step.slots.tolist() == slots.tolist()
+    fill_groups(step, np.full(8, -1), torch.device("cpu"), kernels=False)
+    assert not step.active

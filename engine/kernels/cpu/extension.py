@@ -7,7 +7,8 @@ paged_decode_attention for decode-only ones, and decode_step_attention for compi
 programs), and dense linears that compiled programs can call (cpu_linear.cpp:
 torch.ops.folio_linear.packed_linear over oneDNN-packed weights; bf16_linear, AVX-512 BF16
 products over Folio's own tiles, on CPUs that have those; widened_bf16_linear, float32
-activations times the same tiles widened to float32 in registers, on any AVX2 CPU).
+activations times the same tiles widened to float32 in registers, on any AVX2 CPU), and the
+grouped LoRA product (cpu_lora.cpp: torch.ops.folio_lora.lora_add).
 
 `load()` registers the ops and returns True, or False where they cannot run (a CPU without AVX2
 and FMA, no C++ compiler, a build error: one warning says which): callers then use torch's own
@@ -44,7 +45,7 @@ KERNELS = "Folio's CPU kernels"
 TORCH_OPS = "using torch's ops"
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("cpu_quant.cpp", "cpu_attention.cpp", "cpu_linear.cpp")
+    for name in ("cpu_quant.cpp", "cpu_attention.cpp", "cpu_linear.cpp", "cpu_lora.cpp")
 ]
 # The headers the sources include: part of what a build is made of.
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
@@ -193,6 +194,17 @@ def _register_output_shapes() -> None:
     ) -> torch.Tensor:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
+    def lora_add_shape(
+        y: torch.Tensor,
+        x: torch.Tensor,
+        slots: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        shard_outputs: list[int],
+        allow_avx512: bool,
+    ) -> torch.Tensor:
+        return torch.empty_like(y)
+
     torch.library.register_fake("folio_quant::int8_linear")(int8_shape)
     torch.library.register_fake("folio_quant::int4_linear")(int4_shape)
     torch.library.register_fake("folio_quant::grouped_int8_linear")(grouped_int8_shape)
@@ -202,3 +214,4 @@ def _register_output_shapes() -> None:
     torch.library.register_fake("folio_linear::packed_linear")(packed_linear_shape)
     torch.library.register_fake("folio_linear::bf16_linear")(bf16_linear_shape)
     torch.library.register_fake("folio_linear::widened_bf16_linear")(bf16_linear_shape)
+    torch.library.register_fake("folio_lora::lora_add")(lora_add_shape)

@@ -85,11 +85,18 @@ LORAS = [None, "all8", "attn4", "mlp2"]
 @pytest.mark.parametrize("max_loras", [3, 1], ids=["all-resident", "swapped"])
 def test_mixed_batch_matches_transformers_with_peft(models, max_loras):
     """Base and three adapters in one batch (max_loras 3), or swapped through one slot: each
-    request's greedy tokens are those of transformers + peft with its adapter; then the same
-    prompts again with the adapters rotated hit the prefix cache only within an adapter."""
+    request's greedy tokens are those of transformers + peft with its adapter (prompts and
+    decode steps through Folio's grouped kernel); then the same prompts again with the adapters
+    rotated hit the prefix cache only within an adapter."""
+    from engine.kernels.cpu.capabilities import cpu_capabilities
+
     root, base_dir, reference, oracles = models
     engine = engine_for(root, base_dir, max_loras)
     try:
+        slots = engine.executor.runner.lora
+        assert slots is not None  # Folio's grouped kernel where it loaded (it did on AVX2)
+        kernel = cpu_capabilities().folio_kernels
+        assert all(layer.folio_kernel == kernel for layer in slots.layers.values())
         first = {f"r{i}": (PROMPTS[i], LORAS[i]) for i in range(4)}
         got = run(engine, first)
         hits_before = engine.stats().prefix_cache_hits

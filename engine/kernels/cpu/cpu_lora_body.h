@@ -1,0 +1,134 @@
+// The grouped LoRA kernel's loops for one instruction set. cpu_lora.cpp includes this file
+// twice, once inside a namespace compiled for AVX-512 and once inside one for AVX2, each
+// defining first what the loops are written in: Vec (a vector of kLanes float32), kRowBlock
+// (activation rows multiplied together), zero, fma, broadcast, add, sum (of a vector's
+// lanes), load (kLanes float32, bfloat16 or float16 values widened to float32) and store (a
+// vector rounded to the element type). So no guard: each inclusion is its own code.
+//
+// Each sum runs one order whatever the call's other rows: a row's result never depends on
+// which rows share its group, its slot's group or the call (the vector part, its horizontal
+// sum, then the tail one value at a time; std::fma in the tails, which rounds as a vector
+// fma lane does).
+
+// shrunk[row][k] (k < K) = a[k] . x[row] for rows rows[0 .. M): K rows of one slot's A, `in`
+// long, `in` apart; `shrunk` points at the task's first column.
+template <int K, int M, typename T>
+inline void shrink_rows(const Problem<T>& p, const T* a, const int32_t* rows, float* shrunk) {
+  const int64_t in = p.in, body = in - in % kLanes;
+  const T* xs[M];
+  for (int m = 0; m < M; ++m) xs[m] = p.x + rows[m] * p.x_stride;
+  Vec acc[K][M];
+  for (int k = 0; k < K; ++k)
+    for (int m = 0; m < M; ++m) acc[k][m] = zero();
+  for (int64_t i = 0; i < body; i += kLanes) {
+    Vec xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = load(xs[m] + i);
+    for (int k = 0; k < K; ++k) {
+      const Vec av = load(a + k * in + i);
+      for (int m = 0; m < M; ++m) acc[k][m] = fma(av, xv[m], acc[k][m]);
+    }
+  }
+  for (int k = 0; k < K; ++k)
+    for (int m = 0; m < M; ++m) {
+      float s = sum(acc[k][m]);
+      for (int64_t i = body; i < in; ++i)
+        s = std::fma(static_cast<float>(a[k * in + i]), static_cast<float>(xs[m][i]), s);
+      shrunk[rows[m] * p.width + k] = s;
+    }
+}
+
+// shrink_rows for k (1 to K) rows of A and m (1 to M) activation rows, each count its own
+// unrolled code.
+template <int K, int M, typename T>
+inline void shrink_upto(int64_t k, int64_t m, const Problem<T>& p, const T* a,
+                        const int32_t* rows, float* shrunk) {
+  if constexpr (K > 1) {
+    if (k < K) return shrink_upto<K - 1, M>(k, m, p, a, rows, shrunk);
+  }
+  if constexpr (M > 1) {
+    if (m < M) return shrink_upto<K, M - 1>(k, m, p, a, rows, shrunk);
+  }
+  shrink_rows<K, M>(p, a, rows, shrunk);
+}
+
+// out[row][o0 + j] = y[row][o0 + j] + sum over r of bt[r][j] * shrunk[row][column + r], for
+// j < n and rows rows[0 .. M): bt is one slot's tile of B (`rank` rows of `tile_width`
+// values), `column` the tile's shard's first column of the shrunk values.
+template <int M, typename T>
+inline void expand_rows(const Problem<T>& p, const T* bt, const int32_t* rows, int64_t o0,
+                        int64_t n, int64_t column) {
+  const int64_t out = p.out_features, tile = p.tile_width, body = n - n % kLanes;
+  const float* shrunk[M];
+  for (int m = 0; m < M; ++m) shrunk[m] = p.shrunk + rows[m] * p.width + column;
+  for (int64_t j = 0; j < body; j += kLanes) {
+    Vec acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = zero();
+    for (int64_t r = 0; r < p.rank; ++r) {
+      const Vec bv = load(bt + r * tile + j);
+      for (int m = 0; m < M; ++m) acc[m] = fma(bv, broadcast(shrunk[m][r]), acc[m]);
+    }
+    for (int m = 0; m < M; ++m) {
+      const int64_t at = rows[m] * out + o0 + j;
+      store(p.out + at, add(load(p.y + at), acc[m]));
+    }
+  }
+  for (int64_t j = body; j < n; ++j)
+    for (int m = 0; m < M; ++m) {
+      float s = 0.0f;
+      for (int64_t r = 0; r < p.rank; ++r)
+        s = std::fma(static_cast<float>(bt[r * tile + j]), shrunk[m][r], s);
+      const int64_t at = rows[m] * out + o0 + j;
+      p.out[at] = static_cast<T>(static_cast<float>(p.y[at]) + s);
+    }
+}
+
+template <int M, typename T>
+inline void expand_upto(int64_t m, const Problem<T>& p, const T* bt, const int32_t* rows,
+                        int64_t o0, int64_t n, int64_t column) {
+  if constexpr (M > 1) {
+    if (m < M) return expand_upto<M - 1>(m, p, bt, rows, o0, n, column);
+  }
+  expand_rows<M>(p, bt, rows, o0, n, column);
+}
+
+// The whole product: every group's shrink (tasks of kShrinkRows rows of A over all the group's
+// activation rows, so each slot's A is read once), then the expand: each thread takes a run of
+// output tiles and goes through it slot by slot (one slot's tiles lie one after the other, so
+// each used slot's B is read once, front to back), then copies the base model's rows.
+template <typename T>
+void run(const Problem<T>& p) {
+  at::parallel_for(0, static_cast<int64_t>(p.shrink_tasks.size()), 1,
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t t = begin; t < end; ++t) {
+                       const ShrinkTask task = p.shrink_tasks[t];
+                       const Group& g = p.groups[task.group];
+                       const T* a = p.a + (g.slot * p.width + task.w0) * p.in;
+                       const int64_t k = std::min<int64_t>(kShrinkRows, p.width - task.w0);
+                       for (int64_t i = g.begin; i < g.end; i += kRowBlock)
+                         shrink_upto<kShrinkRows, kRowBlock>(
+                             k, std::min<int64_t>(kRowBlock, g.end - i), p, a,
+                             p.order.data() + i, p.shrunk + task.w0);
+                     }
+                   });
+  const int64_t tiles = static_cast<int64_t>(p.tiles.size());
+  const int64_t tile_values = p.rank * p.tile_width;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (const Group& g : p.groups) {
+      const T* slot_tiles = p.b + g.slot * tiles * tile_values;
+      for (int64_t t = begin; t < end; ++t) {
+        const Tile tile = p.tiles[t];
+        for (int64_t i = g.begin; i < g.end; i += kRowBlock)
+          expand_upto<kRowBlock>(std::min<int64_t>(kRowBlock, g.end - i), p,
+                                 slot_tiles + t * tile_values, p.order.data() + i, tile.o0,
+                                 tile.n, tile.shard * p.rank);
+      }
+    }
+    for (int64_t t = begin; t < end; ++t) {
+      const Tile tile = p.tiles[t];
+      for (const int32_t row : p.base_rows) {
+        const int64_t at = row * p.out_features + tile.o0;
+        std::copy(p.y + at, p.y + at + tile.n, p.out + at);
+      }
+    }
+  });
+}
