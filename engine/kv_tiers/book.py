@@ -265,14 +265,15 @@ class TierBook:
         return events
 
     def flush(self) -> None:
-        """After a step: the blocks it cached go to the sink, to be written to disk, with the
-        pinned hashes when they changed since the sink last had them (other ranks' disk tiers
-        delete pinned blocks' files last too; a file is only ever deleted after a write)."""
+        """After a step: the blocks it cached go to the sink, to be written to disk, and with
+        a disk tier the pinned hashes when they changed since the sink last had them (other
+        ranks' disk tiers delete pinned blocks' files last too)."""
         persists, self._persists = self._persists, []
-        if not persists or self.sink is None:
+        if self.sink is None or self.disk is None:
             return
         pinned = None
         if self.pins is not None and self.pins.changes != self._pins_sent:
             self._pins_sent = self.pins.changes
             pinned = self.pins.pinned_hashes()
-        self.sink(persists, pinned)
+        if persists or pinned is not None:
+            self.sink(persists, pinned)

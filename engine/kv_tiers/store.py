@@ -390,8 +390,9 @@ class KVTierStore:
 
     def persist(self, persists: list[tuple[int, bytes]], pinned: list[bytes] | None) -> None:
         """Queue the newly cached blocks' files (the disk tier writes them in its thread), on
-        every rank; the other ranks are sent the pinned hashes too when they changed."""
-        if self._share is not None and persists:
+        every rank; the other ranks are sent the pinned hashes too when they changed (this
+        rank's disk tier asks the pins themselves)."""
+        if self._share is not None and (persists or pinned is not None):
             self._share(ranks.encode_moves(ranks.TierMoves(persists=persists, pinned=pinned)))
         self._persist(persists)
 
