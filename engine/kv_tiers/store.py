@@ -24,10 +24,10 @@ the flag. It never decides which block goes where (the book does).
 
 With tensor parallelism every rank has a store of its own shard (its KV heads: its host tier,
 save thread and disk files); rank 0's has the book and sends every move it makes to the other
-ranks' first (engine.kv_tiers.ranks), with the blocks to write the pinned hashes when they
-changed (every rank's disk bound deletes pinned blocks' files last), and asks them all whether a
-block found in its own disk files is in theirs too: only a block every rank verified is loaded,
-by every rank.
+ranks' first (engine.kv_tiers.ranks), and the pinned hashes after each step that changed them
+(every rank's disk bound deletes pinned blocks' files last), and asks them all whether a block
+found in its own disk files is in theirs too: only a block every rank verified is loaded, by
+every rank.
 """
 
 from __future__ import annotations
