@@ -23,7 +23,7 @@ which model has experts (engine.models does).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -263,7 +263,10 @@ class SparseMoe(nn.Module):
                 x, weights, ids, parts, gate_up, down, self.local_experts.start, self._swiglu
             )
         else:
-            out = run_experts(x, weights, ids, self.local_experts.start, self._expert_list)
+            experts = self._expert_list
+            out = run_experts(
+                x, weights, ids, self.local_experts.start, len(experts), experts.__getitem__
+            )
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out += self.shared_expert_gate(x) * self.shared_expert(x)
         return out if self.tp.size == 1 else all_reduce_(out, self.tp)
@@ -306,25 +309,26 @@ def run_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     first_expert: int,
-    experts: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+    num_local: int,
+    expert: Callable[[int], Callable[[torch.Tensor], torch.Tensor]],
 ) -> torch.Tensor:
-    """The CPU path: each of this rank's experts (`experts[e - first_expert]` is expert e) once,
-    over the tokens routed to it, added up in expert order (as transformers adds them).
-    weights and ids are the router's [T, k]; the result is [T, hidden], partial with several
-    ranks."""
-    counts = torch.bincount(ids.flatten(), minlength=first_expert + len(experts)).tolist()
+    """The CPU path: each of this rank's `num_local` experts (`expert(e - first_expert)` is
+    expert e, asked for only if a token goes to it) once, over the tokens routed to it, added up
+    in expert order (as transformers adds them). weights and ids are the router's [T, k]; the
+    result is [T, hidden], partial with several ranks."""
+    counts = torch.bincount(ids.flatten(), minlength=first_expert + num_local).tolist()
     # This rank's pairs, sorted by expert: a contiguous run of the sorted pairs.
     begin = sum(counts[:first_expert])
-    local_counts = counts[first_expert : first_expert + len(experts)]
+    local_counts = counts[first_expert : first_expert + num_local]
     pairs = ids.flatten().argsort(stable=True)[begin : begin + sum(local_counts)]
     tokens = pairs // ids.shape[1]
     # One gather for every expert's rows, each expert then reading a contiguous slice of it.
     rows = x[tokens]
     outputs = []
     start = 0
-    for expert, count in zip(experts, local_counts, strict=True):
+    for local, count in enumerate(local_counts):
         if count:
-            outputs.append(expert(rows[start : start + count]))
+            outputs.append(expert(local)(rows[start : start + count]))
         start += count
     out = torch.zeros_like(x)
     if outputs:
@@ -380,11 +384,18 @@ def weight_layout(
     return [int(v) for v in fields.values()], tensors
 
 
+def layout_size(layout: list[int]) -> int:
+    """How many tensors a weight of this layout travels as."""
+    fields = dict(zip(LAYOUT, layout, strict=True))
+    if FORMS[fields["form"]] in QUANTIZED:  # codes, scale, minimum?, torch's int4 packing?
+        return 2 + fields["minimum"] + 2 * fields["torch_int4"] + fields["bias"]
+    return 1 + fields["bias"]
+
+
 def linear_from_layout(
     layout: list[int], tensors: list[torch.Tensor]
-) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
-    """What weight_layout took apart, as x -> x @ weight.T (+ bias) through the same kernel, and
-    how many of `tensors` (from the first) it used."""
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What weight_layout took apart, as x -> x @ weight.T (+ bias) through the same kernel."""
     fields = dict(zip(LAYOUT, layout, strict=True))
     form = FORMS[fields["form"]]
     count = 1
@@ -408,8 +419,7 @@ def linear_from_layout(
     else:
         packed = Bf16Tiles(tensors[0], fields["out_features"], form == "widened bfloat16 tiles")
     bias = tensors[count] if fields["bias"] else None
-    count += fields["bias"]
-    return functools.partial(linear, weight=weight, packed=packed, bias=bias), count
+    return functools.partial(linear, weight=weight, packed=packed, bias=bias)
 
 
 # A dense weight's placeholder where the packed form is the one read.
@@ -447,15 +457,20 @@ def _experts_op(
     """run_experts over the experts SparseMoe._op_weights took apart: what compiled programs
     call, the sizes inside depending on the routing."""
     act = _activation(tuple(swiglu))
-    experts = []
-    at = 0
-    while at < len(parts):
-        gate_up_linear, used = linear_from_layout(gate_up, parts[at:])
-        at += used
-        down_linear, used = linear_from_layout(down, parts[at:])
-        at += used
-        experts.append(functools.partial(_expert, gate_up_linear, act, down_linear))
-    return run_experts(x, weights, ids, first_expert, experts)
+    gate_up_size = layout_size(gate_up)
+    size = gate_up_size + layout_size(down)
+
+    def expert(local: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        # Rebuilt when a token goes to it: a decode step reaches a few experts of many.
+        at = local * size
+        return functools.partial(
+            _expert,
+            linear_from_layout(gate_up, parts[at : at + gate_up_size]),
+            act,
+            linear_from_layout(down, parts[at + gate_up_size : at + size]),
+        )
+
+    return run_experts(x, weights, ids, first_expert, len(parts) // size, expert)
 
 
 @_experts_op.register_fake
