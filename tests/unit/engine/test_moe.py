@@ -237,6 +237,7 @@ def test_model_code_imports_no_dynamo():
         (torch.bfloat16, None),
         (torch.bfloat16, "int4"),  # torch's int4 kernel
     ],
+    ids=["float32", "int8", "int4", "bfloat16", "bfloat16-int4"],
 )
 @pytest.mark.parametrize("gpt_oss", [False, True], ids=["silu", "gpt-oss"])
 def test_cpu_experts_are_one_op_in_a_compiled_graph(dtype, quantization, gpt_oss):
@@ -267,8 +268,9 @@ def test_cpu_experts_are_one_op_in_a_compiled_graph(dtype, quantization, gpt_oss
             module.finalize_weights(quantization)
     x = torch.randn(7, 64, dtype=dtype)
     with torch.inference_mode():
-        explained = torch._dynamo.explain(block)(x)
-        assert explained.graph_break_count == 0, explained.break_reasons
+        # fullgraph: a graph break fails the trace. From a clean slate: each case compiles
+        # the same forward again, and dynamo stops recompiling a code object after 8 times.
+        torch._dynamo.reset()
         compiled = torch.compile(block, backend="eager", fullgraph=True)
         assert torch.equal(compiled(x), block(x))
 
