@@ -583,7 +583,6 @@ at::Tensor parts_linear(const at::Tensor& x, at::TensorList codes, at::TensorLis
   TORCH_CHECK(x.dim() == 2, "x must be a contiguous float32 matrix");
   const int64_t k = x.size(1);
   int64_t n = 0;
-  bool int4 = false, int8 = false;
   for (size_t i = 0; i < codes.size(); ++i) {
     const std::optional<at::Tensor> min = mins[i];
     const bool is_int4 = min.has_value();
@@ -598,23 +597,22 @@ at::Tensor parts_linear(const at::Tensor& x, at::TensorList codes, at::TensorLis
     } else {
       check_grouped_int8(codes[i], scales[i]);
     }
-    int4 = int4 || is_int4;
-    int8 = int8 || !is_int4;
     n += codes[i].size(0);
   }
   const int64_t m = x.size(0);
   const float* xs = x.data_ptr<float>();
+  // Each kind's quantized activations made where its first part runs (still in cache for it).
   std::optional<QuantizedActivations<int8_t>> x8;
   std::optional<QuantizedActivations<int16_t>> x16;
-  if (int4) x8.emplace(xs, m, k);
-  if (int8) x16.emplace(xs, m, k);
   at::Tensor out = new_output(x, n);
   float* columns = out.data_ptr<float>();
   for (size_t i = 0; i < codes.size(); ++i) {
     const std::optional<at::Tensor> min = mins[i];
     if (min.has_value()) {
+      if (!x8) x8.emplace(xs, m, k);
       int4_into(*x8, m, codes[i], scales[i], *min, columns, n);
     } else {
+      if (!x16) x16.emplace(xs, m, k);
       grouped_int8_into(*x16, m, codes[i], scales[i], columns, n);
     }
     columns += codes[i].size(0);
