@@ -22,8 +22,9 @@ block hashes, the index and each replica's load:
   report step timings, or none of which has settled, are weighed by request counts: replicas
   over the load
   threshold skipped, the longest worthwhile prefix, ties to a replica with the adapter resident,
-  then to the least loaded; with no worthwhile prefix, among the replicas under the threshold
-  those with the adapter resident first.
+  then to the least loaded (a block in a host tier saving 1 - HOST_BLOCK_COST of one in the
+  pool); with no worthwhile prefix, among the replicas under the threshold those with the
+  adapter resident first.
 
 Pure decisions: this module never talks to a service and never waits. Every decision says why,
 for the debug log.
@@ -361,15 +362,23 @@ class CacheAware:
         usable = [r for r in candidates if _load(loads, r) <= threshold] or list(candidates)
         skipped = len(candidates) - len(usable)
         note = f"; {skipped} over the load threshold {threshold:g} skipped" if skipped else ""
-        matched = index.match(block_hashes)
-        best = max((matched.get(r, 0) for r in usable), default=0)
+        held = index.match_tiers(block_hashes)
+
+        def saved(replica: int) -> float:
+            """The blocks of prefill a replica saves: a host tier's at 1 - HOST_BLOCK_COST."""
+            pool, host = held.get(replica, (0, 0))
+            return pool + host * (1 - HOST_BLOCK_COST)
+
+        best = max((saved(r) for r in usable), default=0.0)
         if block_hashes and best >= max(1, self.min_match_share * len(block_hashes)):
-            holders = _adapter_first([r for r in usable if matched.get(r, 0) == best], loads)
+            holders = _adapter_first([r for r in usable if saved(r) == best], loads)
             decision = self._least_load.choose(holders, block_hashes, index, loads)
+            pool, host = held[decision.replica]
+            tier = f" (and {host} in its host tier)" if host else ""
             return Decision(
                 decision.replica,
-                best,
-                f"holds {best}/{len(block_hashes)} leading blocks"
+                pool + host,
+                f"holds {pool}/{len(block_hashes)} leading blocks{tier}"
                 f"{_adapter_note(decision.replica, loads)}, {decision.reason}{note}",
             )
         decision = self._least_load.choose(
@@ -377,8 +386,8 @@ class CacheAware:
         )
         return Decision(
             decision.replica,
-            matched.get(decision.replica, 0),
-            f"no replica holds enough of the prompt ({best}/{len(block_hashes)} blocks)"
+            sum(held.get(decision.replica, (0, 0))),
+            f"no replica holds enough of the prompt ({best:g}/{len(block_hashes)} blocks)"
             f"{_adapter_note(decision.replica, loads)}, {decision.reason}{note}",
         )
 

@@ -208,6 +208,21 @@ def test_a_prefix_in_a_host_tier_scores_between_the_pool_and_nothing():
     assert 1 not in index.match_tiers(HASHES)
 
 
+def test_by_counts_a_prefix_in_a_host_tier_scores_between_the_pool_and_nothing():
+    """Replicas without settled timings: the prefix still decides, a host tier's block worth
+    nearly a pool's (loaded, not computed)."""
+    index = PrefixIndex()
+    index.stored(0, HASHES[:3])
+    index.stored(1, HASHES[:2])
+    index.stored(1, HASHES[2:], "CPU")
+    loads = idle(0, 1, 2)
+    decision = CacheAware().choose([0, 1, 2], HASHES, index, loads)
+    assert decision.replica == 1 and decision.matched_blocks == 8
+    assert "holds 2/8 leading blocks (and 6 in its host tier)" in decision.reason
+    index.stored(2, HASHES)
+    assert CacheAware().choose([0, 1, 2], HASHES, index, loads).replica == 2
+
+
 def test_the_tiers_series_on_metrics():
     """/metrics' per-tier series, from an engine's GetStats answer (rendered as scraped)."""
     stats = EngineStats(kv_tier_hits={"host": 48, "disk": 16}, kv_tier_usage={"host": 0.25})
