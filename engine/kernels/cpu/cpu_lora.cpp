@@ -9,14 +9,15 @@
 // columns, in order) takes the next ceil(shard_outputs[k] / tile) tiles, zero past its last
 // column, and multiplies the shrunk values k * rank onwards (a fused q/k/v or gate/up layer's
 // shards each have their own A and B, and no zeros between them are stored or read). Ranks
-// below `rank` are zero rows of A and B. The rows are grouped by slot (a counting sort); each
-// group's shrink is split into tasks of a few rows of A over all the group's rows, and the
-// expand into runs of tiles, each thread going through every group's slot's run in turn, so
-// each used slot's A and B are read once per call, front to back, and a row does its own
-// slot's arithmetic only. Both phases run on at::parallel_for; the sums are float32, with
-// bfloat16 and float16 values widened in registers, so no CPU feature beyond AVX2 and FMA is
-// needed; AVX-512 where the CPU has it (and allow_avx512: the Python side passes False under
-// FOLIO_CPU_ISA=avx2). x, y, a and b share one dtype: float32, bfloat16 or float16.
+// below `rank` are zero rows of A and B. The rows are grouped by slot (a counting sort); with
+// two groups or more per thread each thread takes whole groups, else each group's shrink is
+// split into tasks of a few rows of A over all its rows and its expand into runs of tiles
+// (cpu_lora_body.h's run): each used slot's A and B are read once per call, front to back,
+// and a row does its own slot's arithmetic only. The work runs on at::parallel_for; the sums
+// are float32, with bfloat16 and float16 values widened in registers, so no CPU feature
+// beyond AVX2 and FMA is needed; AVX-512 where the CPU has it (and allow_avx512: the Python
+// side passes False under FOLIO_CPU_ISA=avx2). x, y, a and b share one dtype: float32,
+// bfloat16 or float16.
 //
 // A row's result depends on its own inputs and slot only, never on the other rows of the
 // call (cpu_lora_body.h). This file never chooses which rows use which slot (engine/layers/
@@ -43,10 +44,6 @@ struct Group {
   int64_t slot, begin, end;  // the rows order[begin .. end) use slot `slot`
 };
 
-struct ShrinkTask {
-  int64_t group, w0;  // rows w0 .. w0 + kShrinkRows of the group's A
-};
-
 struct Tile {
   int64_t o0, n, shard;  // output columns o0 .. o0 + n, all of shard `shard`
 };
@@ -58,7 +55,6 @@ struct Problem {
   int64_t x_stride, in, out_features, rank, width, tile_width;
   std::vector<Group> groups;
   std::vector<int32_t> order, base_rows;
-  std::vector<ShrinkTask> shrink_tasks;
   std::vector<Tile> tiles;
   float* shrunk;  // [rows, width]: each row's shrunk values, of its own slot
 };
@@ -212,8 +208,6 @@ at::Tensor grouped(const at::Tensor& y, const at::Tensor& x, const at::Tensor& s
     else
       p.base_rows.push_back(static_cast<int32_t>(t));
   }
-  for (int64_t g = 0; g < static_cast<int64_t>(p.groups.size()); ++g)
-    for (int64_t w0 = 0; w0 < p.width; w0 += kShrinkRows) p.shrink_tasks.push_back({g, w0});
   int64_t first = 0;
   for (int64_t shard = 0; shard < static_cast<int64_t>(shard_outputs.size()); ++shard) {
     const int64_t end = first + shard_outputs[shard];

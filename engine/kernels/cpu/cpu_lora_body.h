@@ -91,44 +91,71 @@ inline void expand_upto(int64_t m, const Problem<T>& p, const T* bt, const int32
   expand_rows<M>(p, bt, rows, o0, n, column);
 }
 
-// The whole product: every group's shrink (tasks of kShrinkRows rows of A over all the group's
-// activation rows, so each slot's A is read once), then the expand: each thread takes a run of
-// output tiles and goes through it slot by slot (one slot's tiles lie one after the other, so
-// each used slot's B is read once, front to back), then copies the base model's rows.
+// One group's shrink over its rows, tasks [begin, end) of it (kShrinkRows rows of A each).
+template <typename T>
+inline void shrink_group(const Problem<T>& p, const Group& g, int64_t w_begin, int64_t w_end) {
+  for (int64_t w0 = w_begin; w0 < w_end; w0 += kShrinkRows) {
+    const T* a = p.a + (g.slot * p.width + w0) * p.in;
+    const int64_t k = std::min<int64_t>(kShrinkRows, p.width - w0);
+    for (int64_t i = g.begin; i < g.end; i += kRowBlock)
+      shrink_upto<kShrinkRows, kRowBlock>(k, std::min<int64_t>(kRowBlock, g.end - i), p, a,
+                                          p.order.data() + i, p.shrunk + w0);
+  }
+}
+
+// One group's expand over output tiles [begin, end) (a slot's tiles lie one after the other).
+template <typename T>
+inline void expand_group(const Problem<T>& p, const Group& g, int64_t begin, int64_t end) {
+  const int64_t tile_values = p.rank * p.tile_width;
+  const T* slot_tiles = p.b + g.slot * static_cast<int64_t>(p.tiles.size()) * tile_values;
+  for (int64_t t = begin; t < end; ++t) {
+    const Tile tile = p.tiles[t];
+    for (int64_t i = g.begin; i < g.end; i += kRowBlock)
+      expand_upto<kRowBlock>(std::min<int64_t>(kRowBlock, g.end - i), p,
+                             slot_tiles + t * tile_values, p.order.data() + i, tile.o0, tile.n,
+                             tile.shard * p.rank);
+  }
+}
+
+// The base model's rows base_rows[begin .. end): y's values.
+template <typename T>
+inline void copy_base_rows(const Problem<T>& p, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t at = p.base_rows[i] * p.out_features;
+    std::copy(p.y + at, p.y + at + p.out_features, p.out + at);
+  }
+}
+
+// The whole product. With at least two groups per thread (a decode step over many adapters),
+// each thread takes whole groups, shrink then expand, in one parallel pass: its slots' A and
+// B read front to back, no wait between the phases. Otherwise (one or a few adapters) every
+// group's shrink is split into tasks of kShrinkRows rows of A, then its expand into runs of
+// output tiles, so that a lone adapter's rows still use every thread. Either way each used
+// slot's A and B are read once.
 template <typename T>
 void run(const Problem<T>& p) {
-  at::parallel_for(0, static_cast<int64_t>(p.shrink_tasks.size()), 1,
-                   [&](int64_t begin, int64_t end) {
-                     for (int64_t t = begin; t < end; ++t) {
-                       const ShrinkTask task = p.shrink_tasks[t];
-                       const Group& g = p.groups[task.group];
-                       const T* a = p.a + (g.slot * p.width + task.w0) * p.in;
-                       const int64_t k = std::min<int64_t>(kShrinkRows, p.width - task.w0);
-                       for (int64_t i = g.begin; i < g.end; i += kRowBlock)
-                         shrink_upto<kShrinkRows, kRowBlock>(
-                             k, std::min<int64_t>(kRowBlock, g.end - i), p, a,
-                             p.order.data() + i, p.shrunk + task.w0);
-                     }
-                   });
+  const int64_t groups = static_cast<int64_t>(p.groups.size());
   const int64_t tiles = static_cast<int64_t>(p.tiles.size());
-  const int64_t tile_values = p.rank * p.tile_width;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (const Group& g : p.groups) {
-      const T* slot_tiles = p.b + g.slot * tiles * tile_values;
-      for (int64_t t = begin; t < end; ++t) {
-        const Tile tile = p.tiles[t];
-        for (int64_t i = g.begin; i < g.end; i += kRowBlock)
-          expand_upto<kRowBlock>(std::min<int64_t>(kRowBlock, g.end - i), p,
-                                 slot_tiles + t * tile_values, p.order.data() + i, tile.o0,
-                                 tile.n, tile.shard * p.rank);
+  const int64_t base = static_cast<int64_t>(p.base_rows.size());
+  if (groups >= 2 * at::get_num_threads()) {
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        shrink_group(p, p.groups[g], 0, p.width);
+        expand_group(p, p.groups[g], 0, tiles);
       }
-    }
+      copy_base_rows(p, begin * base / groups, end * base / groups);
+    });
+    return;
+  }
+  const int64_t per_group = (p.width + kShrinkRows - 1) / kShrinkRows;
+  at::parallel_for(0, groups * per_group, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const Tile tile = p.tiles[t];
-      for (const int32_t row : p.base_rows) {
-        const int64_t at = row * p.out_features + tile.o0;
-        std::copy(p.y + at, p.y + at + tile.n, p.out + at);
-      }
+      const int64_t w0 = (t % per_group) * kShrinkRows;
+      shrink_group(p, p.groups[t / per_group], w0, w0 + kShrinkRows);
     }
+  });
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (const Group& g : p.groups) expand_group(p, g, begin, end);
+    copy_base_rows(p, begin * base / tiles, end * base / tiles);
   });
 }
