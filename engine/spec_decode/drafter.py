@@ -45,9 +45,12 @@ logger = logging.getLogger(__name__)
 # Weight of one step's acceptance in a request's running rate, and the rate a request starts at.
 RATE_WEIGHT = 0.3
 INITIAL_RATE = 0.5
-# Below this rate a request stops drafting for PAUSE_STEPS steps, then tries one token.
+# Below this rate a request stops drafting for PAUSE_STEPS steps, then tries one token; each
+# pause that ends in a rejection doubles the next (up to 2**MAX_DOUBLINGS times), so open-ended
+# text, whose stray n-gram matches are almost never right, pays for fewer and fewer tries.
 LOW_RATE = 0.15
 PAUSE_STEPS = 16
+MAX_DOUBLINGS = 4
 # Recent steps of each kind and batch size that say what each costs there. A drafting step is
 # compared with the plain steps just before it (a shared machine's load changes over seconds,
 # so that pair sees about the same load), and the middle of those comparisons counts (one slow
@@ -74,6 +77,7 @@ NONE, FIRST_ONLY, FULL = 0, 1, 2
 class _Acceptance:
     rate: float = INITIAL_RATE
     paused: int = 0  # steps left without drafting
+    pauses: int = 0  # pauses since a draft of this request was last accepted
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,6 +361,9 @@ class Drafter:
         request.num_accepted_tokens += num_accepted
         state = self._acceptance.setdefault(request, _Acceptance())
         state.rate += RATE_WEIGHT * (num_accepted / num_drafted - state.rate)
+        if num_accepted:
+            state.pauses = 0
         if state.rate < LOW_RATE:
-            state.paused = PAUSE_STEPS
+            state.paused = PAUSE_STEPS << min(state.pauses, MAX_DOUBLINGS)
+            state.pauses += 1
             state.rate = 0.0  # back at one token, and paused again unless it is accepted

@@ -436,9 +436,31 @@ def test_draft_length_follows_acceptance_and_low_acceptance_pauses():
         if not request.spec_token_ids:
             break
     assert request.spec_token_ids == []  # rejected again and again: it pauses
-    for _ in range(20):
+    waits = []
+    for _ in range(3):
+        waited = 0
+        while not request.spec_token_ids:
+            drafter.propose([request])
+            waited += 1
+        assert request.spec_token_ids == [1]  # then it tries one token
+        waits.append(waited)
+        drafter.settle(request, 1, 0)  # rejected: paused twice as long
         drafter.propose([request])
-    assert request.spec_token_ids == [1]  # then it tries one token
+    assert waits == [waits[0], 2 * waits[0], 4 * waits[0]], waits
+    # An accepted try ends the doubling: the next pause is the first one's length again.
+    while not request.spec_token_ids:
+        drafter.propose([request])
+    drafter.settle(request, 1, 1)
+    for _ in range(8):
+        drafter.settle(request, 1, 0)
+        drafter.propose([request])
+        if not request.spec_token_ids:
+            break
+    waited = 0
+    while not request.spec_token_ids:
+        drafter.propose([request])
+        waited += 1
+    assert waited == waits[0]
     assert drafter.stats.num_draft_tokens == request.num_drafted_tokens
 
 
