@@ -32,6 +32,7 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.kernels.cpu.capabilities import cpu_capabilities
 from engine.layers.activation import ClampedSwiGLU, SiluAndMul
 from engine.layers.linear import (
     Bf16Tiles,
@@ -311,32 +312,51 @@ def run_experts(
     first_expert: int,
     num_local: int,
     expert: Callable[[int], Callable[[torch.Tensor], torch.Tensor]],
+    folio_kernels: bool | None = None,
 ) -> torch.Tensor:
     """The CPU path: each of this rank's `num_local` experts (`expert(e - first_expert)` is
     expert e, asked for only if a token goes to it) once, over the tokens routed to it, added up
     in expert order (as transformers adds them). weights and ids are the router's [T, k]; the
-    result is [T, hidden], partial with several ranks."""
-    counts = torch.bincount(ids.flatten(), minlength=first_expert + num_local).tolist()
-    # This rank's pairs, sorted by expert: a contiguous run of the sorted pairs.
-    begin = sum(counts[:first_expert])
-    local_counts = counts[first_expert : first_expert + num_local]
-    pairs = ids.flatten().argsort(stable=True)[begin : begin + sum(local_counts)]
-    tokens = pairs // ids.shape[1]
-    # One gather for every expert's rows, each expert then reading a contiguous slice of it.
-    rows = x[tokens]
+    result is [T, hidden], partial with several ranks. The pairs are sorted, gathered and
+    summed back by Folio's kernels (torch.ops.folio_moe: one call each, the same values as
+    torch's ops) where they loaded (`folio_kernels`, by default this CPU's), else by torch's."""
+    if folio_kernels is None:
+        folio_kernels = cpu_capabilities().folio_kernels
+    if folio_kernels:
+        counts, pairs, rows = torch.ops.folio_moe.route(x, ids, first_expert, num_local)
+        local_counts = counts.tolist()
+    else:
+        local_counts, pairs, rows = _route(x, ids, first_expert, num_local)
+    # Each expert reads a contiguous slice of the gathered rows.
     outputs = []
     start = 0
     for local, count in enumerate(local_counts):
         if count:
             outputs.append(expert(local)(rows[start : start + count]))
         start += count
+    if not outputs:
+        return torch.zeros_like(x)
+    if folio_kernels:
+        return torch.ops.folio_moe.combine(outputs, pairs, weights, x.shape[0])
+    # Weighted as transformers weights (in float32, then rounded to the activations' dtype)
+    # and added in one pass: a token's pairs are in expert order.
+    h = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
     out = torch.zeros_like(x)
-    if outputs:
-        # Weighted as transformers weights (in float32, then rounded to the activations'
-        # dtype) and added in one pass: a token's pairs are in expert order.
-        h = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-        out.index_add_(0, tokens, (h * weights.flatten()[pairs, None]).to(x.dtype))
-    return out
+    tokens = pairs // ids.shape[1]
+    return out.index_add_(0, tokens, (h * weights.flatten()[pairs, None]).to(x.dtype))
+
+
+def _route(
+    x: torch.Tensor, ids: torch.Tensor, first_expert: int, num_local: int
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """folio_moe::route in torch's ops: the local experts' counts, their pairs (flat indices
+    into ids) sorted by expert, stably, and x's row of each pair."""
+    counts = torch.bincount(ids.flatten(), minlength=first_expert + num_local).tolist()
+    # This rank's pairs, sorted by expert: a contiguous run of the sorted pairs.
+    begin = sum(counts[:first_expert])
+    local_counts = counts[first_expert : first_expert + num_local]
+    pairs = ids.flatten().argsort(stable=True)[begin : begin + sum(local_counts)]
+    return local_counts, pairs, x[pairs // ids.shape[1]]
 
 
 # How a linear's weight travels through folio::moe_experts: its tensors, and a layout of ints

@@ -8,7 +8,8 @@ programs), and dense linears that compiled programs can call (cpu_linear.cpp:
 torch.ops.folio_linear.packed_linear over oneDNN-packed weights; bf16_linear, AVX-512 BF16
 products over Folio's own tiles, on CPUs that have those; widened_bf16_linear, float32
 activations times the same tiles widened to float32 in registers, on any AVX2 CPU), and the
-grouped LoRA product (cpu_lora.cpp: torch.ops.folio_lora.lora_add).
+grouped LoRA product (cpu_lora.cpp: torch.ops.folio_lora.lora_add), and the mixture of
+experts' routing gather and weighted sum around its experts (cpu_moe.cpp: torch.ops.folio_moe).
 
 `load()` registers the ops and returns True, or False where they cannot run (a CPU without AVX2
 and FMA, no C++ compiler, a build error: one warning says which): callers then use torch's own
@@ -45,7 +46,13 @@ KERNELS = "Folio's CPU kernels"
 TORCH_OPS = "using torch's ops"
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("cpu_quant.cpp", "cpu_attention.cpp", "cpu_linear.cpp", "cpu_lora.cpp")
+    for name in (
+        "cpu_quant.cpp",
+        "cpu_attention.cpp",
+        "cpu_linear.cpp",
+        "cpu_lora.cpp",
+        "cpu_moe.cpp",
+    )
 ]
 # The headers the sources include: part of what a build is made of.
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))

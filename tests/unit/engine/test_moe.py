@@ -5,7 +5,9 @@ transformers' through chunked prefill, prefix hits and preemption, at TP=1 and T
 of every expert per rank, or whole experts per rank); int8/int4 experts run through Folio's
 quantized linears; routing variants Folio does not implement are refused naming the config
 key; the CPU experts are one op inside compiled programs (no graph break), whose decode steps
-give the eager engine's and transformers' greedy tokens; and the model code imports no dynamo."""
+give the eager engine's and transformers' greedy tokens; Folio's kernels around the CPU experts
+(folio_moe's route and combine) give torch's ops' values bit for bit; and the model code
+imports no dynamo."""
 
 from __future__ import annotations
 
@@ -25,8 +27,9 @@ from common.config import EngineConfig
 from common.sampling_params import SamplingParams
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.engine import LLMEngine
+from engine.kernels.cpu.capabilities import cpu_capabilities
 from engine.layers.linear import Linear
-from engine.layers.moe import SparseMoe
+from engine.layers.moe import SparseMoe, run_experts
 from engine.layers.quantization import QuantizedWeight, quantize
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
@@ -273,6 +276,74 @@ def test_cpu_experts_are_one_op_in_a_compiled_graph(dtype, quantization, gpt_oss
         torch._dynamo.reset()
         compiled = torch.compile(block, backend="eager", fullgraph=True)
         assert torch.equal(compiled(x), block(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("first, local", [(0, 8), (2, 3), (6, 2)], ids=["all", "middle", "last"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_folio_moe_kernels_give_torch_ops_values(dtype, first, local, threads):
+    """run_experts through folio_moe's route and combine gives what torch's ops give, bit for
+    bit (the same roundings, a token's experts added in expert order), at any thread count,
+    whichever experts are this rank's (some tokens reaching none of them), and both are the
+    loop over experts in float64 within the dtype's rounding; the route is a stable sort."""
+    assert cpu_capabilities().folio_kernels, "Folio's CPU kernels did not load"
+    generator = torch.Generator().manual_seed(first * 10 + local)
+    tokens, hidden, k = 37, 136, 2
+    x = torch.randn(tokens, hidden, generator=generator).to(dtype)
+    probs = torch.randn(tokens, 8, generator=generator).softmax(-1)
+    weights, ids = torch.topk(probs, k)
+    weights /= weights.sum(-1, keepdim=True)
+    experts = [torch.randn(hidden, hidden, generator=generator) / 12 for _ in range(local)]
+
+    def expert(e: int):
+        return lambda rows: (rows.double() @ experts[e].double().T).to(dtype)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = run_experts(x, weights, ids, first, local, expert, folio_kernels=True)
+        counts, pairs, rows = torch.ops.folio_moe.route(x, ids, first, local)
+    finally:
+        torch.set_num_threads(before)
+    expected = run_experts(x, weights, ids, first, local, expert, folio_kernels=False)
+    assert got.dtype == dtype and torch.equal(got, expected)
+    flat = ids.flatten()
+    mine = (flat >= first) & (flat < first + local)
+    assert counts.tolist() == torch.bincount(flat[mine] - first, minlength=local).tolist()
+    order = flat.argsort(stable=True)
+    assert torch.equal(pairs, order[mine[order]])
+    assert torch.equal(rows, x[pairs // k])
+    reference = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for t in range(tokens):
+        for slot in range(k):
+            e = int(ids[t, slot]) - first
+            if 0 <= e < local:
+                w = float(weights[t, slot])
+                reference[t] += w * (x[t].double() @ experts[e].double().T)
+    bound = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.double(), reference, atol=bound, rtol=bound)
+
+
+def test_folio_moe_kernels_refuse_bad_inputs():
+    assert cpu_capabilities().folio_kernels, "Folio's CPU kernels did not load"
+    x = torch.randn(3, 8)
+    ids = torch.tensor([[0, 1], [1, 2], [2, 0]])
+    weights = torch.full((3, 2), 0.5)
+    with pytest.raises(RuntimeError, match="ids must be the router's"):
+        torch.ops.folio_moe.route(x, ids.int(), 0, 3)
+    with pytest.raises(RuntimeError, match="ids has 2 rows, x 3"):
+        torch.ops.folio_moe.route(x, ids[:2], 0, 3)
+    with pytest.raises(RuntimeError, match="must be float32, bfloat16 or float16"):
+        torch.ops.folio_moe.route(x.double(), ids, 0, 3)
+    _, pairs, rows = torch.ops.folio_moe.route(x, ids, 0, 3)
+    with pytest.raises(RuntimeError, match="5 output rows for 6 pairs"):
+        torch.ops.folio_moe.combine([rows[:5]], pairs, weights, 3)
+    with pytest.raises(RuntimeError, match="weights must be the router's"):
+        torch.ops.folio_moe.combine([rows], pairs, weights.double(), 3)
+    with pytest.raises(RuntimeError, match="every output must be"):
+        torch.ops.folio_moe.combine([rows[:3], rows[3:].bfloat16()], pairs, weights, 3)
+    with pytest.raises(RuntimeError, match="pair 7 outside"):
+        torch.ops.folio_moe.combine([rows], pairs + 2, weights, 3)
 
 
 @pytest.mark.parametrize("variant", ["mixtral"], indirect=True)
