@@ -9,7 +9,9 @@ way, then for every expert finds its tokens with torch.where, gathers them and r
 the expert's weights, adding the weighted results back (transformers' MixtralExperts loop).
 Prints the median and fastest milliseconds of each (the two taking turns, so that other work on
 a shared machine slows both alike), their ratios, the largest difference between the two
-outputs and the load average; with --profile, torch's profile of each step. A benchmark, not a
+outputs and the load average; on the CPU also the expert products alone on both sides (timed in
+the same turns: what bounds the ratio) and so the time each step spends around them; with
+--profile, torch's profile of each step. A benchmark, not a
 test: it asserts nothing else and never runs in the suite.
 """
 
@@ -19,7 +21,7 @@ import argparse
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import cast
 
@@ -85,8 +87,34 @@ def loop_over_experts(
     return out
 
 
+def products(
+    layer: SparseMoe, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The step's expert products alone, on Folio's linears and on F.linear: each expert's
+    gate_up over as many rows as the router sends it, then its down (what bounds the two
+    steps' ratio: both do these, the rest is routing and adding up)."""
+    _, ids = layer.gate(x)
+    counts = torch.bincount(ids.flatten(), minlength=w13.shape[0]).tolist()
+    rows = [(e, x[:count], x.new_ones(count, w2.shape[2])) for e, count in enumerate(counts)]
+
+    def folio() -> None:
+        for e, gate_up_rows, down_rows in rows:
+            if len(gate_up_rows):
+                expert = cast(Expert, layer.experts[str(e)])
+                expert.gate_up_proj(gate_up_rows)
+                expert.down_proj(down_rows)
+
+    def torch_linear() -> None:
+        for e, gate_up_rows, down_rows in rows:
+            if len(gate_up_rows):
+                F.linear(gate_up_rows, w13[e])
+                F.linear(down_rows, w2[e])
+
+    return folio, torch_linear
+
+
 def timings_ms(
-    steps: list[Callable[[], torch.Tensor]], repeats: int, device: str
+    steps: Sequence[Callable[[], object]], repeats: int, device: str
 ) -> list[tuple[float, float]]:
     """Median and fastest milliseconds of each call, the calls taking turns (a burst of other
     work on a shared machine then slows them alike; the fastest is the steadier figure)."""
@@ -104,7 +132,7 @@ def timings_ms(
     return [(statistics.median(t) * 1e3, min(t) * 1e3) for t in times]
 
 
-def profile(step: Callable[[], torch.Tensor], label: str) -> None:
+def profile(step: Callable[[], object], label: str) -> None:
     """Where a step's time goes: torch's profiler, the ops by their own CPU time."""
     from torch.profiler import profile as profiler
 
@@ -124,7 +152,10 @@ def run(args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
         x = torch.randn(tokens, args.hidden, generator=generator).to(dtype).to(device)
         baseline = partial(loop_over_experts, x, router, w13, w2, args.top_k)
         with torch.inference_mode():
-            ours, loop = timings_ms([partial(layer, x), baseline], args.repeats, device)
+            steps: list[Callable[[], object]] = [partial(layer, x), baseline]
+            if not layer.fused:  # the CPU path's products, timed in the same turns
+                steps.extend(products(layer, x, w13, w2))
+            ours, loop, *alone = timings_ms(steps, args.repeats, device)
             expected = baseline().float()
             error = (layer(x).float() - expected).abs().max().item()
         path = "fused Triton kernel" if layer.fused else "per expert, Folio's linears"
@@ -136,6 +167,16 @@ def run(args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
             f"{os.getloadavg()[0]:.2f})",
             flush=True,
         )
+        if alone:
+            (folio, folio_min), (torch_ms, torch_min) = alone
+            print(
+                f"{' ' * len(label)}  the expert products alone: Folio's linears {folio:8.3f} "
+                f"ms (min {folio_min:8.3f}), F.linear {torch_ms:8.3f} ms (min {torch_min:8.3f}); "
+                f"around them Folio {ours[0] - folio:6.3f} ms (fastest "
+                f"{ours[1] - folio_min:6.3f}), the loop {loop[0] - torch_ms:6.3f} ms (fastest "
+                f"{loop[1] - torch_min:6.3f})",
+                flush=True,
+            )
         if args.profile:
             with torch.inference_mode():
                 profile(partial(layer, x), f"{label}, Folio")
