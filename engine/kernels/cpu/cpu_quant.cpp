@@ -15,7 +15,10 @@
 // in int32 (_mm256_maddubs_epi16 / _mm256_madd_epi16), converted to float once and scaled, so no
 // weight is ever widened to float. Each weight row is read from memory once per chunk of activation
 // rows that fits in L1 and applied to each of them, four at a time; parallel over output channels
-// with torch's pool.
+// with torch's pool. On CPUs with AVX-512 VNNI the same products run on 512-bit registers
+// (vpdpbusd, vpdpwssd; eight rows at a time) with the same integer sums in the same lanes and
+// the same float steps: bit for bit the AVX2 code's outputs (Wide); FOLIO_CPU_ISA=avx2 keeps
+// the AVX2 code (wide_rows).
 // This file only multiplies; quantizing weights and choosing the kernel is
 // engine/models/quantization.
 
@@ -26,7 +29,10 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <cctype>
+#include <cstdlib>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -59,43 +65,48 @@ inline int64_t round_up(int64_t value, int64_t multiple) {
 
 // One call's activations, each row's first k32 features (a multiple of 32) in blocks of 32:
 // x[r, 32 b + i] ~ q[r, 32 b + i] * d[r, b], |q| <= kLimit (int8: 127, so that negating q stays
-// in range; int16: 32767); q_sum[r, b] = d[r, b] * sum_i q[r, 32 b + i] (the int4 minimums'
-// term). d and q_sum rows are padded with zeros to a multiple of 8 blocks, and q_sum has 7
-// rows of zeros more, so that both are read eight at a time. int8 codes (int4 weights') are
-// stored in pairs of blocks b, b + 1 as the halves b[0:16], (b+1)[0:16], b[16:32], (b+1)[16:32],
-// the order in which 32 bytes of the weight's codes unpack (Int4Row); a last, unpaired block
-// stays in order. For int4 weights d4[r, 4 b .. 4 b + 4) holds four copies of d[r, b]: a pair
-// of blocks' scales as one vector, laid out like Int4Row::dot's partial sums.
+// in range; int16: 32767); d_lanes[r, kLanes b .. kLanes (b + 1)) holds kLanes copies of d[r, b]
+// (int8 codes: 4, int16 codes: 8), the lanes of a block's partial sums in the rows' vectors
+// (Int4Row::dot's four per group; eight in Wide's int8 rows), so that the scales of a row's
+// vector of partial sums are one load; q_sum[r, b] = d[r, b] * sum_i q[r, 32 b + i] (the int4
+// minimums' term), its rows padded with zeros to a multiple of 8 blocks, and 7 rows of zeros
+// more, so that it is read eight at a time. The codes are stored in units of
+// kUnit consecutive blocks (int8 codes, int4 weights': 4, int16 codes: 2; the last blocks of a
+// row in smaller units, halving, down to single blocks), a unit as its blocks' first halves
+// (features 0-15) in order, then their second halves: the order in which a unit's weights
+// unpack, 32 bytes of int4 codes to their low nibbles (the first halves of two groups) and
+// their high nibbles (Int4Row), and what one 512-bit load of activations meets (the AVX-512
+// rows read four int4 groups, or two int8 blocks, as one unit). Within a unit, block b's first
+// half lies at (b - base) * 16 codes from the unit's start, its second half `unit * 16` codes
+// after that; a single block is in order.
 template <typename Code>
 struct QuantizedActivations {
   static constexpr bool kPaired = std::is_same_v<Code, int8_t>;
   static constexpr float kLimit = kPaired ? 127.0f : 32767.0f;
+  static constexpr int64_t kUnit = kPaired ? 4 : 2;
+  static constexpr int64_t kLanes = kPaired ? 4 : 8;
   std::vector<Code> q;
-  std::vector<float> d, q_sum, d4;
+  std::vector<float> d_lanes, q_sum;
   int64_t k32, blocks, padded_blocks;
 
   QuantizedActivations(const float* x, int64_t m, int64_t k)
       : q(m * (k - k % kBlock)),
-        d(m * round_up(k / kBlock, 8), 0.0f),
+        d_lanes(m * (k / kBlock) * kLanes),
         q_sum((m + 7) * round_up(k / kBlock, 8), 0.0f),
-        d4(kPaired ? m * (k / kBlock) * 4 : 0),
         k32(k - k % kBlock),
         blocks(k / kBlock),
         padded_blocks(round_up(k / kBlock, 8)) {
     for (int64_t r = 0; r < m; ++r) {
       for (int64_t b = 0; b < blocks; ++b) {
-        Code* block = &q[r * k32 + b * kBlock];
-        Code* first = block;
-        Code* second = block + kBlock / 2;
-        if (kPaired && b + 1 - b % 2 < blocks) {  // a block of a pair
-          Code* pair = block - (b % 2) * kBlock;
-          first = pair + (b % 2) * (kBlock / 2);
-          second = first + kBlock;
-        }
-        float* scale = &d[r * padded_blocks + b];
-        quantize_block(x + r * k + b * kBlock, first, second, scale,
+        int64_t unit = kUnit;
+        while (b - b % unit + unit > blocks) unit /= 2;
+        const int64_t base = b - b % unit;
+        Code* first = &q[r * k32 + base * kBlock + (b - base) * (kBlock / 2)];
+        Code* second = first + unit * (kBlock / 2);
+        float scale;
+        quantize_block(x + r * k + b * kBlock, first, second, &scale,
                        &q_sum[r * padded_blocks + b]);
-        if constexpr (kPaired) std::fill_n(&d4[(r * blocks + b) * 4], 4, *scale);
+        std::fill_n(&d_lanes[(r * blocks + b) * kLanes], kLanes, scale);
       }
     }
   }
@@ -146,10 +157,12 @@ inline __m128i load_128(const void* p) {
 // One int8 weight row against int16 activations, a block at a time: the 32 weights of block b,
 // sign-extended to int16, times the block's codes, as eight int32 partial sums (each at most
 // 4 * 127 * 32767), scaled by the block's scale (the row's own scale is applied afterwards).
-// `act_scale` is an activation row's d.
+// `act_scale` is an activation row's d_lanes.
 struct Int8Row {
   using Code = int16_t;
   static constexpr int kStep = 1;
+  static constexpr int kGroupSize = 0;  // no group scales: the row's one scale comes after
+  static constexpr int64_t kLanes = QuantizedActivations<Code>::kLanes;
   const int8_t* w;
   struct Weights {
     __m256i low, high;
@@ -158,13 +171,13 @@ struct Int8Row {
     return {_mm256_cvtepi8_epi16(load_128(w + b * kBlock)),
             _mm256_cvtepi8_epi16(load_128(w + b * kBlock + 16))};
   }
-  static inline __m256i dot(const Weights& wv, const int16_t* q) {
+  static inline __m256i dot(const Weights& wv, const int16_t* q, int64_t half) {
     return _mm256_add_epi32(_mm256_madd_epi16(wv.low, load_256(q)),
-                            _mm256_madd_epi16(wv.high, load_256(q + 16)));
+                            _mm256_madd_epi16(wv.high, load_256(q + half)));
   }
   static inline __m256 accumulate(__m256 acc, __m256 products, const Weights&,
                                   const float* act_scale, int64_t b) {
-    return _mm256_fmadd_ps(products, _mm256_broadcast_ss(act_scale + b), acc);
+    return _mm256_fmadd_ps(products, _mm256_broadcast_ss(act_scale + kLanes * b), acc);
   }
 };
 
@@ -179,6 +192,8 @@ struct GroupedInt8Row {
   static_assert(kGroup == kBlock || 2 * kGroup == kBlock, "groups of 32 or 16 features");
   using Code = int16_t;
   static constexpr int kStep = 1;
+  static constexpr int kGroupSize = kGroup;
+  static constexpr int64_t kLanes = QuantizedActivations<Code>::kLanes;
   const int8_t* w;
   const float* scale;
   struct Weights {
@@ -197,16 +212,16 @@ struct GroupedInt8Row {
     return {_mm256_cvtepi8_epi16(load_128(w + b * kBlock)),
             _mm256_cvtepi8_epi16(load_128(w + b * kBlock + 16)), s};
   }
-  static inline __m256i dot(const Weights& wv, const int16_t* q) {
+  static inline __m256i dot(const Weights& wv, const int16_t* q, int64_t half) {
     const __m256i low = _mm256_madd_epi16(wv.low, load_256(q));
-    const __m256i high = _mm256_madd_epi16(wv.high, load_256(q + 16));
+    const __m256i high = _mm256_madd_epi16(wv.high, load_256(q + half));
     if constexpr (kGroup == kBlock) return _mm256_add_epi32(low, high);
     return _mm256_hadd_epi32(low, high);
   }
   static inline __m256 accumulate(__m256 acc, __m256 products, const Weights& wv,
                                   const float* act_scale, int64_t b) {
-    return _mm256_fmadd_ps(_mm256_mul_ps(products, _mm256_broadcast_ss(act_scale + b)), wv.scale,
-                           acc);
+    return _mm256_fmadd_ps(
+        _mm256_mul_ps(products, _mm256_broadcast_ss(act_scale + kLanes * b)), wv.scale, acc);
   }
 };
 
@@ -217,7 +232,7 @@ struct GroupedInt8Row {
 // signed activations (pairs summed to at most 2 * 15 * 127; the low and high halves' sums
 // added stay within int16), madd sums to int32: the lower four partial sums belong to the
 // first group, the upper four to the second, each scaled by its own group's scale times the
-// activation block's (`act_scale`: an activation row's d4). `scale` is the row's group scales
+// activation block's (`act_scale`: an activation row's d_lanes). `scale` is the row's group scales
 // as float32.
 struct Int4Row {
   using Code = int8_t;
@@ -235,9 +250,9 @@ struct Int4Row {
             _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble),
             _mm256_set_m128(_mm_broadcast_ss(scale + b + 1), _mm_broadcast_ss(scale + b))};
   }
-  static inline __m256i dot(const Weights& wv, const int8_t* q) {
+  static inline __m256i dot(const Weights& wv, const int8_t* q, int64_t half) {
     const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(wv.low, load_256(q)),
-                                           _mm256_maddubs_epi16(wv.high, load_256(q + 32)));
+                                           _mm256_maddubs_epi16(wv.high, load_256(q + half)));
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
   }
   static inline __m256 accumulate(__m256 acc, __m256 products, const Weights& wv,
@@ -256,6 +271,51 @@ struct Int4Row {
   }
 };
 
+// dot_rows from block b on (b a multiple of a unit, fewer than a unit's blocks left, if any)
+// and its sums: the last unit(s) on the first chain, then both chains' sums into sums[r].
+template <int ROWS, typename Row>
+inline void dot_rows_tail(const Row& row, const typename Row::Code* q, int64_t k32,
+                          const float* scale, int64_t scale_stride, int64_t blocks, int64_t b,
+                          __m256 (&acc)[2][ROWS], float* sums) {
+  constexpr int64_t kStep = Row::kStep;
+  for (; b + kStep <= blocks; b += kStep) {
+    const typename Row::Weights wv = row.load(b);
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 products =
+          _mm256_cvtepi32_ps(Row::dot(wv, q + r * k32 + b * kBlock, kStep * (kBlock / 2)));
+      acc[0][r] = Row::accumulate(acc[0][r], products, wv, scale + r * scale_stride, b);
+    }
+  }
+  if constexpr (kStep == 2) {
+    if (b < blocks) {
+#pragma GCC unroll 8
+      for (int r = 0; r < ROWS; ++r) {
+        acc[0][r] = _mm256_add_ps(
+            acc[0][r], row.dot_single(b, q + r * k32 + b * kBlock, scale + r * scale_stride));
+      }
+    }
+  }
+  // Four rows' sums at a time in one tree of horizontal adds, a short tile's missing rows
+  // zeros: the same order for a row in any tile.
+#pragma GCC unroll 2
+  for (int r0 = 0; r0 < ROWS; r0 += 4) {
+    __m256 total[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      total[r] = r0 + r < ROWS ? _mm256_add_ps(acc[0][r0 + r], acc[1][r0 + r])
+                               : _mm256_setzero_ps();
+    }
+    const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(total[0], total[1]),
+                                        _mm256_hadd_ps(total[2], total[3]));
+    float four[4];
+    _mm_storeu_ps(four,
+                  _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)));
+#pragma GCC unroll 4
+    for (int r = 0; r < 4 && r0 + r < ROWS; ++r) sums[r0 + r] += four[r];
+  }
+}
+
 // sums[r] += sum over blocks b of the scales of block b (Row::accumulate's) * (block b of the
 // weight row . block b of activation row r), for r < ROWS; q holds the activation rows (k32
 // apart), scale[r] is row r's activation scales (`scale_stride` apart). Row::kStep blocks a step.
@@ -268,61 +328,237 @@ inline void dot_rows(const Row& row, const typename Row::Code* q, int64_t k32,
   // its tile (a request's tokens do not depend on the batch it runs in).
   constexpr int kChains = 2;
   __m256 acc[kChains][ROWS];
-  for (int c = 0; c < kChains; ++c)
+#pragma GCC unroll 2
+  for (int c = 0; c < kChains; ++c) {
+#pragma GCC unroll 8
     for (int r = 0; r < ROWS; ++r) acc[c][r] = _mm256_setzero_ps();
-  auto step = [&](int c, int64_t b) {
+  }
+  // Blocks b .. b + kStep, their codes `at` codes into an activation row, their second halves
+  // `half` after their first (QuantizedActivations' units).
+  auto step = [&](int c, int64_t b, int64_t at, int64_t half) {
     const typename Row::Weights wv = row.load(b);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < ROWS; ++r) {
-      const __m256 products = _mm256_cvtepi32_ps(Row::dot(wv, q + r * k32 + b * kBlock));
+      const __m256 products = _mm256_cvtepi32_ps(Row::dot(wv, q + r * k32 + at, half));
       acc[c][r] = Row::accumulate(acc[c][r], products, wv, scale + r * scale_stride, b);
     }
   };
+  // A whole unit (kChains steps) at a time, then the row's smaller last unit(s).
+  constexpr int64_t kUnit = kChains * kStep;
+  static_assert(kUnit == QuantizedActivations<typename Row::Code>::kUnit);
   int64_t b = 0;
-  for (; b + kChains * kStep <= blocks; b += kChains * kStep) {
+  for (; b + kUnit <= blocks; b += kUnit) {
 #pragma GCC unroll 2
-    for (int c = 0; c < kChains; ++c) step(c, b + c * kStep);
-  }
-  for (; b + kStep <= blocks; b += kStep) step(0, b);
-  if constexpr (kStep == 2) {
-    if (b < blocks) {
-      for (int r = 0; r < ROWS; ++r) {
-        acc[0][r] = _mm256_add_ps(
-            acc[0][r], row.dot_single(b, q + r * k32 + b * kBlock, scale + r * scale_stride));
-      }
+    for (int c = 0; c < kChains; ++c) {
+      step(c, b + c * kStep, b * kBlock + c * kStep * (kBlock / 2), kUnit * (kBlock / 2));
     }
   }
-  // The tile's sums in one tree of horizontal adds, a short tile's missing rows zeros: the
-  // same order for a row in any tile.
-  __m256 total[kTile];
-  for (int r = 0; r < kTile; ++r) {
-    total[r] = r < ROWS ? _mm256_add_ps(acc[0][r], acc[1][r]) : _mm256_setzero_ps();
+  dot_rows_tail<ROWS>(row, q, k32, scale, scale_stride, blocks, b, acc, sums);
+}
+
+// tile(std::integral_constant<int, left>{}, r0) where 0 < left <= ROWS (a last, short tile).
+template <int ROWS, typename Tile>
+inline void last_tile(int64_t left, int64_t r0, const Tile& tile) {
+  if constexpr (ROWS > 0) {
+    if (left == ROWS) {
+      tile(std::integral_constant<int, ROWS>{}, r0);
+    } else {
+      last_tile<ROWS - 1>(left, r0, tile);
+    }
   }
-  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(total[0], total[1]),
-                                      _mm256_hadd_ps(total[2], total[3]));
-  float four[kTile];
-  _mm_storeu_ps(four, _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)));
-  for (int r = 0; r < ROWS; ++r) sums[r] += four[r];
+}
+
+// Runs tile(std::integral_constant<int, rows>{}, r0) over activation rows [r0, r0 + rows) for
+// r0 < m, ROWS rows at a time, the last tile shorter.
+template <int ROWS, typename Tile>
+inline void for_each_tile(int64_t m, const Tile& tile) {
+  int64_t r0 = 0;
+  for (; r0 + ROWS <= m; r0 += ROWS) tile(std::integral_constant<int, ROWS>{}, r0);
+  last_tile<ROWS - 1>(m - r0, r0, tile);
+}
+
+// The same products with AVX-512 VNNI (512-bit loads; vpdpbusd: unsigned bytes times signed
+// bytes, four to an int32 lane; vpdpwssd: int16 pairs): a whole unit of the activations (four
+// int4 groups, two int8 blocks) a step, each 512-bit vector holding what the AVX2 rows' two
+// chains hold, the first chain's eight lanes in its lower half and the second's in its upper.
+// Every lane gets the same exact integer sum as on AVX2 (the same products in the same lane),
+// then the same float steps (conversion, product with the scales, FMA), and the last unit(s)
+// and the sums across lanes go through the AVX2 code: the outputs are bit for bit the AVX2
+// rows', for any number of rows (tests/unit/engine/test_quantization.py checks both).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+
+// Activation rows sharing one pass over a weight row: AVX-512's 32 registers hold eight rows'
+// sums, so the weights are unpacked half as often per row as with AVX2's tiles of four.
+constexpr int kWideTile = 8;
+
+inline __m512i load_512(const void* p) { return _mm512_loadu_si512(p); }
+
+// Floats f[0 .. 4) spread over 16 lanes by `index` (lane i takes f[index[i]]).
+inline __m512 spread(__m128 f, __m512i index) {
+  return _mm512_permutexvar_ps(index, _mm512_castps128_ps512(f));
+}
+
+inline __m128 two_floats(const float* f) {
+  return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(f)));
+}
+
+template <typename Row>
+struct Wide;
+
+// Int4Row's groups b .. b + 4: 64 bytes of codes unpack to the four groups' low nibbles (their
+// first halves) and high nibbles, lanes 0-7 those of groups b, b + 1 (Int4Row's first chain),
+// lanes 8-15 those of groups b + 2, b + 3 (its second chain).
+template <>
+struct Wide<Int4Row> {
+  Int4Row row;
+  struct Weights {
+    __m512i low, high;
+    __m512 scale;  // groups b .. b + 4's scales, four copies each
+  };
+  inline Weights load(int64_t b) const {
+    const __m512i packed = load_512(row.codes + b * (kBlock / 2));
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const __m512i fours = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    return {_mm512_and_si512(packed, nibble),
+            _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble),
+            spread(_mm_loadu_ps(row.scale + b), fours)};
+  }
+  static inline __m512i dot(const Weights& wv, const int8_t* q) {
+    const __m512i low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv.low, load_512(q));
+    return _mm512_dpbusd_epi32(low, wv.high, load_512(q + 2 * kBlock));
+  }
+  static inline __m512 accumulate(__m512 acc, __m512 products, const Weights& wv,
+                                  const float* act_scale, int64_t b) {
+    return _mm512_fmadd_ps(_mm512_mul_ps(products, _mm512_loadu_ps(act_scale + 4 * b)),
+                           wv.scale, acc);
+  }
+};
+
+// An int8 row's (Int8Row's, GroupedInt8Row's) blocks b, b + 1: their 64 bytes as 16-byte
+// quarters b[0:16], b[16:32], (b+1)[0:16], (b+1)[16:32], the first halves put together and the
+// second halves, each widened to int16; lanes 0-7 block b's (the first chain), 8-15 block
+// b + 1's. Groups of 16 keep GroupedInt8Row's hadd order within each 128-bit lane.
+template <typename Row>
+struct Wide {
+  static_assert(std::is_same_v<typename Row::Code, int16_t>);
+  static constexpr int kGroup = Row::kGroupSize;
+  Row row;
+  struct Weights {
+    __m512i low, high;
+    __m512 scale;  // per lane, its group's scale (none for Int8Row)
+  };
+  inline Weights load(int64_t b) const {
+    const __m512i quarters = load_512(row.w + b * kBlock);
+    const __m512i halves = _mm512_shuffle_i64x2(quarters, quarters, _MM_SHUFFLE(3, 1, 2, 0));
+    Weights wv{_mm512_cvtepi8_epi16(_mm512_castsi512_si256(halves)),
+               _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(halves, 1)), _mm512_setzero_ps()};
+    if constexpr (kGroup == kBlock) {
+      const __m512i eights = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+      wv.scale = spread(two_floats(row.scale + b), eights);
+    } else if constexpr (kGroup == kBlock / 2) {  // groups 2b .. 2b + 4, as s0 s0 s1 s1 a lane
+      const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1, 2, 2, 3, 3, 2, 2, 3, 3);
+      wv.scale = spread(_mm_loadu_ps(row.scale + 2 * b), pairs);
+    }
+    return wv;
+  }
+  static inline __m512i dot(const Weights& wv, const int16_t* q) {
+    const __m512i zero = _mm512_setzero_si512();
+    if constexpr (kGroup != kBlock / 2) {
+      return _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(zero, wv.low, load_512(q)), wv.high,
+                                 load_512(q + kBlock));
+    } else {  // _mm256_hadd_epi32's order in each 128-bit lane: low 0+1, 2+3, high 0+1, 2+3
+      const __m512 low = _mm512_castsi512_ps(_mm512_dpwssd_epi32(zero, wv.low, load_512(q)));
+      const __m512 high =
+          _mm512_castsi512_ps(_mm512_dpwssd_epi32(zero, wv.high, load_512(q + kBlock)));
+      return _mm512_add_epi32(
+          _mm512_castps_si512(_mm512_shuffle_ps(low, high, _MM_SHUFFLE(2, 0, 2, 0))),
+          _mm512_castps_si512(_mm512_shuffle_ps(low, high, _MM_SHUFFLE(3, 1, 3, 1))));
+    }
+  }
+  static inline __m512 accumulate(__m512 acc, __m512 products, const Weights& wv,
+                                  const float* act_scale, int64_t b) {
+    const __m512 d = _mm512_loadu_ps(act_scale + 8 * b);  // d_lanes: blocks b, b + 1
+    if constexpr (kGroup == 0) return _mm512_fmadd_ps(products, d, acc);
+    return _mm512_fmadd_ps(_mm512_mul_ps(products, d), wv.scale, acc);
+  }
+};
+
+// dot_rows with Wide<Row>: whole units a step, then dot_rows_tail on the two halves.
+template <int ROWS, typename Row>
+inline void dot_rows_wide(const Wide<Row>& wide, const typename Row::Code* q, int64_t k32,
+                          const float* scale, int64_t scale_stride, int64_t blocks,
+                          float* sums) {
+  constexpr int64_t kUnit = QuantizedActivations<typename Row::Code>::kUnit;
+  __m512 acc[ROWS];
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + kUnit <= blocks; b += kUnit) {
+    const typename Wide<Row>::Weights wv = wide.load(b);
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 products =
+          _mm512_cvtepi32_ps(Wide<Row>::dot(wv, q + r * k32 + b * kBlock));
+      acc[r] = Wide<Row>::accumulate(acc[r], products, wv, scale + r * scale_stride, b);
+    }
+  }
+  __m256 chains[2][ROWS];
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) {
+    chains[0][r] = _mm512_castps512_ps256(acc[r]);
+    chains[1][r] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1));
+  }
+  dot_rows_tail<ROWS>(wide.row, q, k32, scale, scale_stride, blocks, b, chains, sums);
+}
+
+template <typename Row>
+void one_weight_row_wide(const Row& row, const typename Row::Code* q, int64_t k32,
+                         int64_t blocks, int64_t m, const float* scale, int64_t scale_stride,
+                         float* sums) {
+  const Wide<Row> wide{row};
+  for_each_tile<kWideTile>(m, [&](auto rows, int64_t r0) {
+    dot_rows_wide<decltype(rows)::value>(wide, q + r0 * k32, k32, scale + r0 * scale_stride,
+                                         scale_stride, blocks, sums + r0);
+  });
+}
+
+#pragma GCC pop_options
+
+// Whether the AVX-512 rows run: where the CPU has AVX-512 VNNI (and BW, VL) and FOLIO_CPU_ISA
+// does not force AVX2 (engine.kernels.cpu.capabilities reads the same variable, and refuses
+// values other than "native" and "avx2"). Read at every call, so that one process can run (and
+// its tests compare) both paths.
+bool wide_rows() {
+  static const bool supported =
+      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  if (!supported) return false;
+  const char* isa = std::getenv("FOLIO_CPU_ISA");
+  if (isa == nullptr) return true;
+  std::string value;
+  for (const char* c = isa; *c != '\0'; ++c) {
+    if (!std::isspace(static_cast<unsigned char>(*c))) {
+      value += static_cast<char>(std::tolower(static_cast<unsigned char>(*c)));
+    }
+  }
+  return value != "avx2";
 }
 
 // sums[r] += the scaled dot products of one weight row with activation rows r < m of q (k32
-// apart), kTile rows at a time.
+// apart), kTile rows at a time; with the AVX-512 rows, kWideTile at a time, where `wide`.
 template <typename Row>
-inline void one_weight_row(const Row& row, const typename Row::Code* q, int64_t k32,
+inline void one_weight_row(bool wide, const Row& row, const typename Row::Code* q, int64_t k32,
                            int64_t blocks, int64_t m, const float* scale, int64_t scale_stride,
                            float* sums) {
-  auto tile = [&](auto rows, int64_t r0) {
+  if (wide) {
+    one_weight_row_wide(row, q, k32, blocks, m, scale, scale_stride, sums);
+    return;
+  }
+  for_each_tile<kTile>(m, [&](auto rows, int64_t r0) {
     dot_rows<decltype(rows)::value>(row, q + r0 * k32, k32, scale + r0 * scale_stride,
                                     scale_stride, blocks, sums + r0);
-  };
-  int64_t r0 = 0;
-  for (; r0 + kTile <= m; r0 += kTile) tile(std::integral_constant<int, kTile>{}, r0);
-  switch (m - r0) {
-    case 3: tile(std::integral_constant<int, 3>{}, r0); break;
-    case 2: tile(std::integral_constant<int, 2>{}, r0); break;
-    case 1: tile(std::integral_constant<int, 1>{}, r0); break;
-    default: break;
-  }
+  });
 }
 
 // out[0 .. 8) = h[0 .. 8) (float16 or float32 group scales) as float32, where `readable` of them
@@ -392,8 +628,8 @@ at::Tensor new_output(const at::Tensor& x, int64_t n) {
 // x's rows [M, K] times grouped int8 weights w [N, K] with scales [N, K/G] float16 or float32
 // (G = 32 or 16 features to a group, w = scale * code), written to out[m, row] at m * ld + row.
 template <int kGroup, typename S>
-void grouped_int8_rows(const QuantizedActivations<int16_t>& xq, int64_t m, const at::Tensor& w,
-                       const S* scales, float* out, int64_t ld) {
+void grouped_int8_rows(bool wide, const QuantizedActivations<int16_t>& xq, int64_t m,
+                       const at::Tensor& w, const S* scales, float* out, int64_t ld) {
   const int64_t k = w.size(1), n = w.size(0);
   const int8_t* ws = w.data_ptr<int8_t>();
   const int64_t groups = k / kGroup;
@@ -412,9 +648,10 @@ void grouped_int8_rows(const QuantizedActivations<int16_t>& xq, int64_t m, const
       }
       row_scale = scratch;
     }
-    one_weight_row(GroupedInt8Row<kGroup>{ws + row * k, row_scale},
+    one_weight_row(wide, GroupedInt8Row<kGroup>{ws + row * k, row_scale},
                    xq.q.data() + first * xq.k32, xq.k32, xq.blocks, rows,
-                   xq.d.data() + first * xq.padded_blocks, xq.padded_blocks, sums);
+                   xq.d_lanes.data() + first * xq.blocks * xq.kLanes, xq.blocks * xq.kLanes,
+                   sums);
   });
 }
 
@@ -435,26 +672,26 @@ void check_grouped_int8(const at::Tensor& w, const at::Tensor& scale) {
 
 // A checked grouped int8 weight's product (check_grouped_int8), its scales' type and group
 // size chosen.
-void grouped_int8_into(const QuantizedActivations<int16_t>& xq, int64_t m, const at::Tensor& w,
-                       const at::Tensor& scale, float* out, int64_t ld) {
+void grouped_int8_into(bool wide, const QuantizedActivations<int16_t>& xq, int64_t m,
+                       const at::Tensor& w, const at::Tensor& scale, float* out, int64_t ld) {
   const bool halves = scale.size(1) == 2 * (w.size(1) / kBlock);
   if (scale.scalar_type() == at::kFloat) {
     const float* s = scale.data_ptr<float>();
-    halves ? grouped_int8_rows<kBlock / 2>(xq, m, w, s, out, ld)
-           : grouped_int8_rows<kBlock>(xq, m, w, s, out, ld);
+    halves ? grouped_int8_rows<kBlock / 2>(wide, xq, m, w, s, out, ld)
+           : grouped_int8_rows<kBlock>(wide, xq, m, w, s, out, ld);
     return;
   }
   const at::Half* s = scale.data_ptr<at::Half>();
-  halves ? grouped_int8_rows<kBlock / 2>(xq, m, w, s, out, ld)
-         : grouped_int8_rows<kBlock>(xq, m, w, s, out, ld);
+  halves ? grouped_int8_rows<kBlock / 2>(wide, xq, m, w, s, out, ld)
+         : grouped_int8_rows<kBlock>(wide, xq, m, w, s, out, ld);
 }
 
 // x's rows [M, K] times int4 codes [N, K/2] uint8 (in each group of 32 input features, 16
 // bytes: byte i holds feature i in its low half, feature i + 16 in its high half) with scale
 // and min [N, K/32] float16, or both float32, written to out[m, row] at m * ld + row.
 template <typename S>
-void int4_rows(const QuantizedActivations<int8_t>& xq, int64_t m, const at::Tensor& codes,
-               const S* scales, const S* mins, float* out, int64_t ld) {
+void int4_rows(bool wide, const QuantizedActivations<int8_t>& xq, int64_t m,
+               const at::Tensor& codes, const S* scales, const S* mins, float* out, int64_t ld) {
   const int64_t k = codes.size(1) * 2, n = codes.size(0);
   const uint8_t* cs = codes.data_ptr<uint8_t>();
   const int64_t groups = k / kBlock;
@@ -489,8 +726,9 @@ void int4_rows(const QuantizedActivations<int8_t>& xq, int64_t m, const at::Tens
       _mm256_storeu_ps(totals, folio::sum_each(min_term));
       for (int64_t j = 0; j < std::min<int64_t>(8, rows - r0); ++j) sums[r0 + j] += totals[j];
     }
-    one_weight_row(Int4Row{cs + row * (k / 2), weight_scale}, xq.q.data() + first * xq.k32,
-                   xq.k32, xq.blocks, rows, xq.d4.data() + first * groups * 4, groups * 4, sums);
+    one_weight_row(wide, Int4Row{cs + row * (k / 2), weight_scale}, xq.q.data() + first * xq.k32,
+                   xq.k32, xq.blocks, rows, xq.d_lanes.data() + first * groups * xq.kLanes,
+                   groups * xq.kLanes, sums);
   });
 }
 
@@ -506,12 +744,14 @@ void check_int4(const at::Tensor& codes, const at::Tensor& scale, const at::Tens
 }
 
 // A checked int4 weight's product (check_int4), its scales' type chosen.
-void int4_into(const QuantizedActivations<int8_t>& xq, int64_t m, const at::Tensor& codes,
-               const at::Tensor& scale, const at::Tensor& min, float* out, int64_t ld) {
+void int4_into(bool wide, const QuantizedActivations<int8_t>& xq, int64_t m,
+               const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
+               float* out, int64_t ld) {
   if (scale.scalar_type() == at::kFloat) {
-    int4_rows(xq, m, codes, scale.data_ptr<float>(), min.data_ptr<float>(), out, ld);
+    int4_rows(wide, xq, m, codes, scale.data_ptr<float>(), min.data_ptr<float>(), out, ld);
   } else {
-    int4_rows(xq, m, codes, scale.data_ptr<at::Half>(), min.data_ptr<at::Half>(), out, ld);
+    int4_rows(wide, xq, m, codes, scale.data_ptr<at::Half>(), min.data_ptr<at::Half>(), out,
+              ld);
   }
 }
 
@@ -529,13 +769,15 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const int8_t* ws = w.data_ptr<int8_t>();
   const float* ss = scales.data_ptr<float>();
   const QuantizedActivations<int16_t> xq(xs, m, k);
+  const bool wide = wide_rows();
   const int64_t row_bytes = xq.k32 * static_cast<int64_t>(sizeof(int16_t));
   at::Tensor out = new_output(x, n);
   for_each_output(m, n, row_bytes, 0, out.data_ptr<float>(), n,
                   [&](int64_t row, int64_t first, int64_t rows, float* sums, float*) {
     const int8_t* wr = ws + row * k;
-    one_weight_row(Int8Row{wr}, xq.q.data() + first * xq.k32, xq.k32, xq.blocks, rows,
-                   xq.d.data() + first * xq.padded_blocks, xq.padded_blocks, sums);
+    one_weight_row(wide, Int8Row{wr}, xq.q.data() + first * xq.k32, xq.k32, xq.blocks, rows,
+                   xq.d_lanes.data() + first * xq.blocks * xq.kLanes, xq.blocks * xq.kLanes,
+                   sums);
     for (int64_t r = 0; r < rows; ++r) {
       const float* xr = xs + (first + r) * k;
       for (int64_t i = xq.k32; i < k; ++i) sums[r] += xr[i] * wr[i];
@@ -552,7 +794,7 @@ at::Tensor grouped_int8_linear(const at::Tensor& x, const at::Tensor& w, const a
   check_grouped_int8(w, scale);
   const QuantizedActivations<int16_t> xq(x.data_ptr<float>(), x.size(0), w.size(1));
   at::Tensor out = new_output(x, w.size(0));
-  grouped_int8_into(xq, x.size(0), w, scale, out.data_ptr<float>(), w.size(0));
+  grouped_int8_into(wide_rows(), xq, x.size(0), w, scale, out.data_ptr<float>(), w.size(0));
   return out;
 }
 
@@ -565,7 +807,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   check_int4(codes, scale, min);
   const QuantizedActivations<int8_t> xq(x.data_ptr<float>(), x.size(0), k);
   at::Tensor out = new_output(x, codes.size(0));
-  int4_into(xq, x.size(0), codes, scale, min, out.data_ptr<float>(), codes.size(0));
+  int4_into(wide_rows(), xq, x.size(0), codes, scale, min, out.data_ptr<float>(),
+            codes.size(0));
   return out;
 }
 
@@ -606,14 +849,15 @@ at::Tensor parts_linear(const at::Tensor& x, at::TensorList codes, at::TensorLis
   std::optional<QuantizedActivations<int16_t>> x16;
   at::Tensor out = new_output(x, n);
   float* columns = out.data_ptr<float>();
+  const bool wide = wide_rows();
   for (size_t i = 0; i < codes.size(); ++i) {
     const std::optional<at::Tensor> min = mins[i];
     if (min.has_value()) {
       if (!x8) x8.emplace(xs, m, k);
-      int4_into(*x8, m, codes[i], scales[i], *min, columns, n);
+      int4_into(wide, *x8, m, codes[i], scales[i], *min, columns, n);
     } else {
       if (!x16) x16.emplace(xs, m, k);
-      grouped_int8_into(*x16, m, codes[i], scales[i], columns, n);
+      grouped_int8_into(wide, *x16, m, codes[i], scales[i], columns, n);
     }
     columns += codes[i].size(0);
   }

@@ -1,7 +1,9 @@
 """Weight-only quantization: its error on Gaussian weights, agreement of every kernel path
-(Folio's AVX2 kernels, torch's weight-only kernels, dequantize-then-matmul), the exact Q4_1
-grid, int4 groups with float32 scales (Q4_K's), grouped int8 (Q8_0's and Q6_K's grids), and a
-quantized tiny model through the loader."""
+(Folio's kernels, torch's weight-only kernels, dequantize-then-matmul), the exact Q4_1 grid,
+int4 groups with float32 scales (Q4_K's), grouped int8 (Q8_0's and Q6_K's grids), and a
+quantized tiny model through the loader. Folio's kernels' tests run on their AVX-512 VNNI code
+(where the CPU has it) and on their AVX2 code (FOLIO_CPU_ISA=avx2, which they read at every
+call), and the two give the same bits."""
 
 from __future__ import annotations
 
@@ -10,13 +12,14 @@ import torch
 
 import engine.layers.quantization as quantization
 from common.config import EngineConfig
-from engine.kernels.cpu.capabilities import cpu_capabilities
+from engine.kernels.cpu.capabilities import ISA_ENV, cpu_capabilities
 from engine.layers.linear import Linear, pack_weight
 from engine.layers.quantization import (
     GROUPED_INT8,
     QuantizedWeight,
     grouped_int8_weight,
     int4_weight,
+    parts_weight,
     quantize,
 )
 from engine.models.loader import load_model
@@ -32,6 +35,14 @@ needs_folio_kernels = pytest.mark.skipif(
     not cpu_capabilities().folio_kernels,
     reason="this CPU has no AVX2 or no C++ compiler is installed",
 )
+
+
+@pytest.fixture(params=["native", "avx2"])
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The test runs on the kernels' native code (AVX-512 VNNI where the CPU has it) and on
+    their AVX2 code: FOLIO_CPU_ISA, read by the kernels at every call."""
+    monkeypatch.setenv(ISA_ENV, request.param)
+    return request.param
 
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
@@ -84,6 +95,7 @@ def test_output_error_on_gaussian_weights(method):
         ("int4", 1056),
     ],
 )
+@pytest.mark.usefixtures("isa")
 def test_every_kernel_path_computes_the_same_product(method, in_features):
     """Folio's kernel (odd row counts, a row tail, for int8 an input tail not a multiple of
     32 or no whole block, a row of zeros, an outlier; with 1,056+ features, rows in several
@@ -109,6 +121,7 @@ def test_every_kernel_path_computes_the_same_product(method, in_features):
 
 
 @needs_folio_kernels
+@pytest.mark.usefixtures("isa")
 def test_a_row_s_product_does_not_depend_on_the_rows_beside_it():
     """Folio's kernels add each row's products in one order whatever rows share its call (its
     tile of four, a lone decode row, a chunk): a request's greedy tokens do not depend on the
@@ -156,6 +169,7 @@ def test_int4_dequantizes_in_one_pass_as_the_dense_path_reads_it(group_dtype):
 
 
 @needs_folio_kernels
+@pytest.mark.usefixtures("isa")
 def test_int4_groups_with_float32_scales():
     """Group scales and minimums that float16 cannot hold (Q4_K's d * sc, a float16 times a
     6-bit integer) kept in float32: the same values as float16 or float32 give the same product
@@ -219,6 +233,7 @@ def int16_rounding_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @needs_folio_kernels
 @pytest.mark.parametrize(("group", "in_features"), [(32, 64), (32, 576), (16, 64), (16, 1056)])
+@pytest.mark.usefixtures("isa")
 def test_grouped_int8_kernel_computes_the_dense_product(group, in_features):
     """Folio's grouped int8 kernel (Q8_0's groups of 32 with float16 scales, Q6_K's groups of
     16 with float32 ones): its weights are code * scale exactly; its product (decode-sized and
@@ -341,3 +356,39 @@ def test_auto_dtype_of_a_quantized_cpu_model_takes_the_kernels_input():
     for method in ("int8", "int4"):
         assert resolve_dtype("auto", "cpu", method) == expected
         assert resolve_dtype("bfloat16", "cpu", method) == torch.bfloat16
+
+
+@needs_folio_kernels
+def test_the_avx512_code_gives_the_avx2_code_s_bits(monkeypatch):
+    """Every kernel (int4 with float16 and float32 group scales, int8, grouped int8 in groups of
+    32 and 16, a parts layer mixing int4 and grouped int8) on every layout of the activations'
+    units (1 to 18 blocks: whole units of four int4 groups or two int8 blocks, and a pair and a
+    single block left over), row counts in tiles of eight and four and their remainders and
+    rows in several L1-sized chunks: the AVX-512 code's outputs are the AVX2 code's, bit for
+    bit (on a CPU without AVX-512 VNNI both are the AVX2 code)."""
+    weights = []
+    for blocks in (1, 2, 3, 4, 5, 6, 7, 18):
+        in_features = 32 * blocks
+        int4 = quantize(gaussian((40, in_features), blocks), "int4", folio_kernels=True)
+        assert int4.minimum is not None
+        float32_int4 = int4_weight(
+            int4.codes,
+            int4.scale.float() * 1.0001,
+            int4.minimum.float(),
+            torch.float32,
+            True,
+            torch.float32,
+        )
+        q8_0 = grouped_int8_weight(*grouped_codes(40, in_features, 32, blocks))
+        q6_k = grouped_int8_weight(*grouped_codes(24, in_features, 16, blocks))
+        weights += [int4, float32_int4, q8_0, q6_k, parts_weight([int4, q6_k, q8_0])]
+        int8 = quantize(gaussian((40, in_features + 8), blocks), "int8", folio_kernels=True)
+        weights.append(int8)  # whole blocks and a float tail of 8 features
+    for weight in weights:
+        in_features = weight.shape[1]
+        for rows in (1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 19, 37):
+            x = gaussian((rows, in_features), rows)
+            monkeypatch.setenv(ISA_ENV, "avx2")
+            avx2 = weight.matmul(x)
+            monkeypatch.setenv(ISA_ENV, "native")
+            assert torch.equal(weight.matmul(x), avx2), (weight.method, in_features, rows)
