@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from serve_process import COMPILED_STARTUP_TIMEOUT
 
 from gateway_helpers import wait_for_idle_engine
 
@@ -36,9 +37,12 @@ PROMPT_TOKENS = (16, 512)
 OUTPUT_TOKENS = (1, 128)
 VOCAB = 49152  # the default model's
 FINISH_GRACE = 30.0
-# Warm-up: the first third of the sending time, at least WARM_UP_SECONDS; by then every batch
-# shape (full prefill steps, full decode batches, preemption) has run.
+# Warm-up: the first third of the sending time, at least WARM_UP_SECONDS, and until at least
+# WARM_UP_REQUESTS requests have ended (on a loaded machine 10 s may see a handful: the engine's
+# memory was still rising to the plateau a quiet run reaches by then, and that rise is no leak);
+# by then every batch shape (full prefill steps, full decode batches, preemption) has run.
 WARM_UP_SECONDS = 10.0
+WARM_UP_REQUESTS = 48
 # Resident memory the engine may gain between warm-up and the end. Its big allocations (weights,
 # KV pool) are made at start-up; oneDNN's kernel caches are capped (CPU_KERNEL_CACHE_CAPACITY:
 # uncapped, they grew 250-300 MiB in this soak, one compiled kernel per new batch shape), and the
@@ -246,11 +250,17 @@ def rss_series(samples: list[tuple[float, int]], points: int = 12) -> str:
 
 
 def test_soak(folio_server, capsys):
+    # The engine builds its compiled decode programs in the background, then loads them: done
+    # before the soak, so that neither the build's core nor the load's memory falls inside it.
+    folio_server.wait_for_output(
+        r"compiled decode steps \(batches of [0-9, ]+ rows\) (loaded|compiled) in",
+        COMPILED_STARTUP_TIMEOUT,
+    )
     engine_pid = folio_server.child_pid("engine")
     tally = Tally()
     rss: list[tuple[float, int]] = []
 
-    async def soak() -> tuple[int, float]:
+    async def soak() -> tuple[int, float, float]:
         limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
         async with httpx.AsyncClient(
             base_url=folio_server.url, limits=limits, timeout=SOAK_SECONDS + FINISH_GRACE
@@ -265,13 +275,18 @@ def test_soak(folio_server, capsys):
                 for seed in range(CONCURRENCY)
             ]
             await asyncio.sleep(warm_at)
+            while sum(tally.outcomes.values()) < WARM_UP_REQUESTS and not all(
+                c.done() for c in clients
+            ):
+                await asyncio.sleep(0.5)
             warm_rss = resident_bytes(engine_pid)
+            warmed = time.monotonic() - start
             await asyncio.gather(*clients)
             elapsed = time.monotonic() - start
             sampler.cancel()
-            return warm_rss, elapsed
+            return warm_rss, warmed, elapsed
 
-    warm_rss, elapsed = asyncio.run(soak())
+    warm_rss, warmed, elapsed = asyncio.run(soak())
     samples = wait_for_idle_engine(folio_server.url, 0.0, 10.0)  # the KV pool is all free
     end_rss = resident_bytes(engine_pid)
 
@@ -287,7 +302,8 @@ def test_soak(folio_server, capsys):
             if outcome != "completed":
                 print(f"  {outcome}: {count}")
         print(
-            f"  engine RSS: {warm_rss / mib:.0f} MiB after warm-up, {end_rss / mib:.0f} MiB "
+            f"  engine RSS: {warm_rss / mib:.0f} MiB after warm-up ({warmed:.0f} s), "
+            f"{end_rss / mib:.0f} MiB "
             f"at the end; over time (MiB): {rss_series(rss)}"
         )
         print(f"  engine preemptions: {samples.get('folio_num_preemptions_total', 0):.0f}")
