@@ -350,9 +350,18 @@ def test_a_q4_k_gguf_runs_on_the_int4_kernels_without_rounding(tmp_path, monkeyp
     packed = linears_as_in_file(model, config, quantized, "int4")
     assert all(p.kernels is not None and p.scale.dtype == torch.float32 for p in packed)
     assert any((p.scale.half().float() != p.scale).any() for p in packed)
+    k_quant_tracks_its_twin("Q4_K", model, twin_model, config, monkeypatch, quantized, twin)
+
+
+def k_quant_tracks_its_twin(
+    label: str, model, twin_model, config, monkeypatch, quantized: Path, twin: Path
+) -> None:
+    """A K-quant file's logits within 3% of its float32 twin's through the kernels and the
+    bfloat16 dense path, within 1e-5 dequantized in float32; its greedy tokens the twin's
+    through the dense path in float32."""
     kernels, dequantizing, dense_bf16 = logits_errors(model, twin_model, config, monkeypatch)
     print(
-        f"Q4_K: logits relative error {kernels:.3%} (kernels), {dequantizing:.1e}, "
+        f"{label}: logits relative error {kernels:.3%} (kernels), {dequantizing:.1e}, "
         f"{dense_bf16:.3%} (dequantized, bfloat16 where native)"
     )
     assert kernels <= 0.03 and dense_bf16 <= 0.03
@@ -503,15 +512,7 @@ def test_a_q4_k_m_gguf_keeps_its_mixed_layers_on_the_integer_kernels(tmp_path, m
     ]:
         assert type(module.packed) is QuantizedWeight and module.packed.method == method
     assert "3 int4 + grouped int8 (Folio)" in describe_linears(model)
-    kernels, dequantizing, dense_bf16 = logits_errors(model, twin_model, config, monkeypatch)
-    print(
-        f"Q4_K + Q6_K: logits relative error {kernels:.3%} (kernels), {dequantizing:.1e}, "
-        f"{dense_bf16:.3%} (dequantized, bfloat16 where native)"
-    )
-    assert kernels <= 0.03 and dense_bf16 <= 0.03
-    assert dequantizing <= 1e-5
-    dense_in_float32(monkeypatch)
-    assert engine_greedy(quantized) == engine_greedy(twin)
+    k_quant_tracks_its_twin("Q4_K + Q6_K", model, twin_model, config, monkeypatch, quantized, twin)
 
 
 def test_a_parts_weight_refuses_parts_it_cannot_multiply():
