@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
 import random
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -357,18 +358,24 @@ async def bench_gateway(
     name: str = "gateway",
     model: str | None = None,
 ) -> dict[str, RunResult]:
-    """The sweep on an OpenAI-compatible server at `url`: Folio's gateway or a peer. `model`
-    defaults to the first id of its /v1/models. A peer gets a new connection per request:
-    llama-server closes idle kept-alive connections after seconds, and a request sent on one
-    just closed fails before the server sees it."""
+    """The sweep on an OpenAI-compatible server at `url`: Folio's gateway or a peer."""
+    async with server_session(url, model, peer=name != "gateway") as (session, model):
+        return await bench_levels(name, http_client(session, url, model), args, prompts, pids)
+
+
+@contextlib.asynccontextmanager
+async def server_session(url: str, model: str | None, peer: bool) -> AsyncIterator[tuple]:
+    """An HTTP session to the server at `url` and the model name to send (`model`, else the
+    first id of its /v1/models). A peer gets a new connection per request: llama-server closes
+    idle kept-alive connections after seconds, and a request sent on one just closed fails
+    before the server sees it."""
     import httpx
 
-    keep_alive = None if name == "gateway" else 0
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=keep_alive)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0 if peer else None)
     async with httpx.AsyncClient(timeout=600, limits=limits) as session:
         if model is None:
             model = (await session.get(f"{url}/v1/models")).json()["data"][0]["id"]
-        return await bench_levels(name, http_client(session, url, model), args, prompts, pids)
+        yield session, model
 
 
 async def bench_in_process(config, args: argparse.Namespace) -> dict[str, RunResult]:

@@ -235,19 +235,12 @@ def run_spec_benchmark(args: argparse.Namespace) -> None:
 
 async def _measure_peer(args: argparse.Namespace, prompts: list[list[int]], streams: int):
     """_measure's workload on --compare-url: the same prompts in turn, `streams` at a time."""
-    import httpx
-
-    from bench.serve import drive, http_client
+    from bench.serve import drive, http_client, server_session
 
     url = args.compare_url.rstrip("/")
     total = max(streams, len(prompts)) * args.rounds
     sent: list[Prompt] = [prompts[i % len(prompts)] for i in range(total)]
-    # A new connection per request: llama-server closes idle kept-alive ones after seconds.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as session:
-        model = args.compare_model
-        if model is None:
-            model = (await session.get(f"{url}/v1/models")).json()["data"][0]["id"]
+    async with server_session(url, args.compare_model, peer=True) as (session, model):
         client = http_client(session, url, model, ignore_eos=False)
         samples, elapsed = await drive(client, sent, args.max_tokens, streams, None, 0)
     tpots = [t for t in (s.tpot for s in samples) if t is not None]
