@@ -117,11 +117,8 @@ class Verifier:
         accepted_logprobs: list[list[Logprobs]] = [[] for _ in requests]
         if plain:
             index = torch.tensor(last[plain], device=logits.device)
-            masks = (
-                disallowed[torch.tensor(last[plain], device=disallowed.device)]
-                if (disallowed is not None)
-                else None
-            )
+            # The masks are on the logits' device (the sampler's).
+            masks = None if disallowed is None else disallowed[index]
             out = self.sampler.sample(logits[index], [requests[i] for i in plain], masks)
             for i, token, record in zip(plain, out.token_ids, out.logprobs, strict=True):
                 token_ids[i], logprobs[i] = token, record
@@ -133,13 +130,10 @@ class Verifier:
                 for i, f in zip(drafting, firsts, strict=True)
                 for row in range(f, f + counts[i])
             ]
-            rows = logits[torch.tensor(row_index, device=logits.device)]
+            index = torch.tensor(row_index, device=logits.device)
+            rows = logits[index]
             expanded = [requests[i] for i in drafting for _ in range(counts[i])]
-            masks = (
-                disallowed[torch.tensor(row_index, device=disallowed.device)]
-                if disallowed is not None
-                else None
-            )
+            masks = None if disallowed is None else disallowed[index]
             probs = self.sampler.processed_probs(rows, expanded, masks).cpu()
             begin = 0
             starts = []
