@@ -53,6 +53,11 @@ class StartupRun:
     programs: str  # how and when the engine's decode programs got ready
 
 
+# What limits the code Folio's kernels, oneDNN and torch (inductor included) run to less than the
+# CPU has (docs/quantization.md: forcing the AVX2 paths).
+ISA_OVERRIDES = ("FOLIO_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+
+
 def cpu_description() -> str:
     """The CPU's model, the instruction sets that matter to Folio's kernels, its cores, and how
     busy the machine was (others may share it)."""
@@ -65,7 +70,13 @@ def cpu_description() -> str:
     features = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
     isa = [f for f in features if f in flags]
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return f"{model}, {len(os.sched_getaffinity(0))} cores, {' '.join(isa)}; load average {load}"
+    # Figures taken with the AVX2 code forced on a CPU that has more must say so.
+    forced = [f"{name}={os.environ[name]}" for name in ISA_OVERRIDES if os.environ.get(name)]
+    overrides = f"; instruction sets limited by {' '.join(forced)}" if forced else ""
+    return (
+        f"{model}, {len(os.sched_getaffinity(0))} cores, {' '.join(isa)}{overrides}; "
+        f"load average {load}"
+    )
 
 
 def programs_ready(log: Path, since: int, timeout: float) -> str:
