@@ -198,6 +198,10 @@ def programs_key(
     add("python", sys.version)
     add("machine", platform.machine())
     add("cpu flags", _cpu_flags())
+    # Inductor compiles for less than the CPU has when told to (AVX2 forced on an AVX-512 CPU):
+    # programs built one way must not be loaded the other.
+    if vec_isa_limit := os.environ.get("ATEN_CPU_CAPABILITY"):
+        add("aten cpu capability", vec_isa_limit)
     add("capabilities", dataclasses.asdict(cpu_capabilities()))
     add("kernels", extension.build_hash())
     add("dtype", dtype)

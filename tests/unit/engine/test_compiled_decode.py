@@ -16,7 +16,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.decode_programs import build_lock
+from engine.decode_programs import build_lock, programs_key
 from tiny_models import hf_greedy, make_tiny_smollm2
 
 PROMPTS = [[1, 504, 3717, 5542, 30], [1, 9233, 2623, 253], [1, 42]]
@@ -70,6 +70,17 @@ def test_stored_programs_are_loaded_and_a_corrupt_file_is_built_again(tiny, refe
     assert compiled is not None and compiled.origin == "compiled"
     assert generate(rebuilt) == reference
     assert compiled.rows_run
+
+
+def test_programs_built_for_a_limited_instruction_set_have_their_own_key(tiny, monkeypatch):
+    """ATEN_CPU_CAPABILITY=avx2 makes inductor compile AVX2 code on an AVX-512 CPU: those
+    programs and the CPU's own are stored apart, so neither is loaded in the other's place."""
+    args = (tiny, "float32", None, "torch", 2, (1, 2))
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    own = programs_key(*args)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    limited = programs_key(*args)
+    assert limited != own and programs_key(*args) == limited
 
 
 def test_background_programs_switch_between_steps(tiny, reference):
