@@ -2,15 +2,19 @@
 mixture-of-experts layer's step (router and experts) as Folio runs it against the plain loop
 over experts in torch that transformers runs, on the CPU and, where there is one, on a CUDA GPU.
 
-Folio's side is engine.layers.moe.SparseMoe itself: on the CPU each expert once over its
-gathered tokens through Folio's linears (oneDNN-packed float32, bfloat16 tiles); on the GPU the
-fused Triton kernel (pairs sorted by expert, two grouped GEMMs). The baseline routes the same
+Folio's side is engine.layers.moe.SparseMoe itself: on the CPU, float32 experts stacked in one
+call of Folio's experts kernel (folio_moe::experts), other dtypes each expert once over its
+gathered tokens through Folio's linears (bfloat16 tiles); on the GPU the fused Triton kernel
+(pairs sorted by expert, two grouped GEMMs). Where the CPU layer runs stacked, the same layer
+with its experts one at a time through Folio's linears (oneDNN-packed float32: the path before
+the stacked kernel) is timed in the same turns too. The baseline routes the same
 way, then for every expert finds its tokens with torch.where, gathers them and runs F.linear on
 the expert's weights, adding the weighted results back (transformers' MixtralExperts loop).
 Prints the median and fastest milliseconds of each (the two taking turns, so that other work on
 a shared machine slows both alike), their ratios, the largest difference between the two
-outputs and the load average; on the CPU also the expert products alone on both sides (timed in
-the same turns: what bounds the ratio) and so the time each step spends around them; with
+outputs and the load average; on the CPU also the expert products alone on both sides, Folio's
+per-expert linears and F.linear (timed in the same turns: what bounds the per-expert path's
+ratio) and so the time each step spends around them; with
 --profile, torch's profile of each step. A benchmark, not a
 test: it asserts nothing else and never runs in the suite.
 """
@@ -49,8 +53,10 @@ def build_layer(
     args: argparse.Namespace,
     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     device: str,
+    stack: bool = True,
 ) -> SparseMoe:
-    """Folio's layer over the same weights, finalized as the loader leaves it."""
+    """Folio's layer over the same weights, finalized as the loader leaves it (with `stack`
+    False, its CPU experts one at a time through Folio's linears)."""
     router, w13, w2 = weights
     backend = get_attention_backend("auto", device)
     layer = SparseMoe(
@@ -64,8 +70,9 @@ def build_layer(
             expert.down_proj.weight.copy_(w2[e])
     # In the model's order (LlamaForCausalLM.finalize_weights): the block, then its router and
     # experts' linears.
+    layer.finalize_weights(stack_cpu_experts=stack)
     for module in layer.modules():
-        if finalize := getattr(module, "finalize_weights", None):
+        if module is not layer and (finalize := getattr(module, "finalize_weights", None)):
             finalize()
     return layer
 
@@ -146,6 +153,9 @@ def profile(step: Callable[[], object], label: str) -> None:
 def run(args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
     weights = random_weights(args, dtype)
     layer = build_layer(args, weights, device)
+    stacked = layer.stacked is not None and layer.stacked.gate_up is not None
+    # The CPU experts one at a time (what the stacked kernel replaced), and its linears.
+    per_expert = build_layer(args, weights, device, stack=False) if not layer.fused else None
     router, w13, w2 = (w.to(device) for w in weights)
     generator = torch.Generator().manual_seed(1)
     for tokens in args.tokens:
@@ -153,12 +163,21 @@ def run(args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
         baseline = partial(loop_over_experts, x, router, w13, w2, args.top_k)
         with torch.inference_mode():
             steps: list[Callable[[], object]] = [partial(layer, x), baseline]
-            if not layer.fused:  # the CPU path's products, timed in the same turns
-                steps.extend(products(layer, x, w13, w2))
-            ours, loop, *alone = timings_ms(steps, args.repeats, device)
+            if stacked and per_expert is not None:
+                steps.append(partial(per_expert, x))
+            if per_expert is not None:  # the CPU path's products, timed in the same turns
+                steps.extend(products(per_expert, x, w13, w2))
+            ours, loop, *rest = timings_ms(steps, args.repeats, device)
+            one_at_a_time, alone = (rest[0], rest[1:]) if stacked else (None, rest)
             expected = baseline().float()
             error = (layer(x).float() - expected).abs().max().item()
-        path = "fused Triton kernel" if layer.fused else "per expert, Folio's linears"
+        path = (
+            "fused Triton kernel"
+            if layer.fused
+            else "stacked experts kernel"
+            if stacked
+            else "per expert, Folio's linears"
+        )
         label = f"{device} {str(dtype).removeprefix('torch.'):8s} tokens={tokens:4d}"
         print(
             f"{label}: Folio ({path}) {ours[0]:8.3f} ms (min {ours[1]:8.3f}), loop over "
@@ -167,13 +186,23 @@ def run(args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
             f"{os.getloadavg()[0]:.2f})",
             flush=True,
         )
+        if one_at_a_time:
+            before, before_min = one_at_a_time
+            print(
+                f"{' ' * len(label)}  Folio per expert (Folio's linears) {before:8.3f} ms (min "
+                f"{before_min:8.3f}): x{loop[0] / before:5.2f} the loop (fastest "
+                f"x{loop[1] / before_min:5.2f}); stacked x{before / ours[0]:5.2f} per expert "
+                f"(fastest x{before_min / ours[1]:5.2f})",
+                flush=True,
+            )
         if alone:
             (folio, folio_min), (torch_ms, torch_min) = alone
+            around = one_at_a_time or ours
             print(
                 f"{' ' * len(label)}  the expert products alone: Folio's linears {folio:8.3f} "
                 f"ms (min {folio_min:8.3f}), F.linear {torch_ms:8.3f} ms (min {torch_min:8.3f}); "
-                f"around them Folio {ours[0] - folio:6.3f} ms (fastest "
-                f"{ours[1] - folio_min:6.3f}), the loop {loop[0] - torch_ms:6.3f} ms (fastest "
+                f"around them Folio per expert {around[0] - folio:6.3f} ms (fastest "
+                f"{around[1] - folio_min:6.3f}), the loop {loop[0] - torch_ms:6.3f} ms (fastest "
                 f"{loop[1] - torch_min:6.3f})",
                 flush=True,
             )

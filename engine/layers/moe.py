@@ -3,11 +3,16 @@ softmax weights (renormalised over the k where the model does), experts that are
 (gpt-oss's with biases and a clamped SwiGLU), and the two ways of running them.
 
 - The CPU path (the torch attention backend) sorts the step's (token, expert) pairs by expert
-  once and runs each expert once over the tokens routed to it, through engine.layers.linear, so
-  its weights get the packed, bfloat16-tile or int8/int4 forms every other linear gets. Its
-  sizes depend on the routing, so inside a compiled decode program it is one opaque op,
-  folio::moe_experts, handed the experts' weights (as tensors and a layout of ints) and
-  rebuilding their linears from them: the program around it stays one graph.
+  once and runs each expert once over the tokens routed to it. Float32 gated-SiLU experts
+  without biases (Mixtral's, Qwen3-MoE's) run stacked: their weights packed once loaded into
+  the panels of Folio's experts kernel (engine/kernels/cpu/cpu_moe.cpp: gate and up in one
+  pass, all experts' products in one parallel loop), the whole step one C++ call. Other
+  experts (bfloat16, int8/int4, gpt-oss's) run one at a time through engine.layers.linear, so
+  their weights get the packed, bfloat16-tile or int8/int4 forms every other linear gets.
+  Either way the sizes depend on the routing, so inside a compiled decode program the experts
+  are one opaque op (folio::stacked_experts, or folio::moe_experts, handed the experts' weights
+  as tensors and a layout of ints and rebuilding their linears from them): the program around
+  it stays one graph.
 - The GPU path (the Triton backend) stacks the experts' weights once loaded and runs the fused
   kernel of engine.kernels.triton.fused_moe: the pairs sorted by expert in blocks, one grouped
   GEMM for gate_up, one activation, one grouped GEMM for down, with no host synchronisation.
@@ -23,7 +28,9 @@ which model has experts (engine.models does).
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -32,14 +39,15 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.kernels.cpu.capabilities import cpu_capabilities
+from engine.fallback import warn_fallback
+from engine.kernels.cpu.capabilities import cpu_capabilities, forced_isa
 from engine.layers.activation import ClampedSwiGLU, SiluAndMul
 from engine.layers.linear import (
     Bf16Tiles,
     Linear,
     PackedWeight,
-    column_linear,
     empty_parameter,
+    holds_bf16,
     linear,
     pack_weight,
 )
@@ -53,6 +61,41 @@ from engine.layers.parallel import (
 from engine.layers.quantization import GROUPED_INT8, QuantizedWeight
 
 QUANTIZED = ("int8", GROUPED_INT8, "int4")  # QuantizedWeight's methods
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StackedExperts:
+    """A layer's local experts packed for folio_moe::experts (gate_up and down, from
+    folio_moe::pack_experts), the only copy of their weights while `gate_up` is set; released
+    (None) where the experts' linears are quantized instead."""
+
+    gate_up: torch.Tensor | None
+    down: torch.Tensor | None
+    # FOLIO_CPU_ISA's choice when packed: AVX-512 code where the CPU has it, unless "avx2".
+    allow_avx512: bool
+
+    def release(self) -> None:
+        self.gate_up = self.down = None
+
+
+class ExpertLinear(Linear):
+    """An expert's projection: finalized as any linear, unless its layer runs the experts
+    stacked (`stacked` set and holding weights), which then holds the only copy: this one's
+    weight is freed instead of packed a second time. Quantized, it releases the stack (the
+    experts then run one at a time through the quantized linears)."""
+
+    stacked: StackedExperts | None = None
+
+    def finalize_weights(self, quantization: str | None = None) -> None:
+        stacked = self.stacked
+        if stacked is not None and stacked.gate_up is not None:
+            if not quantization:
+                self.weight.data = self.weight.data.new_empty(0)
+                return
+            stacked.release()
+        super().finalize_weights(quantization)
 
 
 class Router(nn.Module):
@@ -98,7 +141,7 @@ class Router(nn.Module):
         return weights, ids
 
 
-class ExpertDown(Linear):
+class ExpertDown(ExpertLinear):
     """An expert's down projection over this rank's columns of the intermediate features, with
     no all-reduce of its own (unlike engine.layers.linear's row-parallel layer). Its bias (whole
     on every rank) is added by the first rank only, so that the all-reduce counts it once."""
@@ -151,7 +194,9 @@ class Expert(nn.Module):
     ) -> None:
         super().__init__()
         rows = split_evenly(intermediate_size, tp)
-        self.gate_up_proj = column_linear(hidden_size, [rows, rows], bias, dtype, device, tp)
+        # engine.layers.linear.column_linear's layer, as an ExpertLinear.
+        shards = [rows, rows] if tp.size > 1 else None
+        self.gate_up_proj = ExpertLinear(hidden_size, [rows.count] * 2, bias, dtype, device, shards)
         self.act = (
             ClampedSwiGLU(backend, *clamped_swiglu) if clamped_swiglu else SiluAndMul(backend)
         )
@@ -235,11 +280,17 @@ class SparseMoe(nn.Module):
         # The CPU path's experts in order, and (gpt-oss) their activation's constants.
         self._expert_list = [cast(Expert, self.experts[str(e)]) for e in self.local_experts]
         self._swiglu = list(clamped_swiglu) if clamped_swiglu else []
+        # The CPU path's experts packed for Folio's experts kernel (set by finalize_weights).
+        self.stacked: StackedExperts | None = None
 
-    def finalize_weights(self) -> None:
+    def finalize_weights(self, stack_cpu_experts: bool = True) -> None:
         """Called before the experts' own linears are finalized: the fused path takes their
-        float weights (stacked) and the per-expert modules go."""
+        float weights (stacked) and the per-expert modules go; the CPU path packs them for
+        Folio's experts kernel where it can (and `stack_cpu_experts`: benchmarks turn it off to
+        time the linears one expert at a time)."""
         if not self.fused:
+            if stack_cpu_experts:
+                self._stack_cpu_experts()
             return
         experts = self._expert_list
         self.w13 = torch.stack([e.gate_up_proj.weight.data for e in experts])
@@ -253,10 +304,61 @@ class SparseMoe(nn.Module):
         self.experts = nn.ModuleDict()
         self._expert_list = []
 
+    def _stack_cpu_experts(self) -> None:
+        """The experts' float32 weights packed for folio_moe::experts, where they are float32
+        gated-SiLU MLPs without biases on a CPU where Folio's kernels loaded. Not for float32
+        weights holding bfloat16 values on an AVX2 CPU: the linears read those as bfloat16
+        (widened_bf16_linear), half these panels' bytes."""
+        experts = self._expert_list
+        if not experts or self._swiglu:
+            return
+        projections = [p for e in experts for p in (e.gate_up_proj, e.down_proj)]
+        if any(
+            p.bias is not None
+            or p.packed is not None
+            or p.weight.dtype != torch.float32
+            or p.weight.device.type != "cpu"
+            for p in projections
+        ):
+            return
+        caps = cpu_capabilities()
+        if not caps.folio_kernels:
+            return
+        if caps.widened_bf16 and all(holds_bf16(p.weight) for p in projections):
+            return
+        try:
+            gate_up, down = torch.ops.folio_moe.pack_experts(
+                [e.gate_up_proj.weight for e in experts], [e.down_proj.weight for e in experts]
+            )
+        except Exception as error:  # an optional speed-up: see engine.fallback
+            warn_fallback(
+                logger, "Folio's stacked CPU experts", "running the experts one at a time", error
+            )
+            return
+        self.stacked = StackedExperts(gate_up, down, forced_isa() == "native")
+        for projection in projections:
+            projection.stacked = self.stacked
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        stacked = self.stacked
         if self.fused:
             out = self._fused(x, weights, ids)
+        elif stacked is not None and stacked.gate_up is not None and stacked.down is not None:
+            kernel = (
+                torch.ops.folio.stacked_experts
+                if torch.compiler.is_compiling()
+                else torch.ops.folio_moe.experts
+            )
+            out = kernel(
+                x,
+                weights,
+                ids,
+                stacked.gate_up,
+                stacked.down,
+                self.local_experts.start,
+                stacked.allow_avx512,
+            )
         elif torch.compiler.is_compiling():
             # One opaque op (its sizes depend on the routing): the program stays one graph.
             parts, gate_up, down = self._op_weights()
@@ -503,5 +605,33 @@ def _experts_shape(
     down: list[int],
     first_expert: int,
     swiglu: list[float],
+) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("folio::stacked_experts", mutates_args=())
+def _stacked_experts_op(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    first_expert: int,
+    allow_avx512: bool,
+) -> torch.Tensor:
+    """folio_moe::experts as compiled programs call it (an op whose output shape dynamo
+    knows: x's)."""
+    return torch.ops.folio_moe.experts(x, weights, ids, gate_up, down, first_expert, allow_avx512)
+
+
+@_stacked_experts_op.register_fake
+def _stacked_experts_shape(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    first_expert: int,
+    allow_avx512: bool,
 ) -> torch.Tensor:
     return torch.empty_like(x)

@@ -18,11 +18,26 @@
 //
 // Both take float32, bfloat16 or float16 activations. This file never routes (the router
 // chooses the experts) and never changes its inputs.
+//
+// folio_moe::experts(x, weights, ids, gate_up, down, first_expert, allow_avx512) -> [T, hidden]:
+// the whole float32 step of gated-SiLU experts without biases, in one call: route, then every
+// expert that got rows, gate_up and down, then combine. Its weights are packed once, at load,
+// by folio_moe::pack_experts(gate_ups, downs) -> (gate_up, down) into the order the products
+// read them: gate_up [E, I/16, hidden, 32], panel j holding, for each input k, the 16 gate
+// columns 16 j .. 16 j + 16 then the 16 up columns; down [E, hidden/16, I', 16] (I' = I rounded
+// up to 16), panel t holding, for each intermediate feature k, outputs 16 t .. 16 t + 16; zeros
+// where a size is not a multiple of 16. One pass over x per gate_up panel gives gate and up
+// together, and silu(gate) * up leaves registers only once, as the intermediate rows down
+// reads; the tasks of all experts share one parallel loop per product (instead of a oneDNN
+// call per expert and projection). The sums are fused multiply-adds in input order, so the
+// results are F.linear's within float32 rounding, not bit for bit. AVX-512 where the CPU has
+// it and allow_avx512 (engine/layers/moe.py passes FOLIO_CPU_ISA's choice), AVX2 otherwise.
 
 // A float32 product and sum rounded one after the other, as torch rounds them: a fused
 // multiply-add would round once and change the result's last bits.
 #pragma GCC optimize("fp-contract=off")
 
+#include <immintrin.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -31,9 +46,11 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -168,15 +185,208 @@ at::Tensor combine(const std::vector<at::Tensor>& outputs, const at::Tensor& pai
   return out;
 }
 
+constexpr int64_t kPanel = 16;  // columns of a packed panel (experts' float32 layout)
+
+// One call of folio_moe::experts, routed: the rows of every local expert that got some.
+struct ExpertProblem {
+  const float* x;  // the routed rows [pairs, hidden], expert by expert
+  float* h;        // silu(gate) * up of each row [pairs, I']
+  float* y;        // each row's expert output [pairs, hidden]
+  int64_t hidden;
+  at::Tensor gate_up, down;    // pack_experts' panels
+  std::vector<int64_t> used;   // the local experts that got rows, in order
+  std::vector<int64_t> start;  // used expert u's rows: start[u] .. start[u + 1]
+};
+
+bool cpu_has_avx512() {
+  static const bool supported = __builtin_cpu_supports("avx512f") &&
+                                __builtin_cpu_supports("avx512dq");
+  return supported;
+}
+
+}  // namespace
+
+namespace folio_moe_avx512 {
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq")
+
+using Vec = __m512;
+constexpr int kLanes = 16;
+// 8 rows x (gate, up): 16 sums, 2 weight vectors and a broadcast, 19 of 32 registers.
+constexpr int kGateUpRows = 8;
+// 8 rows x 2 panels: 16 sums, 2 weight vectors and a broadcast.
+constexpr int kDownRows = 8;
+constexpr int kDownPanels = 2;
+
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec broadcast(float v) { return _mm512_set1_ps(v); }
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+
+// silu(g) * u = g * u / (1 + exp(-g)); exp by 2^n exp(r), |r| <= ln 2 / 2, exp(r) to degree 7
+// (relative error below 1e-8: float32's rounding dominates).
+inline Vec silu_mul(Vec g, Vec u) {
+  const Vec x = _mm512_max_ps(_mm512_min_ps(_mm512_sub_ps(zero(), g), broadcast(88.3762626f)),
+                              broadcast(-87.3365447f));
+  const Vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, broadcast(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = _mm512_fnmadd_ps(n, broadcast(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, broadcast(-2.12194440e-4f), r);
+  Vec e = broadcast(1.0f / 5040);
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    e = fma(e, r, broadcast(c));
+  e = _mm512_scalef_ps(e, n);
+  return _mm512_div_ps(_mm512_mul_ps(g, u), _mm512_add_ps(broadcast(1.0f), e));
+}
+
+#include "cpu_moe_body.h"
+
+#pragma GCC pop_options
+}  // namespace folio_moe_avx512
+
+namespace folio_moe_avx2 {
+
+using Vec = __m256;
+constexpr int kLanes = 8;
+// 2 rows x (gate, up) x 2 halves: 8 sums, 4 weight vectors and a broadcast of 16 registers.
+constexpr int kGateUpRows = 2;
+// 4 rows x 1 panel (2 halves): 8 sums, 2 weight vectors and a broadcast.
+constexpr int kDownRows = 4;
+constexpr int kDownPanels = 1;
+
+inline Vec zero() { return _mm256_setzero_ps(); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec broadcast(float v) { return _mm256_set1_ps(v); }
+inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+
+// As the AVX-512 one, 2^n built in the exponent's bits (n is within [-126, 127] after the
+// clamp).
+inline Vec silu_mul(Vec g, Vec u) {
+  const Vec x = _mm256_max_ps(_mm256_min_ps(_mm256_sub_ps(zero(), g), broadcast(88.3762626f)),
+                              broadcast(-87.3365447f));
+  const Vec n = _mm256_round_ps(_mm256_mul_ps(x, broadcast(1.44269504f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = _mm256_fnmadd_ps(n, broadcast(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, broadcast(-2.12194440e-4f), r);
+  Vec e = broadcast(1.0f / 5040);
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    e = fma(e, r, broadcast(c));
+  const __m256i bits =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  e = _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
+  return _mm256_div_ps(_mm256_mul_ps(g, u), _mm256_add_ps(broadcast(1.0f), e));
+}
+
+#include "cpu_moe_body.h"
+
+}  // namespace folio_moe_avx2
+
+namespace {
+
+// gate_ups [2I, hidden] (gate rows, then up rows) and downs [hidden, I], one of each per
+// expert, float32 -> the panels folio_moe::experts reads (the header says their layout).
+std::tuple<at::Tensor, at::Tensor> pack_experts(const std::vector<at::Tensor>& gate_ups,
+                                                const std::vector<at::Tensor>& downs) {
+  TORCH_CHECK(!gate_ups.empty() && gate_ups.size() == downs.size(),
+              "folio_moe::pack_experts: one gate_up and one down per expert, at least one");
+  const int64_t experts = static_cast<int64_t>(gate_ups.size());
+  const int64_t inter = gate_ups[0].size(0) / 2, hidden = gate_ups[0].size(1);
+  for (int64_t e = 0; e < experts; ++e) {
+    const at::Tensor &a = gate_ups[e], &b = downs[e];
+    TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu() && a.scalar_type() == at::kFloat &&
+                    b.scalar_type() == at::kFloat,
+                "folio_moe::pack_experts: the experts' weights must be float32 on the CPU");
+    TORCH_CHECK(a.dim() == 2 && a.size(0) == 2 * inter && a.size(1) == hidden && b.dim() == 2 &&
+                    b.size(0) == hidden && b.size(1) == inter,
+                "folio_moe::pack_experts: expert ", e, " has gate_up ", a.sizes(), " and down ",
+                b.sizes(), ", expected [", 2 * inter, ", ", hidden, "] and [", hidden, ", ",
+                inter, "]");
+  }
+  TORCH_CHECK(inter > 0 && hidden > 0, "folio_moe::pack_experts: empty experts");
+  const int64_t up_panels = (inter + kPanel - 1) / kPanel, padded = up_panels * kPanel;
+  const int64_t down_panels = (hidden + kPanel - 1) / kPanel;
+  const auto options = gate_ups[0].options();
+  at::Tensor gate_up = at::zeros({experts, up_panels, hidden, 2 * kPanel}, options);
+  at::Tensor down = at::zeros({experts, down_panels, padded, kPanel}, options);
+  at::parallel_for(0, experts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      const at::Tensor a = gate_ups[e].contiguous(), b = downs[e].contiguous();
+      const float* w13 = a.data_ptr<float>();
+      const float* w2 = b.data_ptr<float>();
+      float* to = gate_up.data_ptr<float>() + e * up_panels * hidden * 2 * kPanel;
+      for (int64_t i = 0; i < inter; ++i) {
+        const int64_t j = i / kPanel, c = i % kPanel;
+        for (int64_t k = 0; k < hidden; ++k) {
+          float* at = to + (j * hidden + k) * 2 * kPanel + c;
+          at[0] = w13[i * hidden + k];
+          at[kPanel] = w13[(inter + i) * hidden + k];
+        }
+      }
+      to = down.data_ptr<float>() + e * down_panels * padded * kPanel;
+      for (int64_t o = 0; o < hidden; ++o) {
+        const int64_t t = o / kPanel, c = o % kPanel;
+        for (int64_t k = 0; k < inter; ++k) to[(t * padded + k) * kPanel + c] = w2[o * inter + k];
+      }
+    }
+  });
+  return {gate_up, down};
+}
+
+at::Tensor experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
+                   const at::Tensor& gate_up, const at::Tensor& down, int64_t first_expert,
+                   bool allow_avx512) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "folio_moe::experts: x must be float32, got ",
+              x.scalar_type());
+  TORCH_CHECK(gate_up.device().is_cpu() && down.device().is_cpu() &&
+                  gate_up.scalar_type() == at::kFloat && down.scalar_type() == at::kFloat &&
+                  gate_up.is_contiguous() && down.is_contiguous() && gate_up.dim() == 4 &&
+                  down.dim() == 4,
+              "folio_moe::experts: gate_up and down must come from folio_moe::pack_experts");
+  const int64_t hidden = x.size(1), local = gate_up.size(0);
+  const int64_t inter = gate_up.size(1) * kPanel;
+  TORCH_CHECK(gate_up.size(2) == hidden && gate_up.size(3) == 2 * kPanel &&
+                  down.size(0) == local && down.size(1) == (hidden + kPanel - 1) / kPanel &&
+                  down.size(2) == inter && down.size(3) == kPanel,
+              "folio_moe::experts: packed weights gate_up ", gate_up.sizes(), " and down ",
+              down.sizes(), " do not fit ", hidden, " features");
+  auto [counts, pairs, rows] = route(x, ids, first_expert, local);
+  const int64_t pair_count = rows.size(0);
+  if (pair_count == 0) return at::zeros({x.size(0), hidden}, x.options());
+  at::Tensor h = at::empty({pair_count, inter}, x.options());
+  at::Tensor y = at::empty({pair_count, hidden}, x.options());
+  ExpertProblem problem{rows.data_ptr<float>(), h.data_ptr<float>(), y.data_ptr<float>(),
+                        hidden, gate_up, down, {}, {0}};
+  const int64_t* count = counts.data_ptr<int64_t>();
+  for (int64_t e = 0; e < local; ++e) {
+    if (count[e] == 0) continue;
+    problem.used.push_back(e);
+    problem.start.push_back(problem.start.back() + count[e]);
+  }
+  if (allow_avx512 && cpu_has_avx512()) {
+    folio_moe_avx512::run_experts(problem);
+  } else {
+    folio_moe_avx2::run_experts(problem);
+  }
+  return combine({y}, pairs, weights, x.size(0));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(folio_moe, library) {
   library.def(
       "route(Tensor x, Tensor ids, int first_expert, int num_local) -> (Tensor, Tensor, Tensor)");
   library.def("combine(Tensor[] outputs, Tensor pairs, Tensor weights, int tokens) -> Tensor");
+  library.def("pack_experts(Tensor[] gate_ups, Tensor[] downs) -> (Tensor, Tensor)");
+  library.def(
+      "experts(Tensor x, Tensor weights, Tensor ids, Tensor gate_up, Tensor down, "
+      "int first_expert, bool allow_avx512) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(folio_moe, CPU, library) {
   library.impl("route", &route);
   library.impl("combine", &combine);
+  library.impl("pack_experts", &pack_experts);
+  library.impl("experts", &experts);
 }

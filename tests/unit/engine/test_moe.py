@@ -6,8 +6,9 @@ of every expert per rank, or whole experts per rank); int8/int4 experts run thro
 quantized linears; routing variants Folio does not implement are refused naming the config
 key; the CPU experts are one op inside compiled programs (no graph break), whose decode steps
 give the eager engine's and transformers' greedy tokens; Folio's kernels around the CPU experts
-(folio_moe's route and combine) give torch's ops' values bit for bit; and the model code
-imports no dynamo."""
+(folio_moe's route and combine) give torch's ops' values bit for bit; Folio's stacked float32
+experts kernel (folio_moe::experts) is a float64 loop over experts within float32 rounding, and
+float32 layers use it; and the model code imports no dynamo."""
 
 from __future__ import annotations
 
@@ -344,6 +345,113 @@ def test_folio_moe_kernels_refuse_bad_inputs():
         torch.ops.folio_moe.combine([rows[:3], rows[3:].bfloat16()], pairs, weights, 3)
     with pytest.raises(RuntimeError, match="pair 7 outside"):
         torch.ops.folio_moe.combine([rows], pairs + 2, weights, 3)
+
+
+def expert_loop_float64(x, weights, ids, w13, w2, first):
+    """The gated-SiLU experts' step in float64, token by token: the stacked kernel's oracle."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    inter = w2.shape[2]
+    for t in range(x.shape[0]):
+        for slot in range(ids.shape[1]):
+            e = int(ids[t, slot]) - first
+            if 0 <= e < w13.shape[0]:
+                gate_up = w13[e].double() @ x[t].double()
+                h = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+                out[t] += float(weights[t, slot]) * (w2[e].double() @ h)
+    return out
+
+
+@pytest.mark.parametrize(
+    "tokens, hidden, inter, first, local",
+    [(64, 64, 48, 0, 8), (37, 37, 23, 2, 3), (1, 40, 16, 0, 8), (20, 70, 35, 6, 2)],
+    ids=["multiples", "odd-sizes-middle", "one-token", "odd-sizes-last"],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_stacked_experts_kernel_matches_float64_loop(tokens, hidden, inter, first, local, threads):
+    """folio_moe::experts (route, every expert's gate_up and down over its packed panels,
+    combine) is the float64 loop over experts within float32 rounding: uneven counts, experts
+    no token reaches, sizes that are not multiples of the 16-column panels, this rank's share of
+    the experts, any thread count; its AVX-512 and AVX2 code give the same bits."""
+    assert cpu_capabilities().folio_kernels, "Folio's CPU kernels did not load"
+    generator = torch.Generator().manual_seed(tokens + hidden)
+    k = 2
+    x = torch.randn(tokens, hidden, generator=generator)
+    w13 = torch.randn(8, 2 * inter, hidden, generator=generator) * hidden**-0.5
+    w2 = torch.randn(8, hidden, inter, generator=generator) * inter**-0.5
+    # Skewed routing: experts 0 and 2 (and whichever a token's second pick is) take most
+    # tokens, expert 7 none unless chosen second; a few tokens leave this rank's experts.
+    logits = torch.randn(tokens, 8, generator=generator)
+    logits[:, 0] += 2.0
+    logits[: tokens // 2, 2] += 3.0
+    logits[:, 7] -= 10.0
+    weights, ids = torch.topk(logits.softmax(-1), k)
+    gate_up, down = torch.ops.folio_moe.pack_experts(
+        list(w13[first : first + local]), list(w2[first : first + local])
+    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        wide, narrow = (
+            torch.ops.folio_moe.experts(x, weights, ids, gate_up, down, first, avx512)
+            for avx512 in (True, False)
+        )
+    finally:
+        torch.set_num_threads(before)
+    expected = expert_loop_float64(
+        x, weights, ids, w13[first : first + local], w2[first : first + local], first
+    )
+    mine = ((ids >= first) & (ids < first + local)).any(-1)
+    assert not bool(wide[~mine].any()), "a token none of this rank's experts reached"
+    torch.testing.assert_close(wide.double(), expected, atol=2e-6, rtol=1e-5)
+    assert torch.equal(wide, narrow)
+
+
+def test_stacked_experts_kernel_refuses_bad_inputs():
+    assert cpu_capabilities().folio_kernels, "Folio's CPU kernels did not load"
+    w13, w2 = torch.randn(2, 6, 8), torch.randn(2, 8, 3)
+    with pytest.raises(RuntimeError, match="must be float32 on the CPU"):
+        torch.ops.folio_moe.pack_experts(list(w13.double()), list(w2.double()))
+    with pytest.raises(RuntimeError, match="expert 1 has gate_up"):
+        torch.ops.folio_moe.pack_experts([w13[0], w13[1, :4]], list(w2))
+    gate_up, down = torch.ops.folio_moe.pack_experts(list(w13), list(w2))
+    x, ids, weights = torch.randn(3, 8), torch.tensor([[0, 1], [1, 0], [0, 1]]), torch.ones(3, 2)
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        torch.ops.folio_moe.experts(x.bfloat16(), weights, ids, gate_up, down, 0, True)
+    with pytest.raises(RuntimeError, match="do not fit 7 features"):
+        torch.ops.folio_moe.experts(x[:, :7], weights, ids, gate_up, down, 0, True)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_layer_stacks_float32_cpu_experts(quantization):
+    """A float32 SiLU layer on the CPU packs its experts for folio_moe::experts (their linears
+    then hold no second copy) and gives the per-expert linears' output within float32
+    rounding; quantized, the stack is released and the experts run through the quantized
+    linears."""
+    torch.manual_seed(0)
+    blocks = []
+    for stack in (True, False):
+        torch.manual_seed(0)
+        block = SparseMoe(40, 4, 2, 24, True, TorchAttentionBackend(), torch.float32, "cpu")
+        with torch.no_grad():
+            for parameter in block.parameters():
+                parameter.normal_(0.0, 0.3)
+        block.finalize_weights(stack_cpu_experts=stack)
+        for module in block.modules():
+            if isinstance(module, Linear):
+                module.finalize_weights(quantization)
+        blocks.append(block)
+    stacked, per_expert = blocks
+    assert stacked.stacked is not None and per_expert.stacked is None
+    expert = stacked._expert_list[0]
+    if quantization is None:
+        assert stacked.stacked.gate_up is not None
+        assert expert.gate_up_proj.weight.numel() == 0 and expert.down_proj.weight.numel() == 0
+    else:
+        assert stacked.stacked.gate_up is None
+        assert isinstance(expert.gate_up_proj.packed, QuantizedWeight)
+    x = torch.randn(9, 40)
+    with torch.inference_mode():
+        torch.testing.assert_close(stacked(x), per_expert(x), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("variant", ["mixtral"], indirect=True)

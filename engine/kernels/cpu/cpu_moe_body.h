@@ -1,0 +1,165 @@
+// The float32 experts' loops of cpu_moe.cpp for one instruction set. cpu_moe.cpp includes this
+// file twice, once inside a namespace compiled for AVX-512 and once inside one for AVX2, each
+// defining first what the loops are written in: Vec (kLanes float32), kGateUpRows and
+// kDownRows, kDownPanels (activation rows and down panels multiplied together), zero, fma,
+// broadcast, load, store and silu_mul (silu(gate) * up, lane by lane). So no guard: each
+// inclusion is its own code.
+//
+// Every panel is kPanel (16) columns, whatever the vector width: one packed layout serves both
+// instruction sets (an AVX2 vector holds half a panel). A row's sums run over the inputs in
+// order, one fused multiply-add each, whichever other rows share its expert.
+
+constexpr int kVecs = kPanel / kLanes;  // vectors per panel
+
+// Rows x[m] (m < M, `hidden` apart) times gate_up panel `panel` ([hidden][2 * kPanel], its
+// gate's 16 columns then its up's): h[m * h_row + c] = silu(gate) * up for the 16 columns c.
+// Meanwhile `prefetch` (or nullptr), the panel a caller reads next, comes into L2.
+template <int M>
+inline void gate_up_rows(const float* x, int64_t hidden, const float* panel,
+                         const float* prefetch, float* h, int64_t h_row) {
+  Vec gate[M][kVecs], up[M][kVecs];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < kVecs; ++v) gate[m][v] = up[m][v] = zero();
+  for (int64_t k = 0; k < hidden; ++k) {
+    const float* w = panel + k * 2 * kPanel;
+    if (prefetch != nullptr) {
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * 2 * kPanel), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * 2 * kPanel + kPanel),
+                   _MM_HINT_T1);
+    }
+    Vec wg[kVecs], wu[kVecs];
+    for (int v = 0; v < kVecs; ++v) {
+      wg[v] = load(w + v * kLanes);
+      wu[v] = load(w + kPanel + v * kLanes);
+    }
+    for (int m = 0; m < M; ++m) {
+      const Vec xm = broadcast(x[m * hidden + k]);
+      for (int v = 0; v < kVecs; ++v) {
+        gate[m][v] = fma(wg[v], xm, gate[m][v]);
+        up[m][v] = fma(wu[v], xm, up[m][v]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < kVecs; ++v) store(h + m * h_row + v * kLanes, silu_mul(gate[m][v], up[m][v]));
+}
+
+// Rows h[m] (m < M, `h_row` apart, `inter` values each) times P down panels (each
+// [inter][kPanel], `panel_values` apart): the sums of row m, panel p go to y[m * hidden +
+// first + 16 p + c] for the columns c below `hidden`.
+template <int M, int P>
+inline void down_rows(const float* h, int64_t h_row, int64_t inter, const float* panels,
+                      int64_t panel_values, const float* prefetch, float* y, int64_t hidden,
+                      int64_t first) {
+  Vec acc[M][P][kVecs];
+  for (int m = 0; m < M; ++m)
+    for (int p = 0; p < P; ++p)
+      for (int v = 0; v < kVecs; ++v) acc[m][p][v] = zero();
+  for (int64_t k = 0; k < inter; ++k) {
+    Vec w[P][kVecs];
+    for (int p = 0; p < P; ++p) {
+      const float* at = panels + p * panel_values + k * kPanel;
+      if (prefetch != nullptr)
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * panel_values + k * kPanel),
+                     _MM_HINT_T1);
+      for (int v = 0; v < kVecs; ++v) w[p][v] = load(at + v * kLanes);
+    }
+    for (int m = 0; m < M; ++m) {
+      const Vec hm = broadcast(h[m * h_row + k]);
+      for (int p = 0; p < P; ++p)
+        for (int v = 0; v < kVecs; ++v) acc[m][p][v] = fma(w[p][v], hm, acc[m][p][v]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int p = 0; p < P; ++p) {
+      const int64_t column = first + p * kPanel;
+      float* to = y + m * hidden + column;
+      if (column + kPanel <= hidden) {
+        for (int v = 0; v < kVecs; ++v) store(to + v * kLanes, acc[m][p][v]);
+      } else {  // the last panel of an output size that is not a multiple of 16
+        float values[kPanel];
+        for (int v = 0; v < kVecs; ++v) store(values + v * kLanes, acc[m][p][v]);
+        for (int64_t c = 0; c < hidden - column; ++c) to[c] = values[c];
+      }
+    }
+}
+
+// gate_up_rows for `rows` (1 to M) rows, each count its own unrolled code.
+template <int M = kGateUpRows>
+inline void gate_up_upto(int64_t rows, const float* x, int64_t hidden, const float* panel,
+                         const float* prefetch, float* h, int64_t h_row) {
+  if constexpr (M > 1) {
+    if (rows < M) return gate_up_upto<M - 1>(rows, x, hidden, panel, prefetch, h, h_row);
+  }
+  gate_up_rows<M>(x, hidden, panel, prefetch, h, h_row);
+}
+
+// down_rows for `rows` (1 to M) rows and `panels` (1 to P) panels.
+template <int M = kDownRows, int P = kDownPanels>
+inline void down_upto(int64_t rows, int64_t panels, const float* h, int64_t h_row,
+                      int64_t inter, const float* w, int64_t panel_values,
+                      const float* prefetch, float* y, int64_t hidden, int64_t first) {
+  if constexpr (P > 1) {
+    if (panels < P)
+      return down_upto<M, P - 1>(rows, panels, h, h_row, inter, w, panel_values, prefetch, y,
+                                 hidden, first);
+  }
+  if constexpr (M > 1) {
+    if (rows < M)
+      return down_upto<M - 1, P>(rows, panels, h, h_row, inter, w, panel_values, prefetch, y,
+                                 hidden, first);
+  }
+  down_rows<M, P>(h, h_row, inter, w, panel_values, prefetch, y, hidden, first);
+}
+
+// Both products of every expert that got rows: first each (expert, gate_up panel) pair is a
+// task (all experts' in one parallel loop), then each (expert, kDownPanels down panels).
+// Within a task the rows go kGateUpRows (kDownRows) at a time: the first block streams the
+// panel from memory while the task after it comes in, the later blocks reread it from L2.
+inline void run_experts(const ExpertProblem& p) {
+  const int64_t up_panels = p.gate_up.size(1), inter = up_panels * kPanel;
+  const int64_t gate_up_values = p.hidden * 2 * kPanel;
+  const float* gate_up = p.gate_up.data_ptr<float>();
+  std::vector<std::pair<int64_t, int64_t>> tasks;  // (used expert, its first panel)
+  for (size_t u = 0; u < p.used.size(); ++u)
+    for (int64_t j = 0; j < up_panels; ++j) tasks.emplace_back(u, j);
+  const auto panel_of = [&](int64_t task) {
+    const auto [u, j] = tasks[task];
+    return gate_up + (p.used[u] * up_panels + j) * gate_up_values;
+  };
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const auto [u, j] = tasks[task];
+      const float* panel = panel_of(task);
+      const float* next = task + 1 < end ? panel_of(task + 1) : nullptr;
+      for (int64_t r = p.start[u]; r < p.start[u + 1]; r += kGateUpRows) {
+        const int64_t rows = std::min<int64_t>(kGateUpRows, p.start[u + 1] - r);
+        gate_up_upto(rows, p.x + r * p.hidden, p.hidden, panel, r == p.start[u] ? next : nullptr,
+                     p.h + r * inter + j * kPanel, inter);
+      }
+    }
+  });
+  const int64_t down_panels = p.down.size(1), down_values = inter * kPanel;
+  const int64_t groups = (down_panels + kDownPanels - 1) / kDownPanels;
+  const float* down = p.down.data_ptr<float>();
+  tasks.clear();
+  for (size_t u = 0; u < p.used.size(); ++u)
+    for (int64_t g = 0; g < groups; ++g) tasks.emplace_back(u, g * kDownPanels);
+  const auto down_of = [&](int64_t task) {
+    const auto [u, j] = tasks[task];
+    return down + (p.used[u] * down_panels + j) * down_values;
+  };
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const auto [u, j] = tasks[task];
+      const int64_t panels = std::min<int64_t>(kDownPanels, down_panels - j);
+      const float* w = down_of(task);
+      const float* next = task + 1 < end ? down_of(task + 1) : nullptr;
+      for (int64_t r = p.start[u]; r < p.start[u + 1]; r += kDownRows) {
+        const int64_t rows = std::min<int64_t>(kDownRows, p.start[u + 1] - r);
+        down_upto(rows, panels, p.h + r * inter, inter, inter, w, down_values,
+                  r == p.start[u] ? next : nullptr, p.y + r * p.hidden, p.hidden, j * kPanel);
+      }
+    }
+  });
+}
