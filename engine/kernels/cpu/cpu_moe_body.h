@@ -11,21 +11,34 @@
 
 constexpr int kVecs = kPanel / kLanes;  // vectors per panel
 
+// While a block of rows is multiplied, its share of the weights the caller reads next comes
+// into L2 (every pass over a panel then overlaps the next panel's memory traffic, not only the
+// first pass): from `at` (or nowhere: nullptr), one k in `every` prefetches as many values as
+// one k of the panel holds. Row block b of n takes share b of n (share() below). Measured on a
+// loaded 2-core Xeon VM, 64 tokens: about 15-30% faster than prefetching the next panel
+// whole during the first block only.
+struct Prefetch {
+  const float* at;
+  int64_t every;
+};
+
 // Rows x[m] (m < M, `hidden` apart) times gate_up panel `panel` ([hidden][2 * kPanel], its
 // gate's 16 columns then its up's): h[m * h_row + c] = silu(gate) * up for the 16 columns c.
-// Meanwhile `prefetch` (or nullptr), the panel a caller reads next, comes into L2.
 template <int M>
-inline void gate_up_rows(const float* x, int64_t hidden, const float* panel,
-                         const float* prefetch, float* h, int64_t h_row) {
+inline void gate_up_rows(const float* x, int64_t hidden, const float* panel, Prefetch prefetch,
+                         float* h, int64_t h_row) {
   Vec gate[M][kVecs], up[M][kVecs];
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < kVecs; ++v) gate[m][v] = up[m][v] = zero();
+  const float* ahead = prefetch.at;
+  int64_t wait = 0;
   for (int64_t k = 0; k < hidden; ++k) {
     const float* w = panel + k * 2 * kPanel;
-    if (prefetch != nullptr) {
-      _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * 2 * kPanel), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * 2 * kPanel + kPanel),
-                   _MM_HINT_T1);
+    if (ahead != nullptr && wait-- == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + kPanel), _MM_HINT_T1);
+      ahead += 2 * kPanel;
+      wait = prefetch.every - 1;
     }
     Vec wg[kVecs], wu[kVecs];
     for (int v = 0; v < kVecs; ++v) {
@@ -49,19 +62,24 @@ inline void gate_up_rows(const float* x, int64_t hidden, const float* panel,
 // first + 16 p + c] for the columns c below `hidden`.
 template <int M, int P>
 inline void down_rows(const float* h, int64_t h_row, int64_t inter, const float* panels,
-                      int64_t panel_values, const float* prefetch, float* y, int64_t hidden,
+                      int64_t panel_values, Prefetch prefetch, float* y, int64_t hidden,
                       int64_t first) {
   Vec acc[M][P][kVecs];
   for (int m = 0; m < M; ++m)
     for (int p = 0; p < P; ++p)
       for (int v = 0; v < kVecs; ++v) acc[m][p][v] = zero();
+  const float* ahead = prefetch.at;
+  int64_t wait = 0;
   for (int64_t k = 0; k < inter; ++k) {
+    if (ahead != nullptr && wait-- == 0) {
+      for (int p = 0; p < P; ++p)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + p * panel_values), _MM_HINT_T1);
+      ahead += kPanel;
+      wait = prefetch.every - 1;
+    }
     Vec w[P][kVecs];
     for (int p = 0; p < P; ++p) {
       const float* at = panels + p * panel_values + k * kPanel;
-      if (prefetch != nullptr)
-        _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * panel_values + k * kPanel),
-                     _MM_HINT_T1);
       for (int v = 0; v < kVecs; ++v) w[p][v] = load(at + v * kLanes);
     }
     for (int m = 0; m < M; ++m) {
@@ -87,7 +105,7 @@ inline void down_rows(const float* h, int64_t h_row, int64_t inter, const float*
 // gate_up_rows for `rows` (1 to M) rows, each count its own unrolled code.
 template <int M = kGateUpRows>
 inline void gate_up_upto(int64_t rows, const float* x, int64_t hidden, const float* panel,
-                         const float* prefetch, float* h, int64_t h_row) {
+                         Prefetch prefetch, float* h, int64_t h_row) {
   if constexpr (M > 1) {
     if (rows < M) return gate_up_upto<M - 1>(rows, x, hidden, panel, prefetch, h, h_row);
   }
@@ -97,8 +115,8 @@ inline void gate_up_upto(int64_t rows, const float* x, int64_t hidden, const flo
 // down_rows for `rows` (1 to M) rows and `panels` (1 to P) panels.
 template <int M = kDownRows, int P = kDownPanels>
 inline void down_upto(int64_t rows, int64_t panels, const float* h, int64_t h_row,
-                      int64_t inter, const float* w, int64_t panel_values,
-                      const float* prefetch, float* y, int64_t hidden, int64_t first) {
+                      int64_t inter, const float* w, int64_t panel_values, Prefetch prefetch,
+                      float* y, int64_t hidden, int64_t first) {
   if constexpr (P > 1) {
     if (panels < P)
       return down_upto<M, P - 1>(rows, panels, h, h_row, inter, w, panel_values, prefetch, y,
@@ -112,10 +130,18 @@ inline void down_upto(int64_t rows, int64_t panels, const float* h, int64_t h_ro
   down_rows<M, P>(h, h_row, inter, w, panel_values, prefetch, y, hidden, first);
 }
 
+// The share of `next` (a panel of `length` k, `values` floats per k; or nullptr) that row
+// block `block` of `blocks` prefetches.
+inline Prefetch share(const float* next, int64_t length, int64_t values, int64_t block,
+                      int64_t blocks) {
+  if (next == nullptr) return {nullptr, 1};
+  return {next + block * ((length + blocks - 1) / blocks) * values, blocks};
+}
+
 // Both products of every expert that got rows: first each (expert, gate_up panel) pair is a
 // task (all experts' in one parallel loop), then each (expert, kDownPanels down panels).
-// Within a task the rows go kGateUpRows (kDownRows) at a time: the first block streams the
-// panel from memory while the task after it comes in, the later blocks reread it from L2.
+// Within a task the rows go kGateUpRows (kDownRows) at a time, every block rereading the
+// panel from L2 while a share of the next task's panel comes in.
 inline void run_experts(const ExpertProblem& p) {
   const int64_t up_panels = p.gate_up.size(1), inter = up_panels * kPanel;
   const int64_t gate_up_values = p.hidden * 2 * kPanel;
@@ -132,10 +158,14 @@ inline void run_experts(const ExpertProblem& p) {
       const auto [u, j] = tasks[task];
       const float* panel = panel_of(task);
       const float* next = task + 1 < end ? panel_of(task + 1) : nullptr;
-      for (int64_t r = p.start[u]; r < p.start[u + 1]; r += kGateUpRows) {
+      const int64_t count = p.start[u + 1] - p.start[u];
+      const int64_t blocks = (count + kGateUpRows - 1) / kGateUpRows;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t r = p.start[u] + b * kGateUpRows;
         const int64_t rows = std::min<int64_t>(kGateUpRows, p.start[u + 1] - r);
-        gate_up_upto(rows, p.x + r * p.hidden, p.hidden, panel, r == p.start[u] ? next : nullptr,
-                     p.h + r * inter + j * kPanel, inter);
+        gate_up_upto(rows, p.x + r * p.hidden, p.hidden, panel,
+                     share(next, p.hidden, 2 * kPanel, b, blocks), p.h + r * inter + j * kPanel,
+                     inter);
       }
     }
   });
@@ -155,10 +185,14 @@ inline void run_experts(const ExpertProblem& p) {
       const int64_t panels = std::min<int64_t>(kDownPanels, down_panels - j);
       const float* w = down_of(task);
       const float* next = task + 1 < end ? down_of(task + 1) : nullptr;
-      for (int64_t r = p.start[u]; r < p.start[u + 1]; r += kDownRows) {
+      const int64_t count = p.start[u + 1] - p.start[u];
+      const int64_t blocks = (count + kDownRows - 1) / kDownRows;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t r = p.start[u] + b * kDownRows;
         const int64_t rows = std::min<int64_t>(kDownRows, p.start[u + 1] - r);
         down_upto(rows, panels, p.h + r * inter, inter, inter, w, down_values,
-                  r == p.start[u] ? next : nullptr, p.y + r * p.hidden, p.hidden, j * kPanel);
+                  share(next, inter, kPanel, b, blocks), p.y + r * p.hidden, p.hidden,
+                  j * kPanel);
       }
     }
   });
