@@ -5,7 +5,9 @@ Starts a `folio serve` on free ports (or attaches to one with --url), drives the
 /v1/completions with N concurrent streaming clients (a sweep, default 1 and 32) or at a Poisson
 request rate, and reports TTFT, TPOT and ITL (p50, p90, p99) and request and token throughput,
 and, for a stack it started, the CPU time the gateway and the tokenizer spent per output token
-(from /proc: user + system time of the process and its children, all threads). With
+(from /proc: user + system time of the process and its children, all threads) and the engine
+process's beside its steps (its event loop and gRPC's threads: every thread but the engine
+loop's and OpenMP's workers, which it names). With
 --gateway-workers 1,2 it starts one stack per number of gateway worker processes, runs the
 sweep on each and compares their throughput. With --compare-url it runs the same workload on
 another OpenAI-compatible server (llama.cpp's llama-server, say) and prints Folio / peer ratios of
@@ -26,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -122,6 +125,25 @@ def cpu_seconds(pid: int) -> float:
         except OSError:
             continue  # gone meanwhile
     return own + children
+
+
+def service_cpu_seconds(pid: int) -> float:
+    """User + system CPU time so far of an engine service's live threads other than its engine
+    steps' (named engine.async_engine.STEP_THREAD_NAME, OpenMP's workers included): its event
+    loop and gRPC's threads, what serving costs beside the model (/proc/<pid>/task)."""
+    from engine.async_engine import STEP_THREAD_NAME
+
+    total = 0.0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as comm:
+                if comm.read().strip() == STEP_THREAD_NAME:
+                    continue
+            fields = _stat_fields(f"{pid}/task/{tid}")
+        except OSError:
+            continue  # gone meanwhile
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 @dataclass
@@ -316,15 +338,16 @@ async def bench_levels(
     client: Client,
     args: argparse.Namespace,
     prompts: PromptMaker,
-    pids: dict[str, int] | None = None,
+    meters: dict[str, Callable[[], float]] | None = None,
 ) -> dict[str, RunResult]:
-    """Each run of the sweep; `pids` (name -> process id) get their CPU time per output token
-    measured over each run. Says which requests ended before the output length."""
+    """Each run of the sweep; `meters` (name -> CPU seconds so far, of a process or part of
+    one) get their CPU time per output token measured over each run. Says which requests
+    ended before the output length."""
     results = {}
-    pids = pids or {}
+    meters = meters or {}
     await drive(client, prompts(2, "warm-up"), 8, 2, None, 0)
     for label, concurrency, count in levels(args):
-        cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        cpu_before = {name: meter() for name, meter in meters.items()}
         samples, seconds = await drive(
             client,
             prompts(count, label),
@@ -335,8 +358,8 @@ async def bench_levels(
         )
         result = RunResult(f"{name} {label}", samples, seconds)
         result.cpu_ms_per_token = {
-            name: 1000 * (cpu_seconds(pid) - cpu_before[name]) / result.output_tokens
-            for name, pid in pids.items()
+            name: 1000 * (meter() - cpu_before[name]) / result.output_tokens
+            for name, meter in meters.items()
         }
         results[label] = result
         print(result.report(), flush=True)
@@ -354,13 +377,13 @@ async def bench_gateway(
     url: str,
     args: argparse.Namespace,
     prompts: PromptMaker,
-    pids: dict[str, int] | None = None,
+    meters: dict[str, Callable[[], float]] | None = None,
     name: str = "gateway",
     model: str | None = None,
 ) -> dict[str, RunResult]:
     """The sweep on an OpenAI-compatible server at `url`: Folio's gateway or a peer."""
     async with server_session(url, model, peer=name != "gateway") as (session, model):
-        return await bench_levels(name, http_client(session, url, model), args, prompts, pids)
+        return await bench_levels(name, http_client(session, url, model), args, prompts, meters)
 
 
 @contextlib.asynccontextmanager
@@ -439,13 +462,19 @@ def serve_and_bench(
         )
         try:
             supervisor.start()
-            pids = {
-                child.name: child.process.pid
+            meters: dict[str, Callable[[], float]] = {
+                child.name: functools.partial(cpu_seconds, child.process.pid)
                 for child in (supervisor.gateway, supervisor.tokenizer)
                 if child.process is not None
             }
+            # The engine's process beside its steps: its event loop and gRPC, per token.
+            for engine in supervisor.engines:
+                if engine.process is not None:
+                    meters[f"{engine.name} service"] = functools.partial(
+                        service_cpu_seconds, engine.process.pid
+                    )
             name = "gateway" if gateway_workers == 1 else f"gateway x{gateway_workers}"
-            return event_loop.run(bench_gateway(supervisor.url, args, prompts, pids, name))
+            return event_loop.run(bench_gateway(supervisor.url, args, prompts, meters, name))
         finally:
             supervisor.stop()  # frees the cores for the next run
 
