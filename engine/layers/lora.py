@@ -40,6 +40,9 @@ NO_LORA = -1
 # Output columns of a tile of B on the CPU (engine/kernels/cpu/cpu_lora.cpp): a tile's rank x
 # TILE values lie together, so the kernel reads each slot's B front to back.
 TILE = 32
+# The codes folio_lora::lora_add may run, its `isa` (the most it may use; it runs the best the CPU
+# has up to that): AVX2, AVX-512, and AVX-512 with bfloat16's shrink in vdpbf16ps.
+ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16 = 0, 1, 2
 
 
 @dataclass
@@ -113,7 +116,7 @@ class LoraLinear(nn.Module):
         # Decided here, not in a step: a compiled program keeps the choice as a constant.
         cpu = self.tiled_b and device.type == "cpu"
         self.folio_kernel = cpu and cpu_capabilities().folio_kernels
-        self.allow_avx512 = forced_isa() == "native"
+        self.isa = ISA_AVX512_BF16 if forced_isa() == "native" else ISA_AVX2
 
     def load(self, slot: int, shards: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Slot `slot` holds these shards' (A, B) (the others zero), written in place: a
@@ -160,7 +163,7 @@ class LoraLinear(nn.Module):
         slots = step.slots[: x.shape[0]]
         if self.folio_kernel:
             return torch.ops.folio_lora.lora_add(
-                out, x, slots, self.lora_a, self.lora_b, self.shard_outputs, self.allow_avx512
+                out, x, slots, self.lora_a, self.lora_b, self.shard_outputs, self.isa
             )
         return torch_lora_add(out, x, slots, self.lora_a, self.lora_b, self.shard_outputs)
 

@@ -1,7 +1,7 @@
 // Grouped LoRA on x86 CPUs: one call adds every row's adapter product to a linear layer's
 // output, whatever mix of adapters (slots) the rows use.
 //
-// folio_lora::lora_add(y, x, slots, a, b, shard_outputs, allow_avx512) returns y plus, for
+// folio_lora::lora_add(y, x, slots, a, b, shard_outputs, isa) returns y plus, for
 // each row t with slots[t] = s >= 0, B[s] (A[s] x[t]); rows with slot -1 (the base model) get
 // y's values. a [slots, shards * rank, in] holds each slot's A, its shards' rows one after
 // the other. b [slots, tiles, rank, tile] holds each slot's B transposed and cut into tiles of
@@ -15,9 +15,12 @@
 // (cpu_lora_body.h's run): each used slot's A and B are read once per call, front to back,
 // and a row does its own slot's arithmetic only. The work runs on at::parallel_for; the sums
 // are float32, with bfloat16 and float16 values widened in registers, so no CPU feature
-// beyond AVX2 and FMA is needed; AVX-512 where the CPU has it (and allow_avx512: the Python
-// side passes False under FOLIO_CPU_ISA=avx2). x, y, a and b share one dtype: float32,
-// bfloat16 or float16.
+// beyond AVX2 and FMA is needed; AVX-512 where the CPU has it, and on CPUs with AVX-512 BF16
+// the shrink of bfloat16 takes pairs of values as they are stored (vdpbf16ps, exact products,
+// its own order of float32 sums). `isa` is the most a call may use: 0 AVX2, 1 AVX-512, 2
+// AVX-512 BF16, and it runs the best the CPU has up to that (engine/layers/lora.py passes 2,
+// or 0 under FOLIO_CPU_ISA=avx2; the tests and bench.lora_kernel take each). x, y, a and b
+// share one dtype: float32, bfloat16 or float16.
 //
 // A row's result depends on its own inputs and slot only, never on the other rows of the
 // call (cpu_lora_body.h). This file never chooses which rows use which slot (engine/layers/
@@ -34,7 +37,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
+
+#include "bf16_tiles.h"
 
 namespace {
 
@@ -112,6 +118,22 @@ inline void store(c10::Half* p, Vec v) {
 #pragma GCC pop_options
 }  // namespace folio_lora_avx512
 
+// The AVX-512 code again with the shrink of bfloat16 in vdpbf16ps (cpu_lora_body.h's
+// Dot<c10::BFloat16>), for CPUs with AVX-512 BF16: AVX-512's own helpers, the loops compiled
+// anew.
+namespace folio_lora_avx512_bf16 {
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+
+using namespace folio_lora_avx512;
+
+#define FOLIO_LORA_BF16_DOT
+#include "cpu_lora_body.h"
+#undef FOLIO_LORA_BF16_DOT
+
+#pragma GCC pop_options
+}  // namespace folio_lora_avx512_bf16
+
 namespace folio_lora_avx2 {
 
 using Vec = __m256;
@@ -161,17 +183,22 @@ inline void store(c10::Half* p, Vec v) {
 
 namespace {
 
-bool cpu_has_avx512() {
-  static const bool supported = __builtin_cpu_supports("avx512f") &&
-                                __builtin_cpu_supports("avx512bw") &&
-                                __builtin_cpu_supports("avx512vl");
-  return supported;
+// The codes a call may run, each a level above the last (lora_add's `isa`).
+enum Isa : int64_t { kAvx2 = 0, kAvx512 = 1, kAvx512Bf16 = 2 };
+
+// The highest code up to `most` that this CPU runs.
+Isa best_isa(int64_t most) {
+  static const bool avx512 = __builtin_cpu_supports("avx512f") &&
+                             __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512vl");
+  if (most >= kAvx512Bf16 && folio::cpu_has_avx512_bf16()) return kAvx512Bf16;
+  return most >= kAvx512 && avx512 ? kAvx512 : kAvx2;
 }
 
 template <typename T>
 at::Tensor grouped(const at::Tensor& y, const at::Tensor& x, const at::Tensor& slots,
                    const at::Tensor& a, const at::Tensor& b, at::IntArrayRef shard_outputs,
-                   bool avx512) {
+                   Isa isa) {
   const int64_t rows = x.size(0), num_slots = a.size(0);
   at::Tensor out = at::empty(y.sizes(), y.options());
   Problem<T> p;
@@ -217,7 +244,9 @@ at::Tensor grouped(const at::Tensor& y, const at::Tensor& x, const at::Tensor& s
   }
   std::vector<float> shrunk(p.groups.empty() ? 0 : rows * p.width);
   p.shrunk = shrunk.data();
-  if (avx512)
+  if (isa == kAvx512Bf16 && std::is_same_v<T, c10::BFloat16>)
+    folio_lora_avx512_bf16::run(p);
+  else if (isa >= kAvx512)
     folio_lora_avx512::run(p);
   else
     folio_lora_avx2::run(p);
@@ -226,7 +255,7 @@ at::Tensor grouped(const at::Tensor& y, const at::Tensor& x, const at::Tensor& s
 
 at::Tensor lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& slots,
                     const at::Tensor& a, const at::Tensor& b, at::IntArrayRef shard_outputs,
-                    bool allow_avx512) {
+                    int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0),
               "lora_add takes activations [rows, in] and outputs [rows, out], got ", x.sizes(),
               " and ", y.sizes());
@@ -260,14 +289,16 @@ at::Tensor lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& 
               slots.scalar_type(), " ", slots.sizes());
   const at::Tensor xs = x.stride(1) == 1 ? x : x.contiguous();
   const at::Tensor ys = y.contiguous(), slot_of = slots.contiguous();
-  const bool avx512 = allow_avx512 && cpu_has_avx512();
+  TORCH_CHECK(isa >= kAvx2 && isa <= kAvx512Bf16, "lora_add: isa ", isa,
+              " is none of 0 (AVX2), 1 (AVX-512), 2 (AVX-512 BF16)");
+  const Isa code = best_isa(isa);
   switch (dtype) {
     case at::kFloat:
-      return grouped<float>(ys, xs, slot_of, a, b, shard_outputs, avx512);
+      return grouped<float>(ys, xs, slot_of, a, b, shard_outputs, code);
     case at::kBFloat16:
-      return grouped<c10::BFloat16>(ys, xs, slot_of, a, b, shard_outputs, avx512);
+      return grouped<c10::BFloat16>(ys, xs, slot_of, a, b, shard_outputs, code);
     case at::kHalf:
-      return grouped<c10::Half>(ys, xs, slot_of, a, b, shard_outputs, avx512);
+      return grouped<c10::Half>(ys, xs, slot_of, a, b, shard_outputs, code);
     default:
       TORCH_CHECK(false, "lora_add takes float32, bfloat16 or float16, got ", dtype);
   }
@@ -278,7 +309,7 @@ at::Tensor lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& 
 TORCH_LIBRARY(folio_lora, library) {
   library.def(
       "lora_add(Tensor y, Tensor x, Tensor slots, Tensor a, Tensor b, int[] shard_outputs, "
-      "bool allow_avx512) -> Tensor");
+      "int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(folio_lora, CPU, library) { library.impl("lora_add", &lora_add); }

@@ -1,31 +1,62 @@
 // The grouped LoRA kernel's loops for one instruction set. cpu_lora.cpp includes this file
-// twice, once inside a namespace compiled for AVX-512 and once inside one for AVX2, each
-// defining first what the loops are written in: Vec (a vector of kLanes float32), kRowBlock
+// three times, inside namespaces compiled for AVX-512 BF16, AVX-512 and AVX2, each defining
+// first what the loops are written in: Vec (a vector of kLanes float32), kRowBlock
 // (activation rows multiplied together), zero, fma, broadcast, add, sum (of a vector's
 // lanes), load (kLanes float32, bfloat16 or float16 values widened to float32) and store (a
-// vector rounded to the element type). So no guard: each inclusion is its own code.
+// vector rounded to the element type); the AVX-512 BF16 one defines FOLIO_LORA_BF16_DOT too
+// (bfloat16's shrink in vdpbf16ps, Dot below). So no guard: each inclusion is its own code.
 //
 // Each sum runs one order whatever the call's other rows: a row's result never depends on
 // which rows share its group, its slot's group or the call (the vector part, its horizontal
 // sum, then the tail one value at a time; std::fma in the tails, which rounds as a vector
 // fma lane does).
 
+// The shrink's dot products, kStep values of A and of x at a time (`X` holds them as one
+// step takes them): each value widened to float32, one multiply-add per value into its lane.
+template <typename T>
+struct Dot {
+  static constexpr int kStep = kLanes;
+  using X = Vec;
+  static X take(const T* values) { return load(values); }
+  static Vec add(Vec sums, X a, X x) { return fma(a, x, sums); }
+};
+
+#ifdef FOLIO_LORA_BF16_DOT
+// bfloat16 on CPUs with AVX-512 BF16: vdpbf16ps takes 32 values of A and of x as they are
+// stored and adds each lane's pair of products (exact in float32) to its sum: one instruction
+// for 32 values of A, where the widened code spends six (two to widen each 16, a multiply-add)
+// and widens x again for each pass over A's rows. So the shrink, most of a decode step's
+// adapter bytes, goes at the rate they are read rather than the rate of that arithmetic.
+// Another order of float32 sums than the widened code's; like it, a row's sums never depend
+// on the other rows.
+template <>
+struct Dot<c10::BFloat16> {
+  static constexpr int kStep = 32;
+  using X = __m512bh;
+  static X take(const c10::BFloat16* values) {
+    return reinterpret_cast<X>(_mm512_loadu_si512(values));
+  }
+  static Vec add(Vec sums, X a, X x) { return _mm512_dpbf16_ps(sums, a, x); }
+};
+#endif
+
 // shrunk[row][k] (k < K) = a[k] . x[row] for rows rows[0 .. M): K rows of one slot's A, `in`
 // long, `in` apart; `shrunk` points at the task's first column.
 template <int K, int M, typename T>
 inline void shrink_rows(const Problem<T>& p, const T* a, const int32_t* rows, float* shrunk) {
-  const int64_t in = p.in, body = in - in % kLanes;
+  using D = Dot<T>;
+  const int64_t in = p.in, body = in - in % D::kStep;
   const T* xs[M];
   for (int m = 0; m < M; ++m) xs[m] = p.x + rows[m] * p.x_stride;
   Vec acc[K][M];
   for (int k = 0; k < K; ++k)
     for (int m = 0; m < M; ++m) acc[k][m] = zero();
-  for (int64_t i = 0; i < body; i += kLanes) {
-    Vec xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = load(xs[m] + i);
+  for (int64_t i = 0; i < body; i += D::kStep) {
+    typename D::X xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = D::take(xs[m] + i);
     for (int k = 0; k < K; ++k) {
-      const Vec av = load(a + k * in + i);
-      for (int m = 0; m < M; ++m) acc[k][m] = fma(av, xv[m], acc[k][m]);
+      const typename D::X av = D::take(a + k * in + i);
+      for (int m = 0; m < M; ++m) acc[k][m] = D::add(acc[k][m], av, xv[m]);
     }
   }
   for (int k = 0; k < K; ++k)

@@ -208,7 +208,7 @@ def _register_output_shapes() -> None:
         a: torch.Tensor,
         b: torch.Tensor,
         shard_outputs: list[int],
-        allow_avx512: bool,
+        isa: int,
     ) -> torch.Tensor:
         return torch.empty_like(y)
 

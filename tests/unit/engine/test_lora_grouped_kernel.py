@@ -2,9 +2,10 @@
 fallback in torch's ops (folio::lora_add) against a float64 reference built from the adapters'
 own A and B: random slots with base-model rows (-1) and an unused slot, a fused three-shard
 layer whose shards and input are no multiple of the vector width, ranks below the slots'
-width padded with zeros, float32, bfloat16 and float16, the AVX-512 and AVX2 code; each row's
-result the same whatever rows share its call; bad inputs refused naming the problem; and a
-wrapped linear traced whole (no graph break) with the kernel in the graph."""
+width padded with zeros, float32, bfloat16 and float16, the AVX-512 code (bfloat16's shrink in
+vdpbf16ps where the CPU has AVX-512 BF16, and widened) and the AVX2 code; each row's result the
+same whatever rows share its call; bad inputs refused naming the problem; and a wrapped linear
+traced whole (no graph break) with the kernel in the graph."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ import torch
 from engine.kernels.cpu.capabilities import cpu_capabilities
 from engine.layers.linear import Linear
 from engine.layers.lora import (
+    ISA_AVX2,
+    ISA_AVX512,
+    ISA_AVX512_BF16,
     TILE,
     LoraGroups,
     LoraLinear,
@@ -96,14 +100,16 @@ def inputs(rows: int, dtype: torch.dtype, seed: int):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("avx512", [True, False], ids=["native", "avx2"])
-def test_kernel_equals_the_reference_and_each_row_its_own_alone(dtype, avx512):
+@pytest.mark.parametrize(
+    "isa", [ISA_AVX512_BF16, ISA_AVX512, ISA_AVX2], ids=["avx512_bf16", "avx512", "avx2"]
+)
+def test_kernel_equals_the_reference_and_each_row_its_own_alone(dtype, isa):
     weights = adapters(seed=1)
     a, b = stacked(weights, dtype)
     for rows in (1, 3, 23, 70):
         y, x, slots = inputs(rows, dtype, seed=rows)
         y_before = y.clone()
-        got = torch.ops.folio_lora.lora_add(y, x, slots, a, b, list(SHARDS), avx512)
+        got = torch.ops.folio_lora.lora_add(y, x, slots, a, b, list(SHARDS), isa)
         assert got.dtype == dtype and got.shape == y.shape
         assert torch.equal(y, y_before)  # its inputs stay as they were
         exact, bound = reference(weights, y, x, slots, dtype)
@@ -112,7 +118,7 @@ def test_kernel_equals_the_reference_and_each_row_its_own_alone(dtype, avx512):
         assert torch.equal(got[base], y[base])  # the base model's rows: y's values
         for row in range(rows):
             alone = torch.ops.folio_lora.lora_add(
-                y[row : row + 1], x[row : row + 1], slots[row : row + 1], a, b, list(SHARDS), avx512
+                y[row : row + 1], x[row : row + 1], slots[row : row + 1], a, b, list(SHARDS), isa
             )
             assert torch.equal(alone[0], got[row])
 
@@ -124,10 +130,31 @@ def test_avx512_and_avx2_code_agree_in_float32():
     weights = adapters(seed=2)
     a, b = stacked(weights, torch.float32)
     y, x, slots = inputs(40, torch.float32, seed=3)
-    wide = torch.ops.folio_lora.lora_add(y, x, slots, a, b, list(SHARDS), True)
-    narrow = torch.ops.folio_lora.lora_add(y, x, slots, a, b, list(SHARDS), False)
+    wide = torch.ops.folio_lora.lora_add(y, x, slots, a, b, list(SHARDS), ISA_AVX512)
+    narrow = torch.ops.folio_lora.lora_add(y, x, slots, a, b, list(SHARDS), ISA_AVX2)
     _, bound = reference(weights, y, x, slots, torch.float32)
     assert ((wide.double() - narrow.double()).abs() <= 2 * bound).all()
+
+
+@needs_kernels
+@pytest.mark.skipif(not cpu_capabilities().avx512_bf16, reason="this CPU has no AVX-512 BF16")
+def test_bfloat16_shrink_runs_in_pairs_where_the_cpu_has_avx512_bf16():
+    """bfloat16 on AVX-512 BF16 takes its own code, float32 and the lower levels do not: a row
+    of A whose products cancel, 2^25 + 1 - 2^25. The widened code sums values 0 and 16 in one
+    lane and value 1 in another: 1. vdpbf16ps adds the pair of values 0 and 1 in one lane,
+    2^25 + 1 rounded to 2^25 in float32, then value 16 in another: 0."""
+    for dtype in (torch.bfloat16, torch.float32):
+        a = torch.zeros(1, 1, 32, dtype=dtype)
+        a[0, 0, :2] = torch.tensor([2.0**25, 1.0])
+        a[0, 0, 16] = -(2.0**25)
+        b = torch.zeros(1, 1, 1, TILE, dtype=dtype)
+        b[0, 0, 0, 0] = 1.0
+        x, y = torch.ones(1, 32, dtype=dtype), torch.zeros(1, 1, dtype=dtype)
+        slots = torch.zeros(1, dtype=torch.int32)
+        for isa in (ISA_AVX512_BF16, ISA_AVX512, ISA_AVX2):
+            got = torch.ops.folio_lora.lora_add(y, x, slots, a, b, [1], isa)
+            pairs = dtype == torch.bfloat16 and isa == ISA_AVX512_BF16
+            assert got.item() == (0.0 if pairs else 1.0), (dtype, isa)
 
 
 def test_torch_fallback_equals_the_reference():
@@ -162,9 +189,11 @@ def test_bad_inputs_are_refused_naming_the_problem():
         ((y, x[:, :60], slots, a, b, list(SHARDS)), "activations have 60 features, A takes 67"),
         ((y, x, slots, a.transpose(1, 2), b, list(SHARDS)), "must be contiguous"),
     ]
+    with pytest.raises(RuntimeError, match="isa 3 is none of 0"):
+        op(y, x, slots, a, b, list(SHARDS), 3)
     for args, message in cases:
         with pytest.raises(RuntimeError, match=message):
-            op(*args, True)
+            op(*args, ISA_AVX512_BF16)
 
 
 def test_wrapped_linear_is_traced_whole_with_its_product_in_the_graph():
