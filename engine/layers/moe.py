@@ -4,11 +4,13 @@ softmax weights (renormalised over the k where the model does), experts that are
 
 - The CPU path (the torch attention backend) sorts the step's (token, expert) pairs by expert
   once and runs each expert once over the tokens routed to it. Float32 gated-SiLU experts
-  without biases (Mixtral's, Qwen3-MoE's) run stacked: their weights packed once loaded into
-  the panels of Folio's experts kernel (engine/kernels/cpu/cpu_moe.cpp: gate and up in one
-  pass, all experts' products in one parallel loop), the whole step one C++ call. Other
-  experts (bfloat16, int8/int4, gpt-oss's) run one at a time through engine.layers.linear, so
-  their weights get the packed, bfloat16-tile or int8/int4 forms every other linear gets.
+  without biases (Mixtral's, Qwen3-MoE's), and bfloat16 ones on CPUs without Folio's bfloat16
+  tiles, run stacked: their weights packed once loaded into the panels of Folio's experts
+  kernel (engine/kernels/cpu/cpu_moe.cpp: gate and up in one pass, all experts' products in
+  one parallel loop, float32 products; bfloat16 panels where the values allow), the whole step
+  one C++ call. Other experts (bfloat16 on Folio's tiles, int8/int4, gpt-oss's) run one at a
+  time through engine.layers.linear, so their weights get the packed, bfloat16-tile or
+  int8/int4 forms every other linear gets.
   Either way the sizes depend on the routing, so inside a compiled decode program the experts
   are one opaque op (folio::stacked_experts, or folio::moe_experts, handed the experts' weights
   as tensors and a layout of ints and rebuilding their linears from them): the program around
@@ -305,18 +307,20 @@ class SparseMoe(nn.Module):
         self._expert_list = []
 
     def _stack_cpu_experts(self) -> None:
-        """The experts' float32 weights packed for folio_moe::experts, where they are float32
-        gated-SiLU MLPs without biases on a CPU where Folio's kernels loaded. Not for float32
-        weights holding bfloat16 values on an AVX2 CPU: the linears read those as bfloat16
-        (widened_bf16_linear), half these panels' bytes."""
+        """The experts' weights packed for folio_moe::experts, where they are gated-SiLU MLPs
+        without biases on a CPU where Folio's kernels loaded: float32 ones (in bfloat16 panels
+        where every value is a bfloat16 one, a bfloat16 checkpoint's: the same products at half
+        the bytes), and bfloat16 ones on CPUs without Folio's bfloat16 tiles (AVX2: torch's
+        bfloat16 linears are emulated there)."""
         experts = self._expert_list
         if not experts or self._swiglu:
             return
         projections = [p for e in experts for p in (e.gate_up_proj, e.down_proj)]
+        dtype = projections[0].weight.dtype
         if any(
             p.bias is not None
             or p.packed is not None
-            or p.weight.dtype != torch.float32
+            or p.weight.dtype != dtype
             or p.weight.device.type != "cpu"
             for p in projections
         ):
@@ -324,11 +328,19 @@ class SparseMoe(nn.Module):
         caps = cpu_capabilities()
         if not caps.folio_kernels:
             return
-        if caps.widened_bf16 and all(holds_bf16(p.weight) for p in projections):
+        if dtype == torch.float32:
+            halves = all(holds_bf16(p.weight) for p in projections)
+        elif dtype == torch.bfloat16 and not caps.bf16_tiles:
+            halves = True
+        else:
             return
+
+        def weight(p: Linear) -> torch.Tensor:
+            return p.weight.bfloat16() if halves else p.weight
+
         try:
             gate_up, down = torch.ops.folio_moe.pack_experts(
-                [e.gate_up_proj.weight for e in experts], [e.down_proj.weight for e in experts]
+                [weight(e.gate_up_proj) for e in experts], [weight(e.down_proj) for e in experts]
             )
         except Exception as error:  # an optional speed-up: see engine.fallback
             warn_fallback(

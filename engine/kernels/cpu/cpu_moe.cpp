@@ -20,10 +20,13 @@
 // chooses the experts) and never changes its inputs.
 //
 // folio_moe::experts(x, weights, ids, gate_up, down, first_expert, allow_avx512) -> [T, hidden]:
-// the whole float32 step of gated-SiLU experts without biases, in one call: route, then every
-// expert that got rows, gate_up and down, then combine. Its weights are packed once, at load,
-// by folio_moe::pack_experts(gate_ups, downs) -> (gate_up, down) into the order the products
-// read them: gate_up [E, I/16, hidden, 32], panel j holding, for each input k, the 16 gate
+// the whole step of gated-SiLU experts without biases, in one call: route, then every expert
+// that got rows, gate_up and down, then combine. The products are float32's: x float32 (or
+// bfloat16, its rows widened, each expert's output rounded to bfloat16 before combine, as a
+// bfloat16 linear rounds it), weights float32 or bfloat16 (widened exactly as they are loaded:
+// half the bytes of float32 for a bfloat16 checkpoint's values). Its weights are packed once, at
+// load, by folio_moe::pack_experts(gate_ups, downs) -> (gate_up, down), in their own dtype, into
+// the order the products read them: gate_up [E, I/16, hidden, 32], panel j holding, for each input k, the 16 gate
 // columns 16 j .. 16 j + 16 then the 16 up columns; down [E, hidden/16, I', 16] (I' = I rounded
 // up to 16), panel t holding, for each intermediate feature k, outputs 16 t .. 16 t + 16; zeros
 // where a size is not a multiple of 16. One pass over x per gate_up panel gives gate and up
@@ -222,6 +225,10 @@ inline Vec zero() { return _mm512_setzero_ps(); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec broadcast(float v) { return _mm512_set1_ps(v); }
 inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec load(const uint16_t* p) {  // 16 bfloat16 values: the upper halves of float32s
+  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
 inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 
 // silu(g) * u = g * u / (1 + exp(-g)); exp by 2^n exp(r), |r| <= ln 2 / 2, exp(r) to degree 7
@@ -259,6 +266,10 @@ inline Vec zero() { return _mm256_setzero_ps(); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec broadcast(float v) { return _mm256_set1_ps(v); }
 inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec load(const uint16_t* p) {  // 8 bfloat16 values
+  const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+}
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 
 // As the AVX-512 one, 2^n built in the exponent's bits (n is within [-126, 127] after the
@@ -286,18 +297,22 @@ inline Vec silu_mul(Vec g, Vec u) {
 namespace {
 
 // gate_ups [2I, hidden] (gate rows, then up rows) and downs [hidden, I], one of each per
-// expert, float32 -> the panels folio_moe::experts reads (the header says their layout).
+// expert, all float32 or all bfloat16 -> the panels folio_moe::experts reads, of that dtype (the
+// header says their layout).
 std::tuple<at::Tensor, at::Tensor> pack_experts(const std::vector<at::Tensor>& gate_ups,
                                                 const std::vector<at::Tensor>& downs) {
   TORCH_CHECK(!gate_ups.empty() && gate_ups.size() == downs.size(),
               "folio_moe::pack_experts: one gate_up and one down per expert, at least one");
   const int64_t experts = static_cast<int64_t>(gate_ups.size());
   const int64_t inter = gate_ups[0].size(0) / 2, hidden = gate_ups[0].size(1);
+  const auto dtype = gate_ups[0].scalar_type();
   for (int64_t e = 0; e < experts; ++e) {
     const at::Tensor &a = gate_ups[e], &b = downs[e];
-    TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu() && a.scalar_type() == at::kFloat &&
-                    b.scalar_type() == at::kFloat,
-                "folio_moe::pack_experts: the experts' weights must be float32 on the CPU");
+    TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu() && a.scalar_type() == dtype &&
+                    b.scalar_type() == dtype &&
+                    (dtype == at::kFloat || dtype == at::kBFloat16),
+                "folio_moe::pack_experts: the experts' weights must be all float32 or all "
+                "bfloat16, on the CPU");
     TORCH_CHECK(a.dim() == 2 && a.size(0) == 2 * inter && a.size(1) == hidden && b.dim() == 2 &&
                     b.size(0) == hidden && b.size(1) == inter,
                 "folio_moe::pack_experts: expert ", e, " has gate_up ", a.sizes(), " and down ",
@@ -310,38 +325,49 @@ std::tuple<at::Tensor, at::Tensor> pack_experts(const std::vector<at::Tensor>& g
   const auto options = gate_ups[0].options();
   at::Tensor gate_up = at::zeros({experts, up_panels, hidden, 2 * kPanel}, options);
   at::Tensor down = at::zeros({experts, down_panels, padded, kPanel}, options);
-  at::parallel_for(0, experts, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t e = begin; e < end; ++e) {
-      const at::Tensor a = gate_ups[e].contiguous(), b = downs[e].contiguous();
-      const float* w13 = a.data_ptr<float>();
-      const float* w2 = b.data_ptr<float>();
-      float* to = gate_up.data_ptr<float>() + e * up_panels * hidden * 2 * kPanel;
-      for (int64_t i = 0; i < inter; ++i) {
-        const int64_t j = i / kPanel, c = i % kPanel;
-        for (int64_t k = 0; k < hidden; ++k) {
-          float* at = to + (j * hidden + k) * 2 * kPanel + c;
-          at[0] = w13[i * hidden + k];
-          at[kPanel] = w13[(inter + i) * hidden + k];
+  // Values moved as they are (float32 or bfloat16's 16 bits).
+  auto pack = [&](auto tag) {
+    using T = decltype(tag);
+    at::parallel_for(0, experts, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t e = begin; e < end; ++e) {
+        const at::Tensor a = gate_ups[e].contiguous(), b = downs[e].contiguous();
+        const T* w13 = static_cast<const T*>(a.data_ptr());
+        const T* w2 = static_cast<const T*>(b.data_ptr());
+        T* to = static_cast<T*>(gate_up.data_ptr()) + e * up_panels * hidden * 2 * kPanel;
+        for (int64_t i = 0; i < inter; ++i) {
+          const int64_t j = i / kPanel, c = i % kPanel;
+          for (int64_t k = 0; k < hidden; ++k) {
+            T* at = to + (j * hidden + k) * 2 * kPanel + c;
+            at[0] = w13[i * hidden + k];
+            at[kPanel] = w13[(inter + i) * hidden + k];
+          }
+        }
+        to = static_cast<T*>(down.data_ptr()) + e * down_panels * padded * kPanel;
+        for (int64_t o = 0; o < hidden; ++o) {
+          const int64_t t = o / kPanel, c = o % kPanel;
+          for (int64_t k = 0; k < inter; ++k)
+            to[(t * padded + k) * kPanel + c] = w2[o * inter + k];
         }
       }
-      to = down.data_ptr<float>() + e * down_panels * padded * kPanel;
-      for (int64_t o = 0; o < hidden; ++o) {
-        const int64_t t = o / kPanel, c = o % kPanel;
-        for (int64_t k = 0; k < inter; ++k) to[(t * padded + k) * kPanel + c] = w2[o * inter + k];
-      }
-    }
-  });
+    });
+  };
+  if (dtype == at::kFloat) {
+    pack(float{});
+  } else {
+    pack(uint16_t{});
+  }
   return {gate_up, down};
 }
 
 at::Tensor experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
                    const at::Tensor& gate_up, const at::Tensor& down, int64_t first_expert,
                    bool allow_avx512) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "folio_moe::experts: x must be float32, got ",
-              x.scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "folio_moe::experts: x must be float32 or bfloat16, got ", x.scalar_type());
+  const auto weight_type = gate_up.scalar_type();
   TORCH_CHECK(gate_up.device().is_cpu() && down.device().is_cpu() &&
-                  gate_up.scalar_type() == at::kFloat && down.scalar_type() == at::kFloat &&
-                  gate_up.is_contiguous() && down.is_contiguous() && gate_up.dim() == 4 &&
+                  (weight_type == at::kFloat || weight_type == at::kBFloat16) &&
+                  down.scalar_type() == weight_type && gate_up.is_contiguous() && down.is_contiguous() && gate_up.dim() == 4 &&
                   down.dim() == 4,
               "folio_moe::experts: gate_up and down must come from folio_moe::pack_experts");
   const int64_t hidden = x.size(1), local = gate_up.size(0);
@@ -354,9 +380,11 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& weights, const at::Ten
   auto [counts, pairs, rows] = route(x, ids, first_expert, local);
   const int64_t pair_count = rows.size(0);
   if (pair_count == 0) return at::zeros({x.size(0), hidden}, x.options());
-  at::Tensor h = at::empty({pair_count, inter}, x.options());
-  at::Tensor y = at::empty({pair_count, hidden}, x.options());
-  ExpertProblem problem{rows.data_ptr<float>(), h.data_ptr<float>(), y.data_ptr<float>(),
+  const at::Tensor wide_rows = rows.to(at::kFloat);
+  const auto float32 = x.options().dtype(at::kFloat);
+  at::Tensor h = at::empty({pair_count, inter}, float32);
+  at::Tensor y = at::empty({pair_count, hidden}, float32);
+  ExpertProblem problem{wide_rows.data_ptr<float>(), h.data_ptr<float>(), y.data_ptr<float>(),
                         hidden, gate_up, down, {}, {0}};
   const int64_t* count = counts.data_ptr<int64_t>();
   for (int64_t e = 0; e < local; ++e) {
@@ -364,12 +392,15 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& weights, const at::Ten
     problem.used.push_back(e);
     problem.start.push_back(problem.start.back() + count[e]);
   }
-  if (allow_avx512 && cpu_has_avx512()) {
-    folio_moe_avx512::run_experts(problem);
+  const bool avx512 = allow_avx512 && cpu_has_avx512();
+  if (weight_type == at::kFloat) {
+    avx512 ? folio_moe_avx512::run_experts<float>(problem)
+           : folio_moe_avx2::run_experts<float>(problem);
   } else {
-    folio_moe_avx2::run_experts(problem);
+    avx512 ? folio_moe_avx512::run_experts<uint16_t>(problem)
+           : folio_moe_avx2::run_experts<uint16_t>(problem);
   }
-  return combine({y}, pairs, weights, x.size(0));
+  return combine({y.to(x.scalar_type())}, pairs, weights, x.size(0));
 }
 
 }  // namespace

@@ -2,12 +2,14 @@
 // file twice, once inside a namespace compiled for AVX-512 and once inside one for AVX2, each
 // defining first what the loops are written in: Vec (kLanes float32), kGateUpRows and
 // kDownRows, kDownPanels (activation rows and down panels multiplied together), zero, fma,
-// broadcast, load, store and silu_mul (silu(gate) * up, lane by lane). So no guard: each
-// inclusion is its own code.
+// broadcast, load (kLanes float32, or bfloat16 widened to float32), store and silu_mul
+// (silu(gate) * up, lane by lane). So no guard: each inclusion is its own code.
 //
 // Every panel is kPanel (16) columns, whatever the vector width: one packed layout serves both
-// instruction sets (an AVX2 vector holds half a panel). A row's sums run over the inputs in
-// order, one fused multiply-add each, whichever other rows share its expert.
+// instruction sets (an AVX2 vector holds half a panel). The weights W are float32, or bfloat16
+// (uint16_t) widened exactly to float32 as they are loaded: the same products at half the
+// bytes. A row's sums run over the inputs in order, one fused multiply-add each, whichever
+// other rows share its expert.
 
 constexpr int kVecs = kPanel / kLanes;  // vectors per panel
 
@@ -17,26 +19,33 @@ constexpr int kVecs = kPanel / kLanes;  // vectors per panel
 // one k of the panel holds. Row block b of n takes share b of n (share() below). Measured on a
 // loaded 2-core Xeon VM, 64 tokens: about 15-30% faster than prefetching the next panel
 // whole during the first block only.
+template <typename W>
 struct Prefetch {
-  const float* at;
+  const W* at;
   int64_t every;
 };
 
+// `count` weights from `at` into L2, a cache line at a time.
+template <typename W>
+inline void prefetch_values(const W* at, int64_t count) {
+  for (int64_t byte = 0; byte < count * static_cast<int64_t>(sizeof(W)); byte += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(at) + byte, _MM_HINT_T1);
+}
+
 // Rows x[m] (m < M, `hidden` apart) times gate_up panel `panel` ([hidden][2 * kPanel], its
 // gate's 16 columns then its up's): h[m * h_row + c] = silu(gate) * up for the 16 columns c.
-template <int M>
-inline void gate_up_rows(const float* x, int64_t hidden, const float* panel, Prefetch prefetch,
+template <int M, typename W>
+inline void gate_up_rows(const float* x, int64_t hidden, const W* panel, Prefetch<W> prefetch,
                          float* h, int64_t h_row) {
   Vec gate[M][kVecs], up[M][kVecs];
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < kVecs; ++v) gate[m][v] = up[m][v] = zero();
-  const float* ahead = prefetch.at;
+  const W* ahead = prefetch.at;
   int64_t wait = 0;
   for (int64_t k = 0; k < hidden; ++k) {
-    const float* w = panel + k * 2 * kPanel;
+    const W* w = panel + k * 2 * kPanel;
     if (ahead != nullptr && wait-- == 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + kPanel), _MM_HINT_T1);
+      prefetch_values(ahead, 2 * kPanel);
       ahead += 2 * kPanel;
       wait = prefetch.every - 1;
     }
@@ -60,26 +69,25 @@ inline void gate_up_rows(const float* x, int64_t hidden, const float* panel, Pre
 // Rows h[m] (m < M, `h_row` apart, `inter` values each) times P down panels (each
 // [inter][kPanel], `panel_values` apart): the sums of row m, panel p go to y[m * hidden +
 // first + 16 p + c] for the columns c below `hidden`.
-template <int M, int P>
-inline void down_rows(const float* h, int64_t h_row, int64_t inter, const float* panels,
-                      int64_t panel_values, Prefetch prefetch, float* y, int64_t hidden,
+template <int M, int P, typename W>
+inline void down_rows(const float* h, int64_t h_row, int64_t inter, const W* panels,
+                      int64_t panel_values, Prefetch<W> prefetch, float* y, int64_t hidden,
                       int64_t first) {
   Vec acc[M][P][kVecs];
   for (int m = 0; m < M; ++m)
     for (int p = 0; p < P; ++p)
       for (int v = 0; v < kVecs; ++v) acc[m][p][v] = zero();
-  const float* ahead = prefetch.at;
+  const W* ahead = prefetch.at;
   int64_t wait = 0;
   for (int64_t k = 0; k < inter; ++k) {
     if (ahead != nullptr && wait-- == 0) {
-      for (int p = 0; p < P; ++p)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + p * panel_values), _MM_HINT_T1);
+      for (int p = 0; p < P; ++p) prefetch_values(ahead + p * panel_values, kPanel);
       ahead += kPanel;
       wait = prefetch.every - 1;
     }
     Vec w[P][kVecs];
     for (int p = 0; p < P; ++p) {
-      const float* at = panels + p * panel_values + k * kPanel;
+      const W* at = panels + p * panel_values + k * kPanel;
       for (int v = 0; v < kVecs; ++v) w[p][v] = load(at + v * kLanes);
     }
     for (int m = 0; m < M; ++m) {
@@ -103,37 +111,38 @@ inline void down_rows(const float* h, int64_t h_row, int64_t inter, const float*
 }
 
 // gate_up_rows for `rows` (1 to M) rows, each count its own unrolled code.
-template <int M = kGateUpRows>
-inline void gate_up_upto(int64_t rows, const float* x, int64_t hidden, const float* panel,
-                         Prefetch prefetch, float* h, int64_t h_row) {
+template <int M = kGateUpRows, typename W>
+inline void gate_up_upto(int64_t rows, const float* x, int64_t hidden, const W* panel,
+                         Prefetch<W> prefetch, float* h, int64_t h_row) {
   if constexpr (M > 1) {
-    if (rows < M) return gate_up_upto<M - 1>(rows, x, hidden, panel, prefetch, h, h_row);
+    if (rows < M) return gate_up_upto<M - 1, W>(rows, x, hidden, panel, prefetch, h, h_row);
   }
-  gate_up_rows<M>(x, hidden, panel, prefetch, h, h_row);
+  gate_up_rows<M, W>(x, hidden, panel, prefetch, h, h_row);
 }
 
 // down_rows for `rows` (1 to M) rows and `panels` (1 to P) panels.
-template <int M = kDownRows, int P = kDownPanels>
+template <int M = kDownRows, int P = kDownPanels, typename W>
 inline void down_upto(int64_t rows, int64_t panels, const float* h, int64_t h_row,
-                      int64_t inter, const float* w, int64_t panel_values, Prefetch prefetch,
+                      int64_t inter, const W* w, int64_t panel_values, Prefetch<W> prefetch,
                       float* y, int64_t hidden, int64_t first) {
   if constexpr (P > 1) {
     if (panels < P)
-      return down_upto<M, P - 1>(rows, panels, h, h_row, inter, w, panel_values, prefetch, y,
+      return down_upto<M, P - 1, W>(rows, panels, h, h_row, inter, w, panel_values, prefetch, y,
                                  hidden, first);
   }
   if constexpr (M > 1) {
     if (rows < M)
-      return down_upto<M - 1, P>(rows, panels, h, h_row, inter, w, panel_values, prefetch, y,
+      return down_upto<M - 1, P, W>(rows, panels, h, h_row, inter, w, panel_values, prefetch, y,
                                  hidden, first);
   }
-  down_rows<M, P>(h, h_row, inter, w, panel_values, prefetch, y, hidden, first);
+  down_rows<M, P, W>(h, h_row, inter, w, panel_values, prefetch, y, hidden, first);
 }
 
-// The share of `next` (a panel of `length` k, `values` floats per k; or nullptr) that row
+// The share of `next` (a panel of `length` k, `values` weights per k; or nullptr) that row
 // block `block` of `blocks` prefetches.
-inline Prefetch share(const float* next, int64_t length, int64_t values, int64_t block,
-                      int64_t blocks) {
+template <typename W>
+inline Prefetch<W> share(const W* next, int64_t length, int64_t values, int64_t block,
+                         int64_t blocks) {
   if (next == nullptr) return {nullptr, 1};
   return {next + block * ((length + blocks - 1) / blocks) * values, blocks};
 }
@@ -142,10 +151,11 @@ inline Prefetch share(const float* next, int64_t length, int64_t values, int64_t
 // task (all experts' in one parallel loop), then each (expert, kDownPanels down panels).
 // Within a task the rows go kGateUpRows (kDownRows) at a time, every block rereading the
 // panel from L2 while a share of the next task's panel comes in.
+template <typename W>
 inline void run_experts(const ExpertProblem& p) {
   const int64_t up_panels = p.gate_up.size(1), inter = up_panels * kPanel;
   const int64_t gate_up_values = p.hidden * 2 * kPanel;
-  const float* gate_up = p.gate_up.data_ptr<float>();
+  const W* gate_up = static_cast<const W*>(p.gate_up.data_ptr());
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (used expert, its first panel)
   for (size_t u = 0; u < p.used.size(); ++u)
     for (int64_t j = 0; j < up_panels; ++j) tasks.emplace_back(u, j);
@@ -156,8 +166,8 @@ inline void run_experts(const ExpertProblem& p) {
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const auto [u, j] = tasks[task];
-      const float* panel = panel_of(task);
-      const float* next = task + 1 < end ? panel_of(task + 1) : nullptr;
+      const W* panel = panel_of(task);
+      const W* next = task + 1 < end ? panel_of(task + 1) : nullptr;
       const int64_t count = p.start[u + 1] - p.start[u];
       const int64_t blocks = (count + kGateUpRows - 1) / kGateUpRows;
       for (int64_t b = 0; b < blocks; ++b) {
@@ -171,7 +181,7 @@ inline void run_experts(const ExpertProblem& p) {
   });
   const int64_t down_panels = p.down.size(1), down_values = inter * kPanel;
   const int64_t groups = (down_panels + kDownPanels - 1) / kDownPanels;
-  const float* down = p.down.data_ptr<float>();
+  const W* down = static_cast<const W*>(p.down.data_ptr());
   tasks.clear();
   for (size_t u = 0; u < p.used.size(); ++u)
     for (int64_t g = 0; g < groups; ++g) tasks.emplace_back(u, g * kDownPanels);
@@ -183,8 +193,8 @@ inline void run_experts(const ExpertProblem& p) {
     for (int64_t task = begin; task < end; ++task) {
       const auto [u, j] = tasks[task];
       const int64_t panels = std::min<int64_t>(kDownPanels, down_panels - j);
-      const float* w = down_of(task);
-      const float* next = task + 1 < end ? down_of(task + 1) : nullptr;
+      const W* w = down_of(task);
+      const W* next = task + 1 < end ? down_of(task + 1) : nullptr;
       const int64_t count = p.start[u + 1] - p.start[u];
       const int64_t blocks = (count + kDownRows - 1) / kDownRows;
       for (int64_t b = 0; b < blocks; ++b) {

@@ -409,16 +409,44 @@ def test_stacked_experts_kernel_matches_float64_loop(tokens, hidden, inter, firs
 def test_stacked_experts_kernel_refuses_bad_inputs():
     assert cpu_capabilities().folio_kernels, "Folio's CPU kernels did not load"
     w13, w2 = torch.randn(2, 6, 8), torch.randn(2, 8, 3)
-    with pytest.raises(RuntimeError, match="must be float32 on the CPU"):
+    with pytest.raises(RuntimeError, match="must be all float32 or all bfloat16"):
         torch.ops.folio_moe.pack_experts(list(w13.double()), list(w2.double()))
+    with pytest.raises(RuntimeError, match="must be all float32 or all bfloat16"):
+        torch.ops.folio_moe.pack_experts(list(w13), list(w2.bfloat16()))
     with pytest.raises(RuntimeError, match="expert 1 has gate_up"):
         torch.ops.folio_moe.pack_experts([w13[0], w13[1, :4]], list(w2))
     gate_up, down = torch.ops.folio_moe.pack_experts(list(w13), list(w2))
     x, ids, weights = torch.randn(3, 8), torch.tensor([[0, 1], [1, 0], [0, 1]]), torch.ones(3, 2)
-    with pytest.raises(RuntimeError, match="x must be float32"):
-        torch.ops.folio_moe.experts(x.bfloat16(), weights, ids, gate_up, down, 0, True)
+    with pytest.raises(RuntimeError, match="x must be float32 or bfloat16"):
+        torch.ops.folio_moe.experts(x.half(), weights, ids, gate_up, down, 0, True)
     with pytest.raises(RuntimeError, match="do not fit 7 features"):
         torch.ops.folio_moe.experts(x[:, :7], weights, ids, gate_up, down, 0, True)
+
+
+def test_stacked_experts_kernel_bfloat16_panels_and_activations():
+    """bfloat16 panels give exactly the float32 panels' results for the same values (widened
+    exactly as they are loaded), in both instruction sets' code; bfloat16 activations give the
+    float64 loop within bfloat16 rounding, as bfloat16."""
+    assert cpu_capabilities().folio_kernels, "Folio's CPU kernels did not load"
+    generator = torch.Generator().manual_seed(5)
+    tokens, hidden, inter, k = 29, 40, 24, 2
+    x = torch.randn(tokens, hidden, generator=generator)
+    w13 = (torch.randn(6, 2 * inter, hidden, generator=generator) * hidden**-0.5).bfloat16()
+    w2 = (torch.randn(6, hidden, inter, generator=generator) * inter**-0.5).bfloat16()
+    weights, ids = torch.topk(torch.randn(tokens, 6, generator=generator).softmax(-1), k)
+    halves = torch.ops.folio_moe.pack_experts(list(w13), list(w2))
+    full = torch.ops.folio_moe.pack_experts(list(w13.float()), list(w2.float()))
+    assert halves[0].dtype == torch.bfloat16 and full[0].dtype == torch.float32
+    results = [
+        torch.ops.folio_moe.experts(x, weights, ids, *packed, 0, avx512)
+        for packed in (halves, full)
+        for avx512 in (True, False)
+    ]
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    got = torch.ops.folio_moe.experts(x.bfloat16(), weights, ids, *halves, 0, True)
+    expected = expert_loop_float64(x.bfloat16(), weights, ids, w13, w2, 0)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), expected, atol=3e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
@@ -452,6 +480,47 @@ def test_layer_stacks_float32_cpu_experts(quantization):
     x = torch.randn(9, 40)
     with torch.inference_mode():
         torch.testing.assert_close(stacked(x), per_expert(x), atol=1e-5, rtol=1e-5)
+
+
+def test_layer_stacks_bfloat16_values_in_half_the_bytes(monkeypatch):
+    """A float32 layer whose weights all hold bfloat16 values packs bfloat16 panels; a bfloat16
+    layer runs stacked only where the CPU has no bfloat16 tiles (as on an AVX2 CPU, here
+    pretended), its output the per-expert linears' within bfloat16 rounding."""
+    import dataclasses
+
+    from engine.layers import moe
+
+    def block(dtype: torch.dtype, stack: bool = True) -> SparseMoe:
+        torch.manual_seed(0)
+        layer = SparseMoe(40, 4, 2, 24, True, TorchAttentionBackend(), dtype, "cpu")
+        with torch.no_grad():
+            for parameter in layer.parameters():
+                parameter.copy_(torch.randn(parameter.shape).mul(0.3).bfloat16())
+        layer.finalize_weights(stack_cpu_experts=stack)
+        for module in layer.modules():
+            if isinstance(module, Linear):
+                module.finalize_weights()
+        return layer
+
+    x = torch.randn(9, 40)
+    float32 = block(torch.float32)
+    assert float32.stacked is not None and float32.stacked.gate_up is not None
+    assert float32.stacked.gate_up.dtype == torch.bfloat16
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            float32(x), block(torch.float32, stack=False)(x), atol=1e-5, rtol=1e-5
+        )
+    assert (block(torch.bfloat16).stacked is None) == cpu_capabilities().bf16_tiles
+    no_tiles = dataclasses.replace(cpu_capabilities(), avx512_bf16=False)
+    monkeypatch.setattr(moe, "cpu_capabilities", lambda: no_tiles)
+    bfloat16 = block(torch.bfloat16)
+    assert bfloat16.stacked is not None and bfloat16.stacked.gate_up is not None
+    with torch.inference_mode():
+        got = bfloat16(x.bfloat16())
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(
+            got, block(torch.bfloat16, stack=False)(x.bfloat16()), atol=3e-2, rtol=2e-2
+        )
 
 
 @pytest.mark.parametrize("variant", ["mixtral"], indirect=True)
