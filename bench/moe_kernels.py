@@ -2,10 +2,11 @@
 mixture-of-experts layer's step (router and experts) as Folio runs it against the plain loop
 over experts in torch that transformers runs, on the CPU and, where there is one, on a CUDA GPU.
 
-Folio's side is engine.layers.moe.SparseMoe itself: on the CPU, float32 experts stacked in one
-call of Folio's experts kernel (folio_moe::experts), other dtypes each expert once over its
-gathered tokens through Folio's linears (bfloat16 tiles); on the GPU the fused Triton kernel
-(pairs sorted by expert, two grouped GEMMs). Where the CPU layer runs stacked, the same layer
+Folio's side is engine.layers.moe.SparseMoe itself: on the CPU, float32 experts (and bfloat16
+ones on CPUs without Folio's bfloat16 tiles) stacked in one call of Folio's experts kernel
+(folio_moe::experts), bfloat16 ones on CPUs with the tiles each expert once over its gathered
+tokens through Folio's linears; on the GPU the fused Triton kernel (pairs sorted by expert, two
+grouped GEMMs). Where the CPU layer runs stacked, the same layer
 with its experts one at a time through Folio's linears (oneDNN-packed float32: the path before
 the stacked kernel) is timed in the same turns too. The baseline routes the same
 way, then for every expert finds its tokens with torch.where, gathers them and runs F.linear on
