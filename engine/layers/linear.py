@@ -112,9 +112,8 @@ def kernel_name(packed: PackedWeight | None) -> str:
 def describe_linears(model: nn.Module) -> str:
     """How the model's linears (and its packed vocabulary projection) are multiplied, counted:
     the log line that says which kernels the CPU's capabilities and the dtype chose."""
-    packed = [m.packed for m in model.modules() if isinstance(m, Linear)]
-    packed.append(getattr(model, "lm_head_packed", None))
-    names = [kernel_name(weight) for weight in packed]
+    names = [m.kernel_description() for m in model.modules() if isinstance(m, Linear)]
+    names.append(kernel_name(getattr(model, "lm_head_packed", None)))
     return ", ".join(f"{names.count(name)} {name}" for name in dict.fromkeys(names))
 
 
@@ -180,6 +179,10 @@ class Linear(nn.Module):
         self.weight = empty_parameter(sum(output_sizes), in_features, dtype=dtype, device=device)
         self.bias = empty_parameter(sum(output_sizes), dtype=dtype, device=device) if bias else None
         self.packed: PackedWeight | None = None
+
+    def kernel_description(self) -> str:
+        """Which kernel multiplies this layer's weight, in words (the load log counts them)."""
+        return kernel_name(self.packed)
 
     def finalize_weights(self, quantization: str | None = None) -> None:
         if isinstance(self.packed, QuantizedWeight):

@@ -90,6 +90,11 @@ class ExpertLinear(Linear):
 
     stacked: StackedExperts | None = None
 
+    def kernel_description(self) -> str:
+        if self.stacked is not None and self.stacked.gate_up is not None:
+            return "experts stacked (Folio)"
+        return super().kernel_description()
+
     def finalize_weights(self, quantization: str | None = None) -> None:
         stacked = self.stacked
         if stacked is not None and stacked.gate_up is not None:

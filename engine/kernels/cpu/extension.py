@@ -9,7 +9,9 @@ torch.ops.folio_linear.packed_linear over oneDNN-packed weights; bf16_linear, AV
 products over Folio's own tiles, on CPUs that have those; widened_bf16_linear, float32
 activations times the same tiles widened to float32 in registers, on any AVX2 CPU), and the
 grouped LoRA product (cpu_lora.cpp: torch.ops.folio_lora.lora_add), and the mixture of
-experts' routing gather and weighted sum around its experts (cpu_moe.cpp: torch.ops.folio_moe).
+experts (cpu_moe.cpp, torch.ops.folio_moe: route and combine, the gather and weighted sum around
+experts run one at a time; pack_experts and experts, a layer's gated-SiLU experts packed once
+into panels and run stacked, every expert in one call).
 
 `load()` registers the ops and returns True, or False where they cannot run (a CPU without AVX2
 and FMA, no C++ compiler, a build error: one warning says which): callers then use torch's own

@@ -29,7 +29,7 @@ from common.sampling_params import SamplingParams
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.engine import LLMEngine
 from engine.kernels.cpu.capabilities import cpu_capabilities
-from engine.layers.linear import Linear
+from engine.layers.linear import Linear, describe_linears
 from engine.layers.moe import SparseMoe, run_experts
 from engine.layers.quantization import QuantizedWeight, quantize
 from engine.models.config import ModelConfig
@@ -474,9 +474,11 @@ def test_layer_stacks_float32_cpu_experts(quantization):
     if quantization is None:
         assert stacked.stacked.gate_up is not None
         assert expert.gate_up_proj.weight.numel() == 0 and expert.down_proj.weight.numel() == 0
+        assert "8 experts stacked (Folio)" in describe_linears(stacked)  # the load log's words
     else:
         assert stacked.stacked.gate_up is None
         assert isinstance(expert.gate_up_proj.packed, QuantizedWeight)
+        assert "stacked" not in describe_linears(stacked)
     x = torch.randn(9, 40)
     with torch.inference_mode():
         torch.testing.assert_close(stacked(x), per_expert(x), atol=1e-5, rtol=1e-5)
