@@ -83,8 +83,9 @@ class _Acceptance:
 @dataclass(frozen=True, slots=True)
 class _DraftingStep:
     seconds: float
-    rows: int  # query tokens: the sequences and their drafts
+    batch: int  # sequences
     tokens: int  # tokens it yielded: the sequences' and their accepted drafts
+    common: int  # of those, the batch's together: batch x (1 + the fewest a sequence accepted)
     plain: float  # seconds per sequence of the plain steps just before it (their median)
 
 
@@ -96,19 +97,42 @@ class MeasuredSteps:
     A step's cost depends on its batch: one stream is memory-bound (verifying drafts nearly
     free) where a large batch is compute-bound (each draft costs about what a sequence does),
     so steps of different batch sizes are never compared. At a batch size, each drafting step's
-    time per query row is divided by the time per sequence of the plain steps just before it;
-    drafting pays while the middle (lower median) of those ratios, times the rows it takes per
-    token yielded (the recent steps' sums: the acceptance actually measured, not expected), is
-    below PAYS_BELOW. A batch size counts as measured by its nearest measured neighbour within
-    an eighth of it (a finishing request changes the batch every few steps)."""
+    time is divided by that of a plain step of as many sequences (the median time per sequence
+    of the plain steps just before it); drafting pays while the middle (lower median) of those
+    ratios is below PAYS_BELOW times what the tokens the drafting steps yielded would cost in
+    plain steps (the recent steps' sums: the acceptance actually measured, not expected).
+
+    Tokens are not all worth a plain step's share: the tokens a step yields for every sequence
+    alike (batch x (1 + the fewest drafts a sequence had accepted)) save whole steps, each
+    worth a plain step's time per sequence; a request's accepted drafts beyond those only end
+    it sooner, while the requests that accepted less keep the steps going. Without new
+    requests to take its place (a batch draining: every one of `bench spec`'s 16-stream runs)
+    such a token saves only what one sequence fewer saves in the later steps: the marginal
+    cost of a sequence, from the plain steps of this batch size and of the nearest measured
+    batch at least a quarter smaller (none: a batch of 0 that costs nothing, so the marginal
+    cost is the share). On 2 cores that is about 0.4 of the share at 16 sequences, where
+    verifying a draft costs about a whole share: drafts accepted by some requests of a batch
+    only pay where verifying them is cheap. A batch size counts as measured by its nearest
+    measured neighbour within an eighth of it (a finishing request changes the batch every
+    few steps)."""
 
     def __init__(self) -> None:
         self._plain: dict[int, deque[float]] = {}
         self._drafting: dict[tuple[int, int], deque[_DraftingStep]] = {}
 
-    def observe(self, level: int, batch: int, seconds: float, rows: int, tokens: int) -> None:
+    def observe(
+        self,
+        level: int,
+        batch: int,
+        seconds: float,
+        rows: int,
+        tokens: int,
+        common: int | None = None,
+    ) -> None:
         """A decode-only step of `batch` sequences at a drafting level: `rows` query tokens
-        (more than `batch` when it verified drafts) yielding `tokens` tokens, in `seconds`."""
+        (more than `batch` when it verified drafts) yielding `tokens` tokens, in `seconds`;
+        `common` of them the batch's together (batch x (1 + the fewest drafts a sequence had
+        accepted); None: all of them)."""
         if batch <= 0 or seconds <= 0:
             return
         if rows <= batch:
@@ -118,8 +142,10 @@ class MeasuredSteps:
         if near is None:
             return  # nothing to compare it with (a plain step is measured first)
         plain = statistics.median(self._plain[near])
+        tokens = max(tokens, batch)
+        common = tokens if common is None else min(max(common, batch), tokens)
         steps = self._drafting.setdefault((level, batch), deque(maxlen=TIMED_STEPS))
-        steps.append(_DraftingStep(seconds, rows, max(tokens, batch), plain))
+        steps.append(_DraftingStep(seconds, batch, tokens, common, plain))
 
     def plain_measured(self, batch: int) -> bool:
         return _nearest(self._plain, batch) is not None
@@ -134,9 +160,24 @@ class MeasuredSteps:
         steps = self._drafting_near(level, batch)
         if steps is None:
             return None
-        ratio = statistics.median_low(step.seconds / step.rows / step.plain for step in steps)
-        rows_per_token = sum(step.rows for step in steps) / sum(step.tokens for step in steps)
-        return ratio * rows_per_token < PAYS_BELOW
+        ratio = statistics.median_low(step.seconds / (step.batch * step.plain) for step in steps)
+        common = sum(step.common for step in steps)
+        rest = sum(step.tokens for step in steps) - common
+        worth = (common + rest * self.marginal_share(batch)) / sum(step.batch for step in steps)
+        return ratio < PAYS_BELOW * worth
+
+    def marginal_share(self, batch: int) -> float:
+        """What one sequence fewer saves in a plain step of about `batch` sequences, as a share
+        of its time per sequence (1.0 while no smaller batch is measured)."""
+        near = _nearest(self._plain, batch)
+        if near is None:
+            return 1.0
+        share = statistics.median(self._plain[near])
+        below = [b for b in self._plain if b <= near - max(1, near // 4)]
+        smaller = max(below, default=0)
+        smaller_step = smaller and smaller * statistics.median(self._plain[smaller])
+        marginal = (near * share - smaller_step) / (near - smaller)
+        return min(1.0, max(0.0, marginal / share))
 
     def _drafting_near(self, level: int, batch: int) -> deque[_DraftingStep] | None:
         """The drafting steps at `level` of the measured batch size nearest `batch`, if any."""
@@ -215,9 +256,12 @@ class Drafter:
         # (tests set it, so that a loaded machine's step times do not decide what is drafted).
         self.measured: MeasuredSteps | None = MeasuredSteps()
         self._since_probe = 0
-        # The current step's drafts and accepted drafts (settle's), for its measurement.
+        # The current step's drafts and accepted drafts (settle's), for its measurement: the
+        # sums, the requests that verified drafts and the fewest any of them had accepted.
         self._step_drafted = 0
         self._step_accepted = 0
+        self._step_settled = 0
+        self._step_fewest = 0
         self._step_level = NONE
 
     def propose(self, running: list[Request]) -> None:
@@ -227,7 +271,7 @@ class Drafter:
         candidates = [r for r in running if self._may_draft(r)]
         for request in running:
             request.spec_token_ids = []
-        self._step_drafted = self._step_accepted = 0
+        self._step_drafted = self._step_accepted = self._step_settled = self._step_fewest = 0
         self._step_level = NONE
         if not candidates or not self._worth_it(len(running), candidates):
             return
@@ -316,12 +360,16 @@ class Drafter:
             return
         num_drafted = self._step_drafted if drafted else 0
         num_accepted = self._step_accepted if drafted else 0
+        # The batch advanced together by the fewest drafts a sequence had accepted; by none
+        # when a sequence verified no drafts.
+        together = self._step_fewest if self._step_settled >= num_sequences else 0
         self.measured.observe(
             self._step_level,
             num_sequences,
             seconds,
             num_sequences + num_drafted,
             num_sequences + num_accepted,
+            num_sequences * (1 + together),
         )
 
     def _may_draft(self, request: Request) -> bool:
@@ -357,6 +405,9 @@ class Drafter:
         stats.num_accepted_tokens += num_accepted
         self._step_drafted += num_drafted
         self._step_accepted += num_accepted
+        settled = self._step_settled
+        self._step_fewest = num_accepted if not settled else min(self._step_fewest, num_accepted)
+        self._step_settled = settled + 1
         request.num_drafted_tokens += num_drafted
         request.num_accepted_tokens += num_accepted
         state = self._acceptance.setdefault(request, _Acceptance())
