@@ -46,6 +46,7 @@ class SpecWorkload:
         "the draft model's weight-only quantization, for draft_model (CPU only)",
         choices=QUANTIZATIONS,
     )
+    workloads: str = flag("copy-heavy,open-ended", "comma-separated workloads to run")
     streams: str = flag("1,16", "comma-separated requests in flight at once")
     max_tokens: int = flag(128, "output tokens per request")
     spec_tokens: int = flag(4, "num_speculative_tokens of each method")
@@ -151,7 +152,11 @@ def run_spec_benchmark(args: argparse.Namespace) -> None:
     streams = [int(s) for s in args.streams.split(",")]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     results: dict[tuple[str, int, str | None], Measured] = {}
-    # Built first, so that a missing --draft-model is said before any engine loads.
+    chats = {"copy-heavy": COPY_HEAVY, "open-ended": OPEN_ENDED}
+    names = args.workloads.split(",")
+    if unknown := [name for name in names if name not in chats]:
+        raise SystemExit(f"folio bench spec: --workloads: unknown {unknown}, known {list(chats)}")
+    # Built first, so that a missing --draft-model or workload is said before any engine loads.
     specs = {method: None if method is None else _spec_config(method, args) for method in methods}
     engines = {}
     for method, spec in specs.items():
@@ -159,10 +164,7 @@ def run_spec_benchmark(args: argparse.Namespace) -> None:
         config.speculative_config = None if spec is None else json.dumps(spec)
         engines[method] = LLMEngine(config)
     tokenizer = Tokenizer.from_dir(engines[None].model_path)
-    workloads = {
-        "copy-heavy": [tokenizer.encode_chat(m) for m in COPY_HEAVY],
-        "open-ended": [tokenizer.encode_chat(m) for m in OPEN_ENDED],
-    }
+    workloads = {name: [tokenizer.encode_chat(m) for m in chats[name]] for name in names}
     warm_up = [prompts[0] for prompts in workloads.values()]
     for engine in engines.values():
         # A request of each workload first: the first steps at a context length pay one-off
