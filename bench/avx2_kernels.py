@@ -21,12 +21,11 @@ import argparse
 import dataclasses
 import os
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
-from bench.quant_kernels import LAYER_LINEARS, LAYERS
+from bench.quant_kernels import LAYER_LINEARS, LAYERS, add_clock_argument, chosen_clock
 from bench.startup import cpu_description
 from engine.kernels.cpu.capabilities import cpu_capabilities, forced_isa
 from engine.layers.linear import PackedWeight, linear, pack_weight
@@ -72,11 +71,9 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"])
+    add_clock_argument(parser)
     args = parser.parse_args()
-    if args.clock == "cpu" and args.threads != 1:
-        parser.error("--clock cpu times one thread: use it with --threads 1")
-    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    clock = chosen_clock(parser, args)
 
     assert cpu_capabilities().folio_kernels, "Folio's kernels did not load"
     torch.set_num_threads(args.threads)

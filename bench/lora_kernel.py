@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
+from bench.quant_kernels import add_clock_argument, chosen_clock
 from engine.kernels.cpu.capabilities import cpu_capabilities
 from engine.layers.lora import ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16, TILE
 
@@ -42,11 +42,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"])
+    add_clock_argument(parser)
     args = parser.parse_args()
-    if args.clock == "cpu" and args.threads != "1":
-        parser.error("--clock cpu times one thread: use it with --threads 1")
-    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    clock = chosen_clock(parser, args)
     assert cpu_capabilities().folio_kernels, "Folio's kernels did not load"
 
     dtype, gen = DTYPES[args.dtype], torch.Generator().manual_seed(0)

@@ -97,6 +97,19 @@ def summary(seconds: list[float]) -> str:
     return f"{statistics.median(seconds) * 1e3:7.2f} ms (min {min(seconds) * 1e3:7.2f})"
 
 
+def add_clock_argument(parser: argparse.ArgumentParser) -> None:
+    """--clock: wall time, or (one thread) that thread's CPU time, which other processes on a
+    shared machine disturb far less."""
+    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"])
+
+
+def chosen_clock(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Callable[[], float]:
+    """The clock --clock names; refused with more than one thread (`args.threads`)."""
+    if args.clock == "cpu" and str(args.threads) != "1":
+        parser.error("--clock cpu times one thread: use it with --threads 1")
+    return time.thread_time if args.clock == "cpu" else time.perf_counter
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--method", default="int4", choices=["int4", "int8"])
@@ -104,11 +117,9 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--isa", default="native", help="FOLIO_CPU_ISA values, comma-separated")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"])
+    add_clock_argument(parser)
     args = parser.parse_args()
-    if args.clock == "cpu" and args.threads != "1":
-        parser.error("--clock cpu times one thread: use it with --threads 1")
-    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    clock = chosen_clock(parser, args)
     isas = args.isa.split(",")
     if unknown := [isa for isa in isas if isa not in ISA_CHOICES]:
         parser.error(f"--isa takes {', '.join(ISA_CHOICES)}, got {', '.join(unknown)}")
