@@ -231,11 +231,12 @@ def column_linear(
     dtype: torch.dtype,
     device: torch.device | str,
     tp: TensorParallel,
+    layer: type[Linear] = Linear,
 ) -> Linear:
-    """A linear layer over the given output shards (fused when more than one); with several
-    ranks it holds only this rank's rows of each."""
+    """A linear layer (of class `layer`) over the given output shards (fused when more than
+    one); with several ranks it holds only this rank's rows of each."""
     sizes = [s.count for s in shards]
-    return Linear(in_features, sizes, bias, dtype, device, shards if tp.size > 1 else None)
+    return layer(in_features, sizes, bias, dtype, device, shards if tp.size > 1 else None)
 
 
 def row_linear(

@@ -48,6 +48,7 @@ from engine.layers.linear import (
     Bf16Tiles,
     Linear,
     PackedWeight,
+    column_linear,
     empty_parameter,
     holds_bf16,
     linear,
@@ -201,9 +202,10 @@ class Expert(nn.Module):
     ) -> None:
         super().__init__()
         rows = split_evenly(intermediate_size, tp)
-        # engine.layers.linear.column_linear's layer, as an ExpertLinear.
-        shards = [rows, rows] if tp.size > 1 else None
-        self.gate_up_proj = ExpertLinear(hidden_size, [rows.count] * 2, bias, dtype, device, shards)
+        self.gate_up_proj = cast(
+            ExpertLinear,
+            column_linear(hidden_size, [rows, rows], bias, dtype, device, tp, ExpertLinear),
+        )
         self.act = (
             ClampedSwiGLU(backend, *clamped_swiglu) if clamped_swiglu else SiluAndMul(backend)
         )
