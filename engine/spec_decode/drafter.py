@@ -127,12 +127,12 @@ class MeasuredSteps:
         seconds: float,
         rows: int,
         tokens: int,
-        common: int | None = None,
+        common: int,
     ) -> None:
         """A decode-only step of `batch` sequences at a drafting level: `rows` query tokens
         (more than `batch` when it verified drafts) yielding `tokens` tokens, in `seconds`;
         `common` of them the batch's together (batch x (1 + the fewest drafts a sequence had
-        accepted); None: all of them)."""
+        accepted))."""
         if batch <= 0 or seconds <= 0:
             return
         if rows <= batch:
@@ -143,7 +143,7 @@ class MeasuredSteps:
             return  # nothing to compare it with (a plain step is measured first)
         plain = statistics.median(self._plain[near])
         tokens = max(tokens, batch)
-        common = tokens if common is None else min(max(common, batch), tokens)
+        common = min(max(common, batch), tokens)
         steps = self._drafting.setdefault((level, batch), deque(maxlen=TIMED_STEPS))
         steps.append(_DraftingStep(seconds, batch, tokens, common, plain))
 
