@@ -75,6 +75,8 @@ using Vec = __m512;
 constexpr int kLanes = 16;
 // 4 x 4 sums, 4 rows of A and 4 activation vectors: 24 of AVX-512's 32 registers.
 constexpr int kRowBlock = 4;
+// The expand's rows a pass over a tile of B: 8 x 2 sums, two vectors of B, a broadcast.
+constexpr int kExpandRows = 8;
 
 inline Vec zero() { return _mm512_setzero_ps(); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -113,6 +115,31 @@ inline void store(c10::Half* p, Vec v) {
                       _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+// Two vectors of columns of B: float32 and float16 in order; bfloat16's 32 values from one
+// load, the even columns (each pair's low half, shifted up) then the odd ones (the high half,
+// masked), which in_order puts back in column order.
+struct Columns {
+  Vec v[2];
+};
+inline Columns load_columns(const float* p) { return {{load(p), load(p + kLanes)}}; }
+inline Columns load_columns(const c10::Half* p) { return {{load(p), load(p + kLanes)}}; }
+inline Columns load_columns(const c10::BFloat16* p) {
+  const __m512i pairs = _mm512_loadu_si512(p);
+  return {{_mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)),
+           _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(-65536)))}};
+}
+template <typename T>
+inline Columns in_order(const Vec (&sums)[2], const T*) {
+  return {{sums[0], sums[1]}};
+}
+inline Columns in_order(const Vec (&sums)[2], const c10::BFloat16*) {
+  const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i high =
+      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  return {{_mm512_permutex2var_ps(sums[0], low, sums[1]),
+           _mm512_permutex2var_ps(sums[0], high, sums[1])}};
+}
+
 #include "cpu_lora_body.h"
 
 #pragma GCC pop_options
@@ -140,6 +167,8 @@ using Vec = __m256;
 constexpr int kLanes = 8;
 // 4 x 2 sums, 4 rows of A and 2 activation vectors: 14 of AVX2's 16 registers.
 constexpr int kRowBlock = 2;
+// The expand's rows a pass over a tile of B: 4 x 2 sums, two vectors of B, a broadcast.
+constexpr int kExpandRows = 4;
 
 inline Vec zero() { return _mm256_setzero_ps(); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -175,6 +204,28 @@ inline void store(c10::BFloat16* p, Vec v) {
 inline void store(c10::Half* p, Vec v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                    _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// Two vectors of columns of B, as AVX-512's (above): bfloat16's even columns then its odd ones.
+struct Columns {
+  Vec v[2];
+};
+inline Columns load_columns(const float* p) { return {{load(p), load(p + kLanes)}}; }
+inline Columns load_columns(const c10::Half* p) { return {{load(p), load(p + kLanes)}}; }
+inline Columns load_columns(const c10::BFloat16* p) {
+  const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {{_mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)),
+           _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(-65536)))}};
+}
+template <typename T>
+inline Columns in_order(const Vec (&sums)[2], const T*) {
+  return {{sums[0], sums[1]}};
+}
+inline Columns in_order(const Vec (&sums)[2], const c10::BFloat16*) {
+  // Within each 128-bit lane: even, odd, even, odd; then the lanes in column order.
+  const Vec low = _mm256_unpacklo_ps(sums[0], sums[1]);
+  const Vec high = _mm256_unpackhi_ps(sums[0], sums[1]);
+  return {{_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31)}};
 }
 
 #include "cpu_lora_body.h"

@@ -1,9 +1,11 @@
 // The grouped LoRA kernel's loops for one instruction set. cpu_lora.cpp includes this file
 // three times, inside namespaces compiled for AVX-512 BF16, AVX-512 and AVX2, each defining
 // first what the loops are written in: Vec (a vector of kLanes float32), kRowBlock
-// (activation rows multiplied together), zero, fma, broadcast, add, sum (of a vector's
-// lanes), load (kLanes float32, bfloat16 or float16 values widened to float32) and store (a
-// vector rounded to the element type); the AVX-512 BF16 one defines FOLIO_LORA_BF16_DOT too
+// (activation rows the shrink multiplies together), kExpandRows (the expand's), zero, fma,
+// broadcast, add, sum (of a vector's lanes), load (kLanes float32, bfloat16 or float16 values
+// widened to float32), store (a vector rounded to the element type), and Columns, load_columns
+// and in_order (two vectors of B's columns from one step, and their sums put back in column
+// order); the AVX-512 BF16 one defines FOLIO_LORA_BF16_DOT too
 // (bfloat16's shrink in vdpbf16ps, Dot below). So no guard: each inclusion is its own code.
 //
 // Each sum runs one order whatever the call's other rows: a row's result never depends on
@@ -84,14 +86,36 @@ inline void shrink_upto(int64_t k, int64_t m, const Problem<T>& p, const T* a,
 
 // out[row][o0 + j] = y[row][o0 + j] + sum over r of bt[r][j] * shrunk[row][column + r], for
 // j < n and rows rows[0 .. M): bt is one slot's tile of B (`rank` rows of `tile_width`
-// values), `column` the tile's shard's first column of the shrunk values.
+// values), `column` the tile's shard's first column of the shrunk values. Two vectors of
+// columns a step (load_columns: bfloat16's even and odd columns, each a shift or a mask from
+// one load), so each row has two independent chains of sums; every column's sum takes the
+// same multiply-adds in the same order as one vector at a time would.
 template <int M, typename T>
 inline void expand_rows(const Problem<T>& p, const T* bt, const int32_t* rows, int64_t o0,
                         int64_t n, int64_t column) {
-  const int64_t out = p.out_features, tile = p.tile_width, body = n - n % kLanes;
+  const int64_t out = p.out_features, tile = p.tile_width;
+  const int64_t pairs = n - n % (2 * kLanes), body = n - n % kLanes;
   const float* shrunk[M];
   for (int m = 0; m < M; ++m) shrunk[m] = p.shrunk + rows[m] * p.width + column;
-  for (int64_t j = 0; j < body; j += kLanes) {
+  for (int64_t j = 0; j < pairs; j += 2 * kLanes) {
+    Vec acc[M][2];
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = zero();
+    for (int64_t r = 0; r < p.rank; ++r) {
+      const Columns bv = load_columns(bt + r * tile + j);
+      for (int m = 0; m < M; ++m) {
+        const Vec s = broadcast(shrunk[m][r]);
+        acc[m][0] = fma(bv.v[0], s, acc[m][0]);
+        acc[m][1] = fma(bv.v[1], s, acc[m][1]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      const Columns sums = in_order(acc[m], bt);
+      const int64_t at = rows[m] * out + o0 + j;
+      store(p.out + at, add(load(p.y + at), sums.v[0]));
+      store(p.out + at + kLanes, add(load(p.y + at + kLanes), sums.v[1]));
+    }
+  }
+  for (int64_t j = pairs; j < body; j += kLanes) {
     Vec acc[M];
     for (int m = 0; m < M; ++m) acc[m] = zero();
     for (int64_t r = 0; r < p.rank; ++r) {
@@ -141,8 +165,8 @@ inline void expand_group(const Problem<T>& p, const Group& g, int64_t begin, int
   const T* slot_tiles = p.b + g.slot * static_cast<int64_t>(p.tiles.size()) * tile_values;
   for (int64_t t = begin; t < end; ++t) {
     const Tile tile = p.tiles[t];
-    for (int64_t i = g.begin; i < g.end; i += kRowBlock)
-      expand_upto<kRowBlock>(std::min<int64_t>(kRowBlock, g.end - i), p,
+    for (int64_t i = g.begin; i < g.end; i += kExpandRows)
+      expand_upto<kExpandRows>(std::min<int64_t>(kExpandRows, g.end - i), p,
                              slot_tiles + t * tile_values, p.order.data() + i, tile.o0, tile.n,
                              tile.shard * p.rank);
   }

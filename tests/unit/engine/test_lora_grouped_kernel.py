@@ -32,7 +32,9 @@ needs_kernels = pytest.mark.skipif(
     not cpu_capabilities().folio_kernels, reason="this CPU has no AVX2 or no C++ compiler"
 )
 
-IN, SHARDS, SLOTS, RANK = 67, (24, 9, 9), 5, 4
+# Shard 0's 40 columns: a whole tile of TILE (two vectors of columns a step, bfloat16's even
+# and odd ones on AVX-512) and 8 more (one AVX2 vector); shards 1 and 2: tails.
+IN, SHARDS, SLOTS, RANK = 67, (40, 9, 9), 5, 4
 # Slot 4 is unused; slot 1 has rank 2, slot 3 rank 3 with no second shard.
 RANKS = {0: 4, 1: 2, 2: 4, 3: 3}
 # How far a result may lie from the exact one: float32 sums (per term magnitude), then one
@@ -180,8 +182,8 @@ def test_bad_inputs_are_refused_naming_the_problem():
         ((y, x, slots.long(), a, b, list(SHARDS)), "slots must be int32 with one per row"),
         ((y, x, slots[:3], a, b, list(SHARDS)), "slots must be int32 with one per row"),
         ((y, x.double(), slots, a, b, list(SHARDS)), "must share one dtype"),
-        ((y, x, slots, a, b, [24, 9, 8]), "the shards' outputs add up to 41"),
-        ((y, x, slots, a, b, [24, 18]), "B has 3 tiles, the shards take 2 of 32 outputs"),
+        ((y, x, slots, a, b, [40, 9, 8]), "the shards' outputs add up to 57"),
+        ((y, x, slots, a, b, [40, 18]), "B has 4 tiles, the shards take 3 of 32 outputs"),
         (
             (y, x, slots, a[:, :8].contiguous(), b, list(SHARDS)),
             "A has 8 rows for 3 shards of rank 4",
