@@ -15,10 +15,13 @@
 // in int32 (_mm256_maddubs_epi16 / _mm256_madd_epi16), converted to float once and scaled, so no
 // weight is ever widened to float. Each weight row is read from memory once per chunk of activation
 // rows that fits in L1 and applied to each of them, four at a time; parallel over output channels
-// with torch's pool. On CPUs with AVX-512 VNNI the same products run on 512-bit registers
-// (vpdpbusd, vpdpwssd; eight rows at a time) with the same integer sums in the same lanes and
-// the same float steps: bit for bit the AVX2 code's outputs (Wide); FOLIO_CPU_ISA=avx2 keeps
-// the AVX2 code (wide_rows).
+// with torch's pool. Against one or two activation rows (a decode step's) the AVX2 code takes
+// four weight rows a pass instead, sharing the activations' loads and the tree of horizontal
+// adds and prefetching the next four rows; every product keeps its own accumulators and order,
+// so its bits do not depend on what shares its pass. On CPUs with AVX-512 VNNI the same
+// products run on 512-bit registers (vpdpbusd, vpdpwssd; eight rows at a time) with the same
+// integer sums in the same lanes and the same float steps: bit for bit the AVX2 code's outputs
+// (Wide); FOLIO_CPU_ISA=avx2 keeps the AVX2 code (wide_rows).
 // This file only multiplies; quantizing weights and choosing the kernel is
 // engine/models/quantization.
 
@@ -44,6 +47,9 @@ using folio::horizontal_sum;
 constexpr int64_t kBlock = 32;
 // Activation rows sharing one pass over a weight row, each with its own accumulators.
 constexpr int kTile = 4;
+// Weight rows (output channels) a call of for_each_output's `fill` takes, sharing one pass over
+// the activations where there are one or two rows of them (weight_rows).
+constexpr int kOutputs = 4;
 
 inline float horizontal_max(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -167,6 +173,7 @@ struct Int8Row {
   struct Weights {
     __m256i low, high;
   };
+  const void* at(int64_t b) const { return w + b * kBlock; }
   inline Weights load(int64_t b) const {
     return {_mm256_cvtepi8_epi16(load_128(w + b * kBlock)),
             _mm256_cvtepi8_epi16(load_128(w + b * kBlock + 16))};
@@ -200,6 +207,7 @@ struct GroupedInt8Row {
     __m256i low, high;
     __m256 scale;  // per lane, its group's scale
   };
+  const void* at(int64_t b) const { return w + b * kBlock; }
   inline Weights load(int64_t b) const {
     __m256 s;
     if constexpr (kGroup == kBlock) {
@@ -243,6 +251,7 @@ struct Int4Row {
     __m256i low, high;
     __m256 scale;  // groups b and b + 1's scales, four copies each
   };
+  const void* at(int64_t b) const { return codes + b * (kBlock / 2); }
   inline Weights load(int64_t b) const {
     const __m256i packed = load_256(codes + b * (kBlock / 2));
     const __m256i nibble = _mm256_set1_epi8(0x0F);
@@ -271,89 +280,131 @@ struct Int4Row {
   }
 };
 
-// dot_rows from block b on (b a multiple of a unit, fewer than a unit's blocks left, if any)
-// and its sums: the last unit(s) on the first chain, then both chains' sums into sums[r].
-template <int ROWS, typename Row>
-inline void dot_rows_tail(const Row& row, const typename Row::Code* q, int64_t k32,
-                          const float* scale, int64_t scale_stride, int64_t blocks, int64_t b,
-                          __m256 (&acc)[2][ROWS], float* sums) {
-  constexpr int64_t kStep = Row::kStep;
-  for (; b + kStep <= blocks; b += kStep) {
-    const typename Row::Weights wv = row.load(b);
-#pragma GCC unroll 8
-    for (int r = 0; r < ROWS; ++r) {
-      const __m256 products =
-          _mm256_cvtepi32_ps(Row::dot(wv, q + r * k32 + b * kBlock, kStep * (kBlock / 2)));
-      acc[0][r] = Row::accumulate(acc[0][r], products, wv, scale + r * scale_stride, b);
-    }
-  }
-  if constexpr (kStep == 2) {
-    if (b < blocks) {
-#pragma GCC unroll 8
-      for (int r = 0; r < ROWS; ++r) {
-        acc[0][r] = _mm256_add_ps(
-            acc[0][r], row.dot_single(b, q + r * k32 + b * kBlock, scale + r * scale_stride));
-      }
-    }
-  }
-  // Four rows' sums at a time in one tree of horizontal adds, a short tile's missing rows
-  // zeros: the same order for a row in any tile.
-#pragma GCC unroll 2
-  for (int r0 = 0; r0 < ROWS; r0 += 4) {
-    __m256 total[4];
+// Lane sums of v[0 .. N), four vectors at a time in one tree of horizontal adds (a short
+// group's missing vectors zeros), each added by add(i, sum of v[i]'s lanes): every vector's
+// lanes are summed in one order whatever vectors share its tree, so that a product's bits do
+// not depend on the activation rows or the output channels computed beside it.
+template <int N, typename Add>
+inline void add_lane_sums(const __m256 (&v)[N], const Add& add) {
 #pragma GCC unroll 4
-    for (int r = 0; r < 4; ++r) {
-      total[r] = r0 + r < ROWS ? _mm256_add_ps(acc[0][r0 + r], acc[1][r0 + r])
-                               : _mm256_setzero_ps();
-    }
-    const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(total[0], total[1]),
-                                        _mm256_hadd_ps(total[2], total[3]));
+  for (int i0 = 0; i0 < N; i0 += 4) {
+    __m256 quad[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) quad[i] = i0 + i < N ? v[i0 + i] : _mm256_setzero_ps();
+    const __m256 pairs =
+        _mm256_hadd_ps(_mm256_hadd_ps(quad[0], quad[1]), _mm256_hadd_ps(quad[2], quad[3]));
     float four[4];
     _mm_storeu_ps(four,
                   _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)));
 #pragma GCC unroll 4
-    for (int r = 0; r < 4 && r0 + r < ROWS; ++r) sums[r0 + r] += four[r];
+    for (int i = 0; i < 4 && i0 + i < N; ++i) add(i0 + i, four[i]);
   }
 }
 
-// sums[r] += sum over blocks b of the scales of block b (Row::accumulate's) * (block b of the
-// weight row . block b of activation row r), for r < ROWS; q holds the activation rows (k32
-// apart), scale[r] is row r's activation scales (`scale_stride` apart). Row::kStep blocks a step.
-template <int ROWS, typename Row>
-inline void dot_rows(const Row& row, const typename Row::Code* q, int64_t k32,
-                     const float* scale, int64_t scale_stride, int64_t blocks, float* sums) {
+// The accumulators of weight rows o < OUTS against activation rows r < ROWS: acc[c][o][r] on
+// chain c (dot_rows').
+template <int ROWS, int OUTS>
+using Chains = __m256[2][OUTS][ROWS];
+
+// dot_rows from block b on (b a multiple of a unit, fewer than a unit's blocks left, if any)
+// and its sums: the last unit(s) on the first chain, then both chains' sums into
+// sums[o * sums_stride + r].
+template <int ROWS, int OUTS, typename Row>
+inline void dot_rows_tail(const Row (&row)[OUTS], const typename Row::Code* q, int64_t k32,
+                          const float* scale, int64_t scale_stride, int64_t blocks, int64_t b,
+                          Chains<ROWS, OUTS>& acc, float* sums, int64_t sums_stride) {
   constexpr int64_t kStep = Row::kStep;
-  // Two accumulators per row, so that one or two rows' consecutive FMAs do not wait on each
-  // other; for every tile alike, so that a row's sum is added in one order whatever rows share
-  // its tile (a request's tokens do not depend on the batch it runs in).
+  for (; b + kStep <= blocks; b += kStep) {
+#pragma GCC unroll 4
+    for (int o = 0; o < OUTS; ++o) {
+      const typename Row::Weights wv = row[o].load(b);
+#pragma GCC unroll 8
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256 products =
+            _mm256_cvtepi32_ps(Row::dot(wv, q + r * k32 + b * kBlock, kStep * (kBlock / 2)));
+        acc[0][o][r] = Row::accumulate(acc[0][o][r], products, wv, scale + r * scale_stride, b);
+      }
+    }
+  }
+  if constexpr (kStep == 2) {
+    if (b < blocks) {
+#pragma GCC unroll 4
+      for (int o = 0; o < OUTS; ++o) {
+#pragma GCC unroll 8
+        for (int r = 0; r < ROWS; ++r) {
+          acc[0][o][r] = _mm256_add_ps(acc[0][o][r], row[o].dot_single(b, q + r * k32 + b * kBlock,
+                                                                      scale + r * scale_stride));
+        }
+      }
+    }
+  }
+  __m256 total[OUTS * ROWS];
+#pragma GCC unroll 4
+  for (int o = 0; o < OUTS; ++o) {
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) total[o * ROWS + r] = _mm256_add_ps(acc[0][o][r], acc[1][o][r]);
+  }
+  add_lane_sums(total, [&](int i, float sum) { sums[i / ROWS * sums_stride + i % ROWS] += sum; });
+}
+
+// sums[o * sums_stride + r] += sum over blocks b of the scales of block b (Row::accumulate's) *
+// (block b of weight row o . block b of activation row r), for o < OUTS and r < ROWS; q holds
+// the activation rows (k32 apart), scale[r] is row r's activation scales (`scale_stride`
+// apart). Row::kStep blocks a step; each weight row's blocks are loaded once for the ROWS rows.
+template <int ROWS, int OUTS, typename Row>
+inline void dot_rows(const Row (&row)[OUTS], const typename Row::Code* q, int64_t k32,
+                     const float* scale, int64_t scale_stride, int64_t blocks, float* sums,
+                     int64_t sums_stride) {
+  constexpr int64_t kStep = Row::kStep;
+  // Two accumulators per product, so that consecutive FMAs do not wait on each other; for
+  // every tile alike, so that a product's sum is added in one order whatever rows and output
+  // channels share its tile (a request's tokens do not depend on the batch it runs in).
   constexpr int kChains = 2;
-  __m256 acc[kChains][ROWS];
+  Chains<ROWS, OUTS> acc;
 #pragma GCC unroll 2
   for (int c = 0; c < kChains; ++c) {
+#pragma GCC unroll 4
+    for (int o = 0; o < OUTS; ++o) {
 #pragma GCC unroll 8
-    for (int r = 0; r < ROWS; ++r) acc[c][r] = _mm256_setzero_ps();
+      for (int r = 0; r < ROWS; ++r) acc[c][o][r] = _mm256_setzero_ps();
+    }
   }
   // Blocks b .. b + kStep, their codes `at` codes into an activation row, their second halves
   // `half` after their first (QuantizedActivations' units).
   auto step = [&](int c, int64_t b, int64_t at, int64_t half) {
-    const typename Row::Weights wv = row.load(b);
+#pragma GCC unroll 4
+    for (int o = 0; o < OUTS; ++o) {
+      const typename Row::Weights wv = row[o].load(b);
 #pragma GCC unroll 8
-    for (int r = 0; r < ROWS; ++r) {
-      const __m256 products = _mm256_cvtepi32_ps(Row::dot(wv, q + r * k32 + at, half));
-      acc[c][r] = Row::accumulate(acc[c][r], products, wv, scale + r * scale_stride, b);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256 products = _mm256_cvtepi32_ps(Row::dot(wv, q + r * k32 + at, half));
+        acc[c][o][r] = Row::accumulate(acc[c][o][r], products, wv, scale + r * scale_stride, b);
+      }
     }
   };
   // A whole unit (kChains steps) at a time, then the row's smaller last unit(s).
   constexpr int64_t kUnit = kChains * kStep;
   static_assert(kUnit == QuantizedActivations<typename Row::Code>::kUnit);
+  // Several weight rows side by side are several streams in one page, which the hardware
+  // prefetcher follows less well than one: each row's unit of the next OUTS rows (`ahead`
+  // bytes on) is asked for while this one's is multiplied.
+  const int64_t ahead = OUTS > 1 ? OUTS * (static_cast<const char*>(row[1].at(0)) -
+                                           static_cast<const char*>(row[0].at(0)))
+                                 : 0;
   int64_t b = 0;
   for (; b + kUnit <= blocks; b += kUnit) {
+    if constexpr (OUTS > 1) {
+#pragma GCC unroll 4
+      for (int o = 0; o < OUTS; ++o) {
+        _mm_prefetch(static_cast<const char*>(row[o].at(b)) + ahead, _MM_HINT_T0);
+      }
+    }
 #pragma GCC unroll 2
     for (int c = 0; c < kChains; ++c) {
       step(c, b + c * kStep, b * kBlock + c * kStep * (kBlock / 2), kUnit * (kBlock / 2));
     }
   }
-  dot_rows_tail<ROWS>(row, q, k32, scale, scale_stride, blocks, b, acc, sums);
+  dot_rows_tail<ROWS, OUTS>(row, q, k32, scale, scale_stride, blocks, b, acc, sums, sums_stride);
 }
 
 // tile(std::integral_constant<int, left>{}, r0) where 0 < left <= ROWS (a last, short tile).
@@ -503,13 +554,14 @@ inline void dot_rows_wide(const Wide<Row>& wide, const typename Row::Code* q, in
       acc[r] = Wide<Row>::accumulate(acc[r], products, wv, scale + r * scale_stride, b);
     }
   }
-  __m256 chains[2][ROWS];
+  Chains<ROWS, 1> chains;
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) {
-    chains[0][r] = _mm512_castps512_ps256(acc[r]);
-    chains[1][r] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1));
+    chains[0][0][r] = _mm512_castps512_ps256(acc[r]);
+    chains[1][0][r] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1));
   }
-  dot_rows_tail<ROWS>(wide.row, q, k32, scale, scale_stride, blocks, b, chains, sums);
+  const Row one[1] = {wide.row};
+  dot_rows_tail<ROWS, 1>(one, q, k32, scale, scale_stride, blocks, b, chains, sums, 0);
 }
 
 template <typename Row>
@@ -555,10 +607,40 @@ inline void one_weight_row(bool wide, const Row& row, const typename Row::Code* 
     one_weight_row_wide(row, q, k32, blocks, m, scale, scale_stride, sums);
     return;
   }
+  const Row one[1] = {row};
   for_each_tile<kTile>(m, [&](auto rows, int64_t r0) {
-    dot_rows<decltype(rows)::value>(row, q + r0 * k32, k32, scale + r0 * scale_stride,
-                                    scale_stride, blocks, sums + r0);
+    dot_rows<decltype(rows)::value, 1>(one, q + r0 * k32, k32, scale + r0 * scale_stride,
+                                       scale_stride, blocks, sums + r0, 0);
   });
+}
+
+// sums[o * sums_stride + r] += the scaled dot products of weight rows row[o], o < outputs,
+// with activation rows r < m of q (one_weight_row's). With one or two activation rows (a
+// decode step of one or two streams) on AVX2, kOutputs weight rows share a pass, four against
+// one row or two at a time against two: the activations' loads and the tree of horizontal adds
+// then serve four products, each still summed in its own accumulators and tree lane in the
+// order it has alone (the same bits).
+template <typename Row>
+inline void weight_rows(bool wide, const Row (&row)[kOutputs], int outputs,
+                        const typename Row::Code* q, int64_t k32, int64_t blocks, int64_t m,
+                        const float* scale, int64_t scale_stride, float* sums,
+                        int64_t sums_stride) {
+  if (!wide && outputs == kOutputs && m == 1) {
+    dot_rows<1, kOutputs>(row, q, k32, scale, scale_stride, blocks, sums, sums_stride);
+    return;
+  }
+  if (!wide && outputs == kOutputs && m == 2) {
+    for (int o = 0; o < kOutputs; o += 2) {
+      const Row two[2] = {row[o], row[o + 1]};
+      dot_rows<2, 2>(two, q, k32, scale, scale_stride, blocks, sums + o * sums_stride,
+                     sums_stride);
+    }
+    return;
+  }
+  for (int o = 0; o < outputs; ++o) {
+    one_weight_row(wide, row[o], q, k32, blocks, m, scale, scale_stride,
+                   sums + o * sums_stride);
+  }
 }
 
 // out[0 .. 8) = h[0 .. 8) (float16 or float32 group scales) as float32, where `readable` of them
@@ -597,24 +679,29 @@ inline int64_t chunk_rows(int64_t m, int64_t row_bytes) {
   return std::min(m, std::max<int64_t>(kTile, kChunkBytes / row_bytes / kTile * kTile));
 }
 
-// Runs `fill(row, first, rows, sums, scratch)` for every output channel `row` < n and every chunk
-// of activation rows [first, first + rows), in parallel over output channels, sums zeroed first,
-// and writes out[(first + r) * ld + row] (`ld` the output's row stride: n, or a fused layer's
-// width where this product is one of its parts); scratch holds `scratch_floats` floats of the
-// worker's own. A chunk's quantized rows (`row_bytes` each) fit in L1 together, so each weight
-// row is read from memory once per chunk and the activations stay in L1 across weight rows.
+// Runs `fill(row, outputs, first, rows, sums, sums_stride, scratch)` for every kOutputs output
+// channels [row, row + outputs) < n (the last of a worker's range fewer) and every chunk of
+// activation rows [first, first + rows), in parallel over output channels, sums zeroed first,
+// and writes out[(first + r) * ld + row + o] = sums[o * sums_stride + r] (`ld` the output's row
+// stride: n, or a fused layer's width where this product is one of its parts); scratch holds
+// `scratch_floats` floats per output channel, the worker's own. A chunk's quantized rows
+// (`row_bytes` each) fit in L1 together, so each weight row is read from memory once per chunk
+// and the activations stay in L1 across weight rows.
 template <typename Fill>
 void for_each_output(int64_t m, int64_t n, int64_t row_bytes, int64_t scratch_floats, float* out,
                      int64_t ld, const Fill& fill) {
   const int64_t chunk = chunk_rows(m, row_bytes);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> sums(chunk), scratch(scratch_floats);
+    std::vector<float> sums(kOutputs * chunk), scratch(kOutputs * scratch_floats);
     for (int64_t first = 0; first < m; first += chunk) {
       const int64_t rows = std::min(chunk, m - first);
-      for (int64_t row = begin; row < end; ++row) {
-        std::fill(sums.begin(), sums.begin() + rows, 0.0f);
-        fill(row, first, rows, sums.data(), scratch.data());
-        for (int64_t r = 0; r < rows; ++r) out[(first + r) * ld + row] = sums[r];
+      for (int64_t row = begin; row < end; row += kOutputs) {
+        const int outputs = static_cast<int>(std::min<int64_t>(kOutputs, end - row));
+        std::fill(sums.begin(), sums.end(), 0.0f);
+        fill(row, outputs, first, rows, sums.data(), chunk, scratch.data());
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int o = 0; o < outputs; ++o) out[(first + r) * ld + row + o] = sums[o * chunk + r];
+        }
       }
     }
   });
@@ -636,22 +723,29 @@ void grouped_int8_rows(bool wide, const QuantizedActivations<int16_t>& xq, int64
   const int64_t row_bytes = xq.k32 * static_cast<int64_t>(sizeof(int16_t));
   constexpr bool kWide = std::is_same_v<S, float>;
   // scratch: a float16 row's scales in float32 (float32 ones are read where they lie).
-  for_each_output(m, n, row_bytes, kWide ? 0 : round_up(groups, 8), out, ld,
-                  [&](int64_t row, int64_t first, int64_t rows, float* sums, float* scratch) {
-    const float* row_scale;
-    if constexpr (kWide) {
-      row_scale = scales + row * groups;
-    } else {
-      for (int64_t g = 0; g < groups; g += 8) {
-        const int64_t at = row * groups + g;
-        eight_floats(scales + at, groups - g, n * groups - at, scratch + g);
+  const int64_t scratch_floats = kWide ? 0 : round_up(groups, 8);
+  for_each_output(m, n, row_bytes, scratch_floats, out, ld,
+                  [&](int64_t row, int outputs, int64_t first, int64_t rows, float* sums,
+                      int64_t sums_stride, float* scratch) {
+    GroupedInt8Row<kGroup> weight[kOutputs]{};
+    for (int o = 0; o < outputs; ++o) {
+      const int64_t channel = row + o;
+      const float* row_scale;
+      if constexpr (kWide) {
+        row_scale = scales + channel * groups;
+      } else {
+        float* const converted = scratch + o * scratch_floats;
+        for (int64_t g = 0; g < groups; g += 8) {
+          const int64_t at = channel * groups + g;
+          eight_floats(scales + at, groups - g, n * groups - at, converted + g);
+        }
+        row_scale = converted;
       }
-      row_scale = scratch;
+      weight[o] = {ws + channel * k, row_scale};
     }
-    one_weight_row(wide, GroupedInt8Row<kGroup>{ws + row * k, row_scale},
-                   xq.q.data() + first * xq.k32, xq.k32, xq.blocks, rows,
-                   xq.d_lanes.data() + first * xq.blocks * xq.kLanes, xq.blocks * xq.kLanes,
-                   sums);
+    weight_rows(wide, weight, outputs, xq.q.data() + first * xq.k32, xq.k32, xq.blocks, rows,
+                xq.d_lanes.data() + first * xq.blocks * xq.kLanes, xq.blocks * xq.kLanes, sums,
+                sums_stride);
   });
 }
 
@@ -698,37 +792,59 @@ void int4_rows(bool wide, const QuantizedActivations<int8_t>& xq, int64_t m,
   const int64_t stride = xq.padded_blocks;
   // scratch: this row's scales and minimums in float32, zero-padded like the activations'.
   for_each_output(m, n, xq.k32, 2 * stride, out, ld,
-                  [&](int64_t row, int64_t first, int64_t rows, float* sums, float* scratch) {
+                  [&](int64_t row, int outputs, int64_t first, int64_t rows, float* sums,
+                      int64_t sums_stride, float* scratch) {
     // Locals, so that the stores below cannot be taken to change them.
     const float* const act_sum = xq.q_sum.data() + first * stride;
-    float* const weight_scale = scratch;
-    float* const weight_min = scratch + stride;
-    for (int64_t g = 0; g < groups; g += 8) {
-      // Past this row's last group lie the next row's, finite, read eight at a time.
-      const int64_t at = row * groups + g, readable = n * groups - at;
-      eight_floats(scales + at, groups - g, readable, weight_scale + g);
-      eight_floats(mins + at, groups - g, readable, weight_min + g);
-    }
-    // The minimums' term, eight activation rows at a time (rows past the chunk's are zeros or
-    // the next chunk's, read and dropped; a decode's one row too, so that its sum is added in
-    // the order it would be in a batch), summed across in one tree.
-    for (int64_t r0 = 0; r0 < rows; r0 += 8) {
-      __m256 min_term[8];
-      for (int j = 0; j < 8; ++j) min_term[j] = _mm256_setzero_ps();
+    Int4Row weight[kOutputs]{};
+    const float* weight_min[kOutputs]{};
+    for (int o = 0; o < outputs; ++o) {
+      const int64_t channel = row + o;
+      float* const converted = scratch + o * 2 * stride;
       for (int64_t g = 0; g < groups; g += 8) {
-        const __m256 w = _mm256_loadu_ps(weight_min + g);
-        for (int j = 0; j < 8; ++j) {
-          min_term[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(act_sum + (r0 + j) * stride + g),
-                                        min_term[j]);
+        // Past this row's last group lie the next row's, finite, read eight at a time.
+        const int64_t at = channel * groups + g, readable = n * groups - at;
+        eight_floats(scales + at, groups - g, readable, converted + g);
+        eight_floats(mins + at, groups - g, readable, converted + stride + g);
+      }
+      weight[o] = {cs + channel * (k / 2), converted};
+      weight_min[o] = converted + stride;
+    }
+    // The minimums' terms, each a chain of FMAs over eight lanes summed across in a tree
+    // (add_lane_sums' order): for one activation row, kOutputs channels' side by side; else
+    // per channel eight activation rows at a time (rows past the chunk's are zeros or the next
+    // chunk's, read and dropped).
+    if (rows == 1 && outputs == kOutputs) {
+      __m256 min_term[kOutputs];
+      for (int o = 0; o < kOutputs; ++o) min_term[o] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < groups; g += 8) {
+        const __m256 a = _mm256_loadu_ps(act_sum + g);
+        for (int o = 0; o < kOutputs; ++o) {
+          min_term[o] = _mm256_fmadd_ps(_mm256_loadu_ps(weight_min[o] + g), a, min_term[o]);
         }
       }
-      float totals[8];
-      _mm256_storeu_ps(totals, folio::sum_each(min_term));
-      for (int64_t j = 0; j < std::min<int64_t>(8, rows - r0); ++j) sums[r0 + j] += totals[j];
+      add_lane_sums(min_term, [&](int o, float sum) { sums[o * sums_stride] += sum; });
+    } else {
+      for (int o = 0; o < outputs; ++o) {
+        for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+          __m256 min_term[8];
+          for (int j = 0; j < 8; ++j) min_term[j] = _mm256_setzero_ps();
+          for (int64_t g = 0; g < groups; g += 8) {
+            const __m256 w = _mm256_loadu_ps(weight_min[o] + g);
+            for (int j = 0; j < 8; ++j) {
+              min_term[j] = _mm256_fmadd_ps(
+                  w, _mm256_loadu_ps(act_sum + (r0 + j) * stride + g), min_term[j]);
+            }
+          }
+          add_lane_sums(min_term, [&](int j, float sum) {
+            if (r0 + j < rows) sums[o * sums_stride + r0 + j] += sum;
+          });
+        }
+      }
     }
-    one_weight_row(wide, Int4Row{cs + row * (k / 2), weight_scale}, xq.q.data() + first * xq.k32,
-                   xq.k32, xq.blocks, rows, xq.d_lanes.data() + first * groups * xq.kLanes,
-                   groups * xq.kLanes, sums);
+    weight_rows(wide, weight, outputs, xq.q.data() + first * xq.k32, xq.k32, xq.blocks, rows,
+                xq.d_lanes.data() + first * groups * xq.kLanes, groups * xq.kLanes, sums,
+                sums_stride);
   });
 }
 
@@ -773,15 +889,21 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const int64_t row_bytes = xq.k32 * static_cast<int64_t>(sizeof(int16_t));
   at::Tensor out = new_output(x, n);
   for_each_output(m, n, row_bytes, 0, out.data_ptr<float>(), n,
-                  [&](int64_t row, int64_t first, int64_t rows, float* sums, float*) {
-    const int8_t* wr = ws + row * k;
-    one_weight_row(wide, Int8Row{wr}, xq.q.data() + first * xq.k32, xq.k32, xq.blocks, rows,
-                   xq.d_lanes.data() + first * xq.blocks * xq.kLanes, xq.blocks * xq.kLanes,
-                   sums);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* xr = xs + (first + r) * k;
-      for (int64_t i = xq.k32; i < k; ++i) sums[r] += xr[i] * wr[i];
-      sums[r] *= ss[row];
+                  [&](int64_t row, int outputs, int64_t first, int64_t rows, float* sums,
+                      int64_t sums_stride, float*) {
+    Int8Row weight[kOutputs]{};
+    for (int o = 0; o < outputs; ++o) weight[o] = {ws + (row + o) * k};
+    weight_rows(wide, weight, outputs, xq.q.data() + first * xq.k32, xq.k32, xq.blocks, rows,
+                xq.d_lanes.data() + first * xq.blocks * xq.kLanes, xq.blocks * xq.kLanes, sums,
+                sums_stride);
+    for (int o = 0; o < outputs; ++o) {
+      const int8_t* wr = weight[o].w;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = xs + (first + r) * k;
+        float& sum = sums[o * sums_stride + r];
+        for (int64_t i = xq.k32; i < k; ++i) sum += xr[i] * wr[i];
+        sum *= ss[row + o];
+      }
     }
   });
   return out;

@@ -7,6 +7,8 @@ call), and the two give the same bits."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -138,6 +140,41 @@ def test_a_row_s_product_does_not_depend_on_the_rows_beside_it():
         alone = torch.cat([weight.matmul(row[None]) for row in x])
         for rows in (2, 3, 4, 5, 9, 17, len(x)):
             assert torch.equal(weight.matmul(x[:rows]), alone[:rows]), (weight.method, rows)
+
+
+@needs_folio_kernels
+@pytest.mark.usefixtures("isa")
+def test_an_output_s_product_does_not_depend_on_the_outputs_beside_it():
+    """Against one or two activation rows (a decode step's), Folio's AVX2 kernels take four
+    output channels at a time, which share the loads of the activations and the tree that sums
+    each product across lanes: every channel's product keeps the order it has alone, so a
+    channel gives the same bits whichever channels share its pass (the weight's rows taken from
+    every offset, so that the groups of four shift and fewer than four are left at the end; a
+    channel alone) and whatever rows share the call."""
+    int4 = quantize(gaussian((42, 576), 1), "int4", folio_kernels=True)
+    assert int4.minimum is not None
+    weights = [
+        int4,
+        int4_weight(
+            int4.codes, int4.scale.float(), int4.minimum.float(), torch.float32, True, torch.float32
+        ),
+        quantize(gaussian((42, 1544), 2), "int8", folio_kernels=True),  # a float tail of 8
+        grouped_int8_weight(*grouped_codes(42, 576, 32, 3)),
+        grouped_int8_weight(*grouped_codes(42, 1536, 16, 4)),
+    ]
+    for weight in weights:
+        x = gaussian((3, weight.shape[1]), 5)
+        every = weight.matmul(x)
+        for start in (1, 2, 3, 5, 41):
+            part = dataclasses.replace(
+                weight,
+                codes=weight.codes[start:],
+                scale=weight.scale[start:],
+                minimum=None if weight.minimum is None else weight.minimum[start:],
+            )
+            for rows in (1, 2, 3):
+                got = part.matmul(x[:rows])
+                assert torch.equal(got, every[:rows, start:]), (weight.method, start, rows)
 
 
 @needs_folio_kernels
