@@ -94,6 +94,7 @@ class LLMEngine:
         # When the last step ended with work left: the time until the next one starts (adding
         # requests, handing out outputs) delays waiting requests as much as the step itself.
         self._busy_since: float | None = None
+        self._left_waiting = 0
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -287,8 +288,11 @@ class LLMEngine:
         t0 = time.perf_counter()
         between = 0.0 if self._busy_since is None else t0 - self._busy_since
         if self.drafter is not None:
-            self.drafter.propose(self.scheduler.running)
+            self.drafter.propose(self.scheduler.running, self._left_waiting)
         sched = self.scheduler.schedule()
+        # Requests the last step left waiting for a place (not those that just arrived, which
+        # a batch with room takes at once): what drafting's worth depends on (engine.spec_decode).
+        self._left_waiting = len(self.scheduler.waiting)
         if self.lora is not None:
             for preempted in sched.preempted:
                 self.lora.unpin(preempted)

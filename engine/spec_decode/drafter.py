@@ -105,9 +105,11 @@ class MeasuredSteps:
     Tokens are not all worth a plain step's share: the tokens a step yields for every sequence
     alike (batch x (1 + the fewest drafts a sequence had accepted)) save whole steps, each
     worth a plain step's time per sequence; a request's accepted drafts beyond those only end
-    it sooner, while the requests that accepted less keep the steps going. Without new
-    requests to take its place (a batch draining: every one of `bench spec`'s 16-stream runs)
-    such a token saves only what one sequence fewer saves in the later steps: the marginal
+    it sooner, while the requests that accepted less keep the steps going. While requests wait
+    for a place, the one that ends sooner makes room for a waiting one sooner, so such a token
+    is worth a whole share too. Without requests waiting (a batch draining: every one of
+    `bench spec`'s 16-stream runs; or a batch with room to spare, which newcomers join whoever
+    ends) it saves only what one sequence fewer saves in the later steps: the marginal
     cost of a sequence, from the plain steps of this batch size and of the nearest measured
     batch at least a quarter smaller (none: a batch of 0 that costs nothing, so the marginal
     cost is the share). On 2 cores that is about 0.4 of the share at 16 sequences, where
@@ -155,15 +157,17 @@ class MeasuredSteps:
         steps = self._drafting_near(level, batch)
         return 0 if steps is None else len(steps)
 
-    def pays(self, level: int, batch: int) -> bool | None:
-        """Whether drafting at `level` pays at this batch size; None while unmeasured near it."""
+    def pays(self, level: int, batch: int, waiting: bool) -> bool | None:
+        """Whether drafting at `level` pays at this batch size, with or without requests
+        `waiting` for a place; None while unmeasured near it."""
         steps = self._drafting_near(level, batch)
         if steps is None:
             return None
         ratio = statistics.median_low(step.seconds / (step.batch * step.plain) for step in steps)
         common = sum(step.common for step in steps)
         rest = sum(step.tokens for step in steps) - common
-        worth = (common + rest * self.marginal_share(batch)) / sum(step.batch for step in steps)
+        share = 1.0 if waiting else self.marginal_share(batch)
+        worth = (common + rest * share) / sum(step.batch for step in steps)
         return ratio < PAYS_BELOW * worth
 
     def marginal_share(self, batch: int) -> float:
@@ -264,8 +268,9 @@ class Drafter:
         self._step_fewest = 0
         self._step_level = NONE
 
-    def propose(self, running: list[Request]) -> None:
-        """Set spec_token_ids of the running requests that draft this step (others get [])."""
+    def propose(self, running: list[Request], num_waiting: int = 0) -> None:
+        """Set spec_token_ids of the running requests that draft this step (others get []);
+        `num_waiting`: the requests waiting for a place in the batch (MeasuredSteps)."""
         if self.draft_model is not None:
             self.draft_model.retain({r.request_id for r in running})
         candidates = [r for r in running if self._may_draft(r)]
@@ -275,7 +280,12 @@ class Drafter:
         self._step_level = NONE
         if not candidates or not self._worth_it(len(running), candidates):
             return
-        level = FULL if self.measured is None else self._measured_level(self.measured, len(running))
+        measured = self.measured
+        level = (
+            FULL
+            if measured is None
+            else self._measured_level(measured, len(running), num_waiting > 0)
+        )
         self._step_level = level
         if level == NONE:
             return
@@ -330,7 +340,7 @@ class Drafter:
         margin = model.prefill_token_seconds - rate * model.decode_sequence_seconds
         return margin <= 0 or batch < rate * model.fixed_seconds / margin
 
-    def _measured_level(self, measured: MeasuredSteps, batch: int) -> int:
+    def _measured_level(self, measured: MeasuredSteps, batch: int, waiting: bool) -> int:
         """How much to draft at this batch size, as the steps measured there say
         (MeasuredSteps). Measured first: a plain step, then one with at most one draft a
         request (the likeliest accepted: when those do not pay, longer drafts do not either;
@@ -339,10 +349,10 @@ class Drafter:
         drafts do, tried as often)."""
         if not measured.plain_measured(batch):
             return NONE
-        first = measured.pays(FIRST_ONLY, batch)
+        first = measured.pays(FIRST_ONLY, batch, waiting)
         if first is None:
             return FIRST_ONLY
-        full = measured.pays(FULL, batch) if first else False
+        full = measured.pays(FULL, batch, waiting) if first else False
         if full is None or full:
             return FULL
         probe = FULL if first else FIRST_ONLY

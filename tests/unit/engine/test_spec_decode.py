@@ -544,7 +544,7 @@ def test_drafting_follows_the_steps_measured_at_each_batch_size_and_probes_again
     while measured_step(drafter, 1, flat, accepted=3) < 3:
         steps += 1
         assert steps <= TIMED_STEPS * PROBE_STEPS
-    assert drafter.measured.pays(FIRST_ONLY, 1)
+    assert drafter.measured.pays(FIRST_ONLY, 1, waiting=False)
     assert measured_step(drafter, 1, lambda d: 5.0, accepted=3) == 3  # one slow step
     # Past the first draft each costs twice a sequence: full lengths stop paying, single
     # drafts still pay.
@@ -593,7 +593,7 @@ def test_drafts_accepted_by_part_of_a_batch_count_what_a_draining_batch_saves():
         assert draining_step(drafter, 16, accepting) == 0  # plain first
         assert draining_step(drafter, 16, accepting) == 1  # then single drafts
         assert drafter.measured is not None
-        return drafter.measured.pays(FIRST_ONLY, 16)
+        return drafter.measured.pays(FIRST_ONLY, 16, waiting=False)
 
     assert single_drafts_pay(one_stream_first=False, accepting=12)  # no margin known
     assert single_drafts_pay(one_stream_first=True, accepting=16)
@@ -604,6 +604,29 @@ def test_drafts_accepted_by_part_of_a_batch_count_what_a_draining_batch_saves():
     assert drafter.measured is not None
     assert drafter.measured.marginal_share(16) == pytest.approx(0.0004 / (0.017 / 16), rel=1e-3)
     assert drafter.measured.marginal_share(1) == 1.0
+
+
+def test_while_requests_wait_drafts_accepted_by_part_of_a_batch_count_a_whole_share():
+    """The same steps as above (12 of 16 sequences accept their single drafts, 1 and 16
+    sequences' plain steps measured), but requests wait for a place: an early finisher's place
+    goes to one of them at once, so its tokens are worth a plain step's whole share and single
+    drafts pay. The engine passes the requests its last step left waiting, not those that
+    just arrived (a batch with room takes them at once)."""
+    config = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1)
+    drafter = Drafter(config, max_model_len=1000, step_cost=None)
+    draining_step(drafter, 1, accepting=1)
+    draining_step(drafter, 16, accepting=12)
+    draining_step(drafter, 16, accepting=12)
+    assert drafter.measured is not None
+    assert drafter.measured.pays(FIRST_ONLY, 16, waiting=False) is False
+    assert drafter.measured.pays(FIRST_ONLY, 16, waiting=True)
+    # The drafter's own choice follows: with none waiting it drafts only on its probes; with
+    # requests waiting single drafts every step (then full lengths, measured first).
+    waiting = [drafting_request([1, 2, 3, 1, 2, 3]) for _ in range(16)]
+    drafter.propose(waiting, num_waiting=3)
+    assert all(len(r.spec_token_ids) >= 1 for r in waiting)
+    drafter.propose(waiting, num_waiting=0)
+    assert all(r.spec_token_ids == [] for r in waiting)
 
 
 def run_with_logprobs(engine: LLMEngine, prompts, params) -> dict[str, list]:
