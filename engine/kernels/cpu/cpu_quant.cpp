@@ -17,11 +17,11 @@
 // rows that fits in L1 and applied to each of them, four at a time; parallel over output channels
 // with torch's pool. Against one or two activation rows (a decode step's) the AVX2 code takes
 // four weight rows a pass instead, sharing the activations' loads and the tree of horizontal
-// adds and prefetching the next four rows; every product keeps its own accumulators and order,
-// so its bits do not depend on what shares its pass. On CPUs with AVX-512 VNNI the same
-// products run on 512-bit registers (vpdpbusd, vpdpwssd; eight rows at a time) with the same
-// integer sums in the same lanes and the same float steps: bit for bit the AVX2 code's outputs
-// (Wide); FOLIO_CPU_ISA=avx2 keeps the AVX2 code (wide_rows).
+// adds and prefetching the next four rows, on every CPU (weight_rows); every product keeps its
+// own accumulators and order, so its bits do not depend on what shares its pass. On CPUs with
+// AVX-512 VNNI the products of more rows run on 512-bit registers (vpdpbusd, vpdpwssd; eight
+// rows at a time) with the same integer sums in the same lanes and the same float steps: bit
+// for bit the AVX2 code's outputs (Wide); FOLIO_CPU_ISA=avx2 keeps the AVX2 code (wide_rows).
 // This file only multiplies; quantizing weights and choosing the kernel is
 // engine/models/quantization.
 
@@ -616,20 +616,22 @@ inline void one_weight_row(bool wide, const Row& row, const typename Row::Code* 
 
 // sums[o * sums_stride + r] += the scaled dot products of weight rows row[o], o < outputs,
 // with activation rows r < m of q (one_weight_row's). With one or two activation rows (a
-// decode step of one or two streams) on AVX2, kOutputs weight rows share a pass, four against
-// one row or two at a time against two: the activations' loads and the tree of horizontal adds
-// then serve four products, each still summed in its own accumulators and tree lane in the
-// order it has alone (the same bits).
+// decode step of one or two streams), kOutputs weight rows share a pass, four against one row
+// or two at a time against two: the activations' loads and the tree of horizontal adds then
+// serve four products, each still summed in its own accumulators and tree lane in the order it
+// has alone (the same bits). This AVX2 code runs there on CPUs with AVX-512 VNNI too: it
+// outpaces the AVX-512 rows' one weight row at a time (bench.quant_kernels: 1.2-1.7x the GB/s on
+// the default model's shapes, one row, AVX-512 Xeon), whose 512-bit steps have no rows to share.
 template <typename Row>
 inline void weight_rows(bool wide, const Row (&row)[kOutputs], int outputs,
                         const typename Row::Code* q, int64_t k32, int64_t blocks, int64_t m,
                         const float* scale, int64_t scale_stride, float* sums,
                         int64_t sums_stride) {
-  if (!wide && outputs == kOutputs && m == 1) {
+  if (outputs == kOutputs && m == 1) {
     dot_rows<1, kOutputs>(row, q, k32, scale, scale_stride, blocks, sums, sums_stride);
     return;
   }
-  if (!wide && outputs == kOutputs && m == 2) {
+  if (outputs == kOutputs && m == 2) {
     for (int o = 0; o < kOutputs; o += 2) {
       const Row two[2] = {row[o], row[o + 1]};
       dot_rows<2, 2>(two, q, k32, scale, scale_stride, blocks, sums + o * sums_stride,
