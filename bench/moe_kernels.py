@@ -1,14 +1,19 @@
-"""`python -m bench.moe_kernels [--tokens 1,16,64,256] [--dtypes float32,bfloat16]`: one
-mixture-of-experts layer's step (router and experts) as Folio runs it against the plain loop
-over experts in torch that transformers runs, on the CPU and, where there is one, on a CUDA GPU.
+"""`python -m bench.moe_kernels [--tokens 1,16,64,256] [--dtypes float32,bfloat16]
+[--weights random,bf16-values]`: one mixture-of-experts layer's step (router and experts) as
+Folio runs it against the plain loop over experts in torch that transformers runs, on the CPU
+and, where there is one, on a CUDA GPU.
 
 Folio's side is engine.layers.moe.SparseMoe itself: on the CPU, float32 experts (and bfloat16
-ones on CPUs without Folio's bfloat16 tiles) stacked in one call of Folio's experts kernel
-(folio_moe::experts), bfloat16 ones on CPUs with the tiles each expert once over its gathered
-tokens through Folio's linears; on the GPU the fused Triton kernel (pairs sorted by expert, two
-grouped GEMMs). Where the CPU layer runs stacked, the same layer
-with its experts one at a time through Folio's linears (oneDNN-packed float32: the path before
-the stacked kernel) is timed in the same turns too. The baseline routes the same
+ones on CPUs with AMX, or without Folio's bfloat16 tiles) stacked in one call of Folio's experts
+kernel (folio_moe::experts; on AMX tiles where the CPU has them and the weights are bfloat16
+values), other bfloat16 ones each expert once over its gathered tokens through Folio's linears;
+on the GPU the fused Triton kernel (pairs sorted by expert, two grouped GEMMs). Float32 runs
+twice: random float32 weights, and weights holding bfloat16 values (`bf16-values`: a bfloat16
+checkpoint served in float32, which Folio packs in half the bytes), each printed as such. Where
+the CPU layer runs stacked, the same layer with its experts one at a time through Folio's linears
+(oneDNN-packed float32: the path before the stacked kernel) is timed in the same turns too, and
+where it runs on AMX, the same layer stacked without AMX (the kernel's AVX-512 code: the path
+before the AMX one). The baseline routes the same
 way, then for every expert finds its tokens with torch.where, gathers them and runs F.linear on
 the expert's weights, adding the weighted results back (transformers' MixtralExperts loop).
 Prints the median and fastest milliseconds of each (the two taking turns, so that other work on
@@ -38,13 +43,15 @@ from engine.layers.moe import Expert, SparseMoe
 
 
 def random_weights(
-    args: argparse.Namespace, dtype: torch.dtype
+    args: argparse.Namespace, dtype: torch.dtype, bf16_values: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(router [E, H], gate_up [E, 2I, H], down [E, H, I]), as transformers holds them."""
+    """(router [E, H], gate_up [E, 2I, H], down [E, H, I]), as transformers holds them; with
+    `bf16_values`, values bfloat16 holds exactly (a bfloat16 checkpoint loaded in `dtype`)."""
     generator = torch.Generator().manual_seed(0)
 
     def weight(*shape: int) -> torch.Tensor:
-        return (torch.randn(shape, generator=generator) * shape[-1] ** -0.5).to(dtype)
+        values = torch.randn(shape, generator=generator) * shape[-1] ** -0.5
+        return (values.bfloat16() if bf16_values else values).to(dtype)
 
     e, h, i = args.experts, args.hidden, args.intermediate
     return weight(e, h), weight(e, 2 * i, h), weight(e, h, i)
@@ -55,9 +62,11 @@ def build_layer(
     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     device: str,
     stack: bool = True,
+    amx: bool = True,
 ) -> SparseMoe:
     """Folio's layer over the same weights, finalized as the loader leaves it (with `stack`
-    False, its CPU experts one at a time through Folio's linears)."""
+    False, its CPU experts one at a time through Folio's linears; with `amx` False, stacked
+    without AMX tiles)."""
     router, w13, w2 = weights
     backend = get_attention_backend("auto", device)
     layer = SparseMoe(
@@ -71,7 +80,7 @@ def build_layer(
             expert.down_proj.weight.copy_(w2[e])
     # In the model's order (LlamaForCausalLM.finalize_weights): the block, then its router and
     # experts' linears.
-    layer.finalize_weights(stack_cpu_experts=stack)
+    layer.finalize_weights(stack_cpu_experts=stack, cpu_amx=amx)
     for module in layer.modules():
         if module is not layer and (finalize := getattr(module, "finalize_weights", None)):
             finalize()
@@ -151,12 +160,23 @@ def profile(step: Callable[[], object], label: str) -> None:
     print(recorded.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
-def run(args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
-    weights = random_weights(args, dtype)
+def on_amx(layer: SparseMoe) -> bool:
+    """Whether the layer's stacked experts run on AMX tiles (their panels in pairs)."""
+    stacked = layer.stacked
+    return stacked is not None and stacked.gate_up is not None and stacked.gate_up.shape[-1] == 64
+
+
+def run(args: argparse.Namespace, device: str, dtype: torch.dtype, bf16_values: bool) -> None:
+    weights = random_weights(args, dtype, bf16_values)
     layer = build_layer(args, weights, device)
     stacked = layer.stacked is not None and layer.stacked.gate_up is not None
     # The CPU experts one at a time (what the stacked kernel replaced), and its linears.
     per_expert = build_layer(args, weights, device, stack=False) if not layer.fused else None
+    # Where the layer runs on AMX, the same layer without it (the kernel's AVX-512 code; a
+    # bfloat16 layer then runs one expert at a time on CPUs with Folio's tiles: per_expert).
+    without_amx = build_layer(args, weights, device, amx=False) if on_amx(layer) else None
+    if without_amx is not None and without_amx.stacked is None:
+        without_amx = None
     router, w13, w2 = (w.to(device) for w in weights)
     generator = torch.Generator().manual_seed(1)
     for tokens in args.tokens:
@@ -164,22 +184,30 @@ def run(args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
         baseline = partial(loop_over_experts, x, router, w13, w2, args.top_k)
         with torch.inference_mode():
             steps: list[Callable[[], object]] = [partial(layer, x), baseline]
+            if without_amx is not None:
+                steps.append(partial(without_amx, x))
             if stacked and per_expert is not None:
                 steps.append(partial(per_expert, x))
             if per_expert is not None:  # the CPU path's products, timed in the same turns
                 steps.extend(products(per_expert, x, w13, w2))
             ours, loop, *rest = timings_ms(steps, args.repeats, device)
+            avx512 = rest.pop(0) if without_amx is not None else None
             one_at_a_time, alone = (rest[0], rest[1:]) if stacked else (None, rest)
             expected = baseline().float()
             error = (layer(x).float() - expected).abs().max().item()
         path = (
             "fused Triton kernel"
             if layer.fused
+            else "stacked experts kernel, AMX"
+            if on_amx(layer)
             else "stacked experts kernel"
             if stacked
             else "per expert, Folio's linears"
         )
-        label = f"{device} {str(dtype).removeprefix('torch.'):8s} tokens={tokens:4d}"
+        name = str(dtype).removeprefix("torch.")
+        if bf16_values and dtype != torch.bfloat16:
+            name += " (bfloat16 values)"
+        label = f"{device} {name:8s} tokens={tokens:4d}"
         print(
             f"{label}: Folio ({path}) {ours[0]:8.3f} ms (min {ours[1]:8.3f}), loop over "
             f"experts {loop[0]:8.3f} ms (min {loop[1]:8.3f}): x{loop[0] / ours[0]:5.2f} "
@@ -187,6 +215,15 @@ def run(args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
             f"{os.getloadavg()[0]:.2f})",
             flush=True,
         )
+        if avx512:
+            before, before_min = avx512
+            print(
+                f"{' ' * len(label)}  Folio stacked without AMX {before:8.3f} ms (min "
+                f"{before_min:8.3f}): x{loop[0] / before:5.2f} the loop (fastest "
+                f"x{loop[1] / before_min:5.2f}); AMX x{before / ours[0]:5.2f} it (fastest "
+                f"x{before_min / ours[1]:5.2f})",
+                flush=True,
+            )
         if one_at_a_time:
             before, before_min = one_at_a_time
             print(
@@ -222,6 +259,12 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=1024)
     parser.add_argument("--tokens", default="1,16,64,256")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument(
+        "--weights",
+        default="random,bf16-values",
+        help="random: random values of the dtype; bf16-values: float32 weights holding "
+        "bfloat16 values (a bfloat16 checkpoint served in float32; for bfloat16 the same)",
+    )
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (torch's default)")
     parser.add_argument("--profile", action="store_true", help="print where each step's time goes")
@@ -237,7 +280,13 @@ def main() -> None:
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
         for name in args.dtypes.split(","):
-            run(args, device, getattr(torch, name))
+            for weights in args.weights.split(","):
+                if weights not in ("random", "bf16-values"):
+                    parser.error(f"--weights: random or bf16-values, not {weights!r}")
+                dtype = getattr(torch, name)
+                if weights == "bf16-values" and dtype == torch.bfloat16:
+                    continue  # bfloat16's random weights are bfloat16 values already
+                run(args, device, dtype, weights == "bf16-values")
 
 
 if __name__ == "__main__":

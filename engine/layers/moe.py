@@ -4,13 +4,14 @@ softmax weights (renormalised over the k where the model does), experts that are
 
 - The CPU path (the torch attention backend) sorts the step's (token, expert) pairs by expert
   once and runs each expert once over the tokens routed to it. Float32 gated-SiLU experts
-  without biases (Mixtral's, Qwen3-MoE's), and bfloat16 ones on CPUs without Folio's bfloat16
-  tiles, run stacked: their weights packed once loaded into the panels of Folio's experts
-  kernel (engine/kernels/cpu/cpu_moe.cpp: gate and up in one pass, all experts' products in
-  one parallel loop, float32 products; bfloat16 panels where the values allow), the whole step
-  one C++ call. Other experts (bfloat16 on Folio's tiles, int8/int4, gpt-oss's) run one at a
-  time through engine.layers.linear, so their weights get the packed, bfloat16-tile or
-  int8/int4 forms every other linear gets.
+  without biases (Mixtral's, Qwen3-MoE's), and bfloat16 ones on CPUs with AMX or without
+  Folio's bfloat16 tiles, run stacked: their weights packed once loaded into the panels of
+  Folio's experts kernel (engine/kernels/cpu/cpu_moe.cpp: gate and up in one pass, all
+  experts' products in one parallel loop, float32 products; bfloat16 panels where the values
+  allow, multiplied on AMX tiles where the CPU has them), the whole step one C++ call. Other
+  experts (bfloat16 on Folio's tiles without AMX, int8/int4, gpt-oss's) run one at a time
+  through engine.layers.linear, so their weights get the packed, bfloat16-tile or int8/int4
+  forms every other linear gets.
   Either way the sizes depend on the routing, so inside a compiled decode program the experts
   are one opaque op (folio::stacked_experts, or folio::moe_experts, handed the experts' weights
   as tensors and a layout of ints and rebuilding their linears from them): the program around
@@ -292,14 +293,15 @@ class SparseMoe(nn.Module):
         # The CPU path's experts packed for Folio's experts kernel (set by finalize_weights).
         self.stacked: StackedExperts | None = None
 
-    def finalize_weights(self, stack_cpu_experts: bool = True) -> None:
+    def finalize_weights(self, stack_cpu_experts: bool = True, cpu_amx: bool = True) -> None:
         """Called before the experts' own linears are finalized: the fused path takes their
         float weights (stacked) and the per-expert modules go; the CPU path packs them for
         Folio's experts kernel where it can (and `stack_cpu_experts`: benchmarks turn it off to
-        time the linears one expert at a time)."""
+        time the linears one expert at a time; `cpu_amx` off, the kernel's AVX-512 code where
+        it would use AMX)."""
         if not self.fused:
             if stack_cpu_experts:
-                self._stack_cpu_experts()
+                self._stack_cpu_experts(cpu_amx)
             return
         experts = self._expert_list
         self.w13 = torch.stack([e.gate_up_proj.weight.data for e in experts])
@@ -313,12 +315,14 @@ class SparseMoe(nn.Module):
         self.experts = nn.ModuleDict()
         self._expert_list = []
 
-    def _stack_cpu_experts(self) -> None:
+    def _stack_cpu_experts(self, amx: bool) -> None:
         """The experts' weights packed for folio_moe::experts, where they are gated-SiLU MLPs
         without biases on a CPU where Folio's kernels loaded: float32 ones (in bfloat16 panels
         where every value is a bfloat16 one, a bfloat16 checkpoint's: the same products at half
-        the bytes), and bfloat16 ones on CPUs without Folio's bfloat16 tiles (AVX2: torch's
-        bfloat16 linears are emulated there)."""
+        the bytes), and bfloat16 ones on CPUs with AMX or without Folio's bfloat16 tiles (AVX2:
+        torch's bfloat16 linears are emulated there). bfloat16 panels go in AMX's pairs where
+        the CPU has AMX (and `amx`, and FOLIO_CPU_ISA allows AVX-512) and both sizes are
+        multiples of 32."""
         experts = self._expert_list
         if not experts or self._swiglu:
             return
@@ -335,26 +339,38 @@ class SparseMoe(nn.Module):
         caps = cpu_capabilities()
         if not caps.folio_kernels:
             return
+        native = forced_isa() == "native"
+        down_weight = experts[0].down_proj.weight
+        pairs = (
+            amx
+            and native
+            and down_weight.shape[0] % 32 == 0  # hidden
+            and down_weight.shape[1] % 32 == 0  # this rank's intermediate features
+            and _amx_usable()
+        )
         if dtype == torch.float32:
             halves = all(holds_bf16(p.weight) for p in projections)
-        elif dtype == torch.bfloat16 and not caps.bf16_tiles:
+        elif dtype == torch.bfloat16 and (pairs or not caps.bf16_tiles):
             halves = True
         else:
             return
+        pairs = pairs and halves
 
         def weight(p: Linear) -> torch.Tensor:
             return p.weight.bfloat16() if halves else p.weight
 
         try:
             gate_up, down = torch.ops.folio_moe.pack_experts(
-                [weight(e.gate_up_proj) for e in experts], [weight(e.down_proj) for e in experts]
+                [weight(e.gate_up_proj) for e in experts],
+                [weight(e.down_proj) for e in experts],
+                pairs,
             )
         except Exception as error:  # an optional speed-up: see engine.fallback
             warn_fallback(
                 logger, "Folio's stacked CPU experts", "running the experts one at a time", error
             )
             return
-        self.stacked = StackedExperts(gate_up, down, forced_isa() == "native")
+        self.stacked = StackedExperts(gate_up, down, native)
         for projection in projections:
             projection.stacked = self.stacked
 
@@ -424,6 +440,16 @@ class SparseMoe(nn.Module):
         if any(layout != layouts[i % 2] for i, layout in enumerate(layouts)):
             raise ValueError("the experts of a layer must share one weight form")
         return parts, layouts[0], layouts[1]
+
+
+@functools.cache
+def _amx_usable() -> bool:
+    """Whether Folio's experts kernel may use AMX here (the CPU has it, Linux granted it)."""
+    try:
+        return bool(torch.ops.folio_moe.amx_usable())
+    except Exception as error:  # an optional speed-up: see engine.fallback
+        warn_fallback(logger, "AMX for the stacked CPU experts", "using AVX-512", error)
+        return False
 
 
 def run_experts(

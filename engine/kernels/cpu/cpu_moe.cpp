@@ -25,16 +25,23 @@
 // bfloat16, its rows widened, each expert's output rounded to bfloat16 before combine, as a
 // bfloat16 linear rounds it), weights float32 or bfloat16 (widened exactly as they are loaded:
 // half the bytes of float32 for a bfloat16 checkpoint's values). Its weights are packed once, at
-// load, by folio_moe::pack_experts(gate_ups, downs) -> (gate_up, down), in their own dtype, into
-// the order the products read them: gate_up [E, I/16, hidden, 32], panel j holding, for each input k, the 16 gate
-// columns 16 j .. 16 j + 16 then the 16 up columns; down [E, hidden/16, I', 16] (I' = I rounded
-// up to 16), panel t holding, for each intermediate feature k, outputs 16 t .. 16 t + 16; zeros
-// where a size is not a multiple of 16. One pass over x per gate_up panel gives gate and up
-// together, and silu(gate) * up leaves registers only once, as the intermediate rows down
-// reads; the tasks of all experts share one parallel loop per product (instead of a oneDNN
-// call per expert and projection). The sums are fused multiply-adds in input order, so the
-// results are F.linear's within float32 rounding, not bit for bit. AVX-512 where the CPU has
-// it and allow_avx512 (engine/layers/moe.py passes FOLIO_CPU_ISA's choice), AVX2 otherwise.
+// load, by folio_moe::pack_experts(gate_ups, downs, pairs) -> (gate_up, down), in their own
+// dtype, into the order the products read them: gate_up [E, I/16, hidden, 32], panel j holding,
+// for each input k, the 16 gate columns 16 j .. 16 j + 16 then the 16 up columns; down [E,
+// hidden/16, I', 16] (I' = I rounded up to 16), panel t holding, for each intermediate feature
+// k, outputs 16 t .. 16 t + 16; zeros where a size is not a multiple of 16. With `pairs`
+// (bfloat16 weights, both sizes multiples of 32, for CPUs with AMX: amx_usable) each step holds
+// two inputs of every column side by side: gate_up [E, I/16, hidden/2, 64], down [E, hidden/16,
+// I/2, 32], the right-hand operands of AMX's tdpbf16ps, which folio_moe_amx below multiplies
+// by x's rows (bfloat16 as they are; float32 split exactly into three bfloat16 parts). One
+// pass over x per gate_up panel gives gate and up together, and silu(gate) * up leaves
+// registers only once, as the intermediate rows down reads; the tasks of all experts share one
+// parallel loop per product (instead of a oneDNN call per expert and projection). The float32
+// code's sums are fused multiply-adds in input order, so the results are F.linear's within
+// float32 rounding, not bit for bit. AVX-512 where the CPU has it and allow_avx512 (engine/layers/moe.py passes
+// FOLIO_CPU_ISA's choice), AVX2 otherwise.
+//
+// folio_moe::amx_usable() -> bool: whether this process may run experts packed in pairs.
 
 // A float32 product and sum rounded one after the other, as torch rounds them: a fused
 // multiply-add would round once and change the result's last bits.
@@ -48,6 +55,11 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include "bf16_tiles.h"
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -207,6 +219,18 @@ bool cpu_has_avx512() {
   return supported;
 }
 
+// Whether this process may use AMX's bfloat16 tiles: the CPU has them and Linux granted their
+// state (asked once: ARCH_REQ_XCOMP_PERM for XTILEDATA; oneDNN asks the same).
+bool amx_usable() {
+  static const bool usable = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;
+    return cpu_has_avx512() && folio::cpu_has_avx512_bf16() &&
+           __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+           syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return usable;
+}
+
 }  // namespace
 
 namespace folio_moe_avx512 {
@@ -254,6 +278,187 @@ inline Vec silu_mul(Vec g, Vec u) {
 #pragma GCC pop_options
 }  // namespace folio_moe_avx512
 
+// Both products on AMX tiles, for bfloat16 weights packed in pairs (pack_experts' `pairs`, the
+// right-hand operand's layout of tdpbf16ps: a panel's 16 steps of one 32-input chunk are a tile,
+// its gate and up halves 128 bytes apart). The activations are `parts` bfloat16 copies of each
+// row whose sum is the row: one (bfloat16 x, and silu(gate) * up rounded to bfloat16 once) or
+// three (float32 x: hi, mid and lo, exact but for lo's rounding, 2^-27 of the value; the
+// products of bfloat16 weights by them are exact, so the sums are float32's, in another order
+// than F.linear's). Each expert's rows lie in blocks of 16 (a tile's rows), the last one
+// padded with rows whose sums are never read.
+namespace folio_moe_amx {
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
+
+constexpr int64_t kTile = 16;   // rows of a tile, and columns of its float32 sums
+constexpr int64_t kDepth = 32;  // inputs of a tile product (16 pairs)
+// The tiles (GCC's tile intrinsics take their numbers as literals): 0 and 1 the sums, 2 the
+// activations, 3 and 4 the weights.
+constexpr int kTiles = 5;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes[16] = {};  // of a row, per tile
+  uint8_t rows[16] = {};
+};
+
+// This thread's tiles: each 16 rows of 64 bytes.
+inline void configure() {
+  TileConfig config;
+  for (int t = 0; t < kTiles; ++t) {
+    config.bytes[t] = 64;
+    config.rows[t] = kTile;
+  }
+  _tile_loadconfig(&config);
+}
+
+// 16 float32 as `parts` bfloat16 vectors (`stride` values apart) whose sum is v.
+inline void store_parts(__m512 v, int64_t parts, uint16_t* to, int64_t stride) {
+  for (int64_t q = 0; q < parts; ++q) {
+    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(v);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + q * stride), rounded);
+    // v minus its rounding: exact in float32 (their leading bits cancel).
+    const __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16);
+    v = _mm512_sub_ps(v, _mm512_castsi512_ps(widened));
+  }
+}
+
+// `lines` cache lines from `at` into L2.
+inline void prefetch_lines(const uint16_t* at, int64_t lines) {
+  for (int64_t line = 0; line < lines; ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(at + line * 32), _MM_HINT_T1);
+}
+
+// The routed rows (float32 or bfloat16 [pairs, hidden], expert by expert) -> the experts'
+// outputs y [pairs, hidden] float32, as the float32 code's run_experts.
+inline void run_experts(const ExpertProblem& p, const at::Tensor& rows) {
+  const int64_t hidden = p.hidden, up_panels = p.gate_up.size(1), inter = up_panels * kTile;
+  const int64_t parts = rows.scalar_type() == at::kFloat ? 3 : 1;
+  const int64_t experts_used = static_cast<int64_t>(p.used.size());
+  // Expert u's rows from padded row first[u] on, in blocks of 16.
+  std::vector<int64_t> first{0};
+  for (int64_t u = 0; u < experts_used; ++u) {
+    const int64_t count = p.start[u + 1] - p.start[u];
+    first.push_back(first.back() + (count + kTile - 1) / kTile * kTile);
+  }
+  const int64_t padded = first.back();
+  const auto bf16 = rows.options().dtype(at::kBFloat16);
+  at::Tensor left = at::empty({parts, padded, hidden}, bf16);
+  at::Tensor middle = at::empty({parts, padded, inter}, bf16);  // silu(gate) * up
+  uint16_t* x = static_cast<uint16_t*>(left.data_ptr());
+  uint16_t* h = static_cast<uint16_t*>(middle.data_ptr());
+  const int64_t x_part = padded * hidden, h_part = padded * inter;
+  for (int64_t u = 0; u < experts_used; ++u) {
+    for (int64_t r = p.start[u]; r < p.start[u + 1]; ++r) {
+      uint16_t* to = x + (first[u] + r - p.start[u]) * hidden;
+      if (parts == 1) {
+        std::memcpy(to, static_cast<const uint16_t*>(rows.data_ptr()) + r * hidden, hidden * 2);
+      } else {
+        const float* from = rows.data_ptr<float>() + r * hidden;
+        for (int64_t c = 0; c < hidden; c += kTile)
+          store_parts(_mm512_loadu_ps(from + c), parts, to + c, x_part);
+      }
+    }
+  }
+  // Per task (expert, panel): its blocks of rows, then the sums of each block's valid rows.
+  const auto blocks_of = [&](int64_t u) { return (first[u + 1] - first[u]) / kTile; };
+  const auto valid_rows = [&](int64_t u, int64_t b) {
+    return std::min<int64_t>(kTile, p.start[u + 1] - p.start[u] - b * kTile);
+  };
+  std::vector<std::pair<int64_t, int64_t>> tasks;  // (used expert, its first panel)
+  for (int64_t u = 0; u < experts_used; ++u)
+    for (int64_t j = 0; j < up_panels; ++j) tasks.emplace_back(u, j);
+  const int64_t gate_up_values = hidden * 2 * kTile;  // a panel's
+  const uint16_t* gate_up = static_cast<const uint16_t*>(p.gate_up.data_ptr());
+  const auto panel_of = [&](int64_t task) {
+    const auto [u, j] = tasks[task];
+    return gate_up + (p.used[u] * up_panels + j) * gate_up_values;
+  };
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    configure();
+    alignas(64) float gate[kTile * kTile], up[kTile * kTile];
+    for (int64_t task = begin; task < end; ++task) {
+      const auto [u, j] = tasks[task];
+      const uint16_t* panel = panel_of(task);
+      const uint16_t* next = task + 1 < end ? panel_of(task + 1) : nullptr;
+      for (int64_t b = 0; b < blocks_of(u); ++b) {
+        const int64_t row = first[u] + b * kTile;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t k = 0; k < hidden; k += kDepth) {
+          const uint16_t* w = panel + k * 2 * kTile;  // 16 steps of 64 values
+          if (next != nullptr && b == 0) prefetch_lines(next + k * 2 * kTile, 32);
+          _tile_loadd(3, w, 128);
+          _tile_loadd(4, w + 2 * kTile, 128);
+          for (int64_t q = 0; q < parts; ++q) {
+            _tile_loadd(2, x + q * x_part + row * hidden + k, hidden * 2);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_dpbf16ps(1, 2, 4);
+          }
+        }
+        _tile_stored(0, gate, kTile * 4);
+        _tile_stored(1, up, kTile * 4);
+        for (int64_t r = 0; r < valid_rows(u, b); ++r) {
+          const __m512 value = folio_moe_avx512::silu_mul(_mm512_load_ps(gate + r * kTile),
+                                                          _mm512_load_ps(up + r * kTile));
+          store_parts(value, parts, h + (row + r) * inter + j * kTile, h_part);
+        }
+      }
+    }
+    _tile_release();
+  });
+  // Down: tasks of two panels (hidden is a multiple of 32).
+  const int64_t down_panels = p.down.size(1), panel_values = inter * kTile;
+  const uint16_t* down = static_cast<const uint16_t*>(p.down.data_ptr());
+  tasks.clear();
+  for (int64_t u = 0; u < experts_used; ++u)
+    for (int64_t t = 0; t < down_panels; t += 2) tasks.emplace_back(u, t);
+  const auto down_of = [&](int64_t task) {
+    const auto [u, t] = tasks[task];
+    return down + (p.used[u] * down_panels + t) * panel_values;
+  };
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    configure();
+    alignas(64) float sums[2][kTile * kTile];
+    for (int64_t task = begin; task < end; ++task) {
+      const auto [u, t] = tasks[task];
+      const uint16_t* w = down_of(task);
+      const uint16_t* next = task + 1 < end ? down_of(task + 1) : nullptr;
+      for (int64_t b = 0; b < blocks_of(u); ++b) {
+        const int64_t row = first[u] + b * kTile;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t k = 0; k < inter; k += kDepth) {
+          if (next != nullptr && b == 0) {
+            prefetch_lines(next + k * kTile, 16);
+            prefetch_lines(next + panel_values + k * kTile, 16);
+          }
+          _tile_loadd(3, w + k * kTile, 64);
+          _tile_loadd(4, w + panel_values + k * kTile, 64);
+          for (int64_t q = 0; q < parts; ++q) {
+            _tile_loadd(2, h + q * h_part + row * inter + k, inter * 2);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_dpbf16ps(1, 2, 4);
+          }
+        }
+        _tile_stored(0, sums[0], kTile * 4);
+        _tile_stored(1, sums[1], kTile * 4);
+        for (int64_t r = 0; r < valid_rows(u, b); ++r) {
+          float* to = p.y + (p.start[u] + b * kTile + r) * hidden + t * kTile;
+          for (int half = 0; half < 2; ++half)
+            _mm512_storeu_ps(to + half * kTile, _mm512_load_ps(sums[half] + r * kTile));
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+#pragma GCC pop_options
+}  // namespace folio_moe_amx
+
 namespace folio_moe_avx2 {
 
 using Vec = __m256;
@@ -300,9 +505,11 @@ namespace {
 
 // gate_ups [2I, hidden] (gate rows, then up rows) and downs [hidden, I], one of each per
 // expert, all float32 or all bfloat16 -> the panels folio_moe::experts reads, of that dtype (the
-// header says their layout).
+// header says their layout); with `pairs` (bfloat16, an even hidden size), each step of a panel
+// two inputs of each column, interleaved, as vdpbf16ps reads them.
 std::tuple<at::Tensor, at::Tensor> pack_experts(const std::vector<at::Tensor>& gate_ups,
-                                                const std::vector<at::Tensor>& downs) {
+                                                const std::vector<at::Tensor>& downs,
+                                                bool pairs) {
   TORCH_CHECK(!gate_ups.empty() && gate_ups.size() == downs.size(),
               "folio_moe::pack_experts: one gate_up and one down per expert, at least one");
   const int64_t experts = static_cast<int64_t>(gate_ups.size());
@@ -322,11 +529,16 @@ std::tuple<at::Tensor, at::Tensor> pack_experts(const std::vector<at::Tensor>& g
                 inter, "]");
   }
   TORCH_CHECK(inter > 0 && hidden > 0, "folio_moe::pack_experts: empty experts");
+  TORCH_CHECK(!pairs || (dtype == at::kBFloat16 && hidden % 32 == 0 && inter % 32 == 0),
+              "folio_moe::pack_experts: pairs need bfloat16 weights and sizes that are "
+              "multiples of 32");
+  const int64_t step = pairs ? 2 : 1;  // inputs of a column per step
   const int64_t up_panels = (inter + kPanel - 1) / kPanel, padded = up_panels * kPanel;
   const int64_t down_panels = (hidden + kPanel - 1) / kPanel;
   const auto options = gate_ups[0].options();
-  at::Tensor gate_up = at::zeros({experts, up_panels, hidden, 2 * kPanel}, options);
-  at::Tensor down = at::zeros({experts, down_panels, padded, kPanel}, options);
+  at::Tensor gate_up =
+      at::zeros({experts, up_panels, hidden / step, 2 * kPanel * step}, options);
+  at::Tensor down = at::zeros({experts, down_panels, padded / step, kPanel * step}, options);
   // Values moved as they are (float32 or bfloat16's 16 bits).
   auto pack = [&](auto tag) {
     using T = decltype(tag);
@@ -336,19 +548,21 @@ std::tuple<at::Tensor, at::Tensor> pack_experts(const std::vector<at::Tensor>& g
         const T* w13 = static_cast<const T*>(a.data_ptr());
         const T* w2 = static_cast<const T*>(b.data_ptr());
         T* to = static_cast<T*>(gate_up.data_ptr()) + e * up_panels * hidden * 2 * kPanel;
+        // Input k of column c lies at step k / step, place c * step + k % step of the panel
+        // (the up columns kPanel * step further).
         for (int64_t i = 0; i < inter; ++i) {
           const int64_t j = i / kPanel, c = i % kPanel;
           for (int64_t k = 0; k < hidden; ++k) {
-            T* at = to + (j * hidden + k) * 2 * kPanel + c;
+            T* at = to + (j * hidden + k - k % step) * 2 * kPanel + c * step + k % step;
             at[0] = w13[i * hidden + k];
-            at[kPanel] = w13[(inter + i) * hidden + k];
+            at[kPanel * step] = w13[(inter + i) * hidden + k];
           }
         }
         to = static_cast<T*>(down.data_ptr()) + e * down_panels * padded * kPanel;
         for (int64_t o = 0; o < hidden; ++o) {
           const int64_t t = o / kPanel, c = o % kPanel;
           for (int64_t k = 0; k < inter; ++k)
-            to[(t * padded + k) * kPanel + c] = w2[o * inter + k];
+            to[(t * padded + k - k % step) * kPanel + c * step + k % step] = w2[o * inter + k];
         }
       }
     });
@@ -369,25 +583,32 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& weights, const at::Ten
   const auto weight_type = gate_up.scalar_type();
   TORCH_CHECK(gate_up.device().is_cpu() && down.device().is_cpu() &&
                   (weight_type == at::kFloat || weight_type == at::kBFloat16) &&
-                  down.scalar_type() == weight_type && gate_up.is_contiguous() && down.is_contiguous() && gate_up.dim() == 4 &&
-                  down.dim() == 4,
+                  down.scalar_type() == weight_type && gate_up.is_contiguous() &&
+                  down.is_contiguous() && gate_up.dim() == 4 && down.dim() == 4,
               "folio_moe::experts: gate_up and down must come from folio_moe::pack_experts");
   const int64_t hidden = x.size(1), local = gate_up.size(0);
   const int64_t inter = gate_up.size(1) * kPanel;
-  TORCH_CHECK(gate_up.size(2) == hidden && gate_up.size(3) == 2 * kPanel &&
-                  down.size(0) == local && down.size(1) == (hidden + kPanel - 1) / kPanel &&
-                  down.size(2) == inter && down.size(3) == kPanel,
+  // pack_experts' pairs: two inputs of a column per step.
+  const int64_t step = gate_up.size(3) / (2 * kPanel);
+  TORCH_CHECK((step == 1 || step == 2) && gate_up.size(2) * step == hidden &&
+                  gate_up.size(3) == 2 * kPanel * step && down.size(0) == local &&
+                  down.size(1) == (hidden + kPanel - 1) / kPanel &&
+                  down.size(2) * step == inter && down.size(3) == kPanel * step,
               "folio_moe::experts: packed weights gate_up ", gate_up.sizes(), " and down ",
               down.sizes(), " do not fit ", hidden, " features");
+  const bool pair_steps = step == 2;
+  TORCH_CHECK(!pair_steps || (allow_avx512 && amx_usable()),
+              "folio_moe::experts: weights packed in pairs need AMX (allowed and usable)");
   auto [counts, pairs, rows] = route(x, ids, first_expert, local);
   const int64_t pair_count = rows.size(0);
   if (pair_count == 0) return at::zeros({x.size(0), hidden}, x.options());
-  const at::Tensor wide_rows = rows.to(at::kFloat);
+  // The AMX code reads the rows as they are (and keeps silu(gate) * up its own way).
+  const at::Tensor wide_rows = pair_steps ? rows : rows.to(at::kFloat);
   const auto float32 = x.options().dtype(at::kFloat);
-  at::Tensor h = at::empty({pair_count, inter}, float32);
+  at::Tensor h = at::empty({pair_steps ? 0 : pair_count, inter}, float32);
   at::Tensor y = at::empty({pair_count, hidden}, float32);
-  ExpertProblem problem{wide_rows.data_ptr<float>(), h.data_ptr<float>(), y.data_ptr<float>(),
-                        hidden, gate_up, down, {}, {0}};
+  ExpertProblem problem{pair_steps ? nullptr : wide_rows.data_ptr<float>(), h.data_ptr<float>(),
+                        y.data_ptr<float>(), hidden, gate_up, down, {}, {0}};
   const int64_t* count = counts.data_ptr<int64_t>();
   for (int64_t e = 0; e < local; ++e) {
     if (count[e] == 0) continue;
@@ -395,7 +616,9 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& weights, const at::Ten
     problem.start.push_back(problem.start.back() + count[e]);
   }
   const bool avx512 = allow_avx512 && cpu_has_avx512();
-  if (weight_type == at::kFloat) {
+  if (pair_steps) {
+    folio_moe_amx::run_experts(problem, wide_rows);
+  } else if (weight_type == at::kFloat) {
     avx512 ? folio_moe_avx512::run_experts<float>(problem)
            : folio_moe_avx2::run_experts<float>(problem);
   } else {
@@ -411,7 +634,9 @@ TORCH_LIBRARY(folio_moe, library) {
   library.def(
       "route(Tensor x, Tensor ids, int first_expert, int num_local) -> (Tensor, Tensor, Tensor)");
   library.def("combine(Tensor[] outputs, Tensor pairs, Tensor weights, int tokens) -> Tensor");
-  library.def("pack_experts(Tensor[] gate_ups, Tensor[] downs) -> (Tensor, Tensor)");
+  library.def(
+      "pack_experts(Tensor[] gate_ups, Tensor[] downs, bool pairs=False) -> (Tensor, Tensor)");
+  library.def("amx_usable() -> bool", &amx_usable);  // asked at load, before packing
   library.def(
       "experts(Tensor x, Tensor weights, Tensor ids, Tensor gate_up, Tensor down, "
       "int first_expert, bool allow_avx512) -> Tensor");

@@ -7,8 +7,9 @@ quantized linears; routing variants Folio does not implement are refused naming 
 key; the CPU experts are one op inside compiled programs (no graph break), whose decode steps
 give the eager engine's and transformers' greedy tokens; Folio's kernels around the CPU experts
 (folio_moe's route and combine) give torch's ops' values bit for bit; Folio's stacked float32
-experts kernel (folio_moe::experts) is a float64 loop over experts within float32 rounding, and
-float32 layers use it; and the model code imports no dynamo."""
+experts kernel (folio_moe::experts) is a float64 loop over experts within float32 rounding (on
+AMX tiles too, for bfloat16 weights, float32 or bfloat16 activations), and float32 layers use it
+(bfloat16 ones where the CPU has AMX); and the model code imports no dynamo."""
 
 from __future__ import annotations
 
@@ -447,6 +448,120 @@ def test_stacked_experts_kernel_bfloat16_panels_and_activations():
     expected = expert_loop_float64(x.bfloat16(), weights, ids, w13, w2, 0)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), expected, atol=3e-2, rtol=2e-2)
+
+
+def amx_usable() -> bool:
+    return cpu_capabilities().folio_kernels and bool(torch.ops.folio_moe.amx_usable())
+
+
+@pytest.mark.parametrize("first, local", [(0, 6), (2, 3)], ids=["all-experts", "rank-share"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_stacked_experts_on_amx_match_float64_loop(first, local, threads):
+    """Panels packed in pairs run on AMX tiles: float32 activations over bfloat16 weights (a
+    bfloat16 checkpoint served in float32: the activations split into three bfloat16 parts)
+    are the float64 loop within float32 rounding, bfloat16 ones within bfloat16 rounding, with
+    experts of more than 16 rows (several row tiles), experts no token reaches and this rank's
+    share of the experts, at any thread count."""
+    if not amx_usable():
+        pytest.skip("this CPU has no AMX (or Linux did not grant it)")
+    generator = torch.Generator().manual_seed(7 + first)
+    tokens, hidden, inter, k = 45, 64, 96, 2
+    x = torch.randn(tokens, hidden, generator=generator)
+    w13 = (torch.randn(6, 2 * inter, hidden, generator=generator) * hidden**-0.5).bfloat16()
+    w2 = (torch.randn(6, hidden, inter, generator=generator) * inter**-0.5).bfloat16()
+    logits = torch.randn(tokens, 6, generator=generator)
+    logits[:, 2] += 3.0  # expert 2 takes most tokens: more than one tile of rows
+    logits[:, 4] -= 10.0  # expert 4 none unless chosen second
+    weights, ids = torch.topk(logits.softmax(-1), k)
+    w13, w2 = w13[first : first + local], w2[first : first + local]
+    pairs = torch.ops.folio_moe.pack_experts(list(w13), list(w2), True)
+    assert pairs[0].shape == (local, inter // 16, hidden // 2, 64)
+    assert pairs[1].shape == (local, hidden // 16, inter // 2, 32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        wide = torch.ops.folio_moe.experts(x, weights, ids, *pairs, first, True)
+        narrow = torch.ops.folio_moe.experts(x.bfloat16(), weights, ids, *pairs, first, True)
+    finally:
+        torch.set_num_threads(before)
+    assert wide.dtype == torch.float32 and narrow.dtype == torch.bfloat16
+    mine = ((ids >= first) & (ids < first + local)).any(-1)
+    assert not bool(wide[~mine].any()) and not bool(narrow[~mine].any())
+    expected = expert_loop_float64(x, weights, ids, w13, w2, first)
+    torch.testing.assert_close(wide.double(), expected, atol=2e-6, rtol=1e-5)
+    expected = expert_loop_float64(x.bfloat16(), weights, ids, w13, w2, first)
+    torch.testing.assert_close(narrow.double(), expected, atol=3e-2, rtol=2e-2)
+
+
+def test_stacked_experts_pairs_refuse_what_they_cannot_hold():
+    assert cpu_capabilities().folio_kernels, "Folio's CPU kernels did not load"
+    w13, w2 = torch.randn(2, 64, 32).bfloat16(), torch.randn(2, 32, 32).bfloat16()
+    with pytest.raises(RuntimeError, match="pairs need bfloat16 weights and sizes"):
+        torch.ops.folio_moe.pack_experts(list(w13.float()), list(w2.float()), True)
+    with pytest.raises(RuntimeError, match="pairs need bfloat16 weights and sizes"):
+        torch.ops.folio_moe.pack_experts(list(w13[:, :, :16]), list(w2[:, :16]), True)
+    pairs = torch.ops.folio_moe.pack_experts(list(w13), list(w2), True)
+    x, ids, weights = torch.randn(3, 32), torch.tensor([[0, 1], [1, 0], [0, 1]]), torch.ones(3, 2)
+    with pytest.raises(RuntimeError, match="packed in pairs need AMX"):
+        torch.ops.folio_moe.experts(x, weights, ids, *pairs, 0, False)
+
+
+def test_layer_runs_bfloat16_experts_on_amx(monkeypatch, caplog):
+    """On a CPU with AMX, bfloat16 layers and float32 ones holding bfloat16 values (sizes
+    multiples of 32) pack their experts in AMX's pairs and give the experts one at a time
+    within bfloat16 (float32) rounding; with `cpu_amx` off they pack as before (bfloat16 ones
+    then run one at a time on CPUs with Folio's tiles); where asking for AMX fails, one
+    warning, and the same layer packs without it."""
+    from engine.layers import moe
+
+    def block(dtype: torch.dtype, stack: bool = True, amx: bool = True) -> SparseMoe:
+        torch.manual_seed(0)
+        layer = SparseMoe(64, 4, 2, 32, True, TorchAttentionBackend(), dtype, "cpu")
+        with torch.no_grad():  # small outputs: bfloat16 rounds them well inside the tolerance
+            for parameter in layer.parameters():
+                parameter.copy_(torch.randn(parameter.shape).mul(0.15).bfloat16())
+        layer.finalize_weights(stack_cpu_experts=stack, cpu_amx=amx)
+        for module in layer.modules():
+            if isinstance(module, Linear):
+                module.finalize_weights()
+        return layer
+
+    if not amx_usable():
+        pytest.skip("this CPU has no AMX (or Linux did not grant it)")
+    x = torch.randn(21, 64)
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        layer = block(dtype)
+        assert layer.stacked is not None and layer.stacked.gate_up is not None
+        assert layer.stacked.gate_up.shape[-1] == 64  # AMX's pairs
+        with torch.inference_mode():
+            got = layer(x.to(dtype))
+            assert got.dtype == dtype
+            torch.testing.assert_close(
+                got, block(dtype, stack=False)(x.to(dtype)), atol=tolerance, rtol=tolerance
+            )
+    float32 = block(torch.float32, amx=False)
+    assert float32.stacked is not None and float32.stacked.gate_up is not None
+    assert float32.stacked.gate_up.shape[-1] == 32
+    assert (block(torch.bfloat16, amx=False).stacked is None) == cpu_capabilities().bf16_tiles
+
+    def refused() -> bool:
+        raise RuntimeError("no tiles today")
+
+    moe._amx_usable.cache_clear()
+    monkeypatch.setattr(torch.ops.folio_moe, "amx_usable", refused)
+    try:
+        with caplog.at_level("WARNING", logger=moe.logger.name):
+            layers = [block(torch.float32), block(torch.float32)]
+        assert all(
+            layer.stacked is not None
+            and layer.stacked.gate_up is not None
+            and layer.stacked.gate_up.shape[-1] == 32
+            for layer in layers
+        )
+        warnings = [r for r in caplog.records if "AMX for the stacked CPU experts" in r.message]
+        assert len(warnings) == 1 and "no tiles today" in warnings[0].message
+    finally:
+        moe._amx_usable.cache_clear()
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
