@@ -1,13 +1,17 @@
 """Microbenchmark of the weight-only quantized CPU kernels on the default model's shapes:
 `python -m bench.quant_kernels [--method int4] [--rows 1,4,16] [--threads 1,2] [--isa avx2,native]
-[--clock wall|cpu]`.
+[--clock wall|cpu] [--shapes] [--baseline REV]`.
 
 One pass multiplies the activations by every linear of SmolLM2-135M (30 layers of qkv 960x576,
 o 576x576, gate_up 3072x576, down 576x1536, each its own copy so the weights do not stay in
 cache, as in a decode step) and then by the vocabulary projection 49152x576 in three forms: int8
 per output channel (`--quantization`'s), grouped int8 with float16 scales per 32 (the default
 model's GGUF, Q8_0) and float32 through oneDNN (the unquantized model's); it prints the median
-and fastest milliseconds of the layers and of each projection per row count and thread count.
+and fastest milliseconds of the layers and of each projection per row count and thread count,
+with `--shapes` also each shape's 30 linears (the fastest pass, and the weights' GB/s at it).
+`--baseline REV` also runs the quantized kernels of git revision REV (its cpu_quant.cpp, built as
+an op library of its own beside this checkout's), their passes taking turns with this
+checkout's: a before/after of a kernel change in one run, with each figure's ratio to REV's.
 With several `--isa` values (FOLIO_CPU_ISA, which Folio's kernels read at every call: avx2
 forces their AVX2 code on a CPU with AVX-512 VNNI) the passes alternate between them, so that
 both meet the same load on a shared machine; there `--threads 1 --clock cpu` times each product
@@ -20,12 +24,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from engine.kernels.cpu import extension
 from engine.kernels.cpu.capabilities import ISA_CHOICES, ISA_ENV, cpu_capabilities
 from engine.layers.quantization import QuantizedWeight, grouped_int8_weight, quantize
 
@@ -59,35 +68,83 @@ def grouped_int8(weight: torch.Tensor) -> QuantizedWeight:
     return grouped_int8_weight(codes.to(torch.int8).flatten(1), scale)
 
 
+def baseline_kernels(revision: str) -> Any:
+    """The quantized kernels of git revision `revision`: its cpu_quant.cpp (and the headers
+    beside it) compiled with this checkout's flags into an op library of its own,
+    torch.ops.folio_quant_baseline, which loads beside this checkout's folio_quant."""
+    from torch.utils import cpp_extension
+
+    root = Path(__file__).resolve().parent.parent
+    folder = "engine/kernels/cpu"
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=root, check=True, capture_output=True, text=True
+        ).stdout
+
+    commit = git("rev-parse", "--verify", f"{revision}^{{commit}}").strip()
+    directory = extension.kernel_dir() / f"quant-baseline-{commit[:12]}"
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in git("ls-tree", "--name-only", f"{commit}:{folder}").split():
+        if name.endswith(".h"):
+            (directory / name).write_text(git("show", f"{commit}:{folder}/{name}"))
+    source = re.sub(
+        r"TORCH_LIBRARY(_IMPL)?\(folio_quant,",
+        r"TORCH_LIBRARY\1(folio_quant_baseline,",
+        git("show", f"{commit}:{folder}/cpu_quant.cpp"),
+    )
+    (directory / "cpu_quant.cpp").write_text(source)
+    cpp_extension.load(
+        name="folio_quant_baseline",
+        sources=[str(directory / "cpu_quant.cpp")],
+        extra_cflags=list(extension.CFLAGS),
+        extra_ldflags=list(extension.LDFLAGS),
+        build_directory=str(directory),
+        is_python_module=False,
+    )
+    return torch.ops.folio_quant_baseline
+
+
+@dataclasses.dataclass
+class Contender:
+    """One set of kernels on one ISA: `label` in the output, `isa` the FOLIO_CPU_ISA it runs
+    under, its layers (per shape) and vocabulary projections (per form)."""
+
+    label: str
+    isa: str
+    layers: dict[str, list[QuantizedWeight]]
+    heads: dict[str, Callable[[torch.Tensor], torch.Tensor]]
+
+
 def time_passes(
-    layers: list[QuantizedWeight],
-    heads: dict[str, Callable[[torch.Tensor], torch.Tensor]],
+    contenders: list[Contender],
     xs: dict[int, torch.Tensor],
-    isas: list[str],
     repeats: int,
     clock: Callable[[], float],
 ) -> dict[str, dict[str, list[float]]]:
-    """Seconds of the layers ("linears") and of each vocabulary projection, per ISA, in passes
-    over all of them (xs maps input features to activations), the ISAs taking turns: a
-    projection runs after the layers and the other projections, as in a step, so it finds its
-    weight evicted from cache. The first round warms up and is dropped."""
-    times: dict[str, dict[str, list[float]]] = {
-        isa: {name: [] for name in ["linears", *heads]} for isa in isas
-    }
+    """Seconds of each shape's layers, of all of them ("linears") and of each vocabulary
+    projection, per contender, in passes over all of them (xs maps input features to
+    activations), the contenders taking turns: a projection runs after the layers and the other
+    projections, as in a step, so it finds its weight evicted from cache. The first round warms
+    up and is dropped."""
+    times: dict[str, dict[str, list[float]]] = {c.label: {} for c in contenders}
     for round_ in range(repeats + 1):
-        for isa in isas:
-            os.environ[ISA_ENV] = isa
-            start = clock()
-            for w in layers:
-                w.matmul(xs[w.codes.shape[1] * (2 if w.method == "int4" else 1)])
-            seconds = {"linears": clock() - start}
-            for name, head in heads.items():
+        for contender in contenders:
+            os.environ[ISA_ENV] = contender.isa
+            seconds = {"linears": 0.0}
+            for shape, layers in contender.layers.items():
+                start = clock()
+                for w in layers:
+                    w.matmul(xs[w.shape[1]])
+                seconds[shape] = clock() - start
+                seconds["linears"] += seconds[shape]
+            for name, head in contender.heads.items():
                 start = clock()
                 head(xs[VOCAB_PROJECTION[1]])
                 seconds[name] = clock() - start
             if round_:
                 for name, value in seconds.items():
-                    times[isa][name].append(value)
+                    times[contender.label].setdefault(name, []).append(value)
     return times
 
 
@@ -95,6 +152,12 @@ def summary(seconds: list[float]) -> str:
     """Median and fastest, in milliseconds (the fastest is the steadier figure on a shared
     machine)."""
     return f"{statistics.median(seconds) * 1e3:7.2f} ms (min {min(seconds) * 1e3:7.2f})"
+
+
+def weight_bytes(weight: QuantizedWeight) -> int:
+    """The bytes a product reads of the weight: codes, scales and minimums."""
+    parts = [weight.codes, weight.scale, weight.minimum]
+    return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
 def add_clock_argument(parser: argparse.ArgumentParser) -> None:
@@ -117,6 +180,8 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--isa", default="native", help="FOLIO_CPU_ISA values, comma-separated")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--shapes", action="store_true", help="print each shape's linears")
+    parser.add_argument("--baseline", help="git revision whose quantized kernels run too")
     add_clock_argument(parser)
     args = parser.parse_args()
     clock = chosen_clock(parser, args)
@@ -126,29 +191,89 @@ def main() -> None:
 
     assert cpu_capabilities().folio_kernels, "Folio's kernels did not load"
     gen = torch.Generator().manual_seed(0)
-    layers: list[QuantizedWeight] = []
-    for shape in LAYER_LINEARS:
-        weight = torch.randn(shape, generator=gen)
-        layers += copies(quantize(weight, args.method, folio_kernels=True), LAYERS)
+    layers: dict[str, list[QuantizedWeight]] = {}
+    for out_features, in_features in LAYER_LINEARS:
+        weight = torch.randn((out_features, in_features), generator=gen)
+        layers[f"{out_features}x{in_features}"] = copies(
+            quantize(weight, args.method, folio_kernels=True), LAYERS
+        )
     vocabulary = torch.randn(VOCAB_PROJECTION, generator=gen)
     packed = torch.ops.mkldnn._reorder_linear_weight(vocabulary, None)
-    heads: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-        "int8": quantize(vocabulary, "int8", folio_kernels=True).matmul,
-        "grouped int8": grouped_int8(vocabulary).matmul,
-        "float32 oneDNN": lambda x: torch.ops.folio_linear.packed_linear(x, packed, None),
+    projections = {
+        "int8": quantize(vocabulary, "int8", folio_kernels=True),
+        "grouped int8": grouped_int8(vocabulary),
     }
+    kernel_sets = {"": None}
+    if args.baseline:
+        kernel_sets[f" {args.baseline}"] = baseline_kernels(args.baseline)
+    contenders = []
+    for isa in isas:
+        for suffix, kernels in kernel_sets.items():
+
+            def swap(w: QuantizedWeight, kernels: Any = kernels) -> QuantizedWeight:
+                return w if kernels is None else dataclasses.replace(w, kernels=kernels)
+
+            heads: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+                name: swap(w).matmul for name, w in projections.items()
+            }
+            heads["float32 oneDNN"] = lambda x: torch.ops.folio_linear.packed_linear(
+                x, packed, None
+            )
+            contenders.append(
+                Contender(
+                    f"{ISA_ENV}={isa}{suffix}",
+                    isa,
+                    {shape: [swap(w) for w in ws] for shape, ws in layers.items()},
+                    heads,
+                )
+            )
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         for rows in (int(r) for r in args.rows.split(",")):
             xs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
-            times = time_passes(layers, heads, xs, isas, args.repeats, clock)
-            for isa in isas:
-                print(
-                    f"{args.method} threads={threads} rows={rows:2d} {ISA_ENV}={isa}: "
-                    f"{len(layers)} linears {summary(times[isa]['linears'])}; vocabulary "
-                    + ", ".join(f"{name} {summary(times[isa][name])}" for name in heads),
-                    flush=True,
+            times = time_passes(contenders, xs, args.repeats, clock)
+            for index, contender in enumerate(contenders):
+                # With --baseline, each contender's ratio to the baseline's on its ISA.
+                base = contenders[index | 1] if args.baseline else None
+                report(
+                    f"{args.method} threads={threads} rows={rows:2d} {contender.label}",
+                    times[contender.label],
+                    None if base is None else times[base.label],
+                    contender,
+                    projections["grouped int8"] if args.shapes else None,
                 )
+
+
+def report(
+    title: str,
+    own: dict[str, list[float]],
+    base: dict[str, list[float]] | None,
+    contender: Contender,
+    projection: QuantizedWeight | None,
+) -> None:
+    """A contender's line of figures (with its ratios to `base`'s fastest passes, if any) and,
+    given the grouped int8 projection, a line of each shape's GB/s at its fastest pass."""
+
+    def ratio(name: str) -> str:
+        return "" if base is None else f" x{min(base[name]) / min(own[name]):.2f}"
+
+    count = sum(len(ws) for ws in contender.layers.values())
+    print(
+        f"{title}: {count} linears {summary(own['linears'])}{ratio('linears')}; vocabulary "
+        + ", ".join(f"{name} {summary(own[name])}{ratio(name)}" for name in contender.heads),
+        flush=True,
+    )
+    if projection is not None:
+        weights = {**contender.layers, "grouped int8": [projection]}
+        print(
+            "    "
+            + ", ".join(
+                f"{name} {weight_bytes(ws[0]) * len(ws) / min(own[name]) / 1e9:.1f} GB/s"
+                + ratio(name)
+                for name, ws in weights.items()
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
