@@ -388,9 +388,11 @@ inline void dot_rows(const Row (&row)[OUTS], const typename Row::Code* q, int64_
   // Several weight rows side by side are several streams in one page, which the hardware
   // prefetcher follows less well than one: each row's unit of the next OUTS rows (`ahead`
   // bytes on) is asked for while this one's is multiplied.
-  const int64_t ahead = OUTS > 1 ? OUTS * (static_cast<const char*>(row[1].at(0)) -
-                                           static_cast<const char*>(row[0].at(0)))
-                                 : 0;
+  int64_t ahead = 0;
+  if constexpr (OUTS > 1) {
+    ahead = OUTS * (static_cast<const char*>(row[1].at(0)) -
+                    static_cast<const char*>(row[0].at(0)));
+  }
   int64_t b = 0;
   for (; b + kUnit <= blocks; b += kUnit) {
     if constexpr (OUTS > 1) {
@@ -682,8 +684,9 @@ inline int64_t chunk_rows(int64_t m, int64_t row_bytes) {
 }
 
 // Runs `fill(row, outputs, first, rows, sums, sums_stride, scratch)` for every kOutputs output
-// channels [row, row + outputs) < n (the last of a worker's range fewer) and every chunk of
-// activation rows [first, first + rows), in parallel over output channels, sums zeroed first,
+// channels [row, row + outputs) < n (the last of a worker's range fewer) where m <= 2
+// (weight_rows' passes over four), else for every one, and every chunk of activation rows
+// [first, first + rows), in parallel over output channels, sums zeroed first,
 // and writes out[(first + r) * ld + row + o] = sums[o * sums_stride + r] (`ld` the output's row
 // stride: n, or a fused layer's width where this product is one of its parts); scratch holds
 // `scratch_floats` floats per output channel, the worker's own. A chunk's quantized rows
@@ -693,12 +696,13 @@ template <typename Fill>
 void for_each_output(int64_t m, int64_t n, int64_t row_bytes, int64_t scratch_floats, float* out,
                      int64_t ld, const Fill& fill) {
   const int64_t chunk = chunk_rows(m, row_bytes);
+  const int group = m <= 2 ? kOutputs : 1;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> sums(kOutputs * chunk), scratch(kOutputs * scratch_floats);
+    std::vector<float> sums(group * chunk), scratch(group * scratch_floats);
     for (int64_t first = 0; first < m; first += chunk) {
       const int64_t rows = std::min(chunk, m - first);
-      for (int64_t row = begin; row < end; row += kOutputs) {
-        const int outputs = static_cast<int>(std::min<int64_t>(kOutputs, end - row));
+      for (int64_t row = begin; row < end; row += group) {
+        const int outputs = static_cast<int>(std::min<int64_t>(group, end - row));
         std::fill(sums.begin(), sums.end(), 0.0f);
         fill(row, outputs, first, rows, sums.data(), chunk, scratch.data());
         for (int64_t r = 0; r < rows; ++r) {
