@@ -277,16 +277,17 @@ def main() -> None:
         f"{args.intermediate}; CPU threads {torch.get_num_threads()}",
         flush=True,
     )
+    weights = args.weights.split(",")
+    if unknown := set(weights) - {"random", "bf16-values"}:
+        parser.error(f"--weights: random or bf16-values, not {', '.join(sorted(unknown))}")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
         for name in args.dtypes.split(","):
-            for weights in args.weights.split(","):
-                if weights not in ("random", "bf16-values"):
-                    parser.error(f"--weights: random or bf16-values, not {weights!r}")
-                dtype = getattr(torch, name)
-                if weights == "bf16-values" and dtype == torch.bfloat16:
-                    continue  # bfloat16's random weights are bfloat16 values already
-                run(args, device, dtype, weights == "bf16-values")
+            dtype = getattr(torch, name)
+            # bfloat16's random weights are bfloat16 values already: one case.
+            cases = weights[:1] if dtype == torch.bfloat16 else weights
+            for case in cases:
+                run(args, device, dtype, case == "bf16-values")
 
 
 if __name__ == "__main__":
