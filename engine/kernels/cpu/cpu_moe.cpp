@@ -33,13 +33,14 @@
 // (bfloat16 weights, both sizes multiples of 32, for CPUs with AMX: amx_usable) each step holds
 // two inputs of every column side by side: gate_up [E, I/16, hidden/2, 64], down [E, hidden/16,
 // I/2, 32], the right-hand operands of AMX's tdpbf16ps, which folio_moe_amx below multiplies
-// by x's rows (bfloat16 as they are; float32 split exactly into three bfloat16 parts). One
-// pass over x per gate_up panel gives gate and up together, and silu(gate) * up leaves
-// registers only once, as the intermediate rows down reads; the tasks of all experts share one
-// parallel loop per product (instead of a oneDNN call per expert and projection). The float32
-// code's sums are fused multiply-adds in input order, so the results are F.linear's within
-// float32 rounding, not bit for bit. AVX-512 where the CPU has it and allow_avx512 (engine/layers/moe.py passes
-// FOLIO_CPU_ISA's choice), AVX2 otherwise.
+// by x's rows (bfloat16 as they are; float32 split exactly into three bfloat16 parts; float32
+// blocks of at most 4 rows with AVX-512 FMAs instead). One pass over x per gate_up panel gives
+// gate and up together, and silu(gate) * up leaves registers only once, as the intermediate
+// rows down reads; the tasks of all experts share one parallel loop per product (instead of a
+// oneDNN call per expert and projection). The float32 code's sums are fused multiply-adds in
+// input order, so the results are F.linear's within float32 rounding, not bit for bit. AVX-512
+// where the CPU has it and allow_avx512 (engine/layers/moe.py passes FOLIO_CPU_ISA's choice),
+// AVX2 otherwise.
 //
 // folio_moe::amx_usable() -> bool: whether this process may run experts packed in pairs.
 
@@ -285,7 +286,8 @@ inline Vec silu_mul(Vec g, Vec u) {
 // three (float32 x: hi, mid and lo, exact but for lo's rounding, 2^-27 of the value; the
 // products of bfloat16 weights by them are exact, so the sums are float32's, in another order
 // than F.linear's). Each expert's rows lie in blocks of 16 (a tile's rows), the last one
-// padded with rows whose sums are never read.
+// padded with rows whose sums are never read; float32 blocks of at most kFewRows rows go
+// through AVX-512 FMAs over the same pairs instead (the float32 code's sums, bit for bit).
 namespace folio_moe_amx {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
@@ -325,6 +327,80 @@ inline void store_parts(__m512 v, int64_t parts, uint16_t* to, int64_t stride) {
   }
 }
 
+// A block of at most this many rows of float32 activations is multiplied with AVX-512 FMAs over
+// the same pairs instead (a decode step's experts get a row or two): on tiles, its three parts'
+// products over 16-row tiles, each load of the weights waiting on the products that read the
+// last (tiles are not renamed), took 1.2x the FMAs' time at one token.
+constexpr int kFewRows = 4;
+
+// The pairs of a step as two vectors of float32 weights: the step's first inputs (the low
+// halves) and its second (the high halves), exactly.
+inline void widen_pairs(const uint16_t* at, __m512& first, __m512& second) {
+  const __m512i pairs = _mm512_loadu_si512(at);
+  first = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+  second = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000u)));
+}
+
+// M float32 rows x (`hidden` apart) times gate_up panel `panel` (pairs): h[m * inter + c] =
+// silu(gate) * up for its 16 columns c. One FMA an input in input order, as the float32 code's
+// (so the same results as its widened bfloat16 panels).
+template <int M>
+struct FewGateUp {
+  static void run(const float* x, int64_t hidden, const uint16_t* panel, float* h, int64_t inter) {
+    __m512 gate[M], up[M];
+    for (int m = 0; m < M; ++m) gate[m] = up[m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < hidden; k += 2) {
+      __m512 g0, g1, u0, u1;
+      widen_pairs(panel + k * 2 * kTile, g0, g1);
+      widen_pairs(panel + k * 2 * kTile + 2 * kTile, u0, u1);
+      for (int m = 0; m < M; ++m) {
+        const __m512 x0 = _mm512_set1_ps(x[m * hidden + k]);
+        const __m512 x1 = _mm512_set1_ps(x[m * hidden + k + 1]);
+        gate[m] = _mm512_fmadd_ps(g1, x1, _mm512_fmadd_ps(g0, x0, gate[m]));
+        up[m] = _mm512_fmadd_ps(u1, x1, _mm512_fmadd_ps(u0, x0, up[m]));
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      _mm512_storeu_ps(h + m * inter, folio_moe_avx512::silu_mul(gate[m], up[m]));
+  }
+};
+
+// M float32 rows h (`inter` apart) times two down panels (pairs, `panel_values` apart): y[m *
+// hidden + c] for their 32 columns c.
+template <int M>
+struct FewDown {
+  static void run(const float* h, int64_t inter, const uint16_t* w, int64_t panel_values, float* y,
+                  int64_t hidden) {
+    __m512 sums[M][2];
+    for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < inter; k += 2) {
+      __m512 first[2], second[2];
+      for (int t = 0; t < 2; ++t)
+        widen_pairs(w + t * panel_values + k * kTile, first[t], second[t]);
+      for (int m = 0; m < M; ++m) {
+        const __m512 h0 = _mm512_set1_ps(h[m * inter + k]);
+        const __m512 h1 = _mm512_set1_ps(h[m * inter + k + 1]);
+        for (int t = 0; t < 2; ++t)
+          sums[m][t] = _mm512_fmadd_ps(second[t], h1, _mm512_fmadd_ps(first[t], h0, sums[m][t]));
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int t = 0; t < 2; ++t) _mm512_storeu_ps(y + m * hidden + t * kTile, sums[m][t]);
+  }
+};
+
+// F<M>::run(args...) for M = rows (1 to kFewRows: each row count its own unrolled code).
+template <template <int> class F, typename... Args>
+inline void with_rows(int64_t rows, Args... args) {
+  static_assert(kFewRows == 4, "one case per row count");
+  switch (rows) {
+    case 1: return F<1>::run(args...);
+    case 2: return F<2>::run(args...);
+    case 3: return F<3>::run(args...);
+    default: return F<4>::run(args...);
+  }
+}
+
 // The routed rows (float32 or bfloat16 [pairs, hidden], expert by expert) -> the experts'
 // outputs y [pairs, hidden] float32, as the float32 code's run_experts.
 inline void run_experts(const ExpertProblem& p, const at::Tensor& rows) {
@@ -344,6 +420,11 @@ inline void run_experts(const ExpertProblem& p, const at::Tensor& rows) {
   uint16_t* x = static_cast<uint16_t*>(left.data_ptr());
   uint16_t* h = static_cast<uint16_t*>(middle.data_ptr());
   const int64_t x_part = padded * hidden, h_part = padded * inter;
+  // The few-row blocks' silu(gate) * up, in float32 (float32 activations only).
+  const int64_t pair_count = p.start.back();
+  at::Tensor few = at::empty({parts == 3 ? pair_count : 0, inter}, rows.options());
+  float* wide_h = parts == 3 ? few.data_ptr<float>() : nullptr;
+  const auto is_few = [&](int64_t valid) { return parts == 3 && valid <= kFewRows; };
   for (int64_t u = 0; u < experts_used; ++u) {
     for (int64_t r = p.start[u]; r < p.start[u + 1]; ++r) {
       uint16_t* to = x + (first[u] + r - p.start[u]) * hidden;
@@ -380,7 +461,12 @@ inline void run_experts(const ExpertProblem& p, const at::Tensor& rows) {
       const auto [u, j] = tasks[task];
       const uint16_t* panel = panel_of(task);
       for (int64_t b = 0; b < blocks_of(u); ++b) {
-        const int64_t row = first[u] + b * kTile;
+        const int64_t row = first[u] + b * kTile, pair = p.start[u] + b * kTile;
+        if (is_few(valid_rows(u, b))) {
+          with_rows<FewGateUp>(valid_rows(u, b), rows.data_ptr<float>() + pair * hidden, hidden,
+                               panel, wide_h + pair * inter + j * kTile, inter);
+          continue;
+        }
         _tile_zero(0);
         _tile_zero(1);
         for (int64_t k = 0; k < hidden; k += kDepth) {
@@ -421,7 +507,12 @@ inline void run_experts(const ExpertProblem& p, const at::Tensor& rows) {
       const auto [u, t] = tasks[task];
       const uint16_t* w = down_of(task);
       for (int64_t b = 0; b < blocks_of(u); ++b) {
-        const int64_t row = first[u] + b * kTile;
+        const int64_t row = first[u] + b * kTile, pair = p.start[u] + b * kTile;
+        if (is_few(valid_rows(u, b))) {
+          with_rows<FewDown>(valid_rows(u, b), wide_h + pair * inter, inter, w, panel_values,
+                             p.y + pair * hidden + t * kTile, hidden);
+          continue;
+        }
         _tile_zero(0);
         _tile_zero(1);
         for (int64_t k = 0; k < inter; k += kDepth) {

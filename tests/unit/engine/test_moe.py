@@ -493,6 +493,33 @@ def test_stacked_experts_on_amx_match_float64_loop(first, local, threads):
     torch.testing.assert_close(narrow.double(), expected, atol=3e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_stacked_experts_on_amx_few_float32_rows_give_the_avx512_bits(threads):
+    """An expert's block of at most 4 float32 rows (a decode step's) goes through FMAs over the
+    pairs, not the tiles: the AVX-512 code's sums on widened bfloat16 panels, bit for bit."""
+    if not amx_usable():
+        pytest.skip("this CPU has no AMX (or Linux did not grant it)")
+    generator = torch.Generator().manual_seed(3)
+    hidden, inter = 64, 96
+    w13 = (torch.randn(4, 2 * inter, hidden, generator=generator) * hidden**-0.5).bfloat16()
+    w2 = (torch.randn(4, hidden, inter, generator=generator) * inter**-0.5).bfloat16()
+    pairs = torch.ops.folio_moe.pack_experts(list(w13), list(w2), True)
+    widened = torch.ops.folio_moe.pack_experts(list(w13), list(w2))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        # One token (two experts, a row each), then 2 or 4 rows for every expert.
+        for ids in ([[2, 0]], [[0, 1], [2, 3], [0, 1], [2, 1], [3, 2], [1, 2]]):
+            ids = torch.tensor(ids)
+            x = torch.randn(len(ids), hidden, generator=generator)
+            weights = torch.rand(len(ids), 2, generator=generator)
+            got = torch.ops.folio_moe.experts(x, weights, ids, *pairs, 0, True)
+            expected = torch.ops.folio_moe.experts(x, weights, ids, *widened, 0, True)
+            assert torch.equal(got, expected)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_stacked_experts_pairs_refuse_what_they_cannot_hold():
     assert cpu_capabilities().folio_kernels, "Folio's CPU kernels did not load"
     w13, w2 = torch.randn(2, 64, 32).bfloat16(), torch.randn(2, 32, 32).bfloat16()
