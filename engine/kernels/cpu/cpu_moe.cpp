@@ -306,14 +306,17 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// This thread's tiles: each 16 rows of 64 bytes.
-inline void configure() {
+// This thread's tiles: each 16 rows of 64 bytes. Only when a block needs them: a step with no
+// tile product (a decode step's float32 rows) then runs no AMX instruction at all (at one token
+// it took 0.48 ms against 0.42 when every parallel chunk configured and released its tiles).
+inline void configure(bool& configured) {
   TileConfig config;
   for (int t = 0; t < kTiles; ++t) {
     config.bytes[t] = 64;
     config.rows[t] = kTile;
   }
   _tile_loadconfig(&config);
+  configured = true;
 }
 
 // 16 float32 as `parts` bfloat16 vectors (`stride` values apart) whose sum is v.
@@ -455,7 +458,7 @@ inline void run_experts(const ExpertProblem& p, const at::Tensor& rows) {
     return gate_up + (p.used[u] * up_panels + j) * gate_up_values;
   };
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    configure();
+    bool tiles = false;  // configured: only where a block needs them
     alignas(64) float gate[kTile * kTile], up[kTile * kTile];
     for (int64_t task = begin; task < end; ++task) {
       const auto [u, j] = tasks[task];
@@ -467,6 +470,7 @@ inline void run_experts(const ExpertProblem& p, const at::Tensor& rows) {
                                panel, wide_h + pair * inter + j * kTile, inter);
           continue;
         }
+        if (!tiles) configure(tiles);
         _tile_zero(0);
         _tile_zero(1);
         for (int64_t k = 0; k < hidden; k += kDepth) {
@@ -488,7 +492,7 @@ inline void run_experts(const ExpertProblem& p, const at::Tensor& rows) {
         }
       }
     }
-    _tile_release();
+    if (tiles) _tile_release();
   });
   // Down: tasks of two panels (hidden is a multiple of 32).
   const int64_t down_panels = p.down.size(1), panel_values = inter * kTile;
@@ -501,7 +505,7 @@ inline void run_experts(const ExpertProblem& p, const at::Tensor& rows) {
     return down + (p.used[u] * down_panels + t) * panel_values;
   };
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    configure();
+    bool tiles = false;
     alignas(64) float sums[2][kTile * kTile];
     for (int64_t task = begin; task < end; ++task) {
       const auto [u, t] = tasks[task];
@@ -513,6 +517,7 @@ inline void run_experts(const ExpertProblem& p, const at::Tensor& rows) {
                              p.y + pair * hidden + t * kTile, hidden);
           continue;
         }
+        if (!tiles) configure(tiles);
         _tile_zero(0);
         _tile_zero(1);
         for (int64_t k = 0; k < inter; k += kDepth) {
@@ -533,7 +538,7 @@ inline void run_experts(const ExpertProblem& p, const at::Tensor& rows) {
         }
       }
     }
-    _tile_release();
+    if (tiles) _tile_release();
   });
 }
 
