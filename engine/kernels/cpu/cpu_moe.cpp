@@ -416,7 +416,12 @@ inline void run_experts(const ExpertProblem& p, const at::Tensor& rows) {
     const int64_t count = p.start[u + 1] - p.start[u];
     first.push_back(first.back() + (count + kTile - 1) / kTile * kTile);
   }
-  const int64_t padded = first.back();
+  const auto is_few = [&](int64_t valid) { return parts == 3 && valid <= kFewRows; };
+  // An expert of more than kFewRows rows has a block of more (or a whole tile); without one,
+  // no tile product, and no bfloat16 copies of the rows (a decode step's float32 rows).
+  int64_t most = 0;
+  for (int64_t u = 0; u < experts_used; ++u) most = std::max(most, p.start[u + 1] - p.start[u]);
+  const int64_t padded = is_few(most) ? 0 : first.back();
   const auto bf16 = rows.options().dtype(at::kBFloat16);
   at::Tensor left = at::empty({parts, padded, hidden}, bf16);
   at::Tensor middle = at::empty({parts, padded, inter}, bf16);  // silu(gate) * up
@@ -427,8 +432,7 @@ inline void run_experts(const ExpertProblem& p, const at::Tensor& rows) {
   const int64_t pair_count = p.start.back();
   at::Tensor few = at::empty({parts == 3 ? pair_count : 0, inter}, rows.options());
   float* wide_h = parts == 3 ? few.data_ptr<float>() : nullptr;
-  const auto is_few = [&](int64_t valid) { return parts == 3 && valid <= kFewRows; };
-  for (int64_t u = 0; u < experts_used; ++u) {
+  for (int64_t u = 0; u < experts_used && padded > 0; ++u) {
     for (int64_t r = p.start[u]; r < p.start[u + 1]; ++r) {
       uint16_t* to = x + (first[u] + r - p.start[u]) * hidden;
       if (parts == 1) {
