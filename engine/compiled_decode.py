@@ -22,6 +22,16 @@ or in a later step, one warning says why and decode steps run eagerly from then 
 only verifies speculative drafts (engine.spec_decode) runs its tokens as one-token rows, each the
 decode of a context ending at itself, through the same programs and under the same rules.
 Prefill and mixed steps run eagerly.
+
+A row's bits do not depend on its company: the programs round every bfloat16 (float16) value
+where eager decoding does (inductor's emulate_precision_casts, engine.decode_programs), so the
+one-row and the several-row programs give a row the same hidden states (on the default model
+eager decode steps did too), and greedy text is the same alone, beside other requests and with
+speculative decoding (whose verification rows run the several-row program). Without it,
+inductor rounded only at fused kernels' outputs and fused the one-row program otherwise. In
+float32 the linears' own products (torch's) are not row-count invariant, so there this holds
+only up to their rounding.
+
 `--enforce-eager` turns all of this off. This module never builds a real step's inputs (the
 model runner does) and is never used with a GPU, the Triton backend or tensor parallelism.
 """

@@ -87,6 +87,13 @@ def compile_options() -> dict[str, Any]:
         # which keeps a cold compile short (docs/compiled-decode.md).
         "cpp_wrapper": True,
         "cpp_wrapper_build_separate": True,
+        # Every bfloat16 (float16) value rounded where the model rounds it eagerly, not only at
+        # a fused kernel's outputs: otherwise how inductor fuses decides the bits, and it fuses
+        # the one-row program otherwise than the several-row one (at one row a residual add's
+        # sum of squares fused into its loop read the float32 sum, not the rounded residual),
+        # so a request's greedy text depended on its company and on speculative decoding's
+        # verification steps. Rounded, both programs give a row eager decoding's bits.
+        "emulate_precision_casts": True,
     }
 
 

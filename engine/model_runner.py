@@ -115,8 +115,8 @@ class ModelInput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # The embedding requests' new tokens (rank 0 only), in batch order.
     pool_slices: list[PoolSlice] = field(default_factory=list)
-    # A step that only verifies drafts, as one-token rows for the compiled decode programs
-    # (engine.spec_decode.verify.as_decode_rows); None otherwise, or without programs.
+    # A step that only verifies drafts, as one-token rows, for the compiled decode programs or
+    # eagerly (engine.spec_decode.verify.as_decode_rows); None otherwise, or off the CPU.
     decode_rows: AttentionMetadata | None = None
 
 
@@ -211,6 +211,13 @@ class ModelRunner:
         single = tp.size == 1 and groups.num_groups == 1
         self.compiled_decode = (
             CompiledDecode.start_if_enabled(self, config, model_path) if single else None
+        )
+        # A step that only verifies drafts runs as one-token rows (as_decode_rows) on the CPU,
+        # compiled or eagerly: each token through the decode arithmetic that the same token
+        # gets without speculation. Through the attention's prefill path (its products in
+        # blocks) a bfloat16 step rounded otherwise, and greedy text changed with drafts.
+        self.verify_as_decode_rows = (
+            single and dev.type == "cpu" and isinstance(self.model.backend, TorchAttentionBackend)
         )
         self.graphs = (
             DecodeGraphs.capture_if_enabled(self, config) if single and self.lora is None else None
@@ -309,7 +316,7 @@ class ModelRunner:
         if num_groups > 1:
             meta.layer_metas = self._group_metas(meta, entry, first_entries, positions, cols)
         decode_rows = None
-        if self.compiled_decode is not None and plan.num_spec_tokens:
+        if self.verify_as_decode_rows and plan.num_spec_tokens:
             decode_rows = as_decode_rows(plan, meta, entry, positions, tables)
         return ModelInput(
             input_ids=self.input_ids.upload(num_tokens),
@@ -422,12 +429,12 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The step's hidden states: a decode-only step, or one that only verifies drafts
         (`decode_rows`: its tokens as one-token rows), through a compiled program where there is
-        one; any other step eagerly."""
-        compiled = meta if meta.num_decodes == meta.num_reqs else decode_rows
-        if self.compiled_decode is not None and compiled is not None:
+        one, else eagerly as such rows; any other step eagerly as it is."""
+        rows = meta if meta.num_decodes == meta.num_reqs else decode_rows
+        if self.compiled_decode is not None and rows is not None:
             try:
                 hidden = self.compiled_decode(
-                    input_ids, positions, self.kv_caches, compiled, verify=decode_rows is not None
+                    input_ids, positions, self.kv_caches, rows, verify=decode_rows is not None
                 )
             except Exception as error:  # an optional speed-up: see engine.fallback
                 # The eager run below writes the same KV slots the failed program may have.
@@ -436,4 +443,4 @@ class ModelRunner:
             else:
                 if hidden is not None:  # None: no program for this batch (yet): eagerly
                     return hidden
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model(input_ids, positions, self.kv_caches, meta if rows is None else rows)

@@ -13,9 +13,9 @@ greedy request's are the tokens it gets without speculation.
 
 Draws use the request's own generator when it is seeded, else this verifier's. Only requests
 whose distributions do not depend on their own drafts ever draft (engine.spec_decode.drafter),
-so one row's parameters hold for all k + 1. A step that only verifies can also run as one-token
-rows (`as_decode_rows`), so that the CPU's compiled decode programs take it. It never schedules
-and never changes a request.
+so one row's parameters hold for all k + 1. On the CPU a step that only verifies runs as one-token
+rows (`as_decode_rows`): the compiled decode programs take it, and eagerly each token gets the
+decode arithmetic it gets without speculation. It never schedules and never changes a request.
 """
 
 from __future__ import annotations
@@ -66,8 +66,9 @@ def as_decode_rows(
     """A verification step (every entry a running request's last known token and its drafts,
     no prompt chunk) as one-token rows: each flat token the decode of a context ending at
     itself, through its entry's block table. That is the metadata a compiled decode program's
-    attention reads (engine.compiled_decode), and what a verifying entry's tokens attend to
-    anyway: every new K/V is written before any token attends. None for any other step.
+    attention reads (engine.compiled_decode) or an eager decode's, and what a verifying entry's
+    tokens attend to anyway: every new K/V is written before any token attends. None for any
+    other step.
     `entry` and `positions`: each flat token's batch entry and position; `tables`: the step's
     block tables (one KV group), a row per entry, meta's columns."""
     if not plan.num_spec_tokens or any(

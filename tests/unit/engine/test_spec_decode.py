@@ -661,3 +661,34 @@ def test_logprobs_of_accepted_drafts_equal_those_without_drafts(tiny):
             assert [i for i, _ in top] == [i for i, _ in want_top]
             assert [v for _, v in top] == pytest.approx([v for _, v in want_top], abs=1e-4)
             assert len(top) == 3
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("spec-llama-4-layers")
+    config_class, kwargs = VARIANTS["llama"]
+    return directory, make_checkpoint(directory, config_class, dict(kwargs, num_hidden_layers=4))
+
+
+def test_bfloat16_compiled_rows_keep_their_bits_alone_beside_a_copy_and_verified(four_layers):
+    """In bfloat16 with compiled decode, a greedy request's tokens and their logprobs are the
+    same bits alone (the one-row program), beside a copy of itself (the several-row program)
+    and with ngram drafts (its verification steps: several rows), accepted drafts included.
+    Four layers: with two, inductor fused both programs alike; with four it fused a residual
+    add and its sum of squares at one row only, which rounded otherwise (until the programs
+    rounded every bfloat16 value as eager decoding does)."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+    compiled = dict(dtype="bfloat16", enforce_eager=False, decode_compile="startup")
+    plain, spec = (
+        engine_on(four_layers, None, **compiled),
+        engine_on(four_layers, NGRAM, **compiled),
+    )
+    # The second prompt's greedy text repeats itself: drafts are accepted there.
+    for prompt in repetitive_prompts(2):
+        alone = run_with_logprobs(plain, [prompt], params)["0"]
+        beside = run_with_logprobs(plain, [prompt] * 2, params)
+        assert beside["0"] == alone and beside["1"] == alone
+        assert run_with_logprobs(spec, [prompt], params)["0"] == alone
+    programs = plain.executor.runner.compiled_decode
+    assert programs is not None and {1, 2} <= set(programs.rows_run)
+    assert spec.stats().spec_num_accepted_tokens > 0
