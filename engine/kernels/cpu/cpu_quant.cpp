@@ -705,8 +705,10 @@ void for_each_output(int64_t m, int64_t n, int64_t row_bytes, int64_t scratch_fl
         const int outputs = static_cast<int>(std::min<int64_t>(group, end - row));
         std::fill(sums.begin(), sums.end(), 0.0f);
         fill(row, outputs, first, rows, sums.data(), chunk, scratch.data());
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int o = 0; o < outputs; ++o) out[(first + r) * ld + row + o] = sums[o * chunk + r];
+        for (int o = 0; o < outputs; ++o) {
+          const float* const sum = sums.data() + o * chunk;
+          float* const column = out + first * ld + row + o;
+          for (int64_t r = 0; r < rows; ++r) column[r * ld] = sum[r];
         }
       }
     }
