@@ -34,7 +34,7 @@
 // two inputs of every column side by side: gate_up [E, I/16, hidden/2, 64], down [E, hidden/16,
 // I/2, 32], the right-hand operands of AMX's tdpbf16ps, which folio_moe_amx below multiplies
 // by x's rows (bfloat16 as they are; float32 split exactly into three bfloat16 parts; float32
-// blocks of at most 4 rows with AVX-512 FMAs instead). One pass over x per gate_up panel gives
+// blocks of at most 8 rows with AVX-512 FMAs instead). One pass over x per gate_up panel gives
 // gate and up together, and silu(gate) * up leaves registers only once, as the intermediate
 // rows down reads; the tasks of all experts share one parallel loop per product (instead of a
 // oneDNN call per expert and projection). The float32 code's sums are fused multiply-adds in
@@ -333,8 +333,10 @@ inline void store_parts(__m512 v, int64_t parts, uint16_t* to, int64_t stride) {
 // A block of at most this many rows of float32 activations is multiplied with AVX-512 FMAs over
 // the same pairs instead (a decode step's experts get a row or two): on tiles, its three parts'
 // products over 16-row tiles, each load of the weights waiting on the products that read the
-// last (tiles are not renamed), took 1.2x the FMAs' time at one token.
-constexpr int kFewRows = 4;
+// last (tiles are not renamed), took 1.2x the FMAs' time at one token; at 16 tokens (blocks of
+// about 4 rows) the benchmark's fastest calls went from 0.79-0.84x the AVX-512 code's speed with
+// 4 here to 0.98x with 8.
+constexpr int kFewRows = 8;
 
 // The pairs of a step as two vectors of float32 weights: the step's first inputs (the low
 // halves) and its second (the high halves), exactly.
@@ -395,12 +397,16 @@ struct FewDown {
 // F<M>::run(args...) for M = rows (1 to kFewRows: each row count its own unrolled code).
 template <template <int> class F, typename... Args>
 inline void with_rows(int64_t rows, Args... args) {
-  static_assert(kFewRows == 4, "one case per row count");
+  static_assert(kFewRows == 8, "one case per row count");
   switch (rows) {
     case 1: return F<1>::run(args...);
     case 2: return F<2>::run(args...);
     case 3: return F<3>::run(args...);
-    default: return F<4>::run(args...);
+    case 4: return F<4>::run(args...);
+    case 5: return F<5>::run(args...);
+    case 6: return F<6>::run(args...);
+    case 7: return F<7>::run(args...);
+    default: return F<8>::run(args...);
   }
 }
 

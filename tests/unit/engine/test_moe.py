@@ -495,7 +495,7 @@ def test_stacked_experts_on_amx_match_float64_loop(first, local, threads):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_stacked_experts_on_amx_few_float32_rows_give_the_avx512_bits(threads):
-    """An expert's block of at most 4 float32 rows (a decode step's) goes through FMAs over the
+    """An expert's block of at most 8 float32 rows (a decode step's) goes through FMAs over the
     pairs, not the tiles: the AVX-512 code's sums on widened bfloat16 panels, bit for bit."""
     if not amx_usable():
         pytest.skip("this CPU has no AMX (or Linux did not grant it)")
@@ -508,8 +508,9 @@ def test_stacked_experts_on_amx_few_float32_rows_give_the_avx512_bits(threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        # One token (two experts, a row each), then 2 or 4 rows for every expert.
-        for ids in ([[2, 0]], [[0, 1], [2, 3], [0, 1], [2, 1], [3, 2], [1, 2]]):
+        # One token (two experts, a row each); 2 or 4 rows for every expert; 8, 2 and 6 rows.
+        eight = [[0, 1]] * 2 + [[0, 2]] * 6
+        for ids in ([[2, 0]], [[0, 1], [2, 3], [0, 1], [2, 1], [3, 2], [1, 2]], eight):
             ids = torch.tensor(ids)
             x = torch.randn(len(ids), hidden, generator=generator)
             weights = torch.rand(len(ids), 2, generator=generator)
