@@ -616,7 +616,7 @@ inline void one_weight_row(bool wide, const Row& row, const typename Row::Code* 
   });
 }
 
-// sums[o * sums_stride + r] += the scaled dot products of weight rows row[o], o < outputs,
+// sums[o * sums_stride + r] += the scaled dot products of weight rows row[o], o < kCount,
 // with activation rows r < m of q (one_weight_row's). With one or two activation rows (a
 // decode step of one or two streams), kOutputs weight rows share a pass, four against one row
 // or two at a time against two: the activations' loads and the tree of horizontal adds then
@@ -624,26 +624,22 @@ inline void one_weight_row(bool wide, const Row& row, const typename Row::Code* 
 // has alone (the same bits). This AVX2 code runs there on CPUs with AVX-512 VNNI too: it
 // outpaces the AVX-512 rows' one weight row at a time (bench.quant_kernels: 1.2-1.7x the GB/s on
 // the default model's shapes, one row, AVX-512 Xeon), whose 512-bit steps have no rows to share.
-template <typename Row>
-inline void weight_rows(bool wide, const Row (&row)[kOutputs], int outputs,
-                        const typename Row::Code* q, int64_t k32, int64_t blocks, int64_t m,
-                        const float* scale, int64_t scale_stride, float* sums,
-                        int64_t sums_stride) {
-  if (outputs == kOutputs && m == 1) {
+// `kCount`: kOutputs (one or two activation rows) or 1, a constant so that a call for one
+// channel compiles to one_weight_row alone.
+template <int kCount, typename Row>
+inline void weight_rows(bool wide, const Row (&row)[kCount], const typename Row::Code* q,
+                        int64_t k32, int64_t blocks, int64_t m, const float* scale,
+                        int64_t scale_stride, float* sums, int64_t sums_stride) {
+  if constexpr (kCount == 1) {
+    one_weight_row(wide, row[0], q, k32, blocks, m, scale, scale_stride, sums);
+  } else if (m == 1) {
     dot_rows<1, kOutputs>(row, q, k32, scale, scale_stride, blocks, sums, sums_stride);
-    return;
-  }
-  if (outputs == kOutputs && m == 2) {
+  } else {
     for (int o = 0; o < kOutputs; o += 2) {
       const Row two[2] = {row[o], row[o + 1]};
       dot_rows<2, 2>(two, q, k32, scale, scale_stride, blocks, sums + o * sums_stride,
                      sums_stride);
     }
-    return;
-  }
-  for (int o = 0; o < outputs; ++o) {
-    one_weight_row(wide, row[o], q, k32, blocks, m, scale, scale_stride,
-                   sums + o * sums_stride);
   }
 }
 
@@ -683,34 +679,40 @@ inline int64_t chunk_rows(int64_t m, int64_t row_bytes) {
   return std::min(m, std::max<int64_t>(kTile, kChunkBytes / row_bytes / kTile * kTile));
 }
 
-// Runs `fill(row, outputs, first, rows, sums, sums_stride, scratch)` for every kOutputs output
-// channels [row, row + outputs) < n (the last of a worker's range fewer) where m <= 2
-// (weight_rows' passes over four), else for every one, and every chunk of activation rows
-// [first, first + rows), in parallel over output channels, sums zeroed first,
-// and writes out[(first + r) * ld + row + o] = sums[o * sums_stride + r] (`ld` the output's row
-// stride: n, or a fused layer's width where this product is one of its parts); scratch holds
-// `scratch_floats` floats per output channel, the worker's own. A chunk's quantized rows
-// (`row_bytes` each) fit in L1 together, so each weight row is read from memory once per chunk
-// and the activations stay in L1 across weight rows.
+// Runs `fill(count, row, first, rows, sums, sums_stride, scratch)` for output channels [row,
+// row + count) < n, count (a std::integral_constant) kOutputs where m <= 2 (weight_rows'
+// passes over four; the last of a worker's range one at a time) and 1 otherwise, and every
+// chunk of activation rows [first, first + rows), in parallel over output channels, sums
+// zeroed first, and writes out[(first + r) * ld + row + o] = sums[o * sums_stride + r] (`ld`
+// the output's row stride: n, or a fused layer's width where this product is one of its
+// parts); scratch holds `scratch_floats` floats per output channel, the worker's own. A
+// chunk's quantized rows (`row_bytes` each) fit in L1 together, so each weight row is read
+// from memory once per chunk and the activations stay in L1 across weight rows.
 template <typename Fill>
 void for_each_output(int64_t m, int64_t n, int64_t row_bytes, int64_t scratch_floats, float* out,
                      int64_t ld, const Fill& fill) {
   const int64_t chunk = chunk_rows(m, row_bytes);
-  const int group = m <= 2 ? kOutputs : 1;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> sums(group * chunk), scratch(group * scratch_floats);
+    std::vector<float> sums(kOutputs * chunk), scratch(kOutputs * scratch_floats);
     for (int64_t first = 0; first < m; first += chunk) {
       const int64_t rows = std::min(chunk, m - first);
-      for (int64_t row = begin; row < end; row += group) {
-        const int outputs = static_cast<int>(std::min<int64_t>(group, end - row));
-        std::fill(sums.begin(), sums.end(), 0.0f);
-        fill(row, outputs, first, rows, sums.data(), chunk, scratch.data());
-        for (int o = 0; o < outputs; ++o) {
+      const auto channels = [&](auto count, int64_t row) {
+        constexpr int kCount = decltype(count)::value;
+        std::fill(sums.begin(), sums.begin() + kCount * chunk, 0.0f);
+        fill(count, row, first, rows, sums.data(), chunk, scratch.data());
+        for (int o = 0; o < kCount; ++o) {
           const float* const sum = sums.data() + o * chunk;
           float* const column = out + first * ld + row + o;
           for (int64_t r = 0; r < rows; ++r) column[r * ld] = sum[r];
         }
+      };
+      int64_t row = begin;
+      if (m <= 2) {
+        for (; row + kOutputs <= end; row += kOutputs) {
+          channels(std::integral_constant<int, kOutputs>{}, row);
+        }
       }
+      for (; row < end; ++row) channels(std::integral_constant<int, 1>{}, row);
     }
   });
 }
@@ -733,10 +735,11 @@ void grouped_int8_rows(bool wide, const QuantizedActivations<int16_t>& xq, int64
   // scratch: a float16 row's scales in float32 (float32 ones are read where they lie).
   const int64_t scratch_floats = kWide ? 0 : round_up(groups, 8);
   for_each_output(m, n, row_bytes, scratch_floats, out, ld,
-                  [&](int64_t row, int outputs, int64_t first, int64_t rows, float* sums,
+                  [&](auto count, int64_t row, int64_t first, int64_t rows, float* sums,
                       int64_t sums_stride, float* scratch) {
-    GroupedInt8Row<kGroup> weight[kOutputs]{};
-    for (int o = 0; o < outputs; ++o) {
+    constexpr int kCount = decltype(count)::value;
+    GroupedInt8Row<kGroup> weight[kCount];
+    for (int o = 0; o < kCount; ++o) {
       const int64_t channel = row + o;
       const float* row_scale;
       if constexpr (kWide) {
@@ -751,7 +754,7 @@ void grouped_int8_rows(bool wide, const QuantizedActivations<int16_t>& xq, int64
       }
       weight[o] = {ws + channel * k, row_scale};
     }
-    weight_rows(wide, weight, outputs, xq.q.data() + first * xq.k32, xq.k32, xq.blocks, rows,
+    weight_rows(wide, weight, xq.q.data() + first * xq.k32, xq.k32, xq.blocks, rows,
                 xq.d_lanes.data() + first * xq.blocks * xq.kLanes, xq.blocks * xq.kLanes, sums,
                 sums_stride);
   });
@@ -800,13 +803,14 @@ void int4_rows(bool wide, const QuantizedActivations<int8_t>& xq, int64_t m,
   const int64_t stride = xq.padded_blocks;
   // scratch: this row's scales and minimums in float32, zero-padded like the activations'.
   for_each_output(m, n, xq.k32, 2 * stride, out, ld,
-                  [&](int64_t row, int outputs, int64_t first, int64_t rows, float* sums,
+                  [&](auto count, int64_t row, int64_t first, int64_t rows, float* sums,
                       int64_t sums_stride, float* scratch) {
+    constexpr int kCount = decltype(count)::value;
     // Locals, so that the stores below cannot be taken to change them.
     const float* const act_sum = xq.q_sum.data() + first * stride;
-    Int4Row weight[kOutputs]{};
-    const float* weight_min[kOutputs]{};
-    for (int o = 0; o < outputs; ++o) {
+    Int4Row weight[kCount];
+    const float* weight_min[kCount];
+    for (int o = 0; o < kCount; ++o) {
       const int64_t channel = row + o;
       float* const converted = scratch + o * 2 * stride;
       for (int64_t g = 0; g < groups; g += 8) {
@@ -819,21 +823,21 @@ void int4_rows(bool wide, const QuantizedActivations<int8_t>& xq, int64_t m,
       weight_min[o] = converted + stride;
     }
     // The minimums' terms, each a chain of FMAs over eight lanes summed across in a tree
-    // (add_lane_sums' order): for one activation row, kOutputs channels' side by side; else
-    // per channel eight activation rows at a time (rows past the chunk's are zeros or the next
+    // (add_lane_sums' order): for one activation row, the channels' side by side; else per
+    // channel eight activation rows at a time (rows past the chunk's are zeros or the next
     // chunk's, read and dropped).
-    if (rows == 1 && outputs == kOutputs) {
-      __m256 min_term[kOutputs];
-      for (int o = 0; o < kOutputs; ++o) min_term[o] = _mm256_setzero_ps();
+    if (rows == 1) {
+      __m256 min_term[kCount];
+      for (int o = 0; o < kCount; ++o) min_term[o] = _mm256_setzero_ps();
       for (int64_t g = 0; g < groups; g += 8) {
         const __m256 a = _mm256_loadu_ps(act_sum + g);
-        for (int o = 0; o < kOutputs; ++o) {
+        for (int o = 0; o < kCount; ++o) {
           min_term[o] = _mm256_fmadd_ps(_mm256_loadu_ps(weight_min[o] + g), a, min_term[o]);
         }
       }
       add_lane_sums(min_term, [&](int o, float sum) { sums[o * sums_stride] += sum; });
     } else {
-      for (int o = 0; o < outputs; ++o) {
+      for (int o = 0; o < kCount; ++o) {
         for (int64_t r0 = 0; r0 < rows; r0 += 8) {
           __m256 min_term[8];
           for (int j = 0; j < 8; ++j) min_term[j] = _mm256_setzero_ps();
@@ -850,7 +854,7 @@ void int4_rows(bool wide, const QuantizedActivations<int8_t>& xq, int64_t m,
         }
       }
     }
-    weight_rows(wide, weight, outputs, xq.q.data() + first * xq.k32, xq.k32, xq.blocks, rows,
+    weight_rows(wide, weight, xq.q.data() + first * xq.k32, xq.k32, xq.blocks, rows,
                 xq.d_lanes.data() + first * groups * xq.kLanes, groups * xq.kLanes, sums,
                 sums_stride);
   });
@@ -897,14 +901,15 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const int64_t row_bytes = xq.k32 * static_cast<int64_t>(sizeof(int16_t));
   at::Tensor out = new_output(x, n);
   for_each_output(m, n, row_bytes, 0, out.data_ptr<float>(), n,
-                  [&](int64_t row, int outputs, int64_t first, int64_t rows, float* sums,
+                  [&](auto count, int64_t row, int64_t first, int64_t rows, float* sums,
                       int64_t sums_stride, float*) {
-    Int8Row weight[kOutputs]{};
-    for (int o = 0; o < outputs; ++o) weight[o] = {ws + (row + o) * k};
-    weight_rows(wide, weight, outputs, xq.q.data() + first * xq.k32, xq.k32, xq.blocks, rows,
+    constexpr int kCount = decltype(count)::value;
+    Int8Row weight[kCount];
+    for (int o = 0; o < kCount; ++o) weight[o] = {ws + (row + o) * k};
+    weight_rows(wide, weight, xq.q.data() + first * xq.k32, xq.k32, xq.blocks, rows,
                 xq.d_lanes.data() + first * xq.blocks * xq.kLanes, xq.blocks * xq.kLanes, sums,
                 sums_stride);
-    for (int o = 0; o < outputs; ++o) {
+    for (int o = 0; o < kCount; ++o) {
       const int8_t* wr = weight[o].w;
       for (int64_t r = 0; r < rows; ++r) {
         const float* xr = xs + (first + r) * k;
