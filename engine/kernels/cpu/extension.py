@@ -11,7 +11,8 @@ activations times the same tiles widened to float32 in registers, on any AVX2 CP
 grouped LoRA product (cpu_lora.cpp: torch.ops.folio_lora.lora_add), and the mixture of
 experts (cpu_moe.cpp, torch.ops.folio_moe: route and combine, the gather and weighted sum around
 experts run one at a time; pack_experts and experts, a layer's gated-SiLU experts packed once
-into panels and run stacked, every expert in one call).
+into panels and run stacked, every expert in one call, on AMX tiles where amx_usable says the
+CPU and Linux allow them).
 
 `load()` registers the ops and returns True, or False where they cannot run (a CPU without AVX2
 and FMA, no C++ compiler, a build error: one warning says which): callers then use torch's own
