@@ -1,12 +1,14 @@
 // bfloat16 products on x86 CPUs with AVX-512 BF16, shared by Folio's kernels (cpu_linear.cpp's
-// bf16_linear, cpu_attention.cpp's prefill attention).
+// bf16_linear, cpu_attention.cpp's prefill attention), and bfloat16 pairs widened to float32
+// (widen_pairs: cpu_linear.cpp's widened tiles, cpu_lora.cpp's expand, cpu_moe.cpp's AMX pairs).
 //
 // The right-hand matrix [out, in] lies in tiles of 16 output rows, each row's inputs in pairs:
 // tile t, pair p holds (w[16 t + j][2 p], w[16 t + j][2 p + 1]) for j < 16, 32 values, the
 // operand layout of vdpbf16ps. One 64-byte load of a tile and one broadcast pair of a left-hand
 // row give that row 16 sums, two multiply-adds each, in float32 and without horizontal adds.
-// Only the functions marked FOLIO_AVX512_BF16 use AVX-512: the rest of Folio's kernels must run
-// on AVX2-only CPUs, so no file is compiled for AVX-512 as a whole.
+// Only the functions marked FOLIO_AVX512_BF16, and widen_pairs' AVX-512 form, use AVX-512: the
+// rest of Folio's kernels must run on AVX2-only CPUs, so no file is compiled for AVX-512 as a
+// whole.
 #pragma once
 
 #include <immintrin.h>
@@ -18,6 +20,23 @@
 namespace folio {
 
 constexpr int64_t kTileRows = 16;  // output rows of a tile: one vector of float32 sums
+
+// Pairs of bfloat16 values (a 32-bit lane each, the first value in its low half) as two vectors
+// of float32, exactly: each pair's first value (the low half, shifted up) and its second (the
+// high half, masked). A bfloat16 value is the upper half of a float32, so this is all the
+// widening a pair needs: 8 pairs (32 bytes at `at`) on AVX2, 16 (64 bytes) on AVX-512.
+inline void widen_pairs(const void* at, __m256& first, __m256& second) {
+  const __m256i pairs = _mm256_loadu_si256(static_cast<const __m256i*>(at));
+  first = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+  second = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(-65536)));
+}
+
+__attribute__((target("avx512f"))) inline void widen_pairs(const void* at, __m512& first,
+                                                            __m512& second) {
+  const __m512i pairs = _mm512_loadu_si512(at);
+  first = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+  second = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(-65536)));
+}
 
 inline bool cpu_has_avx512_bf16() {
   static const bool supported = __builtin_cpu_supports("avx512bf16") &&

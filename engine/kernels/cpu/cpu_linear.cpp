@@ -183,7 +183,6 @@ inline void widened_tile(const float* x, int64_t x_row, const uint16_t* tile, in
   __m256 acc[ROWS][2], odd_acc[ROWS][2];
   for (int m = 0; m < ROWS; ++m)
     for (int h = 0; h < 2; ++h) acc[m][h] = odd_acc[m][h] = _mm256_setzero_ps();
-  const __m256i upper = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* at = tile + p * 2 * kTileRows;
     if (prefetch != nullptr)
@@ -192,9 +191,7 @@ inline void widened_tile(const float* x, int64_t x_row, const uint16_t* tile, in
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       // Lane j: the pair (w[8 h + j][2 p], w[8 h + j][2 p + 1]), the first in the low half.
-      const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 16 * h));
-      even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(both, 16));
-      odd[h] = _mm256_castsi256_ps(_mm256_and_si256(both, upper));
+      folio::widen_pairs(at + 16 * h, even[h], odd[h]);
     }
 #pragma GCC unroll 8
     for (int m = 0; m < ROWS; ++m) {

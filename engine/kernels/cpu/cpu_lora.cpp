@@ -124,9 +124,9 @@ struct Columns {
 inline Columns load_columns(const float* p) { return {{load(p), load(p + kLanes)}}; }
 inline Columns load_columns(const c10::Half* p) { return {{load(p), load(p + kLanes)}}; }
 inline Columns load_columns(const c10::BFloat16* p) {
-  const __m512i pairs = _mm512_loadu_si512(p);
-  return {{_mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)),
-           _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(-65536)))}};
+  Columns columns;
+  folio::widen_pairs(p, columns.v[0], columns.v[1]);
+  return columns;
 }
 template <typename T>
 inline Columns in_order(const Vec (&sums)[2], const T*) {
@@ -213,9 +213,9 @@ struct Columns {
 inline Columns load_columns(const float* p) { return {{load(p), load(p + kLanes)}}; }
 inline Columns load_columns(const c10::Half* p) { return {{load(p), load(p + kLanes)}}; }
 inline Columns load_columns(const c10::BFloat16* p) {
-  const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return {{_mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)),
-           _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(-65536)))}};
+  Columns columns;
+  folio::widen_pairs(p, columns.v[0], columns.v[1]);
+  return columns;
 }
 template <typename T>
 inline Columns in_order(const Vec (&sums)[2], const T*) {

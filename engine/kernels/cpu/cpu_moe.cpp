@@ -340,11 +340,7 @@ constexpr int kFewRows = 8;
 
 // The pairs of a step as two vectors of float32 weights: the step's first inputs (the low
 // halves) and its second (the high halves), exactly.
-inline void widen_pairs(const uint16_t* at, __m512& first, __m512& second) {
-  const __m512i pairs = _mm512_loadu_si512(at);
-  first = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-  second = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000u)));
-}
+using folio::widen_pairs;
 
 // M float32 rows x (`hidden` apart) times gate_up panel `panel` (pairs): h[m * inter + c] =
 // silu(gate) * up for its 16 columns c. One FMA an input in input order, as the float32 code's
