@@ -10,7 +10,8 @@
 // column, and multiplies the shrunk values k * rank onwards (a fused q/k/v or gate/up layer's
 // shards each have their own A and B, and no zeros between them are stored or read). Ranks
 // below `rank` are zero rows of A and B. The rows are grouped by slot (a counting sort); with
-// two groups or more per thread each thread takes whole groups, else each group's shrink is
+// two groups or more per thread each thread takes whole groups (each group hinting the next
+// one's A and B to the L2 cache while it computes), else each group's shrink is
 // split into tasks of a few rows of A over all its rows and its expand into runs of tiles
 // (cpu_lora_body.h's run): each used slot's A and B are read once per call, front to back,
 // and a row does its own slot's arithmetic only. The work runs on at::parallel_for; the sums

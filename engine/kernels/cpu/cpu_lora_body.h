@@ -42,6 +42,21 @@ struct Dot<c10::BFloat16> {
 };
 #endif
 
+// The next group's A and B (a thread's next slot in run's whole-groups pass), handed to the L2
+// cache a line at a time as this group reads its own: the hardware prefetcher alone runs too
+// little ahead of the arithmetic for the reads to overlap it (bench.lora_kernel, one thread:
+// about 10 to 17% less time a step). Prefetches never change a value.
+struct Ahead {
+  const char* at[2] = {nullptr, nullptr};
+  const char* end[2] = {nullptr, nullptr};
+  // Hints the next `bytes` of the next group's A, then of its B, to the L2 cache.
+  inline void lines(int64_t bytes) {
+    for (int s = 0; s < 2 && bytes > 0; ++s)
+      for (; at[s] < end[s] && bytes > 0; at[s] += 64, bytes -= 64)
+        _mm_prefetch(at[s], _MM_HINT_T1);
+  }
+};
+
 // shrunk[row][k] (k < K) = a[k] . x[row] for rows rows[0 .. M): K rows of one slot's A, `in`
 // long, `in` apart; `shrunk` points at the task's first column.
 template <int K, int M, typename T>
@@ -146,24 +161,30 @@ inline void expand_upto(int64_t m, const Problem<T>& p, const T* bt, const int32
   expand_rows<M>(p, bt, rows, o0, n, column);
 }
 
-// One group's shrink over its rows, tasks [begin, end) of it (kShrinkRows rows of A each).
+// One group's shrink over its rows, tasks [begin, end) of it (kShrinkRows rows of A each),
+// hinting as many bytes of `ahead` as it reads of A.
 template <typename T>
-inline void shrink_group(const Problem<T>& p, const Group& g, int64_t w_begin, int64_t w_end) {
+inline void shrink_group(const Problem<T>& p, const Group& g, int64_t w_begin, int64_t w_end,
+                         Ahead& ahead) {
   for (int64_t w0 = w_begin; w0 < w_end; w0 += kShrinkRows) {
     const T* a = p.a + (g.slot * p.width + w0) * p.in;
     const int64_t k = std::min<int64_t>(kShrinkRows, p.width - w0);
+    ahead.lines(k * p.in * static_cast<int64_t>(sizeof(T)));
     for (int64_t i = g.begin; i < g.end; i += kRowBlock)
       shrink_upto<kShrinkRows, kRowBlock>(k, std::min<int64_t>(kRowBlock, g.end - i), p, a,
                                           p.order.data() + i, p.shrunk + w0);
   }
 }
 
-// One group's expand over output tiles [begin, end) (a slot's tiles lie one after the other).
+// One group's expand over output tiles [begin, end) (a slot's tiles lie one after the other),
+// hinting as many bytes of `ahead` as it reads of B.
 template <typename T>
-inline void expand_group(const Problem<T>& p, const Group& g, int64_t begin, int64_t end) {
+inline void expand_group(const Problem<T>& p, const Group& g, int64_t begin, int64_t end,
+                         Ahead& ahead) {
   const int64_t tile_values = p.rank * p.tile_width;
   const T* slot_tiles = p.b + g.slot * static_cast<int64_t>(p.tiles.size()) * tile_values;
   for (int64_t t = begin; t < end; ++t) {
+    ahead.lines(tile_values * static_cast<int64_t>(sizeof(T)));
     const Tile tile = p.tiles[t];
     for (int64_t i = g.begin; i < g.end; i += kExpandRows)
       expand_upto<kExpandRows>(std::min<int64_t>(kExpandRows, g.end - i), p,
@@ -183,9 +204,10 @@ inline void copy_base_rows(const Problem<T>& p, int64_t begin, int64_t end) {
 
 // The whole product. With at least two groups per thread (a decode step over many adapters),
 // each thread takes whole groups, shrink then expand, in one parallel pass: its slots' A and
-// B read front to back, no wait between the phases. Otherwise (one or a few adapters) every
-// group's shrink is split into tasks of kShrinkRows rows of A, then its expand into runs of
-// output tiles, so that a lone adapter's rows still use every thread. Either way each used
+// B read front to back, no wait between the phases, each group hinting its next one's to the
+// L2 cache (Ahead; every slot's A and B are the same size). Otherwise (one or a few adapters)
+// every group's shrink is split into tasks of kShrinkRows rows of A, then its expand into runs
+// of output tiles, so that a lone adapter's rows still use every thread. Either way each used
 // slot's A and B are read once.
 template <typename T>
 void run(const Problem<T>& p) {
@@ -194,9 +216,19 @@ void run(const Problem<T>& p) {
   const int64_t base = static_cast<int64_t>(p.base_rows.size());
   if (groups >= 2 * at::get_num_threads()) {
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      const int64_t a_bytes = p.width * p.in * static_cast<int64_t>(sizeof(T));
+      const int64_t b_bytes = tiles * p.rank * p.tile_width * static_cast<int64_t>(sizeof(T));
       for (int64_t g = begin; g < end; ++g) {
-        shrink_group(p, p.groups[g], 0, p.width);
-        expand_group(p, p.groups[g], 0, tiles);
+        Ahead ahead;
+        if (g + 1 < end) {
+          const int64_t next = p.groups[g + 1].slot;
+          ahead.at[0] = reinterpret_cast<const char*>(p.a) + next * a_bytes;
+          ahead.at[1] = reinterpret_cast<const char*>(p.b) + next * b_bytes;
+          ahead.end[0] = ahead.at[0] + a_bytes;
+          ahead.end[1] = ahead.at[1] + b_bytes;
+        }
+        shrink_group(p, p.groups[g], 0, p.width, ahead);
+        expand_group(p, p.groups[g], 0, tiles, ahead);
       }
       copy_base_rows(p, begin * base / groups, end * base / groups);
     });
@@ -204,13 +236,15 @@ void run(const Problem<T>& p) {
   }
   const int64_t per_group = (p.width + kShrinkRows - 1) / kShrinkRows;
   at::parallel_for(0, groups * per_group, 1, [&](int64_t begin, int64_t end) {
+    Ahead none;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t w0 = (t % per_group) * kShrinkRows;
-      shrink_group(p, p.groups[t / per_group], w0, w0 + kShrinkRows);
+      shrink_group(p, p.groups[t / per_group], w0, w0 + kShrinkRows, none);
     }
   });
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (const Group& g : p.groups) expand_group(p, g, begin, end);
+    Ahead none;
+    for (const Group& g : p.groups) expand_group(p, g, begin, end, none);
     copy_base_rows(p, begin * base / tiles, end * base / tiles);
   });
 }
