@@ -56,7 +56,8 @@ class QuantizedWeight:
     method: str  # "int8", GROUPED_INT8 or "int4" (a PartsWeight: its parts', e.g. "int4 + ...")
     # int8 (either): [out, in] int8 codes. int4: [out, in / 2] uint8, two 4-bit codes to a
     # byte: in each group of 32 input features, byte i holds feature i in its low half and
-    # feature i + 16 in its high half (GGUF Q4_1's order).
+    # feature i + 16 in its high half (GGUF Q4_1's order); on Folio's kernels the whole blocks
+    # of 16 groups of each row in int4_blocked_codes' order instead.
     codes: torch.Tensor
     # int8: [out] scales; grouped int8: [out, in / 32 or in / 16] scales, the weight being code
     # * scale, float16 (Q8_0's) or float32 (Q6_K's d * sc); int4: [out, in / 32] scales, the
@@ -120,7 +121,8 @@ class QuantizedWeight:
         if self.kernels is not None and dtype in (torch.float32, torch.bfloat16):
             return self.kernels.int4_dequantize(self.codes, self.scale, self.minimum, dtype)
         out_features = self.codes.shape[0]
-        packed = self.codes.view(out_features, -1, INT4_GROUP_SIZE // 2)
+        nibbles = self.codes if self.kernels is None else int4_q4_1_codes(self.codes)
+        packed = nibbles.view(out_features, -1, INT4_GROUP_SIZE // 2)
         groups = torch.cat((packed & 0xF, packed >> 4), dim=-1).to(dtype)
         weight = torch.addcmul(
             self.minimum.to(dtype)[..., None], groups, self.scale.to(dtype)[..., None]
@@ -272,6 +274,44 @@ def quantize(weight: torch.Tensor, method: str, folio_kernels: bool) -> Quantize
     return int4_weight(nibbles, scale, low, weight.dtype, folio_kernels)
 
 
+# Groups of 32 input features in a block of Folio's int4 layout (cpu_quant.cpp's Int4Activations).
+INT4_BLOCK_GROUPS = 16
+
+
+def int4_blocked_codes(nibbles: torch.Tensor) -> torch.Tensor:
+    """Int4 codes in Q4_1's order ([out, in / 2] uint8) in the order Folio's kernels read them,
+    a lossless permutation: each row's whole blocks of 16 groups as 256 bytes, byte 64 u + 4 g
+    + i holding group g's code at position 8 u + i in its low half and 8 u + 4 + i in its high
+    half (a 64-byte load splits into positions 8 u .. 8 u + 4 and 8 u + 4 .. 8 u + 8 of the 16
+    groups, a 32-bit lane to a group: each group's products then sum in one lane); the groups
+    after the last whole block stay in Q4_1's order."""
+    out_features, half = nibbles.shape
+    full = half // (INT4_GROUP_SIZE // 2) // INT4_BLOCK_GROUPS * INT4_BLOCK_GROUPS
+    if full == 0:
+        return nibbles.contiguous()
+    packed = nibbles[:, : full * INT4_GROUP_SIZE // 2].reshape(out_features, full, -1)
+    codes = torch.cat((packed & 0xF, packed >> 4), dim=-1)  # [out, groups, 32], in order
+    vectors = codes.view(out_features, -1, INT4_BLOCK_GROUPS, 8, 4).transpose(2, 3)
+    pairs = vectors.reshape(out_features, -1, 4, 2, 64)
+    blocks = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(out_features, -1)
+    return torch.cat((blocks, nibbles[:, blocks.shape[1] :]), dim=1).contiguous()
+
+
+def int4_q4_1_codes(blocked: torch.Tensor) -> torch.Tensor:
+    """int4_blocked_codes undone: the codes in Q4_1's order."""
+    out_features, half = blocked.shape
+    full = half // (INT4_GROUP_SIZE // 2) // INT4_BLOCK_GROUPS * INT4_BLOCK_GROUPS
+    if full == 0:
+        return blocked.contiguous()
+    width = full * INT4_GROUP_SIZE // 2
+    pairs = blocked[:, :width].reshape(out_features, -1, 4, 64)
+    vectors = torch.stack((pairs & 0xF, pairs >> 4), dim=3)  # [out, blocks, 4, 2, 64]
+    codes = vectors.view(out_features, -1, 8, INT4_BLOCK_GROUPS, 4).transpose(2, 3)
+    codes = codes.reshape(out_features, full, INT4_GROUP_SIZE)
+    nibbles = codes[..., :16] | (codes[..., 16:] << 4)
+    return torch.cat((nibbles.reshape(out_features, width), blocked[:, width:]), dim=1)
+
+
 def int4_weight(
     nibbles: torch.Tensor,
     scale: torch.Tensor,
@@ -291,7 +331,7 @@ def int4_weight(
     scale_dtype = group_dtype if kernels is not None else dtype
     quantized = QuantizedWeight(
         "int4",
-        nibbles,
+        nibbles if kernels is None else int4_blocked_codes(nibbles),
         scale.to(scale_dtype),
         minimum.to(scale_dtype),
         kernels,

@@ -19,9 +19,18 @@
 // four weight rows a pass instead, sharing the activations' loads and the tree of horizontal
 // adds and prefetching the next four rows, on every CPU (weight_rows); every product keeps its
 // own accumulators and order, so its bits do not depend on what shares its pass. On CPUs with
-// AVX-512 VNNI the products of more rows run on 512-bit registers (vpdpbusd, vpdpwssd; eight
-// rows at a time) with the same integer sums in the same lanes and the same float steps: bit
-// for bit the AVX2 code's outputs (Wide); FOLIO_CPU_ISA=avx2 keeps the AVX2 code (wide_rows).
+// AVX-512 VNNI the products of more rows run on 512-bit registers (vpdpwssd; eight rows at a
+// time) with the same integer sums in the same lanes and the same float steps: bit for bit the
+// AVX2 code's outputs (Wide); FOLIO_CPU_ISA=avx2 keeps the AVX2 code (wide_rows).
+//
+// int4 weights are read in blocks of 16 groups (Int4Activations; the weights permuted once, at
+// load, by engine/layers/quantization.int4_blocked_codes): each group's 32 products are summed
+// in one 32-bit lane, exactly (vpdpbusd on AVX-512; on AVX2 maddubs pairs added in int16, then
+// one madd), so that the float steps (conversion, the activations' scale, the weight's) run once
+// per group rather than once per four of its products: those steps, not the weights' bytes,
+// bounded the products of several rows. The AVX-512 and AVX2 code hold the same lanes (the
+// AVX2 code a block's two halves of eight groups) and give the same bits; the groups after the
+// last whole block run as before (Int4Row, two groups a step).
 // This file only multiplies; quantizing weights and choosing the kernel is
 // engine/models/quantization.
 
@@ -33,6 +42,7 @@
 #include <torch/library.h>
 
 #include <cctype>
+#include <cstring>
 #include <cstdlib>
 #include <optional>
 #include <string>
@@ -69,22 +79,18 @@ inline int64_t round_up(int64_t value, int64_t multiple) {
   return (value + multiple - 1) / multiple * multiple;
 }
 
-// One call's activations, each row's first k32 features (a multiple of 32) in blocks of 32:
-// x[r, 32 b + i] ~ q[r, 32 b + i] * d[r, b], |q| <= kLimit (int8: 127, so that negating q stays
-// in range; int16: 32767); d_lanes[r, kLanes b .. kLanes (b + 1)) holds kLanes copies of d[r, b]
-// (int8 codes: 4, int16 codes: 8), the lanes of a block's partial sums in the rows' vectors
-// (Int4Row::dot's four per group; eight in Wide's int8 rows), so that the scales of a row's
-// vector of partial sums are one load; q_sum[r, b] = d[r, b] * sum_i q[r, 32 b + i] (the int4
-// minimums' term), its rows padded with zeros to a multiple of 8 blocks, and 7 rows of zeros
-// more, so that it is read eight at a time. The codes are stored in units of
-// kUnit consecutive blocks (int8 codes, int4 weights': 4, int16 codes: 2; the last blocks of a
-// row in smaller units, halving, down to single blocks), a unit as its blocks' first halves
-// (features 0-15) in order, then their second halves: the order in which a unit's weights
-// unpack, 32 bytes of int4 codes to their low nibbles (the first halves of two groups) and
-// their high nibbles (Int4Row), and what one 512-bit load of activations meets (the AVX-512
-// rows read four int4 groups, or two int8 blocks, as one unit). Within a unit, block b's first
-// half lies at (b - base) * 16 codes from the unit's start, its second half `unit * 16` codes
-// after that; a single block is in order.
+// One call's activations against int8 weights, each row's first k32 features (a multiple of
+// 32) in blocks of 32: x[r, 32 b + i] ~ q[r, 32 b + i] * d[r, b], |q| <= 32767 (int16 codes;
+// quantize_block also makes Int4Activations' int8 codes, |q| <= 127, so that negating q stays
+// in range); d_lanes[r, 8 b .. 8 (b + 1)) holds eight copies of d[r, b], the lanes of a block's
+// partial sums in the rows' vectors, so that the scales of a row's vector of partial sums are
+// one load; q_sum[r, b] = d[r, b] * sum_i q[r, 32 b + i], its rows padded with zeros to a
+// multiple of 8 blocks, and 7 rows of zeros more, so that it is read eight at a time. The codes
+// are stored in units of two consecutive blocks (the last block of an odd count alone), a unit
+// as its blocks' first halves (features 0-15) in order, then their second halves: what one
+// 512-bit load of activations meets (the AVX-512 rows read a unit at once). Within a unit,
+// block b's first half lies at (b - base) * 16 codes from the unit's start, its second half
+// `unit * 16` codes after that; a single block is in order.
 template <typename Code>
 struct QuantizedActivations {
   static constexpr bool kPaired = std::is_same_v<Code, int8_t>;
@@ -233,15 +239,16 @@ struct GroupedInt8Row {
   }
 };
 
-// One int4 row against int8 activations, two groups at a time. A group's 16 bytes hold code i
+// One int4 row's last groups (those after its whole blocks of 16: Int4Activations) against int8
+// activations, two groups at a time. A group's 16 bytes hold code i
 // in the low half of byte i and code i + 16 in the high half (GGUF Q4_1's order), so 32 bytes
 // unpack to the low codes of both groups and their high codes, the order in which the
 // activations of a pair of blocks are stored. maddubs multiplies the unsigned codes by the
 // signed activations (pairs summed to at most 2 * 15 * 127; the low and high halves' sums
 // added stay within int16), madd sums to int32: the lower four partial sums belong to the
 // first group, the upper four to the second, each scaled by its own group's scale times the
-// activation block's (`act_scale`: an activation row's d_lanes). `scale` is the row's group scales
-// as float32.
+// activation block's (`act_scale`: an activation row's tail_d_lanes). `scale` is the row's
+// group scales as float32.
 struct Int4Row {
   using Code = int8_t;
   static constexpr int kStep = 2;
@@ -430,9 +437,177 @@ inline void for_each_tile(int64_t m, const Tile& tile) {
   last_tile<ROWS - 1>(m - r0, r0, tile);
 }
 
+// ---- int4 in blocks of 16 groups (Int4Activations, the weights as int4_blocked_codes packs
+// them): the 32 products of a group summed exactly in one int32 lane, then its float steps
+// once per group. A weight row's first `full` groups (a multiple of 16) lie in blocks of 256
+// bytes: block byte 64 u + 4 g + i (u < 4, g < 16, i < 4) holds group g's code at position
+// 8 u + i in its low half and at 8 u + 4 + i in its high half, so that a 64-byte load splits
+// into vector 2 u (low nibbles) and 2 u + 1 (high): vector j holds positions 4 j .. 4 j + 4 of
+// the 16 groups, a 32-bit lane to a group. The groups after them (fewer than 16) keep Q4_1's
+// order and go through Int4Row, two at a time.
+constexpr int64_t kGroupsPerBlock = 16;
+constexpr int64_t kBlockCodeBytes = kGroupsPerBlock * kBlock / 2;  // 256
+constexpr int64_t kBlockActBytes = kGroupsPerBlock * kBlock;       // 512
+
+// One call's activations against int4 weights: each row's groups quantized as
+// QuantizedActivations<int8_t>::quantize_block does (x ~ q * d per group of 32, |q| <= 127);
+// the whole blocks' codes in the weights' order (vector j of a block: 64 bytes, group g's
+// positions 4 j .. 4 j + 4 at 4 g), their scales d one float per group; the last groups' as
+// Int4Row reads them (pairs as first halves then second halves, a last single group in order;
+// d_lanes four copies of d a group); q_sum as QuantizedActivations' (the minimums' term).
+struct Int4Activations {
+  int64_t groups, full, tail, padded_groups;
+  std::vector<int8_t> blocks, tail_q;
+  std::vector<float> d, tail_d_lanes, q_sum;
+
+  Int4Activations(const float* x, int64_t m, int64_t k)
+      : groups(k / kBlock),
+        full(k / kBlock / kGroupsPerBlock * kGroupsPerBlock),
+        tail(k / kBlock - full),
+        padded_groups(round_up(k / kBlock, 8)),
+        blocks(m * full * kBlock),
+        tail_q(m * tail * kBlock),
+        d(m * full),
+        tail_d_lanes(m * tail * 4),
+        q_sum((m + 7) * round_up(k / kBlock, 8), 0.0f) {
+    int8_t codes[kBlock];
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        float scale;
+        QuantizedActivations<int8_t>::quantize_block(x + r * k + g * kBlock, codes,
+                                                     codes + kBlock / 2, &scale,
+                                                     &q_sum[r * padded_groups + g]);
+        if (g < full) {
+          const int64_t block = g / kGroupsPerBlock, lane = g % kGroupsPerBlock;
+          int8_t* base = &blocks[(r * full + block * kGroupsPerBlock) * kBlock];
+          for (int j = 0; j < 8; ++j) std::memcpy(base + 64 * j + 4 * lane, codes + 4 * j, 4);
+          d[r * full + g] = scale;
+        } else {
+          const int64_t t = g - full, pair = t - t % 2;
+          int8_t* base = &tail_q[(r * tail + pair) * kBlock];
+          if (pair + 1 < tail) {  // a pair: first halves, then second halves
+            std::memcpy(base + (t - pair) * 16, codes, 16);
+            std::memcpy(base + 32 + (t - pair) * 16, codes + 16, 16);
+          } else {
+            std::memcpy(base, codes, kBlock);
+          }
+          std::fill_n(&tail_d_lanes[(r * tail + t) * 4], 4, scale);
+        }
+      }
+    }
+  }
+};
+
+// The whole blocks' sums of one int4 weight row against activation rows r < ROWS, AVX2: each
+// block as two halves of eight groups (bytes 32 h .. 32 h + 32 of each 64), maddubs pairs added
+// in int16 over the eight vectors (at most 8 * 2 * 15 * 127 = 30480), one madd to int32, then
+// per group: float, times the activations' d, fused multiply-add with the weight's scale into
+// lane acc[h][r]. out[r] = acc[0][r] + acc[1][r]: the AVX-512 code's lanes 0-7 plus 8-15.
+template <int ROWS>
+inline void int4_block_sums(const uint8_t* codes, const float* scale, const int8_t* q,
+                            int64_t q_stride, const float* d, int64_t d_stride, int64_t full,
+                            __m256 (&out)[ROWS]) {
+  __m256 acc[2][ROWS];
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < full; g += kGroupsPerBlock) {
+    const uint8_t* block = codes + g * (kBlock / 2);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256i w[8];
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        const __m256i packed = load_256(block + 64 * u + 32 * h);
+        w[2 * u] = _mm256_and_si256(packed, nibble);
+        w[2 * u + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+      }
+      const __m256 s = _mm256_loadu_ps(scale + g + 8 * h);
+#pragma GCC unroll 8
+      for (int r = 0; r < ROWS; ++r) {
+        const int8_t* a = q + r * q_stride + g * kBlock + 32 * h;
+        __m256i pairs = _mm256_maddubs_epi16(w[0], load_256(a));
+#pragma GCC unroll 8
+        for (int j = 1; j < 8; ++j) {
+          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[j], load_256(a + 64 * j)));
+        }
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+        acc[h][r] = _mm256_fmadd_ps(
+            _mm256_mul_ps(sums, _mm256_loadu_ps(d + r * d_stride + g + 8 * h)), s, acc[h][r]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) out[r] = _mm256_add_ps(acc[0][r], acc[1][r]);
+}
+
+// int4_block_sums for one activation row and weight rows codes[o], o < OUTS (a decode step's):
+// the row's eight activation vectors of a half block loaded once for the OUTS weight rows, each
+// weight vector unpacked as it is used, the next OUTS rows' half (`ahead` bytes on) asked for.
+template <int OUTS>
+inline void int4_block_sums_row(const uint8_t* const (&codes)[OUTS],
+                                const float* const (&scale)[OUTS], const int8_t* q,
+                                const float* d, int64_t full, int64_t ahead,
+                                __m256 (&out)[OUTS]) {
+  __m256 acc[2][OUTS];
+#pragma GCC unroll 4
+  for (int o = 0; o < OUTS; ++o) acc[0][o] = acc[1][o] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < full; g += kGroupsPerBlock) {
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256i a[8];
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) a[j] = load_256(q + g * kBlock + 64 * j + 32 * h);
+      const __m256 dv = _mm256_loadu_ps(d + g + 8 * h);
+#pragma GCC unroll 4
+      for (int o = 0; o < OUTS; ++o) {
+        const uint8_t* half = codes[o] + g * (kBlock / 2) + 32 * h;
+        __m256i pairs = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) {
+          _mm_prefetch(reinterpret_cast<const char*>(half + 64 * u + ahead), _MM_HINT_T0);
+          const __m256i packed = load_256(half + 64 * u);
+          pairs = _mm256_add_epi16(
+              pairs, _mm256_maddubs_epi16(_mm256_and_si256(packed, nibble), a[2 * u]));
+          pairs = _mm256_add_epi16(
+              pairs, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble),
+                                          a[2 * u + 1]));
+        }
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+        acc[h][o] = _mm256_fmadd_ps(_mm256_mul_ps(sums, dv),
+                                    _mm256_loadu_ps(scale[o] + g + 8 * h), acc[h][o]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int o = 0; o < OUTS; ++o) out[o] = _mm256_add_ps(acc[0][o], acc[1][o]);
+}
+
+// sums[o * sums_stride + r] += int4 weight row tail[o]'s products with activation rows r <
+// ROWS of xq from row `first`, o < OUTS: its whole blocks' lanes blocks[o][r], then its last
+// groups' steps (Int4Row's, from `tail`) added into the same lanes on the first chain, summed
+// across in add_lane_sums' tree (dot_rows_tail's).
+template <int ROWS, int OUTS>
+inline void int4_finish(const Int4Row (&tail)[OUTS], const Int4Activations& xq, int64_t first,
+                        const __m256 (&blocks)[OUTS][ROWS], float* sums, int64_t sums_stride) {
+  Chains<ROWS, OUTS> chains;
+#pragma GCC unroll 4
+  for (int o = 0; o < OUTS; ++o) {
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) {
+      chains[0][o][r] = blocks[o][r];
+      chains[1][o][r] = _mm256_setzero_ps();
+    }
+  }
+  dot_rows_tail<ROWS, OUTS>(tail, xq.tail_q.data() + first * xq.tail * kBlock, xq.tail * kBlock,
+                            xq.tail_d_lanes.data() + first * xq.tail * 4, xq.tail * 4, xq.tail,
+                            0, chains, sums, sums_stride);
+}
+
 // The same products with AVX-512 VNNI (512-bit loads; vpdpbusd: unsigned bytes times signed
-// bytes, four to an int32 lane; vpdpwssd: int16 pairs): a whole unit of the activations (four
-// int4 groups, two int8 blocks) a step, each 512-bit vector holding what the AVX2 rows' two
+// bytes, four to an int32 lane, for int4's blocks; vpdpwssd: int16 pairs): for int8 weights a
+// whole unit of the activations (two blocks) a step, each 512-bit vector holding what the AVX2 rows' two
 // chains hold, the first chain's eight lanes in its lower half and the second's in its upper.
 // Every lane gets the same exact integer sum as on AVX2 (the same products in the same lane),
 // then the same float steps (conversion, product with the scales, FMA), and the last unit(s)
@@ -458,35 +633,6 @@ inline __m128 two_floats(const float* f) {
 
 template <typename Row>
 struct Wide;
-
-// Int4Row's groups b .. b + 4: 64 bytes of codes unpack to the four groups' low nibbles (their
-// first halves) and high nibbles, lanes 0-7 those of groups b, b + 1 (Int4Row's first chain),
-// lanes 8-15 those of groups b + 2, b + 3 (its second chain).
-template <>
-struct Wide<Int4Row> {
-  Int4Row row;
-  struct Weights {
-    __m512i low, high;
-    __m512 scale;  // groups b .. b + 4's scales, four copies each
-  };
-  inline Weights load(int64_t b) const {
-    const __m512i packed = load_512(row.codes + b * (kBlock / 2));
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    const __m512i fours = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    return {_mm512_and_si512(packed, nibble),
-            _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble),
-            spread(_mm_loadu_ps(row.scale + b), fours)};
-  }
-  static inline __m512i dot(const Weights& wv, const int8_t* q) {
-    const __m512i low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv.low, load_512(q));
-    return _mm512_dpbusd_epi32(low, wv.high, load_512(q + 2 * kBlock));
-  }
-  static inline __m512 accumulate(__m512 acc, __m512 products, const Weights& wv,
-                                  const float* act_scale, int64_t b) {
-    return _mm512_fmadd_ps(_mm512_mul_ps(products, _mm512_loadu_ps(act_scale + 4 * b)),
-                           wv.scale, acc);
-  }
-};
 
 // An int8 row's (Int8Row's, GroupedInt8Row's) blocks b, b + 1: their 64 bytes as 16-byte
 // quarters b[0:16], b[16:32], (b+1)[0:16], (b+1)[16:32], the first halves put together and the
@@ -575,6 +721,102 @@ void one_weight_row_wide(const Row& row, const typename Row::Code* q, int64_t k3
     dot_rows_wide<decltype(rows)::value>(wide, q + r0 * k32, k32, scale + r0 * scale_stride,
                                          scale_stride, blocks, sums + r0);
   });
+}
+
+// int4_block_sums on 512-bit registers: a whole block a step, vpdpbusd summing each group's
+// products in its lane (exact, as the AVX2 code's int16 and int32 sums), the same float steps
+// a lane; out[r] its lower eight lanes plus its upper eight, as the AVX2 code's two halves.
+template <int ROWS>
+inline void int4_block_sums_wide(const uint8_t* codes, const float* scale, const int8_t* q,
+                                 int64_t q_stride, const float* d, int64_t d_stride,
+                                 int64_t full, __m256 (&out)[ROWS]) {
+  __m512 acc[ROWS];
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < full; g += kGroupsPerBlock) {
+    const uint8_t* block = codes + g * (kBlock / 2);
+    __m512i w[8];
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) {
+      const __m512i packed = load_512(block + 64 * u);
+      w[2 * u] = _mm512_and_si512(packed, nibble);
+      w[2 * u + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+    }
+    const __m512 s = _mm512_loadu_ps(scale + g);
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) {
+      const int8_t* a = q + r * q_stride + g * kBlock;
+      // Two chains, so that the eight vpdpbusd do not wait on each other in one line.
+      __m512i even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], load_512(a));
+      __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], load_512(a + 64));
+#pragma GCC unroll 4
+      for (int j = 2; j < 8; j += 2) {
+        even = _mm512_dpbusd_epi32(even, w[j], load_512(a + 64 * j));
+        odd = _mm512_dpbusd_epi32(odd, w[j + 1], load_512(a + 64 * (j + 1)));
+      }
+      const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(sums, _mm512_loadu_ps(d + r * d_stride + g)), s,
+                               acc[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) {
+    out[r] = _mm256_add_ps(_mm512_castps512_ps256(acc[r]),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
+  }
+}
+
+// int4_block_sums_wide for one activation row and weight rows codes[o], o < OUTS (a decode
+// step's): the row's eight activation vectors of a block loaded once for the OUTS weight rows,
+// each weight vector unpacked as it is used; each product's lanes as they are alone. The next
+// OUTS rows' block (`ahead` bytes on) is asked for while this one's is multiplied.
+template <int OUTS>
+inline void int4_block_sums_wide_row(const uint8_t* const (&codes)[OUTS],
+                                     const float* const (&scale)[OUTS], const int8_t* q,
+                                     const float* d, int64_t full, int64_t ahead,
+                                     __m256 (&out)[OUTS]) {
+  __m512 acc[OUTS];
+#pragma GCC unroll 4
+  for (int o = 0; o < OUTS; ++o) acc[o] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < full; g += kGroupsPerBlock) {
+    __m512i a[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) a[j] = load_512(q + g * kBlock + 64 * j);
+    const __m512 dv = _mm512_loadu_ps(d + g);
+#pragma GCC unroll 4
+    for (int o = 0; o < OUTS; ++o) {
+      const uint8_t* block = codes[o] + g * (kBlock / 2);
+      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        _mm_prefetch(reinterpret_cast<const char*>(block + 64 * u + ahead), _MM_HINT_T0);
+        const __m512i packed = load_512(block + 64 * u);
+        even = _mm512_dpbusd_epi32(even, _mm512_and_si512(packed, nibble), a[2 * u]);
+        odd = _mm512_dpbusd_epi32(odd, _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble),
+                                  a[2 * u + 1]);
+      }
+      const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+      acc[o] = _mm512_fmadd_ps(_mm512_mul_ps(sums, dv), _mm512_loadu_ps(scale[o] + g), acc[o]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int o = 0; o < OUTS; ++o) {
+    out[o] = _mm256_add_ps(_mm512_castps512_ps256(acc[o]),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[o]), 1)));
+  }
+}
+
+template <int ROWS>
+void int4_rows_wide(const uint8_t* codes, const float* scale, const Int4Row& tail,
+                    const Int4Activations& xq, int64_t first, float* sums) {
+  __m256 blocks[1][ROWS];
+  int4_block_sums_wide<ROWS>(codes, scale, xq.blocks.data() + first * xq.full * kBlock,
+                             xq.full * kBlock, xq.d.data() + first * xq.full, xq.full, xq.full,
+                             blocks[0]);
+  const Int4Row one[1] = {tail};
+  int4_finish<ROWS, 1>(one, xq, first, blocks, sums, 0);
 }
 
 #pragma GCC pop_options
@@ -791,24 +1033,38 @@ void grouped_int8_into(bool wide, const QuantizedActivations<int16_t>& xq, int64
          : grouped_int8_rows<kBlock>(wide, xq, m, w, s, out, ld);
 }
 
-// x's rows [M, K] times int4 codes [N, K/2] uint8 (in each group of 32 input features, 16
-// bytes: byte i holds feature i in its low half, feature i + 16 in its high half) with scale
-// and min [N, K/32] float16, or both float32, written to out[m, row] at m * ld + row.
+// Activation rows a tile of int4_rows takes on AVX2 (two blocks' halves of eight lanes each a
+// row, and a half's eight weight vectors, in 16 registers).
+constexpr int kInt4Tile = 4;
+
+template <int ROWS>
+void int4_rows_avx2(const uint8_t* codes, const float* scale, const Int4Row& tail,
+                    const Int4Activations& xq, int64_t first, float* sums) {
+  __m256 blocks[1][ROWS];
+  int4_block_sums<ROWS>(codes, scale, xq.blocks.data() + first * xq.full * kBlock,
+                        xq.full * kBlock, xq.d.data() + first * xq.full, xq.full, xq.full,
+                        blocks[0]);
+  const Int4Row one[1] = {tail};
+  int4_finish<ROWS, 1>(one, xq, first, blocks, sums, 0);
+}
+
+// x's rows [M, K] times int4 codes [N, K/2] uint8 (int4_blocked_codes' layout: whole blocks of
+// 16 groups, then the last groups in Q4_1's order) with scale and min [N, K/32] float16, or
+// both float32, written to out[m, row] at m * ld + row.
 template <typename S>
-void int4_rows(bool wide, const QuantizedActivations<int8_t>& xq, int64_t m,
-               const at::Tensor& codes, const S* scales, const S* mins, float* out, int64_t ld) {
+void int4_rows(bool wide, const Int4Activations& xq, int64_t m, const at::Tensor& codes,
+               const S* scales, const S* mins, float* out, int64_t ld) {
   const int64_t k = codes.size(1) * 2, n = codes.size(0);
   const uint8_t* cs = codes.data_ptr<uint8_t>();
   const int64_t groups = k / kBlock;
-  const int64_t stride = xq.padded_blocks;
+  const int64_t stride = xq.padded_groups;
   // scratch: this row's scales and minimums in float32, zero-padded like the activations'.
-  for_each_output(m, n, xq.k32, 2 * stride, out, ld,
+  for_each_output(m, n, k, 2 * stride, out, ld,
                   [&](auto count, int64_t row, int64_t first, int64_t rows, float* sums,
                       int64_t sums_stride, float* scratch) {
     constexpr int kCount = decltype(count)::value;
     // Locals, so that the stores below cannot be taken to change them.
     const float* const act_sum = xq.q_sum.data() + first * stride;
-    Int4Row weight[kCount];
     const float* weight_min[kCount];
     for (int o = 0; o < kCount; ++o) {
       const int64_t channel = row + o;
@@ -819,13 +1075,11 @@ void int4_rows(bool wide, const QuantizedActivations<int8_t>& xq, int64_t m,
         eight_floats(scales + at, groups - g, readable, converted + g);
         eight_floats(mins + at, groups - g, readable, converted + stride + g);
       }
-      weight[o] = {cs + channel * (k / 2), converted};
       weight_min[o] = converted + stride;
     }
     // The minimums' terms, each a chain of FMAs over eight lanes summed across in a tree
     // (add_lane_sums' order): for one activation row, the channels' side by side; else per
-    // channel eight activation rows at a time (rows past the chunk's are zeros or the next
-    // chunk's, read and dropped).
+    // channel up to eight activation rows at a time.
     if (rows == 1) {
       __m256 min_term[kCount];
       for (int o = 0; o < kCount; ++o) min_term[o] = _mm256_setzero_ps();
@@ -838,25 +1092,59 @@ void int4_rows(bool wide, const QuantizedActivations<int8_t>& xq, int64_t m,
       add_lane_sums(min_term, [&](int o, float sum) { sums[o * sums_stride] += sum; });
     } else {
       for (int o = 0; o < kCount; ++o) {
-        for (int64_t r0 = 0; r0 < rows; r0 += 8) {
-          __m256 min_term[8];
-          for (int j = 0; j < 8; ++j) min_term[j] = _mm256_setzero_ps();
+        for_each_tile<8>(rows, [&](auto tile, int64_t r0) {
+          constexpr int kRows = decltype(tile)::value;
+          __m256 min_term[kRows];
+          for (int j = 0; j < kRows; ++j) min_term[j] = _mm256_setzero_ps();
           for (int64_t g = 0; g < groups; g += 8) {
             const __m256 w = _mm256_loadu_ps(weight_min[o] + g);
-            for (int j = 0; j < 8; ++j) {
+            for (int j = 0; j < kRows; ++j) {
               min_term[j] = _mm256_fmadd_ps(
                   w, _mm256_loadu_ps(act_sum + (r0 + j) * stride + g), min_term[j]);
             }
           }
-          add_lane_sums(min_term, [&](int j, float sum) {
-            if (r0 + j < rows) sums[o * sums_stride + r0 + j] += sum;
-          });
-        }
+          add_lane_sums(min_term,
+                        [&](int j, float sum) { sums[o * sums_stride + r0 + j] += sum; });
+        });
       }
     }
-    weight_rows(wide, weight, xq.q.data() + first * xq.k32, xq.k32, xq.blocks, rows,
-                xq.d_lanes.data() + first * groups * xq.kLanes, groups * xq.kLanes, sums,
-                sums_stride);
+    const uint8_t* row_codes[kCount];
+    const float* scale[kCount];
+    Int4Row tail[kCount];
+    for (int o = 0; o < kCount; ++o) {
+      row_codes[o] = cs + (row + o) * (k / 2);
+      scale[o] = scratch + o * 2 * stride;
+      tail[o] = {row_codes[o] + xq.full * (kBlock / 2), scale[o] + xq.full};
+    }
+    if (rows == 1) {
+      __m256 blocks[kCount];
+      const int8_t* const q = xq.blocks.data() + first * xq.full * kBlock;
+      const float* const d = xq.d.data() + first * xq.full;
+      if (wide) {
+        int4_block_sums_wide_row<kCount>(row_codes, scale, q, d, xq.full, kCount * (k / 2),
+                                         blocks);
+      } else {
+        int4_block_sums_row<kCount>(row_codes, scale, q, d, xq.full, kCount * (k / 2), blocks);
+      }
+      __m256 lanes[kCount][1];
+      for (int o = 0; o < kCount; ++o) lanes[o][0] = blocks[o];
+      int4_finish<1, kCount>(tail, xq, first, lanes, sums, sums_stride);
+      return;
+    }
+    for (int o = 0; o < kCount; ++o) {
+      float* const row_sums = sums + o * sums_stride;
+      if (wide) {
+        for_each_tile<kWideTile>(rows, [&](auto tile, int64_t r0) {
+          int4_rows_wide<decltype(tile)::value>(row_codes[o], scale[o], tail[o], xq, first + r0,
+                                                row_sums + r0);
+        });
+      } else {
+        for_each_tile<kInt4Tile>(rows, [&](auto tile, int64_t r0) {
+          int4_rows_avx2<decltype(tile)::value>(row_codes[o], scale[o], tail[o], xq, first + r0,
+                                                row_sums + r0);
+        });
+      }
+    }
   });
 }
 
@@ -872,7 +1160,7 @@ void check_int4(const at::Tensor& codes, const at::Tensor& scale, const at::Tens
 }
 
 // A checked int4 weight's product (check_int4), its scales' type chosen.
-void int4_into(bool wide, const QuantizedActivations<int8_t>& xq, int64_t m,
+void int4_into(bool wide, const Int4Activations& xq, int64_t m,
                const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
                float* out, int64_t ld) {
   if (scale.scalar_type() == at::kFloat) {
@@ -940,7 +1228,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const int64_t k = codes.size(1) * 2;
   check_inputs(x, codes, k);
   check_int4(codes, scale, min);
-  const QuantizedActivations<int8_t> xq(x.data_ptr<float>(), x.size(0), k);
+  const Int4Activations xq(x.data_ptr<float>(), x.size(0), k);
   at::Tensor out = new_output(x, codes.size(0));
   int4_into(wide_rows(), xq, x.size(0), codes, scale, min, out.data_ptr<float>(),
             codes.size(0));
@@ -980,7 +1268,7 @@ at::Tensor parts_linear(const at::Tensor& x, at::TensorList codes, at::TensorLis
   const int64_t m = x.size(0);
   const float* xs = x.data_ptr<float>();
   // Each kind's quantized activations made where its first part runs (still in cache for it).
-  std::optional<QuantizedActivations<int8_t>> x8;
+  std::optional<Int4Activations> x8;
   std::optional<QuantizedActivations<int16_t>> x16;
   at::Tensor out = new_output(x, n);
   float* columns = out.data_ptr<float>();
@@ -1011,35 +1299,77 @@ inline __m128i to_bf16_bits(__m256 f) {
   return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
 }
 
+// Eight 32-bit lanes of eight vectors transposed: lane i of v[j] to lane j of v[i].
+inline void transpose_8x8(__m256i (&v)[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+    v[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+  }
+}
+
+// A group's 32 codes in order (positions 0-15 in the lower 128 bits) to `out` as code * scale
+// + min, float32 or bfloat16.
+template <typename Out>
+inline void dequantize_group(__m256i codes, float scale, float min, Out* out) {
+  const __m256 s = _mm256_set1_ps(scale), minimum = _mm256_set1_ps(min);
+  for (int e = 0; e < 4; ++e) {
+    const __m128i half = e < 2 ? _mm256_castsi256_si128(codes) : _mm256_extracti128_si256(codes, 1);
+    const __m128i eight = e % 2 == 0 ? half : _mm_srli_si128(half, 8);
+    const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight)), s, minimum);
+    if constexpr (std::is_same_v<Out, float>) {
+      _mm256_storeu_ps(out + 8 * e, w);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8 * e), to_bf16_bits(w));
+    }
+  }
+}
+
 template <typename S, typename Out>
 void int4_dequantize_with(const uint8_t* codes, const S* scales, const S* mins, int64_t n,
                           int64_t k, Out* out) {
   const int64_t groups = k / kBlock;
+  const int64_t full = groups / kGroupsPerBlock * kGroupsPerBlock;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* row_codes = codes + row * (k / 2);
+      auto group = [&](int64_t g, __m256i group_codes) {
         const int64_t at = row * groups + g;
-        const __m256 scale = _mm256_set1_ps(static_cast<float>(scales[at]));
-        const __m256 minimum = _mm256_set1_ps(static_cast<float>(mins[at]));
-        // A group's 16 bytes: code i in the low half of byte i, code i + 16 in the high half.
-        const __m128i bytes = load_128(codes + at * (kBlock / 2));
+        dequantize_group(group_codes, static_cast<float>(scales[at]),
+                         static_cast<float>(mins[at]), out + row * k + g * kBlock);
+      };
+      // Whole blocks, eight groups (one half of each 64 bytes) at a time: vector j holds
+      // positions 4 j .. 4 j + 4 of each group, a lane to a group; transposed, a vector to a
+      // group.
+      for (int64_t g = 0; g < full; g += 8) {
+        const uint8_t* block = row_codes + (g - g % kGroupsPerBlock) * (kBlock / 2) +
+                               32 * (g % kGroupsPerBlock / 8);
+        __m256i v[8];
+        for (int u = 0; u < 4; ++u) {
+          const __m256i packed = load_256(block + 64 * u);
+          v[2 * u] = _mm256_and_si256(packed, nibble);
+          v[2 * u + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+        }
+        transpose_8x8(v);
+        for (int i = 0; i < 8; ++i) group(g + i, v[i]);
+      }
+      // The last groups in Q4_1's order: code i in the low half of byte i, i + 16 in the high.
+      for (int64_t g = full; g < groups; ++g) {
+        const __m128i bytes = load_128(row_codes + g * (kBlock / 2));
         const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
         const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
-        const __m128i halves[2] = {low, high};
-        Out* dst = out + row * k + g * kBlock;
-        for (int h = 0; h < 2; ++h) {
-          for (int e = 0; e < 2; ++e) {
-            const __m128i eight = e == 0 ? halves[h] : _mm_srli_si128(halves[h], 8);
-            const __m256 w = _mm256_fmadd_ps(
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight)), scale, minimum);
-            Out* at_dst = dst + h * 16 + e * 8;
-            if constexpr (std::is_same_v<Out, float>) {
-              _mm256_storeu_ps(at_dst, w);
-            } else {
-              _mm_storeu_si128(reinterpret_cast<__m128i*>(at_dst), to_bf16_bits(w));
-            }
-          }
-        }
+        group(g, _mm256_set_m128i(high, low));
       }
     }
   });

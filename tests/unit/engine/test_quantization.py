@@ -20,6 +20,8 @@ from engine.layers.quantization import (
     GROUPED_INT8,
     QuantizedWeight,
     grouped_int8_weight,
+    int4_blocked_codes,
+    int4_q4_1_codes,
     int4_weight,
     parts_weight,
     quantize,
@@ -156,7 +158,12 @@ def test_an_output_s_product_does_not_depend_on_the_outputs_beside_it():
     weights = [
         int4,
         int4_weight(
-            int4.codes, int4.scale.float(), int4.minimum.float(), torch.float32, True, torch.float32
+            int4_q4_1_codes(int4.codes),
+            int4.scale.float(),
+            int4.minimum.float(),
+            torch.float32,
+            True,
+            torch.float32,
         ),
         quantize(gaussian((42, 1544), 2), "int8", folio_kernels=True),  # a float tail of 8
         grouped_int8_weight(*grouped_codes(42, 576, 32, 3)),
@@ -179,27 +186,36 @@ def test_an_output_s_product_does_not_depend_on_the_outputs_beside_it():
 
 @needs_folio_kernels
 @pytest.mark.parametrize("group_dtype", [torch.float16, torch.float32])
-def test_int4_dequantizes_in_one_pass_as_the_dense_path_reads_it(group_dtype):
+@pytest.mark.parametrize("groups", [5, 33])
+def test_int4_dequantizes_in_one_pass_as_the_dense_path_reads_it(group_dtype, groups):
     """Folio's int4 dequantization kernel gives code * scale + minimum (Q4_1's order) exactly
-    in float32, and that rounded to nearest even in bfloat16; a long product runs dense in
-    bfloat16 only where the CPU computes it natively, within bfloat16's rounding of the
+    in float32, and that rounded to nearest even in bfloat16, from its codes' layout (whole
+    blocks of 16 groups, then the last groups as Q4_1 orders them); a long product runs dense
+    in bfloat16 only where the CPU computes it natively, within bfloat16's rounding of the
     float32 one."""
-    half = quantize(gaussian((48, 160), 3), "int4", folio_kernels=True)
+    in_features = 32 * groups
+    half = quantize(gaussian((48, in_features), 3), "int4", folio_kernels=True)
     assert half.minimum is not None
+    q4_1 = int4_q4_1_codes(half.codes)
     weight = int4_weight(
-        half.codes, half.scale.float(), half.minimum.float(), torch.float32, True, group_dtype
+        q4_1, half.scale.float(), half.minimum.float(), torch.float32, True, group_dtype
     )
     assert weight.minimum is not None
-    nibbles = weight.codes.view(48, 5, 16)
+    assert torch.equal(weight.codes, half.codes)
+    assert torch.equal(int4_blocked_codes(q4_1), half.codes)
+    assert (groups >= 16) == (not torch.equal(q4_1, half.codes))
+    nibbles = q4_1.view(48, groups, 16)
     codes = torch.cat((nibbles & 0xF, nibbles >> 4), dim=-1).float()
     scale, minimum = weight.scale.float(), weight.minimum.float()
-    exact = torch.addcmul(minimum[..., None], codes, scale[..., None]).view(48, 160)
+    exact = torch.addcmul(minimum[..., None], codes, scale[..., None]).view(48, in_features)
     assert torch.equal(weight.dequantized(torch.float32), exact)
     assert torch.equal(weight.dequantized(torch.bfloat16), exact.bfloat16())
+    # Other dtypes dequantize in torch, from the codes put back in Q4_1's order.
+    torch.testing.assert_close(weight.dequantized(torch.float64), exact.double())
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         weight.kernels.int4_dequantize(weight.codes, weight.scale, weight.minimum, torch.float16)
     assert weight.dense_bf16 == cpu_capabilities().native_bf16
-    x = gaussian((quantization.MAX_FOLIO_KERNEL_ROWS + 1, 160), 5)
+    x = gaussian((quantization.MAX_FOLIO_KERNEL_ROWS + 1, in_features), 5)
     reference = x.double() @ exact.double().t()
     error = float((weight.matmul(x).double() - reference).norm() / reference.norm())
     assert error <= (1e-2 if weight.dense_bf16 else 1e-6), error
@@ -217,7 +233,9 @@ def test_int4_groups_with_float32_scales():
     assert half.minimum is not None
 
     def wide(scale: torch.Tensor, minimum: torch.Tensor) -> QuantizedWeight:
-        weight = int4_weight(half.codes, scale, minimum, torch.float32, True, torch.float32)
+        weight = int4_weight(
+            int4_q4_1_codes(half.codes), scale, minimum, torch.float32, True, torch.float32
+        )
         assert weight.scale.dtype == weight.minimum.dtype == torch.float32
         return weight
 
@@ -228,7 +246,7 @@ def test_int4_groups_with_float32_scales():
     minimum = -(d * torch.randint(0, 64, (48, 5), generator=g))
     assert (scale.half().float() != scale).any()  # float16 would round these
     exact = wide(scale, minimum)
-    nibbles = half.codes.view(48, 5, 16)
+    nibbles = int4_q4_1_codes(half.codes).view(48, 5, 16)
     codes = torch.cat((nibbles & 0xF, nibbles >> 4), dim=-1).float()
     dense = (codes * scale[..., None] + minimum[..., None]).view(48, 160)
     assert torch.equal(exact.dequantized(torch.float32), dense)
@@ -240,7 +258,9 @@ def test_int4_groups_with_float32_scales():
     with pytest.raises(RuntimeError, match="both float16 or both float32"):
         torch.ops.folio_quant.int4_linear(x, half.codes, half.scale, minimum)
     with pytest.raises(ValueError, match="int4 group scales are float16 or float32"):
-        int4_weight(half.codes, scale, minimum, torch.float32, True, torch.bfloat16)
+        int4_weight(
+            int4_q4_1_codes(half.codes), scale, minimum, torch.float32, True, torch.bfloat16
+        )
 
 
 def grouped_codes(out_features: int, in_features: int, group: int, seed: int):
@@ -400,16 +420,17 @@ def test_the_avx512_code_gives_the_avx2_code_s_bits(monkeypatch):
     """Every kernel (int4 with float16 and float32 group scales, int8, grouped int8 in groups of
     32 and 16, a parts layer mixing int4 and grouped int8) on every layout of the activations'
     units (1 to 18 blocks: whole units of four int4 groups or two int8 blocks, and a pair and a
-    single block left over), row counts in tiles of eight and four and their remainders and
+    single block left over; int4's whole blocks of 16 groups, one to three, and 1 or 2 groups
+    after them), row counts in tiles of eight and four and their remainders and
     rows in several L1-sized chunks: the AVX-512 code's outputs are the AVX2 code's, bit for
     bit (on a CPU without AVX-512 VNNI both are the AVX2 code)."""
     weights = []
-    for blocks in (1, 2, 3, 4, 5, 6, 7, 18):
+    for blocks in (1, 2, 3, 4, 5, 6, 7, 16, 18, 49):
         in_features = 32 * blocks
         int4 = quantize(gaussian((40, in_features), blocks), "int4", folio_kernels=True)
         assert int4.minimum is not None
         float32_int4 = int4_weight(
-            int4.codes,
+            int4_q4_1_codes(int4.codes),
             int4.scale.float() * 1.0001,
             int4.minimum.float(),
             torch.float32,
