@@ -808,17 +808,6 @@ inline void int4_block_sums_wide_row(const uint8_t* const (&codes)[OUTS],
   }
 }
 
-template <int ROWS>
-void int4_rows_wide(const uint8_t* codes, const float* scale, const Int4Row& tail,
-                    const Int4Activations& xq, int64_t first, float* sums) {
-  __m256 blocks[1][ROWS];
-  int4_block_sums_wide<ROWS>(codes, scale, xq.blocks.data() + first * xq.full * kBlock,
-                             xq.full * kBlock, xq.d.data() + first * xq.full, xq.full, xq.full,
-                             blocks[0]);
-  const Int4Row one[1] = {tail};
-  int4_finish<ROWS, 1>(one, xq, first, blocks, sums, 0);
-}
-
 #pragma GCC pop_options
 
 // Whether the AVX-512 rows run: where the CPU has AVX-512 VNNI (and BW, VL) and FOLIO_CPU_ISA
@@ -1037,13 +1026,19 @@ void grouped_int8_into(bool wide, const QuantizedActivations<int16_t>& xq, int64
 // row, and a half's eight weight vectors, in 16 registers).
 constexpr int kInt4Tile = 4;
 
-template <int ROWS>
-void int4_rows_avx2(const uint8_t* codes, const float* scale, const Int4Row& tail,
+// sums[r] += one int4 weight row's products with activation rows r < ROWS from row `first`: its
+// whole blocks by the AVX-512 code (kWide) or the AVX2 code, then int4_finish.
+template <int ROWS, bool kWide>
+void int4_rows_tile(const uint8_t* codes, const float* scale, const Int4Row& tail,
                     const Int4Activations& xq, int64_t first, float* sums) {
   __m256 blocks[1][ROWS];
-  int4_block_sums<ROWS>(codes, scale, xq.blocks.data() + first * xq.full * kBlock,
-                        xq.full * kBlock, xq.d.data() + first * xq.full, xq.full, xq.full,
-                        blocks[0]);
+  const int8_t* const q = xq.blocks.data() + first * xq.full * kBlock;
+  const float* const d = xq.d.data() + first * xq.full;
+  if constexpr (kWide) {
+    int4_block_sums_wide<ROWS>(codes, scale, q, xq.full * kBlock, d, xq.full, xq.full, blocks[0]);
+  } else {
+    int4_block_sums<ROWS>(codes, scale, q, xq.full * kBlock, d, xq.full, xq.full, blocks[0]);
+  }
   const Int4Row one[1] = {tail};
   int4_finish<ROWS, 1>(one, xq, first, blocks, sums, 0);
 }
@@ -1135,13 +1130,13 @@ void int4_rows(bool wide, const Int4Activations& xq, int64_t m, const at::Tensor
       float* const row_sums = sums + o * sums_stride;
       if (wide) {
         for_each_tile<kWideTile>(rows, [&](auto tile, int64_t r0) {
-          int4_rows_wide<decltype(tile)::value>(row_codes[o], scale[o], tail[o], xq, first + r0,
-                                                row_sums + r0);
+          int4_rows_tile<decltype(tile)::value, true>(row_codes[o], scale[o], tail[o], xq,
+                                                      first + r0, row_sums + r0);
         });
       } else {
         for_each_tile<kInt4Tile>(rows, [&](auto tile, int64_t r0) {
-          int4_rows_avx2<decltype(tile)::value>(row_codes[o], scale[o], tail[o], xq, first + r0,
-                                                row_sums + r0);
+          int4_rows_tile<decltype(tile)::value, false>(row_codes[o], scale[o], tail[o], xq,
+                                                       first + r0, row_sums + r0);
         });
       }
     }
