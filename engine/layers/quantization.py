@@ -289,12 +289,17 @@ def int4_blocked_codes(nibbles: torch.Tensor) -> torch.Tensor:
     full = half // (INT4_GROUP_SIZE // 2) // INT4_BLOCK_GROUPS * INT4_BLOCK_GROUPS
     if full == 0:
         return nibbles.contiguous()
-    packed = nibbles[:, : full * INT4_GROUP_SIZE // 2].reshape(out_features, full, -1)
-    codes = torch.cat((packed & 0xF, packed >> 4), dim=-1)  # [out, groups, 32], in order
-    vectors = codes.view(out_features, -1, INT4_BLOCK_GROUPS, 8, 4).transpose(2, 3)
-    pairs = vectors.reshape(out_features, -1, 4, 2, 64)
-    blocks = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(out_features, -1)
-    return torch.cat((blocks, nibbles[:, blocks.shape[1] :]), dim=1).contiguous()
+    width = full * INT4_GROUP_SIZE // 2
+    # A group's 16 bytes as four quarters: byte p holds positions p (low) and p + 16 (high), so
+    # positions 8 u + i and 8 u + 4 + i come from quarters (2 u, 2 u + 1) mod 4, low halves
+    # for u < 2 and high halves after.
+    quarters = nibbles[:, :width].reshape(out_features, -1, INT4_BLOCK_GROUPS, 4, 4).unbind(3)
+    a, b, c, d = quarters
+    blocks = torch.stack(
+        ((a & 0xF) | (b << 4), (c & 0xF) | (d << 4), (a >> 4) | (b & 0xF0), (c >> 4) | (d & 0xF0)),
+        dim=2,
+    )
+    return torch.cat((blocks.reshape(out_features, width), nibbles[:, width:]), dim=1)
 
 
 def int4_q4_1_codes(blocked: torch.Tensor) -> torch.Tensor:
