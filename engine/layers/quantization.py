@@ -278,6 +278,12 @@ def quantize(weight: torch.Tensor, method: str, folio_kernels: bool) -> Quantize
 INT4_BLOCK_GROUPS = 16
 
 
+def _blocked_bytes(codes: torch.Tensor) -> int:
+    """Bytes of each row of int4 codes ([out, in / 2]) that lie in whole blocks of 16 groups."""
+    group_bytes = INT4_GROUP_SIZE // 2
+    return codes.shape[1] // (group_bytes * INT4_BLOCK_GROUPS) * group_bytes * INT4_BLOCK_GROUPS
+
+
 def int4_blocked_codes(nibbles: torch.Tensor) -> torch.Tensor:
     """Int4 codes in Q4_1's order ([out, in / 2] uint8) in the order Folio's kernels read them,
     a lossless permutation: each row's whole blocks of 16 groups as 256 bytes, byte 64 u + 4 g
@@ -285,16 +291,14 @@ def int4_blocked_codes(nibbles: torch.Tensor) -> torch.Tensor:
     half (a 64-byte load splits into positions 8 u .. 8 u + 4 and 8 u + 4 .. 8 u + 8 of the 16
     groups, a 32-bit lane to a group: each group's products then sum in one lane); the groups
     after the last whole block stay in Q4_1's order."""
-    out_features, half = nibbles.shape
-    full = half // (INT4_GROUP_SIZE // 2) // INT4_BLOCK_GROUPS * INT4_BLOCK_GROUPS
-    if full == 0:
+    out_features = nibbles.shape[0]
+    width = _blocked_bytes(nibbles)
+    if width == 0:
         return nibbles.contiguous()
-    width = full * INT4_GROUP_SIZE // 2
     # A group's 16 bytes as four quarters: byte p holds positions p (low) and p + 16 (high), so
     # positions 8 u + i and 8 u + 4 + i come from quarters (2 u, 2 u + 1) mod 4, low halves
     # for u < 2 and high halves after.
-    quarters = nibbles[:, :width].reshape(out_features, -1, INT4_BLOCK_GROUPS, 4, 4).unbind(3)
-    a, b, c, d = quarters
+    a, b, c, d = nibbles[:, :width].reshape(out_features, -1, INT4_BLOCK_GROUPS, 4, 4).unbind(3)
     blocks = torch.stack(
         ((a & 0xF) | (b << 4), (c & 0xF) | (d << 4), (a >> 4) | (b & 0xF0), (c >> 4) | (d & 0xF0)),
         dim=2,
@@ -304,15 +308,14 @@ def int4_blocked_codes(nibbles: torch.Tensor) -> torch.Tensor:
 
 def int4_q4_1_codes(blocked: torch.Tensor) -> torch.Tensor:
     """int4_blocked_codes undone: the codes in Q4_1's order."""
-    out_features, half = blocked.shape
-    full = half // (INT4_GROUP_SIZE // 2) // INT4_BLOCK_GROUPS * INT4_BLOCK_GROUPS
-    if full == 0:
+    out_features = blocked.shape[0]
+    width = _blocked_bytes(blocked)
+    if width == 0:
         return blocked.contiguous()
-    width = full * INT4_GROUP_SIZE // 2
     pairs = blocked[:, :width].reshape(out_features, -1, 4, 64)
     vectors = torch.stack((pairs & 0xF, pairs >> 4), dim=3)  # [out, blocks, 4, 2, 64]
     codes = vectors.view(out_features, -1, 8, INT4_BLOCK_GROUPS, 4).transpose(2, 3)
-    codes = codes.reshape(out_features, full, INT4_GROUP_SIZE)
+    codes = codes.reshape(out_features, -1, INT4_GROUP_SIZE)
     nibbles = codes[..., :16] | (codes[..., 16:] << 4)
     return torch.cat((nibbles.reshape(out_features, width), blocked[:, width:]), dim=1)
 

@@ -79,6 +79,44 @@ inline int64_t round_up(int64_t value, int64_t multiple) {
   return (value + multiple - 1) / multiple * multiple;
 }
 
+// x[0 .. 32) ~ codes * d: int8 codes (|q| <= 127, so that negating q stays in range: against
+// int4 weights) or int16 (|q| <= 32767: against int8 weights), features 0-15 to `first` and
+// 16-31 to `second`, in order; q_sum = d * the codes' sum. Scale kLimit / max|x| (that
+// quotient, then a product rounded to nearest even: the unit tests mirror these exact steps).
+template <typename Code>
+void quantize_block(const float* x, Code* first, Code* second, float* d, float* q_sum) {
+  constexpr float kLimit = std::is_same_v<Code, int8_t> ? 127.0f : 32767.0f;
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_loadu_ps(x + 8 * j);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[j]));
+  }
+  const float max_abs = horizontal_max(amax);
+  const __m256 inverse = _mm256_set1_ps(max_abs > 0.0f ? kLimit / max_abs : 0.0f);
+  __m256i i[4];
+  for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));
+  *d = max_abs / kLimit;
+  *q_sum = *d * static_cast<float>(horizontal_sum(
+                    _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]))));
+  // Packing works within 128-bit lanes; the permutations put the features back in order.
+  const __m256i words01 = _mm256_packs_epi32(i[0], i[1]);  // 0-3, 8-11 | 4-7, 12-15
+  const __m256i words23 = _mm256_packs_epi32(i[2], i[3]);
+  if constexpr (std::is_same_v<Code, int8_t>) {
+    // 4-byte runs: features 0-3, 8-11, 16-19, 24-27 | 4-7, 12-15, 20-23, 28-31.
+    const __m256i bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(words01, words23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(first), _mm256_castsi256_si128(bytes));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(second), _mm256_extracti128_si256(bytes, 1));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(first),
+                        _mm256_permute4x64_epi64(words01, 0xD8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(second),
+                        _mm256_permute4x64_epi64(words23, 0xD8));
+  }
+}
+
 // One call's activations against int8 weights, each row's first k32 features (a multiple of
 // 32) in blocks of 32: x[r, 32 b + i] ~ q[r, 32 b + i] * d[r, b], |q| <= 32767 (int16 codes;
 // quantize_block also makes Int4Activations' int8 codes, |q| <= 127, so that negating q stays
@@ -93,10 +131,9 @@ inline int64_t round_up(int64_t value, int64_t multiple) {
 // `unit * 16` codes after that; a single block is in order.
 template <typename Code>
 struct QuantizedActivations {
-  static constexpr bool kPaired = std::is_same_v<Code, int8_t>;
-  static constexpr float kLimit = kPaired ? 127.0f : 32767.0f;
-  static constexpr int64_t kUnit = kPaired ? 4 : 2;
-  static constexpr int64_t kLanes = kPaired ? 4 : 8;
+  static_assert(std::is_same_v<Code, int16_t>, "int4 weights take Int4Activations");
+  static constexpr int64_t kUnit = 2;
+  static constexpr int64_t kLanes = 8;
   std::vector<Code> q;
   std::vector<float> d_lanes, q_sum;
   int64_t k32, blocks, padded_blocks;
@@ -123,39 +160,6 @@ struct QuantizedActivations {
     }
   }
 
-  // Scale kLimit / max|x| (that quotient, then a product rounded to nearest even: the unit tests
-  // mirror these exact steps).
-  static void quantize_block(const float* x, Code* first, Code* second, float* d, float* q_sum) {
-    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-    __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
-    for (int j = 0; j < 4; ++j) {
-      v[j] = _mm256_loadu_ps(x + 8 * j);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[j]));
-    }
-    const float max_abs = horizontal_max(amax);
-    const __m256 inverse = _mm256_set1_ps(max_abs > 0.0f ? kLimit / max_abs : 0.0f);
-    __m256i i[4];
-    for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));
-    *d = max_abs / kLimit;
-    *q_sum = *d * static_cast<float>(horizontal_sum(
-                      _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]))));
-    // Packing works within 128-bit lanes; the permutations put the features back in order.
-    const __m256i words01 = _mm256_packs_epi32(i[0], i[1]);  // 0-3, 8-11 | 4-7, 12-15
-    const __m256i words23 = _mm256_packs_epi32(i[2], i[3]);
-    if constexpr (std::is_same_v<Code, int8_t>) {
-      // 4-byte runs: features 0-3, 8-11, 16-19, 24-27 | 4-7, 12-15, 20-23, 28-31.
-      const __m256i bytes = _mm256_permutevar8x32_epi32(
-          _mm256_packs_epi16(words01, words23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(first), _mm256_castsi256_si128(bytes));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(second), _mm256_extracti128_si256(bytes, 1));
-    } else {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(first),
-                          _mm256_permute4x64_epi64(words01, 0xD8));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(second),
-                          _mm256_permute4x64_epi64(words23, 0xD8));
-    }
-  }
 };
 
 inline __m256i load_256(const void* p) {
@@ -450,7 +454,7 @@ constexpr int64_t kBlockCodeBytes = kGroupsPerBlock * kBlock / 2;  // 256
 constexpr int64_t kBlockActBytes = kGroupsPerBlock * kBlock;       // 512
 
 // One call's activations against int4 weights: each row's groups quantized as
-// QuantizedActivations<int8_t>::quantize_block does (x ~ q * d per group of 32, |q| <= 127);
+// quantize_block<int8_t> does (x ~ q * d per group of 32, |q| <= 127);
 // the whole blocks' codes in the weights' order (vector j of a block: 64 bytes, group g's
 // positions 4 j .. 4 j + 4 at 4 g), their scales d one float per group; the last groups' as
 // Int4Row reads them (pairs as first halves then second halves, a last single group in order;
@@ -474,7 +478,7 @@ struct Int4Activations {
     for (int64_t r = 0; r < m; ++r) {
       for (int64_t g = 0; g < groups; ++g) {
         float scale;
-        QuantizedActivations<int8_t>::quantize_block(x + r * k + g * kBlock, codes,
+        quantize_block<int8_t>(x + r * k + g * kBlock, codes,
                                                      codes + kBlock / 2, &scale,
                                                      &q_sum[r * padded_groups + g]);
         if (g < full) {
