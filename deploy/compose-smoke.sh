@@ -185,6 +185,12 @@ build_pull=()
     --build-arg "TORCH_INDEX_URL=http://127.0.0.1:$INDEX_PORT/simple" -t "$IMAGE" "$ROOT"
 
 remove_containers # left over from an interrupted run
+# Podman keeps its lock numbers on disk and the locks in shared memory: after this machine
+# restarts, a new container can draw the lock the model-cache volume holds and fail to start
+# ("deadlock due to lock mismatch"). Renumbered while none of podman's containers runs.
+if [ "$ENGINE" = podman ] && [ -z "$(podman ps -q)" ]; then
+    podman system renumber
+fi
 if curl -s -o /dev/null "$HTTP/health"; then
     die "something already listens on port 8000; stop it first"
 fi
