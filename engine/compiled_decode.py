@@ -62,6 +62,7 @@ from engine.decode_programs import (
     build,
     build_lock,
     load,
+    missing_compiler,
     program_sizes,
     store,
 )
@@ -238,6 +239,8 @@ class CompiledDecode:
                 origin = "loaded"
             else:
                 origin = "compiled"
+                if reason := missing_compiler():
+                    raise BuildFailed(reason)
                 if build_here:
                     store(build(self.model, self.spec, self.lora), path)
                 else:

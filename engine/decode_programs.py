@@ -335,6 +335,19 @@ def load(path: Path, key: str) -> list[Any] | None:
     return [AOTCompiledFunction.deserialize(program) for program in stored.programs]
 
 
+def missing_compiler() -> str | None:
+    """Why inductor could not build programs here when it finds no C++ compiler (None when it
+    finds one): said before building, not after the minute of tracing that comes first."""
+    from torch._inductor import cpp_builder, exc
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except exc.InvalidCxxCompiler:
+        names = " or ".join(repr(name) for name in torch._inductor.config.cpp.cxx if name)
+        return f"no C++ compiler: {names} is not on PATH (install one or set CXX)"
+    return None
+
+
 @contextlib.contextmanager
 def build_lock(path: Path) -> Iterator[None]:
     """One process at a time looks up or builds the programs of `path` (engine replicas start

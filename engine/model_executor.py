@@ -55,6 +55,10 @@ logger = logging.getLogger(__name__)
 class ModelExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.model_path: Path = engine_model_path(config)
+        # An in-process engine shares its process's torch threads: what it sets (--num-threads,
+        # rank 0's share of the cores) ends with it (close), or a later engine or the caller's
+        # own work would run on that share.
+        self._threads_before = torch.get_num_threads()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         model_config = ModelConfig.from_dir(self.model_path)
@@ -287,6 +291,7 @@ class ModelExecutor:
             self.kv_tiers.close()  # the host tier's queued saves, then its thread
         if self.group is not None:
             self.group.close()
+        torch.set_num_threads(self._threads_before)
 
     def add_failure_listener(self, listener: Callable[[EngineGroupError], None]) -> None:
         if self.group is not None:

@@ -1,9 +1,10 @@
 """Tensor parallelism on tiny float32 models with 4 KV heads: TP=2 and TP=4 (worker ranks as
 real subprocesses over gloo on 127.0.0.1) give TP=1's greedy and seeded tokens, and logprobs
 (prompt logprobs too) within 1e-4, through chunked prefill, prefix-cache hits, preemption and
-n > 1; sizes that do not fit the heads are refused by number; external workers wait for their
-engine and join it again after it restarts; a worker killed with SIGKILL fails the engine's
-next step with an error that names it, within 15 s."""
+n > 1; rank 0's share of the cores ends with its engine; sizes that do not fit the heads are
+refused by number; external workers wait for their engine and join it again after it restarts;
+a worker killed with SIGKILL fails the engine's next step with an error that names it, within
+15 s."""
 
 from __future__ import annotations
 
@@ -100,11 +101,15 @@ def single(model_dir):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_matches_one_rank(model_dir, single, tp):
     expected, expected_stats = single
+    threads = torch.get_num_threads()
     engine = make_engine(model_dir, tp)
     try:
+        # Rank 0 runs on its share of the cores while the engine lives, and no longer.
+        assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // tp)
         got, stats = workload(engine)
     finally:
         engine.close()
+    assert torch.get_num_threads() == threads
     # The workload really went through preemption and prefix-cache hits, on both sides.
     for s in (expected_stats, stats):
         assert s.num_preemptions > 0
