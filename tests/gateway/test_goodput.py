@@ -10,6 +10,7 @@ and ended (DEADLINE_EXCEEDED)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import grpc
 import httpx
@@ -19,16 +20,21 @@ from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from common.auth import KeySettings, key_of, key_settings, load_api_keys
 from common.config import EngineConfig, GatewayConfig
 from common.service_level import ServiceLevel
-from engine.simulated import StepCostModel
+from engine.simulated import StepCostModel, simulated_engine
 from gateway.limits.service_level import ServiceLevels
 from gateway.messages import AskedLevel
 from gateway_helpers import GatewayThread, check_error, read_metrics
 from grpc_helpers import TIMEOUT, ServerThread
-from services.engine.simulate import simulated_services
+from polling import wait_until
+from services.engine.server import EngineService
 from services.tokenizer.server import TokenizerService
 
 # 20 ms a step whatever it holds: a flood of 24 requests of 8 tokens on 2 slots is ~2 s of work.
 COST = StepCostModel(fixed_seconds=0.02, prefill_token_seconds=0.0, decode_sequence_seconds=0.0)
+# While the flood is sent its steps take 10x longer, so that it is queued whole however slowly a
+# loaded machine sends it (at 20 ms a step, 24 requests sent over more than half a second never
+# all wait at once: the engine drains them as they come).
+ARRIVING = StepCostModel(fixed_seconds=0.2, prefill_token_seconds=0.0, decode_sequence_seconds=0.0)
 FLOOD_KEY, LIGHT_KEY, HURRIED_KEY = "sk-flood", "sk-light", "sk-hurried"
 KEYS = (
     f"{FLOOD_KEY} tenant=flood",
@@ -48,12 +54,19 @@ def gateway(default_model_dir):
         max_num_seqs=2,
         scheduling_policy="fair",
     )
-    [engine] = [ServerThread(s) for s in simulated_services(config, COST, "127.0.0.1", 0, 1)]
+    built = []
+
+    def build():
+        built.append(simulated_engine(config, COST))
+        return built[-1]
+
+    engine = ServerThread(EngineService(config, "127.0.0.1", 0, build_engine=build))
     server = GatewayThread(
         f"127.0.0.1:{engine.port}",
         f"127.0.0.1:{tokenizer.port}",
         GatewayConfig(api_keys=KEYS, trust_tenant_header=True),
     )
+    server.executor = built[0].executor  # slowed while a flood is sent (flood_queued)
     yield server
     server.close()
     engine.close()
@@ -71,6 +84,24 @@ def body(max_tokens: int = 8, priority: int = 0) -> dict:
 
 def waiting(url: str) -> float:
     return read_metrics(url)["folio_num_requests_waiting"]
+
+
+async def send_flood(gateway, send: Callable[[int], Awaitable]) -> list[asyncio.Task]:
+    """The flood's requests (`send(i)` for each), sent while the engine's steps are slow;
+    returned once all but a few of them wait in the engine (two run) and its steps take 20 ms
+    again."""
+    gateway.executor.cost = ARRIVING
+    try:
+        flood = [asyncio.create_task(send(i)) for i in range(FLOOD)]
+        await asyncio.to_thread(
+            wait_until, lambda: waiting(gateway.url) >= FLOOD - 4, "the flood to queue", TIMEOUT
+        )
+    finally:
+        gateway.executor.cost = COST
+    # The engine takes requests in between steps: the slow step under way ends first, or a
+    # request sent now would spend its deadline waiting for it.
+    await asyncio.sleep(ARRIVING.fixed_seconds)
+    return flood
 
 
 def grpc_chat(gateway, key: str, max_tokens: int = 8, **level) -> list[gateway_pb2.ChatResponse]:
@@ -111,12 +142,8 @@ def test_a_flooding_key_does_not_hold_up_another(gateway, front):
 
     async def run() -> None:
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-            flood = [
-                asyncio.create_task(send(client, FLOOD_KEY, f"flood{i}")) for i in range(FLOOD)
-            ]
             # The flood is queued in the engine before the light key asks anything.
-            while await asyncio.to_thread(waiting, url) < FLOOD - 4:
-                await asyncio.sleep(0.01)
+            flood = await send_flood(gateway, lambda i: send(client, FLOOD_KEY, f"flood{i}"))
             if front == "grpc":
                 flood.append(asyncio.create_task(send_batch()))
             for i in range(3):  # one after the other, as an interactive user would
@@ -165,14 +192,12 @@ def test_deadlines_refused_when_unmeetable_and_malformed_named(gateway):
             # More urgent than what follows: a request with a deadline would otherwise run
             # ahead of a queue without deadlines, and meet it.
             urgent = body(priority=-1)
-            flood = [
-                asyncio.create_task(
-                    client.post(url + "/v1/chat/completions", json=urgent, headers=flood_headers)
-                )
-                for _ in range(FLOOD)
-            ]
-            while await asyncio.to_thread(waiting, url) < FLOOD - 4:
-                await asyncio.sleep(0.01)
+            flood = await send_flood(
+                gateway,
+                lambda _: client.post(
+                    url + "/v1/chat/completions", json=urgent, headers=flood_headers
+                ),
+            )
 
             # The flood's next request waits behind its queue: 100 ms (the hurried key's
             # default, or a header's) cannot be met. The three are sent at once, so that each
