@@ -11,7 +11,9 @@ when the batch is large enough that verifying costs more than it saves, a thresh
 from the step cost model (`folio bench profile`; engine.core.step_cost), not a constant, and
 when the steps this engine measured at that batch size say so (MeasuredSteps): a step with
 drafts must cost less time per token it yields than a plain step of as many sequences (one in
-PROBE_STEPS steps drafts anyway, to measure again).
+PROBE_STEPS steps drafts anyway, to measure again); at one stream the tokens a step would yield
+by the request's own recent acceptance count too, where they are more than the measured steps
+yielded (those may have met other text).
 
 After the step, `settle` records how many of a request's drafts were accepted. Requests whose
 tokens depend on their own output in ways a draft would change (penalties, min_tokens not yet
@@ -78,6 +80,7 @@ class _Acceptance:
     rate: float = INITIAL_RATE
     paused: int = 0  # steps left without drafting
     pauses: int = 0  # pauses since a draft of this request was last accepted
+    settled: bool = False  # whether any of its drafts were verified (the rate is its own)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,9 +160,12 @@ class MeasuredSteps:
         steps = self._drafting_near(level, batch)
         return 0 if steps is None else len(steps)
 
-    def pays(self, level: int, batch: int, waiting: bool) -> bool | None:
+    def pays(self, level: int, batch: int, waiting: bool, expected: float = 1.0) -> bool | None:
         """Whether drafting at `level` pays at this batch size, with or without requests
-        `waiting` for a place; None while unmeasured near it."""
+        `waiting` for a place; None while unmeasured near it. `expected`: what a step's tokens
+        are worth, in plain steps' shares a sequence, by the running request's own recent
+        acceptance (the drafter's `_expected_worth`, one stream), counted where it is more
+        than the measured steps yielded."""
         steps = self._drafting_near(level, batch)
         if steps is None:
             return None
@@ -168,7 +174,7 @@ class MeasuredSteps:
         rest = sum(step.tokens for step in steps) - common
         share = 1.0 if waiting else self.marginal_share(batch)
         worth = (common + rest * share) / sum(step.batch for step in steps)
-        return ratio < PAYS_BELOW * worth
+        return ratio < PAYS_BELOW * max(worth, expected)
 
     def marginal_share(self, batch: int) -> float:
         """What one sequence fewer saves in a plain step of about `batch` sequences, as a share
@@ -282,9 +288,7 @@ class Drafter:
             return
         measured = self.measured
         level = (
-            FULL
-            if measured is None
-            else self._measured_level(measured, len(running), num_waiting > 0)
+            FULL if measured is None else self._measured_level(measured, running, num_waiting > 0)
         )
         self._step_level = level
         if level == NONE:
@@ -295,12 +299,7 @@ class Drafter:
             if state.paused:
                 state.paused -= 1
                 continue
-            room = self.max_model_len - request.num_tokens - 1
-            max_tokens = request.sampling_params.max_tokens
-            if max_tokens is not None:
-                room = min(room, max_tokens - request.num_output_tokens - 1)
-            k = min(room, self._length(state), 1 if level == FIRST_ONLY else room)
-            if k > 0:
+            if (k := self._draft_length(request, state, level)) > 0:
                 drafting.append((request, k))
         if self.draft_model is not None and drafting:
             requests, lengths = zip(*drafting, strict=True)
@@ -312,6 +311,30 @@ class Drafter:
                 assert self.grammar_allows is not None, "a constrained request without a grammar"
                 del draft[self.grammar_allows(request, draft) :]
             request.spec_token_ids = draft
+
+    def _draft_length(self, request: Request, state: _Acceptance, level: int) -> int:
+        """How many tokens the request drafts at `level`: its adaptive length, within its
+        room (max_tokens, the model's length)."""
+        room = self.max_model_len - request.num_tokens - 1
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return min(room, self._length(state), 1 if level == FIRST_ONLY else room)
+
+    def _expected_worth(self, level: int, running: list[Request]) -> float:
+        """At one stream, what a step drafting at `level` would yield, in plain steps, if the
+        request accepted its drafts at its own recent rate: the drafting steps measured before
+        may have met other text (an answer's preamble before the part it copies). 1.0 (the
+        measured steps decide alone) for a request with no verified drafts yet or paused, and
+        in a batch, which advances together by the fewest drafts any of its sequences accepts:
+        the fewest of many is far below the fewest of their expected counts."""
+        if len(running) != 1:
+            return 1.0
+        [request] = running
+        state = self._acceptance.get(request)
+        if state is None or not state.settled or state.paused:
+            return 1.0
+        return 1 + state.rate * self._draft_length(request, state, level)
 
     def _length(self, state: _Acceptance) -> int:
         """The request's draft length: its expected accepted tokens plus one, at most the
@@ -340,19 +363,26 @@ class Drafter:
         margin = model.prefill_token_seconds - rate * model.decode_sequence_seconds
         return margin <= 0 or batch < rate * model.fixed_seconds / margin
 
-    def _measured_level(self, measured: MeasuredSteps, batch: int, waiting: bool) -> int:
+    def _measured_level(
+        self, measured: MeasuredSteps, running: list[Request], waiting: bool
+    ) -> int:
         """How much to draft at this batch size, as the steps measured there say
-        (MeasuredSteps). Measured first: a plain step, then one with at most one draft a
-        request (the likeliest accepted: when those do not pay, longer drafts do not either;
-        while they do not, one step in PROBE_STEPS measures them again, one in FEW_PROBE_STEPS
-        while fewer than MIN_MEASURED are), then full lengths (while they do not pay but single
-        drafts do, tried as often)."""
+        (MeasuredSteps) and, at one stream, the request's recent acceptance. Measured first: a plain
+        step, then one with at most one draft a request (the likeliest accepted: when those do
+        not pay, longer drafts do not either; while they do not, one step in PROBE_STEPS
+        measures them again, one in FEW_PROBE_STEPS while fewer than MIN_MEASURED are), then
+        full lengths (while they do not pay but single drafts do, tried as often)."""
+        batch = len(running)
         if not measured.plain_measured(batch):
             return NONE
-        first = measured.pays(FIRST_ONLY, batch, waiting)
+
+        def pays(level: int) -> bool | None:
+            return measured.pays(level, batch, waiting, self._expected_worth(level, running))
+
+        first = pays(FIRST_ONLY)
         if first is None:
             return FIRST_ONLY
-        full = measured.pays(FULL, batch, waiting) if first else False
+        full = pays(FULL) if first else False
         if full is None or full:
             return FULL
         probe = FULL if first else FIRST_ONLY
@@ -421,6 +451,7 @@ class Drafter:
         request.num_drafted_tokens += num_drafted
         request.num_accepted_tokens += num_accepted
         state = self._acceptance.setdefault(request, _Acceptance())
+        state.settled = True
         state.rate += RATE_WEIGHT * (num_accepted / num_drafted - state.rate)
         if num_accepted:
             state.pauses = 0

@@ -560,6 +560,35 @@ def test_drafting_follows_the_steps_measured_at_each_batch_size_and_probes_again
     assert measured_step(drafter, 16, flat, accepted=3) == 0
 
 
+def test_one_stream_drafts_full_lengths_as_soon_as_its_own_drafts_are_accepted_again():
+    """One request, drafts nearly free: its first full-length drafts were all rejected (an
+    answer's preamble), so the full-length steps measured say they do not pay. Its own
+    acceptance rate, still a third after the rejections, says they do, and it drafts full
+    lengths at every step from then on (accepted: the part it copies), not single drafts with
+    full lengths only on the probes that measure them again (one step in FEW_PROBE_STEPS)."""
+    config = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1)
+    drafter = Drafter(config, max_model_len=1000, step_cost=None)
+    request = drafting_request([1, 2, 3, 4, 5, 6, 7, 8, 9] * 3)
+
+    def step(accepted: int) -> int:
+        drafter.propose([request])
+        drafts = len(request.spec_token_ids)
+        if drafts:
+            drafter.settle(request, drafts, min(drafts, accepted))
+        drafter.observe_step(drafts > 0, 1, flat(drafts))
+        return drafts
+
+    assert step(accepted=0) == 0  # a plain step first
+    assert step(accepted=1) == 1  # single drafts: accepted, and they pay
+    rejected = []
+    while drafter.measured.count(FULL, 1) < 2:
+        rejected.append(step(accepted=0))
+    assert rejected == [4, 3]  # full lengths tried (rates 0.65, 0.455), all rejected
+    assert drafter.measured.pays(FULL, 1, waiting=False) is False
+    accepted = [step(accepted=4) for _ in range(2 * FEW_PROBE_STEPS)]
+    assert all(drafts > 1 for drafts in accepted), accepted
+
+
 def draining_step(drafter: Drafter, batch: int, accepting: int) -> int:
     """One decode-only step of `batch` fresh requests, of which the first `accepting` accept
     all their drafts and the rest none, timed as on 2 cores: 11 ms for one sequence, 17 ms
