@@ -97,17 +97,6 @@ def give_up(error: BaseException | str) -> None:
     )
 
 
-def max_rows(config: EngineConfig) -> int:
-    """The most rows a compiled step has: a request each, or with speculative decoding its
-    last token and drafts each (a verification step runs as one-token rows), within the
-    step's token budget."""
-    spec = config.speculative
-    per_request = 1 if spec is None else 1 + spec.num_speculative_tokens
-    return min(
-        config.max_num_seqs * per_request, max(config.max_num_seqs, config.max_num_batched_tokens)
-    )
-
-
 class BuildFailed(Exception):
     """The build process failed; its message is the reason it gave, in one line."""
 
@@ -140,7 +129,9 @@ class CompiledDecode:
             config.quantization,
             config.attention_backend,
             torch.get_num_threads(),
-            program_sizes(self.model, max_rows(config)),
+            # A verification step stays within the quantized kernels' rows (the drafter cuts
+            # its drafts there): past them only plain steps of more requests go.
+            program_sizes(self.model, config.max_num_seqs),
             None if lora is None else (lora.max_loras, lora.max_rank, len(lora.step.slots)),
         )
         # Set once, when every program is ready: a step reads it once (the switch-over).

@@ -168,21 +168,32 @@ def program_sizes(model: LlamaForCausalLM, max_num_seqs: int) -> tuple[int, ...]
     """Two rows first (compiled dynamic: the program for any batch of 2 and more), one row (torch
     specializes sizes of 1), and above the quantized kernels' row limit, where the linears
     change kernel, a third."""
+    sizes = [2, 1]
+    bound = kernel_rows(model)
+    if bound is not None and bound < max_num_seqs:
+        sizes.append(bound + 1)
+    return tuple(sizes)
+
+
+def kernel_rows(model: torch.nn.Module) -> int | None:
+    """The most rows a step may have for every quantized weight of `model` (its linears and
+    its vocabulary's rows) to take its kernel; beyond, some multiply by the dequantized weight
+    instead (QuantizedWeight.max_kernel_rows), which rounds otherwise: a row's result then
+    depends on how many rows share its step. None: nothing is quantized."""
     from engine.layers.linear import Linear
     from engine.layers.quantization import QuantizedWeight
+    from engine.layers.vocab import VocabRows
 
-    sizes = [2, 1]
-    quantized = next(
-        (
-            m.packed
-            for m in model.modules()
-            if isinstance(m, Linear) and isinstance(m.packed, QuantizedWeight)
-        ),
-        None,
-    )
-    if quantized is not None and quantized.max_kernel_rows < max_num_seqs:
-        sizes.append(quantized.max_kernel_rows + 1)
-    return tuple(sizes)
+    bounds = [
+        weight.max_kernel_rows
+        for module in model.modules()
+        for weight in (
+            module.packed if isinstance(module, Linear) else None,
+            module.quantized if isinstance(module, VocabRows) else None,
+        )
+        if isinstance(weight, QuantizedWeight)
+    ]
+    return min(bounds, default=None)
 
 
 def programs_key(

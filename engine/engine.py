@@ -83,6 +83,7 @@ class LLMEngine:
                 self.step_cost,
                 executor.draft_proposer,
                 executor.grammar_allows,
+                executor.max_invariant_rows,
             )
             if spec
             else None

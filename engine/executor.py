@@ -68,6 +68,10 @@ class Executor(Protocol):
     lora_backend: LoraBackend | None
     # The draft model of --speculative-config's draft_model method; None without one.
     draft_proposer: DraftProposer | None
+    # The most rows a step may have for each to be computed as it would be in any other step
+    # (quantized weights take their kernels up to it: engine.decode_programs.kernel_rows); None:
+    # no bound. Speculative decoding keeps its verification steps within it.
+    max_invariant_rows: int | None
 
     @property
     def dtype_name(self) -> str:

@@ -25,6 +25,7 @@ from common.sampling_params import SamplingParams
 from engine.core.kv_cache_manager import kv_groups, num_blocks_for_budget
 from engine.core.request import Request
 from engine.core.scheduler import SchedulerOutput
+from engine.decode_programs import kernel_rows
 from engine.distributed import EngineGroup, start_engine_group
 from engine.errors import EngineGroupError, InvalidRequestError
 from engine.executor import ExecutorOutput
@@ -119,6 +120,7 @@ class ModelExecutor:
         except BaseException:
             self.close()
             raise
+        self.max_invariant_rows = kernel_rows(self.runner.model)
         if self.group is not None:
             self.runner.broadcast_plan = self.group.broadcast_plan
         self.kv_tiers = KVTierStore.create(

@@ -50,6 +50,7 @@ class SimulatedExecutor:
     dtype_name = "simulated"
     lora_backend: LoraBackend | None = None  # no model, no adapters
     draft_proposer: DraftProposer | None = None  # no model, no draft model
+    max_invariant_rows: int | None = None  # no arithmetic to keep the same
 
     def __init__(
         self,

@@ -201,6 +201,18 @@ def _nearest(batches: Iterable[int], batch: int) -> int | None:
     return min(near, key=lambda b: abs(b - batch)) if near else None
 
 
+def _fit_rows(drafts: Sequence[list[int]], room: int) -> None:
+    """Cut the longest drafts a token at a time until they fit `room` rows together."""
+    lengths = [len(draft) for draft in drafts]
+    excess = sum(lengths) - max(room, 0)
+    while excess > 0:
+        longest = max(range(len(lengths)), key=lengths.__getitem__)
+        lengths[longest] -= 1
+        excess -= 1
+    for draft, length in zip(drafts, lengths, strict=True):
+        del draft[length:]
+
+
 class DraftProposer(Protocol):
     """A proposer that runs a model (engine.spec_decode.draft_model.DraftModel): it drafts a
     step's requests in one batch and holds KV blocks per request until told to free them."""
@@ -236,10 +248,13 @@ class Drafter:
         step_cost: LiveStepCost | None,
         draft_model: DraftProposer | None = None,
         grammar_allows: Callable[[Request, list[int]], int] | None = None,
+        max_rows: int | None = None,
     ) -> None:
         """`draft_model`: the executor's draft model, for method draft_model. `grammar_allows`:
         how many leading drafts a constrained request's grammar accepts (the executor's; None:
-        no request is constrained)."""
+        no request is constrained). `max_rows`: the most rows a step may have for its rows to
+        be computed as in a plain step (the executor's max_invariant_rows; None: no bound): a
+        verification step past it would round otherwise and could change greedy tokens."""
         if config.method == "draft_model" and draft_model is None:
             raise ValueError(
                 "speculative_config: method: draft_model needs an executor that runs models "
@@ -249,6 +264,7 @@ class Drafter:
         self.draft_model = draft_model
         self.grammar_allows = grammar_allows
         self.max_model_len = max_model_len
+        self.max_rows = max_rows
         self.step_cost = step_cost
         self.stats = SpecStats()
         self.suffix = (
@@ -310,6 +326,9 @@ class Drafter:
             if draft and request.sampling_params.structured_output is not None:
                 assert self.grammar_allows is not None, "a constrained request without a grammar"
                 del draft[self.grammar_allows(request, draft) :]
+        if self.max_rows is not None:
+            _fit_rows(drafts, self.max_rows - len(running))
+        for (request, _), draft in zip(drafting, drafts, strict=True):
             request.spec_token_ids = draft
 
     def _draft_length(self, request: Request, state: _Acceptance, level: int) -> int:

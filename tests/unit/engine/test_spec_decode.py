@@ -170,6 +170,43 @@ def test_greedy_tokens_equal_without_drafts_through_preemption_chunks_and_n2(tin
     assert spec.kv_cache.num_free_blocks == plain.kv_cache.num_free_blocks
 
 
+def test_verification_steps_stay_within_the_rows_of_the_quantized_kernels(tiny):
+    """Past the rows their kernels take (QuantizedWeight.max_kernel_rows), int4 weights multiply
+    by the dequantized weight, which rounds otherwise than the plain step of the same requests.
+    Three quarters of that bound in requests, drafting, would verify in more rows: the drafter
+    cuts the drafts to the bound (the longest first), and the greedy tokens are those without
+    speculation. Unquantized: no bound."""
+    assert engine_on(tiny, None).executor.max_invariant_rows is None
+    probe = engine_on(tiny, None, quantization="int4")
+    bound = probe.executor.max_invariant_rows
+    assert bound in (16, 64, 256)  # torch's kernels; Folio's with native bfloat16; Folio's
+    count = bound * 3 // 4
+    prompts = repetitive_prompts(count)
+    # One prefill step for every prompt: the steps after it decode or verify only.
+    int4 = dict(
+        quantization="int4",
+        max_num_seqs=count,
+        num_kv_blocks=count * 16,
+        max_num_batched_tokens=sum(map(len, prompts)),
+    )
+    spec = engine_on(tiny, NGRAM, **int4)
+    assert spec.drafter is not None and spec.drafter.max_rows == bound
+    rows: list[int] = []
+    execute = spec.executor.execute
+
+    def recording(step, started):
+        if step.plan.spec_token_ids:
+            rows.append(step.total_tokens)
+        return execute(step, started)
+
+    spec.executor.execute = recording
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = run(engine_on(tiny, None, **int4), prompts, params)
+    assert run(spec, prompts, params) == expected
+    assert max(rows) == bound, rows  # cut to the bound, not past it
+    assert spec.stats().spec_num_accepted_tokens > 0
+
+
 def test_a_stop_token_ends_a_drafting_request_as_without_drafts(tiny):
     """A stop token the request reaches while drafting ends it where it ends without
     speculation: tokens a step accepts past a stop are not the request's."""
