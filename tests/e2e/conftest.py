@@ -14,13 +14,3 @@ def folio_server(default_model_dir, tmp_path_factory) -> ServeProcess:
     server = start_serve(log, *ENGINE_ARGS, "--no-enforce-eager", timeout=COMPILED_STARTUP_TIMEOUT)
     yield server
     server.stop()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def shared_server_started_early(request) -> None:
-    """Where any test of the run uses the shared server, it starts before the first
-    end-to-end test: its decode steps then compile in the background (about two minutes, on
-    one core mostly) while the tests before its own run, not while test_decode_steps_run_
-    compiled waits for them."""
-    if any("folio_server" in item.fixturenames for item in request.session.items):
-        request.getfixturevalue("folio_server")
