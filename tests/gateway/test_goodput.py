@@ -20,13 +20,13 @@ from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from common.auth import KeySettings, key_of, key_settings, load_api_keys
 from common.config import EngineConfig, GatewayConfig
 from common.service_level import ServiceLevel
-from engine.simulated import StepCostModel, simulated_engine
+from engine.simulated import StepCostModel
 from gateway.limits.service_level import ServiceLevels
 from gateway.messages import AskedLevel
 from gateway_helpers import GatewayThread, check_error, read_metrics
 from grpc_helpers import TIMEOUT, ServerThread
 from polling import wait_until
-from services.engine.server import EngineService
+from services.engine.simulate import simulated_services
 from services.tokenizer.server import TokenizerService
 
 # 20 ms a step whatever it holds: a flood of 24 requests of 8 tokens on 2 slots is ~2 s of work.
@@ -54,19 +54,13 @@ def gateway(default_model_dir):
         max_num_seqs=2,
         scheduling_policy="fair",
     )
-    built = []
-
-    def build():
-        built.append(simulated_engine(config, COST))
-        return built[-1]
-
-    engine = ServerThread(EngineService(config, "127.0.0.1", 0, build_engine=build))
+    [engine] = [ServerThread(s) for s in simulated_services(config, COST, "127.0.0.1", 0, 1)]
     server = GatewayThread(
         f"127.0.0.1:{engine.port}",
         f"127.0.0.1:{tokenizer.port}",
         GatewayConfig(api_keys=KEYS, trust_tenant_header=True),
     )
-    server.executor = built[0].executor  # slowed while a flood is sent (flood_queued)
+    server.executor = engine.service.engine.engine.executor  # slowed by send_flood
     yield server
     server.close()
     engine.close()
