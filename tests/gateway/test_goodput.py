@@ -10,7 +10,8 @@ and ended (DEADLINE_EXCEEDED)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import grpc
 import httpx
@@ -20,7 +21,8 @@ from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from common.auth import KeySettings, key_of, key_settings, load_api_keys
 from common.config import EngineConfig, GatewayConfig
 from common.service_level import ServiceLevel
-from engine.simulated import StepCostModel
+from engine.engine import LLMEngine
+from engine.simulated import SimulatedExecutor, StepCostModel
 from gateway.limits.service_level import ServiceLevels
 from gateway.messages import AskedLevel
 from gateway_helpers import GatewayThread, check_error, read_metrics
@@ -60,7 +62,7 @@ def gateway(default_model_dir):
         f"127.0.0.1:{tokenizer.port}",
         GatewayConfig(api_keys=KEYS, trust_tenant_header=True),
     )
-    server.executor = engine.service.engine.engine.executor  # slowed by send_flood
+    server.engine = engine.service.engine.engine  # its steps slowed by send_flood
     yield server
     server.close()
     engine.close()
@@ -80,18 +82,27 @@ def waiting(url: str) -> float:
     return read_metrics(url)["folio_num_requests_waiting"]
 
 
-async def send_flood(gateway, send: Callable[[int], Awaitable]) -> list[asyncio.Task]:
+def pace(engine: LLMEngine, cost: StepCostModel) -> None:
+    """The simulated engine's steps take `cost`'s time, and its scheduler expects as much: its
+    measured steps then match the model, so deadlines are judged by 20 ms steps again after
+    the slow ones (not by a ratio learnt from them)."""
+    assert isinstance(engine.executor, SimulatedExecutor)
+    engine.executor.cost = cost
+    engine.step_cost.model = cost
+
+
+async def send_flood(gateway, send: Callable[[int], Coroutine[Any, Any, Any]]) -> list[asyncio.Task]:
     """The flood's requests (`send(i)` for each), sent while the engine's steps are slow;
     returned once all but a few of them wait in the engine (two run) and its steps take 20 ms
     again."""
-    gateway.executor.cost = ARRIVING
+    pace(gateway.engine, ARRIVING)
     try:
         flood = [asyncio.create_task(send(i)) for i in range(FLOOD)]
         await asyncio.to_thread(
             wait_until, lambda: waiting(gateway.url) >= FLOOD - 4, "the flood to queue", TIMEOUT
         )
     finally:
-        gateway.executor.cost = COST
+        pace(gateway.engine, COST)
     # The engine takes requests in between steps: the slow step under way ends first, or a
     # request sent now would spend its deadline waiting for it.
     await asyncio.sleep(ARRIVING.fixed_seconds)
