@@ -91,7 +91,9 @@ def pace(engine: LLMEngine, cost: StepCostModel) -> None:
     engine.step_cost.model = cost
 
 
-async def send_flood(gateway, send: Callable[[int], Coroutine[Any, Any, Any]]) -> list[asyncio.Task]:
+async def send_flood(
+    gateway, send: Callable[[int], Coroutine[Any, Any, Any]]
+) -> list[asyncio.Task]:
     """The flood's requests (`send(i)` for each), sent while the engine's steps are slow;
     returned once all but a few of them wait in the engine (two run) and its steps take 20 ms
     again."""
