@@ -20,7 +20,9 @@ Prints the median and fastest milliseconds of each (the two taking turns, so tha
 a shared machine slows both alike), their ratios, the largest difference between the two
 outputs and the load average; on the CPU also the expert products alone on both sides, Folio's
 per-expert linears and F.linear (timed in the same turns: what bounds the per-expert path's
-ratio) and so the time each step spends around them; with
+ratio) and so the time each step spends around them; where the experts run stacked, reading
+their packed weights alone in the same turns (the memory floor, which bounds what any kernel
+over those bytes can gain on the loop); with
 --profile, torch's profile of each step. A benchmark, not a
 test: it asserts nothing else and never runs in the suite.
 """
@@ -130,6 +132,22 @@ def products(
     return folio, torch_linear
 
 
+def read_weights(layer: SparseMoe) -> Callable[[], None] | None:
+    """Reading the stacked experts' packed weights once (a reduction over their bytes, on the
+    same threads), or None where the layer holds no stack: the memory floor of a step that reads
+    every expert, which bounds what any kernel over the same bytes can gain on the loop."""
+    stacked = layer.stacked
+    if stacked is None or stacked.gate_up is None or stacked.down is None:
+        return None
+    words = [w.view(torch.int32) for w in (stacked.gate_up, stacked.down)]
+
+    def read() -> None:
+        for w in words:
+            torch.amax(w)
+
+    return read
+
+
 def timings_ms(
     steps: Sequence[Callable[[], object]], repeats: int, device: str
 ) -> list[tuple[float, float]]:
@@ -190,7 +208,10 @@ def run(args: argparse.Namespace, device: str, dtype: torch.dtype, bf16_values: 
                 steps.append(partial(per_expert, x))
             if per_expert is not None:  # the CPU path's products, timed in the same turns
                 steps.extend(products(per_expert, x, w13, w2))
+            if floor_step := read_weights(layer):
+                steps.append(floor_step)
             ours, loop, *rest = timings_ms(steps, args.repeats, device)
+            floor = rest.pop() if floor_step else None
             avx512 = rest.pop(0) if without_amx is not None else None
             one_at_a_time, alone = (rest[0], rest[1:]) if stacked else (None, rest)
             expected = baseline().float()
@@ -215,6 +236,18 @@ def run(args: argparse.Namespace, device: str, dtype: torch.dtype, bf16_values: 
             f"{os.getloadavg()[0]:.2f})",
             flush=True,
         )
+        if floor:
+            assert layer.stacked is not None and layer.stacked.gate_up is not None
+            assert layer.stacked.down is not None
+            megabytes = (layer.stacked.gate_up.nbytes + layer.stacked.down.nbytes) / 1e6
+            print(
+                f"{' ' * len(label)}  reading its packed weights alone ({megabytes:.1f} MB) "
+                f"{floor[0]:8.3f} ms (min {floor[1]:8.3f}): Folio x{floor[0] / ours[0]:5.2f} that "
+                f"floor (fastest x{floor[1] / ours[1]:5.2f}), the loop at most x"
+                f"{loop[0] / floor[0]:5.2f} (fastest x{loop[1] / floor[1]:5.2f}) for any kernel "
+                "over these bytes",
+                flush=True,
+            )
         if avx512:
             before, before_min = avx512
             print(
