@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUFReader
 from tokenizers import (
     AddedToken,
     Regex,
@@ -25,6 +24,8 @@ from tokenizers import (
     processors,
 )
 from tokenizers import Tokenizer as FastTokenizer
+
+from common.gguf_file import read_gguf
 
 # llama.cpp's token types that are added tokens rather than merges' products.
 CONTROL, USER_DEFINED = 3, 4
@@ -68,7 +69,7 @@ class GgufTokenizer:
 
 
 def read_gguf_tokenizer(path: str | Path) -> GgufTokenizer:
-    reader = GGUFReader(path)
+    reader = read_gguf(path)
     meta = {key: field.contents() for key, field in reader.fields.items()}
     kind = meta.get("tokenizer.ggml.model")
     if kind not in TOKENIZER_KINDS:

@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from common.auth import KeyInterceptor, KeySet
 from common.config import GRPC_MESSAGE_OPTIONS
 from common.errors import UnavailableError, status_code_for
+from common.heap import freeze_loaded_heap
 
 logger = logging.getLogger(__name__)
 # A failed service lets the errors it already sent reach their callers, then stops.
@@ -115,6 +116,7 @@ class GrpcService:
 
     async def _warm_up(self) -> None:
         await self.warm_up()
+        freeze_loaded_heap(f"{type(self).__name__} warm-up")
         if self.state is State.WARMING:
             self.state = State.SERVING
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)

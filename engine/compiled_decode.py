@@ -51,6 +51,7 @@ from typing import Any, Protocol
 import torch
 
 from common.config import EngineConfig
+from common.heap import freeze_loaded_heap
 from common.parent_death import child_env
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.step import running_step
@@ -244,6 +245,8 @@ class CompiledDecode:
             program.disable_guard_check()  # checked once per batch size instead (_pick)
         self.origin = origin
         self._programs = programs
+        if not build_here:  # loaded while serving: their graphs join what start-up froze
+            freeze_loaded_heap(SPEEDUP, collect=False)
         logger.info(
             "%s (batches of %s rows) %s in %.1f s; stored in %s",
             SPEEDUP,

@@ -44,12 +44,13 @@ from typing import Any
 import torch
 
 from common.config import cache_dir
+from common.gguf_file import is_gguf
 from common.parent_death import die_with_parent
 from engine.fallback import failure_reason
 from engine.kernels.cpu import extension
 from engine.kernels.cpu.capabilities import cpu_capabilities
 from engine.layers.lora import LoraSlots
-from engine.models.gguf_metadata import gguf_config, gguf_layout, is_gguf
+from engine.models.gguf_metadata import gguf_config, gguf_layout
 from engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)

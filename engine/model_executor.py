@@ -21,6 +21,7 @@ import torch
 
 from common.config import EngineConfig
 from common.default_model import engine_model_path
+from common.gguf_file import hold_gguf
 from common.sampling_params import SamplingParams
 from engine.core.kv_cache_manager import kv_groups, num_blocks_for_budget
 from engine.core.request import Request
@@ -56,6 +57,9 @@ logger = logging.getLogger(__name__)
 class ModelExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.model_path: Path = engine_model_path(config)
+        # A GGUF file's parsed metadata, held while the engine loads: every read of the file
+        # below (config, layout, weights, the tokenizer) shares it.
+        loading = hold_gguf(self.model_path)
         # An in-process engine shares its process's torch threads: what it sets (--num-threads,
         # rank 0's share of the cores) ends with it (close), or a later engine or the caller's
         # own work would run on that share.
@@ -64,6 +68,13 @@ class ModelExecutor:
             torch.set_num_threads(config.num_threads)
         model_config = ModelConfig.from_dir(self.model_path)
         self.model_config = model_config
+        # Its tokenizer is built in a thread of its own while the model loads.
+        self.structured = StructuredOutputManager(
+            self.model_path,
+            model_config.vocab_size,
+            sorted(set(model_config.eos_token_ids)),
+            config.device,
+        )
         self.pooling = PoolingConfig.from_dir(self.model_path)
         # "generate" serves text and embeddings; "pooling" embeddings only.
         self.runner_kind = config.runner
@@ -166,9 +177,10 @@ class ModelExecutor:
             model_config.vocab_size, sorted(self.eos_token_ids), config.device, config.seed
         )
         self.verifier = Verifier(self.sampler, config.seed)
-        self.structured = StructuredOutputManager(
-            self.model_path, model_config.vocab_size, sorted(self.eos_token_ids), config.device
-        )
+        # Whatever its tokenizer's build left to do (it holds the interpreter lock): before the
+        # engine serves, not beside its first steps.
+        self.structured.wait_loaded()
+        del loading  # a served engine keeps no parsed metadata (about 170 MB for a GGUF's)
 
     def _draft_model(self, config: EngineConfig, vocab_size: int) -> DraftModel | None:
         """--speculative-config's draft model, on this device, with a KV pool of its own: as

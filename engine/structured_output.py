@@ -65,7 +65,8 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="folio-masks")
-        # ~0.2 s for a 50k vocabulary: built while the model loads, not on the first request.
+        # ~0.2 s for a 50k vocabulary (about 1 s from a GGUF file's metadata): built while the
+        # model loads, not on the first request.
         self._tokenizer = self._worker.submit(
             _load_tokenizer, Path(model_path), vocab_size, list(eos_token_ids)
         )
@@ -78,6 +79,11 @@ class StructuredOutputManager:
         self._words = -(-vocab_size // 32)
         self._bitmask = np.zeros((0, self._words), dtype=np.int32)
         self._bits = _BITS.to(self.device)
+
+    def wait_loaded(self) -> None:
+        """Return once the tokenizer's build has ended (a failure is kept for compile() to
+        name)."""
+        concurrent.futures.wait([self._tokenizer])
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -226,12 +232,18 @@ def _load_tokenizer(
     model_path: Path, vocab_size: int, eos_token_ids: list[int]
 ) -> llguidance.LLTokenizer | None:
     """llguidance's tokenizer from the directory's tokenizer.json or a GGUF file's metadata (the
-    same JSON, built by common.gguf_tokenizer); None when the directory has none."""
-    if model_path.suffix == ".gguf":
-        tokenizer_json = read_gguf_tokenizer(model_path).fast.to_str()
-    elif (model_path / "tokenizer.json").is_file():
-        tokenizer_json = (model_path / "tokenizer.json").read_text()
-    else:
-        return None
-    # n_vocab: the model's logits may be wider than the tokenizer (padded vocabularies).
-    return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_ids)
+    same JSON, built by common.gguf_tokenizer); None when the directory has none. A failure is
+    raised as a RuntimeError with its message alone: the future keeps it for the engine's life,
+    and the failed build's frames would keep what they held (a GGUF file's parsed metadata)."""
+    try:
+        if model_path.suffix == ".gguf":
+            tokenizer_json = read_gguf_tokenizer(model_path).fast.to_str()
+        elif (model_path / "tokenizer.json").is_file():
+            tokenizer_json = (model_path / "tokenizer.json").read_text()
+        else:
+            return None
+        # n_vocab: the model's logits may be wider than the tokenizer (padded vocabularies).
+        return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_ids)
+    except Exception as exc:
+        failure = str(exc)
+    raise RuntimeError(failure)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from common.config import EngineConfig
+from common.gguf_file import hold_gguf
 from engine.core import step_plan
 from engine.distributed import (
     LORA,
@@ -72,6 +73,7 @@ def serve_engine(rank: int, world_size: int, master_addr: str, master_port: int)
     ).start()
     try:
         tp = join_group(store, rank, world_size, config.device, local_address_towards(master_addr))
+        loading = hold_gguf(info["model"])  # one parse of a GGUF's metadata while loading
         runner = ModelRunner(
             config, info["model"], info["num_blocks"], info["max_model_len"], tp=tp
         )
@@ -86,6 +88,7 @@ def serve_engine(rank: int, world_size: int, master_addr: str, master_port: int)
             config.quantization or file_quantization(model_path),
             rank,
         )
+        del loading
         loras = (
             WorkerLoras(runner.lora, config.max_lora_rank, runner.dtype)
             if runner.lora is not None

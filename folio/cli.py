@@ -154,8 +154,10 @@ def _run_service(service, drain_seconds: float) -> int:
     import logging
 
     from common import event_loop
+    from common.heap import own_process_heap
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    own_process_heap()  # this process is the service's, for its whole life
     return event_loop.run(service.run(drain_seconds))
 
 

@@ -41,6 +41,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from common.gguf_file import read_gguf
 from engine.layers.linear import Linear, folio_quant_kernels
 from engine.layers.quantization import (
     INT4_GROUP_SIZE,
@@ -51,7 +52,6 @@ from engine.layers.quantization import (
 )
 from engine.layers.vocab import VocabRows
 from engine.models.gguf_dequant import BLOCK_BYTES, dequantize_blocks, q4_k_groups, q6_k_groups
-from engine.models.gguf_metadata import read_gguf
 
 if TYPE_CHECKING:
     from engine.models.llama import LlamaForCausalLM

@@ -5,11 +5,12 @@ imports torch (the engine loop reads model configs) and never reads a tensor's d
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any
 
 from gguf import GGUFReader
+
+from common.gguf_file import is_gguf, read_gguf
 
 # general.architecture -> the Hugging Face architecture whose model serves it.
 ARCHITECTURES = {
@@ -22,12 +23,6 @@ ARCHITECTURES = {
 # global, the local layers' rope base 10000, attention scaled by the head size (27B's
 # query_pre_attn_scalar, hidden / heads, is the one size where that differs).
 GEMMA3_PATTERN, GEMMA3_LOCAL_BASE = 6, 10000.0
-
-
-def is_gguf(path: str | Path) -> bool:
-    """Whether `path` names a GGUF file (rather than a Hugging Face directory)."""
-    path = Path(path)
-    return path.suffix == ".gguf" and path.is_file()
 
 
 def file_quantization(path: str | Path) -> str | None:
@@ -50,18 +45,6 @@ def gguf_layout(path: str | Path) -> list[tuple[str, str, tuple[int, ...]]]:
         (t.name, t.tensor_type.name, tuple(int(n) for n in t.shape))
         for t in read_gguf(path).tensors
     ]
-
-
-def read_gguf(path: str | Path) -> GGUFReader:
-    """The file's reader (memory-mapped), shared while the file is unchanged: gguf's reader
-    takes seconds to parse a large vocabulary, and an engine reads the config several times."""
-    path = Path(path).resolve()
-    return _reader(path, path.stat().st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=2)
-def _reader(path: Path, mtime_ns: int) -> GGUFReader:
-    return GGUFReader(path)
 
 
 def _fields(reader: GGUFReader) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import cast
 import torch
 from safetensors import safe_open
 
+from common.gguf_file import is_gguf
 from engine.layers.attention import get_attention_backend
 from engine.layers.linear import bound_cpu_kernel_caches, describe_linears
 from engine.layers.moe import SparseMoe
@@ -29,7 +30,6 @@ from engine.layers.parallel import (
 from engine.models.config import ModelConfig
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gguf import load_gguf_weights
-from engine.models.gguf_metadata import is_gguf
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mixtral import MixtralForCausalLM

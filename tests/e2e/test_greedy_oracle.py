@@ -275,6 +275,10 @@ def test_restarted_engine_loads_its_programs(default_model_dir, prompts, referen
     log = stderr.read_text()
     assert re.search(r"compiled decode steps \(batches of 2, 1 rows\) loaded in", log), log[-3000:]
     assert " compiled in " not in log and "unavailable" not in log, log[-3000:]
+    # A service process's loaded objects (start-up's, then the programs loaded while it serves)
+    # are out of the garbage collector's scans (common.heap).
+    for what in ("EngineService warm-up", "compiled decode steps"):
+        assert re.search(rf"{what}: \d+ objects moved out of the garbage collector", log), what
 
 
 @pytest.fixture(scope="module")

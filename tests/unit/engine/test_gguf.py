@@ -12,6 +12,7 @@ not read is refused, naming it and the tensor; the default model's own GGUF hold
 from __future__ import annotations
 
 import dataclasses
+import weakref
 import zlib
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from gguf.quants import dequantize, quantize
 from test_sliding_window import GREEDY, greedy
 
 import engine.layers.quantization as quantization
-from common import default_model
+from common import default_model, gguf_file
 from common.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.kernels.cpu.capabilities import cpu_capabilities
@@ -195,6 +196,29 @@ def test_an_f32_gguf_gives_transformers_greedy_tokens(tmp_path, reference):
     got = engine_greedy(write_gguf(tmp_path / "tiny.gguf", reference, Q.F32))
     for rid, ids in PROMPTS.items():
         assert got[rid] == hf_greedy(reference, ids, GREEDY.max_tokens), rid
+
+
+def test_an_engine_parses_its_gguf_once_and_keeps_no_parse(tmp_path, reference, monkeypatch):
+    """The file's metadata is parsed once for the engine's config, tensor layout, weights and
+    structured output's tokenizer (on a real vocabulary a parse holds the interpreter lock for
+    seconds), and nothing of the parse is left once the engine is built: no tokenizer build
+    still running beside its first steps, no reader kept (about 170 MB for the default
+    model's)."""
+    parsed: list[weakref.ref] = []
+
+    class CountedReader(gguf.GGUFReader):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            parsed.append(weakref.ref(self))
+
+    monkeypatch.setattr(gguf_file, "GGUFReader", CountedReader)
+    path = write_gguf(tmp_path / "tiny.gguf", reference, Q.Q8_0)
+    engine = LLMEngine(
+        EngineConfig(model=str(path), dtype="float32", block_size=4, num_kv_blocks=32)
+    )
+    assert len(parsed) == 1
+    assert parsed[0]() is None
+    assert greedy(engine, PROMPTS)  # and it serves
 
 
 # Bound on the logits' relative error against the float32 twin through the integer kernels:
