@@ -69,8 +69,7 @@ class GgufTokenizer:
 
 
 def read_gguf_tokenizer(path: str | Path) -> GgufTokenizer:
-    reader = read_gguf(path)
-    meta = {key: field.contents() for key, field in reader.fields.items()}
+    meta = read_gguf(path).metadata
     kind = meta.get("tokenizer.ggml.model")
     if kind not in TOKENIZER_KINDS:
         raise ValueError(

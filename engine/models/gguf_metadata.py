@@ -8,8 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUFReader
-
 from common.gguf_file import is_gguf, read_gguf
 
 # general.architecture -> the Hugging Face architecture whose model serves it.
@@ -47,14 +45,10 @@ def gguf_layout(path: str | Path) -> list[tuple[str, str, tuple[int, ...]]]:
     ]
 
 
-def _fields(reader: GGUFReader) -> dict[str, Any]:
-    return {key: field.contents() for key, field in reader.fields.items()}
-
-
 def gguf_config(path: str | Path) -> dict[str, Any]:
     """The file's model config as a Hugging Face config.json dict (what ModelConfig reads)."""
     reader = read_gguf(path)
-    meta = _fields(reader)
+    meta = reader.metadata
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(

@@ -200,18 +200,17 @@ def test_an_f32_gguf_gives_transformers_greedy_tokens(tmp_path, reference):
 
 def test_an_engine_parses_its_gguf_once_and_keeps_no_parse(tmp_path, reference, monkeypatch):
     """The file's metadata is parsed once for the engine's config, tensor layout, weights and
-    structured output's tokenizer (on a real vocabulary a parse holds the interpreter lock for
-    seconds), and nothing of the parse is left once the engine is built: no tokenizer build
-    still running beside its first steps, no reader kept (about 170 MB for the default
-    model's)."""
+    structured output's tokenizer, and nothing of the parse is left once the engine is built:
+    no tokenizer build still running beside its first steps (it holds the interpreter lock),
+    no parse kept for the engine's life."""
     parsed: list[weakref.ref] = []
 
-    class CountedReader(gguf.GGUFReader):
+    class CountedParse(gguf_file.GgufFile):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             parsed.append(weakref.ref(self))
 
-    monkeypatch.setattr(gguf_file, "GGUFReader", CountedReader)
+    monkeypatch.setattr(gguf_file, "GgufFile", CountedParse)
     path = write_gguf(tmp_path / "tiny.gguf", reference, Q.Q8_0)
     engine = LLMEngine(
         EngineConfig(model=str(path), dtype="float32", block_size=4, num_kv_blocks=32)
