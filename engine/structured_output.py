@@ -65,7 +65,7 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="folio-masks")
-        # ~0.2 s for a 50k vocabulary (about 1 s from a GGUF file's metadata): built while the
+        # ~0.2 s for a 50k vocabulary (about 0.5 s from a GGUF file's metadata): built while the
         # model loads, not on the first request.
         self._tokenizer = self._worker.submit(
             _load_tokenizer, Path(model_path), vocab_size, list(eos_token_ids)
