@@ -24,7 +24,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -59,7 +58,8 @@ KILL_MARGIN_SECONDS = 10.0
 # A second stop request this long after the first kills what is left (a second Ctrl-C); sooner,
 # it is the same request delivered twice (a wrapper forwarding the signal to the whole group).
 FORCE_AFTER_SECONDS = 1.0
-# A child that died is started again after this back-off, doubled for each death in a row.
+# A child that died once is started again at once (a recovery's time is its start-up's); one
+# that dies again in a row after this back-off, doubled for each further death.
 RESTART_DELAY_SECONDS = 0.5
 MAX_RESTART_DELAY_SECONDS = 8.0
 # A child healthy this long since its last start has recovered: its deaths in a row reset.
@@ -272,7 +272,9 @@ class Supervisor:
         )
         for s in held:
             s.close()
-        self._stop = threading.Event()
+        # A plain attribute, polled, not a threading.Event: a signal handler runs in the main
+        # thread between two of its bytecodes, perhaps while that thread holds the Event's lock
+        # inside Event.wait, and setting the Event there deadlocked `folio serve` on Ctrl-C.
         self._stop_requested_at: float | None = None
         self._force = False
         drain = listen.drain_seconds
@@ -355,17 +357,23 @@ class Supervisor:
     # -- life cycle -------------------------------------------------------------------------------
 
     def request_stop(self) -> None:
-        """Ask the group to stop (signal-handler safe); asking again later kills what is left."""
+        """Ask the group to stop (safe in a signal handler and from any thread: it takes no
+        lock); asking again later kills what is left."""
         now = time.monotonic()
         if self._stop_requested_at is None:
             self._stop_requested_at = now
         elif now - self._stop_requested_at >= FORCE_AFTER_SECONDS:
             self._force = True
-        self._stop.set()
 
     @property
     def stopping(self) -> bool:
-        return self._stop.is_set()
+        return self._stop_requested_at is not None
+
+    def _pause(self) -> bool:
+        """One poll's sleep, cut short by no one: True if a stop has been asked for by then."""
+        if not self.stopping:
+            time.sleep(POLL_SECONDS)
+        return self.stopping
 
     def start(self) -> None:
         """Start all three and wait until each is healthy; ServeError if one dies or is late."""
@@ -373,7 +381,7 @@ class Supervisor:
             child.start()
         deadline = time.monotonic() + self.config.startup_timeout
         pending = list(self.children)
-        while pending and not self._stop.is_set():
+        while pending and not self.stopping:
             self._raise_if_dead("during start-up")
             for child in [c for c in pending if c.healthy()]:
                 pending.remove(child)
@@ -382,14 +390,14 @@ class Supervisor:
                 names = ", ".join(c.name for c in pending)
                 raise ServeError(f"{names} not healthy after {self.config.startup_timeout:.0f} s")
             if pending:
-                self._stop.wait(POLL_SECONDS)
+                self._pause()
 
     def watch(self) -> None:
         """Restart children that die; return when a stop is requested; ServeError when a child
         keeps dying."""
-        while not self._stop.wait(POLL_SECONDS):
+        while not self._pause():
             for child in self.children:
-                if self._stop.is_set():
+                if self.stopping:
                     break  # a restart must not race the stop
                 self._tend(child)
 
@@ -417,8 +425,11 @@ class Supervisor:
                 f"{died}: it died {child.deaths_in_a_row} times in a row, more "
                 f"than --max-restarts {self.config.max_restarts} allows; giving up"
             )
-        delay = min(
-            RESTART_DELAY_SECONDS * 2 ** (child.deaths_in_a_row - 1), MAX_RESTART_DELAY_SECONDS
+        again = child.deaths_in_a_row - 1
+        delay = (
+            min(RESTART_DELAY_SECONDS * 2 ** (again - 1), MAX_RESTART_DELAY_SECONDS)
+            if again
+            else 0.0
         )
         child.restart_at = now + delay
         print(f"folio: {died}; restarting it in {delay:g} s", file=sys.stderr, flush=True)
