@@ -15,11 +15,13 @@ into panels and run stacked, every expert in one call, on AMX tiles where amx_us
 CPU and Linux allow them).
 
 `load()` registers the ops and returns True, or False where they cannot run (a CPU without AVX2
-and FMA, no C++ compiler, a build error: one warning says which): callers then use torch's own
-ops. FOLIO_KERNEL_DIR puts the build somewhere other than the cache directory (the container
-image builds them into its own layer, where the cache volume does not hide them); under it each
-build lies in a directory of its own named by a hash of the sources, their path, the compiler
-flags and torch's version (build_dir). This module
+and FMA, no C++ compiler to build them, a build error: one warning says which): callers then use
+torch's own ops. FOLIO_KERNEL_DIR puts the build somewhere other than the cache directory (the
+container image builds them into its own layer, where the cache volume does not hide them);
+under it each build lies in a directory of its own named by a hash of the sources, their path,
+the compiler flags and torch's version (build_dir), marked once its library is whole: a later
+load then loads that library alone, with neither torch's build machinery nor a compiler. This
+module
 never quantizes weights and never picks between kernels: engine.kernels.cpu.capabilities says
 what loaded, engine.layers.linear and the torch attention backend choose.
 """
@@ -46,6 +48,10 @@ logger = logging.getLogger(__name__)
 
 KERNEL_DIR_ENV = "FOLIO_KERNEL_DIR"
 KERNELS = "Folio's CPU kernels"
+NAME = "folio_cpu_kernels"
+LIBRARY = f"{NAME}.so"
+# Made in a build's directory once its library is whole: a later load needs nothing else.
+BUILT = "folio.built"
 TORCH_OPS = "using torch's ops"
 SOURCES = [
     Path(__file__).with_name(name)
@@ -77,35 +83,54 @@ def kernel_dir() -> Path:
 def load() -> bool:
     if not cpu_has_avx2():
         return False
-    from torch.utils import cpp_extension
-
-    compiler = cpp_extension.get_cxx_compiler()
-    if shutil.which(compiler) is None:
-        # Said before trying: torch's own attempt prints pages of warnings first.
-        reason = f"no C++ compiler: {compiler!r} is not on PATH (install one or set CXX)"
-        warn_fallback(logger, KERNELS, TORCH_OPS, reason)
-        return False
     directory = build_dir()
-    directory.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     try:
-        with builder_lock(directory):
-            cpp_extension.load(
-                name="folio_cpu_kernels",
-                sources=[str(source) for source in SOURCES],
-                # Lists of their own: torch appends its libraries to the flags it is given.
-                extra_cflags=list(CFLAGS),
-                extra_ldflags=list(LDFLAGS),
-                build_directory=str(directory),
-                is_python_module=False,
-                verbose=False,
-            )
+        if (directory / BUILT).exists():
+            # Built before: loaded as it is, without torch's build machinery (importing it takes
+            # most of a second of an engine's start) and without a compiler.
+            torch.ops.load_library(directory / LIBRARY)
+        elif not build(directory):
+            return False
     except Exception as error:  # an optional speed-up: see engine.fallback
         warn_fallback(logger, KERNELS, TORCH_OPS, error)
         return False
     logger.info("Folio's CPU kernels ready in %.1f s", time.perf_counter() - started)
     _register_output_shapes()
     return True
+
+
+def build(directory: Path) -> bool:
+    """Build the kernels into `directory` (or load them, if another process built them
+    meanwhile) and mark them built; False, with one warning, where there is no compiler."""
+    compiler = cxx_compiler()
+    if shutil.which(compiler) is None:
+        # Said before trying: torch's own attempt prints pages of warnings first.
+        reason = f"no C++ compiler: {compiler!r} is not on PATH (install one or set CXX)"
+        warn_fallback(logger, KERNELS, TORCH_OPS, reason)
+        return False
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    with builder_lock(directory):
+        cpp_extension.load(
+            name=NAME,
+            sources=[str(source) for source in SOURCES],
+            # Lists of their own: torch appends its libraries to the flags it is given.
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
+        (directory / BUILT).touch()  # only once the library is whole
+    return True
+
+
+def cxx_compiler() -> str:
+    """The compiler torch's cpp_extension builds with on Linux (its get_cxx_compiler's rule),
+    without importing it."""
+    return os.environ.get("CXX", "c++")
 
 
 def build_dir() -> Path:
@@ -121,14 +146,11 @@ def build_hash() -> str:
     compiler and its flags, torch's version) and of where the sources lie, which torch's build
     commands name; read once, so that it names the kernels this process loads even when the
     sources change while it runs (compiled decode programs are keyed by it)."""
-    from torch.utils import cpp_extension
-
     digest = hashlib.sha256()
     for path in [*SOURCES, *HEADERS]:
         digest.update(f"{path}\0".encode())
         digest.update(path.read_bytes())
-    compiler = cpp_extension.get_cxx_compiler()
-    digest.update("\0".join([compiler, *CFLAGS, *LDFLAGS, torch.__version__]).encode())
+    digest.update("\0".join([cxx_compiler(), *CFLAGS, *LDFLAGS, torch.__version__]).encode())
     return digest.hexdigest()[:16]
 
 
