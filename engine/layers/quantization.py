@@ -285,25 +285,16 @@ def _blocked_bytes(codes: torch.Tensor) -> int:
 
 
 def int4_blocked_codes(nibbles: torch.Tensor) -> torch.Tensor:
-    """Int4 codes in Q4_1's order ([out, in / 2] uint8) in the order Folio's kernels read them,
-    a lossless permutation: each row's whole blocks of 16 groups as 256 bytes, byte 64 u + 4 g
-    + i holding group g's code at position 8 u + i in its low half and 8 u + 4 + i in its high
-    half (a 64-byte load splits into positions 8 u .. 8 u + 4 and 8 u + 4 .. 8 u + 8 of the 16
-    groups, a 32-bit lane to a group: each group's products then sum in one lane); the groups
-    after the last whole block stay in Q4_1's order."""
-    out_features = nibbles.shape[0]
-    width = _blocked_bytes(nibbles)
-    if width == 0:
-        return nibbles.contiguous()
-    # A group's 16 bytes as four quarters: byte p holds positions p (low) and p + 16 (high), so
-    # positions 8 u + i and 8 u + 4 + i come from quarters (2 u, 2 u + 1) mod 4, low halves
-    # for u < 2 and high halves after.
-    a, b, c, d = nibbles[:, :width].reshape(out_features, -1, INT4_BLOCK_GROUPS, 4, 4).unbind(3)
-    blocks = torch.stack(
-        ((a & 0xF) | (b << 4), (c & 0xF) | (d << 4), (a >> 4) | (b & 0xF0), (c >> 4) | (d & 0xF0)),
-        dim=2,
-    )
-    return torch.cat((blocks.reshape(out_features, width), nibbles[:, width:]), dim=1)
+    """Int4 codes in Q4_1's order ([out, in / 2] uint8, or [out, in / 32, 16] with rows and
+    groups at any stride: a GGUF tensor's blocks read in place) in the order Folio's kernels
+    read them ([out, in / 2]), a lossless permutation: each row's whole blocks of 16 groups as
+    256 bytes, byte 64 u + 4 g + i holding group g's code at position 8 u + i in its low half
+    and 8 u + 4 + i in its high half (a 64-byte load splits into positions 8 u .. 8 u + 4 and
+    8 u + 4 .. 8 u + 8 of the 16 groups, a 32-bit lane to a group: each group's products then
+    sum in one lane); the groups after the last whole block stay in Q4_1's order. One pass in
+    Folio's kernels (cpu_quant.cpp), which alone read this order."""
+    groups = nibbles if nibbles.dim() == 3 else nibbles.unflatten(1, (-1, INT4_GROUP_SIZE // 2))
+    return torch.ops.folio_quant.int4_blocked_codes(groups)
 
 
 def int4_q4_1_codes(blocked: torch.Tensor) -> torch.Tensor:
@@ -328,9 +319,10 @@ def int4_weight(
     folio_kernels: bool,
     group_dtype: torch.dtype = torch.float16,
 ) -> QuantizedWeight:
-    """An int4 weight from its codes ([out, in / 2] uint8, packed as QuantizedWeight.codes says)
-    and its per-group scales and minimums ([out, in / 32], values of `group_dtype`: float16, or
-    float32 where float16 would round them), for activations of `dtype`: what `quantize`
+    """An int4 weight from its codes ([out, in / 2] uint8, packed as QuantizedWeight.codes says,
+    or [out, in / 32, 16] as int4_blocked_codes takes them) and its per-group scales and
+    minimums ([out, in / 32], values of `group_dtype`: float16, or float32 where float16 would
+    round them), for activations of `dtype`: what `quantize`
     computes, or what a Q4_0/Q4_1/Q4_K GGUF tensor holds. Folio's kernels keep them in
     `group_dtype`; torch's take them in `dtype`."""
     if group_dtype not in (torch.float16, torch.float32):
@@ -339,7 +331,7 @@ def int4_weight(
     scale_dtype = group_dtype if kernels is not None else dtype
     quantized = QuantizedWeight(
         "int4",
-        nibbles if kernels is None else int4_blocked_codes(nibbles),
+        nibbles.reshape(nibbles.shape[0], -1) if kernels is None else int4_blocked_codes(nibbles),
         scale.to(scale_dtype),
         minimum.to(scale_dtype),
         kernels,

@@ -324,7 +324,7 @@ def _int4(parts: list[_Part], dtype: torch.dtype, folio_kernels: bool) -> Quanti
     for part in parts:
         if part.type == Q.Q4_K:
             nibbles, scale_k, minimum_k = _q4_k_as_int4(part)
-            codes.append(nibbles)
+            codes.append(nibbles.numpy().reshape(nibbles.shape[0], -1, INT4_GROUP_SIZE // 2))
             scales.append(scale_k)
             minimums.append(minimum_k)
             continue
@@ -338,12 +338,13 @@ def _int4(parts: list[_Part], dtype: torch.dtype, folio_kernels: bool) -> Quanti
                 minimum = scale * np.float16(-8)
             if not np.isfinite(minimum).all():
                 raise ValueError(f"GGUF tensor {part.gguf_name!r}: a Q4_0 scale overflows -8 d")
-        codes.append(torch.from_numpy(blocks[..., header:].reshape(blocks.shape[0], -1)))
+        codes.append(blocks[..., header:])  # [out, groups, 16], read in place
         scales.append(torch.from_numpy(scale.astype(np.float32)))
         minimums.append(torch.from_numpy(minimum.astype(np.float32)))
     exact_in_half = all(part.type != Q.Q4_K for part in parts)
     return int4_weight(
-        torch.cat(codes),
+        # One copy of the parts' codes, stacked; the kernels' order is one more pass.
+        torch.from_numpy(np.concatenate(codes)),
         torch.cat(scales),
         torch.cat(minimums),
         dtype,

@@ -24,7 +24,7 @@
 // AVX2 code's outputs (Wide); FOLIO_CPU_ISA=avx2 keeps the AVX2 code (wide_rows).
 //
 // int4 weights are read in blocks of 16 groups (Int4Activations; the weights permuted once, at
-// load, by engine/layers/quantization.int4_blocked_codes): each group's 32 products are summed
+// load, by int4_blocked_codes): each group's 32 products are summed
 // in one 32-bit lane, exactly (vpdpbusd on AVX-512; on AVX2 maddubs pairs added in int16, then
 // one madd), so that the float steps (conversion, the activations' scale, the weight's) run once
 // per group rather than once per four of its products: those steps, not the weights' bytes,
@@ -1411,6 +1411,49 @@ at::Tensor int4_dequantize(const at::Tensor& codes, const at::Tensor& scale,
   return out;
 }
 
+// Int4 codes in Q4_1's order (byte p of a group: position p in its low half, p + 16 in its
+// high), given as [rows, groups, 16] uint8 with each group's bytes adjacent and rows and groups
+// at any stride (a GGUF tensor's Q4_0/Q4_1 blocks, past their scales, read in place), as the
+// products read them ([rows, groups * 16]: the whole blocks of 16 groups permuted as the
+// comment above Int4Activations says, the groups after them as they are). A lossless
+// permutation, once per weight at load; one pass, parallel over rows.
+at::Tensor int4_blocked_codes(const at::Tensor& groups) {
+  TORCH_CHECK(groups.dim() == 3 && groups.scalar_type() == at::kByte &&
+                  groups.size(2) == kBlock / 2 && groups.stride(2) == 1,
+              "int4_blocked_codes takes uint8 codes as [rows, groups, 16], a group's bytes "
+              "adjacent");
+  const int64_t n = groups.size(0), count = groups.size(1);
+  const int64_t row_stride = groups.stride(0), group_stride = groups.stride(1);
+  const int64_t group_bytes = kBlock / 2, full = count / kGroupsPerBlock * kGroupsPerBlock;
+  at::Tensor out = at::empty({n, count * group_bytes}, groups.options());
+  const uint8_t* in = groups.data_ptr<uint8_t>();
+  uint8_t* blocked = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* row = in + r * row_stride;
+      uint8_t* dst = blocked + r * count * group_bytes;
+      for (int64_t g0 = 0; g0 < full; g0 += kGroupsPerBlock) {
+        uint8_t* block = dst + g0 * group_bytes;
+        for (int64_t g = 0; g < kGroupsPerBlock; ++g) {
+          const uint8_t* q = row + (g0 + g) * group_stride;
+          // Quarter j of the group (bytes 4 j .. 4 j + 4) holds positions 4 j + i and 16 + 4 j + i.
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t a = q[i], b = q[4 + i], c = q[8 + i], d = q[12 + i];
+            block[4 * g + i] = (a & 0xF) | (b << 4);
+            block[64 + 4 * g + i] = (c & 0xF) | (d << 4);
+            block[128 + 4 * g + i] = (a >> 4) | (b & 0xF0);
+            block[192 + 4 * g + i] = (c >> 4) | (d & 0xF0);
+          }
+        }
+      }
+      for (int64_t g = full; g < count; ++g) {
+        std::memcpy(dst + g * group_bytes, row + g * group_stride, group_bytes);
+      }
+    }
+  });
+  return out;
+}
+
 // Schemas here, kernels for the CPU key only, so torch.compile can trace the ops through the
 // shape functions engine/kernels/cpu/extension.py registers.
 TORCH_LIBRARY(folio_quant, library) {
@@ -1419,6 +1462,7 @@ TORCH_LIBRARY(folio_quant, library) {
   library.def("grouped_int8_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   library.def("parts_linear(Tensor x, Tensor[] codes, Tensor[] scales, Tensor?[] mins) -> Tensor");
   library.def("int4_dequantize(Tensor codes, Tensor scale, Tensor min, ScalarType dtype) -> Tensor");
+  library.def("int4_blocked_codes(Tensor groups) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(folio_quant, CPU, library) {
@@ -1427,4 +1471,5 @@ TORCH_LIBRARY_IMPL(folio_quant, CPU, library) {
   library.impl("grouped_int8_linear", &grouped_int8_linear);
   library.impl("parts_linear", &parts_linear);
   library.impl("int4_dequantize", &int4_dequantize);
+  library.impl("int4_blocked_codes", &int4_blocked_codes);
 }

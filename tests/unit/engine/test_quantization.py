@@ -185,6 +185,28 @@ def test_an_output_s_product_does_not_depend_on_the_outputs_beside_it():
 
 
 @needs_folio_kernels
+@pytest.mark.parametrize("groups", [5, 16, 37])
+def test_int4_codes_permute_losslessly_from_strided_blocks(groups):
+    """The permutation into the kernels' order takes a GGUF tensor's blocks in place (each
+    group's 16 code bytes after its scales, rows and groups strided): the same bytes as from
+    the codes alone, a permutation of each row's whole blocks that int4_q4_1_codes undoes, the
+    groups after them as they were; a wrong shape is refused by name."""
+    rows = 19
+    file_blocks = torch.randint(0, 256, (rows, groups, 20), dtype=torch.uint8)  # Q4_1: 4 + 16
+    in_place = file_blocks[..., 4:]
+    q4_1 = in_place.reshape(rows, -1)
+    blocked = int4_blocked_codes(in_place)
+    assert torch.equal(blocked, int4_blocked_codes(q4_1))
+    assert torch.equal(int4_q4_1_codes(blocked), q4_1)
+    whole = groups // 16 * 16 * 16
+    assert torch.equal(blocked[:, whole:], q4_1[:, whole:])
+    if whole:
+        assert not torch.equal(blocked[:, :whole], q4_1[:, :whole])
+    with pytest.raises(RuntimeError, match=r"int4_blocked_codes takes uint8 codes"):
+        int4_blocked_codes(file_blocks)
+
+
+@needs_folio_kernels
 @pytest.mark.parametrize("group_dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("groups", [5, 33])
 def test_int4_dequantizes_in_one_pass_as_the_dense_path_reads_it(group_dtype, groups):
