@@ -26,13 +26,16 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from bench.startup import cpu_description
 from common.config import EngineConfig, engine_config_from_args
 from common.default_model import prepare_default_model
 from common.flags import flag
 from common.sampling_params import SamplingParams
-from engine.engine import LLMEngine
+
+if TYPE_CHECKING:  # imported where engines are made: `folio`'s parser reads the workload here
+    from engine.engine import LLMEngine
 
 
 @dataclass
@@ -96,6 +99,8 @@ def multi_turn(runs: list[tuple[str, EngineConfig]], work: KVTiersWorkload) -> l
     lockstep (a turn on every engine, then the next turn), so that the shared machine's load
     weighs on every configuration alike. Each engine keeps its own histories (the int8 tier's
     answers may differ); the user messages are the same for all."""
+    from engine.engine import LLMEngine
+
     engines = [LLMEngine(config) for _, config in runs]
     rng = random.Random(0)
     vocab = engines[0].vocab_size - 1
@@ -132,6 +137,8 @@ def multi_turn(runs: list[tuple[str, EngineConfig]], work: KVTiersWorkload) -> l
 
 
 def restart(config: EngineConfig, work: KVTiersWorkload, directory: str) -> None:
+    from engine.engine import LLMEngine
+
     rng = random.Random(1)
     system = [rng.randrange(1000, 40000) for _ in range(work.system_tokens)]
     first = LLMEngine(dataclasses.replace(config, kv_cache_dir=directory))
