@@ -68,7 +68,6 @@ class ModelExecutor:
             torch.set_num_threads(config.num_threads)
         model_config = ModelConfig.from_dir(self.model_path)
         self.model_config = model_config
-        # Its tokenizer is built in a thread of its own while the model loads.
         self.structured = StructuredOutputManager(
             self.model_path,
             model_config.vocab_size,
@@ -177,9 +176,6 @@ class ModelExecutor:
             model_config.vocab_size, sorted(self.eos_token_ids), config.device, config.seed
         )
         self.verifier = Verifier(self.sampler, config.seed)
-        # Whatever its tokenizer's build left to do (it holds the interpreter lock): before the
-        # engine serves, not beside its first steps.
-        self.structured.wait_loaded()
         del loading  # a served engine keeps no parsed metadata (about 12 MB for the default GGUF's)
 
     def _draft_model(self, config: EngineConfig, vocab_size: int) -> DraftModel | None:

@@ -1,7 +1,8 @@
 """Structured output in the engine: each constrained request's grammar as a token mask.
 
-Owns everything llguidance needs at run time: its view of the model's tokenizer (built once, in
-the background, from the model directory's tokenizer.json or a GGUF file's metadata), a bounded
+Owns everything llguidance needs at run time: its view of the model's tokenizer (built once, at
+the first constrained request, from the model directory's tokenizer.json or a GGUF file's
+metadata), a bounded
 cache of compiled grammars (one pristine matcher per constraint, deep-copied for each request),
 each request's matcher,
 kept in step with the request's output tokens, and the masks of the batch. Masks are computed on
@@ -65,11 +66,13 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="folio-masks")
-        # ~0.2 s for a 50k vocabulary (about 0.5 s from a GGUF file's metadata): built while the
-        # model loads, not on the first request.
-        self._tokenizer = self._worker.submit(
-            _load_tokenizer, Path(model_path), vocab_size, list(eos_token_ids)
-        )
+        self._model_path = Path(model_path)
+        self._eos_token_ids = list(eos_token_ids)
+        # Built at the first constrained request, as vLLM builds its grammar backend: about 0.9 s
+        # holding the interpreter lock for a 50k vocabulary from a GGUF file's metadata (0.4 s
+        # of it in llguidance), which every engine start would pay, constrained requests or not.
+        # A future: what the build gave, or raised, is kept.
+        self._tokenizer: concurrent.futures.Future[llguidance.LLTokenizer | None] | None = None
         self._executor = llguidance.LLExecutor(num_threads=MASK_THREADS)
         self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
         # Weak keys: a request dropped without release() (it never should be) cannot leak.
@@ -79,11 +82,6 @@ class StructuredOutputManager:
         self._words = -(-vocab_size // 32)
         self._bitmask = np.zeros((0, self._words), dtype=np.int32)
         self._bits = _BITS.to(self.device)
-
-    def wait_loaded(self) -> None:
-        """Return once the tokenizer's build has ended (a failure is kept for compile() to
-        name)."""
-        concurrent.futures.wait([self._tokenizer])
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -106,6 +104,10 @@ class StructuredOutputManager:
         if matcher is not None:
             self._compiled.move_to_end(constraint)
             return matcher
+        if self._tokenizer is None:
+            self._tokenizer = self._worker.submit(
+                _load_tokenizer, self._model_path, self.vocab_size, self._eos_token_ids
+            )
         try:
             tokenizer = self._tokenizer.result()
         except Exception as exc:  # a tokenizer.json llguidance cannot read

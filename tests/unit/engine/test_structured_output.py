@@ -18,6 +18,7 @@ from transformers import LlamaConfig
 from common.config import EngineConfig
 from common.default_model import gguf_path
 from common.sampling_params import SamplingParams, StructuredOutput
+from engine import structured_output
 from engine.core.request import Request
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
@@ -224,6 +225,29 @@ def test_bad_constraints_are_refused_by_name(engine, constraint, message):
     with pytest.raises(InvalidRequestError, match=re.escape(message)):
         engine.add_request("bad", [1, 2, 3], SamplingParams(structured_output=constraint))
     assert not engine.requests and not engine.has_unfinished
+
+
+def test_the_tokenizer_is_built_at_the_first_constrained_request_only(model_dir, monkeypatch):
+    """llguidance's tokenizer (about a second of start-up, holding the interpreter lock) is
+    built once, when a constrained request first needs it: not for an engine that serves none."""
+    builds = []
+    build = structured_output._load_tokenizer
+
+    def counted(*args):
+        builds.append(args)
+        return build(*args)
+
+    monkeypatch.setattr(structured_output, "_load_tokenizer", counted)
+    engine = make_engine(model_dir)
+    engine.add_request("free", [1, 2, 3], SamplingParams(max_tokens=2))
+    while engine.has_unfinished:
+        engine.step()
+    assert builds == []
+    for rid in ("a", "b"):
+        engine.add_request(rid, [1, 2, 3], SamplingParams(max_tokens=2, structured_output=PERSON))
+    while engine.has_unfinished:
+        engine.step()
+    assert len(builds) == 1
 
 
 def test_a_model_without_tokenizer_json_refuses_structured_output(tmp_path):
