@@ -8,10 +8,11 @@ again: the tokenizer and the engine where to listen and the EngineConfig, the ga
 long each took, prints the URL and watches them. SIGINT / SIGTERM stop the gateway first (it drains
 its clients), then the engine and the tokenizer. A child that dies while serving is restarted with
 the same command line, at once (if it died again in a row, after a back-off of 0.5 s, doubling up
-to 8 s); the others are told nothing, since the gateway reconnects by itself. A child that keeps dying (more than --max-restarts times
-without staying up for a minute in between), or one that dies during start-up, stops the others and
-ends `folio serve` with a non-zero exit. This module only starts, probes and stops processes: it
-holds no service logic and never imports torch or the engine.
+to 8 s); the others are told nothing, since the gateway reconnects by itself. A child that keeps
+dying (more than --max-restarts times without staying up for a minute in between), or one that
+dies during start-up, stops the others and ends `folio serve` with a non-zero exit. This module
+only starts, probes and stops processes: it holds no service logic and never imports torch or the
+engine.
 """
 
 from __future__ import annotations
