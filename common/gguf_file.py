@@ -132,8 +132,8 @@ class GgufFile:
 
     def _strings(self, count: int, offset: int) -> tuple[list[str], int]:
         """`count` strings in a row (an array's: a vocabulary's tokens and merges are about
-        100,000), their lengths' layout made once: 0.09 s for the default model's file, 0.26 s
-        through one _unpack per string."""
+        100,000), their lengths' layout made once: the default model's metadata in 0.07 s,
+        against 0.13 s with a layout made per string."""
         length_at = struct.Struct(self._order + "Q").unpack_from
         buffer, strings = self._buffer, []
         for _ in range(count):

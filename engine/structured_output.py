@@ -2,12 +2,10 @@
 
 Owns everything llguidance needs at run time: its view of the model's tokenizer (built once, at
 the first constrained request, from the model directory's tokenizer.json or a GGUF file's
-metadata), a bounded
-cache of compiled grammars (one pristine matcher per constraint, deep-copied for each request),
-each request's matcher,
-kept in step with the request's output tokens, and the masks of the batch. Masks are computed on
-a worker thread while the forward runs (llguidance releases the GIL), and only when some row of
-the batch is constrained.
+metadata), a bounded cache of compiled grammars (one pristine matcher per constraint,
+deep-copied for each request), each request's matcher, kept in step with the request's output
+tokens, and the masks of the batch. Masks are computed on a worker thread while the forward
+runs (llguidance releases the GIL), and only when some row of the batch is constrained.
 
 A matcher follows `request.output_token_ids`, whatever appended them, so chunked prefill and
 preemption (recompute keeps the output tokens) need nothing special. Speculative drafts

@@ -322,9 +322,9 @@ def int4_weight(
     """An int4 weight from its codes ([out, in / 2] uint8, packed as QuantizedWeight.codes says,
     or [out, in / 32, 16] as int4_blocked_codes takes them) and its per-group scales and
     minimums ([out, in / 32], values of `group_dtype`: float16, or float32 where float16 would
-    round them), for activations of `dtype`: what `quantize`
-    computes, or what a Q4_0/Q4_1/Q4_K GGUF tensor holds. Folio's kernels keep them in
-    `group_dtype`; torch's take them in `dtype`."""
+    round them), for activations of `dtype`: what `quantize` computes, or what a Q4_0/Q4_1/Q4_K
+    GGUF tensor holds. Folio's kernels keep them in `group_dtype`; torch's take them in
+    `dtype`."""
     if group_dtype not in (torch.float16, torch.float32):
         raise ValueError(f"int4 group scales are float16 or float32, not {group_dtype}")
     kernels = torch.ops.folio_quant if folio_kernels else None

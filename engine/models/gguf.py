@@ -262,16 +262,16 @@ def _grouped_int8(parts: list[_Part]) -> QuantizedWeight:
 
 
 def _q4_k_as_int4(part: _Part) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_K part's codes in Folio's int4 order (in each group of 32, byte i: code i low, code
-    i + 16 high) and its groups' float32 scales and minimums, each [rows, ...]."""
+    """A Q4_K part's codes in Q4_1's order ([rows, groups, 16]: in each group of 32, byte i holds
+    code i low and code i + 16 high) and its groups' float32 scales and minimums ([rows,
+    groups])."""
     # A copy: the file's memory map is read-only, which torch does not take.
     rows = torch.from_numpy(part.rows.copy())
     if rows.shape[-1] % BLOCK_BYTES["Q4_K"]:
         raise ValueError(f"GGUF tensor {part.gguf_name!r} does not hold whole Q4_K blocks")
     q, scale, minimum = q4_k_groups(rows)
     halves = q.view(q.shape[0], -1, 2, INT4_GROUP_SIZE // 2)
-    nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(q.shape[0], -1)
-    return nibbles, scale, minimum
+    return halves[:, :, 0] | (halves[:, :, 1] << 4), scale, minimum
 
 
 def _hf_name(gguf_name: str, layer_tensors: dict[str, str]) -> str | None:
@@ -324,7 +324,7 @@ def _int4(parts: list[_Part], dtype: torch.dtype, folio_kernels: bool) -> Quanti
     for part in parts:
         if part.type == Q.Q4_K:
             nibbles, scale_k, minimum_k = _q4_k_as_int4(part)
-            codes.append(nibbles.numpy().reshape(nibbles.shape[0], -1, INT4_GROUP_SIZE // 2))
+            codes.append(nibbles.numpy())
             scales.append(scale_k)
             minimums.append(minimum_k)
             continue

@@ -21,9 +21,8 @@ container image builds them into its own layer, where the cache volume does not 
 under it each build lies in a directory of its own named by a hash of the sources, their path,
 the compiler flags and torch's version (build_dir), marked once its library is whole: a later
 load then loads that library alone, with neither torch's build machinery nor a compiler. This
-module
-never quantizes weights and never picks between kernels: engine.kernels.cpu.capabilities says
-what loaded, engine.layers.linear and the torch attention backend choose.
+module never quantizes weights and never picks between kernels: engine.kernels.cpu.capabilities
+says what loaded, engine.layers.linear and the torch attention backend choose.
 """
 
 from __future__ import annotations
