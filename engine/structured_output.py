@@ -245,5 +245,7 @@ def _load_tokenizer(
         # n_vocab: the model's logits may be wider than the tokenizer (padded vocabularies).
         return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_ids)
     except Exception as exc:
+        # Logged once with its traceback (the future keeps the failure for every later request).
+        logger.warning("structured output's tokenizer from %s failed", model_path, exc_info=True)
         failure = str(exc)
     raise RuntimeError(failure)

@@ -259,6 +259,22 @@ def test_a_model_without_tokenizer_json_refuses_structured_output(tmp_path):
         engine.add_request("r", [1, 2, 3], SamplingParams(structured_output=PERSON))
 
 
+def test_a_tokenizer_llguidance_cannot_read_is_named_to_each_request_and_logged_once(
+    tmp_path, caplog
+):
+    make_checkpoint(
+        tmp_path, LlamaConfig, dict(SMALL, num_attention_heads=4, num_key_value_heads=2)
+    )
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    engine = make_engine(tmp_path)
+    for rid in ("a", "b"):
+        with pytest.raises(InvalidRequestError, match="structured_output is not available"):
+            engine.add_request(rid, [1, 2, 3], SamplingParams(structured_output=PERSON))
+    failures = [r for r in caplog.records if "structured output's tokenizer" in r.getMessage()]
+    assert len(failures) == 1 and failures[0].exc_info is not None
+    assert not engine.requests and not engine.has_unfinished
+
+
 def test_a_gguf_file_gives_the_masks_of_its_directory_twin(default_model_dir, tokenizer):
     """The default model is served from its GGUF file: llguidance's tokenizer comes from the
     file's metadata and masks exactly as the prepared directory's tokenizer.json does, before
