@@ -53,9 +53,15 @@ class StartupRun:
     programs: str  # how and when the engine's decode programs got ready
 
 
-# What limits the code Folio's kernels, oneDNN and torch (inductor included) run to less than the
-# CPU has (docs/quantization.md: forcing the AVX2 paths).
-ISA_OVERRIDES = ("FOLIO_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+# What limits the code Folio's kernels, oneDNN, torch (inductor included) and MKL (torch's dense
+# float32 matmuls: a long prefill's) run to less than the CPU has (docs/quantization.md: forcing
+# the AVX2 paths).
+ISA_OVERRIDES = (
+    "FOLIO_CPU_ISA",
+    "ONEDNN_MAX_CPU_ISA",
+    "ATEN_CPU_CAPABILITY",
+    "MKL_ENABLE_INSTRUCTIONS",
+)
 
 
 def cpu_description() -> str:
@@ -73,6 +79,8 @@ def cpu_description() -> str:
     # Figures taken with the AVX2 code forced on a CPU that has more must say so.
     forced = [f"{name}={os.environ[name]}" for name in ISA_OVERRIDES if os.environ.get(name)]
     overrides = f"; instruction sets limited by {' '.join(forced)}" if forced else ""
+    if forced and not os.environ.get("MKL_ENABLE_INSTRUCTIONS"):
+        overrides += " (not MKL's: long prefills' float32 matmuls use all the CPU has)"
     return (
         f"{model}, {len(os.sched_getaffinity(0))} cores, {' '.join(isa)}{overrides}; "
         f"load average {load}"
