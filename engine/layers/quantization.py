@@ -30,8 +30,8 @@ import torch
 
 from common.config import QUANTIZATIONS
 from engine.kernels.cpu.capabilities import cpu_capabilities
+from engine.kernels.cpu.extension import INT4_GROUP_SIZE, INT4_STRIP
 
-INT4_GROUP_SIZE = 32
 # The group sizes of grouped int8 weights: Q8_0's blocks and Q6_K's sub-blocks.
 INT8_GROUP_SIZES = (32, 16)
 GROUPED_INT8 = "grouped int8"
@@ -43,10 +43,13 @@ GROUPED_INT8 = "grouped int8"
 MAX_FOLIO_KERNEL_ROWS = 256
 MAX_TORCH_KERNEL_ROWS = 16
 # On CPUs that compute bfloat16 natively, an int4 weight's dense product runs in it, from a
-# dequantization in one pass (0.2 ms for 3072x576): it overtakes Folio's int4 kernel between 16
-# and 64 rows (30 layers of the default model's linears, 2 threads: 1.3x at 64 rows, 1.4-1.8x at
-# 128-256; docs/quantization.md).
-MAX_INT4_KERNEL_ROWS = 64
+# dequantization in one pass: Folio's int4 kernel (strips of 16 output channels) keeps up with
+# it to about 128 rows (30 layers of the default model's linears, 2 threads, AVX-512 Xeon: the
+# kernel 0.61x the dense product's time at 64 rows, 1.02x at 128, 1.24x at 256). Without native
+# bfloat16 the dense product is float32, which the kernel outruns at any prefill size (AVX2 code
+# against MKL's AVX2 sgemm: 0.58x its time at 256 rows, 0.65x at 1,024, 0.83x at 2,048).
+MAX_INT4_KERNEL_ROWS = 128
+MAX_INT4_FLOAT32_KERNEL_ROWS = 2048
 
 
 @dataclass
@@ -56,13 +59,13 @@ class QuantizedWeight:
     method: str  # "int8", GROUPED_INT8 or "int4" (a PartsWeight: its parts', e.g. "int4 + ...")
     # int8 (either): [out, in] int8 codes. int4: [out, in / 2] uint8, two 4-bit codes to a
     # byte: in each group of 32 input features, byte i holds feature i in its low half and
-    # feature i + 16 in its high half (GGUF Q4_1's order); on Folio's kernels the whole blocks
-    # of 16 groups of each row in int4_blocked_codes' order instead.
+    # feature i + 16 in its high half (GGUF Q4_1's order); on Folio's kernels strips of 16
+    # output channels instead, [out / 16, in / 32, 256] in int4_strip_codes' order.
     codes: torch.Tensor
     # int8: [out] scales; grouped int8: [out, in / 32 or in / 16] scales, the weight being code
     # * scale, float16 (Q8_0's) or float32 (Q6_K's d * sc); int4: [out, in / 32] scales, the
     # weight being code * scale + minimum, stored for Folio's kernels as float16 (Q4_1's) or,
-    # both of them, float32 (Q4_K's).
+    # both of them, float32 (Q4_K's), and in the strips' order, [out / 16, in / 32, 16].
     scale: torch.Tensor
     minimum: torch.Tensor | None
     # Folio's AVX2 ops (float32 activations), or None to use torch's kernels, for which int4
@@ -94,7 +97,9 @@ class QuantizedWeight:
     def max_kernel_rows(self) -> int:
         if self.kernels is None:
             return MAX_TORCH_KERNEL_ROWS
-        return MAX_INT4_KERNEL_ROWS if self.dense_bf16 else MAX_FOLIO_KERNEL_ROWS
+        if self.method == "int4":
+            return MAX_INT4_KERNEL_ROWS if self.dense_bf16 else MAX_INT4_FLOAT32_KERNEL_ROWS
+        return MAX_FOLIO_KERNEL_ROWS
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         """A long prefill's product: one dense matmul by the dequantized weight. An int4 weight
@@ -118,11 +123,12 @@ class QuantizedWeight:
         if self.method == GROUPED_INT8:
             return _grouped(self.codes, self.scale, dtype).flatten(-2)
         assert self.minimum is not None
-        if self.kernels is not None and dtype in (torch.float32, torch.bfloat16):
-            return self.kernels.int4_dequantize(self.codes, self.scale, self.minimum, dtype)
+        if self.kernels is not None:
+            native = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+            weight = self.kernels.int4_dequantize(self.codes, self.scale, self.minimum, native)
+            return weight.to(dtype)
         out_features = self.codes.shape[0]
-        nibbles = self.codes if self.kernels is None else int4_q4_1_codes(self.codes)
-        packed = nibbles.view(out_features, -1, INT4_GROUP_SIZE // 2)
+        packed = self.codes.view(out_features, -1, INT4_GROUP_SIZE // 2)
         groups = torch.cat((packed & 0xF, packed >> 4), dim=-1).to(dtype)
         weight = torch.addcmul(
             self.minimum.to(dtype)[..., None], groups, self.scale.to(dtype)[..., None]
@@ -140,6 +146,8 @@ class QuantizedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         """[out, in] of the float weight this one stands for."""
+        if self.method == "int4" and self.kernels is not None:  # strips of 16 channels
+            return self.codes.shape[0] * INT4_STRIP, self.codes.shape[1] * INT4_GROUP_SIZE
         in_features = self.codes.shape[1] * (2 if self.method == "int4" else 1)
         return self.codes.shape[0], in_features
 
@@ -274,41 +282,25 @@ def quantize(weight: torch.Tensor, method: str, folio_kernels: bool) -> Quantize
     return int4_weight(nibbles, scale, low, weight.dtype, folio_kernels)
 
 
-# Groups of 32 input features in a block of Folio's int4 layout (cpu_quant.cpp's Int4Activations).
-INT4_BLOCK_GROUPS = 16
-
-
-def _blocked_bytes(codes: torch.Tensor) -> int:
-    """Bytes of each row of int4 codes ([out, in / 2]) that lie in whole blocks of 16 groups."""
-    group_bytes = INT4_GROUP_SIZE // 2
-    return codes.shape[1] // (group_bytes * INT4_BLOCK_GROUPS) * group_bytes * INT4_BLOCK_GROUPS
-
-
-def int4_blocked_codes(nibbles: torch.Tensor) -> torch.Tensor:
+def int4_strip_codes(nibbles: torch.Tensor) -> torch.Tensor:
     """Int4 codes in Q4_1's order ([out, in / 2] uint8, or [out, in / 32, 16] with rows and
-    groups at any stride: a GGUF tensor's blocks read in place) in the order Folio's kernels
-    read them ([out, in / 2]), a lossless permutation: each row's whole blocks of 16 groups as
-    256 bytes, byte 64 u + 4 g + i holding group g's code at position 8 u + i in its low half
-    and 8 u + 4 + i in its high half (a 64-byte load splits into positions 8 u .. 8 u + 4 and
-    8 u + 4 .. 8 u + 8 of the 16 groups, a 32-bit lane to a group: each group's products then
-    sum in one lane); the groups after the last whole block stay in Q4_1's order. One pass in
-    Folio's kernels (cpu_quant.cpp), which alone read this order."""
+    groups at any stride: a GGUF tensor's blocks read in place; out a multiple of 16) in the
+    order Folio's kernels read them, a lossless permutation: strips of 16 output channels,
+    [out / 16, in / 32, 256], byte 64 u + 4 c + i of a strip's group holding channel c's code at
+    position 8 u + i in its low half and 8 u + 4 + i in its high half (a 64-byte load splits
+    into positions 8 u .. 8 u + 4 and 8 u + 4 .. 8 u + 8 of the 16 channels, a 32-bit lane to a
+    channel: each channel's products then sum in its own lane, with no sums across lanes). One
+    pass in Folio's kernels (cpu_quant.cpp), which alone read this order."""
     groups = nibbles if nibbles.dim() == 3 else nibbles.unflatten(1, (-1, INT4_GROUP_SIZE // 2))
-    return torch.ops.folio_quant.int4_blocked_codes(groups)
+    return torch.ops.folio_quant.int4_strip_codes(groups)
 
 
-def int4_q4_1_codes(blocked: torch.Tensor) -> torch.Tensor:
-    """int4_blocked_codes undone: the codes in Q4_1's order."""
-    out_features = blocked.shape[0]
-    width = _blocked_bytes(blocked)
-    if width == 0:
-        return blocked.contiguous()
-    pairs = blocked[:, :width].reshape(out_features, -1, 4, 64)
-    vectors = torch.stack((pairs & 0xF, pairs >> 4), dim=3)  # [out, blocks, 4, 2, 64]
-    codes = vectors.view(out_features, -1, 8, INT4_BLOCK_GROUPS, 4).transpose(2, 3)
-    codes = codes.reshape(out_features, -1, INT4_GROUP_SIZE)
-    nibbles = codes[..., :16] | (codes[..., 16:] << 4)
-    return torch.cat((nibbles.reshape(out_features, width), blocked[:, width:]), dim=1)
+def int4_strip_groups(values: torch.Tensor) -> torch.Tensor:
+    """Per-group values [out, in / 32] (int4 scales or minimums) in the strips' order,
+    [out / 16, in / 32, 16]."""
+    out_features, groups = values.shape
+    strips = values.reshape(out_features // INT4_STRIP, INT4_STRIP, groups)
+    return strips.transpose(1, 2).contiguous()
 
 
 def int4_weight(
@@ -320,30 +312,34 @@ def int4_weight(
     group_dtype: torch.dtype = torch.float16,
 ) -> QuantizedWeight:
     """An int4 weight from its codes ([out, in / 2] uint8, packed as QuantizedWeight.codes says,
-    or [out, in / 32, 16] as int4_blocked_codes takes them) and its per-group scales and
-    minimums ([out, in / 32], values of `group_dtype`: float16, or float32 where float16 would
-    round them), for activations of `dtype`: what `quantize` computes, or what a Q4_0/Q4_1/Q4_K
-    GGUF tensor holds. Folio's kernels keep them in `group_dtype`; torch's take them in
-    `dtype`."""
+    or [out, in / 32, 16] as int4_strip_codes takes them; out a multiple of 16) and its
+    per-group scales and minimums ([out, in / 32], values of `group_dtype`: float16, or float32
+    where float16 would round them), for activations of `dtype`: what `quantize` computes, or
+    what a Q4_0/Q4_1/Q4_K GGUF tensor holds. Folio's kernels keep them in `group_dtype` (in the
+    strips' order); torch's take them in `dtype`."""
     if group_dtype not in (torch.float16, torch.float32):
         raise ValueError(f"int4 group scales are float16 or float32, not {group_dtype}")
+    out_features = nibbles.shape[0]
+    if out_features % INT4_STRIP:
+        kernel = "Folio's kernel" if folio_kernels else "torch's kernel"
+        raise ValueError(
+            f"int4 on {dtype} ({kernel}) needs output features divisible by {INT4_STRIP}; a "
+            f"weight has {out_features}"
+        )
     kernels = torch.ops.folio_quant if folio_kernels else None
-    scale_dtype = group_dtype if kernels is not None else dtype
-    quantized = QuantizedWeight(
-        "int4",
-        nibbles.reshape(nibbles.shape[0], -1) if kernels is None else int4_blocked_codes(nibbles),
-        scale.to(scale_dtype),
-        minimum.to(scale_dtype),
-        kernels,
-        dense_bf16=kernels is not None and cpu_capabilities().native_bf16,
-    )
-    if kernels is None:
-        out_features = nibbles.shape[0]
-        if out_features % 16:
-            raise ValueError(
-                f"int4 on {dtype} (torch's kernel) needs output features divisible by "
-                f"16; a weight has {out_features}"
-            )
+    if kernels is not None:
+        quantized = QuantizedWeight(
+            "int4",
+            int4_strip_codes(nibbles),
+            int4_strip_groups(scale.to(group_dtype)),
+            int4_strip_groups(minimum.to(group_dtype)),
+            kernels,
+            dense_bf16=cpu_capabilities().native_bf16,
+        )
+    else:
+        quantized = QuantizedWeight(
+            "int4", nibbles.reshape(out_features, -1), scale.to(dtype), minimum.to(dtype), None
+        )
         packed = nibbles.view(out_features, -1, INT4_GROUP_SIZE // 2)
         codes = torch.cat((packed & 0xF, packed >> 4), dim=-1).to(torch.int32)
         scale, minimum = scale.float(), minimum.float()

@@ -7,8 +7,9 @@
 // ones of these layouts (a GGUF Q4_K_M's q and k in Q4_K, v in Q6_K), its parts' products side by
 // side in one output.
 //
-// Integer dot products for decode batches and prefills alike (up to a few hundred rows; the caller
-// dequantizes beyond): each call first quantizes the activations in blocks of 32 features (x ~ q*d,
+// Integer dot products for decode batches and prefills alike (int8: up to a few hundred rows,
+// int4: up to a few thousand without native bfloat16; the caller dequantizes beyond): each call
+// first quantizes the activations in blocks of 32 features (x ~ q*d,
 // one float scale d per block), to int8 against int4 weights (llama.cpp's Q4_1 x Q8_1 scheme)
 // and to int16 against int8 weights, per row or per group (int8 x int8 would add about 0.5% of
 // error to the int8 layers' 0.8%; int16 keeps it at float's level and runs as fast). A block's 32 products are summed exactly
@@ -23,16 +24,16 @@
 // time) with the same integer sums in the same lanes and the same float steps: bit for bit the
 // AVX2 code's outputs (Wide); FOLIO_CPU_ISA=avx2 keeps the AVX2 code (wide_rows).
 //
-// int4 weights are read in blocks of 16 groups (Int4Activations; the weights permuted once, at
-// load, by int4_blocked_codes): each group's 32 products are summed
-// in one 32-bit lane, exactly (vpdpbusd on AVX-512; on AVX2 maddubs pairs added in int16, then
-// one madd), so that the float steps (conversion, the activations' scale, the weight's) run once
-// per group rather than once per four of its products: those steps, not the weights' bytes,
-// bounded the products of several rows. The AVX-512 and AVX2 code hold the same lanes (the
-// AVX2 code a block's two halves of eight groups) and give the same bits; the groups after the
-// last whole block run as before (Int4Row, two groups a step).
+// int4 weights are read in strips of 16 output channels (the weights permuted once, at load, by
+// int4_strip_codes): a 32-bit lane to a channel, four codes of one group to a lane, against the
+// activation row's four int8 codes at those positions broadcast to every lane. A group's 32
+// products of a channel sum exactly in its lane (vpdpbusd on AVX-512; on AVX2 maddubs pairs
+// added in int16, then one madd), and its float steps (conversion, the scales, the minimum's
+// term) run once per group and channel, with no sums across lanes: an output's arithmetic is
+// its lane's alone, the same for any number of rows and output channels beside it and the same
+// bits on AVX2 and AVX-512. The products of several rows share each strip's unpacked codes.
 // This file only multiplies; quantizing weights and choosing the kernel is
-// engine/models/quantization.
+// engine/layers/quantization's.
 
 #include <immintrin.h>
 #include "avx2.h"
@@ -243,54 +244,6 @@ struct GroupedInt8Row {
   }
 };
 
-// One int4 row's last groups (those after its whole blocks of 16: Int4Activations) against int8
-// activations, two groups at a time. A group's 16 bytes hold code i
-// in the low half of byte i and code i + 16 in the high half (GGUF Q4_1's order), so 32 bytes
-// unpack to the low codes of both groups and their high codes, the order in which the
-// activations of a pair of blocks are stored. maddubs multiplies the unsigned codes by the
-// signed activations (pairs summed to at most 2 * 15 * 127; the low and high halves' sums
-// added stay within int16), madd sums to int32: the lower four partial sums belong to the
-// first group, the upper four to the second, each scaled by its own group's scale times the
-// activation block's (`act_scale`: an activation row's tail_d_lanes). `scale` is the row's
-// group scales as float32.
-struct Int4Row {
-  using Code = int8_t;
-  static constexpr int kStep = 2;
-  const uint8_t* codes;
-  const float* scale;
-  struct Weights {
-    __m256i low, high;
-    __m256 scale;  // groups b and b + 1's scales, four copies each
-  };
-  const void* at(int64_t b) const { return codes + b * (kBlock / 2); }
-  inline Weights load(int64_t b) const {
-    const __m256i packed = load_256(codes + b * (kBlock / 2));
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
-    return {_mm256_and_si256(packed, nibble),
-            _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble),
-            _mm256_set_m128(_mm_broadcast_ss(scale + b + 1), _mm_broadcast_ss(scale + b))};
-  }
-  static inline __m256i dot(const Weights& wv, const int8_t* q, int64_t half) {
-    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(wv.low, load_256(q)),
-                                           _mm256_maddubs_epi16(wv.high, load_256(q + half)));
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-  }
-  static inline __m256 accumulate(__m256 acc, __m256 products, const Weights& wv,
-                                  const float* act_scale, int64_t b) {
-    return _mm256_fmadd_ps(_mm256_mul_ps(products, _mm256_loadu_ps(act_scale + 4 * b)), wv.scale,
-                           acc);
-  }
-  // A last, unpaired group (its activations in order): codes 0-15 | 16-31, scaled.
-  inline __m256 dot_single(int64_t b, const int8_t* q, const float* act_scale) const {
-    const __m128i packed = load_128(codes + b * (kBlock / 2));
-    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
-    const __m256i w = _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-    const __m256i sums =
-        _mm256_madd_epi16(_mm256_maddubs_epi16(w, load_256(q)), _mm256_set1_epi16(1));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(act_scale[4 * b] * scale[b]));
-  }
-};
-
 // Lane sums of v[0 .. N), four vectors at a time in one tree of horizontal adds (a short
 // group's missing vectors zeros), each added by add(i, sum of v[i]'s lanes): every vector's
 // lanes are summed in one order whatever vectors share its tree, so that a product's bits do
@@ -441,176 +394,96 @@ inline void for_each_tile(int64_t m, const Tile& tile) {
   last_tile<ROWS - 1>(m - r0, r0, tile);
 }
 
-// ---- int4 in blocks of 16 groups (Int4Activations, the weights as int4_blocked_codes packs
-// them): the 32 products of a group summed exactly in one int32 lane, then its float steps
-// once per group. A weight row's first `full` groups (a multiple of 16) lie in blocks of 256
-// bytes: block byte 64 u + 4 g + i (u < 4, g < 16, i < 4) holds group g's code at position
-// 8 u + i in its low half and at 8 u + 4 + i in its high half, so that a 64-byte load splits
+// ---- int4 in strips of 16 output channels (int4_strip_codes' layout, [strips, groups, 256]):
+// byte 64 u + 4 c + i of strip s, group g holds channel 16 s + c's code at position 8 u + i of
+// the group in its low half and at 8 u + 4 + i in its high half, so that a 64-byte load splits
 // into vector 2 u (low nibbles) and 2 u + 1 (high): vector j holds positions 4 j .. 4 j + 4 of
-// the 16 groups, a 32-bit lane to a group. The groups after them (fewer than 16) keep Q4_1's
-// order and go through Int4Row, two at a time.
-constexpr int64_t kGroupsPerBlock = 16;
-constexpr int64_t kBlockCodeBytes = kGroupsPerBlock * kBlock / 2;  // 256
-constexpr int64_t kBlockActBytes = kGroupsPerBlock * kBlock;       // 512
+// the strip's 16 channels, a 32-bit lane to a channel (an AVX2 vector: half a strip, eight
+// channels). Scales and minimums lie in the same order, [strips, groups, 16].
+constexpr int64_t kStrip = 16;
+constexpr int64_t kStripGroupBytes = kStrip * kBlock / 2;  // 256
+// Activation rows sharing one pass over a strip's codes: on AVX2 four (their sums, the eight
+// unpacked code vectors, the scales and minimums and a product in 16 registers), on AVX-512 eight.
+constexpr int kInt4Rows = 4;
+constexpr int kInt4WideRows = 8;
 
 // One call's activations against int4 weights: each row's groups quantized as
-// quantize_block<int8_t> does (x ~ q * d per group of 32, |q| <= 127);
-// the whole blocks' codes in the weights' order (vector j of a block: 64 bytes, group g's
-// positions 4 j .. 4 j + 4 at 4 g), their scales d one float per group; the last groups' as
-// Int4Row reads them (pairs as first halves then second halves, a last single group in order;
-// d_lanes four copies of d a group); q_sum as QuantizedActivations' (the minimums' term).
+// quantize_block<int8_t> does (x ~ q * d per group of 32, |q| <= 127, so that maddubs' int16
+// pairs cannot overflow), a group's 32 codes in order; d and q_sum (d times the codes' sum, the
+// minimums' term) one float per group. Parallel over rows where there are many (a prefill's).
 struct Int4Activations {
-  int64_t groups, full, tail, padded_groups;
-  std::vector<int8_t> blocks, tail_q;
-  std::vector<float> d, tail_d_lanes, q_sum;
+  int64_t k, groups;
+  std::vector<int8_t> q;
+  std::vector<float> d, q_sum;
 
   Int4Activations(const float* x, int64_t m, int64_t k)
-      : groups(k / kBlock),
-        full(k / kBlock / kGroupsPerBlock * kGroupsPerBlock),
-        tail(k / kBlock - full),
-        padded_groups(round_up(k / kBlock, 8)),
-        blocks(m * full * kBlock),
-        tail_q(m * tail * kBlock),
-        d(m * full),
-        tail_d_lanes(m * tail * 4),
-        q_sum((m + 7) * round_up(k / kBlock, 8), 0.0f) {
-    int8_t codes[kBlock];
-    for (int64_t r = 0; r < m; ++r) {
-      for (int64_t g = 0; g < groups; ++g) {
-        float scale;
-        quantize_block<int8_t>(x + r * k + g * kBlock, codes,
-                                                     codes + kBlock / 2, &scale,
-                                                     &q_sum[r * padded_groups + g]);
-        if (g < full) {
-          const int64_t block = g / kGroupsPerBlock, lane = g % kGroupsPerBlock;
-          int8_t* base = &blocks[(r * full + block * kGroupsPerBlock) * kBlock];
-          for (int j = 0; j < 8; ++j) std::memcpy(base + 64 * j + 4 * lane, codes + 4 * j, 4);
-          d[r * full + g] = scale;
-        } else {
-          const int64_t t = g - full, pair = t - t % 2;
-          int8_t* base = &tail_q[(r * tail + pair) * kBlock];
-          if (pair + 1 < tail) {  // a pair: first halves, then second halves
-            std::memcpy(base + (t - pair) * 16, codes, 16);
-            std::memcpy(base + 32 + (t - pair) * 16, codes + 16, 16);
-          } else {
-            std::memcpy(base, codes, kBlock);
-          }
-          std::fill_n(&tail_d_lanes[(r * tail + t) * 4], 4, scale);
+      : k(k), groups(k / kBlock), q(m * k), d(m * (k / kBlock)), q_sum(m * (k / kBlock)) {
+    at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t g = 0; g < groups; ++g) {
+          int8_t* codes = &q[r * k + g * kBlock];
+          quantize_block<int8_t>(x + r * k + g * kBlock, codes, codes + kBlock / 2,
+                                 &d[r * groups + g], &q_sum[r * groups + g]);
         }
       }
-    }
+    });
+  }
+  // Row r's four codes from position 4 j of group g, as one 32-bit value.
+  int32_t four(int64_t r, int64_t g, int j) const {
+    int32_t v;
+    std::memcpy(&v, &q[r * k + g * kBlock + 4 * j], 4);
+    return v;
   }
 };
 
-// The whole blocks' sums of one int4 weight row against activation rows r < ROWS, AVX2: each
-// block as two halves of eight groups (bytes 32 h .. 32 h + 32 of each 64), maddubs pairs added
-// in int16 over the eight vectors (at most 8 * 2 * 15 * 127 = 30480), one madd to int32, then
-// per group: float, times the activations' d, fused multiply-add with the weight's scale into
-// lane acc[h][r]. out[r] = acc[0][r] + acc[1][r]: the AVX-512 code's lanes 0-7 plus 8-15.
-template <int ROWS>
-inline void int4_block_sums(const uint8_t* codes, const float* scale, const int8_t* q,
-                            int64_t q_stride, const float* d, int64_t d_stride, int64_t full,
-                            __m256 (&out)[ROWS]) {
-  __m256 acc[2][ROWS];
-#pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int64_t g = 0; g < full; g += kGroupsPerBlock) {
-    const uint8_t* block = codes + g * (kBlock / 2);
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      __m256i w[8];
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) {
-        const __m256i packed = load_256(block + 64 * u + 32 * h);
-        w[2 * u] = _mm256_and_si256(packed, nibble);
-        w[2 * u + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
-      }
-      const __m256 s = _mm256_loadu_ps(scale + g + 8 * h);
-#pragma GCC unroll 8
-      for (int r = 0; r < ROWS; ++r) {
-        const int8_t* a = q + r * q_stride + g * kBlock + 32 * h;
-        __m256i pairs = _mm256_maddubs_epi16(w[0], load_256(a));
-#pragma GCC unroll 8
-        for (int j = 1; j < 8; ++j) {
-          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[j], load_256(a + 64 * j)));
-        }
-        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-        acc[h][r] = _mm256_fmadd_ps(
-            _mm256_mul_ps(sums, _mm256_loadu_ps(d + r * d_stride + g + 8 * h)), s, acc[h][r]);
-      }
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r) out[r] = _mm256_add_ps(acc[0][r], acc[1][r]);
-}
+inline __m256 eight_channels(const at::Half* h) { return _mm256_cvtph_ps(load_128(h)); }
+inline __m256 eight_channels(const float* f) { return _mm256_loadu_ps(f); }
 
-// int4_block_sums for one activation row and weight rows codes[o], o < OUTS (a decode step's):
-// the row's eight activation vectors of a half block loaded once for the OUTS weight rows, each
-// weight vector unpacked as it is used, the next OUTS rows' half (`ahead` bytes on) asked for.
-template <int OUTS>
-inline void int4_block_sums_row(const uint8_t* const (&codes)[OUTS],
-                                const float* const (&scale)[OUTS], const int8_t* q,
-                                const float* d, int64_t full, int64_t ahead,
-                                __m256 (&out)[OUTS]) {
-  __m256 acc[2][OUTS];
-#pragma GCC unroll 4
-  for (int o = 0; o < OUTS; ++o) acc[0][o] = acc[1][o] = _mm256_setzero_ps();
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int64_t g = 0; g < full; g += kGroupsPerBlock) {
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      __m256i a[8];
+// Activation rows first .. first + ROWS of xq times half `h` (channels 8 h .. 8 h + 8) of a
+// strip (`codes`: its groups' 256 bytes each; `scale`, `min`: its [groups, 16]), AVX2: per
+// group, the eight code vectors unpacked once for the rows; a row's products of a group summed
+// in int16 pairs (at most 8 * 2 * 15 * 127 = 30480) and one madd, exactly vpdpbusd's sums; then
+// sum * (scale * d) and min * q_sum added in that order, the AVX-512 code's steps. Row r's
+// eight sums to out[r * ld].
+template <int ROWS, typename S>
+inline void int4_half_strip(const uint8_t* codes, const S* scale, const S* min, int h,
+                            const Int4Activations& xq, int64_t first, float* out, int64_t ld) {
+  __m256 acc[ROWS];
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) a[j] = load_256(q + g * kBlock + 64 * j + 32 * h);
-      const __m256 dv = _mm256_loadu_ps(d + g + 8 * h);
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < xq.groups; ++g) {
+    const uint8_t* block = codes + g * kStripGroupBytes + 32 * h;
+    __m256i w[8];
 #pragma GCC unroll 4
-      for (int o = 0; o < OUTS; ++o) {
-        const uint8_t* half = codes[o] + g * (kBlock / 2) + 32 * h;
-        __m256i pairs = _mm256_setzero_si256();
-#pragma GCC unroll 4
-        for (int u = 0; u < 4; ++u) {
-          _mm_prefetch(reinterpret_cast<const char*>(half + 64 * u + ahead), _MM_HINT_T0);
-          const __m256i packed = load_256(half + 64 * u);
-          pairs = _mm256_add_epi16(
-              pairs, _mm256_maddubs_epi16(_mm256_and_si256(packed, nibble), a[2 * u]));
-          pairs = _mm256_add_epi16(
-              pairs, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble),
-                                          a[2 * u + 1]));
-        }
-        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-        acc[h][o] = _mm256_fmadd_ps(_mm256_mul_ps(sums, dv),
-                                    _mm256_loadu_ps(scale[o] + g + 8 * h), acc[h][o]);
-      }
+    for (int u = 0; u < 4; ++u) {
+      const __m256i packed = load_256(block + 64 * u);
+      w[2 * u] = _mm256_and_si256(packed, nibble);
+      w[2 * u + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
     }
-  }
-#pragma GCC unroll 4
-  for (int o = 0; o < OUTS; ++o) out[o] = _mm256_add_ps(acc[0][o], acc[1][o]);
-}
-
-// sums[o * sums_stride + r] += int4 weight row tail[o]'s products with activation rows r <
-// ROWS of xq from row `first`, o < OUTS: its whole blocks' lanes blocks[o][r], then its last
-// groups' steps (Int4Row's, from `tail`) added into the same lanes on the first chain, summed
-// across in add_lane_sums' tree (dot_rows_tail's).
-template <int ROWS, int OUTS>
-inline void int4_finish(const Int4Row (&tail)[OUTS], const Int4Activations& xq, int64_t first,
-                        const __m256 (&blocks)[OUTS][ROWS], float* sums, int64_t sums_stride) {
-  Chains<ROWS, OUTS> chains;
-#pragma GCC unroll 4
-  for (int o = 0; o < OUTS; ++o) {
+    const __m256 s = eight_channels(scale + g * kStrip + 8 * h);
+    const __m256 m = eight_channels(min + g * kStrip + 8 * h);
 #pragma GCC unroll 8
     for (int r = 0; r < ROWS; ++r) {
-      chains[0][o][r] = blocks[o][r];
-      chains[1][o][r] = _mm256_setzero_ps();
+      const int64_t row = first + r;
+      __m256i pairs = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xq.four(row, g, 0)));
+#pragma GCC unroll 7
+      for (int j = 1; j < 8; ++j) {
+        pairs = _mm256_add_epi16(
+            pairs, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xq.four(row, g, j))));
+      }
+      const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+      const int64_t at = row * xq.groups + g;
+      acc[r] = _mm256_fmadd_ps(sums, _mm256_mul_ps(s, _mm256_set1_ps(xq.d[at])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xq.q_sum[at]), acc[r]);
     }
   }
-  dot_rows_tail<ROWS, OUTS>(tail, xq.tail_q.data() + first * xq.tail * kBlock, xq.tail * kBlock,
-                            xq.tail_d_lanes.data() + first * xq.tail * 4, xq.tail * 4, xq.tail,
-                            0, chains, sums, sums_stride);
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) _mm256_storeu_ps(out + r * ld, acc[r]);
 }
 
 // The same products with AVX-512 VNNI (512-bit loads; vpdpbusd: unsigned bytes times signed
-// bytes, four to an int32 lane, for int4's blocks; vpdpwssd: int16 pairs): for int8 weights a
+// bytes, four to an int32 lane, for int4's strips; vpdpwssd: int16 pairs): for int8 weights a
 // whole unit of the activations (two blocks) a step, each 512-bit vector holding what the AVX2 rows' two
 // chains hold, the first chain's eight lanes in its lower half and the second's in its upper.
 // Every lane gets the same exact integer sum as on AVX2 (the same products in the same lane),
@@ -727,19 +600,21 @@ void one_weight_row_wide(const Row& row, const typename Row::Code* q, int64_t k3
   });
 }
 
-// int4_block_sums on 512-bit registers: a whole block a step, vpdpbusd summing each group's
-// products in its lane (exact, as the AVX2 code's int16 and int32 sums), the same float steps
-// a lane; out[r] its lower eight lanes plus its upper eight, as the AVX2 code's two halves.
-template <int ROWS>
-inline void int4_block_sums_wide(const uint8_t* codes, const float* scale, const int8_t* q,
-                                 int64_t q_stride, const float* d, int64_t d_stride,
-                                 int64_t full, __m256 (&out)[ROWS]) {
+// int4_half_strip on 512-bit registers: the whole strip a step, vpdpbusd summing each
+// channel's products of a group in its lane (exactly the AVX2 code's int16 and int32 sums),
+// then the same float steps a lane: bit for bit the AVX2 code's outputs.
+inline __m512 sixteen_channels(const at::Half* h) { return _mm512_cvtph_ps(load_256(h)); }
+inline __m512 sixteen_channels(const float* f) { return _mm512_loadu_ps(f); }
+
+template <int ROWS, typename S>
+inline void int4_strip_wide(const uint8_t* codes, const S* scale, const S* min,
+                            const Int4Activations& xq, int64_t first, float* out, int64_t ld) {
   __m512 acc[ROWS];
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  for (int64_t g = 0; g < full; g += kGroupsPerBlock) {
-    const uint8_t* block = codes + g * (kBlock / 2);
+  for (int64_t g = 0; g < xq.groups; ++g) {
+    const uint8_t* block = codes + g * kStripGroupBytes;
     __m512i w[8];
 #pragma GCC unroll 4
     for (int u = 0; u < 4; ++u) {
@@ -747,69 +622,29 @@ inline void int4_block_sums_wide(const uint8_t* codes, const float* scale, const
       w[2 * u] = _mm512_and_si512(packed, nibble);
       w[2 * u + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
     }
-    const __m512 s = _mm512_loadu_ps(scale + g);
+    const __m512 s = sixteen_channels(scale + g * kStrip);
+    const __m512 m = sixteen_channels(min + g * kStrip);
 #pragma GCC unroll 8
     for (int r = 0; r < ROWS; ++r) {
-      const int8_t* a = q + r * q_stride + g * kBlock;
+      const int64_t row = first + r;
       // Two chains, so that the eight vpdpbusd do not wait on each other in one line.
-      __m512i even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], load_512(a));
-      __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], load_512(a + 64));
-#pragma GCC unroll 4
+      __m512i even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0],
+                                         _mm512_set1_epi32(xq.four(row, g, 0)));
+      __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1],
+                                        _mm512_set1_epi32(xq.four(row, g, 1)));
+#pragma GCC unroll 3
       for (int j = 2; j < 8; j += 2) {
-        even = _mm512_dpbusd_epi32(even, w[j], load_512(a + 64 * j));
-        odd = _mm512_dpbusd_epi32(odd, w[j + 1], load_512(a + 64 * (j + 1)));
+        even = _mm512_dpbusd_epi32(even, w[j], _mm512_set1_epi32(xq.four(row, g, j)));
+        odd = _mm512_dpbusd_epi32(odd, w[j + 1], _mm512_set1_epi32(xq.four(row, g, j + 1)));
       }
       const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
-      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(sums, _mm512_loadu_ps(d + r * d_stride + g)), s,
-                               acc[r]);
+      const int64_t at = row * xq.groups + g;
+      acc[r] = _mm512_fmadd_ps(sums, _mm512_mul_ps(s, _mm512_set1_ps(xq.d[at])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq.q_sum[at]), acc[r]);
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r) {
-    out[r] = _mm256_add_ps(_mm512_castps512_ps256(acc[r]),
-                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
-  }
-}
-
-// int4_block_sums_wide for one activation row and weight rows codes[o], o < OUTS (a decode
-// step's): the row's eight activation vectors of a block loaded once for the OUTS weight rows,
-// each weight vector unpacked as it is used; each product's lanes as they are alone. The next
-// OUTS rows' block (`ahead` bytes on) is asked for while this one's is multiplied.
-template <int OUTS>
-inline void int4_block_sums_wide_row(const uint8_t* const (&codes)[OUTS],
-                                     const float* const (&scale)[OUTS], const int8_t* q,
-                                     const float* d, int64_t full, int64_t ahead,
-                                     __m256 (&out)[OUTS]) {
-  __m512 acc[OUTS];
-#pragma GCC unroll 4
-  for (int o = 0; o < OUTS; ++o) acc[o] = _mm512_setzero_ps();
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  for (int64_t g = 0; g < full; g += kGroupsPerBlock) {
-    __m512i a[8];
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) a[j] = load_512(q + g * kBlock + 64 * j);
-    const __m512 dv = _mm512_loadu_ps(d + g);
-#pragma GCC unroll 4
-    for (int o = 0; o < OUTS; ++o) {
-      const uint8_t* block = codes[o] + g * (kBlock / 2);
-      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) {
-        _mm_prefetch(reinterpret_cast<const char*>(block + 64 * u + ahead), _MM_HINT_T0);
-        const __m512i packed = load_512(block + 64 * u);
-        even = _mm512_dpbusd_epi32(even, _mm512_and_si512(packed, nibble), a[2 * u]);
-        odd = _mm512_dpbusd_epi32(odd, _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble),
-                                  a[2 * u + 1]);
-      }
-      const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
-      acc[o] = _mm512_fmadd_ps(_mm512_mul_ps(sums, dv), _mm512_loadu_ps(scale[o] + g), acc[o]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int o = 0; o < OUTS; ++o) {
-    out[o] = _mm256_add_ps(_mm512_castps512_ps256(acc[o]),
-                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[o]), 1)));
-  }
+  for (int r = 0; r < ROWS; ++r) _mm512_storeu_ps(out + r * ld, acc[r]);
 }
 
 #pragma GCC pop_options
@@ -1026,121 +861,31 @@ void grouped_int8_into(bool wide, const QuantizedActivations<int16_t>& xq, int64
          : grouped_int8_rows<kBlock>(wide, xq, m, w, s, out, ld);
 }
 
-// Activation rows a tile of int4_rows takes on AVX2 (two blocks' halves of eight lanes each a
-// row, and a half's eight weight vectors, in 16 registers).
-constexpr int kInt4Tile = 4;
-
-// sums[r] += one int4 weight row's products with activation rows r < ROWS from row `first`: its
-// whole blocks by the AVX-512 code (kWide) or the AVX2 code, then int4_finish.
-template <int ROWS, bool kWide>
-void int4_rows_tile(const uint8_t* codes, const float* scale, const Int4Row& tail,
-                    const Int4Activations& xq, int64_t first, float* sums) {
-  __m256 blocks[1][ROWS];
-  const int8_t* const q = xq.blocks.data() + first * xq.full * kBlock;
-  const float* const d = xq.d.data() + first * xq.full;
-  if constexpr (kWide) {
-    int4_block_sums_wide<ROWS>(codes, scale, q, xq.full * kBlock, d, xq.full, xq.full, blocks[0]);
-  } else {
-    int4_block_sums<ROWS>(codes, scale, q, xq.full * kBlock, d, xq.full, xq.full, blocks[0]);
-  }
-  const Int4Row one[1] = {tail};
-  int4_finish<ROWS, 1>(one, xq, first, blocks, sums, 0);
-}
-
-// x's rows [M, K] times int4 codes [N, K/2] uint8 (int4_blocked_codes' layout: whole blocks of
-// 16 groups, then the last groups in Q4_1's order) with scale and min [N, K/32] float16, or
-// both float32, written to out[m, row] at m * ld + row.
+// x's rows [M, K] (quantized: xq) times int4 codes [N / 16, K / 32, 256] uint8
+// (int4_strip_codes' layout) with scale and min [N / 16, K / 32, 16] float16, or both float32,
+// written to out[m, n] at m * ld + n. Parallel over strips; each strip's codes are unpacked
+// once per kInt4Rows (kInt4WideRows) activation rows.
 template <typename S>
-void int4_rows(bool wide, const Int4Activations& xq, int64_t m, const at::Tensor& codes,
-               const S* scales, const S* mins, float* out, int64_t ld) {
-  const int64_t k = codes.size(1) * 2, n = codes.size(0);
+void int4_strips(bool wide, const Int4Activations& xq, int64_t m, const at::Tensor& codes,
+                 const S* scales, const S* mins, float* out, int64_t ld) {
   const uint8_t* cs = codes.data_ptr<uint8_t>();
-  const int64_t groups = k / kBlock;
-  const int64_t stride = xq.padded_groups;
-  // scratch: this row's scales and minimums in float32, zero-padded like the activations'.
-  for_each_output(m, n, k, 2 * stride, out, ld,
-                  [&](auto count, int64_t row, int64_t first, int64_t rows, float* sums,
-                      int64_t sums_stride, float* scratch) {
-    constexpr int kCount = decltype(count)::value;
-    // Locals, so that the stores below cannot be taken to change them.
-    const float* const act_sum = xq.q_sum.data() + first * stride;
-    const float* weight_min[kCount];
-    for (int o = 0; o < kCount; ++o) {
-      const int64_t channel = row + o;
-      float* const converted = scratch + o * 2 * stride;
-      for (int64_t g = 0; g < groups; g += 8) {
-        // Past this row's last group lie the next row's, finite, read eight at a time.
-        const int64_t at = channel * groups + g, readable = n * groups - at;
-        eight_floats(scales + at, groups - g, readable, converted + g);
-        eight_floats(mins + at, groups - g, readable, converted + stride + g);
-      }
-      weight_min[o] = converted + stride;
-    }
-    // The minimums' terms, each a chain of FMAs over eight lanes summed across in a tree
-    // (add_lane_sums' order): for one activation row, the channels' side by side; else per
-    // channel up to eight activation rows at a time.
-    if (rows == 1) {
-      __m256 min_term[kCount];
-      for (int o = 0; o < kCount; ++o) min_term[o] = _mm256_setzero_ps();
-      for (int64_t g = 0; g < groups; g += 8) {
-        const __m256 a = _mm256_loadu_ps(act_sum + g);
-        for (int o = 0; o < kCount; ++o) {
-          min_term[o] = _mm256_fmadd_ps(_mm256_loadu_ps(weight_min[o] + g), a, min_term[o]);
-        }
-      }
-      add_lane_sums(min_term, [&](int o, float sum) { sums[o * sums_stride] += sum; });
-    } else {
-      for (int o = 0; o < kCount; ++o) {
-        for_each_tile<8>(rows, [&](auto tile, int64_t r0) {
-          constexpr int kRows = decltype(tile)::value;
-          __m256 min_term[kRows];
-          for (int j = 0; j < kRows; ++j) min_term[j] = _mm256_setzero_ps();
-          for (int64_t g = 0; g < groups; g += 8) {
-            const __m256 w = _mm256_loadu_ps(weight_min[o] + g);
-            for (int j = 0; j < kRows; ++j) {
-              min_term[j] = _mm256_fmadd_ps(
-                  w, _mm256_loadu_ps(act_sum + (r0 + j) * stride + g), min_term[j]);
-            }
-          }
-          add_lane_sums(min_term,
-                        [&](int j, float sum) { sums[o * sums_stride + r0 + j] += sum; });
-        });
-      }
-    }
-    const uint8_t* row_codes[kCount];
-    const float* scale[kCount];
-    Int4Row tail[kCount];
-    for (int o = 0; o < kCount; ++o) {
-      row_codes[o] = cs + (row + o) * (k / 2);
-      scale[o] = scratch + o * 2 * stride;
-      tail[o] = {row_codes[o] + xq.full * (kBlock / 2), scale[o] + xq.full};
-    }
-    if (rows == 1) {
-      __m256 blocks[kCount];
-      const int8_t* const q = xq.blocks.data() + first * xq.full * kBlock;
-      const float* const d = xq.d.data() + first * xq.full;
+  const int64_t groups = xq.groups;
+  at::parallel_for(0, codes.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t strip = begin; strip < end; ++strip) {
+      const uint8_t* strip_codes = cs + strip * groups * kStripGroupBytes;
+      const S* scale = scales + strip * groups * kStrip;
+      const S* min = mins + strip * groups * kStrip;
       if (wide) {
-        int4_block_sums_wide_row<kCount>(row_codes, scale, q, d, xq.full, kCount * (k / 2),
-                                         blocks);
-      } else {
-        int4_block_sums_row<kCount>(row_codes, scale, q, d, xq.full, kCount * (k / 2), blocks);
-      }
-      __m256 lanes[kCount][1];
-      for (int o = 0; o < kCount; ++o) lanes[o][0] = blocks[o];
-      int4_finish<1, kCount>(tail, xq, first, lanes, sums, sums_stride);
-      return;
-    }
-    for (int o = 0; o < kCount; ++o) {
-      float* const row_sums = sums + o * sums_stride;
-      if (wide) {
-        for_each_tile<kWideTile>(rows, [&](auto tile, int64_t r0) {
-          int4_rows_tile<decltype(tile)::value, true>(row_codes[o], scale[o], tail[o], xq,
-                                                      first + r0, row_sums + r0);
+        for_each_tile<kInt4WideRows>(m, [&](auto tile, int64_t r0) {
+          int4_strip_wide<decltype(tile)::value>(strip_codes, scale, min, xq, r0,
+                                                 out + r0 * ld + strip * kStrip, ld);
         });
-      } else {
-        for_each_tile<kInt4Tile>(rows, [&](auto tile, int64_t r0) {
-          int4_rows_tile<decltype(tile)::value, false>(row_codes[o], scale[o], tail[o], xq,
-                                                       first + r0, row_sums + r0);
+        continue;
+      }
+      for (int h = 0; h < 2; ++h) {
+        for_each_tile<kInt4Rows>(m, [&](auto tile, int64_t r0) {
+          int4_half_strip<decltype(tile)::value>(strip_codes, scale, min, h, xq, r0,
+                                                 out + r0 * ld + strip * kStrip + 8 * h, ld);
         });
       }
     }
@@ -1148,25 +893,26 @@ void int4_rows(bool wide, const Int4Activations& xq, int64_t m, const at::Tensor
 }
 
 void check_int4(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min) {
-  const int64_t k = codes.size(1) * 2, n = codes.size(0);
-  TORCH_CHECK(k % kBlock == 0, "int4 needs input features divisible by ", kBlock);
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.size(2) == kStripGroupBytes,
+              "int4 codes are int4_strip_codes' contiguous uint8 [N / 16, K / 32, 256]");
   const at::ScalarType type = scale.scalar_type();
-  TORCH_CHECK(codes.scalar_type() == at::kByte && (type == at::kHalf || type == at::kFloat) &&
-                  min.scalar_type() == type && scale.is_contiguous() && min.is_contiguous() &&
-                  scale.numel() == n * (k / kBlock) && min.numel() == scale.numel(),
-              "int4_linear takes uint8 codes and scales and minimums per group, both float16 "
-              "or both float32");
+  TORCH_CHECK((type == at::kHalf || type == at::kFloat) && min.scalar_type() == type &&
+                  scale.is_contiguous() && min.is_contiguous() &&
+                  scale.numel() == codes.size(0) * codes.size(1) * kStrip &&
+                  min.numel() == scale.numel(),
+              "int4_linear takes scales and minimums per group and channel, [N / 16, K / 32, "
+              "16], both float16 or both float32");
 }
 
 // A checked int4 weight's product (check_int4), its scales' type chosen.
-void int4_into(bool wide, const Int4Activations& xq, int64_t m,
-               const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
-               float* out, int64_t ld) {
+void int4_into(bool wide, const Int4Activations& xq, int64_t m, const at::Tensor& codes,
+               const at::Tensor& scale, const at::Tensor& min, float* out, int64_t ld) {
   if (scale.scalar_type() == at::kFloat) {
-    int4_rows(wide, xq, m, codes, scale.data_ptr<float>(), min.data_ptr<float>(), out, ld);
+    int4_strips(wide, xq, m, codes, scale.data_ptr<float>(), min.data_ptr<float>(), out, ld);
   } else {
-    int4_rows(wide, xq, m, codes, scale.data_ptr<at::Half>(), min.data_ptr<at::Half>(), out,
-              ld);
+    int4_strips(wide, xq, m, codes, scale.data_ptr<at::Half>(), min.data_ptr<at::Half>(), out,
+                ld);
   }
 }
 
@@ -1220,26 +966,30 @@ at::Tensor grouped_int8_linear(const at::Tensor& x, const at::Tensor& w, const a
   return out;
 }
 
-// x [M, K] float32; codes [N, K/2] uint8 (int4_rows' order); scale and min [N, K/32] float16,
-// or both float32 -> [M, N] float32.
+// x [M, K] float32; codes [N / 16, K / 32, 256] uint8 (int4_strip_codes' layout); scale and
+// min [N / 16, K / 32, 16] float16, or both float32 -> [M, N] float32.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                        const at::Tensor& min) {
-  const int64_t k = codes.size(1) * 2;
-  check_inputs(x, codes, k);
   check_int4(codes, scale, min);
-  const Int4Activations xq(x.data_ptr<float>(), x.size(0), k);
-  at::Tensor out = new_output(x, codes.size(0));
-  int4_into(wide_rows(), xq, x.size(0), codes, scale, min, out.data_ptr<float>(),
-            codes.size(0));
+  check_inputs(x, codes, codes.size(1) * kBlock);
+  const Int4Activations xq(x.data_ptr<float>(), x.size(0), x.size(1));
+  const int64_t n = codes.size(0) * kStrip;
+  at::Tensor out = new_output(x, n);
+  int4_into(wide_rows(), xq, x.size(0), codes, scale, min, out.data_ptr<float>(), n);
   return out;
 }
 
 // A fused layer whose parts (q, k and v; gate and up) keep different layouts: part i is int4
-// (codes[i] uint8 [N_i, K/2], scales[i] and mins[i] as int4_linear's) or grouped int8 (codes[i]
+// (codes[i] uint8 [N_i / 16, K / 32, 256], scales[i] and mins[i] as int4_linear's) or grouped int8 (codes[i]
 // int8 [N_i, K], scales[i] as grouped_int8_linear's, mins[i] None). x [M, K] float32 ->
 // [M, sum N_i] float32, part i's products in its columns, each exactly what its own op gives
 // (the activations quantized once per kind, each part writing its columns in place: no
 // per-part outputs to concatenate).
+// A part's output features: an int4 part's strips hold 16 each.
+inline int64_t part_outputs(const at::Tensor& codes, bool is_int4) {
+  return codes.size(0) * (is_int4 ? kStrip : 1);
+}
+
 at::Tensor parts_linear(const at::Tensor& x, at::TensorList codes, at::TensorList scales,
                         const c10::List<std::optional<at::Tensor>>& mins) {
   TORCH_CHECK(!codes.empty() && scales.size() == codes.size() && mins.size() == codes.size(),
@@ -1251,8 +1001,9 @@ at::Tensor parts_linear(const at::Tensor& x, at::TensorList codes, at::TensorLis
   for (size_t i = 0; i < codes.size(); ++i) {
     const std::optional<at::Tensor> min = mins[i];
     const bool is_int4 = min.has_value();
-    TORCH_CHECK(codes[i].dim() == 2, "part ", i, " of parts_linear: codes must be a matrix");
-    const int64_t width = codes[i].size(1) * (is_int4 ? 2 : 1);
+    TORCH_CHECK(codes[i].dim() == (is_int4 ? 3 : 2), "part ", i, " of parts_linear: codes must be ",
+                is_int4 ? "int4_strip_codes' [N / 16, K / 32, 256]" : "a matrix");
+    const int64_t width = codes[i].size(1) * (is_int4 ? kBlock : 1);
     TORCH_CHECK(width == k, "part ", i, " of parts_linear (", is_int4 ? "int4" : "grouped int8",
                 ", codes of shape ", codes[i].sizes(), ") takes ", width,
                 " input features; x has ", k);
@@ -1262,7 +1013,7 @@ at::Tensor parts_linear(const at::Tensor& x, at::TensorList codes, at::TensorLis
     } else {
       check_grouped_int8(codes[i], scales[i]);
     }
-    n += codes[i].size(0);
+    n += part_outputs(codes[i], is_int4);
   }
   const int64_t m = x.size(0);
   const float* xs = x.data_ptr<float>();
@@ -1281,7 +1032,7 @@ at::Tensor parts_linear(const at::Tensor& x, at::TensorList codes, at::TensorLis
       if (!x16) x16.emplace(xs, m, k);
       grouped_int8_into(wide, *x16, m, codes[i], scales[i], columns, n);
     }
-    columns += codes[i].size(0);
+    columns += part_outputs(codes[i], min.has_value());
   }
   return out;
 }
@@ -1334,120 +1085,103 @@ inline void dequantize_group(__m256i codes, float scale, float min, Out* out) {
   }
 }
 
+// Strip `strip` of int4 codes (groups of 256 bytes) as float [16, groups * 32] rows of `out`
+// (`k` apart): per group and half strip, the eight vectors of positions 4 j .. 4 j + 4 of eight
+// channels (a lane to a channel), transposed to a vector per channel.
 template <typename S, typename Out>
-void int4_dequantize_with(const uint8_t* codes, const S* scales, const S* mins, int64_t n,
-                          int64_t k, Out* out) {
-  const int64_t groups = k / kBlock;
-  const int64_t full = groups / kGroupsPerBlock * kGroupsPerBlock;
+void int4_dequantize_strip(const uint8_t* codes, const S* scales, const S* mins, int64_t groups,
+                           Out* out, int64_t k) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const uint8_t* row_codes = codes + row * (k / 2);
-      auto group = [&](int64_t g, __m256i group_codes) {
-        const int64_t at = row * groups + g;
-        dequantize_group(group_codes, static_cast<float>(scales[at]),
-                         static_cast<float>(mins[at]), out + row * k + g * kBlock);
-      };
-      // Whole blocks, eight groups (one half of each 64 bytes) at a time: vector j holds
-      // positions 4 j .. 4 j + 4 of each group, a lane to a group; transposed, a vector to a
-      // group.
-      for (int64_t g = 0; g < full; g += 8) {
-        const uint8_t* block = row_codes + (g - g % kGroupsPerBlock) * (kBlock / 2) +
-                               32 * (g % kGroupsPerBlock / 8);
-        __m256i v[8];
-        for (int u = 0; u < 4; ++u) {
-          const __m256i packed = load_256(block + 64 * u);
-          v[2 * u] = _mm256_and_si256(packed, nibble);
-          v[2 * u + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
-        }
-        transpose_8x8(v);
-        for (int i = 0; i < 8; ++i) group(g + i, v[i]);
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* block = codes + g * kStripGroupBytes + 32 * h;
+      __m256i v[8];
+      for (int u = 0; u < 4; ++u) {
+        const __m256i packed = load_256(block + 64 * u);
+        v[2 * u] = _mm256_and_si256(packed, nibble);
+        v[2 * u + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
       }
-      // The last groups in Q4_1's order: code i in the low half of byte i, i + 16 in the high.
-      for (int64_t g = full; g < groups; ++g) {
-        const __m128i bytes = load_128(row_codes + g * (kBlock / 2));
-        const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
-        const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
-        group(g, _mm256_set_m128i(high, low));
+      transpose_8x8(v);
+      for (int i = 0; i < 8; ++i) {
+        const int64_t channel = 8 * h + i, at = g * kStrip + channel;
+        dequantize_group(v[i], static_cast<float>(scales[at]), static_cast<float>(mins[at]),
+                         out + channel * k + g * kBlock);
       }
     }
-  });
+  }
 }
 
 }  // namespace
 
-// The float weight [N, K] of int4 codes (Q4_1's order) with float16 or float32 scales and
-// minimums per group of 32, as float32 (w = code * scale + min, exactly as the products use it)
-// or bfloat16 (that value rounded to nearest even): long prefills' products multiply by it in
-// one dense matmul. One pass, parallel over output rows.
+// The float weight [N, K] of int4 codes (int4_strip_codes' layout, [N / 16, K / 32, 256]) with
+// float16 or float32 scales and minimums [N / 16, K / 32, 16], as float32 (w = code * scale +
+// min) or bfloat16 (that value rounded to nearest even): long prefills' products multiply by it
+// in one dense matmul. One pass, parallel over strips.
 at::Tensor int4_dequantize(const at::Tensor& codes, const at::Tensor& scale,
                            const at::Tensor& min, at::ScalarType dtype) {
-  const int64_t k = codes.size(1) * 2, n = codes.size(0);
-  const at::ScalarType type = scale.scalar_type();
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  k % kBlock == 0,
-              "int4_dequantize takes a contiguous uint8 code matrix of whole groups of 32");
-  TORCH_CHECK((type == at::kHalf || type == at::kFloat) && min.scalar_type() == type &&
-                  scale.is_contiguous() && min.is_contiguous() &&
-                  scale.numel() == n * (k / kBlock) && min.numel() == scale.numel(),
-              "int4_dequantize takes scales and minimums per group, both float16 or both float32");
+  check_int4(codes, scale, min);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "int4_dequantize writes float32 or bfloat16, not ", dtype);
-  at::Tensor out = at::empty({n, k}, codes.options().dtype(dtype));
+  const int64_t strips = codes.size(0), groups = codes.size(1), k = groups * kBlock;
+  at::Tensor out = at::empty({strips * kStrip, k}, codes.options().dtype(dtype));
   const uint8_t* cs = codes.data_ptr<uint8_t>();
-  auto run = [&](auto* scales, auto* mins) {
+  auto run = [&](auto* scales, auto* mins, auto* to) {
+    at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t s = begin; s < end; ++s) {
+        const int64_t first = s * groups;
+        int4_dequantize_strip(cs + first * kStripGroupBytes, scales + first * kStrip,
+                              mins + first * kStrip, groups, to + s * kStrip * k, k);
+      }
+    });
+  };
+  auto with_scales = [&](auto* scales, auto* mins) {
     if (dtype == at::kFloat) {
-      int4_dequantize_with(cs, scales, mins, n, k, out.data_ptr<float>());
+      run(scales, mins, out.data_ptr<float>());
     } else {
-      int4_dequantize_with(cs, scales, mins, n, k,
-                           reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+      run(scales, mins, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
     }
   };
-  if (type == at::kFloat) {
-    run(scale.data_ptr<float>(), min.data_ptr<float>());
+  if (scale.scalar_type() == at::kFloat) {
+    with_scales(scale.data_ptr<float>(), min.data_ptr<float>());
   } else {
-    run(scale.data_ptr<at::Half>(), min.data_ptr<at::Half>());
+    with_scales(scale.data_ptr<at::Half>(), min.data_ptr<at::Half>());
   }
   return out;
 }
 
 // Int4 codes in Q4_1's order (byte p of a group: position p in its low half, p + 16 in its
 // high), given as [rows, groups, 16] uint8 with each group's bytes adjacent and rows and groups
-// at any stride (a GGUF tensor's Q4_0/Q4_1 blocks, past their scales, read in place), as the
-// products read them ([rows, groups * 16]: the whole blocks of 16 groups permuted as the
-// comment above Int4Activations says, the groups after them as they are). A lossless
-// permutation, once per weight at load; one pass, parallel over rows.
-at::Tensor int4_blocked_codes(const at::Tensor& groups) {
+// at any stride (a GGUF tensor's Q4_0/Q4_1 blocks, past their scales, read in place), rows a
+// multiple of 16, in the order the products read them: [rows / 16, groups, 256], strips of 16
+// rows as the comment above kStrip says. A lossless permutation, once per weight at load; one
+// pass, parallel over strips.
+at::Tensor int4_strip_codes(const at::Tensor& groups) {
   TORCH_CHECK(groups.dim() == 3 && groups.scalar_type() == at::kByte &&
                   groups.size(2) == kBlock / 2 && groups.stride(2) == 1,
-              "int4_blocked_codes takes uint8 codes as [rows, groups, 16], a group's bytes "
+              "int4_strip_codes takes uint8 codes as [rows, groups, 16], a group's bytes "
               "adjacent");
   const int64_t n = groups.size(0), count = groups.size(1);
+  TORCH_CHECK(n % kStrip == 0, "int4_strip_codes takes rows in strips of ", kStrip, "; got ", n,
+              " rows");
   const int64_t row_stride = groups.stride(0), group_stride = groups.stride(1);
-  const int64_t group_bytes = kBlock / 2, full = count / kGroupsPerBlock * kGroupsPerBlock;
-  at::Tensor out = at::empty({n, count * group_bytes}, groups.options());
+  at::Tensor out = at::empty({n / kStrip, count, kStripGroupBytes}, groups.options());
   const uint8_t* in = groups.data_ptr<uint8_t>();
-  uint8_t* blocked = out.data_ptr<uint8_t>();
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const uint8_t* row = in + r * row_stride;
-      uint8_t* dst = blocked + r * count * group_bytes;
-      for (int64_t g0 = 0; g0 < full; g0 += kGroupsPerBlock) {
-        uint8_t* block = dst + g0 * group_bytes;
-        for (int64_t g = 0; g < kGroupsPerBlock; ++g) {
-          const uint8_t* q = row + (g0 + g) * group_stride;
+  uint8_t* strips = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n / kStrip, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      for (int64_t g = 0; g < count; ++g) {
+        uint8_t* block = strips + (s * count + g) * kStripGroupBytes;
+        for (int64_t c = 0; c < kStrip; ++c) {
+          const uint8_t* q = in + (s * kStrip + c) * row_stride + g * group_stride;
           // Quarter j of the group (bytes 4 j .. 4 j + 4) holds positions 4 j + i and 16 + 4 j + i.
           for (int i = 0; i < 4; ++i) {
-            const uint8_t a = q[i], b = q[4 + i], c = q[8 + i], d = q[12 + i];
-            block[4 * g + i] = (a & 0xF) | (b << 4);
-            block[64 + 4 * g + i] = (c & 0xF) | (d << 4);
-            block[128 + 4 * g + i] = (a >> 4) | (b & 0xF0);
-            block[192 + 4 * g + i] = (c >> 4) | (d & 0xF0);
+            const uint8_t a = q[i], b = q[4 + i], d = q[8 + i], e = q[12 + i];
+            block[4 * c + i] = (a & 0xF) | (b << 4);
+            block[64 + 4 * c + i] = (d & 0xF) | (e << 4);
+            block[128 + 4 * c + i] = (a >> 4) | (b & 0xF0);
+            block[192 + 4 * c + i] = (d >> 4) | (e & 0xF0);
           }
         }
-      }
-      for (int64_t g = full; g < count; ++g) {
-        std::memcpy(dst + g * group_bytes, row + g * group_stride, group_bytes);
       }
     }
   });
@@ -1462,7 +1196,7 @@ TORCH_LIBRARY(folio_quant, library) {
   library.def("grouped_int8_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   library.def("parts_linear(Tensor x, Tensor[] codes, Tensor[] scales, Tensor?[] mins) -> Tensor");
   library.def("int4_dequantize(Tensor codes, Tensor scale, Tensor min, ScalarType dtype) -> Tensor");
-  library.def("int4_blocked_codes(Tensor groups) -> Tensor");
+  library.def("int4_strip_codes(Tensor groups) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(folio_quant, CPU, library) {
@@ -1471,5 +1205,5 @@ TORCH_LIBRARY_IMPL(folio_quant, CPU, library) {
   library.impl("grouped_int8_linear", &grouped_int8_linear);
   library.impl("parts_linear", &parts_linear);
   library.impl("int4_dequantize", &int4_dequantize);
-  library.impl("int4_blocked_codes", &int4_blocked_codes);
+  library.impl("int4_strip_codes", &int4_strip_codes);
 }

@@ -43,6 +43,11 @@ import torch
 from common.config import cache_dir
 from engine.fallback import warn_fallback
 
+# Folio's int4 layout (cpu_quant.cpp's kBlock and kStrip): groups of 32 input features, each with
+# a scale and a minimum, and strips of 16 output channels.
+INT4_GROUP_SIZE = 32
+INT4_STRIP = 16
+
 logger = logging.getLogger(__name__)
 
 KERNEL_DIR_ENV = "FOLIO_KERNEL_DIR"
@@ -189,7 +194,7 @@ def _register_output_shapes() -> None:
     def int4_shape(
         x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
     ) -> torch.Tensor:
-        return x.new_empty(x.shape[0], codes.shape[0])
+        return x.new_empty(x.shape[0], codes.shape[0] * INT4_STRIP)
 
     def parts_linear_shape(
         x: torch.Tensor,
@@ -197,12 +202,18 @@ def _register_output_shapes() -> None:
         scales: list[torch.Tensor],
         minimums: list[torch.Tensor | None],
     ) -> torch.Tensor:
-        return x.new_empty(x.shape[0], sum(part.shape[0] for part in codes))
+        widths = [
+            part.shape[0] * (INT4_STRIP if minimum is not None else 1)
+            for part, minimum in zip(codes, minimums, strict=True)
+        ]
+        return x.new_empty(x.shape[0], sum(widths))
 
     def int4_dequantize_shape(
         codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
-        return codes.new_empty(codes.shape[0], codes.shape[1] * 2, dtype=dtype)
+        return codes.new_empty(
+            codes.shape[0] * INT4_STRIP, codes.shape[1] * INT4_GROUP_SIZE, dtype=dtype
+        )
 
     def packed_linear_shape(
         x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None

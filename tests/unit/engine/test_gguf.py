@@ -292,7 +292,8 @@ def logits_errors(model, twin_model, config, monkeypatch) -> tuple[float, float,
         return float((logits - twin_logits).norm() / twin_logits.norm())
 
     kernels = error()
-    for limit in ("MAX_FOLIO_KERNEL_ROWS", "MAX_TORCH_KERNEL_ROWS", "MAX_INT4_KERNEL_ROWS"):
+    limits = ("MAX_FOLIO_KERNEL_ROWS", "MAX_TORCH_KERNEL_ROWS", "MAX_INT4_KERNEL_ROWS")
+    for limit in (*limits, "MAX_INT4_FLOAT32_KERNEL_ROWS"):
         monkeypatch.setattr(quantization, limit, 0)
     dense = error()
     dense_in_float32(monkeypatch, model)
@@ -306,6 +307,7 @@ def dense_in_float32(monkeypatch, *models) -> None:
     without native bfloat16: in `models` and in those made from now on."""
     monkeypatch.setattr(quantization, "MAX_FOLIO_KERNEL_ROWS", 0)
     monkeypatch.setattr(quantization, "MAX_TORCH_KERNEL_ROWS", 0)
+    monkeypatch.setattr(quantization, "MAX_INT4_FLOAT32_KERNEL_ROWS", 0)
     no_bf16 = dataclasses.replace(cpu_capabilities(), native_bf16=False)
     monkeypatch.setattr(quantization, "cpu_capabilities", lambda: no_bf16)
     for model in models:

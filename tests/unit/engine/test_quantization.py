@@ -20,8 +20,7 @@ from engine.layers.quantization import (
     GROUPED_INT8,
     QuantizedWeight,
     grouped_int8_weight,
-    int4_blocked_codes,
-    int4_q4_1_codes,
+    int4_strip_codes,
     int4_weight,
     parts_weight,
     quantize,
@@ -55,6 +54,29 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
 
 def gaussian(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def q4_1_nibbles(strips: torch.Tensor) -> torch.Tensor:
+    """Int4 codes in Folio's strips of 16 output channels ([out / 16, in / 32, 256]) back in
+    Q4_1's order ([out, in / 2]), written from the layout's description: byte 64 u + 4 c + i of a
+    strip's group holds channel c's code at position 8 u + i in its low half and 8 u + 4 + i in
+    its high half."""
+    count, groups, _ = strips.shape
+    quarters = strips.view(count, groups, 4, 16, 4)  # [strip, group, u, channel, i]
+    halves = torch.stack((quarters & 0xF, quarters >> 4), dim=3)  # [.., u, low/high, c, i]
+    codes = halves.permute(0, 4, 1, 2, 3, 5).reshape(count * 16, groups, 32)
+    return (codes[..., :16] | (codes[..., 16:] << 4)).reshape(count * 16, groups * 16)
+
+
+def q4_1_form(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Folio-kernel int4 weight as int4_weight takes it: Q4_1-ordered codes, and scales and
+    minimums [out, in / 32] (the strips keep them [out / 16, in / 32, 16])."""
+    assert weight.minimum is not None
+
+    def per_row(values: torch.Tensor) -> torch.Tensor:
+        return values.transpose(1, 2).reshape(-1, values.shape[1])
+
+    return q4_1_nibbles(weight.codes), per_row(weight.scale), per_row(weight.minimum)
 
 
 def as_the_kernels_read(x: torch.Tensor, method: str) -> torch.Tensor:
@@ -137,7 +159,7 @@ def test_a_row_s_product_does_not_depend_on_the_rows_beside_it():
         grouped_int8_weight(codes, (torch.rand(96, 18) * 0.01).half()),
     ]
     for weight in weights:
-        in_features = weight.codes.shape[1] * (2 if weight.method == "int4" else 1)
+        in_features = weight.shape[1]
         x = gaussian((quantization.MAX_INT4_KERNEL_ROWS, in_features), 3)
         alone = torch.cat([weight.matmul(row[None]) for row in x])
         for rows in (2, 3, 4, 5, 9, 17, len(x)):
@@ -147,32 +169,27 @@ def test_a_row_s_product_does_not_depend_on_the_rows_beside_it():
 @needs_folio_kernels
 @pytest.mark.usefixtures("isa")
 def test_an_output_s_product_does_not_depend_on_the_outputs_beside_it():
-    """Against one or two activation rows (a decode step's), Folio's AVX2 kernels take four
-    output channels at a time, which share the loads of the activations and the tree that sums
-    each product across lanes: every channel's product keeps the order it has alone, so a
+    """Against one or two activation rows (a decode step's), Folio's AVX2 int8 kernels take
+    four output channels at a time, which share the loads of the activations and the tree that
+    sums each product across lanes: every channel's product keeps the order it has alone, so a
     channel gives the same bits whichever channels share its pass (the weight's rows taken from
     every offset, so that the groups of four shift and fewer than four are left at the end; a
-    channel alone) and whatever rows share the call."""
-    int4 = quantize(gaussian((42, 576), 1), "int4", folio_kernels=True)
-    assert int4.minimum is not None
+    channel alone) and whatever rows share the call. int4 keeps a channel to a lane of its strip
+    of 16: a strip gives the same bits beside any others (strips taken from every offset)."""
+    int4 = quantize(gaussian((48, 576), 1), "int4", folio_kernels=True)
     weights = [
-        int4,
-        int4_weight(
-            int4_q4_1_codes(int4.codes),
-            int4.scale.float(),
-            int4.minimum.float(),
-            torch.float32,
-            True,
-            torch.float32,
-        ),
-        quantize(gaussian((42, 1544), 2), "int8", folio_kernels=True),  # a float tail of 8
-        grouped_int8_weight(*grouped_codes(42, 576, 32, 3)),
-        grouped_int8_weight(*grouped_codes(42, 1536, 16, 4)),
+        (int4, 16),
+        (int4_weight(*q4_1_form(int4), torch.float32, True, torch.float32), 16),
+        (quantize(gaussian((42, 1544), 2), "int8", folio_kernels=True), 1),  # a float tail of 8
+        (grouped_int8_weight(*grouped_codes(42, 576, 32, 3)), 1),
+        (grouped_int8_weight(*grouped_codes(42, 1536, 16, 4)), 1),
     ]
-    for weight in weights:
+    for weight, channels in weights:
         x = gaussian((3, weight.shape[1]), 5)
         every = weight.matmul(x)
         for start in (1, 2, 3, 5, 41):
+            if start * channels >= weight.shape[0]:
+                continue
             part = dataclasses.replace(
                 weight,
                 codes=weight.codes[start:],
@@ -181,29 +198,30 @@ def test_an_output_s_product_does_not_depend_on_the_outputs_beside_it():
             )
             for rows in (1, 2, 3):
                 got = part.matmul(x[:rows])
-                assert torch.equal(got, every[:rows, start:]), (weight.method, start, rows)
+                expected = every[:rows, start * channels :]
+                assert torch.equal(got, expected), (weight.method, start, rows)
 
 
 @needs_folio_kernels
 @pytest.mark.parametrize("groups", [5, 16, 37])
 def test_int4_codes_permute_losslessly_from_strided_blocks(groups):
-    """The permutation into the kernels' order takes a GGUF tensor's blocks in place (each
+    """The permutation into the kernels' strips takes a GGUF tensor's blocks in place (each
     group's 16 code bytes after its scales, rows and groups strided): the same bytes as from
-    the codes alone, a permutation of each row's whole blocks that int4_q4_1_codes undoes, the
-    groups after them as they were; a wrong shape is refused by name."""
-    rows = 19
+    the codes alone, which the layout's description undoes; a wrong shape, or rows that do not
+    fill strips of 16, are refused by name."""
+    rows = 48
     file_blocks = torch.randint(0, 256, (rows, groups, 20), dtype=torch.uint8)  # Q4_1: 4 + 16
     in_place = file_blocks[..., 4:]
     q4_1 = in_place.reshape(rows, -1)
-    blocked = int4_blocked_codes(in_place)
-    assert torch.equal(blocked, int4_blocked_codes(q4_1))
-    assert torch.equal(int4_q4_1_codes(blocked), q4_1)
-    whole = groups // 16 * 16 * 16
-    assert torch.equal(blocked[:, whole:], q4_1[:, whole:])
-    if whole:
-        assert not torch.equal(blocked[:, :whole], q4_1[:, :whole])
-    with pytest.raises(RuntimeError, match=r"int4_blocked_codes takes uint8 codes"):
-        int4_blocked_codes(file_blocks)
+    strips = int4_strip_codes(in_place)
+    assert strips.shape == (rows // 16, groups, 256)
+    assert torch.equal(strips, int4_strip_codes(q4_1))
+    assert torch.equal(q4_1_nibbles(strips), q4_1)
+    assert not torch.equal(strips.view(rows, -1), q4_1)
+    with pytest.raises(RuntimeError, match=r"int4_strip_codes takes uint8 codes"):
+        int4_strip_codes(file_blocks)
+    with pytest.raises(RuntimeError, match=r"in strips of 16; got 40 rows"):
+        int4_strip_codes(in_place[:40])
 
 
 @needs_folio_kernels
@@ -211,33 +229,30 @@ def test_int4_codes_permute_losslessly_from_strided_blocks(groups):
 @pytest.mark.parametrize("groups", [5, 33])
 def test_int4_dequantizes_in_one_pass_as_the_dense_path_reads_it(group_dtype, groups):
     """Folio's int4 dequantization kernel gives code * scale + minimum (Q4_1's order) exactly
-    in float32, and that rounded to nearest even in bfloat16, from its codes' layout (whole
-    blocks of 16 groups, then the last groups as Q4_1 orders them); a long product runs dense
-    in bfloat16 only where the CPU computes it natively, within bfloat16's rounding of the
-    float32 one."""
+    in float32, and that rounded to nearest even in bfloat16, from its strips of 16 output
+    channels; a long product runs dense in bfloat16 only where the CPU computes it natively,
+    within bfloat16's rounding of the float32 one."""
     in_features = 32 * groups
     half = quantize(gaussian((48, in_features), 3), "int4", folio_kernels=True)
-    assert half.minimum is not None
-    q4_1 = int4_q4_1_codes(half.codes)
+    q4_1, half_scale, half_minimum = q4_1_form(half)
     weight = int4_weight(
-        q4_1, half.scale.float(), half.minimum.float(), torch.float32, True, group_dtype
+        q4_1, half_scale.float(), half_minimum.float(), torch.float32, True, group_dtype
     )
     assert weight.minimum is not None
     assert torch.equal(weight.codes, half.codes)
-    assert torch.equal(int4_blocked_codes(q4_1), half.codes)
-    assert (groups >= 16) == (not torch.equal(q4_1, half.codes))
+    assert torch.equal(int4_strip_codes(q4_1), half.codes)
     nibbles = q4_1.view(48, groups, 16)
     codes = torch.cat((nibbles & 0xF, nibbles >> 4), dim=-1).float()
-    scale, minimum = weight.scale.float(), weight.minimum.float()
+    _, scale, minimum = q4_1_form(weight)
     exact = torch.addcmul(minimum[..., None], codes, scale[..., None]).view(48, in_features)
     assert torch.equal(weight.dequantized(torch.float32), exact)
     assert torch.equal(weight.dequantized(torch.bfloat16), exact.bfloat16())
-    # Other dtypes dequantize in torch, from the codes put back in Q4_1's order.
-    torch.testing.assert_close(weight.dequantized(torch.float64), exact.double())
+    # Other dtypes: the float32 weight, converted.
+    assert torch.equal(weight.dequantized(torch.float64), exact.double())
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         weight.kernels.int4_dequantize(weight.codes, weight.scale, weight.minimum, torch.float16)
     assert weight.dense_bf16 == cpu_capabilities().native_bf16
-    x = gaussian((quantization.MAX_FOLIO_KERNEL_ROWS + 1, in_features), 5)
+    x = gaussian((weight.max_kernel_rows + 1, in_features), 5)
     reference = x.double() @ exact.double().t()
     error = float((weight.matmul(x).double() - reference).norm() / reference.norm())
     assert error <= (1e-2 if weight.dense_bf16 else 1e-6), error
@@ -252,23 +267,21 @@ def test_int4_groups_with_float32_scales():
     product is the dense one with the activations quantized as it quantizes them."""
     half = quantize(gaussian((48, 160), 2), "int4", folio_kernels=True)
     assert half.scale.dtype == torch.float16
-    assert half.minimum is not None
+    q4_1, half_scale, half_minimum = q4_1_form(half)
 
     def wide(scale: torch.Tensor, minimum: torch.Tensor) -> QuantizedWeight:
-        weight = int4_weight(
-            int4_q4_1_codes(half.codes), scale, minimum, torch.float32, True, torch.float32
-        )
+        weight = int4_weight(q4_1, scale, minimum, torch.float32, True, torch.float32)
         assert weight.scale.dtype == weight.minimum.dtype == torch.float32
         return weight
 
-    same = wide(half.scale.float(), half.minimum.float())
+    same = wide(half_scale.float(), half_minimum.float())
     g = torch.Generator().manual_seed(4)
     d = (torch.rand(48, 5, generator=g) * 1e-3 + 1e-4).half().float()
     scale = d * torch.randint(33, 64, (48, 5), generator=g)
     minimum = -(d * torch.randint(0, 64, (48, 5), generator=g))
     assert (scale.half().float() != scale).any()  # float16 would round these
     exact = wide(scale, minimum)
-    nibbles = int4_q4_1_codes(half.codes).view(48, 5, 16)
+    nibbles = q4_1.view(48, 5, 16)
     codes = torch.cat((nibbles & 0xF, nibbles >> 4), dim=-1).float()
     dense = (codes * scale[..., None] + minimum[..., None]).view(48, 160)
     assert torch.equal(exact.dequantized(torch.float32), dense)
@@ -278,11 +291,9 @@ def test_int4_groups_with_float32_scales():
         expected = as_the_kernels_read(x, "int4") @ dense.t()
         torch.testing.assert_close(exact.matmul(x), expected, atol=1e-4, rtol=1e-4)
     with pytest.raises(RuntimeError, match="both float16 or both float32"):
-        torch.ops.folio_quant.int4_linear(x, half.codes, half.scale, minimum)
+        torch.ops.folio_quant.int4_linear(x, half.codes, half.scale, exact.minimum)
     with pytest.raises(ValueError, match="int4 group scales are float16 or float32"):
-        int4_weight(
-            int4_q4_1_codes(half.codes), scale, minimum, torch.float32, True, torch.bfloat16
-        )
+        int4_weight(q4_1, scale, minimum, torch.float32, True, torch.bfloat16)
 
 
 def grouped_codes(out_features: int, in_features: int, group: int, seed: int):
@@ -378,7 +389,7 @@ def test_int4_reproduces_a_q4_1_grid_exactly():
     """Weights already on a Q4_1 grid (each group: min + code * scale, codes 0..15 with both
     ends present, scale and min float16 values, as a Q4_1 GGUF dequantizes) come back
     unchanged."""
-    out_features, in_features = 24, 128
+    out_features, in_features = 32, 128
     g = torch.Generator().manual_seed(3)
     codes = torch.randint(0, 16, (out_features, in_features // 32, 32), generator=g)
     codes[..., 0], codes[..., 1] = 0, 15
@@ -394,8 +405,9 @@ def test_int4_reproduces_a_q4_1_grid_exactly():
 def test_unquantizable_weights_are_refused():
     with pytest.raises(ValueError, match="divisible by 32; a weight has 72"):
         pack_weight(torch.zeros(8, 72), "int4")
-    with pytest.raises(ValueError, match="divisible by 16; a weight has 40"):
-        quantize(torch.zeros(40, 64), "int4", folio_kernels=False)
+    for folio_kernels in (False, True):
+        with pytest.raises(ValueError, match="divisible by 16; a weight has 40"):
+            quantize(torch.zeros(40, 64), "int4", folio_kernels=folio_kernels)
     with pytest.raises(ValueError, match=r"one of .*int3"):
         pack_weight(torch.zeros(8, 64), "int3")
     with pytest.raises(ValueError, match=r"quantization must be one of .*got 'int3'"):
@@ -449,15 +461,10 @@ def test_the_avx512_code_gives_the_avx2_code_s_bits(monkeypatch):
     weights = []
     for blocks in (1, 2, 3, 4, 5, 6, 7, 16, 18, 49):
         in_features = 32 * blocks
-        int4 = quantize(gaussian((40, in_features), blocks), "int4", folio_kernels=True)
-        assert int4.minimum is not None
+        int4 = quantize(gaussian((48, in_features), blocks), "int4", folio_kernels=True)
+        q4_1, scale, minimum = q4_1_form(int4)
         float32_int4 = int4_weight(
-            int4_q4_1_codes(int4.codes),
-            int4.scale.float() * 1.0001,
-            int4.minimum.float(),
-            torch.float32,
-            True,
-            torch.float32,
+            q4_1, scale.float() * 1.0001, minimum.float(), torch.float32, True, torch.float32
         )
         q8_0 = grouped_int8_weight(*grouped_codes(40, in_features, 32, blocks))
         q6_k = grouped_int8_weight(*grouped_codes(24, in_features, 16, blocks))
