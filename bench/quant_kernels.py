@@ -9,6 +9,9 @@ per output channel (`--quantization`'s), grouped int8 with float16 scales per 32
 model's GGUF, Q8_0) and float32 through oneDNN (the unquantized model's); it prints the median
 and fastest milliseconds of the layers and of each projection per row count and thread count,
 with `--shapes` also each shape's 30 linears (the fastest pass, and the weights' GB/s at it).
+`--dense` also times the layers as a long prefill past the kernels' row limit runs them: one
+dense matmul by the dequantized weight (in bfloat16 for int4 where the CPU computes it
+natively), in the same turns, to find where that limit belongs.
 `--baseline REV` also runs the quantized kernels of git revision REV (its cpu_quant.cpp, built as
 an op library of its own beside this checkout's), their passes taking turns with this
 checkout's: a before/after of a kernel change in one run, with each figure's ratio to REV's.
@@ -106,6 +109,19 @@ def baseline_kernels(revision: str) -> Any:
 
 
 @dataclasses.dataclass
+class DenseProduct(QuantizedWeight):
+    """A quantized weight whose products run as a long prefill's past the kernels' row limit,
+    at any row count."""
+
+    @classmethod
+    def of(cls, weight: QuantizedWeight) -> DenseProduct:
+        return cls(**{f.name: getattr(weight, f.name) for f in dataclasses.fields(weight)})
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._dense(x)
+
+
+@dataclasses.dataclass
 class Contender:
     """One set of kernels on one ISA: `label` in the output, `isa` the FOLIO_CPU_ISA it runs
     under, its layers (per shape) and vocabulary projections (per form)."""
@@ -182,6 +198,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--shapes", action="store_true", help="print each shape's linears")
     parser.add_argument("--baseline", help="git revision whose quantized kernels run too")
+    parser.add_argument(
+        "--dense", action="store_true", help="also time the dequantized dense products"
+    )
     add_clock_argument(parser)
     args = parser.parse_args()
     clock = chosen_clock(parser, args)
@@ -227,20 +246,33 @@ def main() -> None:
                     heads,
                 )
             )
+    if args.dense:
+        contenders.append(
+            Contender(
+                "dense (dequantized)",
+                isas[0],
+                {shape: [DenseProduct.of(w) for w in ws] for shape, ws in layers.items()},
+                {},
+            )
+        )
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         for rows in (int(r) for r in args.rows.split(",")):
             xs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
             times = time_passes(contenders, xs, args.repeats, clock)
             for index, contender in enumerate(contenders):
-                # With --baseline, each contender's ratio to the baseline's on its ISA.
-                base = contenders[index | 1] if args.baseline else None
+                # With --baseline, each contender's ratio to the baseline's on its ISA; the
+                # dense products' to the first contender's kernels.
+                dense = isinstance(next(iter(contender.layers.values()))[0], DenseProduct)
+                base = contenders[0] if dense else None
+                if args.baseline and not dense:
+                    base = contenders[index | 1]
                 report(
                     f"{args.method} threads={threads} rows={rows:2d} {contender.label}",
                     times[contender.label],
                     None if base is None else times[base.label],
                     contender,
-                    projections["grouped int8"] if args.shapes else None,
+                    projections["grouped int8"] if args.shapes and not dense else None,
                 )
 
 
@@ -258,9 +290,10 @@ def report(
         return "" if base is None else f" x{min(base[name]) / min(own[name]):.2f}"
 
     count = sum(len(ws) for ws in contender.layers.values())
+    heads = ", ".join(f"{name} {summary(own[name])}{ratio(name)}" for name in contender.heads)
     print(
-        f"{title}: {count} linears {summary(own['linears'])}{ratio('linears')}; vocabulary "
-        + ", ".join(f"{name} {summary(own[name])}{ratio(name)}" for name in contender.heads),
+        f"{title}: {count} linears {summary(own['linears'])}{ratio('linears')}"
+        + (f"; vocabulary {heads}" if heads else ""),
         flush=True,
     )
     if projection is not None:
