@@ -436,6 +436,18 @@ struct Int4Activations {
   }
 };
 
+// Half a strip's group (`block`: its 32 bytes at 64 u, u < 4) as eight vectors of codes:
+// vector j positions 4 j .. 4 j + 4 of the eight channels, a 32-bit lane to a channel.
+inline void unpack_half_strip(const uint8_t* block, __m256i (&codes)[8]) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+#pragma GCC unroll 4
+  for (int u = 0; u < 4; ++u) {
+    const __m256i packed = load_256(block + 64 * u);
+    codes[2 * u] = _mm256_and_si256(packed, nibble);
+    codes[2 * u + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+  }
+}
+
 inline __m256 eight_channels(const at::Half* h) { return _mm256_cvtph_ps(load_128(h)); }
 inline __m256 eight_channels(const float* f) { return _mm256_loadu_ps(f); }
 
@@ -451,16 +463,10 @@ inline void int4_half_strip(const uint8_t* codes, const S* scale, const S* min, 
   __m256 acc[ROWS];
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < xq.groups; ++g) {
-    const uint8_t* block = codes + g * kStripGroupBytes + 32 * h;
     __m256i w[8];
-#pragma GCC unroll 4
-    for (int u = 0; u < 4; ++u) {
-      const __m256i packed = load_256(block + 64 * u);
-      w[2 * u] = _mm256_and_si256(packed, nibble);
-      w[2 * u + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
-    }
+    unpack_half_strip(codes + g * kStripGroupBytes + 32 * h, w);
     const __m256 s = eight_channels(scale + g * kStrip + 8 * h);
     const __m256 m = eight_channels(min + g * kStrip + 8 * h);
 #pragma GCC unroll 8
@@ -1091,16 +1097,10 @@ inline void dequantize_group(__m256i codes, float scale, float min, Out* out) {
 template <typename S, typename Out>
 void int4_dequantize_strip(const uint8_t* codes, const S* scales, const S* mins, int64_t groups,
                            Out* out, int64_t k) {
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
     for (int h = 0; h < 2; ++h) {
-      const uint8_t* block = codes + g * kStripGroupBytes + 32 * h;
       __m256i v[8];
-      for (int u = 0; u < 4; ++u) {
-        const __m256i packed = load_256(block + 64 * u);
-        v[2 * u] = _mm256_and_si256(packed, nibble);
-        v[2 * u + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
-      }
+      unpack_half_strip(codes + g * kStripGroupBytes + 32 * h, v);
       transpose_8x8(v);
       for (int i = 0; i < 8; ++i) {
         const int64_t channel = 8 * h + i, at = g * kStrip + channel;
