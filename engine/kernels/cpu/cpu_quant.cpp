@@ -405,6 +405,11 @@ constexpr int64_t kStripGroupBytes = kStrip * kBlock / 2;  // 256
 // Activation rows sharing one pass over a strip's codes: on AVX2 four (their sums, the eight
 // unpacked code vectors, the scales and minimums and a product in 16 registers), on AVX-512 eight.
 constexpr int kInt4Rows = 4;
+// A strip's first pass (its first half, first rows) asks for the codes this many strips on: a
+// decode step's one row leaves the loads nothing to hide their latency behind, and the hardware
+// prefetcher, which stops at page boundaries, fell behind (bench.quant_kernels, one row, AVX2
+// EPYC: 1.2x with two strips ahead).
+constexpr int64_t kPrefetchStrips = 2;
 constexpr int kInt4WideRows = 8;
 
 // One call's activations against int4 weights: each row's groups quantized as
@@ -436,16 +441,26 @@ struct Int4Activations {
   }
 };
 
-// Half a strip's group (`block`: its 32 bytes at 64 u, u < 4) as eight vectors of codes:
-// vector j positions 4 j .. 4 j + 4 of the eight channels, a 32-bit lane to a channel.
-inline void unpack_half_strip(const uint8_t* block, __m256i (&codes)[8]) {
+// N / 2 of half a strip's group's four 64-byte quarters (`block`: its 32 bytes in the first, the
+// others 64 bytes apart) as N vectors of codes: vector j positions 4 j .. 4 j + 4 (from the first
+// quarter's) of the eight channels, a 32-bit lane to a channel. N = 8: the whole half group.
+template <int N>
+inline void unpack_half_strip(const uint8_t* block, __m256i (&codes)[N]) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
 #pragma GCC unroll 4
-  for (int u = 0; u < 4; ++u) {
+  for (int u = 0; u < N / 2; ++u) {
     const __m256i packed = load_256(block + 64 * u);
     codes[2 * u] = _mm256_and_si256(packed, nibble);
     codes[2 * u + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
   }
+}
+
+// An empty instruction that reads and writes v in a vector register: GCC then neither spills v
+// around it nor reorders the exact integer sums before it into a tree of its own (which, in
+// int4_half_strip, kept every product on the stack).
+template <typename V>
+inline void keep_in_register(V& v) {
+  asm("" : "+x"(v));
 }
 
 inline __m256 eight_channels(const at::Half* h) { return _mm256_cvtph_ps(load_128(h)); }
@@ -453,35 +468,57 @@ inline __m256 eight_channels(const float* f) { return _mm256_loadu_ps(f); }
 
 // Activation rows first .. first + ROWS of xq times half `h` (channels 8 h .. 8 h + 8) of a
 // strip (`codes`: its groups' 256 bytes each; `scale`, `min`: its [groups, 16]), AVX2: per
-// group, the eight code vectors unpacked once for the rows; a row's products of a group summed
-// in int16 pairs (at most 8 * 2 * 15 * 127 = 30480) and one madd, exactly vpdpbusd's sums; then
-// sum * (scale * d) and min * q_sum added in that order, the AVX-512 code's steps. Row r's
-// eight sums to out[r * ld].
+// group, its code vectors unpacked once for the rows, four at a time (the rows' int16 sums, the
+// four code vectors and the rows' accumulators then fit AVX2's 16 registers: eight code vectors
+// at once spilled the accumulators, each group's FMAs then waiting on a store to the stack); a
+// row's products of a group summed in int16 pairs (at most 8 * 2 * 15 * 127 = 30480, exact in
+// any order) and one madd, exactly vpdpbusd's sums; then sum * (scale * d) and min * q_sum
+// added in that order, the AVX-512 code's steps. Row r's eight sums to out[r * ld]. `ahead`:
+// bytes past each group's codes to prefetch (0: none).
 template <int ROWS, typename S>
 inline void int4_half_strip(const uint8_t* codes, const S* scale, const S* min, int h,
-                            const Int4Activations& xq, int64_t first, float* out, int64_t ld) {
+                            const Int4Activations& xq, int64_t first, float* out, int64_t ld,
+                            int64_t ahead) {
+  constexpr int kVectors = 4;  // code vectors unpacked at a time, of a group's eight
   __m256 acc[ROWS];
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < xq.groups; ++g) {
-    __m256i w[8];
-    unpack_half_strip(codes + g * kStripGroupBytes + 32 * h, w);
+    const uint8_t* group = codes + g * kStripGroupBytes + 32 * h;
+    if (ahead != 0) {
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        _mm_prefetch(reinterpret_cast<const char*>(group) + 64 * u + ahead, _MM_HINT_T0);
+      }
+    }
+    __m256i pairs[ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) pairs[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+    for (int j0 = 0; j0 < 8; j0 += kVectors) {
+      __m256i w[kVectors];
+      unpack_half_strip(group + 64 * (j0 / 2), w);
+#pragma GCC unroll 8
+      for (int r = 0; r < ROWS; ++r) {
+#pragma GCC unroll 4
+        for (int j = 0; j < kVectors; ++j) {
+          pairs[r] = _mm256_add_epi16(
+              pairs[r],
+              _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xq.four(first + r, g, j0 + j))));
+        }
+        keep_in_register(pairs[r]);
+      }
+    }
     const __m256 s = eight_channels(scale + g * kStrip + 8 * h);
     const __m256 m = eight_channels(min + g * kStrip + 8 * h);
 #pragma GCC unroll 8
     for (int r = 0; r < ROWS; ++r) {
-      const int64_t row = first + r;
-      __m256i pairs = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xq.four(row, g, 0)));
-#pragma GCC unroll 7
-      for (int j = 1; j < 8; ++j) {
-        pairs = _mm256_add_epi16(
-            pairs, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xq.four(row, g, j))));
-      }
-      const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-      const int64_t at = row * xq.groups + g;
+      const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[r], ones));
+      const int64_t at = (first + r) * xq.groups + g;
       acc[r] = _mm256_fmadd_ps(sums, _mm256_mul_ps(s, _mm256_set1_ps(xq.d[at])), acc[r]);
       acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xq.q_sum[at]), acc[r]);
+      keep_in_register(acc[r]);
     }
   }
 #pragma GCC unroll 8
@@ -890,8 +927,11 @@ void int4_strips(bool wide, const Int4Activations& xq, int64_t m, const at::Tens
       }
       for (int h = 0; h < 2; ++h) {
         for_each_tile<kInt4Rows>(m, [&](auto tile, int64_t r0) {
+          const int64_t ahead =
+              h == 0 && r0 == 0 ? kPrefetchStrips * groups * kStripGroupBytes : 0;
           int4_half_strip<decltype(tile)::value>(strip_codes, scale, min, h, xq, r0,
-                                                 out + r0 * ld + strip * kStrip + 8 * h, ld);
+                                                 out + r0 * ld + strip * kStrip + 8 * h, ld,
+                                                 ahead);
         });
       }
     }
