@@ -12,8 +12,11 @@ import argparse
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from common.flags import flag
+from common.gguf_file import is_gguf
 
 
 @dataclass
@@ -99,12 +102,26 @@ def folio_phases(llm, batch: int, prompt_len: int, decode_steps: int, vocab_size
     return per_step
 
 
-def run_hf(model_dir: str, dtype: str, workload: Workload, batch_size: int) -> float:
-    """Seconds for transformers generate over padded static batches, greedy, no EOS stop."""
+def hf_model(model_path: str, dtype: str) -> Any:
+    """transformers' model of what Folio ran: a Hugging Face directory, or a GGUF file (the
+    default model is one) read by transformers' own GGUF loader, its weights dequantized to
+    `dtype` (the same values as Folio's grid, in float)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    path = Path(model_path)
+    source = {"gguf_file": path.name} if is_gguf(path) else {}
+    directory = path.parent if source else path
+    return AutoModelForCausalLM.from_pretrained(
+        directory, dtype=getattr(torch, dtype), **source
+    ).eval()
+
+
+def run_hf(model_dir: str, dtype: str, workload: Workload, batch_size: int) -> float:
+    """Seconds for transformers generate over padded static batches, greedy, no EOS stop."""
+    import torch
+
+    model = hf_model(model_dir, dtype)
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     start = time.perf_counter()
     for i in range(0, len(workload.prompts), batch_size):
@@ -127,9 +144,8 @@ def run_hf(model_dir: str, dtype: str, workload: Workload, batch_size: int) -> f
 
 def hf_decode_rate(model_dir: str, dtype: str, prompt: list[int], num_tokens: int) -> float:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    model = hf_model(model_dir, dtype)
     ids = torch.tensor([prompt])
 
     def timed(n: int) -> float:
