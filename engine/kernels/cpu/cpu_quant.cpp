@@ -402,13 +402,14 @@ inline void for_each_tile(int64_t m, const Tile& tile) {
 // channels). Scales and minimums lie in the same order, [strips, groups, 16].
 constexpr int64_t kStrip = 16;
 constexpr int64_t kStripGroupBytes = kStrip * kBlock / 2;  // 256
-// Activation rows sharing one pass over a strip's codes: on AVX2 four (their sums, the eight
-// unpacked code vectors, the scales and minimums and a product in 16 registers), on AVX-512 eight.
+// Activation rows sharing one pass over a strip's codes: on AVX2 four (their int16 sums and
+// accumulators beside four unpacked code vectors in 16 registers: int4_half_strip), on AVX-512
+// eight.
 constexpr int kInt4Rows = 4;
 // A strip's first pass (its first half, first rows) asks for the codes this many strips on: a
-// decode step's one row leaves the loads nothing to hide their latency behind, and the hardware
-// prefetcher, which stops at page boundaries, fell behind (bench.quant_kernels, one row, AVX2
-// EPYC: 1.2x with two strips ahead).
+// decode step's one row leaves the loads nothing to hide their latency behind (one row, one
+// thread, AVX2 EPYC under load: 7.8 -> 6.3-6.7 ms for the 120 linears with two strips ahead,
+// between runs as noisy as that; with the register fix, quiet, two threads: 5.87 -> 5.29 ms).
 constexpr int64_t kPrefetchStrips = 2;
 constexpr int kInt4WideRows = 8;
 
