@@ -20,6 +20,7 @@ decode arithmetic it gets without speculation. It never schedules and never chan
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,7 +31,7 @@ from engine.core.outputs import Logprobs, SamplerOutput
 from engine.core.request import Request
 from engine.core.step_plan import StepPlan
 from engine.input_batch import PersistentBatch
-from engine.sampler import Sampler, token_logprobs
+from engine.sampler import Sampler, row_argmax, token_logprobs
 
 
 def write_drafts(batch: PersistentBatch, rows: np.ndarray, plan: StepPlan) -> None:
@@ -92,6 +93,29 @@ def as_decode_rows(
     )
 
 
+def _take_rows(values: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """values[rows]: a view where the rows are consecutive (a step of drafting requests only,
+    every row), else a copy."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return values[rows[0] : rows[0] + len(rows)]
+    return values.index_select(0, torch.tensor(rows, device=values.device))
+
+
+def _verify_greedy(
+    argmax: Sequence[int], requests: Sequence[Request], starts: Sequence[int]
+) -> list[list[int]]:
+    """_verify for greedy requests, from each row's greedy token (`argmax`, probs' layout):
+    their rows are one-hot, so a draft is accepted exactly when it is its row's token, and the
+    token after the accepted ones is the next row's (the draft rejected there had probability
+    0 already). The same tokens as _verify, without its vocabulary-wide rows."""
+    out = []
+    for request, start in zip(requests, starts, strict=True):
+        drafts = request.spec_token_ids
+        a = next((j for j, d in enumerate(drafts) if d != argmax[start + j]), len(drafts))
+        out.append([*drafts[:a], argmax[start + a]])
+    return out
+
+
 class Verifier:
     def __init__(self, sampler: Sampler, seed: int) -> None:
         self.sampler = sampler
@@ -117,10 +141,12 @@ class Verifier:
         accepted: list[list[int]] = [[] for _ in requests]
         accepted_logprobs: list[list[Logprobs]] = [[] for _ in requests]
         if plain:
-            index = torch.tensor(last[plain], device=logits.device)
+            index = last[plain].tolist()
             # The masks are on the logits' device (the sampler's).
-            masks = None if disallowed is None else disallowed[index]
-            out = self.sampler.sample(logits[index], [requests[i] for i in plain], masks)
+            masks = None if disallowed is None else _take_rows(disallowed, index)
+            out = self.sampler.sample(
+                _take_rows(logits, index), [requests[i] for i in plain], masks
+            )
             for i, token, record in zip(plain, out.token_ids, out.logprobs, strict=True):
                 token_ids[i], logprobs[i] = token, record
         drafting = [i for i, r in enumerate(requests) if r.spec_token_ids]
@@ -131,19 +157,19 @@ class Verifier:
                 for i, f in zip(drafting, firsts, strict=True)
                 for row in range(f, f + counts[i])
             ]
-            index = torch.tensor(row_index, device=logits.device)
-            rows = logits[index]
+            rows = _take_rows(logits, row_index)
             expanded = [requests[i] for i in drafting for _ in range(counts[i])]
-            masks = None if disallowed is None else disallowed[index]
-            probs = self.sampler.processed_probs(rows, expanded, masks).cpu()
-            begin = 0
-            starts = []
-            for i in drafting:
-                starts.append(begin)
-                begin += counts[i]
-            for i, tokens in zip(
-                drafting, self._verify(probs, [requests[i] for i in drafting], starts), strict=True
-            ):
+            masks = None if disallowed is None else _take_rows(disallowed, row_index)
+            starts = [0, *itertools.accumulate(counts[i] for i in drafting)][:-1]
+            verifying = [requests[i] for i in drafting]
+            if all(r.sampling_params.greedy for r in verifying):
+                verified = _verify_greedy(
+                    self.sampler.greedy_tokens(rows, expanded, masks), verifying, starts
+                )
+            else:
+                probs = self.sampler.processed_probs(rows, expanded, masks).cpu()
+                verified = self._verify(probs, verifying, starts)
+            for i, tokens in zip(drafting, verified, strict=True):
                 accepted[i], token_ids[i] = tokens[:-1], tokens[-1]
             self._logprobs(
                 rows, expanded, starts, drafting, accepted, token_ids, accepted_logprobs, logprobs
@@ -190,7 +216,7 @@ class Verifier:
         # The residual of a point-mass draft: its token's probability taken out.
         target[rows[rejected], removed_ids[rejected]] = 0.0
         greedy = [r.sampling_params.greedy for r in requests]
-        drawn = target.argmax(-1)
+        drawn = row_argmax(target)
         if not all(greedy):
             # The exponential race, as the sampler draws: argmax(p / q), q ~ Exp(1).
             race = torch.rand(target.shape, generator=self.generator)
@@ -198,7 +224,7 @@ class Verifier:
                 generator = self.sampler.generator_of(request)
                 if generator is not None:
                     race[j] = torch.rand(target.shape[1], generator=generator)
-            raced = (target / race.log().neg()).argmax(-1)
+            raced = row_argmax(target / race.log().neg())
             drawn = torch.where(torch.tensor(greedy), drawn, raced)
         for tokens, token in zip(out, drawn.tolist(), strict=True):
             tokens.append(token)

@@ -11,7 +11,7 @@ import torch
 
 from common.sampling_params import SamplingParams
 from engine.core.request import Request
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import Sampler, SamplingRow, row_argmax
 
 EOS = [0, 7]
 
@@ -147,6 +147,19 @@ def test_all_greedy_fast_path_ignores_padding_columns():
     requests = [make_request(SamplingParams(temperature=0.0)) for _ in range(16)]
     out = Sampler(vocab, EOS).sample(logits, requests)
     assert out.token_ids == logits[:, :vocab].argmax(-1).tolist()
+
+
+def test_row_argmax_is_torchs_argmax_with_ties_nan_and_infinities():
+    """The numpy argmax the CPU sampler takes: the first of tied maxima, NaN as the largest,
+    a row of -inf at 0, on strided views (a padded vocabulary's columns cut off) too."""
+    values = random_logits(6, 130, seed=4)
+    values[0, [3, 70]] = 50.0  # a tie
+    values[1] = -math.inf
+    values[2, [5, 9]] = math.nan
+    values[3, [8, 90]] = math.inf
+    values[4] = values[4].round()  # many ties
+    for rows in (values, values[:, :100], values[1:4]):
+        assert row_argmax(rows).tolist() == rows.argmax(-1).tolist()
 
 
 # --- filtering distributions ------------------------------------------------------------

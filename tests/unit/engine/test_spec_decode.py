@@ -301,6 +301,44 @@ def test_rejection_sampling_keeps_the_distribution(tiny):
     assert _chi_square_p(seconds, expected_seconds[: len(seconds)]) > 0.001
 
 
+def test_greedy_verification_accepts_what_the_one_hot_rows_accept():
+    """All-greedy verification takes each row's greedy token instead of one-hot rows over the
+    vocabulary: the same accepted drafts and next token as the general path (rejection
+    sampling over those rows), with logit bias and a structured-output mask in play, drafts
+    accepted whole, in part and not at all, and ties in the logits."""
+    vocab = 50
+    sampler = Sampler(vocab, [2], seed=0)
+    generator = torch.Generator().manual_seed(11)
+    logits = torch.randn(40, vocab + 6, generator=generator).round(decimals=1)  # ties
+    greedy = logits[:, :vocab].argmax(-1).tolist()
+    requests, begin = [], 0
+    for i, k in enumerate([3, 1, 4, 2, 4, 3, 2, 4, 1, 4]):
+        biased = i % 3 == 0
+        params = SamplingParams(temperature=0.0, logit_bias={5: 100.0} if biased else None)
+        request = Request(f"r{i}", [1, 2, 3], params)
+        request.append_output(4)
+        rows_greedy = [5] * (k + 1) if biased else greedy[begin : begin + k + 1]
+        accepted = i % 4  # drafts equal to the greedy tokens before a wrong one
+        request.spec_token_ids = [
+            t if j < accepted else (t + 1) % vocab for j, t in enumerate(rows_greedy[:k])
+        ]
+        requests.append(request)
+        begin += k + 1
+    rows = logits[:begin]
+    disallowed = torch.zeros(begin, vocab, dtype=torch.bool)
+    disallowed[7, greedy[7]] = True  # a grammar's mask moves one row's greedy token
+    verifier = Verifier(sampler, seed=1)
+    fast = verifier.sample(rows, requests, disallowed)
+    starts = [0]
+    for request in requests[:-1]:
+        starts.append(starts[-1] + len(request.spec_token_ids) + 1)
+    expanded = [r for r in requests for _ in range(len(r.spec_token_ids) + 1)]
+    probs = sampler.processed_probs(rows, expanded, disallowed)
+    general = verifier._verify(probs, requests, starts)
+    assert [[*a, t] for a, t in zip(fast.accepted, fast.token_ids, strict=True)] == general
+    assert {len(a) for a in fast.accepted} >= {0, 1, 2, 3}
+
+
 @pytest.fixture(scope="module", params=["directory", "gguf"])
 def smollm2(request, default_model_dir):
     """The default model as a float32 directory, and as it is served by default: its GGUF file
