@@ -215,17 +215,10 @@ class Verifier:
         rejected = removed_ids >= 0
         # The residual of a point-mass draft: its token's probability taken out.
         target[rows[rejected], removed_ids[rejected]] = 0.0
-        greedy = [r.sampling_params.greedy for r in requests]
         drawn = row_argmax(target)
-        if not all(greedy):
-            # The exponential race, as the sampler draws: argmax(p / q), q ~ Exp(1).
-            race = torch.rand(target.shape, generator=self.generator)
-            for j, request in enumerate(requests):
-                generator = self.sampler.generator_of(request)
-                if generator is not None:
-                    race[j] = torch.rand(target.shape[1], generator=generator)
-            raced = row_argmax(target / race.log().neg())
-            drawn = torch.where(torch.tensor(greedy), drawn, raced)
+        sampled = [j for j, r in enumerate(requests) if not r.sampling_params.greedy]
+        if sampled:  # drawn as the sampler draws, from a seeded request's own generator
+            drawn[sampled] = self.sampler.draw(target[sampled], [requests[j] for j in sampled])
         for tokens, token in zip(out, drawn.tolist(), strict=True):
             tokens.append(token)
         return out

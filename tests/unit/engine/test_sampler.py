@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from common.sampling_params import SamplingParams
+from engine import sampler as sampler_module
 from engine.core.request import Request
 from engine.sampler import Sampler, SamplingRow, row_argmax
 
@@ -232,6 +233,31 @@ def test_wide_top_p_nucleus_matches_reference():
     assert (probs[0] > 0).sum() > 2048
 
 
+def test_nuclei_found_among_the_largest_candidates_match_reference(monkeypatch):
+    """Peaked rows of a large vocabulary, dense ones (top-p alone) and ones top-k and min-p left
+    mostly zeros: top-p finds every nucleus among the rows' largest NUCLEUS_CANDIDATES values
+    (no row sorted whole), with the reference's distributions."""
+    vocab = 8192
+    logits = random_logits(4, vocab, seed=21, scale=5.0)
+    params = [
+        SamplingParams(top_p=0.9),
+        SamplingParams(temperature=0.7, top_p=0.95),
+        SamplingParams(top_k=600, top_p=0.8),
+        SamplingParams(top_p=0.9, min_p=0.001),
+    ]
+    counts = []
+    largest_first = sampler_module._largest_first
+
+    def spy(values, count):
+        counts.append(count)
+        return largest_first(values, count)
+
+    monkeypatch.setattr(sampler_module, "_largest_first", spy)
+    requests = [make_request(p) for p in params]
+    assert_matches_reference(Sampler(vocab, EOS), logits, requests)
+    assert counts == [sampler_module.NUCLEUS_CANDIDATES]
+
+
 # --- penalties, bias, min_tokens --------------------------------------------------------
 
 
@@ -451,6 +477,31 @@ def test_sampling_frequencies_follow_the_filtered_distribution(base, params):
     sampler = Sampler(vocab, EOS)
     tokens = [sampler.sample(base, [seeded]).token_ids[0] for _ in range(2000)]
     assert_frequencies_follow(tokens, expected)
+
+
+def test_draws_follow_the_distribution_across_the_draws_chunks():
+    """Inverse transform sampling sums a row a chunk at a time: over a vocabulary of several
+    chunks and a padded last one, tokens at the chunks' first and last places and tokens
+    alone in their chunk are drawn as often as their probability says, and a token of
+    probability 0 never, wherever it lies; unseeded rows and a seeded request alike."""
+    chunk = sampler_module.DRAW_CHUNK
+    vocab = 3 * chunk + 100
+    probs = np.zeros(vocab)
+    for token, p in [(0, 0.1), (chunk - 1, 0.2), (chunk, 0.15), (2 * chunk + 7, 0.05)]:
+        probs[token] = p
+    probs[3 * chunk : 3 * chunk + 40] = 0.5 / 40  # the padded chunk's tokens
+    logits = torch.tensor([np.log(np.where(probs > 0, probs, 1e-300))], dtype=torch.float32)
+    logits[0, probs == 0] = -math.inf
+    params = SamplingParams(temperature=1.0)
+    rows = 6000
+    requests = [make_request(SamplingParams(**vars(params))) for _ in range(rows)]
+    tokens = Sampler(vocab, EOS, seed=3).sample(logits.expand(rows, vocab), requests).token_ids
+    assert_frequencies_follow(tokens, probs)
+    seeded = make_request(SamplingParams(temperature=1.0, seed=8))
+    sampler = Sampler(vocab, EOS)
+    assert_frequencies_follow(
+        [sampler.sample(logits, [seeded]).token_ids[0] for _ in range(3000)], probs
+    )
 
 
 def test_rows_are_built_when_a_request_joins_not_every_step(monkeypatch):
