@@ -14,6 +14,10 @@
 // - paged_attention: any step. Decodes as above; a prefill's or extend's tokens in bfloat16 on
 //   CPUs with AVX-512 BF16 in blocks (see "Prefill blocks" below), otherwise each token as a
 //   decode whose context ends at itself.
+// - A token seeing more than kChunkPositions positions attends them a chunk at a time, each
+//   chunk an item of its own (its largest score, its exponentials' sum and the values they mix),
+//   merged in order after all items: one long row keeps both threads busy. The chunks follow
+//   from the token's own context, never from its step, so its output's bits do not either.
 // - A sliding window (`window` > 0, Mistral's and Gemma 3's local layers): a token sees only its
 //   last `window` positions, itself included, and only those are read; a windowed prefill takes
 //   the per-token path.
@@ -58,7 +62,9 @@ inline __m256 load8(const bf16* p) {
 }
 
 // Below this many (context position x query head) scores a call stays on the calling thread.
-constexpr int64_t kParallelScores = 16384;
+constexpr int64_t kParallelScores = 4096;
+// Chunked tokens' merges a thread takes at least (each a few hundred floats' work).
+constexpr int64_t kParallelMerges = 64;
 
 template <typename T>
 inline float dot(const float* a, const T* b, int64_t d) {
@@ -94,10 +100,9 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), exponent));
 }
 
-// s[0 .. length) becomes softmax(s), over one more logit `sink` that takes its share of the
-// denominator and is dropped (an attention sink; -infinity: none, its exponential 0).
-inline void softmax(float* s, int64_t length, float sink) {
-  const float top = std::max(*std::max_element(s, s + length), sink);
+// s[0 .. length) becomes exp(s - top) (top at least their largest); returns their sum, the
+// vectors' lanes added to `start` first, then the last few values in order.
+inline float exponentiate(float* s, int64_t length, float top, float start) {
   const __m256 shift = _mm256_set1_ps(top);
   __m256 total8 = _mm256_setzero_ps();
   int64_t t = 0;
@@ -106,8 +111,17 @@ inline void softmax(float* s, int64_t length, float sink) {
     _mm256_storeu_ps(s + t, e);
     total8 = _mm256_add_ps(total8, e);
   }
-  float total = horizontal_sum(total8) + std::exp(sink - top);
+  float total = horizontal_sum(total8) + start;
   for (; t < length; ++t) total += (s[t] = std::exp(s[t] - top));
+  return total;
+}
+
+// s[0 .. length) becomes softmax(s), over one more logit `sink` that takes its share of the
+// denominator and is dropped (an attention sink; -infinity: none, its exponential 0).
+inline void softmax(float* s, int64_t length, float sink) {
+  const float top = std::max(*std::max_element(s, s + length), sink);
+  const float total = exponentiate(s, length, top, std::exp(sink - top));
+  int64_t t = 0;
   const __m256 inverse = _mm256_set1_ps(1.0f / total);
   for (t = 0; t + 8 <= length; t += 8)
     _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inverse));
@@ -238,15 +252,22 @@ inline void prefetch_rows(const T* row, int64_t count, int64_t stride, int64_t b
       _mm_prefetch(reinterpret_cast<const char*>(row) + byte, HINT);
 }
 
+// A chunk's share of a row's attention (attend with `partial`), per query head: the largest
+// score m, the sum l of exp(score - m) over the chunk's positions, and the D values mixed by
+// those exponentials (not yet divided by l).
+inline int64_t partial_floats(const Layout& l) { return l.head_dim + 2; }
+
 // Attention of one row's query heads of KV heads kv_begin .. kv_end (q, out: the row's heads)
-// over its cached positions begin .. length (begin > 0: a sliding window). Each pass goes through the context a block at a time and
+// over its cached positions begin .. length (begin > 0: a sliding window, or a later chunk).
+// With `partial`, only a chunk's share of it, into partial[h * partial_floats ..] for the
+// item's heads h (merged by merge_chunks). Each pass goes through the context a block at a time and
 // reads, for every position, all those KV heads' K (or V) together: a cache row's 2 * KVH * D
 // bytes in one place, so the hardware prefetchers follow it (a pass per KV head, reading each
 // position's slices apart, ran at about a third of the memory bandwidth).
 template <typename T>
 void attend(const Layout& l, const T* q, const T* cache, const int32_t* table, int64_t begin,
             int64_t length, int64_t kv_begin, int64_t kv_end, float scale, Scratch& scratch,
-            T* out) {
+            T* out, float* partial = nullptr) {
   const int64_t d = l.head_dim, group = l.group;
   const int64_t token_values = l.kv_heads * d;
   const int64_t heads = (kv_end - kv_begin) * group, first_head = kv_begin * group;
@@ -288,8 +309,16 @@ void attend(const Layout& l, const T* q, const T* cache, const int32_t* table, i
               dot(qs + h * d, block + o * token_values + kv * d, d) * scale;
         }
   }
-  for (int64_t h = 0; h < heads; ++h)
-    softmax(scores + h * span, span, sink_of(l, first_head + h));
+  for (int64_t h = 0; h < heads; ++h) {
+    float* head_scores = scores + h * span;
+    if (partial == nullptr) {
+      softmax(head_scores, span, sink_of(l, first_head + h));
+      continue;
+    }
+    const float top = *std::max_element(head_scores, head_scores + span);
+    partial[h * partial_floats(l)] = top;
+    partial[h * partial_floats(l) + 1] = exponentiate(head_scores, span, top, 0.0f);
+  }
   // out = probabilities . V, a block at a time: up to three heads and 32 features together.
   float* mixed = scratch.out.data();
   std::fill(mixed, mixed + heads * d, 0.0f);
@@ -307,7 +336,12 @@ void attend(const Layout& l, const T* q, const T* cache, const int32_t* table, i
                    scores + h * span + (first + skip - begin), span, mixed + h * d + d0, d);
       }
   }
-  from_floats(mixed, heads * d, out + first_head * d);
+  if (partial == nullptr) {
+    from_floats(mixed, heads * d, out + first_head * d);
+    return;
+  }
+  for (int64_t h = 0; h < heads; ++h)
+    std::memcpy(partial + h * partial_floats(l) + 2, mixed + h * d, d * sizeof(float));
 }
 
 // ---- Prefill blocks: bfloat16 on CPUs with AVX-512 BF16 ----
@@ -448,31 +482,99 @@ void attend_block(const Layout& l, const bf16* q, int64_t token0, int64_t tokens
 struct Item {
   int64_t request, kv_begin, kv_end, first_token, tokens, first_length;
   const PackedContext* context;
+  // A token's first position seen (a sliding window's start, or its chunk's), and where its
+  // chunk's partial result goes in the call's partials (-1: a whole context, output written).
+  int64_t begin = 0, partial = -1;
+};
+
+// A token's chunks of KV heads kv_begin .. kv_end: their partial results lie one after
+// another from `partial` on, merged into the token's output in order.
+struct Merge {
+  int64_t token, kv_begin, kv_end, partial, chunks;
+};
+
+// A call's work: its items, the merges of the chunked tokens' partial results, and the floats
+// of those results.
+struct Work {
+  std::vector<Item> items;
+  std::vector<Merge> merges;
+  int64_t partial_size = 0;
 };
 
 // Below this many rows a call splits each row's KV heads into items of their own, so that the
 // threads share few rows.
 constexpr int64_t kRowsForWholeItems = 4;
 
-// One token's items: all its KV heads in one, or one each.
-void add_row(std::vector<Item>& items, const Layout& l, bool split_heads, int64_t request,
-             int64_t token, int64_t length) {
-  if (!split_heads) {
-    items.push_back({request, 0, l.kv_heads, token, 1, length, nullptr});
-    return;
+// A token seeing more positions than this attends them in chunks of this many, items of their
+// own, so that one long row keeps both threads busy. A function of the token's context alone
+// (never of the batch), so that its output's bits are the same in any step.
+constexpr int64_t kChunkPositions = 256;
+
+// One token's items: all its KV heads in one, or one each; a long context's in chunks.
+void add_row(Work& work, const Layout& l, bool split_heads, int64_t request, int64_t token,
+             int64_t length) {
+  const int64_t begin = l.window > 0 ? std::max<int64_t>(0, length - l.window) : 0;
+  const int64_t chunks = (length - begin + kChunkPositions - 1) / kChunkPositions;
+  const int64_t step = split_heads ? 1 : l.kv_heads;
+  for (int64_t kv = 0; kv < l.kv_heads; kv += step) {
+    if (chunks == 1) {
+      work.items.push_back({request, kv, kv + step, token, 1, length, nullptr, begin});
+      continue;
+    }
+    work.merges.push_back({token, kv, kv + step, work.partial_size, chunks});
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t first = begin + c * kChunkPositions;
+      work.items.push_back({request, kv, kv + step, token, 1,
+                            std::min(length, first + kChunkPositions), nullptr, first,
+                            work.partial_size});
+      work.partial_size += step * l.group * partial_floats(l);
+    }
   }
-  for (int64_t kv = 0; kv < l.kv_heads; ++kv)
-    items.push_back({request, kv, kv + 1, token, 1, length, nullptr});
+}
+
+// A chunked token's output for the merge's heads: each chunk's mixed values weighted by
+// exp(m_c - M) (M: the largest chunk score, or the sink logit), over the sum of its l_c so
+// weighted (and the sink's exponential), the chunks in order.
+template <typename T>
+void merge_chunks(const Layout& l, const Merge& merge, const float* partials, T* out,
+                  float* mixed) {
+  const int64_t d = l.head_dim, size = partial_floats(l);
+  const int64_t heads = (merge.kv_end - merge.kv_begin) * l.group;
+  const int64_t first_head = merge.kv_begin * l.group, stride = heads * size;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* head = partials + merge.partial + h * size;
+    const float sink = sink_of(l, first_head + h);
+    float top = sink;
+    for (int64_t c = 0; c < merge.chunks; ++c) top = std::max(top, head[c * stride]);
+    float total = std::exp(sink - top);
+    float* values = mixed + h * d;
+    std::fill(values, values + d, 0.0f);
+    for (int64_t c = 0; c < merge.chunks; ++c) {
+      const float* chunk = head + c * stride;
+      const float weight = std::exp(chunk[0] - top);
+      total += weight * chunk[1];
+      const __m256 w = _mm256_set1_ps(weight);
+      for (int64_t i = 0; i < d; i += 8)
+        _mm256_storeu_ps(values + i,
+                         _mm256_fmadd_ps(w, _mm256_loadu_ps(chunk + 2 + i), _mm256_loadu_ps(values + i)));
+    }
+    const __m256 inverse = _mm256_set1_ps(1.0f / total);
+    for (int64_t i = 0; i < d; i += 8)
+      _mm256_storeu_ps(values + i, _mm256_mul_ps(_mm256_loadu_ps(values + i), inverse));
+  }
+  from_floats(mixed, heads * d, out + (merge.token * l.heads + first_head) * d);
 }
 
 // Does every item, the tokens' new K/V already in the cache.
 template <typename T>
 void attend_items(const Layout& l, const at::Tensor& q, const at::Tensor& kv_cache,
-                  const int32_t* tables, const std::vector<Item>& items, int64_t longest,
-                  int64_t total, float scale, at::Tensor& out) {
+                  const int32_t* tables, const Work& work, int64_t longest, int64_t total,
+                  float scale, at::Tensor& out) {
   const T* cache = kv_cache.data_ptr<T>();
   const T* qs = q.data_ptr<T>();
   T* os = out.data_ptr<T>();
+  const std::vector<Item>& items = work.items;
+  std::vector<float> partials(work.partial_size);
   const int64_t count = items.size();
   const int64_t grain = total * l.heads < kParallelScores ? count : 1;
   at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
@@ -484,16 +586,22 @@ void attend_items(const Layout& l, const at::Tensor& q, const at::Tensor& kv_cac
       const Item& item = items[i % 2 == 0 ? i / 2 : count - 1 - i / 2];
       const int32_t* table = tables + item.request * l.table_row;
       if (item.context == nullptr) {
-        const int64_t b = item.first_token, length = item.first_length;
-        const int64_t begin = l.window > 0 ? std::max<int64_t>(0, length - l.window) : 0;
-        attend(l, qs + b * l.q_row, cache, table, begin, length, item.kv_begin, item.kv_end,
-               scale, scratch, os + b * l.heads * l.head_dim);
+        const int64_t b = item.first_token;
+        attend(l, qs + b * l.q_row, cache, table, item.begin, item.first_length, item.kv_begin,
+               item.kv_end, scale, scratch, os + b * l.heads * l.head_dim,
+               item.partial < 0 ? nullptr : partials.data() + item.partial);
       } else if constexpr (std::is_same_v<T, bf16>) {
         if (!blocks) blocks.emplace(l, longest);
         attend_block(l, qs, item.first_token, item.tokens, item.first_length, *item.context,
                      item.kv_begin, scale, *blocks, os);
       }
     }
+  });
+  const int64_t merges = work.merges.size();
+  at::parallel_for(0, merges, kParallelMerges, [&](int64_t begin, int64_t end) {
+    std::vector<float> mixed(l.heads * l.head_dim);
+    for (int64_t i = begin; i < end; ++i)
+      merge_chunks(l, work.merges[i], partials.data(), os, mixed.data());
   });
 }
 
@@ -571,15 +679,15 @@ void write_tokens(const Layout& l, const at::Tensor& k, const at::Tensor& v,
 }
 
 at::Tensor run_items(const Layout& l, const at::Tensor& q, const at::Tensor& kv_cache,
-                     const at::Tensor& block_tables, const std::vector<Item>& items,
-                     int64_t longest, int64_t total, double scale) {
+                     const at::Tensor& block_tables, const Work& work, int64_t longest,
+                     int64_t total, double scale) {
   at::Tensor out = at::empty({q.size(0), l.heads, l.head_dim}, q.options());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const float scale_f = static_cast<float>(scale);
   if (q.scalar_type() == at::kFloat)
-    attend_items<float>(l, q, kv_cache, tables, items, longest, total, scale_f, out);
+    attend_items<float>(l, q, kv_cache, tables, work, longest, total, scale_f, out);
   else
-    attend_items<bf16>(l, q, kv_cache, tables, items, longest, total, scale_f, out);
+    attend_items<bf16>(l, q, kv_cache, tables, work, longest, total, scale_f, out);
   return out;
 }
 
@@ -605,17 +713,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, cons
                   block_tables.size(0) >= rows && seq_lens.size(0) >= rows,
               "one block table and int32 length per decode row");
   const int32_t* lengths = seq_lens.data_ptr<int32_t>();
-  std::vector<Item> items;
-  items.reserve(rows * l.kv_heads);
+  Work work;
+  work.items.reserve(rows * l.kv_heads);
   int64_t longest = 0, total = 0;
   for (int64_t b = 0; b < rows; ++b) {
     check_length(l, b, lengths[b]);
     longest = std::max<int64_t>(longest, lengths[b]);
     total += lengths[b];
-    add_row(items, l, rows < kRowsForWholeItems, b, b, lengths[b]);
+    add_row(work, l, rows < kRowsForWholeItems, b, b, lengths[b]);
   }
   write_tokens(l, k, v, slot_mapping, kv_cache);
-  return run_items(l, q, kv_cache, block_tables, items, longest, total, scale);
+  return run_items(l, q, kv_cache, block_tables, work, longest, total, scale);
 }
 
 // Any step: request i's tokens are rows query_start_loc[i] .. query_start_loc[i + 1] of q
@@ -661,7 +769,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   std::vector<PackedContext> contexts;
   std::vector<std::pair<int64_t, int64_t>> to_pack;  // (request, kv head) of each context
   contexts.reserve(requests * l.kv_heads);  // never reallocated: items point into it
-  std::vector<Item> items;
+  Work work;
   int64_t longest = 0, total = 0;
   const bool split_heads = q.size(0) < kRowsForWholeItems;
   for (int64_t i = 0; i < requests; ++i) {
@@ -671,7 +779,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     total += query * cached + query * (query + 1) / 2;
     if (packed_at[i] < 0) {
       for (int64_t j = 0; j < query; ++j)
-        add_row(items, l, split_heads, i, first + j, cached + j + 1);
+        add_row(work, l, split_heads, i, first + j, cached + j + 1);
       continue;
     }
     for (int64_t kv = 0; kv < l.kv_heads; ++kv) {
@@ -681,8 +789,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       contexts.push_back({at, at + keys, (lengths[i] + 1) / 2});
       to_pack.emplace_back(i, kv);
       for (int64_t j = 0; j < query; j += kQueryBlock)
-        items.push_back({i, kv, kv + 1, first + j, std::min<int64_t>(kQueryBlock, query - j),
-                         cached + j + 1, &contexts.back()});
+        work.items.push_back({i, kv, kv + 1, first + j,
+                              std::min<int64_t>(kQueryBlock, query - j), cached + j + 1,
+                              &contexts.back()});
     }
   }
   write_tokens(l, k, v, slot_mapping, kv_cache);  // before any context is packed
@@ -696,7 +805,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       }
     });
   }
-  return run_items(l, q, kv_cache, block_tables, items, longest, total, scale);
+  return run_items(l, q, kv_cache, block_tables, work, longest, total, scale);
 }
 
 namespace {

@@ -305,6 +305,71 @@ def test_bfloat16_kernel_is_the_float32_kernel_rounded_once():
     assert (out == expected).float().mean() > 0.9
 
 
+FOLIO_KERNELS_ONLY = pytest.mark.skipif(
+    not cpu_capabilities().folio_kernels, reason="this CPU has no AVX2 or no C++ compiler"
+)
+
+
+@FOLIO_KERNELS_ONLY
+@pytest.mark.parametrize("window", [None, 300], ids=["full", "window300"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_long_contexts_attend_in_chunks_with_sinks_and_windows(dtype, window):
+    """Tokens seeing more positions than a chunk (256) attend them chunk by chunk and merge the
+    chunks: decodes one position past a chunk, several chunks and a short last one, and an
+    extend's tokens, with sinks, under a window longer than a chunk and without, against the
+    reference."""
+    # Sinks as large as the log of a thousand positions' weights, so that they still matter.
+    sinks = (7 + 2 * torch.randn(6, generator=torch.Generator().manual_seed(9))).to(dtype)
+    run_case(
+        query_lens=[1, 1, 1, 3],
+        seq_lens=[257, 1000, 40, 700],
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=48,
+        block_size=16,
+        dtype=dtype,
+        window=window,
+        sinks=sinks,
+    )
+
+
+@FOLIO_KERNELS_ONLY
+def test_a_tokens_output_bits_do_not_depend_on_its_step():
+    """A token's attention is chunked by its own context alone: its output has the same bits
+    decoded alone, in a batch of other rows (short and long), and as an extend's last token."""
+    block_size, num_blocks = 16, 200
+    seq_lens = [900, 40, 600, 300, 1200]
+    pool = BlockPool(num_blocks, seed=4)
+    tables = [pool.grow([], s, block_size) for s in seq_lens]
+    torch.manual_seed(5)
+    cache = torch.randn(2, num_blocks, block_size, 3, 64)
+    q, k, v = (torch.randn(len(seq_lens), heads, 64) for heads in (9, 3, 3))
+    decode = torch.ops.folio_cpu_attention.paged_decode_attention
+    batch = build_metadata([1] * len(seq_lens), seq_lens, tables, block_size)
+    together = decode(q, k, v, cache, *_tables(batch), 0.125)
+    for i, (length, table) in enumerate(zip(seq_lens, tables, strict=True)):
+        alone = build_metadata([1], [length], [table], block_size)
+        out = decode(q[i : i + 1], k[i : i + 1], v[i : i + 1], cache, *_tables(alone), 0.125)
+        assert torch.equal(out[0], together[i]), i
+    # The 600-position row as the last of three new tokens (the two before it its own
+    # positions 597 and 598, already in the cache).
+    extend = build_metadata([3], [600], [tables[2]], block_size)
+    slots = extend.slot_mapping
+    cached = cache.view(2, -1, 3, 64)[:, slots[:2]]
+    out = torch.ops.folio_cpu_attention.paged_attention(
+        torch.cat((torch.randn(2, 9, 64), q[2:3])),
+        torch.cat((cached[0], k[2:3])),
+        torch.cat((cached[1], v[2:3])),
+        cache,
+        slots,
+        extend.block_tables,
+        extend.query_start_loc,
+        extend.seq_lens,
+        0.125,
+    )
+    assert torch.equal(out[2], together[2])
+
+
 def _tables(meta):
     return meta.slot_mapping, meta.block_tables, meta.seq_lens
 
