@@ -482,7 +482,9 @@ def record_prompt_logprobs(
 
 
 def _largest_first(values: torch.Tensor, count: int) -> torch.Tensor:
-    """Each row's `count` largest values, largest first (values only: top-p needs no indices)."""
+    """Each row's `count` largest values (all, in a narrower row), largest first (values only:
+    top-p needs no indices)."""
+    count = min(count, values.shape[1])
     if values.device.type != "cpu":
         return values.topk(count, dim=-1).values
     # numpy's SIMD sort is tens of times faster than torch.sort on CPU. Its partition finds a
