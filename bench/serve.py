@@ -12,7 +12,8 @@ loop's and OpenMP's workers, which it names). With
 sweep on each and compares their throughput. With --compare-url it runs the same workload on
 another OpenAI-compatible server (llama.cpp's llama-server, say) and prints Folio / peer ratios of
 tok/s and the p50 TTFT and TPOT at each concurrency: both get the same text prompts (the random
-token prompts decoded with the model's tokenizer), max_tokens and ignore_eos, and a server that
+token prompts decoded with the model's tokenizer), max_tokens, ignore_eos and --temperature (0,
+greedy, by default: above it the sampler's draws count too), and a server that
 streams no usage has its tokens counted one per non-empty chunk; a server that ended a request
 before the output length (it ignored ignore_eos) is reported. Then it runs the same requests
 (as token ids) on engine.async_engine in this process and prints the gateway / in-process
@@ -65,6 +66,9 @@ class ServeWorkload:
     )
     prompt_len: int = flag(128, "prompt length, in tokens")
     output_len: int = flag(64, "output length, in tokens")
+    temperature: float = flag(
+        0.0, "sampling temperature of every request (0: greedy; above, the sampler's draws count)"
+    )
     workload_seed: int = flag(1234, "seed of the prompts")
     skip_in_process: bool = flag(False, "measure the served stack only")
     gateway_workers: str = flag(
@@ -254,7 +258,9 @@ async def drive(
     return list(samples), time.perf_counter() - start
 
 
-def http_client(session, url: str, model: str, ignore_eos: bool = True) -> Client:
+def http_client(
+    session, url: str, model: str, ignore_eos: bool = True, temperature: float = 0.0
+) -> Client:
     """Streams /v1/completions. Asks for exactly `output_len` tokens (max_tokens and ignore_eos,
     which llama-server and vLLM honour too; at most that many without ignore_eos) and usage in
     the stream; a chunk with text is a token arriving, and where no usage comes (llama-server
@@ -266,7 +272,7 @@ def http_client(session, url: str, model: str, ignore_eos: bool = True) -> Clien
             "model": model,
             "prompt": prompt,
             "max_tokens": output_len,
-            "temperature": 0.0,
+            "temperature": temperature,
             "ignore_eos": ignore_eos,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -296,7 +302,7 @@ def http_client(session, url: str, model: str, ignore_eos: bool = True) -> Clien
     return run
 
 
-def engine_client(engine) -> Client:
+def engine_client(engine, temperature: float = 0.0) -> Client:
     from common.sampling_params import SamplingParams
     from engine.async_engine import RequestFailed
 
@@ -307,7 +313,7 @@ def engine_client(engine) -> Client:
         engine.add_request(
             request_id,
             prompt,
-            SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True),
+            SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True),
             events,
         )
         while True:
@@ -383,7 +389,8 @@ async def bench_gateway(
 ) -> dict[str, RunResult]:
     """The sweep on an OpenAI-compatible server at `url`: Folio's gateway or a peer."""
     async with server_session(url, model, peer=name != "gateway") as (session, model):
-        return await bench_levels(name, http_client(session, url, model), args, prompts, meters)
+        client = http_client(session, url, model, temperature=args.temperature)
+        return await bench_levels(name, client, args, prompts, meters)
 
 
 @contextlib.asynccontextmanager
@@ -410,7 +417,10 @@ async def bench_in_process(config, args: argparse.Namespace) -> dict[str, RunRes
     assert engine.engine is not None  # start() built it
     try:
         return await bench_levels(
-            "in-process", engine_client(engine), args, token_prompts(args, engine.engine.vocab_size)
+            "in-process",
+            engine_client(engine, args.temperature),
+            args,
+            token_prompts(args, engine.engine.vocab_size),
         )
     finally:
         engine.shutdown()
@@ -572,7 +582,9 @@ def run_serve_benchmark(args: argparse.Namespace) -> list[Comparison]:
     print(
         f"workload: prompts of {args.prompt_len} random tokens"
         + (" as text" if args.compare_url else "")
-        + f", {args.output_len} output tokens, greedy, ignore_eos; runs: "
+        + f", {args.output_len} output tokens, "
+        + (f"temperature {args.temperature}" if args.temperature else "greedy")
+        + ", ignore_eos; runs: "
         + ", ".join(f"{label} x {n}" for label, _, n in levels(args))
     )
     print("TTFT, TPOT and ITL in ms as p50/p90/p99", flush=True)
