@@ -260,10 +260,10 @@ inline int64_t partial_floats(const Layout& l) { return l.head_dim + 2; }
 // Attention of one row's query heads of KV heads kv_begin .. kv_end (q, out: the row's heads)
 // over its cached positions begin .. length (begin > 0: a sliding window, or a later chunk).
 // With `partial`, only a chunk's share of it, into partial[h * partial_floats ..] for the
-// item's heads h (merged by merge_chunks). Each pass goes through the context a block at a time and
-// reads, for every position, all those KV heads' K (or V) together: a cache row's 2 * KVH * D
-// bytes in one place, so the hardware prefetchers follow it (a pass per KV head, reading each
-// position's slices apart, ran at about a third of the memory bandwidth).
+// item's heads h (merged by merge_chunks). Each pass goes through the context a block at a
+// time and reads, for every position, all those KV heads' K (or V) together: a cache row's
+// 2 * KVH * D bytes in one place, so the hardware prefetchers follow it (a pass per KV head,
+// reading each position's slices apart, ran at about a third of the memory bandwidth).
 template <typename T>
 void attend(const Layout& l, const T* q, const T* cache, const int32_t* table, int64_t begin,
             int64_t length, int64_t kv_begin, int64_t kv_end, float scale, Scratch& scratch,
@@ -554,9 +554,10 @@ void merge_chunks(const Layout& l, const Merge& merge, const float* partials, T*
       const float weight = std::exp(chunk[0] - top);
       total += weight * chunk[1];
       const __m256 w = _mm256_set1_ps(weight);
-      for (int64_t i = 0; i < d; i += 8)
-        _mm256_storeu_ps(values + i,
-                         _mm256_fmadd_ps(w, _mm256_loadu_ps(chunk + 2 + i), _mm256_loadu_ps(values + i)));
+      for (int64_t i = 0; i < d; i += 8) {
+        const __m256 sum = _mm256_loadu_ps(values + i);
+        _mm256_storeu_ps(values + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(chunk + 2 + i), sum));
+      }
     }
     const __m256 inverse = _mm256_set1_ps(1.0f / total);
     for (int64_t i = 0; i < d; i += 8)
