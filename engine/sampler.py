@@ -30,9 +30,9 @@ logprobs (`record_prompt_logprobs`) are the same records for prompt tokens.
 
 On a GPU, step 5 runs as one Triton kernel (engine.kernels.triton.sampling): the same filters and
 the exponential race (argmax(probs / q), q ~ Exp(1): the same distribution), with noise from a
-counter-based generator keyed by a per-row seed. A seeded
-request's row seed is derived from its seed and its output length, so it still does not
-depend on the rest of the batch (the draws differ from the CPU path's for the same seed).
+counter-based generator keyed by a per-row seed. A seeded request's row seed is derived from its
+seed and its output length, so it still does not depend on the rest of the batch (the draws
+differ from the CPU path's for the same seed).
 
 A request's per-row parameters (its `SamplingRow`: the effective top-k, the logit-bias index,
 the ids banned until min_tokens, ...) are built once, when it joins (`join`, or on first sight),
@@ -167,10 +167,9 @@ class Sampler:
     ) -> SamplerOutput:
         """disallowed: bool [batch, vocab_size] on the sampler's device, True where a row may not
         go (structured output; all False on unconstrained rows), or None when no row is limited."""
-        logits = logits[:, : self.vocab_size].float()
+        logits = logits[:, : self.vocab_size].float()  # the raw logits the logprobs are of
         rows = self._rows_of(requests)
-        masked = logits if disallowed is None else logits.masked_fill(disallowed, -math.inf)
-        adjusted = self._adjust_logits(masked, requests, rows)
+        adjusted = self._adjusted(logits, requests, rows, disallowed)
         sampled = [i for i, row in enumerate(rows) if not row.greedy]
         if sampled and self.use_kernel:
             tokens = self._sample_with_kernel(adjusted, requests, rows)
@@ -223,7 +222,8 @@ class Sampler:
         disallowed: torch.Tensor | None,
     ) -> torch.Tensor:
         """The rows' logits as float32 over the vocabulary, `disallowed` masked out, adjusted
-        (steps 1-4 of the module docstring)."""
+        (steps 1-4 of the module docstring); cutting and widening logits that already are so
+        costs nothing (views)."""
         logits = logits[:, : self.vocab_size].float()
         if disallowed is not None:
             logits = logits.masked_fill(disallowed, -math.inf)
