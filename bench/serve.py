@@ -4,10 +4,11 @@ this process, on one workload.
 Starts a `folio serve` on free ports (or attaches to one with --url), drives the gateway's
 /v1/completions with N concurrent streaming clients (a sweep, default 1 and 32) or at a Poisson
 request rate, and reports TTFT, TPOT and ITL (p50, p90, p99) and request and token throughput,
-and, for a stack it started, the CPU time the gateway and the tokenizer spent per output token
-(from /proc: user + system time of the process and its children, all threads) and the engine
-process's beside its steps (its event loop and gRPC's threads: every thread but the engine
-loop's and OpenMP's workers, which it names). With
+the CPU time its own client spent per output token (bench.sse_client: it runs on the server's
+cores), and, for a stack it started, the gateway's and the tokenizer's (from /proc: user +
+system time of the process and its children, all threads) and the engine process's beside its
+steps (its event loop and gRPC's threads: every thread but the engine loop's and OpenMP's
+workers, which it names). With
 --gateway-workers 1,2 it starts one stack per number of gateway worker processes, runs the
 sweep on each and compares their throughput. With --compare-url it runs the same workload on
 another OpenAI-compatible server (llama.cpp's llama-server, say) and prints Folio / peer ratios of
@@ -39,6 +40,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from bench.sse_client import SSEClient
 from common import event_loop
 from common.flags import flag
 
@@ -259,13 +261,15 @@ async def drive(
 
 
 def http_client(
-    session, url: str, model: str, ignore_eos: bool = True, temperature: float = 0.0
+    session: SSEClient, url: str, model: str, ignore_eos: bool = True, temperature: float = 0.0
 ) -> Client:
-    """Streams /v1/completions. Asks for exactly `output_len` tokens (max_tokens and ignore_eos,
-    which llama-server and vLLM honour too; at most that many without ignore_eos) and usage in
-    the stream; a chunk with text is a token arriving, and where no usage comes (llama-server
-    without include_usage support, say) the tokens are those chunks. llama-server's drafted and
-    accepted tokens (its `timings`), where it tells them, go into the sample too."""
+    """Streams `url`'s /v1/completions through `session` (server_session's). Asks for exactly
+    `output_len` tokens (max_tokens and ignore_eos, which llama-server and vLLM honour too; at
+    most that many without ignore_eos) and usage in the stream; a chunk with text is a token
+    arriving, and where no usage comes (llama-server without include_usage support, say) the
+    tokens are those chunks. llama-server's drafted and accepted tokens (its `timings`), where
+    it tells them, go into the sample too."""
+    path = urlsplit(url).path.rstrip("/")
 
     async def run(request_id: str, prompt: Prompt, output_len: int) -> Sample:
         body = {
@@ -278,21 +282,18 @@ def http_client(
             "stream_options": {"include_usage": True},
         }
         sample = Sample(time.perf_counter())
-        async with session.stream("POST", f"{url}/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                raise RuntimeError(f"{response.status_code}: {(await response.aread()).decode()}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: ") :])
-                if any(choice.get("text") for choice in chunk.get("choices") or ()):
-                    sample.token_times.append(time.perf_counter())  # a token's text arrived
-                if usage := chunk.get("usage"):
-                    sample.num_tokens = usage["completion_tokens"]
-                    sample.prompt_tokens = usage.get("prompt_tokens")
-                if timings := chunk.get("timings"):
-                    sample.drafted = timings.get("draft_n", sample.drafted)
-                    sample.accepted = timings.get("draft_n_accepted", sample.accepted)
+        async for data in session.data_lines(f"{path}/v1/completions", body):
+            if data == b"[DONE]":
+                continue
+            chunk = json.loads(data)
+            if any(choice.get("text") for choice in chunk.get("choices") or ()):
+                sample.token_times.append(time.perf_counter())  # a token's text arrived
+            if usage := chunk.get("usage"):
+                sample.num_tokens = usage["completion_tokens"]
+                sample.prompt_tokens = usage.get("prompt_tokens")
+            if timings := chunk.get("timings"):
+                sample.drafted = timings.get("draft_n", sample.drafted)
+                sample.accepted = timings.get("draft_n_accepted", sample.accepted)
         if not sample.token_times:
             raise RuntimeError(f"{url} streamed no text for {request_id}")
         if not sample.num_tokens:
@@ -387,25 +388,31 @@ async def bench_gateway(
     name: str = "gateway",
     model: str | None = None,
 ) -> dict[str, RunResult]:
-    """The sweep on an OpenAI-compatible server at `url`: Folio's gateway or a peer."""
+    """The sweep on an OpenAI-compatible server at `url`: Folio's gateway or a peer. The
+    client's own CPU (this process's) is metered too: it shares the server's cores."""
+    meters = {**(meters or {}), "client": time.process_time}
     async with server_session(url, model, peer=name != "gateway") as (session, model):
         client = http_client(session, url, model, temperature=args.temperature)
         return await bench_levels(name, client, args, prompts, meters)
 
 
 @contextlib.asynccontextmanager
-async def server_session(url: str, model: str | None, peer: bool) -> AsyncIterator[tuple]:
-    """An HTTP session to the server at `url` and the model name to send (`model`, else the
-    first id of its /v1/models). A peer gets a new connection per request: llama-server closes
-    idle kept-alive connections after seconds, and a request sent on one just closed fails
-    before the server sees it."""
-    import httpx
+async def server_session(
+    url: str, model: str | None, peer: bool
+) -> AsyncIterator[tuple[SSEClient, str]]:
+    """A streaming client of the server at `url` (bench.sse_client: lean, as the client shares
+    the server's cores) and the model name to send (`model`, else the first id of its
+    /v1/models). A peer gets a new connection per request (SSEClient's keep_alive)."""
+    if model is None:
+        import httpx
 
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0 if peer else None)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as session:
-        if model is None:
+        async with httpx.AsyncClient(timeout=600) as session:
             model = (await session.get(f"{url}/v1/models")).json()["data"][0]["id"]
-        yield session, model
+    client = SSEClient(url, keep_alive=not peer)
+    try:
+        yield client, model
+    finally:
+        await client.close()
 
 
 async def bench_in_process(config, args: argparse.Namespace) -> dict[str, RunResult]:
