@@ -5,8 +5,9 @@ that may speculate: its proposer's tokens, at most its adaptive length. The ngra
 proposers draft a request at a time; a draft model (a DraftProposer: the model executor's
 engine.spec_decode.draft_model) drafts the step's requests in one batch, and its per-request
 KV blocks are freed when a request ends or stops running. The length follows the
-request's recent acceptance (an exponentially weighted rate): a request whose drafts keep being
-rejected stops drafting for a while, then tries one token again. The whole step drafts nothing
+request's recent acceptance (an exponentially weighted rate, starting at the engine's recent
+rate over all requests): a request whose drafts keep being rejected stops drafting for a
+while, then tries one token again. The whole step drafts nothing
 when the batch is large enough that verifying costs more than it saves, a threshold computed
 from the step cost model (`folio bench profile`; engine.core.step_cost), not a constant, and
 when the steps this engine measured at that batch size say so (MeasuredSteps): a step with
@@ -44,8 +45,12 @@ from engine.spec_decode.suffix import SuffixIndex
 
 logger = logging.getLogger(__name__)
 
-# Weight of one step's acceptance in a request's running rate, and the rate a request starts at.
+# Weight of one step's acceptance in a request's running rate. A new request starts at the
+# engine's recent rate over every request's verification steps (each weighing PRIOR_WEIGHT),
+# INITIAL_RATE before any: traffic that copies starts drafting whole lengths at once, and
+# open-ended traffic tries one token before its first pause instead of three.
 RATE_WEIGHT = 0.3
+PRIOR_WEIGHT = 0.05
 INITIAL_RATE = 0.5
 # Below this rate a request stops drafting for PAUSE_STEPS steps, then tries one token; each
 # pause that ends in a rejection doubles the next (up to 2**MAX_DOUBLINGS times), so open-ended
@@ -77,10 +82,22 @@ NONE, FIRST_ONLY, FULL = 0, 1, 2
 
 @dataclass(slots=True)
 class _Acceptance:
-    rate: float = INITIAL_RATE
+    rate: float
     paused: int = 0  # steps left without drafting
     pauses: int = 0  # pauses since a draft of this request was last accepted
     settled: bool = False  # whether any of its drafts were verified (the rate is its own)
+
+
+@dataclass(frozen=True, slots=True)
+class _Summary:
+    """A batch size's recent drafting steps at one level, as MeasuredSteps.pays weighs them:
+    the middle of their time ratios to plain steps, and their summed tokens (common to the
+    batch, the rest) and sequences."""
+
+    ratio: float
+    common: int
+    rest: int
+    sequences: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +141,9 @@ class MeasuredSteps:
     def __init__(self) -> None:
         self._plain: dict[int, deque[float]] = {}
         self._drafting: dict[tuple[int, int], deque[_DraftingStep]] = {}
+        # Per drafting deque, what `pays` reads of it, computed when a step joins it (the gate
+        # is asked every step; a drafting step is measured far less often).
+        self._summaries: dict[tuple[int, int], _Summary] = {}
 
     def observe(
         self,
@@ -151,14 +171,21 @@ class MeasuredSteps:
         common = min(max(common, batch), tokens)
         steps = self._drafting.setdefault((level, batch), deque(maxlen=TIMED_STEPS))
         steps.append(_DraftingStep(seconds, batch, tokens, common, plain))
+        common_sum = sum(step.common for step in steps)
+        self._summaries[level, batch] = _Summary(
+            ratio=statistics.median_low(step.seconds / (step.batch * step.plain) for step in steps),
+            common=common_sum,
+            rest=sum(step.tokens for step in steps) - common_sum,
+            sequences=sum(step.batch for step in steps),
+        )
 
     def plain_measured(self, batch: int) -> bool:
         return _nearest(self._plain, batch) is not None
 
     def count(self, level: int, batch: int) -> int:
         """How many drafting steps at `level` near this batch size are measured."""
-        steps = self._drafting_near(level, batch)
-        return 0 if steps is None else len(steps)
+        b = self._drafting_near(level, batch)
+        return 0 if b is None else len(self._drafting[level, b])
 
     def pays(self, level: int, batch: int, waiting: bool, expected: float = 1.0) -> bool | None:
         """Whether drafting at `level` pays at this batch size, with or without requests
@@ -166,15 +193,14 @@ class MeasuredSteps:
         are worth, in plain steps' shares a sequence, by the running request's own recent
         acceptance (the drafter's `_expected_worth`, one stream), counted where it is more
         than the measured steps yielded."""
-        steps = self._drafting_near(level, batch)
-        if steps is None:
+        b = self._drafting_near(level, batch)
+        if b is None:
             return None
-        ratio = statistics.median_low(step.seconds / (step.batch * step.plain) for step in steps)
-        common = sum(step.common for step in steps)
-        rest = sum(step.tokens for step in steps) - common
-        share = 1.0 if waiting else self.marginal_share(batch)
-        worth = (common + rest * share) / sum(step.batch for step in steps)
-        return ratio < PAYS_BELOW * max(worth, expected)
+        summary = self._summaries[level, b]
+        rest = summary.rest
+        share = 1.0 if waiting or not rest else self.marginal_share(batch)
+        worth = (summary.common + rest * share) / summary.sequences
+        return summary.ratio < PAYS_BELOW * max(worth, expected)
 
     def marginal_share(self, batch: int) -> float:
         """What one sequence fewer saves in a plain step of about `batch` sequences, as a share
@@ -189,10 +215,9 @@ class MeasuredSteps:
         marginal = (near * share - smaller_step) / (near - smaller)
         return min(1.0, max(0.0, marginal / share))
 
-    def _drafting_near(self, level: int, batch: int) -> deque[_DraftingStep] | None:
-        """The drafting steps at `level` of the measured batch size nearest `batch`, if any."""
-        b = _nearest((b for lv, b in self._drafting if lv == level), batch)
-        return None if b is None else self._drafting[level, b]
+    def _drafting_near(self, level: int, batch: int) -> int | None:
+        """The batch size nearest `batch` with drafting steps measured at `level`, if any."""
+        return _nearest((b for lv, b in self._drafting if lv == level), batch)
 
 
 def _nearest(batches: Iterable[int], batch: int) -> int | None:
@@ -278,6 +303,8 @@ class Drafter:
             weakref.WeakKeyDictionary()
         )
         self._said: set[str] = set()
+        # The rate a new request starts at (PRIOR_WEIGHT).
+        self.prior = INITIAL_RATE
         # None: no measured gate, drafting follows acceptance and the step cost model only
         # (tests set it, so that a loaded machine's step times do not decide what is drafted).
         self.measured: MeasuredSteps | None = MeasuredSteps()
@@ -311,7 +338,7 @@ class Drafter:
             return
         drafting: list[tuple[Request, int]] = []
         for request in candidates:
-            state = self._acceptance.setdefault(request, _Acceptance())
+            state = self._state(request)
             if state.paused:
                 state.paused -= 1
                 continue
@@ -330,6 +357,17 @@ class Drafter:
             _fit_rows(drafts, self.max_rows - len(running))
         for (request, _), draft in zip(drafting, drafts, strict=True):
             request.spec_token_ids = draft
+
+    def _state(self, request: Request) -> _Acceptance:
+        """The request's acceptance books, opened at the engine's recent rate."""
+        state = self._acceptance.get(request)
+        if state is None:
+            state = self._acceptance[request] = _Acceptance(self.prior)
+        return state
+
+    def _rate(self, request: Request) -> float:
+        state = self._acceptance.get(request)
+        return self.prior if state is None else state.rate
 
     def _draft_length(self, request: Request, state: _Acceptance, level: int) -> int:
         """How many tokens the request drafts at `level`: its adaptive length, within its
@@ -377,7 +415,7 @@ class Drafter:
         if self.step_cost is None:
             return True
         model = self.step_cost.model
-        rates = [self._acceptance.get(r, _Acceptance()).rate for r in candidates]
+        rates = [self._rate(r) for r in candidates]
         rate = sum(rates) / len(rates)
         margin = model.prefill_token_seconds - rate * model.decode_sequence_seconds
         return margin <= 0 or batch < rate * model.fixed_seconds / margin
@@ -469,7 +507,8 @@ class Drafter:
         self._step_settled = settled + 1
         request.num_drafted_tokens += num_drafted
         request.num_accepted_tokens += num_accepted
-        state = self._acceptance.setdefault(request, _Acceptance())
+        self.prior += PRIOR_WEIGHT * (num_accepted / num_drafted - self.prior)
+        state = self._state(request)
         state.settled = True
         state.rate += RATE_WEIGHT * (num_accepted / num_drafted - state.rate)
         if num_accepted:

@@ -542,6 +542,27 @@ def test_draft_length_follows_acceptance_and_low_acceptance_pauses():
     assert drafter.stats.num_draft_tokens == request.num_drafted_tokens
 
 
+def test_a_new_request_starts_at_the_engines_recent_acceptance():
+    """Requests before it whose drafts were rejected: a new request tries one token first;
+    accepted: it drafts the whole length at once (a fresh engine starts at 0.5)."""
+    config = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9] * 3
+    for accepted, first_length in ((0, 1), (4, 4)):
+        drafter = bare_drafter(config)
+        for _ in range(40):
+            earlier = drafting_request(tokens)
+            drafter.propose([earlier])
+            drafter.settle(earlier, 4, accepted)
+        request = drafting_request(tokens)
+        drafter.propose([request])
+        assert len(request.spec_token_ids) == first_length, accepted
+        # Its own verification steps decide from there: three all accepted, three all rejected.
+        for _ in range(3):
+            drafter.settle(request, 4, 4 - accepted)
+        drafter.propose([request])
+        assert len(request.spec_token_ids) == (4 if accepted == 0 else 2), accepted
+
+
 def test_drafting_stops_for_a_batch_where_verifying_costs_more_than_it_saves():
     """With a step cost model (fixed 20 ms, 1 ms per prefill token, 0.5 ms per decoding
     sequence) and rate 0.5 drafting pays while B < 0.5 * 20 / (1 - 0.25) = 13.3 sequences."""
