@@ -201,6 +201,12 @@ def test_smg_routes_across_two_folio_stacks_and_survives_losing_one(stacks, smg,
     # Leaving aborted it (an abort is not a request ended): the engine is idle again.
     wait_until(lambda: counters(busy)["running"] == 0, "the engine to drop the request")
     assert counters(busy)["requests"] == ended
+    # And SMG sees it idle too: while its last poll still shows the request (a loaded machine
+    # polls late), the stacks look imbalanced and SMG sends every conversation below to the
+    # other one.
+    wait_until(
+        lambda: engine_loads(smg)[busy.url]["num_running_reqs"] == 0, "SMG to see the engine idle"
+    )
 
     # Conversations with different openings (SMG matches a request's text against what each
     # worker was sent): it spreads them, and keeps each on its stack.
