@@ -95,21 +95,16 @@ class SSEClient:
                     continue
                 pending += response.body
                 response.body.clear()
-                end = pending.rfind(b"\n")
-                if end < 0:
-                    continue
-                lines = bytes(pending[:end])
-                del pending[: end + 1]
-                for line in lines.split(b"\n"):
+                # Whole lines until the message is complete (its last may end without one).
+                end = len(pending) if response.complete else pending.rfind(b"\n") + 1
+                for line in bytes(pending[:end]).split(b"\n"):
                     if line.startswith(b"data:"):
                         yield line[5:].strip()
+                del pending[:end]
             status = parser.get_status_code()
             if status != 200:
                 text = bytes(response.body).decode(errors="replace")
                 raise HTTPStatusError(f"{status}: {text}")
-            for line in bytes(pending).split(b"\n"):
-                if line.startswith(b"data:"):
-                    yield line[5:].strip()
             reusable = self._keep_alive and response.keep_alive
         finally:
             if reusable:
