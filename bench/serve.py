@@ -19,8 +19,11 @@ streams no usage has its tokens counted one per non-empty chunk; a server that e
 before the output length (it ignored ignore_eos) is reported. Then it runs the same requests
 (as token ids) on engine.async_engine in this process and prints the gateway / in-process
 throughput ratio at each concurrency, the decode speed ratio (1 / TPOT) at concurrency 1 and the
-TTFT the service hops add there (p50). Both engines start with their compiled decode programs
-(--decode-compile auto is startup here), so no run is partly eager.
+TTFT the service hops add there (p50). The in-process engine runs beside the started stack (idle
+meanwhile), so that with --repeats N the two sweeps take turns N times, each turn with prompts of
+its own, and each level's figures pool the turns: a VM's speed drifts by tens of percent within
+minutes, and a ratio of two runs minutes apart measures the drift. Both engines start with their
+compiled decode programs (--decode-compile auto is startup here), so no run is partly eager.
 A benchmark, not a test: it asserts nothing and never runs in the suite.
 """
 
@@ -36,13 +39,13 @@ import os
 import random
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from bench.sse_client import SSEClient
 from common import event_loop
-from common.flags import flag
+from common.flags import flag, from_args
 
 # A prompt as token ids, or as text for a server that takes no token ids.
 Prompt = list[int] | str
@@ -73,6 +76,12 @@ class ServeWorkload:
     )
     workload_seed: int = flag(1234, "seed of the prompts")
     skip_in_process: bool = flag(False, "measure the served stack only")
+    repeats: int = flag(
+        1,
+        "the served stack's sweep and the in-process one take turns this many times, each turn "
+        "with prompts of its own, and each level's figures pool the turns: a drift in the "
+        "machine's speed (other tenants of a VM) then weighs on both sides alike",
+    )
     gateway_workers: str = flag(
         "1",
         "gateway processes of the stack it starts (folio serve --gateway-workers), a sweep: "
@@ -86,6 +95,10 @@ class ServeWorkload:
     compare_model: str | None = flag(
         None, "model name sent to --compare-url (default: the first id of its /v1/models)"
     )
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
 
 
 @dataclass
@@ -179,6 +192,17 @@ class RunResult:
 
     def tpot(self) -> tuple[float, float, float]:
         return self.percentiles([t for s in self.samples if (t := s.tpot) is not None])
+
+    def joined(self, other: RunResult, label: str) -> RunResult:
+        """This run and `other` (the same level, another turn) as one: their samples and
+        seconds added, CPU per token weighted by each run's tokens."""
+        tokens = self.output_tokens + other.output_tokens
+        cpu = {
+            name: (ms * self.output_tokens + other.cpu_ms_per_token[name] * other.output_tokens)
+            / tokens
+            for name, ms in self.cpu_ms_per_token.items()
+        }
+        return RunResult(label, self.samples + other.samples, self.seconds + other.seconds, cpu)
 
     def report(self) -> str:
         itl = [
@@ -346,18 +370,20 @@ async def bench_levels(
     args: argparse.Namespace,
     prompts: PromptMaker,
     meters: dict[str, Callable[[], float]] | None = None,
+    turn: int = 0,
 ) -> dict[str, RunResult]:
     """Each run of the sweep; `meters` (name -> CPU seconds so far, of a process or part of
     one) get their CPU time per output token measured over each run. Says which requests
-    ended before the output length."""
+    ended before the output length. A later `turn` (--repeats) has prompts of its own."""
     results = {}
     meters = meters or {}
-    await drive(client, prompts(2, "warm-up"), 8, 2, None, 0)
+    if turn == 0:
+        await drive(client, prompts(2, "warm-up"), 8, 2, None, 0)
     for label, concurrency, count in levels(args):
         cpu_before = {name: meter() for name, meter in meters.items()}
         samples, seconds = await drive(
             client,
-            prompts(count, label),
+            prompts(count, label if turn == 0 else f"{label} turn {turn}"),
             args.output_len,
             concurrency,
             args.request_rate,
@@ -387,13 +413,14 @@ async def bench_gateway(
     meters: dict[str, Callable[[], float]] | None = None,
     name: str = "gateway",
     model: str | None = None,
+    turn: int = 0,
 ) -> dict[str, RunResult]:
     """The sweep on an OpenAI-compatible server at `url`: Folio's gateway or a peer. The
     client's own CPU (this process's) is metered too: it shares the server's cores."""
     meters = {**(meters or {}), "client": time.process_time}
     async with server_session(url, model, peer=name != "gateway") as (session, model):
         client = http_client(session, url, model, temperature=args.temperature)
-        return await bench_levels(name, client, args, prompts, meters)
+        return await bench_levels(name, client, args, prompts, meters, turn)
 
 
 @contextlib.asynccontextmanager
@@ -415,7 +442,9 @@ async def server_session(
         await client.close()
 
 
-async def bench_in_process(config, args: argparse.Namespace) -> dict[str, RunResult]:
+@contextlib.asynccontextmanager
+async def in_process_engine(config) -> AsyncIterator:
+    """An engine.async_engine.AsyncEngine of `config` in this process, started."""
     from engine.async_engine import AsyncEngine
     from engine.engine import LLMEngine
 
@@ -423,14 +452,58 @@ async def bench_in_process(config, args: argparse.Namespace) -> dict[str, RunRes
     await asyncio.wrap_future(engine.start())
     assert engine.engine is not None  # start() built it
     try:
-        return await bench_levels(
-            "in-process",
-            engine_client(engine, args.temperature),
-            args,
-            token_prompts(args, engine.engine.vocab_size),
-        )
+        yield engine
     finally:
         engine.shutdown()
+
+
+# One side's sweep in a given turn (0, 1, ... --repeats - 1).
+Sweep = Callable[[int], Awaitable[dict[str, RunResult]]]
+
+
+async def take_turns(sweeps: list[Sweep], repeats: int) -> list[dict[str, RunResult]]:
+    """Each sweep `repeats` times, in turn (A B A B ...), and each sweep's runs of a level
+    pooled: their ratio is then measured over the same stretch of time."""
+    pooled: list[dict[str, RunResult]] = [{} for _ in sweeps]
+    for turn in range(repeats):
+        for sweep, results in zip(sweeps, pooled, strict=True):
+            for label, result in (await sweep(turn)).items():
+                first = results.get(label)
+                name = f"{result.label} ({repeats} turns)"
+                results[label] = result if first is None else first.joined(result, name)
+    if repeats > 1:
+        for results in pooled:
+            for result in results.values():
+                print(result.report(), flush=True)
+    return pooled
+
+
+async def served_and_in_process(
+    url: str,
+    meters: dict[str, Callable[[], float]] | None,
+    name: str,
+    config,
+    args: argparse.Namespace,
+    prompts: PromptMaker,
+) -> tuple[dict[str, RunResult], dict[str, RunResult] | None]:
+    """The sweep on the stack at `url` and, unless --skip-in-process, on an engine of the same
+    config in this process (token id prompts), taking turns --repeats times."""
+
+    def served(turn: int) -> Awaitable[dict[str, RunResult]]:
+        return bench_gateway(url, args, prompts, meters, name, turn=turn)
+
+    if args.skip_in_process:
+        [served_runs] = await take_turns([served], args.repeats)
+        return served_runs, None
+    async with in_process_engine(config) as engine:
+        client = engine_client(engine, args.temperature)
+        local_prompts = token_prompts(args, engine.engine.vocab_size)
+
+        def local(turn: int) -> Awaitable[dict[str, RunResult]]:
+            return bench_levels("in-process", client, args, local_prompts, turn=turn)
+
+        served_runs, local_runs = await take_turns([served, local], args.repeats)
+    return served_runs, local_runs
 
 
 def workload_prompts(config, args: argparse.Namespace) -> PromptMaker:
@@ -447,10 +520,17 @@ def workload_prompts(config, args: argparse.Namespace) -> PromptMaker:
     return token_prompts(args, ModelConfig.from_dir(model_dir).vocab_size)
 
 
-def serve_and_bench(
-    config, args: argparse.Namespace, prompts: PromptMaker, gateway_workers: int
-) -> dict[str, RunResult]:
-    """Start a `folio serve` with `gateway_workers` gateway processes, run the sweep, stop it."""
+@dataclass
+class StartedStack:
+    url: str
+    name: str  # gateway, or gateway xN
+    # CPU seconds so far of the gateway, the tokenizer and the engine process beside its steps.
+    meters: dict[str, Callable[[], float]]
+
+
+@contextlib.contextmanager
+def started_stack(config, gateway_workers: int) -> Iterator[StartedStack]:
+    """A `folio serve` with `gateway_workers` gateway processes, stopped on leaving."""
     from common.config import GatewayFrontConfig, ListenConfig
     from services.supervisor import ServeConfig, Supervisor
 
@@ -491,7 +571,7 @@ def serve_and_bench(
                         service_cpu_seconds, engine.process.pid
                     )
             name = "gateway" if gateway_workers == 1 else f"gateway x{gateway_workers}"
-            return event_loop.run(bench_gateway(supervisor.url, args, prompts, meters, name))
+            yield StartedStack(supervisor.url, name, meters)
         finally:
             supervisor.stop()  # frees the cores for the next run
 
@@ -584,6 +664,7 @@ def run_serve_benchmark(args: argparse.Namespace) -> list[Comparison]:
     """The benchmark; returns the comparison with --compare-url's server (empty without)."""
     from common.config import engine_config_from_args
 
+    from_args(ServeWorkload, args)  # refuses a bad workload before anything starts
     config = engine_config_from_args(args)
     prompts = workload_prompts(config, args)
     print(
@@ -599,13 +680,21 @@ def run_serve_benchmark(args: argparse.Namespace) -> list[Comparison]:
 
     print(f"CPU: {cpu_description()}", flush=True)
     if args.url:
-        served = event_loop.run(bench_gateway(args.url.rstrip("/"), args, prompts))
+        served, local = event_loop.run(
+            served_and_in_process(args.url.rstrip("/"), None, "gateway", config, args, prompts)
+        )
     else:
-        by_workers = {
-            workers: serve_and_bench(config, args, prompts, workers)
-            for workers in (int(w) for w in args.gateway_workers.split(","))
-        }
-        served = next(iter(by_workers.values()))
+        workers_first, *others = (int(w) for w in args.gateway_workers.split(","))
+        with started_stack(config, workers_first) as stack:
+            served, local = event_loop.run(
+                served_and_in_process(stack.url, stack.meters, stack.name, config, args, prompts)
+            )
+        by_workers = {workers_first: served}
+        for workers in others:
+            with started_stack(config, workers) as stack:
+                by_workers[workers] = event_loop.run(
+                    bench_gateway(stack.url, args, prompts, stack.meters, stack.name)
+                )
         compare_workers(by_workers)
     comparisons = []
     if args.compare_url:
@@ -625,9 +714,8 @@ def run_serve_benchmark(args: argparse.Namespace) -> list[Comparison]:
             f"gateway CPU per output token at c=32: "
             f"{served['c=32'].cpu_ms_per_token['gateway']:.3f} ms (target <= 0.15 ms)"
         )
-    if args.skip_in_process:
+    if local is None:
         return comparisons
-    local = event_loop.run(bench_in_process(config, args))
     labels = list(served)
     first = labels[0]
     # The targets: throughput at least 95% of in-process at c=1 and c=32 and 90% at c=128,

@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from bench.serve import Comparison, RunResult, run_serve_benchmark, text_prompts
+from bench.serve import Comparison, RunResult, Sample, run_serve_benchmark, text_prompts
 from common.config import EngineConfig
 from common.tokenizer import Tokenizer
 from folio.cli import build_parser
@@ -136,20 +136,21 @@ def stand_in(request):
     server.close()
 
 
-def bench_args(model_dir: Path, url: str, compare_url: str, *extra: str):
+def bench_args(model_dir: Path, url: str, compare_url: str | None, *extra: str):
+    """`folio bench serve` at `url`, compared with `compare_url`'s server; without one, with
+    an engine in the test's process instead (eager: it starts in a second)."""
+    against = ["--compare-url", compare_url, "--skip-in-process"] if compare_url else []
     return build_parser().parse_args(
         [
             "bench",
             "serve",
             "--url",
             url,
-            "--compare-url",
-            compare_url,
+            *(against or ["--enforce-eager"]),
             "--model",
             str(model_dir),
             "--dtype",
             "float32",
-            "--skip-in-process",
             "--concurrency",
             ",".join(level.removeprefix("c=") for level in LEVELS),
             "--num-requests",
@@ -269,3 +270,69 @@ def test_a_server_that_ends_early_is_reported(tiny_model_dir, folio_gateways, st
             f"127.0.0.1:{stand_in.url.rsplit(':', 1)[1]} {c.label}: {REQUESTS} of {REQUESTS} "
             f"requests ended before {OUTPUT_LEN} tokens (fewest 3)"
         ) in printed
+
+
+def test_repeats_take_turns_with_prompts_of_their_own(
+    tiny_model_dir, folio_gateways, stand_in, capsys
+):
+    # The stand-in is the served side here (text prompts, as a peer is compared), Folio the peer.
+    args = bench_args(tiny_model_dir, stand_in.url, folio_gateways[0].url, "--repeats", "3")
+    comparisons = run_serve_benchmark(args)
+    printed = capsys.readouterr().out
+
+    prompts = text_prompts(args, Tokenizer.from_dir(tiny_model_dir))
+    turns = [
+        [p for level in LEVELS for p in prompts(REQUESTS, name(level))]
+        for name in (str, "{} turn 1".format, "{} turn 2".format)
+    ]
+    # Each turn its own prompts (none found in a prefix cache), the warm-up once.
+    sent = [p for turn in turns for p in turn]
+    assert len(set(sent)) == 3 * len(LEVELS) * REQUESTS
+    assert sorted(stand_in.prompts) == sorted(prompts(2, "warm-up") + sent)
+    for c in comparisons:
+        # The served side's figures pool its three turns; the peer ran once.
+        assert len(c.folio_run.samples) == 3 * REQUESTS
+        assert c.folio_run.label == f"gateway {c.label} (3 turns)"
+        assert len(c.peer_run.samples) == REQUESTS
+        assert sum(line.startswith(f"gateway {c.label} ") for line in printed.splitlines()) == 4
+    check_printed(printed, comparisons)
+
+
+def test_served_and_in_process_take_turns(tiny_model_dir, folio_gateways, capsys):
+    run_serve_benchmark(bench_args(tiny_model_dir, folio_gateways[0].url, None, "--repeats", "2"))
+    lines = capsys.readouterr().out.splitlines()
+
+    # Gateway and in-process runs alternate, then each level's two turns pooled.
+    runs = [line.split()[0] for line in lines if line.startswith(("gateway c=", "in-process c="))]
+    levels = len(LEVELS)
+    assert runs == (["gateway"] * levels + ["in-process"] * levels) * 3
+    pooled = {
+        tuple(line.split()[:2]): float(re.search(r"([\d.]+) tok/s", line).group(1))
+        for line in lines
+        if "(2 turns)" in line
+    }
+    for level in LEVELS:
+        [ratio] = [
+            line for line in lines if line.startswith(f"throughput gateway/in-process at {level}:")
+        ]
+        shown = float(ratio.split(": ")[1].split()[0])
+        expected = pooled[("gateway", level)] / pooled[("in-process", level)]
+        assert shown == pytest.approx(expected, abs=0.011)
+
+
+def test_joined_runs_weigh_cpu_by_tokens():
+    def run(tokens: int, seconds: float, cpu_ms: float) -> RunResult:
+        sample = Sample(0.0, [0.1 * i for i in range(tokens)], tokens)
+        return RunResult("x", [sample], seconds, {"gateway": cpu_ms})
+
+    joined = run(10, 1.0, 0.5).joined(run(30, 2.0, 0.1), "x (2 turns)")
+    assert joined.label == "x (2 turns)"
+    assert joined.output_tokens == 40 and joined.seconds == 3.0
+    assert joined.token_throughput == pytest.approx(40 / 3)
+    assert joined.cpu_ms_per_token == {"gateway": pytest.approx((10 * 0.5 + 30 * 0.1) / 40)}
+
+
+def test_repeats_below_one_is_refused(tiny_model_dir):
+    args = bench_args(tiny_model_dir, "http://127.0.0.1:9", None, "--repeats", "0")
+    with pytest.raises(ValueError, match="--repeats must be >= 1, got 0"):
+        run_serve_benchmark(args)
