@@ -20,9 +20,10 @@ before the output length (it ignored ignore_eos) is reported. Then it runs the s
 (as token ids) on engine.async_engine in this process and prints the gateway / in-process
 throughput ratio at each concurrency, the decode speed ratio (1 / TPOT) at concurrency 1 and the
 TTFT the service hops add there (p50). The in-process engine runs beside the started stack (idle
-meanwhile), so that with --repeats N the two sweeps take turns N times, each turn with prompts of
-its own, and each level's figures pool the turns: a VM's speed drifts by tens of percent within
-minutes, and a ratio of two runs minutes apart measures the drift. Both engines start with their
+meanwhile), so that with --repeats N the sweeps (served, the peer's, in-process) take turns N
+times, each turn with prompts of its own, and each level's figures pool the turns: a VM's speed
+drifts by tens of percent within minutes, and a ratio of two runs minutes apart measures the
+drift. Both engines start with their
 compiled decode programs (--decode-compile auto is startup here), so no run is partly eager.
 A benchmark, not a test: it asserts nothing and never runs in the suite.
 """
@@ -78,9 +79,9 @@ class ServeWorkload:
     skip_in_process: bool = flag(False, "measure the served stack only")
     repeats: int = flag(
         1,
-        "the served stack's sweep and the in-process one take turns this many times, each turn "
-        "with prompts of its own, and each level's figures pool the turns: a drift in the "
-        "machine's speed (other tenants of a VM) then weighs on both sides alike",
+        "the served stack's sweep, --compare-url's and the in-process one take turns this many "
+        "times, each turn with prompts of its own, and each level's figures pool the turns: a "
+        "drift in the machine's speed (other tenants of a VM) then weighs on every side alike",
     )
     gateway_workers: str = flag(
         "1",
@@ -478,32 +479,66 @@ async def take_turns(sweeps: list[Sweep], repeats: int) -> list[dict[str, RunRes
     return pooled
 
 
-async def served_and_in_process(
+def peer_name(args: argparse.Namespace) -> str:
+    """How the report names --compare-url's server: its host:port."""
+    return urlsplit(args.compare_url).netloc or args.compare_url
+
+
+@dataclass
+class Sides:
+    """Each side's runs by level: the served stack's, --compare-url's server's (None without
+    one) and the in-process engine's (None with --skip-in-process)."""
+
+    served: dict[str, RunResult]
+    peer: dict[str, RunResult] | None
+    local: dict[str, RunResult] | None
+
+
+async def sides_in_turns(
     url: str,
     meters: dict[str, Callable[[], float]] | None,
     name: str,
     config,
     args: argparse.Namespace,
     prompts: PromptMaker,
-) -> tuple[dict[str, RunResult], dict[str, RunResult] | None]:
-    """The sweep on the stack at `url` and, unless --skip-in-process, on an engine of the same
-    config in this process (token id prompts), taking turns --repeats times."""
+) -> Sides:
+    """The sweep on the stack at `url`, on --compare-url's server and, unless
+    --skip-in-process, on an engine of the same config in this process (token id prompts),
+    taking turns --repeats times."""
 
     def served(turn: int) -> Awaitable[dict[str, RunResult]]:
         return bench_gateway(url, args, prompts, meters, name, turn=turn)
 
-    if args.skip_in_process:
-        [served_runs] = await take_turns([served], args.repeats)
-        return served_runs, None
-    async with in_process_engine(config) as engine:
-        client = engine_client(engine, args.temperature)
-        local_prompts = token_prompts(args, engine.engine.vocab_size)
+    sweeps: list[Sweep] = [served]
+    if args.compare_url:
 
-        def local(turn: int) -> Awaitable[dict[str, RunResult]]:
-            return bench_levels("in-process", client, args, local_prompts, turn=turn)
+        def peer(turn: int) -> Awaitable[dict[str, RunResult]]:
+            return bench_gateway(
+                args.compare_url.rstrip("/"),
+                args,
+                prompts,
+                name=peer_name(args),
+                model=args.compare_model,
+                turn=turn,
+            )
 
-        served_runs, local_runs = await take_turns([served, local], args.repeats)
-    return served_runs, local_runs
+        sweeps.append(peer)
+    async with contextlib.AsyncExitStack() as stack:
+        if not args.skip_in_process:
+            engine = await stack.enter_async_context(in_process_engine(config))
+            client = engine_client(engine, args.temperature)
+            local_prompts = token_prompts(args, engine.engine.vocab_size)
+
+            def local(turn: int) -> Awaitable[dict[str, RunResult]]:
+                return bench_levels("in-process", client, args, local_prompts, turn=turn)
+
+            sweeps.append(local)
+        runs = iter(await take_turns(sweeps, args.repeats))
+        return Sides(
+            next(runs),
+            next(runs) if args.compare_url else None,
+            None if args.skip_in_process else next(runs),
+        )
 
 
 def workload_prompts(config, args: argparse.Namespace) -> PromptMaker:
@@ -680,35 +715,26 @@ def run_serve_benchmark(args: argparse.Namespace) -> list[Comparison]:
 
     print(f"CPU: {cpu_description()}", flush=True)
     if args.url:
-        served, local = event_loop.run(
-            served_and_in_process(args.url.rstrip("/"), None, "gateway", config, args, prompts)
+        sides = event_loop.run(
+            sides_in_turns(args.url.rstrip("/"), None, "gateway", config, args, prompts)
         )
     else:
         workers_first, *others = (int(w) for w in args.gateway_workers.split(","))
         with started_stack(config, workers_first) as stack:
-            served, local = event_loop.run(
-                served_and_in_process(stack.url, stack.meters, stack.name, config, args, prompts)
+            sides = event_loop.run(
+                sides_in_turns(stack.url, stack.meters, stack.name, config, args, prompts)
             )
-        by_workers = {workers_first: served}
+        by_workers = {workers_first: sides.served}
         for workers in others:
             with started_stack(config, workers) as stack:
                 by_workers[workers] = event_loop.run(
                     bench_gateway(stack.url, args, prompts, stack.meters, stack.name)
                 )
         compare_workers(by_workers)
+    served, local = sides.served, sides.local
     comparisons = []
-    if args.compare_url:
-        peer_name = urlsplit(args.compare_url).netloc or args.compare_url
-        peer = event_loop.run(
-            bench_gateway(
-                args.compare_url.rstrip("/"),
-                args,
-                prompts,
-                name=peer_name,
-                model=args.compare_model,
-            )
-        )
-        comparisons = compare_servers(served, peer, peer_name)
+    if sides.peer is not None:
+        comparisons = compare_servers(served, sides.peer, peer_name(args))
     if "c=32" in served and "gateway" in served["c=32"].cpu_ms_per_token:
         print(
             f"gateway CPU per output token at c=32: "

@@ -275,27 +275,29 @@ def test_a_server_that_ends_early_is_reported(tiny_model_dir, folio_gateways, st
 def test_repeats_take_turns_with_prompts_of_their_own(
     tiny_model_dir, folio_gateways, stand_in, capsys
 ):
-    # The stand-in is the served side here (text prompts, as a peer is compared), Folio the peer.
-    args = bench_args(tiny_model_dir, stand_in.url, folio_gateways[0].url, "--repeats", "3")
+    args = bench_args(tiny_model_dir, folio_gateways[0].url, stand_in.url, "--repeats", "3")
     comparisons = run_serve_benchmark(args)
-    printed = capsys.readouterr().out
+    lines = capsys.readouterr().out.splitlines()
 
     prompts = text_prompts(args, Tokenizer.from_dir(tiny_model_dir))
     turns = [
         [p for level in LEVELS for p in prompts(REQUESTS, name(level))]
         for name in (str, "{} turn 1".format, "{} turn 2".format)
     ]
-    # Each turn its own prompts (none found in a prefix cache), the warm-up once.
     sent = [p for turn in turns for p in turn]
+    # Each turn its own prompts (none found in a prefix cache), the warm-up once.
     assert len(set(sent)) == 3 * len(LEVELS) * REQUESTS
     assert sorted(stand_in.prompts) == sorted(prompts(2, "warm-up") + sent)
+    # Folio's sweep and the peer's alternate, then each level's three turns pooled.
+    peer = f"127.0.0.1:{stand_in.url.rsplit(':', 1)[1]}"
+    runs = [line.split()[0] for line in lines if line.startswith(("gateway c=", f"{peer} c="))]
+    levels = len(LEVELS)
+    assert runs == (["gateway"] * levels + [peer] * levels) * 4
     for c in comparisons:
-        # The served side's figures pool its three turns; the peer ran once.
-        assert len(c.folio_run.samples) == 3 * REQUESTS
+        assert len(c.folio_run.samples) == len(c.peer_run.samples) == 3 * REQUESTS
         assert c.folio_run.label == f"gateway {c.label} (3 turns)"
-        assert len(c.peer_run.samples) == REQUESTS
-        assert sum(line.startswith(f"gateway {c.label} ") for line in printed.splitlines()) == 4
-    check_printed(printed, comparisons)
+        assert c.peer_run.label == f"{peer} {c.label} (3 turns)"
+    check_printed("\n".join(lines), comparisons)
 
 
 def test_served_and_in_process_take_turns(tiny_model_dir, folio_gateways, capsys):
