@@ -23,8 +23,8 @@ TTFT the service hops add there (p50). The in-process engine runs beside the sta
 meanwhile), so that with --repeats N the sweeps (served, the peer's, in-process) take turns N
 times, each turn with prompts of its own, and each level's figures pool the turns: a VM's speed
 drifts by tens of percent within minutes, and a ratio of two runs minutes apart measures the
-drift. Both engines start with their
-compiled decode programs (--decode-compile auto is startup here), so no run is partly eager.
+drift. Both engines start with their compiled decode programs (--decode-compile auto is startup
+here), so no run is partly eager.
 A benchmark, not a test: it asserts nothing and never runs in the suite.
 """
 
