@@ -8,7 +8,9 @@ step of this small-op model gets much slower (docs/serving.md has the figure).
 Callers post commands to a thread-safe inbox; the loop thread runs them between steps, steps
 while requests remain, and hands each step's outputs to the asyncio queue registered for each
 request, through loop.call_soon_threadsafe: one list of events per queue per step. Requests may
-share a queue (one gRPC stream multiplexes many). Only the loop thread touches the LLMEngine.
+share a queue (one gRPC stream multiplexes many). With a stream interval above 1 (the engine
+config's), a request's outputs are gathered until that many tokens are ready, so that a step
+whose requests all gather wakes no consumer at all. Only the loop thread touches the LLMEngine.
 This module never imports grpc and never blocks on a consumer.
 """
 
@@ -91,6 +93,45 @@ class RequestFailed:
 Event = RequestOutput | RequestFailed
 
 
+class OutputGathering:
+    """Holds each request's outputs until `interval` new tokens have gathered, joined into one
+    output: a request's first output (its first token: time to first token is not delayed)
+    and its last (finished: ended, aborted, failed at a deadline) leave at once, the latter
+    with whatever was held before it. Interval 1 holds nothing."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self._held: dict[tuple[str, int], RequestOutput] = {}  # (request id, sample index)
+
+    def ready(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Of this step's outputs (joined with what was held of their requests), those to send
+        now; the rest are held."""
+        if self.interval == 1:
+            return outputs
+        ready = []
+        for output in outputs:
+            key = (output.request_id, output.index)
+            if (held := self._held.pop(key, None)) is not None:
+                output = dataclasses.replace(
+                    output,
+                    new_token_ids=held.new_token_ids + output.new_token_ids,
+                    new_logprobs=held.new_logprobs + output.new_logprobs,
+                    prompt_logprobs=held.prompt_logprobs or output.prompt_logprobs,
+                )
+            first = output.num_output_tokens == len(output.new_token_ids)
+            if output.finished or first or len(output.new_token_ids) >= self.interval:
+                ready.append(output)
+            else:
+                self._held[key] = output
+        return ready
+
+    def release(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+        """What is held of these requests (they are failing): the tokens they did generate."""
+        wanted = set(request_ids)
+        keys = [key for key in self._held if key[0] in wanted]
+        return [self._held.pop(key) for key in keys]
+
+
 @dataclass(eq=False)
 class _Sink:
     """Where one request's events go: an asyncio queue and the loop that owns it."""
@@ -113,6 +154,7 @@ class AsyncEngine:
         self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # live request id -> its sink; loop thread only
+        self._gathering = OutputGathering(1)  # the engine config's interval once it is built
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="folio-engine-loop", daemon=True)
 
@@ -241,6 +283,7 @@ class AsyncEngine:
         # The waiter may have given up (a stop during start-up cancels it): nobody to tell then.
         try:
             self.engine = self._build_engine()
+            self._gathering = OutputGathering(self.engine.config.stream_interval)
         except BaseException as exc:
             if self._ready.set_running_or_notify_cancel():
                 self._ready.set_exception(exc)
@@ -319,25 +362,29 @@ class AsyncEngine:
         except Exception as exc:
             # Fail this step's requests, not the process: the next requests may well succeed.
             logger.exception("engine step failed; failing every live request")
-            failed = list(self._sinks)
-            for request_id in failed:
-                self._built().abort(request_id)
-            self._deliver([(self._sinks.pop(r), RequestFailed(r, exc)) for r in failed])
+            self._fail(list(self._sinks), exc)
             return
-        self._deliver(self._route(outputs))
+        self._deliver(self._route(self._gathering.ready(outputs)))
 
     def _fatal(self, error: EngineGroupError) -> None:
         """The engine cannot go on: fail every live request with `error` and stop the loop."""
         if self._stopping:
             return
         logger.error("the engine cannot go on, failing every live request: %s", error)
-        failed = list(self._sinks)
-        for request_id in failed:
-            self._built().abort(request_id)  # frees its blocks; runs nothing on the ranks
-        self._deliver([(self._sinks.pop(r), RequestFailed(r, error)) for r in failed])
+        self._fail(list(self._sinks), error)
         self._stopping = True
         if self._on_fatal is not None:
             self._on_fatal(error)
+
+    def _fail(self, request_ids: list[str], error: Exception) -> None:
+        """These requests fail with `error`: what was held of them first, then the failure;
+        their blocks are freed (nothing runs on the ranks)."""
+        held = self._gathering.release(request_ids)
+        for request_id in request_ids:
+            self._built().abort(request_id)
+        self._deliver(
+            self._route(held) + [(self._sinks.pop(r), RequestFailed(r, error)) for r in request_ids]
+        )
 
     def _abort(self, request_ids: list[str]) -> list[str]:
         """Abort by request id, or one sample of an n > 1 request by its sample id."""
@@ -348,7 +395,7 @@ class AsyncEngine:
             if ended:
                 aborted.append(request_id)
                 outputs.extend(ended)
-        self._deliver(self._route(outputs))
+        self._deliver(self._route(self._gathering.ready(outputs)))
         return aborted
 
     def _route(self, outputs: list[RequestOutput]) -> list[tuple[_Sink, Event]]:
