@@ -14,7 +14,7 @@ from transformers import LlamaConfig
 from common.config import EngineConfig
 from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, RequestFailed
 from engine.engine import LLMEngine
 from tiny_models import SMALL, make_checkpoint
 
@@ -60,7 +60,7 @@ async def _stream(engine: AsyncEngine, request_id: str, params: SamplingParams) 
     """The event lists a request's queue received, up to its last output."""
     events: asyncio.Queue = asyncio.Queue()
     engine.add_request(request_id, [5, 9, 13, 17, 21], params, events)
-    batches = []
+    batches: list[list] = []
     while not batches or not batches[-1][-1].finished:
         batches.append(await asyncio.wait_for(events.get(), 60))
     return [event for batch in batches for event in batch]
@@ -132,3 +132,43 @@ def test_an_abort_sends_the_tokens_a_request_gathered(tiny):
 def test_a_stream_interval_below_one_is_refused(tiny):
     with pytest.raises(ValueError, match="stream_interval must be >= 1, got 0"):
         EngineConfig(model=str(tiny), stream_interval=0)
+
+
+class _FailingEngine(LLMEngine):
+    """An engine whose fifth step fails (a fault injected into a real engine)."""
+
+    steps = 0
+
+    def step(self):
+        self.steps += 1
+        if self.steps == 5:
+            raise RuntimeError("the fifth step failed")
+        return super().step()
+
+
+def test_a_failed_step_sends_what_was_held_before_the_failure(tiny):
+    async def run() -> list:
+        engine = AsyncEngine(
+            lambda: _FailingEngine(
+                EngineConfig(
+                    model=str(tiny), dtype="float32", num_kv_blocks=64, stream_interval=100
+                )
+            )
+        )
+        engine.start().result(60)
+        try:
+            events: asyncio.Queue = asyncio.Queue()
+            params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+            engine.add_request("r", [5, 9, 13, 17, 21], params, events)
+            received: list = []
+            while not received or not isinstance(received[-1], RequestFailed):
+                received += await asyncio.wait_for(events.get(), 60)
+            return received
+        finally:
+            engine.shutdown(timeout=60)
+
+    first, held, failed = asyncio.run(run())
+    # Step 1 (the prefill) sent the first token, steps 2-4 gathered theirs, step 5 failed.
+    assert len(first.new_token_ids) == 1
+    assert len(held.new_token_ids) == 3 and not held.finished and held.num_output_tokens == 4
+    assert isinstance(failed, RequestFailed) and "the fifth step failed" in str(failed.error)
