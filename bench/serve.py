@@ -509,7 +509,7 @@ async def sides_in_turns(
     def served(turn: int) -> Awaitable[dict[str, RunResult]]:
         return bench_gateway(url, args, prompts, meters, name, turn=turn)
 
-    sweeps: list[Sweep] = [served]
+    sweeps: dict[str, Sweep] = {"served": served}
     if args.compare_url:
 
         def peer(turn: int) -> Awaitable[dict[str, RunResult]]:
@@ -522,7 +522,7 @@ async def sides_in_turns(
                 turn=turn,
             )
 
-        sweeps.append(peer)
+        sweeps["peer"] = peer
     async with contextlib.AsyncExitStack() as stack:
         if not args.skip_in_process:
             engine = await stack.enter_async_context(in_process_engine(config))
@@ -532,13 +532,9 @@ async def sides_in_turns(
             def local(turn: int) -> Awaitable[dict[str, RunResult]]:
                 return bench_levels("in-process", client, args, local_prompts, turn=turn)
 
-            sweeps.append(local)
-        runs = iter(await take_turns(sweeps, args.repeats))
-        return Sides(
-            next(runs),
-            next(runs) if args.compare_url else None,
-            None if args.skip_in_process else next(runs),
-        )
+            sweeps["local"] = local
+        runs = dict(zip(sweeps, await take_turns(list(sweeps.values()), args.repeats), strict=True))
+        return Sides(runs["served"], runs.get("peer"), runs.get("local"))
 
 
 def workload_prompts(config, args: argparse.Namespace) -> PromptMaker:
