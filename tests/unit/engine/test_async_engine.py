@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 from transformers import LlamaConfig
@@ -113,7 +114,11 @@ def test_an_abort_sends_the_tokens_a_request_gathered(tiny):
             params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
             engine.add_request("r", [5, 9, 13, 17, 21], params, events)
             outputs = list(await asyncio.wait_for(events.get(), 60))  # the first token
-            await asyncio.sleep(0.3)  # steps go on, their tokens held
+            # Steps go on, their tokens held: abort once two more have been generated.
+            deadline = time.monotonic() + 60
+            while engine.engine.requests["r"].num_output_tokens < 3:
+                assert time.monotonic() < deadline, "the request made no progress"
+                await asyncio.sleep(0.01)
             await asyncio.wrap_future(engine.abort(["r"]))
             while not outputs[-1].finished:
                 outputs += await asyncio.wait_for(events.get(), 60)
