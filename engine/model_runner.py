@@ -42,7 +42,7 @@ from engine.models.config import ModelConfig
 from engine.models.gguf_metadata import file_quantization
 from engine.models.loader import load_model
 from engine.pooler import Pooler, PoolSlice
-from engine.spec_decode.verify import as_decode_rows, sampled_rows, write_drafts
+from engine.spec_decode.verify import as_decode_rows, sampled_rows, verifies_only, write_drafts
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -109,7 +109,8 @@ class ModelInput:
     logits_indices: torch.Tensor
     # How many of the logits rows are sampled; the rest are prompt-logprob rows.
     num_sampled: int
-    # Set when this decode-only step replays the CUDA graph captured for that many rows.
+    # Set when this step replays the CUDA graph captured for that many one-token rows (a
+    # decode-only step, or one that only verifies drafts).
     graph_size: int | None = None
     # Copy-on-write (source, destination) KV blocks, copied before the forward writes.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
@@ -293,12 +294,19 @@ class ModelRunner:
                 )
 
         nd = plan.num_decodes
-        graph_size = self.graphs.size_for(num_reqs) if self.graphs and nd == num_reqs else None
+        graph_size = None
+        if self.graphs is not None and (nd == num_reqs or verifies_only(plan)):
+            graph_size = self.graphs.size_for(num_tokens)
         if graph_size is not None:
-            self.pad_decode_rows(num_reqs, graph_size)
+            # Every token a one-token row: a decode step's, or a verification step's drafts,
+            # each the decode of a context ending at itself (as_decode_rows), through its
+            # entry's table. The graph reads the full-width table it captured.
+            cols = self.max_blocks_per_seq
+            tables[:num_tokens] = self.batch.block_table[rows[entry]]
+            self.seq_lens.np[:num_tokens] = positions + 1
+            self.query_start_loc.np[: num_tokens + 1] = self._arange[: num_tokens + 1]
+            self.pad_decode_rows(num_tokens, graph_size)
             num_rows = num_tokens = graph_size
-            cols = self.max_blocks_per_seq  # the graph reads the full-width table it captured
-            tables[:num_reqs, :cols] = self.batch.block_table[rows]
         else:
             num_rows = num_reqs
         meta = AttentionMetadata(
@@ -365,6 +373,11 @@ class ModelRunner:
         if isinstance(self.model.backend, TorchAttentionBackend):
             self.slot_mapping.np[:rows] = np.arange(rows)
             self.block_tables.np[:rows, 0] = np.arange(rows) // self.block_size
+        return self.graph_inputs(rows)
+
+    def graph_inputs(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """What a decode graph of `rows` one-token rows reads: the first rows of the persistent
+        buffers, on the device. Its host-side lengths are placeholders (a graph freezes them)."""
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping.upload(rows),
             query_start_loc=self.query_start_loc.upload(rows + 1),

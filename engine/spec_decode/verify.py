@@ -57,6 +57,14 @@ def sampled_rows(ends: np.ndarray, plan: StepPlan) -> np.ndarray:
     return np.repeat(ends - 1 - spec, counts) + within * np.repeat(spec > 0, counts)
 
 
+def verifies_only(plan: StepPlan) -> bool:
+    """Whether every entry of the step is a running request's last known token and its drafts
+    (some drafting, no prompt chunk)."""
+    return bool(plan.num_spec_tokens) and all(
+        n == 1 + k for n, k in zip(plan.num_new_tokens, plan.num_spec_tokens, strict=True)
+    )
+
+
 def as_decode_rows(
     plan: StepPlan,
     meta: AttentionMetadata,
@@ -72,9 +80,7 @@ def as_decode_rows(
     other step.
     `entry` and `positions`: each flat token's batch entry and position; `tables`: the step's
     block tables (one KV group), a row per entry, meta's columns."""
-    if not plan.num_spec_tokens or any(
-        n != 1 + k for n, k in zip(plan.num_new_tokens, plan.num_spec_tokens, strict=True)
-    ):
+    if not verifies_only(plan):
         return None
     num_tokens = len(positions)
     device = meta.seq_lens.device

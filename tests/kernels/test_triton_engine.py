@@ -1,7 +1,8 @@
 """The whole engine with attention_backend="triton" (kernels under the interpreter on CPU, or
 native with FOLIO_KERNEL_DEVICE=cuda) gives exactly the greedy tokens of the torch backend,
 over steps that mix prefill and decode, with chunked prefill and a prefix-cache hit, on a
-full-attention model and sliding-window ones (gpt-oss's with attention sinks)."""
+full-attention model and sliding-window ones (gpt-oss's with attention sinks); steps that
+verify drafts replay the decode graphs."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from kernel_utils import DEVICE
 
 from common.config import EngineConfig
 from common.sampling_params import SamplingParams
+from engine.cuda_graphs import graph_batch_sizes
 from engine.engine import LLMEngine
 from tiny_models import MOE_VARIANTS, VARIANTS, make_checkpoint
 
@@ -53,3 +55,68 @@ def test_triton_backend_gives_the_torch_backend_greedy_tokens(tmp_path, variant)
     assert hits > 0  # c's first blocks came from the prefix cache
     assert got == expected
     assert all(len(t) == 6 for t in got.values())
+
+
+class RecordedReplays:
+    """The runner's decode graphs, each replay's size recorded. Off a GPU there are none: a
+    replay there runs the model eagerly over what a captured graph reads, the first `size` rows
+    of the runner's persistent buffers, so the rows prepare() writes for a graph are checked on
+    the CPU too."""
+
+    def __init__(self, runner, max_num_seqs: int) -> None:
+        self.runner, self.graphs, self.sizes = runner, runner.graphs, []
+        self.ladder = graph_batch_sizes(max_num_seqs)
+
+    def size_for(self, num_rows: int) -> int | None:
+        return next((size for size in self.ladder if size >= num_rows), None)
+
+    def replay(self, size: int):
+        self.sizes.append(size)
+        if self.graphs is not None:
+            return self.graphs.replay(size)
+        return self.runner.run_model(*self.runner.graph_inputs(size))
+
+
+def test_verification_steps_replay_decode_graphs_with_the_tokens_without_drafts(tmp_path):
+    """A step that only verifies drafts replays the decode graph of its tokens as one-token rows
+    (a real CUDA graph on a GPU), and the greedy tokens equal the torch backend's without
+    speculation."""
+    make_checkpoint(tmp_path, *VARIANTS["llama"])
+    # The tiny model's greedy continuation of this prompt repeats itself: drafts get accepted.
+    prompt = [68, 94, 138, 10, 122, 66, 16, 43] * 3
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+    def greedy(engine: LLMEngine) -> list[int]:
+        engine.add_request("r", prompt, params)
+        tokens: list[int] = []
+        while engine.has_unfinished:
+            for out in engine.step():
+                tokens.extend(out.new_token_ids)
+        return tokens
+
+    expected = greedy(
+        LLMEngine(
+            EngineConfig(model=str(tmp_path), dtype="float32", block_size=4, enforce_eager=True)
+        )
+    )
+    spec = LLMEngine(
+        EngineConfig(
+            model=str(tmp_path),
+            dtype="float32",
+            device=DEVICE,
+            attention_backend="triton",
+            block_size=4,
+            num_kv_blocks=48,
+            max_num_seqs=8,
+            speculative_config='{"method": "ngram", "num_speculative_tokens": 3, '
+            '"prompt_lookup_min": 1}',
+        )
+    )
+    assert spec.drafter is not None
+    spec.drafter.measured = None  # keeps drafting whatever the machine's load (test_spec_decode)
+    runner = spec.executor.runner
+    replays = runner.graphs = RecordedReplays(runner, max_num_seqs=8)
+    assert greedy(spec) == expected
+    assert spec.stats().spec_num_accepted_tokens > 0
+    # One request: a plain decode replays a graph of 1 row; a verification, of its 2-4 tokens.
+    assert any(size > 1 for size in replays.sizes)
