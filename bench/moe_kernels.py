@@ -22,7 +22,8 @@ outputs and the load average; on the CPU also the expert products alone on both 
 per-expert linears and F.linear (timed in the same turns: what bounds the per-expert path's
 ratio) and so the time each step spends around them; where the experts run stacked, reading
 their packed weights alone in the same turns (the memory floor, which bounds what any kernel
-over those bytes can gain on the loop); with
+over those bytes can gain on the loop); on the GPU also the time its kernels take alone
+(launched one by one from Python, both sides are bound by the launches at these sizes); with
 --profile, torch's profile of each step. A benchmark, not a
 test: it asserts nothing else and never runs in the suite.
 """
@@ -167,6 +168,21 @@ def timings_ms(
     return [(statistics.median(t) * 1e3, min(t) * 1e3) for t in times]
 
 
+def gpu_kernel_ms(step: Callable[[], object], calls: int = 10) -> float:
+    """Milliseconds the GPU spends in a call's kernels (torch's profiler, their device time
+    added up): what a step costs where its launches are replayed from a CUDA graph, as the
+    engine's decode steps are, rather than issued one by one from Python."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    with profiler(activities=[ProfilerActivity.CUDA]) as recorded:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    kernels = sum(event.self_device_time_total for event in recorded.key_averages())
+    return kernels / 1e3 / calls
+
+
 def profile(step: Callable[[], object], label: str) -> None:
     """Where a step's time goes: torch's profiler, the ops by their own CPU time."""
     from torch.profiler import profile as profiler
@@ -275,6 +291,15 @@ def run(args: argparse.Namespace, device: str, dtype: torch.dtype, bf16_values: 
                 f"around them Folio per expert {around[0] - folio:6.3f} ms (fastest "
                 f"{around[1] - folio_min:6.3f}), the loop {loop[0] - torch_ms:6.3f} ms (fastest "
                 f"{loop[1] - torch_min:6.3f})",
+                flush=True,
+            )
+        if device == "cuda":
+            with torch.inference_mode():
+                fused, looped = gpu_kernel_ms(partial(layer, x)), gpu_kernel_ms(baseline)
+            print(
+                f"{' ' * len(label)}  the GPU's kernel time alone (profiler): Folio {fused:8.3f} "
+                f"ms, loop over experts {looped:8.3f} ms: x{looped / fused:5.2f} (a step "
+                "replayed from a CUDA graph pays this, not the launches)",
                 flush=True,
             )
         if args.profile:
