@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def propose_ngram(token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:
@@ -20,12 +19,19 @@ def propose_ngram(token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: 
     if num_tokens <= 0 or length <= min_n:
         return []
     tokens = np.asarray(token_ids, dtype=np.int64)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        pattern = tokens[length - n :]
-        # Windows starting at 0 .. length - n - 1: every occurrence before the suffix itself.
-        windows = sliding_window_view(tokens[: length - 1], n)
-        hits = np.flatnonzero((windows == pattern).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
-            return tokens[start : start + num_tokens].tolist()
-    return []
+    # Every earlier occurrence of an n-gram ending the text ends in an earlier occurrence of
+    # its last token, before the last position (a continuation must follow it): one pass finds
+    # those, then how far back each agrees with the text's end (one step runs this for every
+    # drafting request, so no pass per n).
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+    if not len(ends):
+        return []
+    depth = np.arange(min(max_n, length - 1))
+    back = ends[:, None] - depth
+    agree = (back >= 0) & (tokens[np.maximum(back, 0)] == tokens[length - 1 - depth])
+    matched = np.cumprod(agree, axis=1).sum(axis=1)
+    longest = int(matched.max())
+    if longest < min_n:
+        return []
+    end = int(ends[np.flatnonzero(matched == longest)[-1]])
+    return tokens[end + 1 : end + 1 + num_tokens].tolist()

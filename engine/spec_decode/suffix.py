@@ -66,12 +66,13 @@ class SuffixIndex:
         suffix = tokens[::-1][:limit]
         matches: list[tuple[np.ndarray, np.ndarray]] = []  # per text: ends, match lengths
         for text, _ in texts:
-            if len(text) < MIN_MATCH:
-                matches.append((np.empty(0, np.int64), np.empty(0, np.int64)))
+            # Every occurrence ends in one of the last token: one pass finds those (a step runs
+            # this for every drafting request, over the whole window), then how far back each
+            # agrees with the suffix (at most `limit` tokens).
+            ends = np.flatnonzero(text == suffix[0]) + 1
+            if not len(ends):
+                matches.append((ends, ends))
                 continue
-            windows = np.lib.stride_tricks.sliding_window_view(text, MIN_MATCH)
-            ends = np.flatnonzero((windows == suffix[MIN_MATCH - 1 :: -1]).all(axis=1)) + MIN_MATCH
-            # How far back each occurrence agrees with the suffix (at most `limit` tokens).
             back = ends[:, None] - 1 - np.arange(limit)
             agree = (back >= 0) & (text[np.maximum(back, 0)] == suffix)
             matches.append((ends, np.cumprod(agree, axis=1).sum(axis=1)))

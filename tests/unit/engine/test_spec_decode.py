@@ -15,6 +15,8 @@ from collections.abc import Callable
 import pytest
 import torch
 from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from hypothesis import given
+from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from common.block_hash import ROOT_HASH, hash_block
@@ -90,6 +92,29 @@ def test_ngram_drafts_the_continuation_of_the_latest_longest_match():
     assert propose_ngram([8, 4, 2, 3, 5, 2, 3, 1, 4, 2, 3], 2, 1, 3) == [5, 2]
     assert propose_ngram([1, 2, 3], 4, 2, 3) == []  # nothing repeats
     assert propose_ngram([5, 5, 5], 2, 1, 2) == [5]  # a run predicts itself
+
+
+def ngram_by_each_length(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The ngram proposer's rule spelled out: for n from the longest down, the latest earlier
+    window equal to the last n tokens, and the k tokens after it."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[-n:]:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+@given(
+    tokens=st.lists(st.integers(0, 4), max_size=40),
+    k=st.integers(0, 5),
+    min_n=st.integers(1, 3),
+    extra=st.integers(0, 3),
+)
+def test_ngram_one_pass_search_equals_a_search_per_length(tokens, k, min_n, extra):
+    """The proposer finds every n-gram's occurrences in one pass over the text: the same
+    drafts as looking for each n in turn."""
+    expected = ngram_by_each_length(tokens, k, min_n, min_n + extra) if k else []
+    assert propose_ngram(tokens, k, min_n, min_n + extra) == expected
 
 
 def test_suffix_drafts_the_most_frequent_continuation_across_requests():
