@@ -3,7 +3,8 @@
 run, real in every process), and `smg launch --policy cache_aware` in front of them. SMG
 discovers both as SGLang-style workers (/server_info, /model_info) and polls their load
 (/v1/loads); requests flow through it to both stacks; a conversation's turns stay on one stack,
-whose prefix cache they hit; when one stack dies SMG takes it out and serves from the other."""
+whose prefix cache they hit, and a new conversation goes to the stack not busy; when one stack
+dies SMG takes it out and serves from the other."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -143,6 +145,38 @@ def chat(url: str, model: str, messages: list[dict]) -> httpx.Response:
     )
 
 
+@dataclass
+class Conversation:
+    messages: list[dict]
+    home: int  # the stack that served every turn
+
+
+def conversation(smg: str, stacks: list[ServeProcess], model: str, topic: str) -> Conversation:
+    """Three turns on `topic` through SMG: each served by the same stack, the later ones with
+    prefix-cache hits there."""
+    messages = [
+        {"role": "system", "content": f"{topic} are today's subject. {SYSTEM}"},
+        {"role": "user", "content": f"Tell me about {topic.lower()}, please."},
+    ]
+    home = None
+    for turn in range(3):
+        before = [counters(s) for s in stacks]
+        response = chat(smg, model, messages)
+        assert response.status_code == 200, response.text
+        stack = served_by(stacks, before)
+        home = stack if home is None else home
+        assert stack == home, f"turn {turn} of {topic!r} left its stack"
+        if turn:
+            assert counters(stacks[stack])["prefix_hits"] > before[stack]["prefix_hits"]
+        content = response.json()["choices"][0]["message"]["content"]
+        messages += [
+            {"role": "assistant", "content": content},
+            {"role": "user", "content": f"And what else about {topic.lower()}?"},
+        ]
+    assert home is not None
+    return Conversation(messages, home)
+
+
 def served_by(stacks: list[ServeProcess], before: list[dict[str, float]]) -> int:
     """The one stack that ended one request since `before` (read until it shows)."""
 
@@ -208,34 +242,23 @@ def test_smg_routes_across_two_folio_stacks_and_survives_losing_one(stacks, smg,
         lambda: engine_loads(smg)[busy.url]["num_running_reqs"] == 0, "SMG to see the engine idle"
     )
 
-    # Conversations with different openings (SMG matches a request's text against what each
-    # worker was sent): it spreads them, and keeps each on its stack.
-    homes = set()
-    for topic in ("Opening hours", "Loans", "Renewals", "The reading room"):
-        messages = [
-            {"role": "system", "content": f"{topic} are today's subject. {SYSTEM}"},
-            {"role": "user", "content": f"Tell me about {topic.lower()}, please."},
-        ]
-        home = None
-        for turn in range(3):
-            before = [counters(s) for s in stacks]
-            response = chat(smg, model, messages)
-            assert response.status_code == 200, response.text
-            stack = served_by(stacks, before)
-            home = stack if home is None else home
-            assert stack == home, f"turn {turn} of {topic!r} left its stack"
-            after = counters(stacks[stack])
-            if turn:
-                assert after["prefix_hits"] > before[stack]["prefix_hits"]
-            content = response.json()["choices"][0]["message"]["content"]
-            messages += [
-                {"role": "assistant", "content": content},
-                {"role": "user", "content": f"And what else about {topic.lower()}?"},
-            ]
-        homes.add(home)
-        if len(homes) == 2:
-            break
-    assert homes == {0, 1}, "one stack served every conversation"
+    # A conversation's turns stay on one stack, whose prefix cache they hit (SMG matches a
+    # request's text against what it sent each worker).
+    first = conversation(smg, stacks, model, "Opening hours")
+    # A conversation SMG has seen nothing of goes to the stack with the fewest requests in
+    # flight: while the first conversation's next turn streams on its stack, a new one goes to
+    # the other and stays there. (With both idle, SMG picks by its own order and counters: on a
+    # loaded machine it sent four new conversations in a row to one stack.)
+    messages = [*first.messages, {"role": "user", "content": "Now list every rule, slowly."}]
+    body = {"model": model, "messages": messages, "max_tokens": 32000, "ignore_eos": True}
+    with httpx.stream(
+        "POST", smg + "/v1/chat/completions", json={**body, "stream": True}, timeout=TIMEOUT
+    ) as held:
+        assert held.status_code == 200
+        wait_until(lambda: counters(stacks[first.home])["running"] == 1, "the turn to run")
+        second = conversation(smg, stacks, model, "Loans")
+    assert {first.home, second.home} == {0, 1}, "a new conversation went to the busy stack"
+    wait_until(lambda: counters(stacks[first.home])["running"] == 0, "the held turn to end")
 
     # One host dies: SMG's health checks take it out and the other serves everything.
     lost, survivor = stacks[0], stacks[1]
