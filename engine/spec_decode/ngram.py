@@ -13,7 +13,9 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def propose_ngram(token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:
+def propose_ngram(
+    token_ids: Sequence[int] | np.ndarray, num_tokens: int, min_n: int, max_n: int
+) -> list[int]:
     """Up to `num_tokens` drafted tokens continuing `token_ids`; [] when no n-gram matches."""
     length = len(token_ids)
     if num_tokens <= 0 or length <= min_n:

@@ -40,7 +40,7 @@ class SuffixIndex:
             separator = np.array([SEPARATOR], dtype=np.int64)
             self._window = np.concatenate([part for o in self._outputs for part in (o, separator)])
 
-    def propose(self, token_ids: Sequence[int], num_tokens: int) -> list[int]:
+    def propose(self, token_ids: Sequence[int] | np.ndarray, num_tokens: int) -> list[int]:
         """Up to `num_tokens` drafted tokens continuing `token_ids`; [] when nothing matches."""
         tokens = np.asarray(token_ids, dtype=np.int64)
         if num_tokens <= 0 or len(tokens) <= MIN_MATCH:

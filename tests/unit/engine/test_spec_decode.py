@@ -37,6 +37,7 @@ from engine.spec_decode.drafter import (
     PROBE_STEPS,
     TIMED_STEPS,
     Drafter,
+    TokenArrays,
 )
 from engine.spec_decode.ngram import propose_ngram
 from engine.spec_decode.suffix import SuffixIndex
@@ -521,6 +522,20 @@ def drafting_request(tokens: list[int], **params) -> Request:
     request.append_output(tokens[-1])
     request.num_computed_tokens = request.num_tokens - 1
     return request
+
+
+@given(growth=st.lists(st.lists(st.integers(0, 9), max_size=70), min_size=1, max_size=8))
+def test_a_requests_token_array_follows_its_tokens_as_they_grow(growth):
+    """The drafter's array of a request's tokens, extended step by step (past its buffer's
+    room too), is always its tokens, and the ngram proposer drafts the same from it."""
+    arrays = TokenArrays()
+    request = drafting_request([1, 2])
+    for tokens in growth:
+        for token in tokens:
+            request.append_output(token)
+        array = arrays.of(request)
+        assert array.tolist() == request.token_ids
+        assert propose_ngram(array, 3, 1, 3) == propose_ngram(request.token_ids, 3, 1, 3)
 
 
 def test_draft_length_follows_acceptance_and_low_acceptance_pauses():
