@@ -11,7 +11,7 @@ from kernel_utils import DEVICE
 
 from common.config import EngineConfig
 from common.sampling_params import SamplingParams
-from engine.cuda_graphs import graph_batch_sizes
+from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.engine import LLMEngine
 from tiny_models import MOE_VARIANTS, VARIANTS, make_checkpoint
 
@@ -64,14 +64,13 @@ class RecordedReplays:
     the CPU too."""
 
     def __init__(self, runner, max_num_seqs: int) -> None:
-        self.runner, self.graphs, self.sizes = runner, runner.graphs, []
-        self.ladder = graph_batch_sizes(max_num_seqs)
+        self.runner, self.graphs, self.replayed = runner, runner.graphs, []
+        self.sizes = graph_batch_sizes(max_num_seqs)  # the ladder the real graphs capture
 
-    def size_for(self, num_rows: int) -> int | None:
-        return next((size for size in self.ladder if size >= num_rows), None)
+    size_for = DecodeGraphs.size_for
 
     def replay(self, size: int):
-        self.sizes.append(size)
+        self.replayed.append(size)
         if self.graphs is not None:
             return self.graphs.replay(size)
         return self.runner.run_model(*self.runner.graph_inputs(size))
@@ -119,4 +118,4 @@ def test_verification_steps_replay_decode_graphs_with_the_tokens_without_drafts(
     assert greedy(spec) == expected
     assert spec.stats().spec_num_accepted_tokens > 0
     # One request: a plain decode replays a graph of 1 row; a verification, of its 2-4 tokens.
-    assert any(size > 1 for size in replays.sizes)
+    assert any(size > 1 for size in replays.replayed)
