@@ -402,11 +402,11 @@ inline void for_each_tile(int64_t m, const Tile& tile) {
 // channels). Scales and minimums lie in the same order, [strips, groups, 16].
 constexpr int64_t kStrip = 16;
 constexpr int64_t kStripGroupBytes = kStrip * kBlock / 2;  // 256
-// Activation rows sharing one pass over a strip's codes: on AVX2 four (their int16 sums and
-// accumulators beside four unpacked code vectors in 16 registers: int4_half_strip), on AVX-512
+// Activation rows sharing one pass over a strip's codes: on AVX2 four (their int16 sums for
+// both halves beside four unpacked code vectors in 16 registers: int4_strip), on AVX-512
 // eight.
 constexpr int kInt4Rows = 4;
-// A strip's first pass (its first half, first rows) asks for the codes this many strips on: a
+// A strip's first pass (its first rows) asks for the codes this many strips on: a
 // decode step's one row leaves the loads nothing to hide their latency behind (one row, one
 // thread, AVX2 EPYC under load: 7.8 -> 6.3-6.7 ms for the 120 linears with two strips ahead,
 // between runs as noisy as that; with the register fix, quiet, two threads: 5.87 -> 5.29 ms).
@@ -457,8 +457,8 @@ inline void unpack_half_strip(const uint8_t* block, __m256i (&codes)[N]) {
 }
 
 // An empty instruction that reads and writes v in a vector register: GCC then neither spills v
-// around it nor reorders the exact integer sums before it into a tree of its own (which, in
-// int4_half_strip, kept every product on the stack).
+// around it nor reorders the exact integer sums before it into a tree of its own (which kept
+// every product of int4_strip on the stack).
 template <typename V>
 inline void keep_in_register(V& v) {
   asm("" : "+x"(v));
@@ -467,63 +467,74 @@ inline void keep_in_register(V& v) {
 inline __m256 eight_channels(const at::Half* h) { return _mm256_cvtph_ps(load_128(h)); }
 inline __m256 eight_channels(const float* f) { return _mm256_loadu_ps(f); }
 
-// Activation rows first .. first + ROWS of xq times half `h` (channels 8 h .. 8 h + 8) of a
-// strip (`codes`: its groups' 256 bytes each; `scale`, `min`: its [groups, 16]), AVX2: per
-// group, its code vectors unpacked once for the rows, four at a time (the rows' int16 sums, the
-// four code vectors and the rows' accumulators then fit AVX2's 16 registers: eight code vectors
-// at once spilled the accumulators, each group's FMAs then waiting on a store to the stack); a
-// row's products of a group summed in int16 pairs (at most 8 * 2 * 15 * 127 = 30480, exact in
-// any order) and one madd, exactly vpdpbusd's sums; then sum * (scale * d) and min * q_sum
-// added in that order, the AVX-512 code's steps. Row r's eight sums to out[r * ld]. `ahead`:
-// bytes past each group's codes to prefetch (0: none).
+// Activation rows first .. first + ROWS of xq times a strip (`codes`: its groups' 256 bytes
+// each; `scale`, `min`: its [groups, 16]), AVX2: per group, a quarter's code vectors for both
+// halves of the strip (channels 0-7 and 8-15) unpacked at a time for the rows, so that each
+// broadcast of a row's four activation codes serves both halves' maddubs (a broadcast from
+// memory takes a vector pipe on Zen 3, as a maddubs does). A row's products of a group summed
+// in int16 pairs per half (at most 8 * 2 * 15 * 127 = 30480, exact in any order) and one madd,
+// exactly vpdpbusd's sums; then sum * (scale * d) and min * q_sum added in that order, the
+// AVX-512 code's steps. The rows' int16 sums and the four code vectors fill AVX2's 16
+// registers, so the float accumulators live in L1 (`acc`), read and written once per group.
+// Row r's sixteen sums to out[r * ld]. `ahead`: bytes past each group's codes to prefetch (0:
+// none).
 template <int ROWS, typename S>
-inline void int4_half_strip(const uint8_t* codes, const S* scale, const S* min, int h,
-                            const Int4Activations& xq, int64_t first, float* out, int64_t ld,
-                            int64_t ahead) {
-  constexpr int kVectors = 4;  // code vectors unpacked at a time, of a group's eight
-  __m256 acc[ROWS];
-#pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+inline void int4_strip(const uint8_t* codes, const S* scale, const S* min,
+                       const Int4Activations& xq, int64_t first, float* out, int64_t ld,
+                       int64_t ahead) {
+  alignas(32) float acc[ROWS][kStrip] = {};
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < xq.groups; ++g) {
-    const uint8_t* group = codes + g * kStripGroupBytes + 32 * h;
+    const uint8_t* group = codes + g * kStripGroupBytes;
     if (ahead != 0) {
 #pragma GCC unroll 4
       for (int u = 0; u < 4; ++u) {
         _mm_prefetch(reinterpret_cast<const char*>(group) + 64 * u + ahead, _MM_HINT_T0);
       }
     }
-    __m256i pairs[ROWS];
+    __m256i pairs[ROWS][2];
 #pragma GCC unroll 8
-    for (int r = 0; r < ROWS; ++r) pairs[r] = _mm256_setzero_si256();
-#pragma GCC unroll 2
-    for (int j0 = 0; j0 < 8; j0 += kVectors) {
-      __m256i w[kVectors];
-      unpack_half_strip(group + 64 * (j0 / 2), w);
+    for (int r = 0; r < ROWS; ++r) pairs[r][0] = pairs[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) {
+      __m256i w[2][2];  // [half][low, high nibbles]: positions 8 u .. 8 u + 4, 8 u + 4 .. 8 u + 8
+      unpack_half_strip(group + 64 * u, w[0]);
+      unpack_half_strip(group + 64 * u + 32, w[1]);
 #pragma GCC unroll 8
       for (int r = 0; r < ROWS; ++r) {
-#pragma GCC unroll 4
-        for (int j = 0; j < kVectors; ++j) {
-          pairs[r] = _mm256_add_epi16(
-              pairs[r],
-              _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xq.four(first + r, g, j0 + j))));
+#pragma GCC unroll 2
+        for (int j = 0; j < 2; ++j) {
+          const __m256i four = _mm256_set1_epi32(xq.four(first + r, g, 2 * u + j));
+          pairs[r][0] = _mm256_add_epi16(pairs[r][0], _mm256_maddubs_epi16(w[0][j], four));
+          pairs[r][1] = _mm256_add_epi16(pairs[r][1], _mm256_maddubs_epi16(w[1][j], four));
         }
-        keep_in_register(pairs[r]);
+        keep_in_register(pairs[r][0]);
+        keep_in_register(pairs[r][1]);
       }
     }
-    const __m256 s = eight_channels(scale + g * kStrip + 8 * h);
-    const __m256 m = eight_channels(min + g * kStrip + 8 * h);
+    const S* group_scale = scale + g * kStrip;
+    const S* group_min = min + g * kStrip;
+    const __m256 s[2] = {eight_channels(group_scale), eight_channels(group_scale + 8)};
+    const __m256 m[2] = {eight_channels(group_min), eight_channels(group_min + 8)};
 #pragma GCC unroll 8
     for (int r = 0; r < ROWS; ++r) {
-      const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[r], ones));
       const int64_t at = (first + r) * xq.groups + g;
-      acc[r] = _mm256_fmadd_ps(sums, _mm256_mul_ps(s, _mm256_set1_ps(xq.d[at])), acc[r]);
-      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xq.q_sum[at]), acc[r]);
-      keep_in_register(acc[r]);
+      const __m256 d = _mm256_set1_ps(xq.d[at]), q_sum = _mm256_set1_ps(xq.q_sum[at]);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[r][h], ones));
+        __m256 a = _mm256_load_ps(acc[r] + 8 * h);
+        a = _mm256_fmadd_ps(sums, _mm256_mul_ps(s[h], d), a);
+        a = _mm256_fmadd_ps(m[h], q_sum, a);
+        _mm256_store_ps(acc[r] + 8 * h, a);
+      }
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r) _mm256_storeu_ps(out + r * ld, acc[r]);
+  for (int r = 0; r < ROWS; ++r) {
+    _mm256_storeu_ps(out + r * ld, _mm256_load_ps(acc[r]));
+    _mm256_storeu_ps(out + r * ld + 8, _mm256_load_ps(acc[r] + 8));
+  }
 }
 
 // The same products with AVX-512 VNNI (512-bit loads; vpdpbusd: unsigned bytes times signed
@@ -644,7 +655,7 @@ void one_weight_row_wide(const Row& row, const typename Row::Code* q, int64_t k3
   });
 }
 
-// int4_half_strip on 512-bit registers: the whole strip a step, vpdpbusd summing each
+// int4_strip on 512-bit registers: the whole strip a step, vpdpbusd summing each
 // channel's products of a group in its lane (exactly the AVX2 code's int16 and int32 sums),
 // then the same float steps a lane: bit for bit the AVX2 code's outputs.
 inline __m512 sixteen_channels(const at::Half* h) { return _mm512_cvtph_ps(load_256(h)); }
@@ -926,15 +937,11 @@ void int4_strips(bool wide, const Int4Activations& xq, int64_t m, const at::Tens
         });
         continue;
       }
-      for (int h = 0; h < 2; ++h) {
-        for_each_tile<kInt4Rows>(m, [&](auto tile, int64_t r0) {
-          const int64_t ahead =
-              h == 0 && r0 == 0 ? kPrefetchStrips * groups * kStripGroupBytes : 0;
-          int4_half_strip<decltype(tile)::value>(strip_codes, scale, min, h, xq, r0,
-                                                 out + r0 * ld + strip * kStrip + 8 * h, ld,
-                                                 ahead);
-        });
-      }
+      for_each_tile<kInt4Rows>(m, [&](auto tile, int64_t r0) {
+        const int64_t ahead = r0 == 0 ? kPrefetchStrips * groups * kStripGroupBytes : 0;
+        int4_strip<decltype(tile)::value>(strip_codes, scale, min, xq, r0,
+                                          out + r0 * ld + strip * kStrip, ld, ahead);
+      });
     }
   });
 }
