@@ -178,7 +178,7 @@ class CompiledDecode:
         """The step's hidden states through its program; None while there are no programs
         yet, or none for this batch size (the caller runs the step eagerly). `meta` has one
         query token a row: a decode step's, or a verification step's as one-token rows
-        (`verify`; engine.spec_decode.verify.as_decode_rows)."""
+        (`verify`; engine.model_runner's prepare)."""
         programs = self._programs
         if programs is None:
             return None

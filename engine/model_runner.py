@@ -42,7 +42,7 @@ from engine.models.config import ModelConfig
 from engine.models.gguf_metadata import file_quantization
 from engine.models.loader import load_model
 from engine.pooler import Pooler, PoolSlice
-from engine.spec_decode.verify import as_decode_rows, sampled_rows, verifies_only, write_drafts
+from engine.spec_decode.verify import sampled_rows, verifies_only, write_drafts
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -116,9 +116,8 @@ class ModelInput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # The embedding requests' new tokens (rank 0 only), in batch order.
     pool_slices: list[PoolSlice] = field(default_factory=list)
-    # A step that only verifies drafts, as one-token rows, for the compiled decode programs or
-    # eagerly (engine.spec_decode.verify.as_decode_rows); None otherwise, or off the CPU.
-    decode_rows: AttentionMetadata | None = None
+    # A step that only verifies drafts, its tokens as one-token rows (attn_metadata's).
+    verifies: bool = False
 
 
 @dataclass
@@ -181,9 +180,15 @@ class ModelRunner:
         self.group_slot_mappings = [
             StepBuffer((max_tokens,), torch.int64, dev) for _ in range(groups.num_groups - 1)
         ]
-        self.query_start_loc = StepBuffer((max_seqs + 1,), torch.int32, dev)
-        self.seq_lens = StepBuffer((max_seqs,), torch.int32, dev)
-        self.block_tables = StepBuffer((max_seqs, self.max_blocks_per_seq), torch.int32, dev)
+        # Rows of a step: one a request, or one a token where a step that only verifies drafts
+        # runs as one-token rows (prepare).
+        spec = config.speculative
+        max_rows = max_seqs
+        if spec is not None:
+            max_rows = max(max_seqs, min(max_tokens, max_seqs * (1 + spec.num_speculative_tokens)))
+        self.query_start_loc = StepBuffer((max_rows + 1,), torch.int32, dev)
+        self.seq_lens = StepBuffer((max_rows,), torch.int32, dev)
+        self.block_tables = StepBuffer((max_rows, self.max_blocks_per_seq), torch.int32, dev)
         # Sampled rows are at most max_seqs (samples of n > 1 requests included); prompt-logprob
         # rows make up to one per token.
         self.logits_indices = StepBuffer((max_tokens + max_seqs,), torch.int64, dev)
@@ -213,15 +218,16 @@ class ModelRunner:
         self.compiled_decode = (
             CompiledDecode.start_if_enabled(self, config, model_path) if single else None
         )
-        # A step that only verifies drafts runs as one-token rows (as_decode_rows) on the CPU,
-        # compiled or eagerly: each token through the decode arithmetic that the same token
-        # gets without speculation. Through the attention's prefill path (its products in
-        # blocks) a bfloat16 step rounded otherwise, and greedy text changed with drafts.
-        self.verify_as_decode_rows = (
-            single and dev.type == "cpu" and isinstance(self.model.backend, TorchAttentionBackend)
-        )
         self.graphs = (
             DecodeGraphs.capture_if_enabled(self, config) if single and self.lora is None else None
+        )
+        # A step that only verifies drafts runs as one-token rows (prepare) where decode steps
+        # run from graphs, and on the CPU's torch backend (compiled or eagerly): each token
+        # through the decode arithmetic that the same token gets without speculation. Through
+        # the attention's prefill path (its products in blocks) a bfloat16 step rounded
+        # otherwise, and greedy text changed with drafts.
+        self.cpu_verifies_as_rows = (
+            single and dev.type == "cpu" and isinstance(self.model.backend, TorchAttentionBackend)
         )
 
     def prepare(self, plan: StepPlan) -> ModelInput:
@@ -294,21 +300,26 @@ class ModelRunner:
                 )
 
         nd = plan.num_decodes
+        verifies = (self.graphs is not None or self.cpu_verifies_as_rows) and verifies_only(plan)
         graph_size = None
-        if self.graphs is not None and (nd == num_reqs or verifies_only(plan)):
+        if self.graphs is not None and (nd == num_reqs or verifies):
             graph_size = self.graphs.size_for(num_tokens)
-        if graph_size is not None:
+        num_rows = num_reqs
+        if verifies or graph_size is not None:
             # Every token a one-token row: a decode step's, or a verification step's drafts,
-            # each the decode of a context ending at itself (as_decode_rows), through its
-            # entry's table. The graph reads the full-width table it captured.
-            cols = self.max_blocks_per_seq
-            tables[:num_tokens] = self.batch.block_table[rows[entry]]
-            self.seq_lens.np[:num_tokens] = positions + 1
+            # each the decode of a context ending at itself through its entry's table (every
+            # new K/V is written before any token attends). A graph reads the full-width table
+            # it captured.
+            if graph_size is not None:
+                cols = self.max_blocks_per_seq
+            tables[:num_tokens, :cols] = self.batch.block_table[rows[entry], :cols]
+            self.seq_lens.np[:num_tokens] = seq_lens = positions + 1
             self.query_start_loc.np[: num_tokens + 1] = self._arange[: num_tokens + 1]
-            self.pad_decode_rows(num_tokens, graph_size)
-            num_rows = num_tokens = graph_size
-        else:
-            num_rows = num_reqs
+            query_lens = [1] * num_tokens
+            nd = num_rows = num_tokens
+            if graph_size is not None:
+                self.pad_decode_rows(num_tokens, graph_size)
+                num_rows = num_tokens = graph_size
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping.upload(num_tokens),
             query_start_loc=self.query_start_loc.upload(num_rows + 1),
@@ -317,15 +328,12 @@ class ModelRunner:
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens.tolist(),
             num_decodes=nd,
-            max_query_len=int(num_new.max()),
+            max_query_len=max(query_lens),
             max_seq_len=max_seq_len,
             block_size=bs,
         )
         if num_groups > 1:
             meta.layer_metas = self._group_metas(meta, entry, first_entries, positions, cols)
-        decode_rows = None
-        if self.verify_as_decode_rows and plan.num_spec_tokens:
-            decode_rows = as_decode_rows(plan, meta, entry, positions, tables)
         return ModelInput(
             input_ids=self.input_ids.upload(num_tokens),
             positions=self.positions.upload(num_tokens),
@@ -335,7 +343,7 @@ class ModelRunner:
             graph_size=graph_size,
             block_copies=plan.block_copies,
             pool_slices=pool_slices,
-            decode_rows=decode_rows,
+            verifies=verifies,
         )
 
     def _group_metas(
@@ -421,7 +429,7 @@ class ModelRunner:
                 model_input.input_ids,
                 model_input.positions,
                 model_input.attn_metadata,
-                model_input.decode_rows,
+                model_input.verifies,
             )
         pooled = None
         if self.pooler is not None and model_input.pool_slices:
@@ -438,16 +446,15 @@ class ModelRunner:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        decode_rows: AttentionMetadata | None = None,
+        verifies: bool = False,
     ) -> torch.Tensor:
-        """The step's hidden states: a decode-only step, or one that only verifies drafts
-        (`decode_rows`: its tokens as one-token rows), through a compiled program where there is
-        one, else eagerly as such rows; any other step eagerly as it is."""
-        rows = meta if meta.num_decodes == meta.num_reqs else decode_rows
-        if self.compiled_decode is not None and rows is not None:
+        """The step's hidden states: a step of one-token rows (a decode step's, or a verification
+        step's tokens as such rows: `verifies`) through a compiled program where there is one,
+        else eagerly; any other step eagerly as it is."""
+        if self.compiled_decode is not None and meta.num_decodes == meta.num_reqs:
             try:
                 hidden = self.compiled_decode(
-                    input_ids, positions, self.kv_caches, rows, verify=decode_rows is not None
+                    input_ids, positions, self.kv_caches, meta, verify=verifies
                 )
             except Exception as error:  # an optional speed-up: see engine.fallback
                 # The eager run below writes the same KV slots the failed program may have.
@@ -456,4 +463,4 @@ class ModelRunner:
             else:
                 if hidden is not None:  # None: no program for this batch (yet): eagerly
                     return hidden
-        return self.model(input_ids, positions, self.kv_caches, meta if rows is None else rows)
+        return self.model(input_ids, positions, self.kv_caches, meta)

@@ -13,9 +13,10 @@ greedy request's are the tokens it gets without speculation.
 
 Draws use the request's own generator when it is seeded, else this verifier's. Only requests
 whose distributions do not depend on their own drafts ever draft (engine.spec_decode.drafter),
-so one row's parameters hold for all k + 1. On the CPU a step that only verifies runs as one-token
-rows (`as_decode_rows`): the compiled decode programs take it, and eagerly each token gets the
-decode arithmetic it gets without speculation. It never schedules and never changes a request.
+so one row's parameters hold for all k + 1. A step that only verifies (`verifies_only`) runs as
+one-token rows where decode steps run compiled or from CUDA graphs (engine.model_runner's
+prepare): each token gets the decode arithmetic it gets without speculation. It never schedules
+and never changes a request.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.attention.metadata import AttentionMetadata
 from engine.core.outputs import Logprobs, SamplerOutput
 from engine.core.request import Request
 from engine.core.step_plan import StepPlan
@@ -62,40 +62,6 @@ def verifies_only(plan: StepPlan) -> bool:
     (some drafting, no prompt chunk)."""
     return bool(plan.num_spec_tokens) and all(
         n == 1 + k for n, k in zip(plan.num_new_tokens, plan.num_spec_tokens, strict=True)
-    )
-
-
-def as_decode_rows(
-    plan: StepPlan,
-    meta: AttentionMetadata,
-    entry: np.ndarray,
-    positions: np.ndarray,
-    tables: np.ndarray,
-) -> AttentionMetadata | None:
-    """A verification step (every entry a running request's last known token and its drafts,
-    no prompt chunk) as one-token rows: each flat token the decode of a context ending at
-    itself, through its entry's block table. That is the metadata a compiled decode program's
-    attention reads (engine.compiled_decode) or an eager decode's, and what a verifying entry's
-    tokens attend to anyway: every new K/V is written before any token attends. None for any
-    other step.
-    `entry` and `positions`: each flat token's batch entry and position; `tables`: the step's
-    block tables (one KV group), a row per entry, meta's columns."""
-    if not verifies_only(plan):
-        return None
-    num_tokens = len(positions)
-    device = meta.seq_lens.device
-    seq_lens = positions.astype(np.int32) + 1
-    return AttentionMetadata(
-        slot_mapping=meta.slot_mapping,
-        query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32, device=device),
-        seq_lens=torch.from_numpy(seq_lens).to(device),
-        block_tables=torch.from_numpy(tables[entry, : meta.block_tables.shape[1]]).to(device),
-        query_lens_cpu=[1] * num_tokens,
-        seq_lens_cpu=seq_lens.tolist(),
-        num_decodes=num_tokens,
-        max_query_len=1,
-        max_seq_len=meta.max_seq_len,
-        block_size=meta.block_size,
     )
 
 
