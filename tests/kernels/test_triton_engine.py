@@ -76,10 +76,14 @@ class RecordedReplays:
         return self.runner.run_model(*self.runner.graph_inputs(size))
 
 
-def test_verification_steps_replay_decode_graphs_with_the_tokens_without_drafts(tmp_path):
+@pytest.mark.parametrize("graph_rows", [8, 2])
+def test_verification_steps_replay_decode_graphs_with_the_tokens_without_drafts(
+    tmp_path, graph_rows
+):
     """A step that only verifies drafts replays the decode graph of its tokens as one-token rows
     (a real CUDA graph on a GPU), and the greedy tokens equal the torch backend's without
-    speculation."""
+    speculation. With graphs of at most 2 rows, a verification step of more tokens runs eagerly
+    as one-token rows all the same (the arithmetic the graphs replay)."""
     make_checkpoint(tmp_path, *VARIANTS["llama"])
     # The tiny model's greedy continuation of this prompt repeats itself: drafts get accepted.
     prompt = [68, 94, 138, 10, 122, 66, 16, 43] * 3
@@ -114,8 +118,20 @@ def test_verification_steps_replay_decode_graphs_with_the_tokens_without_drafts(
     assert spec.drafter is not None
     spec.drafter.measured = None  # keeps drafting whatever the machine's load (test_spec_decode)
     runner = spec.executor.runner
-    replays = runner.graphs = RecordedReplays(runner, max_num_seqs=8)
+    replays = runner.graphs = RecordedReplays(runner, max_num_seqs=graph_rows)
+    eager_rows: list[tuple[int, int, bool]] = []  # (tokens, one-token rows, verifies)
+    run_model = runner.run_model
+
+    def recorded_run_model(input_ids, positions, meta, verifies=False):
+        eager_rows.append((len(input_ids), meta.num_decodes == meta.num_reqs, verifies))
+        return run_model(input_ids, positions, meta, verifies)
+
+    runner.run_model = recorded_run_model
     assert greedy(spec) == expected
     assert spec.stats().spec_num_accepted_tokens > 0
     # One request: a plain decode replays a graph of 1 row; a verification, of its 2-4 tokens.
     assert any(size > 1 for size in replays.replayed)
+    verified_eagerly = [(n, rows) for n, rows, verifies in eager_rows if verifies]
+    if graph_rows == 2:
+        assert any(n > 2 for n, _ in verified_eagerly)
+    assert all(rows for _, rows in verified_eagerly)
