@@ -185,7 +185,7 @@ class ModelRunner:
         spec = config.speculative
         max_rows = max_seqs
         if spec is not None:
-            max_rows = max(max_seqs, min(max_tokens, max_seqs * (1 + spec.num_speculative_tokens)))
+            max_rows = min(max_tokens, max_seqs * (1 + spec.num_speculative_tokens))
         self.query_start_loc = StepBuffer((max_rows + 1,), torch.int32, dev)
         self.seq_lens = StepBuffer((max_rows,), torch.int32, dev)
         self.block_tables = StepBuffer((max_rows, self.max_blocks_per_seq), torch.int32, dev)
