@@ -3,17 +3,19 @@
 Folio runs it against the plain loop over experts in torch that transformers runs, on the CPU
 and, where there is one, on a CUDA GPU.
 
-Folio's side is engine.layers.moe.SparseMoe itself: on the CPU, float32 experts (and bfloat16
-ones on CPUs with AMX, or without Folio's bfloat16 tiles) stacked in one call of Folio's experts
-kernel (folio_moe::experts; on AMX tiles where the CPU has them and the weights are bfloat16
-values), other bfloat16 ones each expert once over its gathered tokens through Folio's linears;
+Folio's side is engine.layers.moe.SparseMoe itself: on the CPU, float32 and bfloat16 experts
+stacked in one call of Folio's experts kernel (folio_moe::experts; its weights in pairs on AMX
+tiles where the CPU has them and the weights are bfloat16 values, or bfloat16 ones for AVX-512
+BF16's dot products), bfloat16 ones whose sizes are not multiples of 32 on a CPU with Folio's
+bfloat16 tiles each expert once over its gathered tokens through Folio's linears;
 on the GPU the fused Triton kernel (pairs sorted by expert, two grouped GEMMs). Float32 runs
 twice: random float32 weights, and weights holding bfloat16 values (`bf16-values`: a bfloat16
 checkpoint served in float32, which Folio packs in half the bytes), each printed as such. Where
 the CPU layer runs stacked, the same layer with its experts one at a time through Folio's linears
-(oneDNN-packed float32: the path before the stacked kernel) is timed in the same turns too, and
-where it runs on AMX, the same layer stacked without AMX (the kernel's AVX-512 code: the path
-before the AMX one). The baseline routes the same
+(oneDNN-packed float32, or Folio's bfloat16 tiles: the paths before the stacked kernel) is
+timed in the same turns too, and where its weights are in pairs on AMX, the same layer stacked
+without them (the kernel's AVX-512 code: the path before the AMX one). The baseline routes the
+same
 way, then for every expert finds its tokens with torch.where, gathers them and runs F.linear on
 the expert's weights, adding the weighted results back (transformers' MixtralExperts loop).
 Prints the median and fastest milliseconds of each (the two taking turns, so that other work on
@@ -65,11 +67,12 @@ def build_layer(
     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     device: str,
     stack: bool = True,
-    amx: bool = True,
+    pairs: bool = True,
 ) -> SparseMoe:
     """Folio's layer over the same weights, finalized as the loader leaves it (with `stack`
-    False, its CPU experts one at a time through Folio's linears; with `amx` False, stacked
-    without AMX tiles)."""
+    False, its CPU experts one at a time through Folio's linears; with `pairs` False, none of
+    its weights packed in pairs: stacked without AMX tiles, or bfloat16 experts one at a time on
+    CPUs with AVX-512 BF16)."""
     router, w13, w2 = weights
     backend = get_attention_backend("auto", device)
     layer = SparseMoe(
@@ -83,7 +86,7 @@ def build_layer(
             expert.down_proj.weight.copy_(w2[e])
     # In the model's order (LlamaForCausalLM.finalize_weights): the block, then its router and
     # experts' linears.
-    layer.finalize_weights(stack_cpu_experts=stack, cpu_amx=amx)
+    layer.finalize_weights(stack_cpu_experts=stack, cpu_pairs=pairs)
     for module in layer.modules():
         if module is not layer and (finalize := getattr(module, "finalize_weights", None)):
             finalize()
@@ -194,10 +197,16 @@ def profile(step: Callable[[], object], label: str) -> None:
     print(recorded.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
-def on_amx(layer: SparseMoe) -> bool:
-    """Whether the layer's stacked experts run on AMX tiles (their panels in pairs)."""
+def in_pairs(layer: SparseMoe) -> bool:
+    """Whether the layer's stacked experts have their panels in pairs (AMX's tiles, or AVX-512
+    BF16's dot products for bfloat16 activations)."""
     stacked = layer.stacked
     return stacked is not None and stacked.gate_up is not None and stacked.gate_up.shape[-1] == 64
+
+
+def on_amx(layer: SparseMoe) -> bool:
+    """Whether the layer's stacked experts run on AMX tiles."""
+    return in_pairs(layer) and bool(torch.ops.folio_moe.amx_usable())
 
 
 def run(args: argparse.Namespace, device: str, dtype: torch.dtype, bf16_values: bool) -> None:
@@ -208,7 +217,7 @@ def run(args: argparse.Namespace, device: str, dtype: torch.dtype, bf16_values: 
     per_expert = build_layer(args, weights, device, stack=False) if not layer.fused else None
     # Where the layer runs on AMX, the same layer without it (the kernel's AVX-512 code; a
     # bfloat16 layer then runs one expert at a time on CPUs with Folio's tiles: per_expert).
-    without_amx = build_layer(args, weights, device, amx=False) if on_amx(layer) else None
+    without_amx = build_layer(args, weights, device, pairs=False) if on_amx(layer) else None
     if without_amx is not None and without_amx.stacked is None:
         without_amx = None
     router, w13, w2 = (w.to(device) for w in weights)
@@ -237,6 +246,8 @@ def run(args: argparse.Namespace, device: str, dtype: torch.dtype, bf16_values: 
             if layer.fused
             else "stacked experts kernel, AMX"
             if on_amx(layer)
+            else "stacked experts kernel, AVX-512 BF16 pairs"
+            if in_pairs(layer)
             else "stacked experts kernel"
             if stacked
             else "per expert, Folio's linears"

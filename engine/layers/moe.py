@@ -4,12 +4,13 @@ softmax weights (renormalised over the k where the model does), experts that are
 
 - The CPU path (the torch attention backend) sorts the step's (token, expert) pairs by expert
   once and runs each expert once over the tokens routed to it. Float32 gated-SiLU experts
-  without biases (Mixtral's, Qwen3-MoE's), and bfloat16 ones on CPUs with AMX or without
-  Folio's bfloat16 tiles, run stacked: their weights packed once loaded into the panels of
-  Folio's experts kernel (engine/kernels/cpu/cpu_moe.cpp: gate and up in one pass, all
-  experts' products in one parallel loop, float32 products; bfloat16 panels where the values
-  allow, multiplied on AMX tiles where the CPU has them), the whole step one C++ call. Other
-  experts (bfloat16 on Folio's tiles without AMX, int8/int4, gpt-oss's) run one at a time
+  without biases (Mixtral's, Qwen3-MoE's), and bfloat16 ones, run stacked: their weights
+  packed once loaded into the panels of Folio's experts kernel (engine/kernels/cpu/cpu_moe.cpp:
+  gate and up in one pass, all experts' products in one parallel loop, float32 products;
+  bfloat16 panels where the values allow, multiplied on AMX tiles where the CPU has them, and
+  bfloat16 activations by AVX-512 BF16 dot products where it has those), the whole step one C++
+  call. Other experts (bfloat16 ones whose sizes are not multiples of 32 on a CPU with Folio's
+  bfloat16 tiles, int8/int4, gpt-oss's) run one at a time
   through engine.layers.linear, so their weights get the packed, bfloat16-tile or int8/int4
   forms every other linear gets.
   Either way the sizes depend on the routing, so inside a compiled decode program the experts
@@ -293,15 +294,17 @@ class SparseMoe(nn.Module):
         # The CPU path's experts packed for Folio's experts kernel (set by finalize_weights).
         self.stacked: StackedExperts | None = None
 
-    def finalize_weights(self, stack_cpu_experts: bool = True, cpu_amx: bool = True) -> None:
+    def finalize_weights(self, stack_cpu_experts: bool = True, cpu_pairs: bool = True) -> None:
         """Called before the experts' own linears are finalized: the fused path takes their
         float weights (stacked) and the per-expert modules go; the CPU path packs them for
         Folio's experts kernel where it can (and `stack_cpu_experts`: benchmarks turn it off to
-        time the linears one expert at a time; `cpu_amx` off, the kernel's AVX-512 code where
-        it would use AMX)."""
+        time the linears one expert at a time; `cpu_pairs` off, no weights packed in pairs: the
+        kernel's AVX-512 code over widened panels where it would use AMX, and bfloat16 experts
+        one at a time on Folio's tiles where it would use AVX-512 BF16 dot products, the paths
+        before each)."""
         if not self.fused:
             if stack_cpu_experts:
-                self._stack_cpu_experts(cpu_amx)
+                self._stack_cpu_experts(cpu_pairs)
             return
         experts = self._expert_list
         self.w13 = torch.stack([e.gate_up_proj.weight.data for e in experts])
@@ -315,14 +318,15 @@ class SparseMoe(nn.Module):
         self.experts = nn.ModuleDict()
         self._expert_list = []
 
-    def _stack_cpu_experts(self, amx: bool) -> None:
+    def _stack_cpu_experts(self, pairs_allowed: bool) -> None:
         """The experts' weights packed for folio_moe::experts, where they are gated-SiLU MLPs
         without biases on a CPU where Folio's kernels loaded: float32 ones (in bfloat16 panels
         where every value is a bfloat16 one, a bfloat16 checkpoint's: the same products at half
-        the bytes), and bfloat16 ones on CPUs with AMX or without Folio's bfloat16 tiles (AVX2:
-        torch's bfloat16 linears are emulated there). bfloat16 panels go in AMX's pairs where
-        the CPU has AMX (and `amx`, and FOLIO_CPU_ISA allows AVX-512) and both sizes are
-        multiples of 32."""
+        the bytes), and bfloat16 ones (on AVX2 torch's bfloat16 linears are emulated). bfloat16
+        panels go in pairs (`pairs_allowed`, FOLIO_CPU_ISA allowing AVX-512, both sizes
+        multiples of 32) where the CPU has AMX, or for bfloat16 experts where it has AVX-512
+        BF16's dot products; bfloat16 experts that cannot go in pairs on such a CPU stay on
+        Folio's bfloat16 tiles, one at a time."""
         experts = self._expert_list
         if not experts or self._swiglu:
             return
@@ -342,11 +346,11 @@ class SparseMoe(nn.Module):
         native = forced_isa() == "native"
         down_weight = experts[0].down_proj.weight
         pairs = (
-            amx
+            pairs_allowed
             and native
             and down_weight.shape[0] % 32 == 0  # hidden
             and down_weight.shape[1] % 32 == 0  # this rank's intermediate features
-            and _amx_usable()
+            and (_amx_usable() or (dtype == torch.bfloat16 and caps.avx512_bf16))
         )
         if dtype == torch.float32:
             halves = all(holds_bf16(p.weight) for p in projections)

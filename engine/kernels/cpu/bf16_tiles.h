@@ -1,5 +1,6 @@
 // bfloat16 products on x86 CPUs with AVX-512 BF16, shared by Folio's kernels (cpu_linear.cpp's
-// bf16_linear, cpu_attention.cpp's prefill attention), and bfloat16 pairs widened to float32
+// bf16_linear, cpu_attention.cpp's prefill attention, cpu_moe.cpp's bfloat16 experts without
+// AMX), and bfloat16 pairs widened to float32
 // (widen_pairs: cpu_linear.cpp's widened tiles, cpu_lora.cpp's expand, cpu_moe.cpp's AMX pairs).
 //
 // The right-hand matrix [out, in] lies in tiles of 16 output rows, each row's inputs in pairs:
@@ -47,8 +48,11 @@ inline bool cpu_has_avx512_bf16() {
 
 // Left-hand rows x[m] (m < ROWS, `x_row` values apart, `pairs` pairs each) times tiles
 // w + n * tile_values (n < TILES): store(m, n, sums) gets the 16 float32 sums of row m and tile
-// n. Meanwhile `prefetch` (or nullptr), the next tiles a caller will read, comes into L2.
-template <int TILES, int ROWS, typename Store>
+// n, in that order (n fastest). A tile's pair p lies STEP values after its pair p - 1: 32 where
+// its pairs are its own, more where tiles interleave (cpu_moe.cpp's gate and up tiles, STEP 64,
+// tile_values 32). Meanwhile `prefetch` (or nullptr), the next tiles a caller will read, laid
+// out alike, comes into L2.
+template <int TILES, int ROWS, int STEP = 2 * kTileRows, typename Store>
 FOLIO_AVX512_BF16 inline void multiply_tiles(const uint16_t* x, int64_t x_row, const uint16_t* w,
                                              int64_t tile_values, int64_t pairs,
                                              const uint16_t* prefetch, const Store& store) {
@@ -58,11 +62,11 @@ FOLIO_AVX512_BF16 inline void multiply_tiles(const uint16_t* x, int64_t x_row, c
   for (int64_t p = 0; p < pairs; ++p) {
     if (prefetch != nullptr)
       for (int n = 0; n < TILES; ++n)
-        _mm_prefetch(reinterpret_cast<const char*>(prefetch + n * tile_values + p * 2 * kTileRows),
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + n * tile_values + p * STEP),
                      _MM_HINT_T1);
     __m512bh tile[TILES];
     for (int n = 0; n < TILES; ++n)
-      tile[n] = (__m512bh)_mm512_loadu_si512(w + n * tile_values + p * 2 * kTileRows);
+      tile[n] = (__m512bh)_mm512_loadu_si512(w + n * tile_values + p * STEP);
     for (int m = 0; m < ROWS; ++m) {
       int32_t pair;
       __builtin_memcpy(&pair, x + m * x_row + 2 * p, sizeof(pair));
@@ -76,21 +80,21 @@ FOLIO_AVX512_BF16 inline void multiply_tiles(const uint16_t* x, int64_t x_row, c
 
 // multiply_tiles for `rows` (1 to ROWS) rows and `tiles` (1 to TILES) tiles, each count its own
 // unrolled code.
-template <int TILES, int ROWS, typename Store>
+template <int TILES, int ROWS, int STEP = 2 * kTileRows, typename Store>
 inline void multiply_tiles_upto(int64_t tiles, int64_t rows, const uint16_t* x, int64_t x_row,
                                 const uint16_t* w, int64_t tile_values, int64_t pairs,
                                 const uint16_t* prefetch, const Store& store) {
   if constexpr (TILES > 1) {
     if (tiles < TILES)
-      return multiply_tiles_upto<TILES - 1, ROWS>(tiles, rows, x, x_row, w, tile_values, pairs,
-                                                  prefetch, store);
+      return multiply_tiles_upto<TILES - 1, ROWS, STEP>(tiles, rows, x, x_row, w, tile_values,
+                                                        pairs, prefetch, store);
   }
   if constexpr (ROWS > 1) {
     if (rows < ROWS)
-      return multiply_tiles_upto<TILES, ROWS - 1>(tiles, rows, x, x_row, w, tile_values, pairs,
-                                                  prefetch, store);
+      return multiply_tiles_upto<TILES, ROWS - 1, STEP>(tiles, rows, x, x_row, w, tile_values,
+                                                        pairs, prefetch, store);
   }
-  multiply_tiles<TILES, ROWS>(x, x_row, w, tile_values, pairs, prefetch, store);
+  multiply_tiles<TILES, ROWS, STEP>(x, x_row, w, tile_values, pairs, prefetch, store);
 }
 
 // Sixteen float32 sums as bfloat16 (round to nearest even), the first `count` stored.

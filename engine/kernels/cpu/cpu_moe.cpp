@@ -30,11 +30,13 @@
 // for each input k, the 16 gate columns 16 j .. 16 j + 16 then the 16 up columns; down [E,
 // hidden/16, I', 16] (I' = I rounded up to 16), panel t holding, for each intermediate feature
 // k, outputs 16 t .. 16 t + 16; zeros where a size is not a multiple of 16. With `pairs`
-// (bfloat16 weights, both sizes multiples of 32, for CPUs with AMX: amx_usable) each step holds
-// two inputs of every column side by side: gate_up [E, I/16, hidden/2, 64], down [E, hidden/16,
-// I/2, 32], the right-hand operands of AMX's tdpbf16ps, which folio_moe_amx below multiplies
-// by x's rows (bfloat16 as they are; float32 split exactly into three bfloat16 parts; float32
-// blocks of at most 8 rows with AVX-512 FMAs instead). One pass over x per gate_up panel gives
+// (bfloat16 weights, both sizes multiples of 32, for CPUs with AMX: amx_usable, or for bfloat16
+// activations on CPUs with AVX-512 BF16) each step holds two inputs of every column side by
+// side: gate_up [E, I/16, hidden/2, 64], down [E, hidden/16, I/2, 32], the right-hand operands
+// of AMX's tdpbf16ps and of vdpbf16ps, which folio_moe_amx below multiplies by x's rows
+// (bfloat16 as they are; float32 split exactly into three bfloat16 parts; float32 blocks of at
+// most 8 rows with AVX-512 FMAs instead), and folio_moe_bf16_pairs without AMX (bfloat16 rows
+// only). One pass over x per gate_up panel gives
 // gate and up together, and silu(gate) * up leaves registers only once, as the intermediate
 // rows down reads; the tasks of all experts share one parallel loop per product (instead of a
 // oneDNN call per expert and projection). The float32 code's sums are fused multiply-adds in
@@ -42,7 +44,8 @@
 // where the CPU has it and allow_avx512 (engine/layers/moe.py passes FOLIO_CPU_ISA's choice),
 // AVX2 otherwise.
 //
-// folio_moe::amx_usable() -> bool: whether this process may run experts packed in pairs.
+// folio_moe::amx_usable() -> bool: whether this process may run experts packed in pairs on AMX
+// (float32 activations too).
 
 // A float32 product and sum rounded one after the other, as torch rounds them: a fused
 // multiply-add would round once and change the result's last bits.
@@ -213,6 +216,27 @@ struct ExpertProblem {
   std::vector<int64_t> used;   // the local experts that got rows, in order
   std::vector<int64_t> start;  // used expert u's rows: start[u] .. start[u + 1]
 };
+
+// One product of every used expert as tasks (used expert u, first panel j), `per_task` of its
+// `panels` panels (`panel_values` weights each, from `weights`) a task, all experts' tasks in one
+// parallel loop: f(u, j, the task's weights, the next task's of this thread or nullptr, for
+// prefetching).
+template <typename W, typename F>
+inline void for_panel_tasks(const ExpertProblem& p, const W* weights, int64_t panels,
+                            int64_t per_task, int64_t panel_values, const F& f) {
+  std::vector<std::pair<int64_t, int64_t>> tasks;
+  for (size_t u = 0; u < p.used.size(); ++u)
+    for (int64_t j = 0; j < panels; j += per_task) tasks.emplace_back(u, j);
+  const auto weights_of = [&](int64_t task) {
+    const auto [u, j] = tasks[task];
+    return weights + (p.used[u] * panels + j) * panel_values;
+  };
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task)
+      f(tasks[task].first, tasks[task].second, weights_of(task),
+        task + 1 < end ? weights_of(task + 1) : nullptr);
+  });
+}
 
 bool cpu_has_avx512() {
   static const bool supported = __builtin_cpu_supports("avx512f") &&
@@ -567,6 +591,94 @@ inline void run_experts(const ExpertProblem& p, const at::Tensor& rows) {
 #pragma GCC pop_options
 }  // namespace folio_moe_amx
 
+// Both products with AVX-512 BF16 dot products, for bfloat16 activations over weights packed in
+// pairs on CPUs without AMX: the same panels as the tiles', each step of a panel one vector of
+// 16 columns' pairs that vdpbf16ps multiplies by a row's broadcast pair (bf16_tiles.h's
+// multiply_tiles), twice the multiply-adds of an instruction that FMAs over widened panels do
+// (on a 2-core Zen 5 VM 7.4 G vdpbf16ps/s against 8.4 G FMAs/s on one core). The sums are float32
+// (each instruction adds a pair's two products to them), silu(gate) * up rounded to bfloat16 once
+// as the rows down reads, as the AMX code does.
+namespace folio_moe_bf16_pairs {
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16")
+
+// 12 rows x (gate, up): 24 sums, the two weight vectors and a broadcast.
+constexpr int kGateUpRows = 12;
+// 12 rows x 2 down panels.
+constexpr int kDownRows = 12;
+constexpr int kDownPanels = 2;
+
+// Row m's sums of a gate_up panel: its gate's (n = 0) then its up's (n = 1), whose product
+// silu(gate) * up goes to h as bfloat16.
+struct StoreGateUp {
+  uint16_t* h;
+  int64_t inter;
+  mutable __m512 gate;
+  void operator()(int m, int n, __m512 sums) const {
+    if (n == 0) {
+      gate = sums;
+    } else {
+      folio::store_bf16(h + m * inter, folio_moe_avx512::silu_mul(gate, sums), kPanel);
+    }
+  }
+};
+
+// Row m's sums of down panel n: 16 float32 outputs.
+struct StoreDown {
+  float* y;
+  int64_t hidden;
+  void operator()(int m, int n, __m512 sums) const {
+    _mm512_storeu_ps(y + m * hidden + n * kPanel, sums);
+  }
+};
+
+// Rows begin .. end in as few blocks of at most `most` rows as can hold them, of sizes that
+// differ by one at most: f(first row, rows) each. A block's sums are that many independent
+// chains of vdpbf16ps, each waiting on its last: 16 rows as 12 and 4 left the 4-row block bound
+// by that latency (8 chains); as 8 and 8 every block has 16.
+template <typename F>
+inline void for_blocks(int64_t begin, int64_t end, int64_t most, const F& f) {
+  const int64_t count = end - begin, blocks = (count + most - 1) / most;
+  for (int64_t b = 0, r = begin; b < blocks; ++b) {
+    const int64_t rows = count / blocks + (b < count % blocks ? 1 : 0);
+    f(r, rows);
+    r += rows;
+  }
+}
+
+// The routed bfloat16 rows [pairs, hidden], expert by expert -> the experts' outputs y [pairs,
+// hidden] float32. Tasks as the float32 code's: (expert, gate_up panel), then (expert, two down
+// panels), all experts' in one parallel loop each; every block of rows reads its panel (from L2
+// after the first) while the next task's panel comes into L2.
+inline void run_experts(const ExpertProblem& p, const at::Tensor& rows) {
+  const int64_t hidden = p.hidden, up_panels = p.gate_up.size(1), inter = up_panels * kPanel;
+  const auto* x = static_cast<const uint16_t*>(rows.data_ptr());
+  at::Tensor middle = at::empty({rows.size(0), inter}, rows.options());  // silu(gate) * up
+  auto* h = static_cast<uint16_t*>(middle.data_ptr());
+  for_panel_tasks(p, static_cast<const uint16_t*>(p.gate_up.data_ptr()), up_panels, 1,
+                  hidden * 2 * kPanel, [&](int64_t u, int64_t j, const uint16_t* panel,
+                                           const uint16_t* next) {
+    for_blocks(p.start[u], p.start[u + 1], kGateUpRows, [&](int64_t r, int64_t rows) {
+      folio::multiply_tiles_upto<2, kGateUpRows, 4 * kPanel>(
+          2, rows, x + r * hidden, hidden, panel, 2 * kPanel, hidden / 2, next,
+          StoreGateUp{h + r * inter + j * kPanel, inter, {}});
+    });
+  });
+  const int64_t panel_values = inter * kPanel;
+  for_panel_tasks(p, static_cast<const uint16_t*>(p.down.data_ptr()), p.down.size(1),
+                  kDownPanels, panel_values, [&](int64_t u, int64_t t, const uint16_t* panels,
+                                                 const uint16_t* next) {
+    for_blocks(p.start[u], p.start[u + 1], kDownRows, [&](int64_t r, int64_t rows) {
+      folio::multiply_tiles_upto<kDownPanels, kDownRows>(
+          kDownPanels, rows, h + r * inter, inter, panels, panel_values, inter / 2, next,
+          StoreDown{p.y + r * hidden + t * kPanel, hidden});
+    });
+  });
+}
+
+#pragma GCC pop_options
+}  // namespace folio_moe_bf16_pairs
+
 namespace folio_moe_avx2 {
 
 using Vec = __m256;
@@ -705,12 +817,16 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& weights, const at::Ten
               "folio_moe::experts: packed weights gate_up ", gate_up.sizes(), " and down ",
               down.sizes(), " do not fit ", hidden, " features");
   const bool pair_steps = step == 2;
-  TORCH_CHECK(!pair_steps || (allow_avx512 && amx_usable()),
-              "folio_moe::experts: weights packed in pairs need AMX (allowed and usable)");
+  const bool amx = pair_steps && allow_avx512 && amx_usable();
+  TORCH_CHECK(!pair_steps || amx ||
+                  (allow_avx512 && folio::cpu_has_avx512_bf16() &&
+                   x.scalar_type() == at::kBFloat16),
+              "folio_moe::experts: weights packed in pairs need AMX, or bfloat16 activations "
+              "on a CPU with AVX-512 BF16 (allowed: allow_avx512)");
   auto [counts, pairs, rows] = route(x, ids, first_expert, local);
   const int64_t pair_count = rows.size(0);
   if (pair_count == 0) return at::zeros({x.size(0), hidden}, x.options());
-  // The AMX code reads the rows as they are (and keeps silu(gate) * up its own way).
+  // The codes over pairs read the rows as they are (and keep silu(gate) * up their own way).
   const at::Tensor wide_rows = pair_steps ? rows : rows.to(at::kFloat);
   const auto float32 = x.options().dtype(at::kFloat);
   at::Tensor h = at::empty({pair_steps ? 0 : pair_count, inter}, float32);
@@ -724,8 +840,10 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& weights, const at::Ten
     problem.start.push_back(problem.start.back() + count[e]);
   }
   const bool avx512 = allow_avx512 && cpu_has_avx512();
-  if (pair_steps) {
+  if (amx) {
     folio_moe_amx::run_experts(problem, wide_rows);
+  } else if (pair_steps) {
+    folio_moe_bf16_pairs::run_experts(problem, wide_rows);
   } else if (weight_type == at::kFloat) {
     avx512 ? folio_moe_avx512::run_experts<float>(problem)
            : folio_moe_avx2::run_experts<float>(problem);

@@ -155,55 +155,30 @@ template <typename W>
 inline void run_experts(const ExpertProblem& p) {
   const int64_t up_panels = p.gate_up.size(1), inter = up_panels * kPanel;
   const int64_t gate_up_values = p.hidden * 2 * kPanel;
-  const W* gate_up = static_cast<const W*>(p.gate_up.data_ptr());
-  std::vector<std::pair<int64_t, int64_t>> tasks;  // (used expert, its first panel)
-  for (size_t u = 0; u < p.used.size(); ++u)
-    for (int64_t j = 0; j < up_panels; ++j) tasks.emplace_back(u, j);
-  const auto panel_of = [&](int64_t task) {
-    const auto [u, j] = tasks[task];
-    return gate_up + (p.used[u] * up_panels + j) * gate_up_values;
-  };
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const auto [u, j] = tasks[task];
-      const W* panel = panel_of(task);
-      const W* next = task + 1 < end ? panel_of(task + 1) : nullptr;
-      const int64_t count = p.start[u + 1] - p.start[u];
-      const int64_t blocks = (count + kGateUpRows - 1) / kGateUpRows;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t r = p.start[u] + b * kGateUpRows;
-        const int64_t rows = std::min<int64_t>(kGateUpRows, p.start[u + 1] - r);
-        gate_up_upto(rows, p.x + r * p.hidden, p.hidden, panel,
-                     share(next, p.hidden, 2 * kPanel, b, blocks), p.h + r * inter + j * kPanel,
-                     inter);
-      }
+  for_panel_tasks(p, static_cast<const W*>(p.gate_up.data_ptr()), up_panels, 1, gate_up_values,
+                  [&](int64_t u, int64_t j, const W* panel, const W* next) {
+    const int64_t count = p.start[u + 1] - p.start[u];
+    const int64_t blocks = (count + kGateUpRows - 1) / kGateUpRows;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t r = p.start[u] + b * kGateUpRows;
+      const int64_t rows = std::min<int64_t>(kGateUpRows, p.start[u + 1] - r);
+      gate_up_upto(rows, p.x + r * p.hidden, p.hidden, panel,
+                   share(next, p.hidden, 2 * kPanel, b, blocks), p.h + r * inter + j * kPanel,
+                   inter);
     }
   });
   const int64_t down_panels = p.down.size(1), down_values = inter * kPanel;
-  const int64_t groups = (down_panels + kDownPanels - 1) / kDownPanels;
-  const W* down = static_cast<const W*>(p.down.data_ptr());
-  tasks.clear();
-  for (size_t u = 0; u < p.used.size(); ++u)
-    for (int64_t g = 0; g < groups; ++g) tasks.emplace_back(u, g * kDownPanels);
-  const auto down_of = [&](int64_t task) {
-    const auto [u, j] = tasks[task];
-    return down + (p.used[u] * down_panels + j) * down_values;
-  };
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const auto [u, j] = tasks[task];
-      const int64_t panels = std::min<int64_t>(kDownPanels, down_panels - j);
-      const W* w = down_of(task);
-      const W* next = task + 1 < end ? down_of(task + 1) : nullptr;
-      const int64_t count = p.start[u + 1] - p.start[u];
-      const int64_t blocks = (count + kDownRows - 1) / kDownRows;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t r = p.start[u] + b * kDownRows;
-        const int64_t rows = std::min<int64_t>(kDownRows, p.start[u + 1] - r);
-        down_upto(rows, panels, p.h + r * inter, inter, inter, w, down_values,
-                  share(next, inter, kPanel, b, blocks), p.y + r * p.hidden, p.hidden,
-                  j * kPanel);
-      }
+  for_panel_tasks(p, static_cast<const W*>(p.down.data_ptr()), down_panels, kDownPanels,
+                  down_values, [&](int64_t u, int64_t j, const W* w, const W* next) {
+    const int64_t panels = std::min<int64_t>(kDownPanels, down_panels - j);
+    const int64_t count = p.start[u + 1] - p.start[u];
+    const int64_t blocks = (count + kDownRows - 1) / kDownRows;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t r = p.start[u] + b * kDownRows;
+      const int64_t rows = std::min<int64_t>(kDownRows, p.start[u + 1] - r);
+      down_upto(rows, panels, p.h + r * inter, inter, inter, w, down_values,
+                share(next, inter, kPanel, b, blocks), p.y + r * p.hidden, p.hidden,
+                j * kPanel);
     }
   });
 }

@@ -454,19 +454,28 @@ def amx_usable() -> bool:
     return cpu_capabilities().folio_kernels and bool(torch.ops.folio_moe.amx_usable())
 
 
+def bf16_pairs_usable() -> bool:
+    """Whether bfloat16 activations run over weights packed in pairs: on AMX, or with AVX-512
+    BF16's dot products."""
+    return amx_usable() or cpu_capabilities().avx512_bf16
+
+
 @pytest.mark.parametrize("first, local", [(0, 6), (2, 3)], ids=["all-experts", "rank-share"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_stacked_experts_on_amx_match_float64_loop(first, local, threads):
-    """Panels packed in pairs run on AMX tiles: float32 activations over bfloat16 weights (a
-    bfloat16 checkpoint served in float32: the activations split into three bfloat16 parts)
-    are the float64 loop within float32 rounding, bfloat16 ones within bfloat16 rounding, with
-    experts of more than 16 rows (several row tiles), experts no token reaches and this rank's
-    share of the experts, at any thread count."""
-    if not amx_usable():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_stacked_experts_in_pairs_match_float64_loop(dtype, first, local, threads):
+    """Panels packed in pairs: float32 activations over bfloat16 weights (a bfloat16 checkpoint
+    served in float32: on AMX, the activations split into three bfloat16 parts) are the float64
+    loop within float32 rounding, bfloat16 ones (on AMX, or AVX-512 BF16's dot products) within
+    bfloat16 rounding, with experts of more than 16 rows (several row tiles and blocks), experts
+    no token reaches and this rank's share of the experts, at any thread count."""
+    if dtype == torch.float32 and not amx_usable():
         pytest.skip("this CPU has no AMX (or Linux did not grant it)")
+    if not bf16_pairs_usable():
+        pytest.skip("this CPU has neither AMX nor AVX-512 BF16")
     generator = torch.Generator().manual_seed(7 + first)
     tokens, hidden, inter, k = 45, 64, 96, 2
-    x = torch.randn(tokens, hidden, generator=generator)
+    x = torch.randn(tokens, hidden, generator=generator).to(dtype)
     w13 = (torch.randn(6, 2 * inter, hidden, generator=generator) * hidden**-0.5).bfloat16()
     w2 = (torch.randn(6, hidden, inter, generator=generator) * inter**-0.5).bfloat16()
     logits = torch.randn(tokens, 6, generator=generator)
@@ -480,17 +489,17 @@ def test_stacked_experts_on_amx_match_float64_loop(first, local, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        wide = torch.ops.folio_moe.experts(x, weights, ids, *pairs, first, True)
-        narrow = torch.ops.folio_moe.experts(x.bfloat16(), weights, ids, *pairs, first, True)
+        got = torch.ops.folio_moe.experts(x, weights, ids, *pairs, first, True)
     finally:
         torch.set_num_threads(before)
-    assert wide.dtype == torch.float32 and narrow.dtype == torch.bfloat16
+    assert got.dtype == dtype
     mine = ((ids >= first) & (ids < first + local)).any(-1)
-    assert not bool(wide[~mine].any()) and not bool(narrow[~mine].any())
+    assert not bool(got[~mine].any())
     expected = expert_loop_float64(x, weights, ids, w13, w2, first)
-    torch.testing.assert_close(wide.double(), expected, atol=2e-6, rtol=1e-5)
-    expected = expert_loop_float64(x.bfloat16(), weights, ids, w13, w2, first)
-    torch.testing.assert_close(narrow.double(), expected, atol=3e-2, rtol=2e-2)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=1e-5)
+    else:
+        torch.testing.assert_close(got.double(), expected, atol=3e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -530,30 +539,46 @@ def test_stacked_experts_pairs_refuse_what_they_cannot_hold():
         torch.ops.folio_moe.pack_experts(list(w13[:, :, :16]), list(w2[:, :16]), True)
     pairs = torch.ops.folio_moe.pack_experts(list(w13), list(w2), True)
     x, ids, weights = torch.randn(3, 32), torch.tensor([[0, 1], [1, 0], [0, 1]]), torch.ones(3, 2)
-    with pytest.raises(RuntimeError, match="packed in pairs need AMX"):
-        torch.ops.folio_moe.experts(x, weights, ids, *pairs, 0, False)
+    for activations in (x, x.bfloat16()):  # AVX-512 not allowed: neither AMX nor its BF16
+        with pytest.raises(RuntimeError, match="packed in pairs need AMX, or bfloat16"):
+            torch.ops.folio_moe.experts(activations, weights, ids, *pairs, 0, False)
+    if not amx_usable():  # float32 activations over pairs need AMX's tiles
+        with pytest.raises(RuntimeError, match="packed in pairs need AMX, or bfloat16"):
+            torch.ops.folio_moe.experts(x, weights, ids, *pairs, 0, True)
+
+
+def bf16_valued_block(
+    dtype: torch.dtype,
+    hidden: int = 64,
+    inter: int = 32,
+    scale: float = 0.15,
+    stack: bool = True,
+    pairs: bool = True,
+) -> SparseMoe:
+    """A SiLU layer of 4 experts, top-2, every weight a bfloat16 value (small enough that
+    bfloat16 rounds its outputs well inside the tests' tolerance), finalized as the loader
+    leaves it."""
+    torch.manual_seed(0)
+    layer = SparseMoe(hidden, 4, 2, inter, True, TorchAttentionBackend(), dtype, "cpu")
+    with torch.no_grad():
+        for parameter in layer.parameters():
+            parameter.copy_(torch.randn(parameter.shape).mul(scale).bfloat16())
+    layer.finalize_weights(stack_cpu_experts=stack, cpu_pairs=pairs)
+    for module in layer.modules():
+        if isinstance(module, Linear):
+            module.finalize_weights()
+    return layer
 
 
 def test_layer_runs_bfloat16_experts_on_amx(monkeypatch, caplog):
     """On a CPU with AMX, bfloat16 layers and float32 ones holding bfloat16 values (sizes
     multiples of 32) pack their experts in AMX's pairs and give the experts one at a time
-    within bfloat16 (float32) rounding; with `cpu_amx` off they pack as before (bfloat16 ones
+    within bfloat16 (float32) rounding; with `cpu_pairs` off they pack as before (bfloat16 ones
     then run one at a time on CPUs with Folio's tiles); where asking for AMX fails, one
     warning, and the same layer packs without it."""
     from engine.layers import moe
 
-    def block(dtype: torch.dtype, stack: bool = True, amx: bool = True) -> SparseMoe:
-        torch.manual_seed(0)
-        layer = SparseMoe(64, 4, 2, 32, True, TorchAttentionBackend(), dtype, "cpu")
-        with torch.no_grad():  # small outputs: bfloat16 rounds them well inside the tolerance
-            for parameter in layer.parameters():
-                parameter.copy_(torch.randn(parameter.shape).mul(0.15).bfloat16())
-        layer.finalize_weights(stack_cpu_experts=stack, cpu_amx=amx)
-        for module in layer.modules():
-            if isinstance(module, Linear):
-                module.finalize_weights()
-        return layer
-
+    block = bf16_valued_block
     if not amx_usable():
         pytest.skip("this CPU has no AMX (or Linux did not grant it)")
     x = torch.randn(21, 64)
@@ -567,10 +592,10 @@ def test_layer_runs_bfloat16_experts_on_amx(monkeypatch, caplog):
             torch.testing.assert_close(
                 got, block(dtype, stack=False)(x.to(dtype)), atol=tolerance, rtol=tolerance
             )
-    float32 = block(torch.float32, amx=False)
+    float32 = block(torch.float32, pairs=False)
     assert float32.stacked is not None and float32.stacked.gate_up is not None
     assert float32.stacked.gate_up.shape[-1] == 32
-    assert (block(torch.bfloat16, amx=False).stacked is None) == cpu_capabilities().bf16_tiles
+    assert (block(torch.bfloat16, pairs=False).stacked is None) == cpu_capabilities().bf16_tiles
 
     def refused() -> bool:
         raise RuntimeError("no tiles today")
@@ -590,6 +615,33 @@ def test_layer_runs_bfloat16_experts_on_amx(monkeypatch, caplog):
         assert len(warnings) == 1 and "no tiles today" in warnings[0].message
     finally:
         moe._amx_usable.cache_clear()
+
+
+def test_layer_runs_bfloat16_experts_in_pairs_on_avx512_bf16():
+    """On a CPU with AVX-512 BF16 and no AMX, a bfloat16 layer whose sizes are multiples of 32
+    packs its experts in pairs for AVX-512 BF16's dot products (experts of more than 12 rows
+    included: several blocks) and gives the experts one at a time on Folio's tiles within
+    bfloat16 rounding; a float32 layer over bfloat16 values keeps its widened panels; with
+    `cpu_pairs` off, or sizes that are not multiples of 32, bfloat16 experts run one at a time
+    on the tiles, as before."""
+    if not cpu_capabilities().avx512_bf16:
+        pytest.skip("this CPU has no AVX-512 BF16")
+    if amx_usable():
+        pytest.skip("this CPU runs bfloat16 pairs on AMX (test_layer_runs_bfloat16_experts_on_amx)")
+    block = bf16_valued_block
+    layer = block(torch.bfloat16)
+    assert layer.stacked is not None and layer.stacked.gate_up is not None
+    assert layer.stacked.gate_up.shape[-1] == 64  # pairs
+    x = torch.randn(40, 64).bfloat16()  # 80 (token, expert) pairs over 4 experts
+    with torch.inference_mode():
+        got = layer(x)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, block(torch.bfloat16, stack=False)(x), atol=2e-2, rtol=2e-2)
+    float32 = block(torch.float32)
+    assert float32.stacked is not None and float32.stacked.gate_up is not None
+    assert float32.stacked.gate_up.shape[-1] == 32
+    assert block(torch.bfloat16, pairs=False).stacked is None
+    assert block(torch.bfloat16, hidden=40, inter=24).stacked is None
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
@@ -629,23 +681,15 @@ def test_layer_stacks_float32_cpu_experts(quantization):
 
 def test_layer_stacks_bfloat16_values_in_half_the_bytes(monkeypatch):
     """A float32 layer whose weights all hold bfloat16 values packs bfloat16 panels; a bfloat16
-    layer runs stacked only where the CPU has no bfloat16 tiles (as on an AVX2 CPU, here
-    pretended), its output the per-expert linears' within bfloat16 rounding."""
+    layer whose sizes are not multiples of 32 (no pairs) runs stacked only where the CPU has no
+    bfloat16 tiles (as on an AVX2 CPU, here pretended), its output the per-expert linears'
+    within bfloat16 rounding."""
     import dataclasses
 
     from engine.layers import moe
 
     def block(dtype: torch.dtype, stack: bool = True) -> SparseMoe:
-        torch.manual_seed(0)
-        layer = SparseMoe(40, 4, 2, 24, True, TorchAttentionBackend(), dtype, "cpu")
-        with torch.no_grad():
-            for parameter in layer.parameters():
-                parameter.copy_(torch.randn(parameter.shape).mul(0.3).bfloat16())
-        layer.finalize_weights(stack_cpu_experts=stack)
-        for module in layer.modules():
-            if isinstance(module, Linear):
-                module.finalize_weights()
-        return layer
+        return bf16_valued_block(dtype, hidden=40, inter=24, scale=0.3, stack=stack)
 
     x = torch.randn(9, 40)
     float32 = block(torch.float32)
