@@ -12,7 +12,7 @@ grouped LoRA product (cpu_lora.cpp: torch.ops.folio_lora.lora_add), and the mixt
 experts (cpu_moe.cpp, torch.ops.folio_moe: route and combine, the gather and weighted sum around
 experts run one at a time; pack_experts and experts, a layer's gated-SiLU experts packed once
 into panels and run stacked, every expert in one call, on AMX tiles where amx_usable says the
-CPU and Linux allow them).
+CPU and Linux allow them, on AVX-512 BF16 dot products for bfloat16 ones without AMX).
 
 `load()` registers the ops and returns True, or False where they cannot run (a CPU without AVX2
 and FMA, no C++ compiler to build them, a build error: one warning says which): callers then use
