@@ -55,11 +55,7 @@ using bf16 = c10::BFloat16;
 
 // Eight consecutive values as floats.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) {
-  // A bfloat16 is the high half of the float it stands for.
-  const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
-}
+inline __m256 load8(const bf16* p) { return folio::load8_bf16(p); }
 
 // Below this many (context position x query head) scores a call stays on the calling thread.
 constexpr int64_t kParallelScores = 4096;

@@ -28,6 +28,7 @@
 // lora.py does) and never changes its inputs.
 
 #include <immintrin.h>
+#include "avx2.h"
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -182,26 +183,12 @@ inline float sum(Vec v) {
   return _mm_cvtss_f32(s);
 }
 inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec load(const c10::BFloat16* p) {
-  const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
-}
+inline Vec load(const c10::BFloat16* p) { return folio::load8_bf16(p); }
 inline Vec load(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-inline void store(c10::BFloat16* p, Vec v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_srli_epi32(
-      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
-  // Values below 0x10000: packing with unsigned saturation keeps them.
-  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded),
-                                          _mm256_extracti128_si256(rounded, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
-}
+inline void store(c10::BFloat16* p, Vec v) { folio::store8_bf16(p, v); }
 inline void store(c10::Half* p, Vec v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                    _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

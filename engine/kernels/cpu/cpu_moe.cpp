@@ -60,6 +60,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "avx2.h"
 #include "bf16_tiles.h"
 
 #include <sys/syscall.h>
@@ -693,10 +694,7 @@ inline Vec zero() { return _mm256_setzero_ps(); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec broadcast(float v) { return _mm256_set1_ps(v); }
 inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec load(const uint16_t* p) {  // 8 bfloat16 values
-  const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
-}
+inline Vec load(const uint16_t* p) { return folio::load8_bf16(p); }  // 8 bfloat16 values
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 
 // As the AVX-512 one, 2^n built in the exponent's bits (n is within [-126, 127] after the

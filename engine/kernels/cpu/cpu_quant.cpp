@@ -1093,16 +1093,6 @@ at::Tensor parts_linear(const at::Tensor& x, at::TensorList codes, at::TensorLis
 
 namespace {
 
-// A float's bfloat16 bits, rounded to nearest even (the weights are finite).
-inline __m128i to_bf16_bits(__m256 f) {
-  const __m256i bits = _mm256_castps_si256(f);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(
-      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  // Pack the eight 32-bit lanes' low halves in order.
-  return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
-}
-
 // Eight 32-bit lanes of eight vectors transposed: lane i of v[j] to lane j of v[i].
 inline void transpose_8x8(__m256i (&v)[8]) {
   __m256i t[8], u[8];
@@ -1134,7 +1124,7 @@ inline void dequantize_group(__m256i codes, float scale, float min, Out* out) {
     if constexpr (std::is_same_v<Out, float>) {
       _mm256_storeu_ps(out + 8 * e, w);
     } else {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8 * e), to_bf16_bits(w));
+      folio::store8_bf16(out + 8 * e, w);
     }
   }
 }
