@@ -433,6 +433,7 @@ def _stack(args: argparse.Namespace, policy: str, replicas: int, log_dir: Path) 
             simulation=SimulationConfig(
                 simulate=True, replicas=replicas, cost=StepCostConfig(Path(args.step_cost))
             ),
+            generate_socket_port=0,
         )
         engines = _Process(["engine", *command_line(simulated)], env, log_dir, f"engines-{policy}")
         tokenizer_config = TokenizerServiceConfig(model=engine.model, listen=_listen())

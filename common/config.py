@@ -38,6 +38,8 @@ DEFAULT_HOST = "127.0.0.1"
 ENGINE_PORT = 50051
 TOKENIZER_PORT = 50052
 GATEWAY_GRPC_PORT = 50053
+# The engine's Generate socket, beside its gRPC port (`folio serve` gives its engines free ones).
+GENERATE_SOCKET_PORT = 50054
 HTTP_PORT = 8000
 # How long a stopping service lets requests in flight finish.
 DRAIN_SECONDS = 30.0
@@ -375,6 +377,19 @@ class EngineServiceConfig:
     listen: ListenConfig = field(default_factory=lambda: ListenConfig(port=ENGINE_PORT))
     engine: EngineConfig = field(default_factory=EngineConfig)
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
+    generate_socket_port: int = flag(
+        GENERATE_SOCKET_PORT,
+        "port of the Generate socket, Generate's stream without gRPC's per-message cost, on "
+        "the --host address (the gateway uses it when the engine offers it); 0 picks a free "
+        "one, -1: none (with --simulate: consecutive ports from it)",
+    )
+
+    def __post_init__(self) -> None:
+        if not -1 <= self.generate_socket_port <= 65535:
+            raise ValueError(
+                f"generate_socket_port must be a port (0: a free one) or -1 (none), got "
+                f"{self.generate_socket_port}"
+            )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

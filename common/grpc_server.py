@@ -55,6 +55,8 @@ class GrpcService:
         self._stop_requested: asyncio.Event | None = None
         self.failure: BaseException | None = None
         self._interceptors: list[grpc.aio.ServerInterceptor] = []
+        self.keys = KeySet()  # what callers must present (require_keys); empty: open
+        self.key_name = ""
         self._options: list[tuple[str, Any]] = list(GRPC_MESSAGE_OPTIONS)
 
     def share_port(self) -> None:
@@ -64,6 +66,7 @@ class GrpcService:
     def require_keys(self, keys: KeySet, what: str, open_health: bool = True) -> None:
         """From `start` on, every call must present one of `keys` (authorization: Bearer),
         except health checks when `open_health`; `what` names the key in refusals."""
+        self.keys, self.key_name = keys, what
         if keys:
             self._interceptors = [
                 KeyInterceptor(keys, what, (health.SERVICE_NAME,) if open_health else ())
@@ -74,6 +77,10 @@ class GrpcService:
 
     async def warm_up(self) -> None:
         """Load what the servicers need (runs after the port is open)."""
+
+    async def drain(self, grace: float | None) -> None:
+        """Let work in flight outside the gRPC server finish, for at most `grace` seconds (runs
+        beside the server's own drain, before `close`)."""
 
     async def close(self) -> None:
         """Free what warm_up loaded (runs after the last RPC ended)."""
@@ -142,8 +149,9 @@ class GrpcService:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._warm_up_task is not None and not self._warm_up_task.done():
             self._warm_up_task.cancel()
-        if self._server is not None:
-            await self._server.stop(grace)
+        await asyncio.gather(
+            *([self._server.stop(grace)] if self._server is not None else []), self.drain(grace)
+        )
         await self.close()
         self.state = State.STOPPED
 

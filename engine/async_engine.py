@@ -6,9 +6,11 @@ thread: when several threads run parallel regions, OpenMP throttles its spin-wai
 step of this small-op model gets much slower (docs/serving.md has the figure).
 
 Callers post commands to a thread-safe inbox; the loop thread runs them between steps, steps
-while requests remain, and hands each step's outputs to the asyncio queue registered for each
-request, through loop.call_soon_threadsafe: one list of events per queue per step. Requests may
-share a queue (one gRPC stream multiplexes many). With a stream interval above 1 (the engine
+while requests remain, and hands each step's outputs to the sink registered for each request,
+one list of events per sink per step: an asyncio queue, through loop.call_soon_threadsafe, or a
+sink of the caller's that takes them in the loop thread without waking any other (the engine
+service's Generate socket writes them to its connection). Requests may share a sink (one stream
+multiplexes many). With a stream interval above 1 (the engine
 config's), a request's outputs are gathered until that many tokens are ready, so that a step
 whose requests all gather wakes no consumer at all. Only the loop thread touches the LLMEngine.
 This module never imports grpc and never blocks on a consumer.
@@ -27,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
@@ -132,12 +134,25 @@ class OutputGathering:
         return [self._held.pop(key) for key in keys]
 
 
-@dataclass(eq=False)
-class _Sink:
-    """Where one request's events go: an asyncio queue and the loop that owns it."""
+class EventSink(Protocol):
+    """Where requests' events go. `deliver` runs in the loop thread, once per step with that
+    step's events of the sink's requests in order; it must never block on the consumer."""
+
+    def deliver(self, events: list[Event]) -> None: ...
+
+
+@dataclass(frozen=True)
+class QueueSink:
+    """Events as lists put on an asyncio queue, in the event loop that owns it (one wake-up of
+    that loop per step)."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+
+    def deliver(self, events: list[Event]) -> None:
+        # RuntimeError: the consumer's event loop is closed, nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, events)
 
 
 class AsyncEngine:
@@ -153,7 +168,7 @@ class AsyncEngine:
         self.engine: LLMEngine | None = None  # set by the loop thread before `start` resolves
         self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._sinks: dict[str, _Sink] = {}  # live request id -> its sink; loop thread only
+        self._sinks: dict[str, EventSink] = {}  # live request id -> its sink; loop thread only
         self._gathering = OutputGathering(1)  # the engine config's interval once it is built
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="folio-engine-loop", daemon=True)
@@ -170,7 +185,7 @@ class AsyncEngine:
         request_id: str,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
-        events: asyncio.Queue,
+        events: asyncio.Queue | EventSink,
         priority: int = 0,
         pooling: PoolingParams | None = None,
         service: ServiceLevel = NO_SERVICE_LEVEL,
@@ -182,8 +197,12 @@ class AsyncEngine:
         """Queue a request (an embedding request with `pooling`; with the LoRA adapter
         `lora_name`; its prompt pinned for pin_ttl_seconds, as pin_owner's pins, of which at
         most pin_owner_max_bytes at once). Its outputs, or one RequestFailed, arrive in
-        `events` as lists."""
-        sink = _Sink(asyncio.get_running_loop(), events)
+        `events` as lists (a queue: of the running event loop)."""
+        sink = (
+            QueueSink(asyncio.get_running_loop(), events)
+            if isinstance(events, asyncio.Queue)
+            else events
+        )
         queued = time.monotonic()
         # Its deadlines count from now: the wait for the loop to take it is spent from them.
         self._inbox.put(
@@ -325,7 +344,7 @@ class AsyncEngine:
         params: SamplingParams,
         priority: int,
         pooling: PoolingParams | None,
-        sink: _Sink,
+        sink: EventSink,
         service: ServiceLevel,
         lora_name: str | None,
         pin_ttl_seconds: float,
@@ -398,22 +417,21 @@ class AsyncEngine:
         self._deliver(self._route(self._gathering.ready(outputs)))
         return aborted
 
-    def _route(self, outputs: list[RequestOutput]) -> list[tuple[_Sink, Event]]:
+    def _route(self, outputs: list[RequestOutput]) -> list[tuple[EventSink, Event]]:
         """Each output with its request's sink; a sink is let go once its request has left the
         engine (with n > 1, after the last sample's last output)."""
-        events: list[tuple[_Sink, Event]] = [(self._sinks[out.request_id], out) for out in outputs]
+        events: list[tuple[EventSink, Event]] = [(self._sinks[o.request_id], o) for o in outputs]
         for out in outputs:
             if out.finished and out.request_id not in self._built().requests:
                 self._sinks.pop(out.request_id, None)
         return events
 
     @staticmethod
-    def _deliver(events: list[tuple[_Sink, Event]]) -> None:
-        """One list per queue, in order; never waits for the consumer."""
-        grouped: dict[int, tuple[_Sink, list[Event]]] = {}
+    def _deliver(events: list[tuple[EventSink, Event]]) -> None:
+        """One list per sink (equal queue sinks are one), in order; never waits for the
+        consumer."""
+        grouped: dict[EventSink, list[Event]] = {}
         for sink, event in events:
-            grouped.setdefault(id(sink.queue), (sink, []))[1].append(event)
-        for sink, batch in grouped.values():
-            # RuntimeError: the consumer's event loop is closed, nobody is listening any more.
-            with contextlib.suppress(RuntimeError):
-                sink.loop.call_soon_threadsafe(sink.queue.put_nowait, batch)
+            grouped.setdefault(sink, []).append(event)
+        for sink, batch in grouped.items():
+            sink.deliver(batch)

@@ -186,7 +186,14 @@ def _engine(args: argparse.Namespace) -> int:
         return _simulated_engines(config)
     from services.engine.server import EngineService
 
-    service = EngineService(config.engine, config.listen.host, config.listen.port)
+    service = EngineService(
+        config.engine,
+        config.listen.host,
+        config.listen.port,
+        generate_socket_port=None
+        if config.generate_socket_port < 0
+        else config.generate_socket_port,
+    )
     return _run_service(_require_internal_token(service), config.listen.drain_seconds)
 
 
@@ -204,6 +211,7 @@ def _simulated_engines(config: EngineServiceConfig) -> int:
         config.listen.host,
         config.listen.port,
         config.simulation.replicas,
+        config.generate_socket_port,
         _require_internal_token,
     )
     return asyncio.run(run_simulated(services, config.listen.drain_seconds))

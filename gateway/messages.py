@@ -28,6 +28,7 @@ class EngineModel:
     block_size: int
     max_num_seqs: int
     max_num_batched_tokens: int = 0
+    generate_socket_port: int = 0  # 0: the engine offers no Generate socket
 
 
 @dataclass

@@ -41,8 +41,12 @@ from gateway.messages import (
 )
 from gateway.pipeline.text import TextDelta, TokenLogprob
 
-# What a Generate stream sends: the clients carry these without reading them.
+# What a Generate stream sends and receives: the clients carry these without reading them.
 GenerateMessage = engine_pb2.GenerateRequest
+GenerateResponse = engine_pb2.GenerateResponse
+# What the engine's Generate socket sends: ready, a step's GenerateResponse, or the end.
+GenerateSocketFrame = engine_pb2.GenerateSocketFrame
+GenerateSocketEnd = engine_pb2.GenerateSocketEnd
 # The calls and answers of folio.v1.GatewayService, as its servicer receives and sends them.
 GenerateCall = gateway_pb2.GatewayServiceGenerateRequest
 GenerateAnswer = gateway_pb2.GatewayServiceGenerateResponse
@@ -63,6 +67,7 @@ def engine_model(info: engine_pb2.GetModelInfoResponse) -> EngineModel:
         block_size=info.block_size,
         max_num_seqs=info.max_num_seqs,
         max_num_batched_tokens=info.max_num_batched_tokens,
+        generate_socket_port=info.generate_socket_port,
     )
 
 
@@ -147,6 +152,16 @@ def step_output(output: engine_pb2.RequestOutput) -> StepOutput:
         queue_seconds=output.queue_seconds,
         embedding=list(output.embedding) if output.embedding else None,
     )
+
+
+def generate_socket_open(authorization: str) -> bytes:
+    """The Generate socket's first frame's message."""
+    return engine_pb2.GenerateSocketOpen(authorization=authorization).SerializeToString()
+
+
+def generate_socket_frame(payload: bytes) -> GenerateSocketFrame:
+    """One frame's message from the engine's Generate socket."""
+    return engine_pb2.GenerateSocketFrame.FromString(payload)
 
 
 def step_outputs(response: engine_pb2.GenerateResponse) -> list[StepOutput]:

@@ -300,7 +300,9 @@ class Supervisor:
                 _service_args(
                     "engine",
                     EngineServiceConfig(
-                        internal(address), replica_engine_config(config.engine, i, replicas)
+                        internal(address),
+                        replica_engine_config(config.engine, i, replicas),
+                        generate_socket_port=0,  # free ones: replicas share the host
                     ),
                 ),
                 functools.partial(_grpc_serving, address),

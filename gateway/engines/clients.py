@@ -30,12 +30,18 @@ from common.grpc_stubs.folio.v1 import engine_pb2_grpc, tokenizer_pb2_grpc
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2_grpc
 
-from common.auth import bearer_metadata
+from common.auth import AUTHORIZATION, bearer_metadata
 from common.config import GRPC_MESSAGE_OPTIONS, RECONNECT_CHANNEL_OPTIONS
-from common.errors import UnavailableError, error_for
+from common.errors import FolioError, UnavailableError, error_for
+from common.framing import FrameError
 from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from gateway import wire
+from gateway.engines.generate_socket import (
+    GenerateSocketConnection,
+    GenerateSocketEnded,
+    open_generate_socket,
+)
 from gateway.engines.lora import current_lora
 from gateway.engines.pinning import current_pin
 from gateway.limits.deadlines import call_timeout
@@ -137,41 +143,70 @@ class _ServiceClient:
 
 
 class GenerateStream:
-    """One Engine.Generate stream: adds and aborts out, each engine step's outputs in (`steps`),
-    in order. Transport only: whoever reads it decides what a step or a break means."""
+    """One Generate stream: adds and aborts out, each engine step's outputs in (`steps`), in
+    order; on the engine's Generate socket when it offers one that answers, else on gRPC's
+    Generate (the socket's messages are the same, without gRPC's thread hand-offs per message).
+    Transport only: whoever reads it decides what a step or a break means."""
 
-    def __init__(
-        self,
-        stub: engine_pb2_grpc.EngineServiceAsyncStub,
-        metadata: tuple[tuple[str, str], ...],
-        errors: ServiceErrors,
-    ) -> None:
-        self.address = errors.address
-        self._errors = errors
-        # None ends the messages: grpc's task that sends them must not be left waiting on the
+    def __init__(self, client: EngineClient) -> None:
+        self.address = client.address
+        self._client = client
+        # None ends the messages: the task that sends them must not be left waiting on the
         # queue when the stream is over (a coroutine left so outlives its event loop, and its
         # finalizer then raises in whatever the garbage collector interrupted).
         self._outbox: asyncio.Queue[wire.GenerateMessage | None] = asyncio.Queue()
         self.cancelled = False  # by cancel(): the stream did not break
         self.ended: Exception | None = None  # why it ended, once it has
-        self._call = stub.Generate(self._messages(), metadata=metadata)
+        self._call: Any = None  # the gRPC call, when on gRPC
+        self._socket: GenerateSocketConnection | None = None
+
+    @property
+    def transport(self) -> str | None:
+        """ "socket" or "grpc" once the stream has opened; None before."""
+        if self._socket is not None:
+            return "socket"
+        return None if self._call is None else "grpc"
 
     async def _messages(self) -> AsyncIterator[wire.GenerateMessage]:
         while (message := await self._outbox.get()) is not None:
             yield message
 
+    async def _responses(self) -> AsyncIterator[wire.GenerateResponse]:
+        self._socket = await self._client.generate_socket()
+        if self.cancelled:
+            return
+        if self._socket is None:
+            self._call = self._client.generate_call(self._messages())
+            async for response in self._call:
+                yield response
+            return
+        sender = asyncio.create_task(self._send(self._socket))
+        try:
+            async for response in self._socket.responses():
+                yield response
+        finally:
+            sender.cancel()
+            self._socket.close()
+
+    async def _send(self, socket: GenerateSocketConnection) -> None:
+        async for message in self._messages():
+            socket.send(message)
+
     async def steps(self) -> AsyncGenerator[list[StepOutput], None]:
         """Each engine step's outputs until the stream ends; `ended` then says why."""
+        errors = self._client.errors
         try:
-            async for response in self._call:
+            async for response in self._responses():
                 yield wire.step_outputs(response)
         except grpc.aio.AioRpcError as exc:
-            self.ended = self._errors.rpc_error(exc)
+            self.ended = errors.rpc_error(exc)
+        except GenerateSocketEnded as exc:
+            self.ended = errors.error(exc.code or grpc.StatusCode.UNKNOWN, exc.message)
         else:  # cancelled, or it ended without a status (worth a log line)
             self.ended = (
                 UnavailableError("engine unavailable")
                 if self.cancelled
-                else self._errors.error(grpc.StatusCode.UNAVAILABLE, "the Generate stream ended")
+                else errors.error(grpc.StatusCode.UNAVAILABLE, "the Generate stream ended")
             )
         finally:
             self._outbox.put_nowait(None)
@@ -202,10 +237,13 @@ class GenerateStream:
         self._outbox.put_nowait(wire.abort_request(request_ids, samples))
 
     def cancel(self) -> None:
-        """End the call, which aborts on the engine every request it carried."""
+        """End the stream, which aborts on the engine every request it carried."""
         self.cancelled = True
         self._outbox.put_nowait(None)
-        self._call.cancel()
+        if self._call is not None:
+            self._call.cancel()
+        if self._socket is not None:
+            self._socket.close()
 
 
 class EngineClient(_ServiceClient):
@@ -214,10 +252,40 @@ class EngineClient(_ServiceClient):
     def __init__(self, address: str, token: str | None = None) -> None:
         super().__init__(address, token)
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
+        self._socket_unreachable = False  # said once in the log
 
     def generate_stream(self) -> GenerateStream:
         """A new Generate stream: one per replica carries all of the gateway's requests."""
-        return GenerateStream(self._stub, self._metadata, self.errors)
+        return GenerateStream(self)
+
+    def generate_call(self, messages: AsyncIterator[wire.GenerateMessage]) -> Any:
+        """gRPC's Generate, sending `messages`."""
+        return self._stub.Generate(messages, metadata=self._metadata)
+
+    async def generate_socket(self) -> GenerateSocketConnection | None:
+        """A connection to the engine's Generate socket, when it offers one that answers; None
+        for gRPC's Generate (GenerateSocketEnded when the engine refuses the connection)."""
+        try:
+            port = (await self.model_info()).generate_socket_port
+        except FolioError:
+            return None  # gRPC's Generate says what is wrong
+        if not port:
+            return None
+        host = self.address.rsplit(":", 1)[0].strip("[]")
+        try:
+            authorization = dict(self._metadata).get(AUTHORIZATION, "")
+            return await open_generate_socket(host, port, authorization)
+        except (OSError, TimeoutError, FrameError) as exc:
+            if not self._socket_unreachable:
+                logger.warning(
+                    "engine %s: its Generate socket (port %d) does not answer (%s); streaming "
+                    "on gRPC's Generate",
+                    self.address,
+                    port,
+                    exc or type(exc).__name__,
+                )
+                self._socket_unreachable = True
+            return None
 
     async def model_info(self) -> EngineModel:
         return wire.engine_model(

@@ -24,17 +24,15 @@ from common.grpc_stubs.folio.v1 import engine_pb2_grpc
 
 from common.config import EngineConfig
 from common.default_model import model_name
-from common.errors import FolioError, UnavailableError, status_code_for
+from common.errors import FolioError, status_code_for
 from common.grpc_server import GrpcService
-from common.pooling_params import PoolingParams
-from common.sampling_params import SamplingParams, parent_request_id, sample_request_id
-from common.sampling_proto import sampling_params_from_proto
-from common.service_level import ServiceLevel
-from engine.async_engine import AsyncEngine, RequestFailed
+from engine.async_engine import AsyncEngine
 from engine.core.kv_events import KVEventBatch
 from engine.engine import LLMEngine
-from engine.errors import EngineGroupError, InvalidRequestError
-from services.engine.convert import error_output, event_to_proto, kv_event_batch_to_proto
+from engine.errors import EngineGroupError
+from services.engine.convert import event_to_proto, kv_event_batch_to_proto
+from services.engine.generate_session import MALFORMED_MESSAGE, GenerateSession, abort_ids
+from services.engine.generate_socket import GenerateSocket
 
 logger = logging.getLogger(__name__)
 # How long a failed engine whose step is stuck in a tensor-parallel collective gets to fail its
@@ -47,24 +45,6 @@ class _EndOfInput:
     """The client half-closed its side of the stream, or sent something malformed (error)."""
 
     error: str | None = None
-
-
-def _abort_ids(request: pb.AbortRequest) -> list[str]:
-    """The engine library's ids of what an AbortRequest names: requests, and single samples
-    (by SampleRef, or already in the library's own "<request_id>#<index>" form)."""
-    return [
-        *request.request_ids,
-        *(sample_request_id(s.request_id, s.index) for s in request.samples),
-    ]
-
-
-def _service_level(request: pb.EngineRequest) -> ServiceLevel:
-    return ServiceLevel(
-        request.tenant,
-        request.tenant_weight or 1.0,
-        request.slo_ttft_ms if request.HasField("slo_ttft_ms") else None,
-        request.slo_total_ms if request.HasField("slo_total_ms") else None,
-    )
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
@@ -80,14 +60,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self, request_iterator: AsyncIterator[pb.GenerateRequest], context
     ) -> AsyncIterator[pb.GenerateResponse]:
         engine = await self._engine(context)
-        # Per step: list[Event] from the engine; a rejection the reader answered itself; the end.
+        # Per step: list[Event] from the engine; a rejection the session answered itself; the end.
         inbox: asyncio.Queue = asyncio.Queue()
-        # This stream's live requests -> how many of their samples have not ended (n, or 1).
-        live: dict[str, int] = {}
-        reader = asyncio.create_task(self._read(request_iterator, engine, inbox, live))
+        session = GenerateSession(self._service, engine, inbox, inbox.put_nowait)
+        reader = asyncio.create_task(self._read(request_iterator, session, inbox))
         input_done = False
         try:
-            while not (input_done and not live):
+            while not (input_done and session.idle):
                 item = await inbox.get()
                 if isinstance(item, _EndOfInput):
                     if item.error is not None:
@@ -96,102 +75,28 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 elif isinstance(item, pb.GenerateResponse):
                     yield item
                 else:
-                    for event in item:
-                        if isinstance(event, RequestFailed):
-                            live.pop(event.request_id, None)
-                        elif event.finished:
-                            left = live.pop(event.request_id, 1) - 1
-                            if left:
-                                live[event.request_id] = left
+                    session.count(item)
                     yield pb.GenerateResponse(outputs=[event_to_proto(e) for e in item])
         finally:
             # Cancelled, failed or done: nothing of this stream may keep holding KV blocks.
             reader.cancel()
-            if live:
-                engine.abort(list(live))
+            session.abort_live()
 
-    async def _read(
-        self, request_iterator, engine: AsyncEngine, inbox: asyncio.Queue, live: dict[str, int]
-    ) -> None:
+    @staticmethod
+    async def _read(request_iterator, session: GenerateSession, inbox: asyncio.Queue) -> None:
         try:
             async for message in request_iterator:
-                if not self._handle(message, engine, inbox, live):
-                    inbox.put_nowait(_EndOfInput("GenerateRequest must set add or abort"))
+                if not session.handle(message):
+                    inbox.put_nowait(_EndOfInput(MALFORMED_MESSAGE))
                     return
         except Exception as exc:  # e.g. a message that does not parse
             inbox.put_nowait(_EndOfInput(f"reading the request stream failed: {exc}"))
             return
         inbox.put_nowait(_EndOfInput())
 
-    def _handle(
-        self,
-        message: pb.GenerateRequest,
-        engine: AsyncEngine,
-        inbox: asyncio.Queue,
-        live: dict[str, int],
-    ) -> bool:
-        """Act on one client message; False if it is malformed."""
-
-        def reject(request_id: str, error: Exception) -> None:
-            inbox.put_nowait(pb.GenerateResponse(outputs=[error_output(request_id, error)]))
-
-        action = message.WhichOneof("action")
-        if action == "abort":
-            # Only this stream's requests (or their samples); the unary Abort reaches any.
-            engine.abort(
-                [r for r in _abort_ids(message.abort) if r in live or parent_request_id(r) in live]
-            )
-        elif action == "add":
-            request = message.add
-            if not request.request_id:
-                reject("", InvalidRequestError("request_id must not be empty"))
-            elif request.request_id in live:
-                reject(
-                    request.request_id,
-                    InvalidRequestError(
-                        f"request_id {request.request_id!r} is already in use on this stream"
-                    ),
-                )
-            else:
-                try:
-                    self._service.check_available()  # draining refuses new requests
-                except UnavailableError as exc:
-                    reject(request.request_id, exc)
-                    return True
-                params = sampling_params_from_proto(request.sampling_params)
-                pooling = None
-                if request.HasField("pooling"):
-                    pooling = PoolingParams(
-                        request.pooling.dimensions
-                        if request.pooling.HasField("dimensions")
-                        else None
-                    )
-                    params = SamplingParams()  # ignored: an embedding request generates nothing
-                live[request.request_id] = params.n  # an invalid n fails the request instead
-                engine.add_request(
-                    request.request_id,
-                    request.prompt_token_ids,
-                    params,
-                    inbox,
-                    request.priority,
-                    pooling,
-                    service=_service_level(request),
-                    lora_name=request.lora_name or None,
-                    pin_ttl_seconds=request.pin_ttl_seconds,
-                    pin_owner=request.pin_owner,
-                    pin_owner_max_bytes=(
-                        request.pin_owner_max_bytes
-                        if request.HasField("pin_owner_max_bytes")
-                        else None
-                    ),
-                )
-        else:
-            return False
-        return True
-
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         engine = await self._engine(context)
-        aborted = await asyncio.wrap_future(engine.abort(_abort_ids(request)))
+        aborted = await asyncio.wrap_future(engine.abort(abort_ids(request)))
         return pb.AbortResponse(aborted_request_ids=aborted)
 
     async def GetModelInfo(
@@ -212,6 +117,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             num_kv_blocks=llm.kv_cache.num_blocks,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            generate_socket_port=(
+                self._service.generate_socket.port if self._service.generate_socket else 0
+            ),
         )
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
@@ -329,11 +237,16 @@ class EngineService(GrpcService):
         host: str,
         port: int,
         build_engine: Callable[[], LLMEngine] | None = None,
+        generate_socket_port: int | None = 0,
     ) -> None:
         """`build_engine` makes the engine in its loop thread (default: LLMEngine on the model
         executor, which alone loads torch and the model code; the simulated engines pass
-        their own)."""
+        their own). `generate_socket_port`: where the Generate socket listens, on `host` (0: a
+        free port; None: no socket, Generate on gRPC only)."""
         super().__init__(host, port)
+        self._host = host
+        self._generate_socket_port = generate_socket_port
+        self.generate_socket: GenerateSocket | None = None
         if config.decode_compile == "auto":
             # A served engine answers at once, eagerly, while its decode programs get ready.
             config = dataclasses.replace(config, decode_compile="background")
@@ -345,6 +258,23 @@ class EngineService(GrpcService):
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
         engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(self), server)
+
+    async def start(self) -> int:
+        port = await super().start()
+        if self._generate_socket_port is not None:
+            # A speed-up, not a necessity: without it, clients stream on gRPC's Generate.
+            try:
+                self.generate_socket = GenerateSocket(self, self._host, self._generate_socket_port)
+            except OSError as exc:
+                logger.warning(
+                    "no Generate socket (port %d: %s); Generate is served on gRPC only",
+                    self._generate_socket_port,
+                    exc,
+                )
+            else:
+                self.generate_socket.start()
+                logger.info("Generate socket on port %d", self.generate_socket.port)
+        return port
 
     async def warm_up(self) -> None:
         # Loading the model takes seconds: in the engine's own thread (where every step runs),
@@ -360,6 +290,10 @@ class EngineService(GrpcService):
         engine = self.engine.engine
         assert engine is not None  # start() built it
         engine.add_failure_listener(_exit_unless_stopped_soon)
+
+    async def drain(self, grace: float | None) -> None:
+        if self.generate_socket is not None:
+            await self.generate_socket.drain(grace)
 
     async def stop(self, grace: float | None) -> None:
         # KV event streams never end on their own: end them first, so the drain waits only for

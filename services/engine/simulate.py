@@ -22,16 +22,23 @@ from services.engine.server import EngineService
 logger = logging.getLogger(__name__)
 
 
+def _nth_port(first: int, i: int) -> int | None:
+    """The i-th of consecutive ports from `first` (0: a free one each; -1: none)."""
+    return None if first < 0 else first + i if first else 0
+
+
 def simulated_services(
     config: EngineConfig,
     cost: StepCostModel,
     host: str,
     port: int,
     replicas: int,
+    generate_socket_port: int = 0,
     prepare: Callable[[EngineService], EngineService] = lambda service: service,
 ) -> list[EngineService]:
-    """`replicas` engine services, each on a simulated engine; `prepare` adds what every
-    service needs (the internal token)."""
+    """`replicas` engine services, each on a simulated engine, their Generate sockets on
+    consecutive ports from `generate_socket_port` (0: free ones; -1: none); `prepare` adds
+    what every service needs (the internal token)."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     return [
@@ -41,6 +48,7 @@ def simulated_services(
                 host,
                 port + i if port else 0,
                 build_engine=functools.partial(simulated_engine, config, cost),
+                generate_socket_port=_nth_port(generate_socket_port, i),
             )
         )
         for i in range(replicas)

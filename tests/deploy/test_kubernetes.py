@@ -202,10 +202,15 @@ def test_container_ports_are_the_flags_and_the_cli_defaults():
         if args.command in ("gateway", "serve"):
             assert ports == {"http": args.port, "grpc": args.grpc_port}
             assert (args.port, args.grpc_port) == (config.HTTP_PORT, config.GATEWAY_GRPC_PORT)
+        elif args.command == "engine":
+            assert ports == {"grpc": args.port, "generate": args.generate_socket_port}
+            assert (args.port, args.generate_socket_port) == (
+                config.ENGINE_PORT,
+                config.GENERATE_SOCKET_PORT,
+            )
         else:
             assert ports == {"grpc": args.port}
-            default = {"engine": config.ENGINE_PORT, "tokenizer": config.TOKENIZER_PORT}
-            assert args.port == default[args.command]
+            assert args.port == config.TOKENIZER_PORT
 
 
 def test_services_select_one_workload_and_expose_its_named_ports():

@@ -21,7 +21,6 @@ from common.sampling_params import SamplingParams
 from engine.engine import LLMEngine
 from grpc_helpers import TIMEOUT, RequestStream, ServerThread, assert_health_and_reflection
 from services.engine.server import EngineService
-from tiny_models import VARIANTS, make_checkpoint
 
 ENGINE_ARGS = dict(
     dtype="float32", block_size=4, num_kv_blocks=1024, max_num_batched_tokens=32, max_num_seqs=8
@@ -29,14 +28,6 @@ ENGINE_ARGS = dict(
 # Long enough that a request is still running when the test acts on it, however slow the machine.
 LONG = 3000
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("llama")
-    config_class, kwargs = VARIANTS["llama"]
-    make_checkpoint(directory, config_class, dict(kwargs, max_position_embeddings=4096))
-    return directory
 
 
 @pytest.fixture(scope="module")
