@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from gateway.openai.protocol import RequestBody, ResponseBody
+from gateway.openai.protocol import INT32_MAX, RequestBody, ResponseBody
 
 # OpenAI's own bound on the inputs of one request.
 MAX_INPUTS = 2048
@@ -24,8 +24,9 @@ class EmbeddingRequest(RequestBody):
         description="A string, a list of strings, a list of token ids or a list of lists of them"
     )
     encoding_format: Literal["float", "base64"] = "float"
-    # Matryoshka models only: the vector's first `dimensions` values, normalised again.
-    dimensions: int | None = None
+    # Matryoshka models only: the vector's first `dimensions` values, normalised again (an
+    # int32 on the wire to the engine).
+    dimensions: int | None = Field(None, le=INT32_MAX)
     user: str | None = None
 
 

@@ -201,6 +201,7 @@ def test_the_pooling_runner_refuses_generation(tiny):
         ("/v1/embeddings", {"input": "a", "encoding_format": "hex"}, "encoding_format"),
         ("/v1/embeddings", {"input": "a", "dimensions": "32"}, "dimensions"),
         ("/v1/embeddings", {"input": "a", "dimensions": 0}, "dimensions"),
+        ("/v1/embeddings", {"input": "a", "dimensions": 159983695950407}, "dimensions"),
         ("/v1/embeddings", {}, "input"),
         ("/v1/score", {"text_1": "a", "text_2": []}, "text_2"),
         ("/v1/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_2"),
