@@ -434,4 +434,7 @@ class AsyncEngine:
         for sink, event in events:
             grouped.setdefault(sink, []).append(event)
         for sink, batch in grouped.items():
-            sink.deliver(batch)
+            try:
+                sink.deliver(batch)
+            except Exception:  # the sink's bug: its requests go on, the engine too
+                logger.exception("delivering a step's outputs failed")

@@ -174,6 +174,8 @@ class GenerateStream:
     async def _responses(self) -> AsyncIterator[wire.GenerateResponse]:
         self._socket = await self._client.generate_socket()
         if self.cancelled:
+            if self._socket is not None:
+                self._socket.close()
             return
         if self._socket is None:
             self._call = self._client.generate_call(self._messages())

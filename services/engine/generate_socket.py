@@ -72,12 +72,16 @@ class FrameWriter:
         self._flush: asyncio.Task[None] | None = None  # loop thread only
 
     def send(self, data: bytes, last: bool = False) -> None:
-        """Send a frame (`last`: nothing after it); a frame after the last, or after the peer
-        went away, is dropped (the connection's reader sees the peer leave)."""
+        """Send a frame (`last`: nothing after it, and the connection's reader then sees it
+        end); a frame after the last, or after the peer went away, is dropped (the reader sees
+        the peer leave)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = last
+            if last:
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RD)
             if self._pending:
                 self._pending += data
                 return
@@ -138,7 +142,12 @@ class _SocketStream:
         self.send(pb.GenerateResponse(outputs=[event_to_proto(e) for e in events]))
 
     def send(self, response: pb.GenerateResponse) -> None:
-        self._writer.send(frame(pb.GenerateSocketFrame(response=response).SerializeToString()))
+        try:
+            data = frame(pb.GenerateSocketFrame(response=response).SerializeToString())
+        except FrameError as exc:  # as gRPC's send would: the stream ends, its requests abort
+            self._writer.send(_end_frame(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)), True)
+            return
+        self._writer.send(data)
 
 
 class GenerateSocket:

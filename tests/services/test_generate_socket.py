@@ -17,6 +17,7 @@ import grpc
 import pytest
 from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
+from common import framing
 from common.auth import KeySet
 from common.config import EngineConfig
 from common.framing import FrameError, FrameReader, frame
@@ -264,6 +265,35 @@ def test_a_client_that_stops_reading_stalls_nobody(engine):
         other.close()
     silent.close()
     wait_until(lambda: not llm.requests, "the silent request to be aborted", TIMEOUT)
+
+
+def test_a_step_over_the_frame_limit_ends_the_connection_and_aborts_its_requests(
+    engine, monkeypatch
+):
+    monkeypatch.setattr(framing, "GRPC_MAX_MESSAGE_BYTES", 4096)
+    llm = engine.service.engine.engine
+    client = open_client(engine)
+    params = common_pb2.SamplingParams(
+        temperature=0.0, max_tokens=LONG, ignore_eos=True, prompt_logprobs=20
+    )
+    steps_before = steps(engine)
+    try:
+        client.send(
+            engine_pb2.GenerateRequest(
+                add=engine_pb2.EngineRequest(
+                    request_id="big",
+                    prompt_token_ids=[3 + i % 140 for i in range(200)],
+                    sampling_params=params,
+                )
+            )
+        )
+        end = client.ended()
+    finally:
+        client.close()
+    assert end.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert "over the 4096-byte limit" in end.message
+    wait_until(lambda: not llm.requests, "the request to be aborted", TIMEOUT)
+    assert steps(engine) - steps_before < LONG // 2
 
 
 def test_a_draining_engine_lets_the_requests_end_then_closes(model_dir):

@@ -1,7 +1,8 @@
 """AsyncEngine: a stop that comes while the loop thread still builds the engine (the service
 cancelled its wait) ends the thread quietly, whether the build then succeeds or fails; with a
 stream interval, a request's outputs gather into fewer, larger ones and none of its tokens is
-lost (the first leaves at once, an abort sends what was held)."""
+lost (the first leaves at once, an abort sends what was held); a sink that fails stops neither
+the engine nor the other requests."""
 
 from __future__ import annotations
 
@@ -177,3 +178,25 @@ def test_a_failed_step_sends_what_was_held_before_the_failure(tiny):
     assert len(first.new_token_ids) == 1
     assert len(held.new_token_ids) == 3 and not held.finished and held.num_output_tokens == 4
     assert isinstance(failed, RequestFailed) and "the fifth step failed" in str(failed.error)
+
+
+def test_a_sink_that_fails_stops_neither_the_engine_nor_other_requests(tiny):
+    class BrokenSink:
+        calls = 0
+
+        def deliver(self, events: list) -> None:
+            BrokenSink.calls += 1
+            raise RuntimeError("a sink's bug")
+
+    async def run() -> list:
+        engine = _engine(tiny, 1)
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+            engine.add_request("broken", [5, 9, 13], params, BrokenSink())
+            return await _stream(engine, "fine", params)
+        finally:
+            engine.shutdown(timeout=60)
+
+    outputs = asyncio.run(run())
+    assert BrokenSink.calls > 0
+    assert [len(o.new_token_ids) for o in outputs] == [1] * 6 and outputs[-1].finished
