@@ -4,7 +4,8 @@
 # health check passes, then checks that none restarted, that the engine built or loaded Folio's
 # CPU kernels and compiled its decode steps (not the eager fallback; they get ready after the
 # health check passes) and that the programs landed in the model-cache volume, and asks the gateway on http://127.0.0.1:8000 for one chat
-# completion and one streamed chat completion. `make test` runs it (see the Makefile).
+# completion and one streamed chat completion, which it must stream from the engine on its
+# Generate socket (not gRPC's fallback). `make test` runs it (see the Makefile).
 #
 # Docker is used when its daemon answers and `docker compose` exists; otherwise podman with
 # podman-compose (the Debian packages podman, runc and debootstrap, and podman-compose==1.6.0
@@ -278,6 +279,9 @@ finish = [c["choices"][0].get("finish_reason") for c in chunks if c["choices"]][
 assert streamed and finish in ("stop", "length"), chunks
 print(f"compose-smoke: streamed in {len(chunks)} chunks: {streamed!r}", file=sys.stderr)
 EOF
+grep -qF "streaming on its Generate socket" <<<"$("$ENGINE" logs "$(container gateway)" 2>&1)" ||
+    die "the gateway did not stream on the engine's Generate socket"
+log "the gateway streams on the engine's Generate socket"
 size=$("$ENGINE" image inspect --format '{{.Size}}' "$IMAGE")
 log "image $IMAGE: $((size / 1000000)) MB"
 log "ok after ${SECONDS}s"

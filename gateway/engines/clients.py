@@ -276,7 +276,7 @@ class EngineClient(_ServiceClient):
         host = self.address.rsplit(":", 1)[0].strip("[]")
         try:
             authorization = dict(self._metadata).get(AUTHORIZATION, "")
-            return await open_generate_socket(host, port, authorization)
+            connection = await open_generate_socket(host, port, authorization)
         except (OSError, TimeoutError, FrameError) as exc:
             if not self._socket_unreachable:
                 logger.warning(
@@ -288,6 +288,8 @@ class EngineClient(_ServiceClient):
                 )
                 self._socket_unreachable = True
             return None
+        logger.info("engine %s: streaming on its Generate socket (port %d)", self.address, port)
+        return connection
 
     async def model_info(self) -> EngineModel:
         return wire.engine_model(
