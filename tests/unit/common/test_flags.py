@@ -82,7 +82,8 @@ def test_serve_has_every_engine_and_gateway_flag():
             for a in command_parser(command)._actions
             if a.help != argparse.SUPPRESS and a.option_strings and a.dest != "help"
         }
-        flags -= {"--engine-address", "--tokenizer-address", "--workers"}  # serve sets them
+        # serve sets them (its engines' Generate sockets on free ports)
+        flags -= {"--engine-address", "--tokenizer-address", "--workers", "--generate-socket-port"}
         flags -= {"--simulate", "--replicas", "--step-cost"}  # `folio engine` alone
         assert flags <= serve, flags - serve
 
