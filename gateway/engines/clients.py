@@ -162,7 +162,7 @@ class GenerateStream:
 
     @property
     def transport(self) -> str | None:
-        """ "socket" or "grpc" once the stream has opened; None before."""
+        """What carries the stream once it has opened, "socket" or "grpc"; None before."""
         if self._socket is not None:
             return "socket"
         return None if self._call is None else "grpc"

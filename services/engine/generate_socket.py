@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 OPEN_SECONDS = 10.0
 # How long a closing connection's unsent frames may take to leave.
 FLUSH_SECONDS = 5.0
+# How long to wait before accepting again after accepting failed.
+ACCEPT_RETRY_SECONDS = 0.1
 _READ_BYTES = 1 << 16
 _READY = frame(pb.GenerateSocketFrame(ready=pb.GenerateSocketReady()).SerializeToString())
 
@@ -168,7 +170,12 @@ class GenerateSocket:
     async def _accept(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            sock, _ = await loop.sock_accept(self._listener)
+            try:
+                sock, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:  # e.g. out of file descriptors: the next try may succeed
+                logger.warning("Generate socket: accepting a connection failed: %s", exc)
+                await asyncio.sleep(ACCEPT_RETRY_SECONDS)
+                continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             task = asyncio.create_task(self._serve(sock))
