@@ -12,6 +12,8 @@ import struct
 from common.config import GRPC_MAX_MESSAGE_BYTES
 
 _LENGTH = struct.Struct(">I")
+# The bytes of a frame's length, before its payload.
+HEADER_BYTES = _LENGTH.size
 
 
 class FrameError(ValueError):
@@ -27,6 +29,16 @@ def frame(payload: bytes) -> bytes:
     return _LENGTH.pack(len(payload)) + payload
 
 
+def payload_length(header: bytes | bytearray, offset: int = 0) -> int:
+    """The payload length a frame's header at `offset` gives; FrameError over the limit."""
+    (length,) = _LENGTH.unpack_from(header, offset)
+    if length > GRPC_MAX_MESSAGE_BYTES:
+        raise FrameError(
+            f"a frame of {length} bytes is over the {GRPC_MAX_MESSAGE_BYTES}-byte limit"
+        )
+    return int(length)
+
+
 class FrameReader:
     """Bytes in as they arrive, whole frames' payloads out."""
 
@@ -39,16 +51,12 @@ class FrameReader:
         self._buffer += data
         payloads: list[bytes] = []
         start = 0
-        while len(self._buffer) - start >= _LENGTH.size:
-            (length,) = _LENGTH.unpack_from(self._buffer, start)
-            if length > GRPC_MAX_MESSAGE_BYTES:
-                raise FrameError(
-                    f"a frame of {length} bytes is over the {GRPC_MAX_MESSAGE_BYTES}-byte limit"
-                )
-            end = start + _LENGTH.size + length
+        while len(self._buffer) - start >= HEADER_BYTES:
+            length = payload_length(self._buffer, start)
+            end = start + HEADER_BYTES + length
             if end > len(self._buffer):
                 break
-            payloads.append(bytes(self._buffer[start + _LENGTH.size : end]))
+            payloads.append(bytes(self._buffer[start + HEADER_BYTES : end]))
             start = end
         del self._buffer[:start]
         return payloads

@@ -9,18 +9,15 @@ and what an end means.
 from __future__ import annotations
 
 import asyncio
-import struct
 from collections.abc import AsyncIterator
 
 import grpc
 
-from common.config import GRPC_MAX_MESSAGE_BYTES
-from common.framing import FrameError, frame
+from common.framing import HEADER_BYTES, FrameError, frame, payload_length
 from gateway import wire
 
 # How long connecting and the engine's answer to the open may take.
 OPEN_SECONDS = 5.0
-_LENGTH = struct.Struct(">I")
 
 
 class GenerateSocketEnded(Exception):
@@ -53,9 +50,7 @@ class GenerateSocketConnection:
 
     async def _next_frame(self) -> wire.GenerateSocketFrame | None:
         try:
-            (length,) = _LENGTH.unpack(await self._reader.readexactly(_LENGTH.size))
-            if length > GRPC_MAX_MESSAGE_BYTES:
-                raise FrameError(f"the engine sent a frame of {length} bytes")
+            length = payload_length(await self._reader.readexactly(HEADER_BYTES))
             return wire.generate_socket_frame(await self._reader.readexactly(length))
         except (asyncio.IncompleteReadError, ConnectionError):
             return None
