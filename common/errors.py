@@ -177,6 +177,11 @@ def status_code_for(error: BaseException) -> grpc.StatusCode:
     return mapping_for(error).grpc_code
 
 
+def status_code(number: int) -> grpc.StatusCode:
+    """The status code a number on the wire stands for; UNKNOWN for one gRPC does not define."""
+    return next((c for c in grpc.StatusCode if c.value[0] == number), grpc.StatusCode.UNKNOWN)
+
+
 def error_for(
     code: grpc.StatusCode | int,
     message: str,
@@ -186,7 +191,7 @@ def error_for(
     """The exception a client raises for a status code (an enum or its number on the wire);
     InternalError for a code no row claims. `retry_after` (seconds) goes on a QueueFullError."""
     if isinstance(code, int):
-        code = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
+        code = status_code(code)
     error = _FROM_STATUS.get(code, InternalError)(message, param)
     if isinstance(error, QueueFullError):
         error.retry_after = retry_after

@@ -203,7 +203,7 @@ class GenerateStream:
         except grpc.aio.AioRpcError as exc:
             self.ended = errors.rpc_error(exc)
         except GenerateSocketEnded as exc:
-            self.ended = errors.error(exc.code or grpc.StatusCode.UNKNOWN, exc.message)
+            self.ended = errors.error(exc.code, exc.message)
         else:  # cancelled, or it ended without a status (worth a log line)
             self.ended = (
                 UnavailableError("engine unavailable")

@@ -11,8 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import grpc
-
+from common.errors import status_code
 from common.framing import HEADER_BYTES, FrameError, frame, payload_length
 from gateway import wire
 
@@ -25,7 +24,7 @@ class GenerateSocketEnded(Exception):
 
     def __init__(self, end: wire.GenerateSocketEnd) -> None:
         super().__init__(end.message)
-        self.code = next((c for c in grpc.StatusCode if c.value[0] == end.code), None)
+        self.code = status_code(end.code)
         self.message = end.message
 
 
