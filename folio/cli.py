@@ -190,9 +190,7 @@ def _engine(args: argparse.Namespace) -> int:
         config.engine,
         config.listen.host,
         config.listen.port,
-        generate_socket_port=None
-        if config.generate_socket_port < 0
-        else config.generate_socket_port,
+        generate_socket_port=config.generate_socket_port,
     )
     return _run_service(_require_internal_token(service), config.listen.drain_seconds)
 

@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 MALFORMED_MESSAGE = "GenerateRequest must set add or abort"
 
 
+def unreadable(error: Exception) -> str:
+    """Why a stream ends with INVALID_ARGUMENT when a message does not parse or act."""
+    return f"reading the request stream failed: {error}"
+
+
 def abort_ids(request: pb.AbortRequest) -> list[str]:
     """The engine library's ids of what an AbortRequest names: requests, and single samples
     (by SampleRef, or already in the library's own "<request_id>#<index>" form)."""

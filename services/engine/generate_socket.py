@@ -18,6 +18,7 @@ import contextlib
 import logging
 import socket
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import grpc
@@ -29,7 +30,7 @@ from common.errors import UnavailableError
 from common.framing import FrameError, FrameReader, frame
 from engine.async_engine import AsyncEngine, Event
 from services.engine.convert import event_to_proto
-from services.engine.generate_session import MALFORMED_MESSAGE, GenerateSession
+from services.engine.generate_session import MALFORMED_MESSAGE, GenerateSession, unreadable
 
 if TYPE_CHECKING:
     from services.engine.server import EngineService
@@ -41,6 +42,8 @@ OPEN_SECONDS = 10.0
 FLUSH_SECONDS = 5.0
 # How long to wait before accepting again after accepting failed.
 ACCEPT_RETRY_SECONDS = 0.1
+# How often a drain looks whether the connections' requests have ended.
+DRAIN_POLL_SECONDS = 0.05
 _READ_BYTES = 1 << 16
 _READY = frame(pb.GenerateSocketFrame(ready=pb.GenerateSocketReady()).SerializeToString())
 
@@ -212,6 +215,9 @@ class GenerateSocket:
             writer.send(_end_frame(grpc.StatusCode.INVALID_ARGUMENT, str(exc)), last=True)
         except (TimeoutError, OSError) as exc:
             logger.debug("Generate socket connection ended: %s", exc)
+        except Exception as exc:  # a bug of this module's: the peer hears INTERNAL, once
+            logger.exception("Generate socket connection failed")
+            writer.send(_end_frame(grpc.StatusCode.INTERNAL, f"internal error: {exc}"), True)
         finally:
             if stream is not None:
                 self._streams.discard(stream)
@@ -220,12 +226,13 @@ class GenerateSocket:
 
     @staticmethod
     def _handle(session: GenerateSession, payload: bytes) -> str | None:
-        """Act on one client message; why the stream must end, if it must."""
+        """Act on one client message; why the stream must end, if it must (as gRPC's Generate
+        ends for a message it cannot read or act on)."""
         try:
-            message = pb.GenerateRequest.FromString(payload)
-        except DecodeError as exc:
-            return f"reading the request stream failed: {exc}"
-        return None if session.handle(message) else MALFORMED_MESSAGE
+            handled = session.handle(pb.GenerateRequest.FromString(payload))
+        except Exception as exc:  # e.g. a message that does not parse
+            return unreadable(exc)
+        return None if handled else MALFORMED_MESSAGE
 
     @staticmethod
     async def _read(sock: socket.socket, reader: FrameReader) -> list[bytes]:
@@ -263,10 +270,11 @@ class GenerateSocket:
         if self._accepting is not None:
             self._accepting.cancel()
         self._listener.close()
-        waited = 0.0
-        while any(not s.session.idle for s in self._streams) and (grace is None or waited < grace):
-            await asyncio.sleep(0.05)
-            waited += 0.05
+        deadline = None if grace is None else time.monotonic() + grace
+        while any(not s.session.idle for s in self._streams) and (
+            deadline is None or time.monotonic() < deadline
+        ):
+            await asyncio.sleep(DRAIN_POLL_SECONDS)
         for task in list(self._connections):
             task.cancel()
         await asyncio.gather(*self._connections, return_exceptions=True)

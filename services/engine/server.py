@@ -31,7 +31,12 @@ from engine.core.kv_events import KVEventBatch
 from engine.engine import LLMEngine
 from engine.errors import EngineGroupError
 from services.engine.convert import event_to_proto, kv_event_batch_to_proto
-from services.engine.generate_session import MALFORMED_MESSAGE, GenerateSession, abort_ids
+from services.engine.generate_session import (
+    MALFORMED_MESSAGE,
+    GenerateSession,
+    abort_ids,
+    unreadable,
+)
 from services.engine.generate_socket import GenerateSocket
 
 logger = logging.getLogger(__name__)
@@ -90,7 +95,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     inbox.put_nowait(_EndOfInput(MALFORMED_MESSAGE))
                     return
         except Exception as exc:  # e.g. a message that does not parse
-            inbox.put_nowait(_EndOfInput(f"reading the request stream failed: {exc}"))
+            inbox.put_nowait(_EndOfInput(unreadable(exc)))
             return
         inbox.put_nowait(_EndOfInput())
 
@@ -237,14 +242,13 @@ class EngineService(GrpcService):
         host: str,
         port: int,
         build_engine: Callable[[], LLMEngine] | None = None,
-        generate_socket_port: int | None = 0,
+        generate_socket_port: int = 0,
     ) -> None:
         """`build_engine` makes the engine in its loop thread (default: LLMEngine on the model
         executor, which alone loads torch and the model code; the simulated engines pass
         their own). `generate_socket_port`: where the Generate socket listens, on `host` (0: a
-        free port; None: no socket, Generate on gRPC only)."""
+        free port; -1: no socket, Generate on gRPC only)."""
         super().__init__(host, port)
-        self._host = host
         self._generate_socket_port = generate_socket_port
         self.generate_socket: GenerateSocket | None = None
         if config.decode_compile == "auto":
@@ -261,10 +265,11 @@ class EngineService(GrpcService):
 
     async def start(self) -> int:
         port = await super().start()
-        if self._generate_socket_port is not None:
+        if self._generate_socket_port >= 0:
             # A speed-up, not a necessity: without it, clients stream on gRPC's Generate.
+            host = self.address.rsplit(":", 1)[0]
             try:
-                self.generate_socket = GenerateSocket(self, self._host, self._generate_socket_port)
+                self.generate_socket = GenerateSocket(self, host, self._generate_socket_port)
             except OSError as exc:
                 logger.warning(
                     "no Generate socket (port %d: %s); Generate is served on gRPC only",

@@ -22,9 +22,9 @@ from services.engine.server import EngineService
 logger = logging.getLogger(__name__)
 
 
-def _nth_port(first: int, i: int) -> int | None:
+def _nth_port(first: int, i: int) -> int:
     """The i-th of consecutive ports from `first` (0: a free one each; -1: none)."""
-    return None if first < 0 else first + i if first else 0
+    return first + i if first > 0 else first
 
 
 def simulated_services(

@@ -368,7 +368,7 @@ def test_the_gateway_streams_on_the_socket_when_offered_and_on_grpc_otherwise(
             EngineConfig(model=str(model_dir), **ENGINE_ARGS),
             "127.0.0.1",
             0,
-            generate_socket_port=None,
+            generate_socket_port=-1,
         )
     )
     try:
