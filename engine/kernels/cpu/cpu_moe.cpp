@@ -218,24 +218,50 @@ struct ExpertProblem {
   std::vector<int64_t> start;  // used expert u's rows: start[u] .. start[u + 1]
 };
 
+// A task's cost besides its rows' products, in rows: reading its panel, about what multiplying
+// 8 rows by it takes (a bfloat16 pairs panel of a 512-wide expert: ~1.4 us from memory on one
+// core, a row's dot products ~0.14 us; float32 panels twice both). In calls taking turns, 8 was
+// as fast as 16 and up to 10% faster than 0 (rows alone) at 16 tokens.
+constexpr int64_t kPanelCost = 8;
+
 // One product of every used expert as tasks (used expert u, first panel j), `per_task` of its
 // `panels` panels (`panel_values` weights each, from `weights`) a task, all experts' tasks in one
 // parallel loop: f(u, j, the task's weights, the next task's of this thread or nullptr, for
-// prefetching).
+// prefetching). Each thread takes a run of tasks of about equal cost (reading a panel, and its
+// rows' products), not of equal count: the experts' rows differ, and a bfloat16 step of 64
+// tokens routed [21, 27, 28, 11 | 11, 4, 16, 10] took 0.69 ms split by count, 0.60 by cost.
 template <typename W, typename F>
 inline void for_panel_tasks(const ExpertProblem& p, const W* weights, int64_t panels,
                             int64_t per_task, int64_t panel_values, const F& f) {
   std::vector<std::pair<int64_t, int64_t>> tasks;
-  for (size_t u = 0; u < p.used.size(); ++u)
-    for (int64_t j = 0; j < panels; j += per_task) tasks.emplace_back(u, j);
+  std::vector<int64_t> cost_before{0};  // the tasks' costs, summed up to each
+  for (size_t u = 0; u < p.used.size(); ++u) {
+    const int64_t cost = kPanelCost + p.start[u + 1] - p.start[u];
+    for (int64_t j = 0; j < panels; j += per_task) {
+      tasks.emplace_back(u, j);
+      cost_before.push_back(cost_before.back() + cost);
+    }
+  }
   const auto weights_of = [&](int64_t task) {
     const auto [u, j] = tasks[task];
     return weights + (p.used[u] * panels + j) * panel_values;
   };
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task)
-      f(tasks[task].first, tasks[task].second, weights_of(task),
-        task + 1 < end ? weights_of(task + 1) : nullptr);
+  const int64_t count = static_cast<int64_t>(tasks.size());
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
+  // Thread t's first task: the first whose costs before it reach t / threads of the total.
+  const auto first_of = [&](int64_t t) {
+    const int64_t share = cost_before.back() * t / threads;
+    return static_cast<int64_t>(
+        std::lower_bound(cost_before.begin(), cost_before.end() - 1, share) -
+        cost_before.begin());
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t last_thread) {
+    for (int64_t t = first_thread; t < last_thread; ++t) {
+      const int64_t begin = first_of(t), end = t + 1 == threads ? count : first_of(t + 1);
+      for (int64_t task = begin; task < end; ++task)
+        f(tasks[task].first, tasks[task].second, weights_of(task),
+          task + 1 < end ? weights_of(task + 1) : nullptr);
+    }
   });
 }
 
