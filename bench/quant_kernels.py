@@ -4,9 +4,11 @@
 
 One pass multiplies the activations by every linear of SmolLM2-135M (30 layers of qkv 960x576,
 o 576x576, gate_up 3072x576, down 576x1536, each its own copy so the weights do not stay in
-cache, as in a decode step) and then by the vocabulary projection 49152x576 in three forms: int8
+cache, as in a decode step) and then by the vocabulary projection 49152x576 in four forms: int8
 per output channel (`--quantization`'s), grouped int8 with float16 scales per 32 (the default
-model's GGUF, Q8_0) and float32 through oneDNN (the unquantized model's); it prints the median
+model's GGUF, Q8_0) in strips of 16 output channels and row-major (the layout each CPU gets by
+default: strips with AVX-512 VNNI, row-major without), and float32 through oneDNN (the
+unquantized model's); it prints the median
 and fastest milliseconds of the layers and of each projection per row count and thread count,
 with `--shapes` also each shape's 30 linears (the fastest pass, and the weights' GB/s at it).
 `--dense` also times the layers as a long prefill past the kernels' row limit runs them: one
@@ -63,12 +65,13 @@ def copies(weight: QuantizedWeight, count: int) -> list[QuantizedWeight]:
     ]
 
 
-def grouped_int8(weight: torch.Tensor) -> QuantizedWeight:
-    """The weight on a GGUF Q8_0's grid: int8 codes with a float16 scale per 32 inputs."""
+def grouped_int8(weight: torch.Tensor, strips: bool) -> QuantizedWeight:
+    """The weight on a GGUF Q8_0's grid: int8 codes with a float16 scale per 32 inputs, in
+    strips of 16 output channels or row-major."""
     groups = weight.unflatten(-1, (-1, 32))
     scale = (groups.abs().amax(-1) / 127).half()
     codes = torch.round(groups / scale.float()[..., None].clamp_min(1e-30)).clamp(-127, 127)
-    return grouped_int8_weight(codes.to(torch.int8).flatten(1), scale)
+    return grouped_int8_weight(codes.to(torch.int8).flatten(1), scale, strips)
 
 
 def baseline_kernels(revision: str) -> Any:
@@ -220,7 +223,8 @@ def main() -> None:
     packed = torch.ops.mkldnn._reorder_linear_weight(vocabulary, None)
     projections = {
         "int8": quantize(vocabulary, "int8", folio_kernels=True),
-        "grouped int8": grouped_int8(vocabulary),
+        "grouped int8": grouped_int8(vocabulary, strips=True),
+        "grouped int8 row-major": grouped_int8(vocabulary, strips=False),
     }
     kernel_sets = {"": None}
     if args.baseline:

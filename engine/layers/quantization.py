@@ -57,15 +57,18 @@ class QuantizedWeight:
     """An [out, in] weight; `matmul(x)` is x @ weight.T."""
 
     method: str  # "int8", GROUPED_INT8 or "int4" (a PartsWeight: its parts', e.g. "int4 + ...")
-    # int8 (either): [out, in] int8 codes. int4: [out, in / 2] uint8, two 4-bit codes to a
-    # byte: in each group of 32 input features, byte i holds feature i in its low half and
-    # feature i + 16 in its high half (GGUF Q4_1's order); on Folio's kernels strips of 16
-    # output channels instead, [out / 16, in / 32, 256] in int4_strip_codes' order.
+    # int8 (either): [out, in] int8 codes; grouped int8 with out a multiple of 16 in strips of
+    # 16 output channels instead, [out / 16, in / 32, 512] in grouped_int8_strip_codes' order.
+    # int4: [out, in / 2] uint8, two 4-bit codes to a byte: in each group of 32 input features,
+    # byte i holds feature i in its low half and feature i + 16 in its high half (GGUF Q4_1's
+    # order); on Folio's kernels strips of 16 output channels instead, [out / 16, in / 32, 256]
+    # in int4_strip_codes' order.
     codes: torch.Tensor
     # int8: [out] scales; grouped int8: [out, in / 32 or in / 16] scales, the weight being code
-    # * scale, float16 (Q8_0's) or float32 (Q6_K's d * sc); int4: [out, in / 32] scales, the
-    # weight being code * scale + minimum, stored for Folio's kernels as float16 (Q4_1's) or,
-    # both of them, float32 (Q4_K's), and in the strips' order, [out / 16, in / 32, 16].
+    # * scale, float16 (Q8_0's) or float32 (Q6_K's d * sc), in the strips' order [out / 16,
+    # groups, 16] where its codes are in strips; int4: [out, in / 32] scales, the weight being
+    # code * scale + minimum, stored for Folio's kernels as float16 (Q4_1's) or, both of them,
+    # float32 (Q4_K's), and in the strips' order, [out / 16, in / 32, 16].
     scale: torch.Tensor
     minimum: torch.Tensor | None
     # Folio's AVX2 ops (float32 activations), or None to use torch's kernels, for which int4
@@ -121,7 +124,8 @@ class QuantizedWeight:
         if self.method == "int8":
             return self.codes.to(dtype) * self.scale.to(dtype)[:, None]
         if self.method == GROUPED_INT8:
-            return _grouped(self.codes, self.scale, dtype).flatten(-2)
+            every = torch.arange(self.shape[0])
+            return self.kernels.grouped_int8_lookup(every, self.codes, self.scale).to(dtype)
         assert self.minimum is not None
         if self.kernels is not None:
             native = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
@@ -138,15 +142,16 @@ class QuantizedWeight:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the float32 weight (an embedding lookup: [*ids.shape, in]), of a
         grouped int8 weight: only those rows are dequantized, exactly (code * scale: at most
-        18 significant bits for Q8_0's, 23 for Q6_K's)."""
+        18 significant bits for Q8_0's, 23 for Q6_K's), by one opaque op
+        (folio_quant::grouped_int8_lookup: a compiled program reads them from a buffer)."""
         if self.method != GROUPED_INT8:
             raise ValueError(f"rows are looked up in grouped int8 weights, not {self.method}")
-        return _grouped(self.codes[ids], self.scale[ids], torch.float32).flatten(-2)
+        return self.kernels.grouped_int8_lookup(ids, self.codes, self.scale)
 
     @property
     def shape(self) -> tuple[int, int]:
         """[out, in] of the float weight this one stands for."""
-        if self.method == "int4" and self.kernels is not None:  # strips of 16 channels
+        if self.codes.dim() == 3:  # strips of 16 channels (int4, grouped int8)
             return self.codes.shape[0] * INT4_STRIP, self.codes.shape[1] * INT4_GROUP_SIZE
         in_features = self.codes.shape[1] * (2 if self.method == "int4" else 1)
         return self.codes.shape[0], in_features
@@ -209,18 +214,21 @@ def parts_weight(parts: list[QuantizedWeight]) -> PartsWeight:
     return PartsWeight(method, empty, empty, None, torch.ops.folio_quant, parts=tuple(parts))
 
 
-def _grouped(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Grouped int8 codes [..., in] and scales [..., groups] -> [..., groups, group] weights."""
-    groups = codes.unflatten(-1, (scale.shape[-1], -1)).to(dtype)
-    return groups * scale.to(dtype)[..., None]
-
-
-def grouped_int8_weight(codes: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
+def grouped_int8_weight(
+    codes: torch.Tensor, scale: torch.Tensor, strips: bool | None = None
+) -> QuantizedWeight:
     """An int8 weight with a scale per group of input features, w = code * scale: codes
     [out, in] int8 and scales [out, in / 32] float16 (a Q8_0 GGUF tensor's, kept as they are)
     or [out, in / 16] float32 (a Q6_K tensor's d * sc, exact in float32), for float32
     activations on Folio's kernels, which the caller has checked loaded
-    (engine.layers.linear.folio_quant_kernels); the input features a multiple of 32."""
+    (engine.layers.linear.folio_quant_kernels); the input features a multiple of 32.
+
+    `strips`: kept in strips of 16 output channels (grouped_int8_strip_codes; out a multiple of
+    16), whose widened codes the rows of a verification step or a batch share: on an AVX-512
+    VNNI EPYC 1.7x a row-major pass's speed at one row, 2.6x at five, 3.4x at sixteen (docs/
+    quantization.md). None (the default): strips where the CPU has AVX-512 VNNI and out allows;
+    AVX2-only CPUs keep the row-major layout, which a layout like the strips' did not beat at one
+    and two rows on an AVX2 EPYC (Zen 3)."""
     if codes.dtype != torch.int8 or codes.dim() != 2:
         raise ValueError(
             f"grouped int8 codes are an int8 matrix, got {codes.dtype} of shape "
@@ -241,9 +249,30 @@ def grouped_int8_weight(codes: torch.Tensor, scale: torch.Tensor) -> QuantizedWe
             f"{' or '.join(map(str, INT8_GROUP_SIZES))} features, [{out_features}, "
             f"{' or '.join(map(str, sizes))}]; got {tuple(scale.shape)}"
         )
+    if strips is None:
+        strips = cpu_capabilities().avx512_vnni and out_features % INT4_STRIP == 0
+    if strips:
+        if out_features % INT4_STRIP:
+            raise ValueError(
+                f"grouped int8 strips need output features divisible by {INT4_STRIP}; a weight "
+                f"has {out_features}"
+            )
+        codes, scale = grouped_int8_strip_codes(codes), strip_groups(scale)
     return QuantizedWeight(
         GROUPED_INT8, codes.contiguous(), scale.contiguous(), None, torch.ops.folio_quant
     )
+
+
+def grouped_int8_strip_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Grouped int8 codes [out, in] (out a multiple of 16, in of 32) in strips of 16 output
+    channels, [out / 16, in / 32, 512], a lossless permutation: byte 32 p + 2 c + i of a strip's
+    block holds channel c's code at position 2 p + i of the block, so that 32 bytes widened to
+    int16 are the 16 channels' codes at two positions, a 32-bit lane to a channel (each
+    channel's products then sum in its own lane, with no sums across lanes)."""
+    out_features, in_features = codes.shape
+    blocks = in_features // INT4_GROUP_SIZE
+    strips = codes.view(out_features // INT4_STRIP, INT4_STRIP, blocks, INT4_GROUP_SIZE // 2, 2)
+    return strips.permute(0, 2, 3, 1, 4).reshape(out_features // INT4_STRIP, blocks, -1)
 
 
 def check_quantizable(method: str, weight: torch.Tensor) -> None:
@@ -295,9 +324,9 @@ def int4_strip_codes(nibbles: torch.Tensor) -> torch.Tensor:
     return torch.ops.folio_quant.int4_strip_codes(groups)
 
 
-def int4_strip_groups(values: torch.Tensor) -> torch.Tensor:
-    """Per-group values [out, in / 32] (int4 scales or minimums) in the strips' order,
-    [out / 16, in / 32, 16]."""
+def strip_groups(values: torch.Tensor) -> torch.Tensor:
+    """Per-group values [out, groups] (int4 scales or minimums, grouped int8 scales) in the
+    strips' order, [out / 16, groups, 16]."""
     out_features, groups = values.shape
     strips = values.reshape(out_features // INT4_STRIP, INT4_STRIP, groups)
     return strips.transpose(1, 2).contiguous()
@@ -331,8 +360,8 @@ def int4_weight(
         quantized = QuantizedWeight(
             "int4",
             int4_strip_codes(nibbles),
-            int4_strip_groups(scale.to(group_dtype)),
-            int4_strip_groups(minimum.to(group_dtype)),
+            strip_groups(scale.to(group_dtype)),
+            strip_groups(minimum.to(group_dtype)),
             kernels,
             dense_bf16=cpu_capabilities().native_bf16,
         )

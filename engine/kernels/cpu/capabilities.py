@@ -29,6 +29,9 @@ class CpuCapabilities:
     folio_kernels: bool
     # AVX-512 BF16 dot products, asked of Folio's kernels (False where they did not load).
     avx512_bf16: bool
+    # AVX-512 VNNI (with BW and VL): Folio's integer kernels' 512-bit code, where grouped int8
+    # weights are kept in strips (engine.layers.quantization.grouped_int8_weight).
+    avx512_vnni: bool
     # torch computes bfloat16 natively here (oneDNN); elsewhere it is emulated, far slower.
     native_bf16: bool
     # oneDNN can reorder a weight into its prepacked layout for linears.
@@ -72,6 +75,7 @@ def cpu_capabilities() -> CpuCapabilities:
         avx2_fma=extension.cpu_has_avx2(),
         folio_kernels=loaded,
         avx512_bf16=native and loaded and bool(torch.ops.folio_linear.cpu_has_avx512_bf16()),
+        avx512_vnni=native and loaded and bool(torch.ops.folio_quant.cpu_has_avx512_vnni()),
         native_bf16=native and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
         onednn_packing=torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"),

@@ -32,6 +32,9 @@
 // term) run once per group and channel, with no sums across lanes: an output's arithmetic is
 // its lane's alone, the same for any number of rows and output channels beside it and the same
 // bits on AVX2 and AVX-512. The products of several rows share each strip's unpacked codes.
+// Grouped int8 weights may lie in strips of 16 output channels as well (where the CPU has
+// AVX-512 VNNI: engine/layers/quantization chooses), their int16 products summed a group at a
+// time in a channel's lane the same way (vpdpwssd; on AVX2 madd and add).
 // This file only multiplies; quantizing weights and choosing the kernel is
 // engine/layers/quantization's.
 
@@ -120,7 +123,7 @@ void quantize_block(const float* x, Code* first, Code* second, float* d, float* 
 
 // One call's activations against int8 weights, each row's first k32 features (a multiple of
 // 32) in blocks of 32: x[r, 32 b + i] ~ q[r, 32 b + i] * d[r, b], |q| <= 32767 (int16 codes;
-// quantize_block also makes Int4Activations' int8 codes, |q| <= 127, so that negating q stays
+// quantize_block also makes StripActivations' int8 codes, |q| <= 127, so that negating q stays
 // in range); d_lanes[r, 8 b .. 8 (b + 1)) holds eight copies of d[r, b], the lanes of a block's
 // partial sums in the rows' vectors, so that the scales of a row's vector of partial sums are
 // one load; q_sum[r, b] = d[r, b] * sum_i q[r, 32 b + i], its rows padded with zeros to a
@@ -413,34 +416,39 @@ constexpr int kInt4Rows = 4;
 constexpr int64_t kPrefetchStrips = 2;
 constexpr int kInt4WideRows = 8;
 
-// One call's activations against int4 weights: each row's groups quantized as
-// quantize_block<int8_t> does (x ~ q * d per group of 32, |q| <= 127, so that maddubs' int16
-// pairs cannot overflow), a group's 32 codes in order; d and q_sum (d times the codes' sum, the
-// minimums' term) one float per group. Parallel over rows where there are many (a prefill's).
-struct Int4Activations {
+// One call's activations against weights in strips: each row's groups of 32 quantized as
+// quantize_block<Code> does (x ~ q * d per group), a group's 32 codes in order; d and q_sum (d
+// times the codes' sum, int4's minimums' term) one float per group. int8 codes against int4
+// weights (|q| <= 127, so that maddubs' int16 pairs cannot overflow), int16 against grouped int8
+// ones (the codes QuantizedActivations holds, in order). Parallel over rows where there are many
+// (a prefill's).
+template <typename Code>
+struct StripActivations {
   int64_t k, groups;
-  std::vector<int8_t> q;
+  std::vector<Code> q;
   std::vector<float> d, q_sum;
 
-  Int4Activations(const float* x, int64_t m, int64_t k)
+  StripActivations(const float* x, int64_t m, int64_t k)
       : k(k), groups(k / kBlock), q(m * k), d(m * (k / kBlock)), q_sum(m * (k / kBlock)) {
     at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         for (int64_t g = 0; g < groups; ++g) {
-          int8_t* codes = &q[r * k + g * kBlock];
-          quantize_block<int8_t>(x + r * k + g * kBlock, codes, codes + kBlock / 2,
-                                 &d[r * groups + g], &q_sum[r * groups + g]);
+          Code* codes = &q[r * k + g * kBlock];
+          quantize_block<Code>(x + r * k + g * kBlock, codes, codes + kBlock / 2,
+                               &d[r * groups + g], &q_sum[r * groups + g]);
         }
       }
     });
   }
-  // Row r's four codes from position 4 j of group g, as one 32-bit value.
-  int32_t four(int64_t r, int64_t g, int j) const {
+  // Row r's 32-bit word j of group g: codes 4 j .. 4 j + 4 (int8) or 2 j .. 2 j + 2 (int16).
+  int32_t word(int64_t r, int64_t g, int j) const {
     int32_t v;
-    std::memcpy(&v, &q[r * k + g * kBlock + 4 * j], 4);
+    std::memcpy(&v, &q[r * k + g * kBlock] + j * (4 / sizeof(Code)), 4);
     return v;
   }
 };
+using Int4Activations = StripActivations<int8_t>;
+using Int16Activations = StripActivations<int16_t>;
 
 // N / 2 of half a strip's group's four 64-byte quarters (`block`: its 32 bytes in the first, the
 // others 64 bytes apart) as N vectors of codes: vector j positions 4 j .. 4 j + 4 (from the first
@@ -504,7 +512,7 @@ inline void int4_strip(const uint8_t* codes, const S* scale, const S* min,
       for (int r = 0; r < ROWS; ++r) {
 #pragma GCC unroll 2
         for (int j = 0; j < 2; ++j) {
-          const __m256i four = _mm256_set1_epi32(xq.four(first + r, g, 2 * u + j));
+          const __m256i four = _mm256_set1_epi32(xq.word(first + r, g, 2 * u + j));
           pairs[r][0] = _mm256_add_epi16(pairs[r][0], _mm256_maddubs_epi16(w[0][j], four));
           pairs[r][1] = _mm256_add_epi16(pairs[r][1], _mm256_maddubs_epi16(w[1][j], four));
         }
@@ -531,6 +539,82 @@ inline void int4_strip(const uint8_t* codes, const S* scale, const S* min,
     }
   }
 #pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) {
+    _mm256_storeu_ps(out + r * ld, _mm256_load_ps(acc[r]));
+    _mm256_storeu_ps(out + r * ld + 8, _mm256_load_ps(acc[r] + 8));
+  }
+}
+
+// ---- grouped int8 in strips of 16 output channels (grouped_int8_strip_codes' layout,
+// [strips, blocks, 512]): byte 32 p + 2 c + i of strip s, block b holds channel 16 s + c's code
+// at feature 32 b + 2 p + i, so that 32 bytes widened to int16 are pair step p of the strip's
+// 16 channels, a 32-bit lane to a channel (on AVX2 its first 16 bytes channels 0-7, the next
+// 16 channels 8-15). Scales in int4's order, [strips, groups, 16]. As with int4, a channel's
+// products of a group sum exactly in its lane (int16 activations times the codes: vpdpwssd
+// on AVX-512 VNNI, madd and add on AVX2, each sum at most 32 * 128 * 32767, exact in int32 in
+// any order) and its float steps (the conversion, the scale times d, the FMA) run once per
+// group and channel: an output's arithmetic is its lane's alone, the same for any rows and
+// strips beside it and the same bits on AVX2 and AVX-512, with no sums across lanes. Against a
+// row-major weight (one weight row a pass, its sums across lanes each time) a strip shares
+// each widened step of codes between the rows of a verification step or a batch.
+constexpr int64_t kStripBlockBytes = kStrip * kBlock;  // 512
+// Activation rows sharing one pass over a strip's codes: AVX2 four (two int32 sums each, the
+// two halves' codes and a broadcast in 16 registers; the float sums in L1), AVX-512 eight.
+constexpr int kInt8StripRows = 4;
+constexpr int kInt8StripWideRows = 8;
+
+// The block of codes `ahead` bytes past `block` (a later strip's) into L1, where `ahead` is not
+// 0: a one-row pass leaves its loads nothing else to hide behind.
+inline void prefetch_block(const int8_t* block, int64_t ahead) {
+  if (ahead == 0) return;
+  for (int line = 0; line < kStripBlockBytes / 64; ++line) {
+    _mm_prefetch(reinterpret_cast<const char*>(block) + 64 * line + ahead, _MM_HINT_T0);
+  }
+}
+
+// Activation rows first .. first + ROWS of xq times a grouped int8 strip (`codes`: its blocks'
+// 512 bytes each; `scale`: its [groups, 16], kGroup features to a group), AVX2. Row r's sixteen
+// sums to out[r * ld]. `ahead`: bytes past each block's codes to prefetch (0: none).
+template <int ROWS, int kGroup, typename S>
+inline void grouped_int8_strip(const int8_t* codes, const S* scale, const Int16Activations& xq,
+                               int64_t first, float* out, int64_t ld, int64_t ahead) {
+  constexpr int kGroups = kBlock / kGroup, kSteps = kGroup / 2;  // per block; pair steps
+  alignas(32) float acc[ROWS][kStrip] = {};
+  for (int64_t b = 0; b < xq.groups; ++b) {
+    const int8_t* block = codes + b * kStripBlockBytes;
+    prefetch_block(block, ahead);
+#pragma GCC unroll 2
+    for (int h = 0; h < kGroups; ++h) {
+      __m256i sums[ROWS][2];
+#pragma GCC unroll 4
+      for (int r = 0; r < ROWS; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+      for (int p = 0; p < kSteps; ++p) {
+        const int8_t* step = block + 2 * kStrip * (h * kSteps + p);
+        const __m256i w0 = _mm256_cvtepi8_epi16(load_128(step));
+        const __m256i w1 = _mm256_cvtepi8_epi16(load_128(step + kStrip));
+#pragma GCC unroll 4
+        for (int r = 0; r < ROWS; ++r) {
+          const __m256i pair = _mm256_set1_epi32(xq.word(first + r, b, h * kSteps + p));
+          sums[r][0] = _mm256_add_epi32(sums[r][0], _mm256_madd_epi16(w0, pair));
+          sums[r][1] = _mm256_add_epi32(sums[r][1], _mm256_madd_epi16(w1, pair));
+        }
+      }
+      const S* group_scale = scale + (b * kGroups + h) * kStrip;
+      const __m256 s[2] = {eight_channels(group_scale), eight_channels(group_scale + 8)};
+#pragma GCC unroll 4
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256 d = _mm256_set1_ps(xq.d[(first + r) * xq.groups + b]);
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; ++half) {
+          __m256 a = _mm256_load_ps(acc[r] + 8 * half);
+          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][half]), _mm256_mul_ps(s[half], d), a);
+          _mm256_store_ps(acc[r] + 8 * half, a);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 4
   for (int r = 0; r < ROWS; ++r) {
     _mm256_storeu_ps(out + r * ld, _mm256_load_ps(acc[r]));
     _mm256_storeu_ps(out + r * ld + 8, _mm256_load_ps(acc[r] + 8));
@@ -684,18 +768,66 @@ inline void int4_strip_wide(const uint8_t* codes, const S* scale, const S* min,
       const int64_t row = first + r;
       // Two chains, so that the eight vpdpbusd do not wait on each other in one line.
       __m512i even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0],
-                                         _mm512_set1_epi32(xq.four(row, g, 0)));
+                                         _mm512_set1_epi32(xq.word(row, g, 0)));
       __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1],
-                                        _mm512_set1_epi32(xq.four(row, g, 1)));
+                                        _mm512_set1_epi32(xq.word(row, g, 1)));
 #pragma GCC unroll 3
       for (int j = 2; j < 8; j += 2) {
-        even = _mm512_dpbusd_epi32(even, w[j], _mm512_set1_epi32(xq.four(row, g, j)));
-        odd = _mm512_dpbusd_epi32(odd, w[j + 1], _mm512_set1_epi32(xq.four(row, g, j + 1)));
+        even = _mm512_dpbusd_epi32(even, w[j], _mm512_set1_epi32(xq.word(row, g, j)));
+        odd = _mm512_dpbusd_epi32(odd, w[j + 1], _mm512_set1_epi32(xq.word(row, g, j + 1)));
       }
       const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
       const int64_t at = row * xq.groups + g;
       acc[r] = _mm512_fmadd_ps(sums, _mm512_mul_ps(s, _mm512_set1_ps(xq.d[at])), acc[r]);
       acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq.q_sum[at]), acc[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) _mm512_storeu_ps(out + r * ld, acc[r]);
+}
+
+// grouped_int8_strip on 512-bit registers: the whole strip a pair step, vpdpwssd summing each
+// channel's products of a group in its lane (the AVX2 code's exact int32 sums; in two chains
+// for fewer than four rows, so that one row's dot products do not wait on each other), then
+// the same float steps a lane: bit for bit the AVX2 code's outputs.
+template <int ROWS, int kGroup, typename S>
+inline void grouped_int8_strip_wide(const int8_t* codes, const S* scale,
+                                    const Int16Activations& xq, int64_t first, float* out,
+                                    int64_t ld, int64_t ahead) {
+  constexpr int kGroups = kBlock / kGroup, kSteps = kGroup / 2;
+  constexpr int kChains = ROWS >= 4 ? 1 : 2;
+  __m512 acc[ROWS];
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < xq.groups; ++b) {
+    const int8_t* block = codes + b * kStripBlockBytes;
+    prefetch_block(block, ahead);
+#pragma GCC unroll 2
+    for (int h = 0; h < kGroups; ++h) {
+      __m512i sums[kChains][ROWS];
+#pragma GCC unroll 2
+      for (int c = 0; c < kChains; ++c) {
+#pragma GCC unroll 8
+        for (int r = 0; r < ROWS; ++r) sums[c][r] = _mm512_setzero_si512();
+      }
+#pragma GCC unroll 16
+      for (int p = 0; p < kSteps; ++p) {
+        const __m512i w = _mm512_cvtepi8_epi16(load_256(block + 2 * kStrip * (h * kSteps + p)));
+        const int c = p % kChains;
+#pragma GCC unroll 8
+        for (int r = 0; r < ROWS; ++r) {
+          sums[c][r] = _mm512_dpwssd_epi32(
+              sums[c][r], w, _mm512_set1_epi32(xq.word(first + r, b, h * kSteps + p)));
+        }
+      }
+      const __m512 s = sixteen_channels(scale + (b * kGroups + h) * kStrip);
+#pragma GCC unroll 8
+      for (int r = 0; r < ROWS; ++r) {
+        __m512i total = sums[0][r];
+        if constexpr (kChains == 2) total = _mm512_add_epi32(total, sums[1][r]);
+        const __m512 d = _mm512_set1_ps(xq.d[(first + r) * xq.groups + b]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(s, d), acc[r]);
+      }
     }
   }
 #pragma GCC unroll 8
@@ -708,11 +840,15 @@ inline void int4_strip_wide(const uint8_t* codes, const S* scale, const S* min,
 // does not force AVX2 (engine.kernels.cpu.capabilities reads the same variable, and refuses
 // values other than "native" and "avx2"). Read at every call, so that one process can run (and
 // its tests compare) both paths.
-bool wide_rows() {
+bool cpu_has_avx512_vnni() {
   static const bool supported =
       __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-  if (!supported) return false;
+  return supported;
+}
+
+bool wide_rows() {
+  if (!cpu_has_avx512_vnni()) return false;
   const char* isa = std::getenv("FOLIO_CPU_ISA");
   if (isa == nullptr) return true;
   std::string value;
@@ -885,35 +1021,98 @@ void grouped_int8_rows(bool wide, const QuantizedActivations<int16_t>& xq, int64
   });
 }
 
+// A weight's output features: strips (int4's, grouped int8's) hold 16 each.
+inline int64_t part_outputs(const at::Tensor& codes) {
+  return codes.dim() == 3 ? codes.size(0) * kStrip : codes.size(0);
+}
+
+// A grouped int8 weight's input features: row-major [N, K], or strips [N / 16, K / 32, 512].
+inline int64_t grouped_int8_inputs(const at::Tensor& w) {
+  return w.dim() == 3 ? w.size(1) * kBlock : w.size(1);
+}
+
 void check_grouped_int8(const at::Tensor& w, const at::Tensor& scale) {
-  const int64_t k = w.size(1), n = w.size(0);
   const at::ScalarType type = scale.scalar_type();
+  const bool strips = w.dim() == 3;
   TORCH_CHECK(w.scalar_type() == at::kChar && (type == at::kHalf || type == at::kFloat) &&
-                  scale.dim() == 2 && scale.size(0) == n && scale.is_contiguous(),
+                  scale.is_contiguous(),
               "grouped_int8_linear takes int8 weights [N, K] and float16 or float32 scales "
               "[N, groups]");
-  TORCH_CHECK(k % kBlock == 0, "grouped int8 needs input features divisible by ", kBlock,
-              ", got ", k);
+  const int64_t k = grouped_int8_inputs(w);
+  if (strips) {
+    TORCH_CHECK(w.size(2) == kStripBlockBytes && w.is_contiguous() && scale.dim() == 3 &&
+                    scale.size(0) == w.size(0) && scale.size(2) == kStrip,
+                "grouped int8 strips are grouped_int8_strip_codes' contiguous int8 [N / 16, "
+                "K / 32, 512] with scales [N / 16, groups, 16]");
+  } else {
+    TORCH_CHECK(w.dim() == 2 && scale.dim() == 2 && scale.size(0) == w.size(0),
+                "grouped_int8_linear takes int8 weights [N, K] and float16 or float32 scales "
+                "[N, groups]");
+    TORCH_CHECK(k % kBlock == 0, "grouped int8 needs input features divisible by ", kBlock,
+                ", got ", k);
+  }
   const int64_t groups = scale.size(1);
   TORCH_CHECK(groups == k / kBlock || groups == 2 * (k / kBlock),
               "grouped int8 takes a scale per 32 or per 16 input features: ", groups,
               " groups for ", k, " features");
 }
 
-// A checked grouped int8 weight's product (check_grouped_int8), its scales' type and group
-// size chosen.
-void grouped_int8_into(bool wide, const QuantizedActivations<int16_t>& xq, int64_t m,
-                       const at::Tensor& w, const at::Tensor& scale, float* out, int64_t ld) {
-  const bool halves = scale.size(1) == 2 * (w.size(1) / kBlock);
+// x's rows [M, K] (quantized: xq) times grouped int8 strips (codes [N / 16, K / 32, 512], scales
+// [N / 16, K / G, 16]), written to out[m, n] at m * ld + n. Parallel over strips; each strip's
+// widened codes serve kInt8StripRows (kInt8StripWideRows) activation rows a pass.
+template <int kGroup, typename S>
+void grouped_int8_strips(bool wide, const Int16Activations& xq, int64_t m,
+                         const at::Tensor& codes, const S* scales, float* out, int64_t ld) {
+  const int8_t* cs = codes.data_ptr<int8_t>();
+  const int64_t blocks = xq.groups, groups = blocks * (kBlock / kGroup);
+  at::parallel_for(0, codes.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t strip = begin; strip < end; ++strip) {
+      const int8_t* strip_codes = cs + strip * blocks * kStripBlockBytes;
+      const S* scale = scales + strip * groups * kStrip;
+      float* columns = out + strip * kStrip;
+      const auto ahead = [&](int64_t r0) {
+        return r0 == 0 ? kPrefetchStrips * blocks * kStripBlockBytes : 0;
+      };
+      if (wide) {
+        for_each_tile<kInt8StripWideRows>(m, [&](auto tile, int64_t r0) {
+          grouped_int8_strip_wide<decltype(tile)::value, kGroup>(
+              strip_codes, scale, xq, r0, columns + r0 * ld, ld, ahead(r0));
+        });
+      } else {
+        for_each_tile<kInt8StripRows>(m, [&](auto tile, int64_t r0) {
+          grouped_int8_strip<decltype(tile)::value, kGroup>(strip_codes, scale, xq, r0,
+                                                            columns + r0 * ld, ld, ahead(r0));
+        });
+      }
+    }
+  });
+}
+
+// A checked grouped int8 weight's product (check_grouped_int8) in either layout, its scales'
+// type and group size chosen; each layout's activations made when first needed (`rows`,
+// `strips`: one call's, shared by a fused layer's parts).
+void grouped_int8_into(bool wide, const float* x, int64_t m,
+                       std::optional<QuantizedActivations<int16_t>>& rows,
+                       std::optional<Int16Activations>& strips, const at::Tensor& w,
+                       const at::Tensor& scale, float* out, int64_t ld) {
+  const int64_t k = grouped_int8_inputs(w);
+  const bool halves = scale.size(1) == 2 * (k / kBlock);
+  auto run = [&](const auto* s) {
+    if (w.dim() == 3) {
+      if (!strips) strips.emplace(x, m, k);
+      halves ? grouped_int8_strips<kBlock / 2>(wide, *strips, m, w, s, out, ld)
+             : grouped_int8_strips<kBlock>(wide, *strips, m, w, s, out, ld);
+      return;
+    }
+    if (!rows) rows.emplace(x, m, k);
+    halves ? grouped_int8_rows<kBlock / 2>(wide, *rows, m, w, s, out, ld)
+           : grouped_int8_rows<kBlock>(wide, *rows, m, w, s, out, ld);
+  };
   if (scale.scalar_type() == at::kFloat) {
-    const float* s = scale.data_ptr<float>();
-    halves ? grouped_int8_rows<kBlock / 2>(wide, xq, m, w, s, out, ld)
-           : grouped_int8_rows<kBlock>(wide, xq, m, w, s, out, ld);
-    return;
+    run(scale.data_ptr<float>());
+  } else {
+    run(scale.data_ptr<at::Half>());
   }
-  const at::Half* s = scale.data_ptr<at::Half>();
-  halves ? grouped_int8_rows<kBlock / 2>(wide, xq, m, w, s, out, ld)
-         : grouped_int8_rows<kBlock>(wide, xq, m, w, s, out, ld);
 }
 
 // x's rows [M, K] (quantized: xq) times int4 codes [N / 16, K / 32, 256] uint8
@@ -1009,14 +1208,70 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return out;
 }
 
-// x [M, K] float32, w [N, K] int8, scale [N, K/G] float16 or float32 (G = 32 or 16 features
-// to a group, w = scale * code) -> [M, N] float32.
+// x [M, K] float32, w [N, K] int8 with scale [N, K/G] float16 or float32 (G = 32 or 16 features
+// to a group, w = scale * code), or the same weight in strips (grouped_int8_strip_codes' [N /
+// 16, K / 32, 512], scales [N / 16, K / G, 16]) -> [M, N] float32.
 at::Tensor grouped_int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
-  check_inputs(x, w, w.size(1));
   check_grouped_int8(w, scale);
-  const QuantizedActivations<int16_t> xq(x.data_ptr<float>(), x.size(0), w.size(1));
-  at::Tensor out = new_output(x, w.size(0));
-  grouped_int8_into(wide_rows(), xq, x.size(0), w, scale, out.data_ptr<float>(), w.size(0));
+  check_inputs(x, w, grouped_int8_inputs(w));
+  std::optional<QuantizedActivations<int16_t>> rows;
+  std::optional<Int16Activations> strips;
+  const int64_t n = part_outputs(w);
+  at::Tensor out = new_output(x, n);
+  grouped_int8_into(wide_rows(), x.data_ptr<float>(), x.size(0), rows, strips, w, scale,
+                    out.data_ptr<float>(), n);
+  return out;
+}
+
+// Rows `ids` (int64, any shape) of a grouped int8 weight in either layout (row-major [N, K] or
+// strips) as float32, code * scale exactly: [*ids.shape, K]. An embedding lookup as one opaque
+// op, so that compiled decode programs read its rows from a buffer as they read a product's: a
+// gather traced into the next RMSNorm's reduction was vectorized otherwise at one row than at
+// several, and greedy tokens differed between decode and verification steps.
+at::Tensor grouped_int8_lookup(const at::Tensor& ids, const at::Tensor& w, const at::Tensor& scale) {
+  check_grouped_int8(w, scale);
+  TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong,
+              "grouped_int8_lookup takes int64 ids on the CPU, got ", ids.scalar_type());
+  const int64_t n = part_outputs(w), k = grouped_int8_inputs(w), groups = scale.size(1);
+  const int64_t group = k / groups;
+  const at::Tensor flat = ids.contiguous().view(-1);
+  const int64_t* id = flat.data_ptr<int64_t>();
+  for (int64_t i = 0; i < flat.numel(); ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < n, "grouped_int8_lookup: id ", id[i], " outside [0, ", n,
+                ")");
+  }
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(k);
+  at::Tensor out = at::empty(shape, ids.options().dtype(at::kFloat));
+  float* to = out.data_ptr<float>();
+  const int8_t* codes = w.data_ptr<int8_t>();
+  const bool strips = w.dim() == 3;
+  auto run = [&](const auto* scales) {
+    at::parallel_for(0, flat.numel(), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t row = id[i], strip = row / kStrip, channel = row % kStrip;
+        float* target = to + i * k;
+        for (int64_t f = 0; f < k; ++f) {
+          // grouped_int8_strip_codes: feature f = 32 b + 2 p + j of channel c at byte 512 b +
+          // 32 p + 2 c + j of its strip; its group's scale at [strip, group, channel].
+          const int64_t b = f / kBlock, p = f % kBlock / 2;
+          const int8_t code =
+              strips ? codes[(strip * (k / kBlock) + b) * kStripBlockBytes + p * 2 * kStrip +
+                             channel * 2 + f % 2]
+                     : codes[row * k + f];
+          const int64_t g = f / group;
+          const float s = static_cast<float>(
+              strips ? scales[(strip * groups + g) * kStrip + channel] : scales[row * groups + g]);
+          target[f] = static_cast<float>(code) * s;
+        }
+      }
+    });
+  };
+  if (scale.scalar_type() == at::kFloat) {
+    run(scale.data_ptr<float>());
+  } else {
+    run(scale.data_ptr<at::Half>());
+  }
   return out;
 }
 
@@ -1034,16 +1289,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 }
 
 // A fused layer whose parts (q, k and v; gate and up) keep different layouts: part i is int4
-// (codes[i] uint8 [N_i / 16, K / 32, 256], scales[i] and mins[i] as int4_linear's) or grouped int8 (codes[i]
-// int8 [N_i, K], scales[i] as grouped_int8_linear's, mins[i] None). x [M, K] float32 ->
+// (codes[i] uint8 [N_i / 16, K / 32, 256], scales[i] and mins[i] as int4_linear's) or grouped
+// int8 (codes[i] and scales[i] as grouped_int8_linear's, either layout; mins[i] None). x [M, K] float32 ->
 // [M, sum N_i] float32, part i's products in its columns, each exactly what its own op gives
 // (the activations quantized once per kind, each part writing its columns in place: no
 // per-part outputs to concatenate).
-// A part's output features: an int4 part's strips hold 16 each.
-inline int64_t part_outputs(const at::Tensor& codes, bool is_int4) {
-  return codes.size(0) * (is_int4 ? kStrip : 1);
-}
-
 at::Tensor parts_linear(const at::Tensor& x, at::TensorList codes, at::TensorList scales,
                         const c10::List<std::optional<at::Tensor>>& mins) {
   TORCH_CHECK(!codes.empty() && scales.size() == codes.size() && mins.size() == codes.size(),
@@ -1055,9 +1305,11 @@ at::Tensor parts_linear(const at::Tensor& x, at::TensorList codes, at::TensorLis
   for (size_t i = 0; i < codes.size(); ++i) {
     const std::optional<at::Tensor> min = mins[i];
     const bool is_int4 = min.has_value();
-    TORCH_CHECK(codes[i].dim() == (is_int4 ? 3 : 2), "part ", i, " of parts_linear: codes must be ",
-                is_int4 ? "int4_strip_codes' [N / 16, K / 32, 256]" : "a matrix");
-    const int64_t width = codes[i].size(1) * (is_int4 ? kBlock : 1);
+    TORCH_CHECK(codes[i].dim() == 3 || (!is_int4 && codes[i].dim() == 2), "part ", i,
+                " of parts_linear: codes must be ",
+                is_int4 ? "int4_strip_codes' [N / 16, K / 32, 256]"
+                        : "a matrix or grouped_int8_strip_codes' strips");
+    const int64_t width = codes[i].dim() == 3 ? codes[i].size(1) * kBlock : codes[i].size(1);
     TORCH_CHECK(width == k, "part ", i, " of parts_linear (", is_int4 ? "int4" : "grouped int8",
                 ", codes of shape ", codes[i].sizes(), ") takes ", width,
                 " input features; x has ", k);
@@ -1067,13 +1319,14 @@ at::Tensor parts_linear(const at::Tensor& x, at::TensorList codes, at::TensorLis
     } else {
       check_grouped_int8(codes[i], scales[i]);
     }
-    n += part_outputs(codes[i], is_int4);
+    n += part_outputs(codes[i]);
   }
   const int64_t m = x.size(0);
   const float* xs = x.data_ptr<float>();
   // Each kind's quantized activations made where its first part runs (still in cache for it).
   std::optional<Int4Activations> x8;
   std::optional<QuantizedActivations<int16_t>> x16;
+  std::optional<Int16Activations> x16_strips;
   at::Tensor out = new_output(x, n);
   float* columns = out.data_ptr<float>();
   const bool wide = wide_rows();
@@ -1083,10 +1336,9 @@ at::Tensor parts_linear(const at::Tensor& x, at::TensorList codes, at::TensorLis
       if (!x8) x8.emplace(xs, m, k);
       int4_into(wide, *x8, m, codes[i], scales[i], *min, columns, n);
     } else {
-      if (!x16) x16.emplace(xs, m, k);
-      grouped_int8_into(wide, *x16, m, codes[i], scales[i], columns, n);
+      grouped_int8_into(wide, xs, m, x16, x16_strips, codes[i], scales[i], columns, n);
     }
-    columns += part_outputs(codes[i], min.has_value());
+    columns += part_outputs(codes[i]);
   }
   return out;
 }
@@ -1232,6 +1484,8 @@ TORCH_LIBRARY(folio_quant, library) {
   library.def("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   library.def("int4_linear(Tensor x, Tensor codes, Tensor scale, Tensor min) -> Tensor");
   library.def("grouped_int8_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
+  library.def("grouped_int8_lookup(Tensor ids, Tensor weight, Tensor scale) -> Tensor");
+  library.def("cpu_has_avx512_vnni() -> bool", &cpu_has_avx512_vnni);
   library.def("parts_linear(Tensor x, Tensor[] codes, Tensor[] scales, Tensor?[] mins) -> Tensor");
   library.def("int4_dequantize(Tensor codes, Tensor scale, Tensor min, ScalarType dtype) -> Tensor");
   library.def("int4_strip_codes(Tensor groups) -> Tensor");
@@ -1241,6 +1495,7 @@ TORCH_LIBRARY_IMPL(folio_quant, CPU, library) {
   library.impl("int8_linear", &int8_linear);
   library.impl("int4_linear", &int4_linear);
   library.impl("grouped_int8_linear", &grouped_int8_linear);
+  library.impl("grouped_int8_lookup", &grouped_int8_lookup);
   library.impl("parts_linear", &parts_linear);
   library.impl("int4_dequantize", &int4_dequantize);
   library.impl("int4_strip_codes", &int4_strip_codes);

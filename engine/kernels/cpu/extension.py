@@ -188,8 +188,14 @@ def _register_output_shapes() -> None:
 
     def grouped_int8_shape(
         x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor
+    ) -> torch.Tensor:  # row-major [N, K], or strips of 16 output channels
+        return x.new_empty(x.shape[0], codes.shape[0] * (INT4_STRIP if codes.dim() == 3 else 1))
+
+    def grouped_int8_lookup_shape(
+        ids: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor
     ) -> torch.Tensor:
-        return x.new_empty(x.shape[0], codes.shape[0])
+        in_features = codes.shape[1] * (INT4_GROUP_SIZE if codes.dim() == 3 else 1)
+        return ids.new_empty(*ids.shape, in_features, dtype=torch.float32)
 
     def int4_shape(
         x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
@@ -202,10 +208,7 @@ def _register_output_shapes() -> None:
         scales: list[torch.Tensor],
         minimums: list[torch.Tensor | None],
     ) -> torch.Tensor:
-        widths = [
-            part.shape[0] * (INT4_STRIP if minimum is not None else 1)
-            for part, minimum in zip(codes, minimums, strict=True)
-        ]
+        widths = [part.shape[0] * (INT4_STRIP if part.dim() == 3 else 1) for part in codes]
         return x.new_empty(x.shape[0], sum(widths))
 
     def int4_dequantize_shape(
@@ -250,6 +253,7 @@ def _register_output_shapes() -> None:
     torch.library.register_fake("folio_quant::int8_linear")(int8_shape)
     torch.library.register_fake("folio_quant::int4_linear")(int4_shape)
     torch.library.register_fake("folio_quant::grouped_int8_linear")(grouped_int8_shape)
+    torch.library.register_fake("folio_quant::grouped_int8_lookup")(grouped_int8_lookup_shape)
     torch.library.register_fake("folio_quant::parts_linear")(parts_linear_shape)
     torch.library.register_fake("folio_quant::int4_dequantize")(int4_dequantize_shape)
     torch.library.register_fake("folio_cpu_attention::decode_step_attention")(attention_shape)

@@ -1,7 +1,8 @@
 """The AVX2 paths on any CPU with AVX2 (forced where the CPU has more): widened_bf16_linear gives
 the float32 product of the widened bfloat16 weights, pack_weight stores a float32 weight in
 bfloat16 only where that keeps its values and the CPU has no bf16 tiles, and FOLIO_CPU_ISA=avx2
-makes the one capability probe answer as on an AVX2-only CPU (dtype "auto" float32)."""
+makes the one capability probe answer as on an AVX2-only CPU (dtype "auto" float32, grouped int8
+row-major)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from engine.kernels.cpu import capabilities
 from engine.kernels.cpu.capabilities import ISA_ENV, cpu_capabilities
 from engine.layers.linear import Bf16Tiles, pack_weight
+from engine.layers.quantization import grouped_int8_weight
 from engine.model_runner import resolve_dtype
 
 needs_kernels = pytest.mark.skipif(
@@ -93,8 +95,16 @@ def test_forcing_avx2_makes_the_probe_answer_as_on_an_avx2_only_cpu(monkeypatch)
     monkeypatch.setenv(ISA_ENV, "avx2")
     forced = cpu_capabilities()
     assert not forced.avx512_bf16 and not forced.native_bf16 and not forced.bf16_tiles
+    assert not forced.avx512_vnni
     assert forced.widened_bf16 == forced.folio_kernels
     assert resolve_dtype("auto", "cpu") == torch.float32
+    if forced.folio_kernels:  # grouped int8 row-major, as on an AVX2-only CPU
+        codes, scale = torch.ones(32, 64, dtype=torch.int8), torch.ones(32, 2).half()
+        assert grouped_int8_weight(codes, scale).codes.shape == (32, 64)
+        monkeypatch.setenv(ISA_ENV, "native")
+        cpu_capabilities.cache_clear()
+        strips = cpu_capabilities().avx512_vnni  # strips of 16 channels where VNNI is native
+        assert grouped_int8_weight(codes, scale).codes.dim() == (3 if strips else 2)
     monkeypatch.setenv(ISA_ENV, "avx512")
     cpu_capabilities.cache_clear()
     with pytest.raises(ValueError, match=f"{ISA_ENV} must be one of native, avx2, got 'avx512'"):

@@ -455,7 +455,7 @@ def test_a_tied_int8_vocabulary_runs_on_the_grouped_int8_kernel(
     embedding = model.model.embed_tokens
     assert embedding.quantized is head and embedding.weight.numel() == 0
     for weight in [*linears, head]:
-        assert weight.codes.shape[1] == weight.scale.shape[1] * group
+        assert weight.shape[1] == weight.scale.shape[1] * group
     token_embd = {t.name: t for t in gguf.GGUFReader(quantized).tensors}["token_embd.weight"]
     in_file = dequantize(np.asarray(token_embd.data), qtype)
     assert np.array_equal(head.dequantized(torch.float32).numpy(), in_file)
@@ -491,7 +491,7 @@ def test_a_layer_mixing_q8_0_and_q6_k_runs_in_groups_of_16(tmp_path, monkeypatch
     ]:
         packed = module.packed
         assert isinstance(packed, QuantizedWeight) and packed.scale.dtype == dtype
-        assert packed.codes.shape[1] == packed.scale.shape[1] * group
+        assert packed.shape[1] == packed.scale.shape[1] * group
     kernels, dequantizing, dense = logits_errors(model, twin_model, config, monkeypatch)
     print(f"Q8_0 + Q6_K: logits relative error {kernels:.1e} (kernels), {dequantizing:.1e}")
     assert kernels <= GROUPED_INT8_MAX_ERROR
@@ -523,7 +523,7 @@ def test_a_q4_k_m_gguf_keeps_its_mixed_layers_on_the_integer_kernels(tmp_path, m
         int4, int8 = packed.parts
         assert int4.method == "int4" and int4.scale.dtype == torch.float32
         assert int8.method == GROUPED_INT8 and int8.scale.dtype == torch.float32
-        assert int8.codes.shape[1] == int8.scale.shape[1] * 16
+        assert int8.shape[1] == int8.scale.shape[1] * 16
         assert int8.shape[0] == module.output_sizes[-1]  # v, or up
         for rows in (1, 5, 70, 300):
             x = torch.randn(rows, packed.shape[1])

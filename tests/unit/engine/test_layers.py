@@ -18,7 +18,12 @@ ENGINE = Path(__file__).resolve().parents[3] / "engine"
 
 # A CPU on which none of Folio's kernels loaded: every linear is torch's.
 NO_FOLIO_KERNELS = CpuCapabilities(
-    avx2_fma=False, folio_kernels=False, avx512_bf16=False, native_bf16=False, onednn_packing=False
+    avx2_fma=False,
+    folio_kernels=False,
+    avx512_bf16=False,
+    avx512_vnni=False,
+    native_bf16=False,
+    onednn_packing=False,
 )
 
 
@@ -34,7 +39,12 @@ def test_without_folio_kernels_every_weight_takes_torchs_path(dtype):
 def test_packing_is_for_cpu_weights_only():
     """The capabilities are the CPU's: a weight elsewhere stays as it is, whatever they say."""
     everything = CpuCapabilities(
-        avx2_fma=True, folio_kernels=True, avx512_bf16=True, native_bf16=True, onednn_packing=True
+        avx2_fma=True,
+        folio_kernels=True,
+        avx512_bf16=True,
+        avx512_vnni=True,
+        native_bf16=True,
+        onednn_packing=True,
     )
     assert pack_weight(torch.randn(4, 8, device="meta"), None, everything) is None
 

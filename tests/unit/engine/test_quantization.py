@@ -156,7 +156,8 @@ def test_a_row_s_product_does_not_depend_on_the_rows_beside_it():
     weights = [
         quantize(gaussian((96, 576), 1), "int4", folio_kernels=True),
         quantize(gaussian((96, 72), 2), "int8", folio_kernels=True),
-        grouped_int8_weight(codes, (torch.rand(96, 18) * 0.01).half()),
+        grouped_int8_weight(codes, (torch.rand(96, 18) * 0.01).half(), strips=True),
+        grouped_int8_weight(codes, (torch.rand(96, 18) * 0.01).half(), strips=False),
     ]
     for weight in weights:
         in_features = weight.shape[1]
@@ -175,7 +176,8 @@ def test_an_output_s_product_does_not_depend_on_the_outputs_beside_it():
     channel gives the same bits whichever channels share its pass (the weight's rows taken from
     every offset, so that the groups of four shift and fewer than four are left at the end; a
     channel alone) and whatever rows share the call. int4 keeps a channel to a lane of its strip
-    of 16: a strip gives the same bits beside any others (strips taken from every offset)."""
+    of 16, and so does grouped int8 where its output channels fill strips: a strip gives the same
+    bits beside any others (strips taken from every offset)."""
     int4 = quantize(gaussian((48, 576), 1), "int4", folio_kernels=True)
     weights = [
         (int4, 16),
@@ -183,6 +185,8 @@ def test_an_output_s_product_does_not_depend_on_the_outputs_beside_it():
         (quantize(gaussian((42, 1544), 2), "int8", folio_kernels=True), 1),  # a float tail of 8
         (grouped_int8_weight(*grouped_codes(42, 576, 32, 3)), 1),
         (grouped_int8_weight(*grouped_codes(42, 1536, 16, 4)), 1),
+        (grouped_int8_weight(*grouped_codes(96, 576, 32, 3), strips=True), 16),
+        (grouped_int8_weight(*grouped_codes(96, 1536, 16, 4), strips=True), 16),
     ]
     for weight, channels in weights:
         x = gaussian((3, weight.shape[1]), 5)
@@ -323,21 +327,25 @@ def int16_rounding_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @needs_folio_kernels
 @pytest.mark.parametrize(("group", "in_features"), [(32, 64), (32, 576), (16, 64), (16, 1056)])
+@pytest.mark.parametrize("strips", [True, False])
 @pytest.mark.usefixtures("isa")
-def test_grouped_int8_kernel_computes_the_dense_product(group, in_features):
+def test_grouped_int8_kernel_computes_the_dense_product(group, in_features, strips):
     """Folio's grouped int8 kernel (Q8_0's groups of 32 with float16 scales, Q6_K's groups of
     16 with float32 ones): its weights are code * scale exactly; its product (decode-sized and
     prefill-sized, odd row counts, a row of zeros, an outlier, rows in several L1-sized chunks)
     is the dense product of those weights with the activations quantized as it quantizes them
     (int16 per 32 features), and the float64 one within that rounding's bound; the same scales
-    as float16 or float32 give the same product bit for bit; looked-up rows are the weight's."""
-    codes, scale = grouped_codes(48, in_features, group, seed=group + in_features)
-    weight = grouped_int8_weight(codes, scale)
+    as float16 or float32 give the same product bit for bit; looked-up rows are the weight's.
+    Both layouts: strips of 16 output channels and row-major."""
+    n = 48
+    codes, scale = grouped_codes(n, in_features, group, seed=group + in_features)
+    weight = grouped_int8_weight(codes, scale, strips)
     assert weight.method == GROUPED_INT8 and weight.scale.dtype == scale.dtype
-    exact = (codes.double().view(48, -1, group) * scale.double()[..., None]).view(48, -1)
+    assert weight.codes.dim() == (3 if strips else 2) and weight.shape == (n, in_features)
+    exact = (codes.double().view(n, -1, group) * scale.double()[..., None]).view(n, -1)
     dense = weight.dequantized(torch.float32)
     assert torch.equal(dense.double(), exact)  # code * scale: exact in float32
-    wide = grouped_int8_weight(codes, scale.float())
+    wide = grouped_int8_weight(codes, scale.float(), strips)
     worst = 0.0
     for rows in (1, 2, 3, 4, 5, 16, 37, 300):
         x = gaussian((rows, in_features), rows)
@@ -355,9 +363,34 @@ def test_grouped_int8_kernel_computes_the_dense_product(group, in_features):
         worst = max(worst, float((got - reference).norm() / reference.norm()))
     print(f"grouped int8, groups of {group}, {in_features} features: {worst:.1e}")
     x = gaussian((2, 3, in_features), 9)  # leading dimensions are kept
-    assert weight.matmul(x).shape == (2, 3, 48)
-    ids = torch.tensor([[0, 47, 5], [5, 5, 1]])
+    assert weight.matmul(x).shape == (2, 3, n)
+    ids = torch.tensor([[0, n - 1, 5], [5, 5, 17]])
     assert torch.equal(weight.rows(ids), dense[ids])
+
+
+@needs_folio_kernels
+@pytest.mark.parametrize(("out_features", "strips"), [(48, True), (40, None)])
+def test_compiled_lookups_keep_a_row_s_bits_beside_other_rows(out_features, strips):
+    """Embeddings looked up in a grouped int8 weight (strips, or row-major), then an RMSNorm, as
+    a compiled decode program runs them: a row alone (the one-row program) and beside others
+    (a verification step's) gives the same bits. A gather traced into the norm's reduction was
+    vectorized otherwise at one row than at several (the default model's greedy tokens then
+    differed with speculation); the lookup is one opaque op."""
+    weight = grouped_int8_weight(*grouped_codes(out_features, 576, 32, seed=7), strips)
+    assert weight.codes.dim() == (3 if strips else 2)
+    norm = gaussian((576,), 8)
+
+    def embed_and_norm(ids: torch.Tensor) -> torch.Tensor:
+        x = weight.rows(ids)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm
+
+    compiled = torch.compile(embed_and_norm, dynamic=True)
+    ids = torch.tensor([3, out_features - 1, 17, 0, 21])
+    together = compiled(ids)
+    for i in range(len(ids)):
+        assert torch.equal(compiled(ids[i : i + 1])[0], together[i]), i
+    with pytest.raises(RuntimeError, match=f"id {out_features} outside \\[0, {out_features}\\)"):
+        weight.rows(torch.tensor([out_features]))
 
 
 @needs_folio_kernels
@@ -383,6 +416,14 @@ def test_bad_grouped_int8_weights_are_refused_naming_the_problem():
         op(x, codes, torch.ones(8, 3))
     with pytest.raises(RuntimeError, match="divisible by 32, got 48"):
         op(x[:, :48].contiguous(), codes[:, :48].contiguous(), scale[:, :1].contiguous())
+    strips = grouped_int8_weight(*grouped_codes(16, 64, 32, seed=2), strips=True)
+    assert strips.codes.shape == (1, 2, 512)
+    with pytest.raises(ValueError, match="need output features divisible by 16; a weight has 8"):
+        grouped_int8_weight(codes, scale, strips=True)
+    with pytest.raises(RuntimeError, match=r"strips are .* \[N / 16, K / 32, 512\] with scales"):
+        op(x, strips.codes, strips.scale.view(1, 16, 2))
+    with pytest.raises(RuntimeError, match="x has 63 columns, the weight 64"):
+        op(x[:, :63].contiguous(), strips.codes, strips.scale)
 
 
 def test_int4_reproduces_a_q4_1_grid_exactly():
@@ -452,12 +493,12 @@ def test_auto_dtype_of_a_quantized_cpu_model_takes_the_kernels_input():
 @needs_folio_kernels
 def test_the_avx512_code_gives_the_avx2_code_s_bits(monkeypatch):
     """Every kernel (int4 with float16 and float32 group scales, int8, grouped int8 in groups of
-    32 and 16, a parts layer mixing int4 and grouped int8) on every layout of the activations'
-    units (1 to 18 blocks: whole units of four int4 groups or two int8 blocks, and a pair and a
-    single block left over; int4's whole blocks of 16 groups, one to three, and 1 or 2 groups
-    after them), row counts in tiles of eight and four and their remainders and
-    rows in several L1-sized chunks: the AVX-512 code's outputs are the AVX2 code's, bit for
-    bit (on a CPU without AVX-512 VNNI both are the AVX2 code)."""
+    32 and 16, row-major and in strips, a parts layer mixing int4 and grouped int8) on every
+    layout of the activations' units (1 to 18 blocks: whole units of four int4 groups or two
+    int8 blocks, and a pair and a single block left over; int4's whole blocks of 16 groups, one
+    to three, and 1 or 2 groups after them), row counts in tiles of eight and four and their
+    remainders and rows in several L1-sized chunks: the AVX-512 code's outputs are the AVX2
+    code's, bit for bit (on a CPU without AVX-512 VNNI both are the AVX2 code)."""
     weights = []
     for blocks in (1, 2, 3, 4, 5, 6, 7, 16, 18, 49):
         in_features = 32 * blocks
@@ -469,6 +510,10 @@ def test_the_avx512_code_gives_the_avx2_code_s_bits(monkeypatch):
         q8_0 = grouped_int8_weight(*grouped_codes(40, in_features, 32, blocks))
         q6_k = grouped_int8_weight(*grouped_codes(24, in_features, 16, blocks))
         weights += [int4, float32_int4, q8_0, q6_k, parts_weight([int4, q6_k, q8_0])]
+        # Output channels that fill strips of 16: grouped int8 in strips.
+        q8_0 = grouped_int8_weight(*grouped_codes(48, in_features, 32, blocks), strips=True)
+        q6_k = grouped_int8_weight(*grouped_codes(32, in_features, 16, blocks), strips=True)
+        weights += [q8_0, q6_k, parts_weight([int4, q6_k, q8_0])]
         int8 = quantize(gaussian((40, in_features + 8), blocks), "int8", folio_kernels=True)
         weights.append(int8)  # whole blocks and a float tail of 8 features
     for weight in weights:
