@@ -57,18 +57,20 @@ class QuantizedWeight:
     """An [out, in] weight; `matmul(x)` is x @ weight.T."""
 
     method: str  # "int8", GROUPED_INT8 or "int4" (a PartsWeight: its parts', e.g. "int4 + ...")
-    # int8 (either): [out, in] int8 codes; grouped int8 with out a multiple of 16 in strips of
-    # 16 output channels instead, [out / 16, in / 32, 512] in grouped_int8_strip_codes' order.
+    # int8 (either): [out, in] int8 codes; on Folio's kernels where the CPU has AVX-512 VNNI
+    # (and out is a multiple of 16) strips of 16 output channels instead, [out / 16, in / 32,
+    # 512] in grouped_int8_strip_codes' order.
     # int4: [out, in / 2] uint8, two 4-bit codes to a byte: in each group of 32 input features,
     # byte i holds feature i in its low half and feature i + 16 in its high half (GGUF Q4_1's
     # order); on Folio's kernels strips of 16 output channels instead, [out / 16, in / 32, 256]
     # in int4_strip_codes' order.
     codes: torch.Tensor
-    # int8: [out] scales; grouped int8: [out, in / 32 or in / 16] scales, the weight being code
-    # * scale, float16 (Q8_0's) or float32 (Q6_K's d * sc), in the strips' order [out / 16,
-    # groups, 16] where its codes are in strips; int4: [out, in / 32] scales, the weight being
-    # code * scale + minimum, stored for Folio's kernels as float16 (Q4_1's) or, both of them,
-    # float32 (Q4_K's), and in the strips' order, [out / 16, in / 32, 16].
+    # int8: [out] scales ([out / 16, 16] with strips); grouped int8: [out, in / 32 or in / 16]
+    # scales, the weight being code * scale, float16 (Q8_0's) or float32 (Q6_K's d * sc), in
+    # the strips' order [out / 16, groups, 16] where its codes are in strips; int4: [out, in /
+    # 32] scales, the weight being code * scale + minimum, stored for Folio's kernels as float16
+    # (Q4_1's) or, both of them, float32 (Q4_K's), and in the strips' order, [out / 16, in /
+    # 32, 16].
     scale: torch.Tensor
     minimum: torch.Tensor | None
     # Folio's AVX2 ops (float32 activations), or None to use torch's kernels, for which int4
@@ -122,7 +124,8 @@ class QuantizedWeight:
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The float weight [out, in] this one stands for."""
         if self.method == "int8":
-            return self.codes.to(dtype) * self.scale.to(dtype)[:, None]
+            codes = _unstrip(self.codes) if self.codes.dim() == 3 else self.codes
+            return codes.to(dtype) * self.scale.to(dtype).view(-1, 1)
         if self.method == GROUPED_INT8:
             every = torch.arange(self.shape[0])
             return self.kernels.grouped_int8_lookup(every, self.codes, self.scale).to(dtype)
@@ -287,9 +290,13 @@ def check_quantizable(method: str, weight: torch.Tensor) -> None:
         )
 
 
-def quantize(weight: torch.Tensor, method: str, folio_kernels: bool) -> QuantizedWeight:
+def quantize(
+    weight: torch.Tensor, method: str, folio_kernels: bool, strips: bool | None = None
+) -> QuantizedWeight:
     """The weight [out, in] quantized, multiplied by Folio's kernels (float32 activations, and
-    only where they loaded: engine.layers.linear.pack_weight chooses) or else by torch's."""
+    only where they loaded: engine.layers.linear.pack_weight chooses) or else by torch's.
+    `strips`: int8 on Folio's kernels in strips of 16 output channels, as grouped_int8_weight
+    keeps them (None: where the CPU has AVX-512 VNNI and out is a multiple of 16, in of 32)."""
     check_quantizable(method, weight)
     kernels = torch.ops.folio_quant if folio_kernels else None
     # Scales in the activations' dtype for torch's kernels; for Folio's, float32 (int8) and
@@ -299,8 +306,20 @@ def quantize(weight: torch.Tensor, method: str, folio_kernels: bool) -> Quantize
     if method == "int8":
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
         codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        scale_dtype = torch.float32 if kernels is not None else weight.dtype
-        return QuantizedWeight("int8", codes, scale.to(scale_dtype), None, kernels)
+        if kernels is None:
+            return QuantizedWeight("int8", codes, scale.to(weight.dtype), None, None)
+        out_features, in_features = codes.shape
+        fits = out_features % INT4_STRIP == 0 and in_features % INT4_GROUP_SIZE == 0
+        if strips is None:
+            strips = fits and cpu_capabilities().avx512_vnni
+        if strips:
+            if not fits:
+                raise ValueError(
+                    f"int8 strips need output features divisible by {INT4_STRIP} and input "
+                    f"features by {INT4_GROUP_SIZE}; a weight is {out_features}x{in_features}"
+                )
+            codes, scale = grouped_int8_strip_codes(codes), scale.view(-1, INT4_STRIP)
+        return QuantizedWeight("int8", codes, scale.contiguous(), None, kernels)
     groups = w.view(w.shape[0], -1, INT4_GROUP_SIZE)
     # Scale and minimum on the float16 grid first, the codes then chosen for those values.
     low = groups.amin(dim=-1).half().float()
@@ -322,6 +341,13 @@ def int4_strip_codes(nibbles: torch.Tensor) -> torch.Tensor:
     pass in Folio's kernels (cpu_quant.cpp), which alone read this order."""
     groups = nibbles if nibbles.dim() == 3 else nibbles.unflatten(1, (-1, INT4_GROUP_SIZE // 2))
     return torch.ops.folio_quant.int4_strip_codes(groups)
+
+
+def _unstrip(strips: torch.Tensor) -> torch.Tensor:
+    """grouped_int8_strip_codes undone: strips [out / 16, in / 32, 512] -> codes [out, in]."""
+    count, blocks = strips.shape[:2]
+    codes = strips.view(count, blocks, INT4_GROUP_SIZE // 2, INT4_STRIP, 2).permute(0, 3, 1, 2, 4)
+    return codes.reshape(count * INT4_STRIP, blocks * INT4_GROUP_SIZE)
 
 
 def strip_groups(values: torch.Tensor) -> torch.Tensor:

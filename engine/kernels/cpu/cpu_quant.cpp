@@ -578,7 +578,8 @@ inline void prefetch_block(const int8_t* block, int64_t ahead) {
 template <int ROWS, int kGroup, typename S>
 inline void grouped_int8_strip(const int8_t* codes, const S* scale, const Int16Activations& xq,
                                int64_t first, float* out, int64_t ld, int64_t ahead) {
-  constexpr int kGroups = kBlock / kGroup, kSteps = kGroup / 2;  // per block; pair steps
+  constexpr int kGroups = kGroup == 0 ? 1 : kBlock / kGroup;  // per block
+  constexpr int kSteps = kBlock / 2 / kGroups;                // pair steps per group
   alignas(32) float acc[ROWS][kStrip] = {};
   for (int64_t b = 0; b < xq.groups; ++b) {
     const int8_t* block = codes + b * kStripBlockBytes;
@@ -601,23 +602,37 @@ inline void grouped_int8_strip(const int8_t* codes, const S* scale, const Int16A
         }
       }
       const S* group_scale = scale + (b * kGroups + h) * kStrip;
-      const __m256 s[2] = {eight_channels(group_scale), eight_channels(group_scale + 8)};
+      __m256 s[2];
+      if constexpr (kGroup != 0) {
+        s[0] = eight_channels(group_scale);
+        s[1] = eight_channels(group_scale + 8);
+      }
 #pragma GCC unroll 4
       for (int r = 0; r < ROWS; ++r) {
         const __m256 d = _mm256_set1_ps(xq.d[(first + r) * xq.groups + b]);
 #pragma GCC unroll 2
         for (int half = 0; half < 2; ++half) {
           __m256 a = _mm256_load_ps(acc[r] + 8 * half);
-          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][half]), _mm256_mul_ps(s[half], d), a);
+          const __m256 sd = kGroup == 0 ? d : _mm256_mul_ps(s[half], d);
+          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][half]), sd, a);
           _mm256_store_ps(acc[r] + 8 * half, a);
         }
       }
     }
   }
+  __m256 channel[2];  // per-channel scales (kGroup 0), applied once at the end
+  if constexpr (kGroup == 0) {
+    channel[0] = eight_channels(scale);
+    channel[1] = eight_channels(scale + 8);
+  }
 #pragma GCC unroll 4
   for (int r = 0; r < ROWS; ++r) {
-    _mm256_storeu_ps(out + r * ld, _mm256_load_ps(acc[r]));
-    _mm256_storeu_ps(out + r * ld + 8, _mm256_load_ps(acc[r] + 8));
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+      __m256 a = _mm256_load_ps(acc[r] + 8 * half);
+      if constexpr (kGroup == 0) a = _mm256_mul_ps(a, channel[half]);
+      _mm256_storeu_ps(out + r * ld + 8 * half, a);
+    }
   }
 }
 
@@ -794,7 +809,8 @@ template <int ROWS, int kGroup, typename S>
 inline void grouped_int8_strip_wide(const int8_t* codes, const S* scale,
                                     const Int16Activations& xq, int64_t first, float* out,
                                     int64_t ld, int64_t ahead) {
-  constexpr int kGroups = kBlock / kGroup, kSteps = kGroup / 2;
+  constexpr int kGroups = kGroup == 0 ? 1 : kBlock / kGroup;
+  constexpr int kSteps = kBlock / 2 / kGroups;
   constexpr int kChains = ROWS >= 4 ? 1 : 2;
   __m512 acc[ROWS];
 #pragma GCC unroll 8
@@ -820,18 +836,24 @@ inline void grouped_int8_strip_wide(const int8_t* codes, const S* scale,
               sums[c][r], w, _mm512_set1_epi32(xq.word(first + r, b, h * kSteps + p)));
         }
       }
-      const __m512 s = sixteen_channels(scale + (b * kGroups + h) * kStrip);
+      __m512 s;
+      if constexpr (kGroup != 0) s = sixteen_channels(scale + (b * kGroups + h) * kStrip);
 #pragma GCC unroll 8
       for (int r = 0; r < ROWS; ++r) {
         __m512i total = sums[0][r];
         if constexpr (kChains == 2) total = _mm512_add_epi32(total, sums[1][r]);
         const __m512 d = _mm512_set1_ps(xq.d[(first + r) * xq.groups + b]);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(s, d), acc[r]);
+        const __m512 sd = kGroup == 0 ? d : _mm512_mul_ps(s, d);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), sd, acc[r]);
       }
     }
   }
+  __m512 channel;  // per-channel scales (kGroup 0), applied once at the end
+  if constexpr (kGroup == 0) channel = sixteen_channels(scale);
 #pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r) _mm512_storeu_ps(out + r * ld, acc[r]);
+  for (int r = 0; r < ROWS; ++r) {
+    _mm512_storeu_ps(out + r * ld, kGroup == 0 ? _mm512_mul_ps(acc[r], channel) : acc[r]);
+  }
 }
 
 #pragma GCC pop_options
@@ -1058,13 +1080,15 @@ void check_grouped_int8(const at::Tensor& w, const at::Tensor& scale) {
 }
 
 // x's rows [M, K] (quantized: xq) times grouped int8 strips (codes [N / 16, K / 32, 512], scales
-// [N / 16, K / G, 16]), written to out[m, n] at m * ld + n. Parallel over strips; each strip's
+// [N / 16, K / G, 16]; kGroup 0: int8 with a scale per output channel, [N / 16, 16]), written to
+// out[m, n] at m * ld + n. Parallel over strips; each strip's
 // widened codes serve kInt8StripRows (kInt8StripWideRows) activation rows a pass.
 template <int kGroup, typename S>
 void grouped_int8_strips(bool wide, const Int16Activations& xq, int64_t m,
                          const at::Tensor& codes, const S* scales, float* out, int64_t ld) {
   const int8_t* cs = codes.data_ptr<int8_t>();
-  const int64_t blocks = xq.groups, groups = blocks * (kBlock / kGroup);
+  // Scales of a strip: per group (kGroup 32 or 16) or per channel (kGroup 0: one vector).
+  const int64_t blocks = xq.groups, groups = kGroup == 0 ? 1 : blocks * (kBlock / kGroup);
   at::parallel_for(0, codes.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t strip = begin; strip < end; ++strip) {
       const int8_t* strip_codes = cs + strip * blocks * kStripBlockBytes;
@@ -1171,9 +1195,29 @@ void int4_into(bool wide, const Int4Activations& xq, int64_t m, const at::Tensor
 
 }  // namespace
 
+// int8_linear over strips of 16 output channels (grouped_int8_strip_codes' [N / 16, K / 32, 512],
+// float32 scales [N / 16, 16]): per channel, its blocks' exact int32 sums times the
+// activations' scales added up, then times the channel's scale.
+at::Tensor int8_strips_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.size(2) == kStripBlockBytes &&
+                  scales.scalar_type() == at::kFloat && scales.dim() == 2 &&
+                  scales.size(0) == w.size(0) && scales.size(1) == kStrip &&
+                  scales.is_contiguous(),
+              "int8 strips are grouped_int8_strip_codes' contiguous int8 [N / 16, K / 32, 512] "
+              "with float32 scales [N / 16, 16]");
+  const int64_t k = grouped_int8_inputs(w), n = part_outputs(w);
+  check_inputs(x, w, k);
+  const Int16Activations xq(x.data_ptr<float>(), x.size(0), k);
+  at::Tensor out = new_output(x, n);
+  grouped_int8_strips<0>(wide_rows(), xq, x.size(0), w, scales.data_ptr<float>(),
+                         out.data_ptr<float>(), n);
+  return out;
+}
+
 // x [M, K] float32, w [N, K] int8, scales [N] float32 -> [M, N] float32. Input features past the
-// last whole block of 32 are multiplied in float.
+// last whole block of 32 are multiplied in float. Or w in strips (int8_strips_linear).
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  if (w.dim() == 3) return int8_strips_linear(x, w, scales);
   const int64_t k = w.size(1), m = x.size(0), n = w.size(0);
   check_inputs(x, w, k);
   TORCH_CHECK(w.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat &&
@@ -1228,7 +1272,8 @@ at::Tensor grouped_int8_linear(const at::Tensor& x, const at::Tensor& w, const a
 // op, so that compiled decode programs read its rows from a buffer as they read a product's: a
 // gather traced into the next RMSNorm's reduction was vectorized otherwise at one row than at
 // several, and greedy tokens differed between decode and verification steps.
-at::Tensor grouped_int8_lookup(const at::Tensor& ids, const at::Tensor& w, const at::Tensor& scale) {
+at::Tensor grouped_int8_lookup(const at::Tensor& ids, const at::Tensor& w,
+                               const at::Tensor& scale) {
   check_grouped_int8(w, scale);
   TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong,
               "grouped_int8_lookup takes int64 ids on the CPU, got ", ids.scalar_type());
@@ -1290,10 +1335,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 
 // A fused layer whose parts (q, k and v; gate and up) keep different layouts: part i is int4
 // (codes[i] uint8 [N_i / 16, K / 32, 256], scales[i] and mins[i] as int4_linear's) or grouped
-// int8 (codes[i] and scales[i] as grouped_int8_linear's, either layout; mins[i] None). x [M, K] float32 ->
-// [M, sum N_i] float32, part i's products in its columns, each exactly what its own op gives
-// (the activations quantized once per kind, each part writing its columns in place: no
-// per-part outputs to concatenate).
+// int8 (codes[i] and scales[i] as grouped_int8_linear's, either layout; mins[i] None). x [M,
+// K] float32 -> [M, sum N_i] float32, part i's products in its columns, each exactly what its
+// own op gives (the activations quantized once per kind, each part writing its columns in
+// place: no per-part outputs to concatenate).
 at::Tensor parts_linear(const at::Tensor& x, at::TensorList codes, at::TensorList scales,
                         const c10::List<std::optional<at::Tensor>>& mins) {
   TORCH_CHECK(!codes.empty() && scales.size() == codes.size() && mins.size() == codes.size(),

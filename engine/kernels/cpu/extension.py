@@ -184,7 +184,7 @@ def _register_output_shapes() -> None:
     and attention's output shaped like its query."""
 
     def int8_shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        return x.new_empty(x.shape[0], codes.shape[0])
+        return x.new_empty(x.shape[0], codes.shape[0] * (INT4_STRIP if codes.dim() == 3 else 1))
 
     def grouped_int8_shape(
         x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor

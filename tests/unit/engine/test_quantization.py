@@ -109,26 +109,31 @@ def test_output_error_on_gaussian_weights(method):
 
 @needs_folio_kernels
 @pytest.mark.parametrize(
-    ("method", "in_features"),
+    ("method", "in_features", "strips"),
     [
-        ("int8", 16),
-        ("int8", 64),
-        ("int8", 72),
-        ("int8", 160),
-        ("int8", 1064),
-        ("int4", 64),
-        ("int4", 160),
-        ("int4", 1056),
+        ("int8", 16, False),
+        ("int8", 64, False),
+        ("int8", 72, False),
+        ("int8", 160, False),
+        ("int8", 1064, False),
+        ("int8", 64, True),
+        ("int8", 1056, True),
+        ("int4", 64, None),
+        ("int4", 160, None),
+        ("int4", 1056, None),
     ],
 )
 @pytest.mark.usefixtures("isa")
-def test_every_kernel_path_computes_the_same_product(method, in_features):
+def test_every_kernel_path_computes_the_same_product(method, in_features, strips):
     """Folio's kernel (odd row counts, a row tail, for int8 an input tail not a multiple of
     32 or no whole block, a row of zeros, an outlier; with 1,056+ features, rows in several
-    L1-sized chunks) equals the dequantized dense product of the same codes with the activations
-    quantized as it quantizes them; torch's kernel equals the dense product."""
+    L1-sized chunks; int8 row-major and in strips of 16 output channels) equals the dequantized
+    dense product of the same codes with the activations quantized as it quantizes them; torch's
+    kernel equals the dense product."""
     weight = gaussian((48, in_features), 1)
-    folio = quantize(weight, method, folio_kernels=True)
+    folio = quantize(weight, method, folio_kernels=True, strips=strips)
+    if strips is not None:
+        assert folio.codes.dim() == (3 if strips else 2)
     torch_only = quantize(weight, method, folio_kernels=False)
     assert folio.kernels is not None and torch_only.kernels is None
     dense = folio.dequantized(torch.float32)
@@ -158,6 +163,7 @@ def test_a_row_s_product_does_not_depend_on_the_rows_beside_it():
         quantize(gaussian((96, 72), 2), "int8", folio_kernels=True),
         grouped_int8_weight(codes, (torch.rand(96, 18) * 0.01).half(), strips=True),
         grouped_int8_weight(codes, (torch.rand(96, 18) * 0.01).half(), strips=False),
+        quantize(gaussian((96, 576), 4), "int8", folio_kernels=True, strips=True),
     ]
     for weight in weights:
         in_features = weight.shape[1]
@@ -186,6 +192,7 @@ def test_an_output_s_product_does_not_depend_on_the_outputs_beside_it():
         (grouped_int8_weight(*grouped_codes(42, 576, 32, 3)), 1),
         (grouped_int8_weight(*grouped_codes(42, 1536, 16, 4)), 1),
         (grouped_int8_weight(*grouped_codes(96, 576, 32, 3), strips=True), 16),
+        (quantize(gaussian((96, 576), 6), "int8", folio_kernels=True, strips=True), 16),
         (grouped_int8_weight(*grouped_codes(96, 1536, 16, 4), strips=True), 16),
     ]
     for weight, channels in weights:
@@ -424,6 +431,9 @@ def test_bad_grouped_int8_weights_are_refused_naming_the_problem():
         op(x, strips.codes, strips.scale.view(1, 16, 2))
     with pytest.raises(RuntimeError, match="x has 63 columns, the weight 64"):
         op(x[:, :63].contiguous(), strips.codes, strips.scale)
+    int8 = quantize(torch.ones(16, 64), "int8", folio_kernels=True, strips=True)
+    with pytest.raises(RuntimeError, match=r"int8 strips are .* float32 scales \[N / 16, 16\]"):
+        torch.ops.folio_quant.int8_linear(x, int8.codes, int8.scale.view(-1))
 
 
 def test_int4_reproduces_a_q4_1_grid_exactly():
@@ -449,6 +459,8 @@ def test_unquantizable_weights_are_refused():
     for folio_kernels in (False, True):
         with pytest.raises(ValueError, match="divisible by 16; a weight has 40"):
             quantize(torch.zeros(40, 64), "int4", folio_kernels=folio_kernels)
+    with pytest.raises(ValueError, match="int8 strips need output features divisible by 16 "):
+        quantize(torch.zeros(40, 64), "int8", folio_kernels=True, strips=True)
     with pytest.raises(ValueError, match=r"one of .*int3"):
         pack_weight(torch.zeros(8, 64), "int3")
     with pytest.raises(ValueError, match=r"quantization must be one of .*got 'int3'"):
@@ -514,6 +526,7 @@ def test_the_avx512_code_gives_the_avx2_code_s_bits(monkeypatch):
         q8_0 = grouped_int8_weight(*grouped_codes(48, in_features, 32, blocks), strips=True)
         q6_k = grouped_int8_weight(*grouped_codes(32, in_features, 16, blocks), strips=True)
         weights += [q8_0, q6_k, parts_weight([int4, q6_k, q8_0])]
+        weights.append(quantize(gaussian((48, in_features), blocks), "int8", True, strips=True))
         int8 = quantize(gaussian((40, in_features + 8), blocks), "int8", folio_kernels=True)
         weights.append(int8)  # whole blocks and a float tail of 8 features
     for weight in weights:
