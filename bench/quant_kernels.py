@@ -4,11 +4,11 @@
 
 One pass multiplies the activations by every linear of SmolLM2-135M (30 layers of qkv 960x576,
 o 576x576, gate_up 3072x576, down 576x1536, each its own copy so the weights do not stay in
-cache, as in a decode step) and then by the vocabulary projection 49152x576 in four forms: int8
-per output channel (`--quantization`'s), grouped int8 with float16 scales per 32 (the default
-model's GGUF, Q8_0) in strips of 16 output channels and row-major (the layout each CPU gets by
-default: strips with AVX-512 VNNI, row-major without), and float32 through oneDNN (the
-unquantized model's); it prints the median
+cache, as in a decode step) and then by the vocabulary projection 49152x576 in five forms: int8
+per output channel (`--quantization`'s) and grouped int8 with float16 scales per 32 (the default
+model's GGUF, Q8_0), each in strips of 16 output channels and row-major (the layouts CPUs with
+AVX-512 VNNI and AVX2-only CPUs get by default; `--method int8`'s layers run in strips), and
+float32 through oneDNN (the unquantized model's); it prints the median
 and fastest milliseconds of the layers and of each projection per row count and thread count,
 with `--shapes` also each shape's 30 linears (the fastest pass, and the weights' GB/s at it).
 `--dense` also times the layers as a long prefill past the kernels' row limit runs them: one
@@ -16,7 +16,8 @@ dense matmul by the dequantized weight (in bfloat16 for int4 where the CPU compu
 natively), in the same turns, to find where that limit belongs.
 `--baseline REV` also runs the quantized kernels of git revision REV (its cpu_quant.cpp, built as
 an op library of its own beside this checkout's), their passes taking turns with this
-checkout's: a before/after of a kernel change in one run, with each figure's ratio to REV's.
+checkout's: a before/after of a kernel change in one run, with each figure's ratio to REV's
+(REV's weights all row-major, which every revision's kernels read).
 With several `--isa` values (FOLIO_CPU_ISA, which Folio's kernels read at every call: avx2
 forces their AVX2 code on a CPU with AVX-512 VNNI) the passes alternate between them, so that
 both meet the same load on a shared machine; there `--threads 1 --clock cpu` times each product
@@ -72,6 +73,30 @@ def grouped_int8(weight: torch.Tensor, strips: bool) -> QuantizedWeight:
     scale = (groups.abs().amax(-1) / 127).half()
     codes = torch.round(groups / scale.float()[..., None].clamp_min(1e-30)).clamp(-127, 127)
     return grouped_int8_weight(codes.to(torch.int8).flatten(1), scale, strips)
+
+
+def weights(
+    method: str, strips: bool
+) -> tuple[dict[str, list[QuantizedWeight]], dict[str, QuantizedWeight]]:
+    """The layers' linears (LAYERS copies of each shape) and the vocabulary projection's forms,
+    the same values for either `strips`: int8 and grouped int8 in strips of 16 output channels
+    or row-major, as `strips` says (the layout AVX-512 VNNI CPUs get by default, or the one
+    AVX2-only CPUs get), and the row-major ones always beside them."""
+    gen = torch.Generator().manual_seed(0)
+    layers: dict[str, list[QuantizedWeight]] = {}
+    for out_features, in_features in LAYER_LINEARS:
+        weight = torch.randn((out_features, in_features), generator=gen)
+        layers[f"{out_features}x{in_features}"] = copies(
+            quantize(weight, method, folio_kernels=True, strips=strips), LAYERS
+        )
+    vocabulary = torch.randn(VOCAB_PROJECTION, generator=gen)
+    projections = {
+        "int8": quantize(vocabulary, "int8", folio_kernels=True, strips=strips),
+        "int8 row-major": quantize(vocabulary, "int8", folio_kernels=True, strips=False),
+        "grouped int8": grouped_int8(vocabulary, strips=strips),
+        "grouped int8 row-major": grouped_int8(vocabulary, strips=False),
+    }
+    return layers, projections
 
 
 def baseline_kernels(revision: str) -> Any:
@@ -212,23 +237,16 @@ def main() -> None:
         parser.error(f"--isa takes {', '.join(ISA_CHOICES)}, got {', '.join(unknown)}")
 
     assert cpu_capabilities().folio_kernels, "Folio's kernels did not load"
-    gen = torch.Generator().manual_seed(0)
-    layers: dict[str, list[QuantizedWeight]] = {}
-    for out_features, in_features in LAYER_LINEARS:
-        weight = torch.randn((out_features, in_features), generator=gen)
-        layers[f"{out_features}x{in_features}"] = copies(
-            quantize(weight, args.method, folio_kernels=True), LAYERS
-        )
-    vocabulary = torch.randn(VOCAB_PROJECTION, generator=gen)
-    packed = torch.ops.mkldnn._reorder_linear_weight(vocabulary, None)
-    projections = {
-        "int8": quantize(vocabulary, "int8", folio_kernels=True),
-        "grouped int8": grouped_int8(vocabulary, strips=True),
-        "grouped int8 row-major": grouped_int8(vocabulary, strips=False),
-    }
+    layers, projections = weights(args.method, strips=True)
+    gen = torch.Generator().manual_seed(1)  # the activations'
+    packed = torch.ops.mkldnn._reorder_linear_weight(
+        torch.randn(VOCAB_PROJECTION, generator=gen), None
+    )
     kernel_sets = {"": None}
     if args.baseline:
         kernel_sets[f" {args.baseline}"] = baseline_kernels(args.baseline)
+        # Row-major int8 and grouped int8 (the layouts every revision's kernels read).
+        baseline_layers, baseline_projections = weights(args.method, strips=False)
     contenders = []
     for isa in isas:
         for suffix, kernels in kernel_sets.items():
@@ -236,8 +254,13 @@ def main() -> None:
             def swap(w: QuantizedWeight, kernels: Any = kernels) -> QuantizedWeight:
                 return w if kernels is None else dataclasses.replace(w, kernels=kernels)
 
+            own_layers, own_projections = (
+                (layers, projections)
+                if kernels is None
+                else (baseline_layers, baseline_projections)
+            )
             heads: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-                name: swap(w).matmul for name, w in projections.items()
+                name: swap(w).matmul for name, w in own_projections.items()
             }
             heads["float32 oneDNN"] = lambda x: torch.ops.folio_linear.packed_linear(
                 x, packed, None
@@ -246,7 +269,7 @@ def main() -> None:
                 Contender(
                     f"{ISA_ENV}={isa}{suffix}",
                     isa,
-                    {shape: [swap(w) for w in ws] for shape, ws in layers.items()},
+                    {shape: [swap(w) for w in ws] for shape, ws in own_layers.items()},
                     heads,
                 )
             )
