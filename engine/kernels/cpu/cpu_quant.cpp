@@ -32,9 +32,9 @@
 // term) run once per group and channel, with no sums across lanes: an output's arithmetic is
 // its lane's alone, the same for any number of rows and output channels beside it and the same
 // bits on AVX2 and AVX-512. The products of several rows share each strip's unpacked codes.
-// Grouped int8 weights may lie in strips of 16 output channels as well (where the CPU has
-// AVX-512 VNNI: engine/layers/quantization chooses), their int16 products summed a group at a
-// time in a channel's lane the same way (vpdpwssd; on AVX2 madd and add).
+// Grouped int8 and per-channel int8 weights may lie in strips of 16 output channels as well
+// (where the CPU has AVX-512 VNNI: engine/layers/quantization chooses), their int16 products
+// summed a group at a time in a channel's lane the same way (vpdpwssd; on AVX2 madd and add).
 // This file only multiplies; quantizing weights and choosing the kernel is
 // engine/layers/quantization's.
 
@@ -549,7 +549,9 @@ inline void int4_strip(const uint8_t* codes, const S* scale, const S* min,
 // [strips, blocks, 512]): byte 32 p + 2 c + i of strip s, block b holds channel 16 s + c's code
 // at feature 32 b + 2 p + i, so that 32 bytes widened to int16 are pair step p of the strip's
 // 16 channels, a 32-bit lane to a channel (on AVX2 its first 16 bytes channels 0-7, the next
-// 16 channels 8-15). Scales in int4's order, [strips, groups, 16]. As with int4, a channel's
+// 16 channels 8-15). Scales in int4's order, [strips, groups, 16]; int8 with a scale per output
+// channel lies in the same strips, its scales [strips, 16] applied once at the end (kGroup 0
+// below). As with int4, a channel's
 // products of a group sum exactly in its lane (int16 activations times the codes: vpdpwssd
 // on AVX-512 VNNI, madd and add on AVX2, each sum at most 32 * 128 * 32767, exact in int32 in
 // any order) and its float steps (the conversion, the scale times d, the FMA) run once per
