@@ -227,12 +227,13 @@ class GenerateSocket:
     @staticmethod
     def _handle(session: GenerateSession, payload: bytes) -> str | None:
         """Act on one client message; why the stream must end, if it must (as gRPC's Generate
-        ends for a message it cannot read or act on)."""
+        ends for a message it cannot read, or one without an action). A failure acting on a
+        readable message is this service's own: it propagates (INTERNAL, logged)."""
         try:
-            handled = session.handle(pb.GenerateRequest.FromString(payload))
-        except Exception as exc:  # e.g. a message that does not parse
+            message = pb.GenerateRequest.FromString(payload)
+        except DecodeError as exc:
             return unreadable(exc)
-        return None if handled else MALFORMED_MESSAGE
+        return None if session.handle(message) else MALFORMED_MESSAGE
 
     @staticmethod
     async def _read(sock: socket.socket, reader: FrameReader) -> list[bytes]:

@@ -47,9 +47,11 @@ TP_FAILURE_EXIT_SECONDS = 5.0
 
 @dataclass
 class _EndOfInput:
-    """The client half-closed its side of the stream, or sent something malformed (error)."""
+    """The client half-closed its side of the stream, or the stream must end with `code`:
+    INVALID_ARGUMENT for something malformed it sent, INTERNAL for a failure of ours."""
 
     error: str | None = None
+    code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
@@ -75,7 +77,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 item = await inbox.get()
                 if isinstance(item, _EndOfInput):
                     if item.error is not None:
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, item.error)
+                        await context.abort(item.code, item.error)
                     input_done = True
                 elif isinstance(item, pb.GenerateResponse):
                     yield item
@@ -89,14 +91,24 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     @staticmethod
     async def _read(request_iterator, session: GenerateSession, inbox: asyncio.Queue) -> None:
-        try:
-            async for message in request_iterator:
-                if not session.handle(message):
-                    inbox.put_nowait(_EndOfInput(MALFORMED_MESSAGE))
-                    return
-        except Exception as exc:  # e.g. a message that does not parse
-            inbox.put_nowait(_EndOfInput(unreadable(exc)))
-            return
+        messages = aiter(request_iterator)
+        while True:
+            try:
+                message = await anext(messages)
+            except StopAsyncIteration:
+                break
+            except Exception as exc:  # e.g. a message that does not parse: the client's
+                inbox.put_nowait(_EndOfInput(unreadable(exc)))
+                return
+            try:
+                handled = session.handle(message)
+            except Exception as exc:  # acting on a readable message: a failure of ours
+                logger.exception("Generate: acting on a request message failed")
+                inbox.put_nowait(_EndOfInput(f"internal error: {exc}", grpc.StatusCode.INTERNAL))
+                return
+            if not handled:
+                inbox.put_nowait(_EndOfInput(MALFORMED_MESSAGE))
+                return
         inbox.put_nowait(_EndOfInput())
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:

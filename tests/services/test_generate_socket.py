@@ -26,6 +26,7 @@ from common.sampling_params import SamplingParams
 from gateway.engines.clients import EngineClient
 from grpc_helpers import TIMEOUT, LoopThread, ServerThread
 from polling import wait_until
+from services.engine.generate_session import GenerateSession
 from services.engine.generate_socket import FrameWriter
 from services.engine.server import EngineService
 
@@ -202,6 +203,31 @@ def test_malformed_input_ends_the_connection_naming_it_and_aborts_its_requests(e
         client.close()
     assert end.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert "limit" in end.message
+
+
+def test_a_failure_acting_on_a_readable_message_is_internal_and_logged(engine, monkeypatch, caplog):
+    """A message the engine can read but fails to act on (a fault of its own, injected here)
+    ends the stream INTERNAL on both transports, logged once with its traceback: only what the
+    client sent wrong is INVALID_ARGUMENT."""
+
+    def fails(self, message):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(GenerateSession, "handle", fails)
+    client = open_client(engine)
+    try:
+        with caplog.at_level(logging.ERROR):
+            client.send(add("readable", 4))
+            end = client.ended()
+    finally:
+        client.close()
+    assert end.code == grpc.StatusCode.INTERNAL.value[0]
+    assert "injected fault" in end.message
+    with pytest.raises(grpc.RpcError) as error, caplog.at_level(logging.ERROR):
+        grpc_tokens(engine, [add("readable", 4)])
+    assert error.value.code() == grpc.StatusCode.INTERNAL
+    logged = [r for r in caplog.records if r.exc_info and "injected fault" in str(r.exc_info[1])]
+    assert len(logged) == 2, [r.getMessage() for r in caplog.records]
 
 
 def test_a_request_error_travels_in_the_stream_and_the_others_go_on(engine):
