@@ -59,8 +59,9 @@ def default_batch_dir() -> Path:
 
 
 def default_step_cost_path() -> Path:
-    """Where `folio bench profile` writes the step cost model simulated engines read."""
-    return cache_dir() / "step_cost.json"
+    """Where `folio bench profile` writes the step cost model that engines (real and simulated)
+    start from; FOLIO_STEP_COST overrides it (a path with no profile: the built-in model)."""
+    return Path(os.environ.get("FOLIO_STEP_COST") or cache_dir() / "step_cost.json")
 
 
 def _model_flag() -> Any:

@@ -12,6 +12,12 @@ if os.environ.get("FOLIO_KERNEL_DEVICE", "cpu") == "cpu":
 # compiling decode steps costs minutes on these machines. Read when common.config is imported.
 os.environ.setdefault("FOLIO_ENFORCE_EAGER", "1")
 
+# Engines start from the built-in step cost model, not the profile a developer's `folio bench
+# profile` left in the cache: it gates drafting by batch size (engine.spec_decode.drafter), and a
+# 2-core machine's profile stopped drafting at a test's 192 sequences. Inherited by the servers
+# tests start.
+os.environ.setdefault("FOLIO_STEP_COST", os.devnull)
+
 import pytest
 
 from common.default_model import prepare_default_model

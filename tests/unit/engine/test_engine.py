@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.config import EngineConfig
+from common.config import EngineConfig, default_step_cost_path
 from common.sampling_params import SamplingParams
+from engine.core.step_cost import StepCostModel
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError, QueueFullError
 from tiny_models import VARIANTS, hf_greedy, make_checkpoint
@@ -72,6 +73,23 @@ def test_greedy_tokens_equal_transformers_for_every_architecture(checkpoint):
     # "d" shares a's first blocks: chunked prefill (budget 16 < 23) and a prefix hit both happened.
     assert engine.kv_cache.prefix_cache_hits > 0
     assert engine.kv_cache.usage == 0 and not engine.requests
+
+
+def test_an_engine_starts_from_the_step_cost_profile_folio_step_cost_names(
+    llama, tmp_path, monkeypatch
+):
+    """`folio bench profile`'s model is what an engine's step costs start from (FOLIO_STEP_COST
+    names the file, the cache's by default); where there is none, the built-in model."""
+    profile = StepCostModel(0.003, 0.0003, 0.0004)
+    profile.save(tmp_path / "step_cost.json")
+    monkeypatch.setenv("FOLIO_STEP_COST", str(tmp_path / "step_cost.json"))
+    assert make_engine(llama[0]).step_cost.model == profile
+    monkeypatch.setenv("FOLIO_STEP_COST", str(tmp_path / "none.json"))
+    built_in = make_engine(llama[0]).step_cost.model
+    assert built_in == StepCostModel.load_or_default(tmp_path / "none.json") != profile
+    monkeypatch.setenv("FOLIO_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FOLIO_STEP_COST")
+    assert default_step_cost_path() == tmp_path / "step_cost.json"
 
 
 def test_bad_input_is_refused_by_name_and_disturbs_nothing(llama):
