@@ -112,10 +112,27 @@ inline float exponentiate(float* s, int64_t length, float top, float start) {
   return total;
 }
 
+// The largest of s[0 .. length) (length >= 1), exactly: std::max_element's scalar loop waits on
+// each comparison before the next and took a tenth of a decode step's attention.
+inline float largest(const float* s, int64_t length) {
+  __m256 top[4];
+  for (__m256& t : top) t = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + 32 <= length; t += 32)
+    for (int j = 0; j < 4; ++j) top[j] = _mm256_max_ps(top[j], _mm256_loadu_ps(s + t + 8 * j));
+  for (; t + 8 <= length; t += 8) top[0] = _mm256_max_ps(top[0], _mm256_loadu_ps(s + t));
+  const __m256 all = _mm256_max_ps(_mm256_max_ps(top[0], top[1]), _mm256_max_ps(top[2], top[3]));
+  __m128 four = _mm_max_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
+  four = _mm_max_ps(four, _mm_movehl_ps(four, four));
+  float result = _mm_cvtss_f32(_mm_max_ss(four, _mm_movehdup_ps(four)));
+  for (; t < length; ++t) result = std::max(result, s[t]);
+  return result;
+}
+
 // s[0 .. length) becomes softmax(s), over one more logit `sink` that takes its share of the
 // denominator and is dropped (an attention sink; -infinity: none, its exponential 0).
 inline void softmax(float* s, int64_t length, float sink) {
-  const float top = std::max(*std::max_element(s, s + length), sink);
+  const float top = std::max(largest(s, length), sink);
   const float total = exponentiate(s, length, top, std::exp(sink - top));
   int64_t t = 0;
   const __m256 inverse = _mm256_set1_ps(1.0f / total);
@@ -311,7 +328,7 @@ void attend(const Layout& l, const T* q, const T* cache, const int32_t* table, i
       softmax(head_scores, span, sink_of(l, first_head + h));
       continue;
     }
-    const float top = *std::max_element(head_scores, head_scores + span);
+    const float top = largest(head_scores, span);
     partial[h * partial_floats(l)] = top;
     partial[h * partial_floats(l) + 1] = exponentiate(head_scores, span, top, 0.0f);
   }
