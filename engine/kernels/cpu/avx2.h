@@ -1,8 +1,12 @@
 // Small AVX2 helpers shared by Folio's C++ CPU kernels (cpu_quant.cpp, cpu_attention.cpp,
-// cpu_lora.cpp, cpu_moe.cpp).
+// cpu_lora.cpp, cpu_moe.cpp), and whether FOLIO_CPU_ISA holds them to AVX2.
 #pragma once
 
 #include <immintrin.h>
+
+#include <cctype>
+#include <cstdlib>
+#include <string>
 
 namespace folio {
 
@@ -43,6 +47,19 @@ inline void store8_bf16(void* p, __m256 v) {
   _mm_storeu_si128(static_cast<__m128i*>(p),
                    _mm_packus_epi32(_mm256_castsi256_si128(rounded),
                                     _mm256_extracti128_si256(rounded, 1)));
+}
+
+// Whether FOLIO_CPU_ISA=avx2 keeps the AVX2 code on a CPU that has more (engine.kernels.cpu.
+// capabilities reads the same variable, and refuses values other than "native" and "avx2"). Read
+// at every call, so that one process can run (and its tests compare) both paths.
+inline bool avx2_forced() {
+  const char* isa = std::getenv("FOLIO_CPU_ISA");
+  if (isa == nullptr) return false;
+  std::string value;
+  for (const char* c = isa; *c != '\0'; ++c)
+    if (!std::isspace(static_cast<unsigned char>(*c)))
+      value += static_cast<char>(std::tolower(static_cast<unsigned char>(*c)));
+  return value == "avx2";
 }
 
 }  // namespace folio

@@ -8,7 +8,9 @@
 //   are scored against the cached keys, read through the block table a block at a time with
 //   all the row's KV heads together, eight positions at a time (one tree of horizontal adds for
 //   eight dot products); then the softmax, and the values mixed, each loaded once for up to
-//   three query heads of its KV head (few rows split their KV heads over the threads). A
+//   three query heads of its KV head (few rows split their KV heads over the threads). Those
+//   loops (cpu_attention_body.h) run in 16-float AVX-512 vectors where the CPU has AVX-512F
+//   and head_dim is a multiple of 16 (FOLIO_CPU_ISA=avx2 keeps AVX2's 8-float ones). A
 //   compiled decode program calls decode_step_attention instead, which reads the caches and
 //   tables of the step bound to its thread (bind_decode_step).
 // - paged_attention: any step. Decodes as above; a prefill's or extend's tokens in bfloat16 on
@@ -53,27 +55,10 @@ using folio::horizontal_sum;
 
 using bf16 = c10::BFloat16;
 
-// Eight consecutive values as floats.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) { return folio::load8_bf16(p); }
-
 // Below this many (context position x query head) scores a call stays on the calling thread.
 constexpr int64_t kParallelScores = 4096;
 // Chunked tokens' merges a thread takes at least (each a few hundred floats' work).
 constexpr int64_t kParallelMerges = 64;
-
-template <typename T>
-inline float dot(const float* a, const T* b, int64_t d) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t i = 0;
-#pragma GCC unroll 4
-  for (; i + 16 <= d; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), acc1);
-  }
-  for (; i < d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
-  return horizontal_sum(_mm256_add_ps(acc0, acc1));
-}
 
 // e^x for x <= 0, eight at a time: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6
 // Taylor polynomial (relative error ~2e-7, float32's own rounding), 2^n through the exponent
@@ -141,6 +126,11 @@ inline void softmax(float* s, int64_t length, float sink) {
   for (; t < length; ++t) s[t] *= 1.0f / total;
 }
 
+inline bool cpu_has_avx512f() {
+  static const bool supported = __builtin_cpu_supports("avx512f");
+  return supported;
+}
+
 struct Layout {
   int64_t heads, kv_heads, group, head_dim, block_size;
   int64_t window;               // a token sees this many positions, itself included (0: all)
@@ -150,6 +140,7 @@ struct Layout {
   int64_t max_blocks;           // columns of the block table
   int64_t table_row;            // row stride of the block table
   const float* sinks;           // [heads] each query head's attention-sink logit, or nullptr
+  bool wide;                    // decodes in AVX-512 vectors (avx512::attend), not AVX2 ones
 };
 
 // Query head h's sink logit: -infinity where the layer has none.
@@ -180,59 +171,6 @@ inline void for_each_position(const Layout& l, const T* cache, const int32_t* ta
     const int64_t end = std::min(l.block_size, length - first);
     for (int64_t o = 0; o < end; ++o, row += token_values) visit(first + o, row);
   }
-}
-
-// For query heads g < HEADS of one KV head: out[g * head_dim + 8 c ..] += sum over t < count
-// of p[g * p_stride + t] * values[t * stride + 8 c ..], c < CHUNKS: one block's positions. Each
-// value vector is loaded once for all the heads, and the sums stay in registers over the block
-// (HEADS x CHUNKS accumulators, at most 12 of AVX2's 16 registers).
-template <typename T, int HEADS, int CHUNKS>
-inline void mix_values(const T* values, int64_t count, int64_t stride, const float* p,
-                       int64_t p_stride, float* out, int64_t out_stride) {
-  __m256 acc[HEADS][CHUNKS];
-  for (int g = 0; g < HEADS; ++g)
-    for (int c = 0; c < CHUNKS; ++c) acc[g][c] = _mm256_loadu_ps(out + g * out_stride + 8 * c);
-  for (int64_t t = 0; t < count; ++t, values += stride) {
-    __m256 w[HEADS];
-    for (int g = 0; g < HEADS; ++g) w[g] = _mm256_set1_ps(p[g * p_stride + t]);
-    for (int c = 0; c < CHUNKS; ++c) {
-      const __m256 v = load8(values + 8 * c);
-      for (int g = 0; g < HEADS; ++g) acc[g][c] = _mm256_fmadd_ps(w[g], v, acc[g][c]);
-    }
-  }
-  for (int g = 0; g < HEADS; ++g)
-    for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(out + g * out_stride + 8 * c, acc[g][c]);
-}
-
-// mix_values for `heads` (1 to 3) heads over a slab of `chunks` (1 to 4) vectors of 8 features.
-template <typename T, int HEADS = 3, int CHUNKS = 4>
-inline void mix_slab(int64_t heads, int64_t chunks, const T* values, int64_t count,
-                     int64_t stride, const float* p, int64_t p_stride, float* out,
-                     int64_t out_stride) {
-  if constexpr (HEADS > 1) {
-    if (heads < HEADS)
-      return mix_slab<T, HEADS - 1, CHUNKS>(heads, chunks, values, count, stride, p, p_stride,
-                                            out, out_stride);
-  }
-  if constexpr (CHUNKS > 1) {
-    if (chunks < CHUNKS)
-      return mix_slab<T, HEADS, CHUNKS - 1>(heads, chunks, values, count, stride, p, p_stride,
-                                            out, out_stride);
-  }
-  mix_values<T, HEADS, CHUNKS>(values, count, stride, p, p_stride, out, out_stride);
-}
-
-// The eight dot products q . key[j] (j < 8, keys `stride` values apart, d features), as one
-// vector.
-template <typename T>
-inline __m256 dot_8_keys(const float* q, const T* key, int64_t stride, int64_t d) {
-  __m256 acc[8];
-  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < d; i += 8) {
-    const __m256 query = _mm256_loadu_ps(q + i);
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(query, load8(key + j * stride + i), acc[j]);
-  }
-  return folio::sum_each(acc);
 }
 
 // Per-thread scratch of attend: the scores of a row's query heads over the longest context,
@@ -270,91 +208,70 @@ inline void prefetch_rows(const T* row, int64_t count, int64_t stride, int64_t b
 // those exponentials (not yet divided by l).
 inline int64_t partial_floats(const Layout& l) { return l.head_dim + 2; }
 
-// Attention of one row's query heads of KV heads kv_begin .. kv_end (q, out: the row's heads)
-// over its cached positions begin .. length (begin > 0: a sliding window, or a later chunk).
-// With `partial`, only a chunk's share of it, into partial[h * partial_floats ..] for the
-// item's heads h (merged by merge_chunks). Each pass goes through the context a block at a
-// time and reads, for every position, all those KV heads' K (or V) together: a cache row's
-// 2 * KVH * D bytes in one place, so the hardware prefetchers follow it (a pass per KV head,
-// reading each position's slices apart, ran at about a third of the memory bandwidth).
+// The decode attention's loops (cpu_attention_body.h) in AVX-512 and in AVX2 vectors: attend
+// below runs the AVX-512 ones where the layout says so (Layout::wide).
+namespace avx512 {
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+
+using Vec = __m512;
+constexpr int64_t kLanes = 16;
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec broadcast(float v) { return _mm512_set1_ps(v); }
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec load(const bf16* p) {  // sixteen bfloat16 values: the upper halves of float32s
+  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+// v's upper eight lanes added to its lower eight.
+inline __m256 fold(Vec v) {
+  const __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return _mm256_add_ps(_mm512_castps512_ps256(v), upper);
+}
+inline float sum(Vec v) { return horizontal_sum(fold(v)); }
+inline __m256 sum_8(const Vec v[8]) {
+  __m256 folded[8];
+  for (int j = 0; j < 8; ++j) folded[j] = fold(v[j]);
+  return folio::sum_each(folded);
+}
+
+#include "cpu_attention_body.h"
+
+#pragma GCC pop_options
+}  // namespace avx512
+
+namespace avx2 {
+
+using Vec = __m256;
+constexpr int64_t kLanes = 8;
+inline Vec zero() { return _mm256_setzero_ps(); }
+inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec broadcast(float v) { return _mm256_set1_ps(v); }
+inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec load(const bf16* p) { return folio::load8_bf16(p); }
+inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline float sum(Vec v) { return horizontal_sum(v); }
+inline __m256 sum_8(const Vec v[8]) { return folio::sum_each(v); }
+
+#include "cpu_attention_body.h"
+
+}  // namespace avx2
+
+// One row's attention (cpu_attention_body.h's attend) in the layout's instruction set.
 template <typename T>
-void attend(const Layout& l, const T* q, const T* cache, const int32_t* table, int64_t begin,
-            int64_t length, int64_t kv_begin, int64_t kv_end, float scale, Scratch& scratch,
-            T* out, float* partial = nullptr) {
-  const int64_t d = l.head_dim, group = l.group;
-  const int64_t token_values = l.kv_heads * d;
-  const int64_t heads = (kv_end - kv_begin) * group, first_head = kv_begin * group;
-  const int64_t span = length - begin;
-  float* scores = scratch.scores.data();  // [heads][span]: position t's score at t - begin
-  const float* qs = scratch.q.data();
-  to_floats(q + first_head * d, heads * d, scratch.q.data());
-  const __m256 scale8 = _mm256_set1_ps(scale);
-  // Scores eight positions of a block at a time, the rest one by one. Meanwhile the next
-  // block's keys come into L1 and this block's values into L2: a request's blocks lie anywhere
-  // in the pool, where the hardware prefetchers cannot see the next one coming.
-  const int64_t slice_bytes = (kv_end - kv_begin) * d * sizeof(T);
-  const int64_t first_block = begin / l.block_size;
-  for (int64_t i = first_block, first = i * l.block_size; first < length;
-       first += l.block_size, ++i) {
-    const T* block = cache + table[i] * l.block_values;
-    const int64_t end = std::min(l.block_size, length - first);
-    if (first + l.block_size < length)
-      prefetch_rows<_MM_HINT_T0>(cache + table[i + 1] * l.block_values + kv_begin * d,
-                                 std::min(l.block_size, length - first - l.block_size),
-                                 token_values, slice_bytes);
-    prefetch_rows<_MM_HINT_T1>(block + l.value_offset + kv_begin * d, end, token_values,
-                               slice_bytes);
-    int64_t o = std::max<int64_t>(0, begin - first);
-    for (; o + 8 <= end; o += 8)
-      for (int64_t kv = kv_begin; kv < kv_end; ++kv)
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t h = (kv - kv_begin) * group + g;
-          const __m256 dots = dot_8_keys(qs + h * d, block + o * token_values + kv * d,
-                                         token_values, d);
-          _mm256_storeu_ps(scores + h * span + (first + o - begin),
-                           _mm256_mul_ps(dots, scale8));
-        }
-    for (; o < end; ++o)
-      for (int64_t kv = kv_begin; kv < kv_end; ++kv)
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t h = (kv - kv_begin) * group + g;
-          scores[h * span + (first + o - begin)] =
-              dot(qs + h * d, block + o * token_values + kv * d, d) * scale;
-        }
-  }
-  for (int64_t h = 0; h < heads; ++h) {
-    float* head_scores = scores + h * span;
-    if (partial == nullptr) {
-      softmax(head_scores, span, sink_of(l, first_head + h));
-      continue;
-    }
-    const float top = largest(head_scores, span);
-    partial[h * partial_floats(l)] = top;
-    partial[h * partial_floats(l) + 1] = exponentiate(head_scores, span, top, 0.0f);
-  }
-  // out = probabilities . V, a block at a time: up to three heads and 32 features together.
-  float* mixed = scratch.out.data();
-  std::fill(mixed, mixed + heads * d, 0.0f);
-  for (int64_t i = first_block, first = i * l.block_size; first < length;
-       first += l.block_size, ++i) {
-    const int64_t skip = std::max<int64_t>(0, begin - first);
-    const T* block = cache + l.value_offset + table[i] * l.block_values + skip * token_values;
-    const int64_t end = std::min(l.block_size, length - first);
-    for (int64_t kv = kv_begin; kv < kv_end; ++kv)
-      for (int64_t g0 = 0; g0 < group; g0 += 3) {
-        const int64_t h = (kv - kv_begin) * group + g0;
-        for (int64_t d0 = 0; d0 < d; d0 += 32)
-          mix_slab(std::min<int64_t>(3, group - g0), std::min<int64_t>(4, (d - d0) / 8),
-                   block + kv * d + d0, end - skip, token_values,
-                   scores + h * span + (first + skip - begin), span, mixed + h * d + d0, d);
-      }
-  }
-  if (partial == nullptr) {
-    from_floats(mixed, heads * d, out + first_head * d);
-    return;
-  }
-  for (int64_t h = 0; h < heads; ++h)
-    std::memcpy(partial + h * partial_floats(l) + 2, mixed + h * d, d * sizeof(float));
+inline void attend(const Layout& l, const T* q, const T* cache, const int32_t* table,
+                   int64_t begin, int64_t length, int64_t kv_begin, int64_t kv_end, float scale,
+                   Scratch& scratch, T* out, float* partial) {
+  if (l.wide)
+    avx512::attend(l, q, cache, table, begin, length, kv_begin, kv_end, scale, scratch, out,
+                   partial);
+  else
+    avx2::attend(l, q, cache, table, begin, length, kv_begin, kv_end, scale, scratch, out,
+                 partial);
 }
 
 // ---- Prefill blocks: bfloat16 on CPUs with AVX-512 BF16 ----
@@ -664,6 +581,7 @@ Layout check_layout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   l.table_row = block_tables.stride(0);
   l.window = window;
   l.sinks = nullptr;
+  l.wide = d % avx512::kLanes == 0 && cpu_has_avx512f() && !folio::avx2_forced();
   return l;
 }
 

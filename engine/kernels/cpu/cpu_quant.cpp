@@ -45,11 +45,9 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <cctype>
 #include <cstring>
 #include <cstdlib>
 #include <optional>
-#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -860,10 +858,8 @@ inline void grouped_int8_strip_wide(const int8_t* codes, const S* scale,
 
 #pragma GCC pop_options
 
-// Whether the AVX-512 rows run: where the CPU has AVX-512 VNNI (and BW, VL) and FOLIO_CPU_ISA
-// does not force AVX2 (engine.kernels.cpu.capabilities reads the same variable, and refuses
-// values other than "native" and "avx2"). Read at every call, so that one process can run (and
-// its tests compare) both paths.
+// Whether the AVX-512 rows run (wide_rows): where the CPU has AVX-512 VNNI (and BW, VL) and
+// FOLIO_CPU_ISA does not force AVX2 (folio::avx2_forced, read at every call).
 bool cpu_has_avx512_vnni() {
   static const bool supported =
       __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -871,18 +867,7 @@ bool cpu_has_avx512_vnni() {
   return supported;
 }
 
-bool wide_rows() {
-  if (!cpu_has_avx512_vnni()) return false;
-  const char* isa = std::getenv("FOLIO_CPU_ISA");
-  if (isa == nullptr) return true;
-  std::string value;
-  for (const char* c = isa; *c != '\0'; ++c) {
-    if (!std::isspace(static_cast<unsigned char>(*c))) {
-      value += static_cast<char>(std::tolower(static_cast<unsigned char>(*c)));
-    }
-  }
-  return value != "avx2";
-}
+bool wide_rows() { return cpu_has_avx512_vnni() && !folio::avx2_forced(); }
 
 // sums[r] += the scaled dot products of one weight row with activation rows r < m of q (k32
 // apart), kTile rows at a time; with the AVX-512 rows, kWideTile at a time, where `wide`.

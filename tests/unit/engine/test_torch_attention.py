@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import weakref
 
 import pytest
@@ -49,7 +51,7 @@ def run_case(
     block_size,
     dtype=torch.float32,
     seed=0,
-    folio_kernels=True,
+    folio_kernels: bool | str = True,
     window=None,
     sinks=None,
 ):
@@ -57,7 +59,8 @@ def run_case(
     both. q, k and v are views of one fused tensor, as the model's projections hand them over.
     Under a sliding window, the blocks before each request's window are a NaN-filled block in
     its table (the last of the pool), which must never be read. `sinks`: each head's
-    attention-sink logit (gpt-oss)."""
+    attention-sink logit (gpt-oss). `folio_kernels`: Folio's kernels (True), held to their AVX2
+    code ("avx2"), or torch's ops (False)."""
     torch.manual_seed(seed)
     num_blocks = sum(math.ceil(s / block_size) for s in seq_lens) + 7
     pool = BlockPool(num_blocks - 1, seed=seed)
@@ -70,7 +73,7 @@ def run_case(
     columns = meta.block_tables.shape[1]
     meta.block_tables = torch.nn.functional.pad(meta.block_tables, (0, 3))[:, :columns]
     scale = head_dim**-0.5
-    backend = TorchAttentionBackend(use_folio_kernels=folio_kernels)
+    backend = TorchAttentionBackend(use_folio_kernels=bool(folio_kernels))
     backend.prepare(meta)
 
     for _layer in range(2):
@@ -94,7 +97,8 @@ def run_case(
         fused = torch.cat((q, new_k, new_v), dim=1)
         q, new_k, new_v = fused.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
 
-        out = backend.forward(q, new_k, new_v, cache, meta, scale, window, sinks)
+        with kernels_isa("avx2") if folio_kernels == "avx2" else contextlib.nullcontext():
+            out = backend.forward(q, new_k, new_v, cache, meta, scale, window, sinks)
 
         flat = cache.view(2, -1, num_kv_heads, head_dim)
         assert torch.equal(flat[0, meta.slot_mapping], new_k)
@@ -123,13 +127,40 @@ def run_case(
 MIXED = dict(query_lens=[1, 1, 1, 1, 7, 3, 9], seq_lens=[1, 16, 5, 37, 7, 29, 13])
 
 
-# Decodes through Folio's AVX2 paged decode kernel, and through plain torch.
+AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+@contextlib.contextmanager
+def kernels_isa(isa: str):
+    """FOLIO_CPU_ISA for the kernel calls inside (the kernels read it at every call): "avx2"
+    holds a CPU with AVX-512 to the AVX2 code."""
+    before = os.environ.get("FOLIO_CPU_ISA")
+    os.environ["FOLIO_CPU_ISA"] = isa
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["FOLIO_CPU_ISA"]
+        else:
+            os.environ["FOLIO_CPU_ISA"] = before
+
+
+# Decodes through Folio's paged decode kernel (in AVX-512 vectors where the CPU has them, and
+# held to AVX2 there too), and through plain torch.
 KERNEL_PATHS = [
     pytest.param(
         True,
         id="folio-kernel",
         marks=pytest.mark.skipif(
             not cpu_capabilities().folio_kernels, reason="this CPU has no AVX2 or no C++ compiler"
+        ),
+    ),
+    pytest.param(
+        "avx2",
+        id="folio-kernel-avx2",
+        marks=pytest.mark.skipif(
+            not (cpu_capabilities().folio_kernels and AVX512),
+            reason="the kernels' AVX2 code is the one above on a CPU without AVX-512",
         ),
     ),
     pytest.param(False, id="torch"),
@@ -310,10 +341,10 @@ FOLIO_KERNELS_ONLY = pytest.mark.skipif(
 )
 
 
-@FOLIO_KERNELS_ONLY
+@pytest.mark.parametrize("folio_kernels", KERNEL_PATHS[:2])
 @pytest.mark.parametrize("window", [None, 300], ids=["full", "window300"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_long_contexts_attend_in_chunks_with_sinks_and_windows(dtype, window):
+def test_long_contexts_attend_in_chunks_with_sinks_and_windows(dtype, window, folio_kernels):
     """Tokens seeing more positions than a chunk (256) attend them chunk by chunk and merge the
     chunks: decodes one position past a chunk, several chunks and a short last one, and an
     extend's tokens, with sinks, under a window longer than a chunk and without, against the
@@ -330,13 +361,17 @@ def test_long_contexts_attend_in_chunks_with_sinks_and_windows(dtype, window):
         dtype=dtype,
         window=window,
         sinks=sinks,
+        folio_kernels=folio_kernels,
     )
 
 
-@FOLIO_KERNELS_ONLY
-def test_a_tokens_output_bits_do_not_depend_on_its_step():
+@pytest.mark.parametrize("folio_kernels", KERNEL_PATHS[:2])
+def test_a_tokens_output_bits_do_not_depend_on_its_step(folio_kernels, monkeypatch):
     """A token's attention is chunked by its own context alone: its output has the same bits
-    decoded alone, in a batch of other rows (short and long), and as an extend's last token."""
+    decoded alone, in a batch of other rows (short and long), and as an extend's last token; in
+    AVX-512 vectors and held to AVX2 alike."""
+    if folio_kernels == "avx2":
+        monkeypatch.setenv("FOLIO_CPU_ISA", "avx2")
     block_size, num_blocks = 16, 200
     seq_lens = [900, 40, 600, 300, 1200]
     pool = BlockPool(num_blocks, seed=4)
@@ -372,6 +407,33 @@ def test_a_tokens_output_bits_do_not_depend_on_its_step():
 
 def _tables(meta):
     return meta.slot_mapping, meta.block_tables, meta.seq_lens
+
+
+@pytest.mark.skipif(
+    not (cpu_capabilities().folio_kernels and AVX512), reason="this CPU has no AVX-512"
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decodes_in_avx512_vectors_where_the_cpu_has_them(dtype, monkeypatch):
+    """A CPU with AVX-512 decodes in 16-float vectors: other sums than AVX2's (FOLIO_CPU_ISA=avx2
+    holds it to those: float32 outputs differ in their last bits), the same attention within
+    rounding; a head_dim that is not a multiple of 16 stays on AVX2's 8-float vectors."""
+    decode = torch.ops.folio_cpu_attention.paged_decode_attention
+    for head_dim, differs in ((64, True), (40, False)):
+        seq_lens = [300, 17, 1000]
+        pool = BlockPool(120, seed=2)
+        tables = [pool.grow([], s, 16) for s in seq_lens]
+        torch.manual_seed(3)
+        cache = torch.randn(2, 120, 16, 2, head_dim).to(dtype)
+        q, k, v = (torch.randn(3, heads, head_dim).to(dtype) for heads in (6, 2, 2))
+        meta = build_metadata([1, 1, 1], seq_lens, tables, 16)
+        wide = decode(q, k, v, cache, *_tables(meta), 0.1)
+        monkeypatch.setenv("FOLIO_CPU_ISA", "avx2")
+        narrow = decode(q, k, v, cache, *_tables(meta), 0.1)
+        monkeypatch.delenv("FOLIO_CPU_ISA")
+        if dtype == torch.float32:  # bfloat16 outputs round most of the difference away
+            assert torch.equal(wide, narrow) is not differs, head_dim
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(wide.float(), narrow.float(), atol=tol, rtol=tol)
 
 
 def test_prepare_invalidates_plan_for_reused_metadata():

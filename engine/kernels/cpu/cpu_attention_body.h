@@ -1,0 +1,163 @@
+// The decode attention's loops of cpu_attention.cpp for one instruction set: a row's scores, eight
+// positions at a time, and the values they mix. cpu_attention.cpp includes this file twice, once
+// inside a namespace compiled for AVX-512 and once inside one for AVX2, each defining first what
+// the loops are written in: Vec (kLanes float32), zero, fma, broadcast, load (kLanes float32, or
+// bfloat16 widened exactly to float32), store, sum (a vector's lanes added) and sum_8 (eight
+// vectors' lanes added, each into one lane of an AVX2 vector). So no guard: each inclusion is its
+// own code. head_dim is a multiple of kLanes. Each instruction set sums in its own order, so a
+// token's output bits depend on which one ran (never on its step or its batch).
+
+// a . b over d features: two chains of kLanes, then the vector's lanes.
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t d) {
+  Vec acc0 = zero(), acc1 = zero();
+  int64_t i = 0;
+#pragma GCC unroll 4
+  for (; i + 2 * kLanes <= d; i += 2 * kLanes) {
+    acc0 = fma(load(a + i), load(b + i), acc0);
+    acc1 = fma(load(a + i + kLanes), load(b + i + kLanes), acc1);
+  }
+  for (; i < d; i += kLanes) acc0 = fma(load(a + i), load(b + i), acc0);
+  return sum(add(acc0, acc1));
+}
+
+// For query heads g < HEADS of one KV head: out[g * head_dim + kLanes c ..] += sum over t <
+// count of p[g * p_stride + t] * values[t * stride + kLanes c ..], c < CHUNKS: one block's
+// positions. Each value vector is loaded once for all the heads, and the sums stay in registers
+// over the block (HEADS x CHUNKS accumulators, at most 12 of AVX2's 16 registers).
+template <typename T, int HEADS, int CHUNKS>
+inline void mix_values(const T* values, int64_t count, int64_t stride, const float* p,
+                       int64_t p_stride, float* out, int64_t out_stride) {
+  Vec acc[HEADS][CHUNKS];
+  for (int g = 0; g < HEADS; ++g)
+    for (int c = 0; c < CHUNKS; ++c) acc[g][c] = load(out + g * out_stride + kLanes * c);
+  for (int64_t t = 0; t < count; ++t, values += stride) {
+    Vec w[HEADS];
+    for (int g = 0; g < HEADS; ++g) w[g] = broadcast(p[g * p_stride + t]);
+    for (int c = 0; c < CHUNKS; ++c) {
+      const Vec v = load(values + kLanes * c);
+      for (int g = 0; g < HEADS; ++g) acc[g][c] = fma(w[g], v, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < HEADS; ++g)
+    for (int c = 0; c < CHUNKS; ++c) store(out + g * out_stride + kLanes * c, acc[g][c]);
+}
+
+// mix_values for `heads` (1 to 3) heads over a slab of `chunks` (1 to 4) vectors of features.
+template <typename T, int HEADS = 3, int CHUNKS = 4>
+inline void mix_slab(int64_t heads, int64_t chunks, const T* values, int64_t count,
+                     int64_t stride, const float* p, int64_t p_stride, float* out,
+                     int64_t out_stride) {
+  if constexpr (HEADS > 1) {
+    if (heads < HEADS)
+      return mix_slab<T, HEADS - 1, CHUNKS>(heads, chunks, values, count, stride, p, p_stride,
+                                            out, out_stride);
+  }
+  if constexpr (CHUNKS > 1) {
+    if (chunks < CHUNKS)
+      return mix_slab<T, HEADS, CHUNKS - 1>(heads, chunks, values, count, stride, p, p_stride,
+                                            out, out_stride);
+  }
+  mix_values<T, HEADS, CHUNKS>(values, count, stride, p, p_stride, out, out_stride);
+}
+
+// The eight dot products q . key[j] (j < 8, keys `stride` values apart, d features), as one
+// AVX2 vector.
+template <typename T>
+inline __m256 dot_8_keys(const float* q, const T* key, int64_t stride, int64_t d) {
+  Vec acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = zero();
+  for (int64_t i = 0; i < d; i += kLanes) {
+    const Vec query = load(q + i);
+    for (int j = 0; j < 8; ++j) acc[j] = fma(query, load(key + j * stride + i), acc[j]);
+  }
+  return sum_8(acc);
+}
+
+// Attention of one row's query heads of KV heads kv_begin .. kv_end (q, out: the row's heads)
+// over its cached positions begin .. length (begin > 0: a sliding window, or a later chunk).
+// With `partial`, only a chunk's share of it, into partial[h * partial_floats ..] for the
+// item's heads h (merged by merge_chunks). Each pass goes through the context a block at a
+// time and reads, for every position, all those KV heads' K (or V) together: a cache row's
+// 2 * KVH * D bytes in one place, so the hardware prefetchers follow it (a pass per KV head,
+// reading each position's slices apart, ran at about a third of the memory bandwidth).
+template <typename T>
+void attend(const Layout& l, const T* q, const T* cache, const int32_t* table, int64_t begin,
+            int64_t length, int64_t kv_begin, int64_t kv_end, float scale, Scratch& scratch,
+            T* out, float* partial) {
+  const int64_t d = l.head_dim, group = l.group;
+  const int64_t token_values = l.kv_heads * d;
+  const int64_t heads = (kv_end - kv_begin) * group, first_head = kv_begin * group;
+  const int64_t span = length - begin;
+  float* scores = scratch.scores.data();  // [heads][span]: position t's score at t - begin
+  const float* qs = scratch.q.data();
+  to_floats(q + first_head * d, heads * d, scratch.q.data());
+  const __m256 scale8 = _mm256_set1_ps(scale);
+  // Scores eight positions of a block at a time, the rest one by one. Meanwhile the next
+  // block's keys come into L1 and this block's values into L2: a request's blocks lie anywhere
+  // in the pool, where the hardware prefetchers cannot see the next one coming.
+  const int64_t slice_bytes = (kv_end - kv_begin) * d * sizeof(T);
+  const int64_t first_block = begin / l.block_size;
+  for (int64_t i = first_block, first = i * l.block_size; first < length;
+       first += l.block_size, ++i) {
+    const T* block = cache + table[i] * l.block_values;
+    const int64_t end = std::min(l.block_size, length - first);
+    if (first + l.block_size < length)
+      prefetch_rows<_MM_HINT_T0>(cache + table[i + 1] * l.block_values + kv_begin * d,
+                                 std::min(l.block_size, length - first - l.block_size),
+                                 token_values, slice_bytes);
+    prefetch_rows<_MM_HINT_T1>(block + l.value_offset + kv_begin * d, end, token_values,
+                               slice_bytes);
+    int64_t o = std::max<int64_t>(0, begin - first);
+    for (; o + 8 <= end; o += 8)
+      for (int64_t kv = kv_begin; kv < kv_end; ++kv)
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t h = (kv - kv_begin) * group + g;
+          const __m256 dots = dot_8_keys(qs + h * d, block + o * token_values + kv * d,
+                                         token_values, d);
+          _mm256_storeu_ps(scores + h * span + (first + o - begin),
+                           _mm256_mul_ps(dots, scale8));
+        }
+    for (; o < end; ++o)
+      for (int64_t kv = kv_begin; kv < kv_end; ++kv)
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t h = (kv - kv_begin) * group + g;
+          scores[h * span + (first + o - begin)] =
+              dot(qs + h * d, block + o * token_values + kv * d, d) * scale;
+        }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    float* head_scores = scores + h * span;
+    if (partial == nullptr) {
+      softmax(head_scores, span, sink_of(l, first_head + h));
+      continue;
+    }
+    const float top = largest(head_scores, span);
+    partial[h * partial_floats(l)] = top;
+    partial[h * partial_floats(l) + 1] = exponentiate(head_scores, span, top, 0.0f);
+  }
+  // out = probabilities . V, a block at a time: up to three heads and four vectors of features
+  // together.
+  float* mixed = scratch.out.data();
+  std::fill(mixed, mixed + heads * d, 0.0f);
+  for (int64_t i = first_block, first = i * l.block_size; first < length;
+       first += l.block_size, ++i) {
+    const int64_t skip = std::max<int64_t>(0, begin - first);
+    const T* block = cache + l.value_offset + table[i] * l.block_values + skip * token_values;
+    const int64_t end = std::min(l.block_size, length - first);
+    for (int64_t kv = kv_begin; kv < kv_end; ++kv)
+      for (int64_t g0 = 0; g0 < group; g0 += 3) {
+        const int64_t h = (kv - kv_begin) * group + g0;
+        for (int64_t d0 = 0; d0 < d; d0 += 4 * kLanes)
+          mix_slab(std::min<int64_t>(3, group - g0), std::min<int64_t>(4, (d - d0) / kLanes),
+                   block + kv * d + d0, end - skip, token_values,
+                   scores + h * span + (first + skip - begin), span, mixed + h * d + d0, d);
+      }
+  }
+  if (partial == nullptr) {
+    from_floats(mixed, heads * d, out + first_head * d);
+    return;
+  }
+  for (int64_t h = 0; h < heads; ++h)
+    std::memcpy(partial + h * partial_floats(l) + 2, mixed + h * d, d * sizeof(float));
+}
