@@ -173,12 +173,26 @@ inline void for_each_position(const Layout& l, const T* cache, const int32_t* ta
   }
 }
 
-// Per-thread scratch of attend: the scores of a row's query heads over the longest context,
-// and those heads' queries and outputs as floats.
+// Per-thread scratch of attend: the scores of a group's rows' query heads over the longest span
+// an item sees, and those heads' queries and outputs as floats (for groups of up to `rows`).
 struct Scratch {
   std::vector<float> scores, q, out;
-  Scratch(const Layout& l, int64_t longest)
-      : scores(l.heads * longest), q(l.heads * l.head_dim), out(l.heads * l.head_dim) {}
+  Scratch(const Layout& l, int64_t longest, int64_t rows)
+      : scores(rows * l.heads * longest), q(rows * l.heads * l.head_dim),
+        out(rows * l.heads * l.head_dim) {}
+};
+
+// The most rows of one request that attend as a group (attend): their scores stay in L2 beside
+// the block of K or V they share.
+constexpr int64_t kGroupRows = 8;
+
+// One item's rows for attend: `count` consecutive query rows of one request (a lone decode, a
+// verification step's drafts, an extend's tokens), row r seeing positions begin .. end(r) of
+// the request's context, end(r) = min(chunk_end, first_length + r): each row one position
+// more than the one before, cut at the end of the item's chunk.
+struct Rows {
+  int64_t count, begin, first_length, chunk_end;
+  int64_t end(int64_t r) const { return std::min(chunk_end, first_length + r); }
 };
 
 inline void to_floats(const float* from, int64_t n, float* to) {
@@ -261,17 +275,17 @@ inline __m256 sum_8(const Vec v[8]) { return folio::sum_each(v); }
 
 }  // namespace avx2
 
-// One row's attention (cpu_attention_body.h's attend) in the layout's instruction set.
+// A group's attention (cpu_attention_body.h's attend) in the layout's instruction set.
 template <typename T>
-inline void attend(const Layout& l, const T* q, const T* cache, const int32_t* table,
-                   int64_t begin, int64_t length, int64_t kv_begin, int64_t kv_end, float scale,
-                   Scratch& scratch, T* out, float* partial) {
+inline void attend(const Layout& l, const T* q, const Rows& rows, const T* cache,
+                   const int32_t* table, int64_t kv_begin, int64_t kv_end, float scale,
+                   Scratch& scratch, T* out, float* partial, int64_t partial_row) {
   if (l.wide)
-    avx512::attend(l, q, cache, table, begin, length, kv_begin, kv_end, scale, scratch, out,
-                   partial);
+    avx512::attend(l, q, rows, cache, table, kv_begin, kv_end, scale, scratch, out, partial,
+                   partial_row);
   else
-    avx2::attend(l, q, cache, table, begin, length, kv_begin, kv_end, scale, scratch, out,
-                 partial);
+    avx2::attend(l, q, rows, cache, table, kv_begin, kv_end, scale, scratch, out, partial,
+                 partial_row);
 }
 
 // ---- Prefill blocks: bfloat16 on CPUs with AVX-512 BF16 ----
@@ -407,14 +421,18 @@ void attend_block(const Layout& l, const bf16* q, int64_t token0, int64_t tokens
 
 // A piece of a call's work: query tokens first_token .. first_token + tokens of one request
 // (flat indices) for KV heads kv_begin .. kv_end, the first token seeing first_length
-// positions. One token goes through attend; a prefill block (tokens > 1, one KV head) through
-// attend_block over `context`.
+// positions and each next one a position more. A group of tokens each attending alone's way
+// (context nullptr) goes through attend, seeing positions begin .. up to chunk_end; a prefill
+// block (one KV head) through attend_block over `context`.
 struct Item {
   int64_t request, kv_begin, kv_end, first_token, tokens, first_length;
   const PackedContext* context;
-  // A token's first position seen (a sliding window's start, or its chunk's), and where its
-  // chunk's partial result goes in the call's partials (-1: a whole context, output written).
-  int64_t begin = 0, partial = -1;
+  // The tokens' first position seen (a sliding window's start, or their chunk's) and the end
+  // of their chunk (past their contexts: whole); where the first token's chunk's partial result
+  // goes in the call's partials (-1: whole contexts, outputs written), and the next token's
+  // partial_row floats after it.
+  int64_t begin = 0, chunk_end = std::numeric_limits<int64_t>::max(), partial = -1,
+          partial_row = 0;
 };
 
 // A token's chunks of KV heads kv_begin .. kv_end: their partial results lie one after
@@ -429,6 +447,7 @@ struct Work {
   std::vector<Item> items;
   std::vector<Merge> merges;
   int64_t partial_size = 0;
+  int64_t group_rows = 1;  // the most tokens of an item through attend
 };
 
 // Below this many rows a call splits each row's KV heads into items of their own, so that the
@@ -440,25 +459,59 @@ constexpr int64_t kRowsForWholeItems = 4;
 // (never of the batch), so that its output's bits are the same in any step.
 constexpr int64_t kChunkPositions = 256;
 
-// One token's items: all its KV heads in one, or one each; a long context's in chunks.
-void add_row(Work& work, const Layout& l, bool split_heads, int64_t request, int64_t token,
-             int64_t length) {
+// The chunks of a token seeing `length` positions.
+inline int64_t chunks_of(const Layout& l, int64_t length) {
   const int64_t begin = l.window > 0 ? std::max<int64_t>(0, length - l.window) : 0;
-  const int64_t chunks = (length - begin + kChunkPositions - 1) / kChunkPositions;
+  return (length - begin + kChunkPositions - 1) / kChunkPositions;
+}
+
+// A group of `count` consecutive tokens of one request (the first at flat index `token`,
+// seeing `length` positions, each next one a position more; all with as many chunks, and one
+// alone under a sliding window, whose start moves with each token): all their KV heads in one
+// item, or one each; a long context's in chunks, each chunk an item of the whole group.
+void add_rows(Work& work, const Layout& l, bool split_heads, int64_t request, int64_t token,
+              int64_t count, int64_t length) {
+  const int64_t begin = l.window > 0 ? std::max<int64_t>(0, length - l.window) : 0;
+  const int64_t chunks = chunks_of(l, length);
   const int64_t step = split_heads ? 1 : l.kv_heads;
+  work.group_rows = std::max(work.group_rows, count);
   for (int64_t kv = 0; kv < l.kv_heads; kv += step) {
     if (chunks == 1) {
-      work.items.push_back({request, kv, kv + step, token, 1, length, nullptr, begin});
+      work.items.push_back({request, kv, kv + step, token, count, length, nullptr, begin});
       continue;
     }
-    work.merges.push_back({token, kv, kv + step, work.partial_size, chunks});
+    // Each token's chunks one after another, the tokens one after another.
+    const int64_t stride = step * l.group * partial_floats(l), row = chunks * stride;
+    for (int64_t r = 0; r < count; ++r)
+      work.merges.push_back({token + r, kv, kv + step, work.partial_size + r * row, chunks});
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t first = begin + c * kChunkPositions;
-      work.items.push_back({request, kv, kv + step, token, 1,
-                            std::min(length, first + kChunkPositions), nullptr, first,
-                            work.partial_size});
-      work.partial_size += step * l.group * partial_floats(l);
+      work.items.push_back({request, kv, kv + step, token, count, length, nullptr, first,
+                            first + kChunkPositions, work.partial_size + c * stride, row});
     }
+    work.partial_size += count * row;
+  }
+}
+
+// Consecutive query rows of one request, `count` of them, the first seeing `length` positions
+// and each next one a position more, in groups that each read the context once (attend): at
+// most kGroupRows, of as many chunks each (chunks_of), each alone under a sliding window. A
+// group of g rows is one item a chunk (or one a KV head), so rows stay apart (groups of one)
+// until there are chunks enough to keep `threads` threads busy twice over.
+void add_request_rows(Work& work, const Layout& l, bool split_heads, int64_t request,
+                      int64_t token, int64_t count, int64_t length, int64_t threads) {
+  for (int64_t r = 0; r < count;) {
+    const int64_t chunks = chunks_of(l, length + r);
+    int64_t run = 1;  // rows from r on with as many chunks
+    while (r + run < count && chunks_of(l, length + r + run) == chunks) ++run;
+    const int64_t most =
+        l.window > 0 ? 1 : std::clamp<int64_t>(run * chunks / (2 * threads), 1, kGroupRows);
+    for (int64_t done = 0; done < run;) {
+      const int64_t size = std::min(most, run - done);
+      add_rows(work, l, split_heads, request, token + r + done, size, length + r + done);
+      done += size;
+    }
+    r += run;
   }
 }
 
@@ -509,7 +562,8 @@ void attend_items(const Layout& l, const at::Tensor& q, const at::Tensor& kv_cac
   const int64_t count = items.size();
   const int64_t grain = total * l.heads < kParallelScores ? count : 1;
   at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
-    Scratch scratch(l, longest);
+    // A whole context is at most a chunk long, as is a chunk.
+    Scratch scratch(l, std::min(longest, kChunkPositions), work.group_rows);
     std::optional<BlockScratch> blocks;
     for (int64_t i = begin; i < end; ++i) {
       // Items from both ends in turn: a prefill's tokens see one position more each, and the
@@ -518,9 +572,10 @@ void attend_items(const Layout& l, const at::Tensor& q, const at::Tensor& kv_cac
       const int32_t* table = tables + item.request * l.table_row;
       if (item.context == nullptr) {
         const int64_t b = item.first_token;
-        attend(l, qs + b * l.q_row, cache, table, item.begin, item.first_length, item.kv_begin,
-               item.kv_end, scale, scratch, os + b * l.heads * l.head_dim,
-               item.partial < 0 ? nullptr : partials.data() + item.partial);
+        attend(l, qs + b * l.q_row,
+               Rows{item.tokens, item.begin, item.first_length, item.chunk_end}, cache, table,
+               item.kv_begin, item.kv_end, scale, scratch, os + b * l.heads * l.head_dim,
+               item.partial < 0 ? nullptr : partials.data() + item.partial, item.partial_row);
       } else if constexpr (std::is_same_v<T, bf16>) {
         if (!blocks) blocks.emplace(l, longest);
         attend_block(l, qs, item.first_token, item.tokens, item.first_length, *item.context,
@@ -645,14 +700,29 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, cons
                   block_tables.size(0) >= rows && seq_lens.size(0) >= rows,
               "one block table and int32 length per decode row");
   const int32_t* lengths = seq_lens.data_ptr<int32_t>();
-  Work work;
-  work.items.reserve(rows * l.kv_heads);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
   int64_t longest = 0, total = 0;
   for (int64_t b = 0; b < rows; ++b) {
     check_length(l, b, lengths[b]);
     longest = std::max<int64_t>(longest, lengths[b]);
     total += lengths[b];
-    add_row(work, l, rows < kRowsForWholeItems, b, b, lengths[b]);
+  }
+  // Row b + 1 continues row b's request (a verification step's next draft) where it sees one
+  // position more through the same blocks.
+  const auto continues = [&](int64_t b) {
+    const int64_t blocks = (lengths[b + 1] + l.block_size - 1) / l.block_size;
+    return lengths[b + 1] == lengths[b] + 1 &&
+           std::memcmp(tables + b * l.table_row, tables + (b + 1) * l.table_row,
+                       blocks * sizeof(int32_t)) == 0;
+  };
+  Work work;
+  work.items.reserve(rows * l.kv_heads);
+  const int64_t threads = at::get_num_threads();
+  for (int64_t b = 0; b < rows;) {
+    int64_t count = 1;
+    while (b + count < rows && continues(b + count - 1)) ++count;
+    add_request_rows(work, l, rows < kRowsForWholeItems, b, b, count, lengths[b], threads);
+    b += count;
   }
   write_tokens(l, k, v, slot_mapping, kv_cache);
   return run_items(l, q, kv_cache, block_tables, work, longest, total, scale);
@@ -704,14 +774,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   Work work;
   int64_t longest = 0, total = 0;
   const bool split_heads = q.size(0) < kRowsForWholeItems;
+  const int64_t threads = at::get_num_threads();
   for (int64_t i = 0; i < requests; ++i) {
     const int64_t first = starts[i], query = starts[i + 1] - first;
     const int64_t cached = lengths[i] - query;
     longest = std::max<int64_t>(longest, lengths[i]);
     total += query * cached + query * (query + 1) / 2;
     if (packed_at[i] < 0) {
-      for (int64_t j = 0; j < query; ++j)
-        add_row(work, l, split_heads, i, first + j, cached + j + 1);
+      add_request_rows(work, l, split_heads, i, first, query, cached + 1, threads);
       continue;
     }
     for (int64_t kv = 0; kv < l.kv_heads; ++kv) {

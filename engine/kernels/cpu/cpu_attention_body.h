@@ -74,107 +74,139 @@ inline __m256 dot_8_keys(const float* q, const T* key, int64_t stride, int64_t d
   return sum_8(acc);
 }
 
-// Attention of one row's query heads of KV heads kv_begin .. kv_end (q, out: the row's heads)
-// over its cached positions begin .. length (begin > 0: a sliding window, or a later chunk).
-// With `partial`, only a chunk's share of it, into partial[h * partial_floats ..] for the
-// item's heads h (merged by merge_chunks). Each pass goes through the context a block at a
-// time and reads, for every position, all those KV heads' K (or V) together: a cache row's
-// 2 * KVH * D bytes in one place, so the hardware prefetchers follow it (a pass per KV head,
-// reading each position's slices apart, ran at about a third of the memory bandwidth).
+// Attention of a group's rows' query heads of KV heads kv_begin .. kv_end (q, out: the first
+// row's heads; the rows follow one another in both) over their cached positions (begin > 0: a
+// sliding window, or a later chunk). With `partial`, only a chunk's share of it, into
+// partial[r * partial_row + h * partial_floats ..] for row r and the item's heads h (merged by
+// merge_chunks). Each pass goes through the context a block at a time and reads, for every
+// position, all those KV heads' K (or V) together: a cache row's 2 * KVH * D bytes in one place,
+// so the hardware prefetchers follow it (a pass per KV head, reading each position's slices
+// apart, ran at about a third of the memory bandwidth). Every row of the group uses a block while
+// it is in L1, so the group reads the context once, not once a row; each row's arithmetic (which
+// positions score eight at a time, the order of every sum) is what it would be alone, so its
+// output's bits do not depend on its group.
 template <typename T>
-void attend(const Layout& l, const T* q, const T* cache, const int32_t* table, int64_t begin,
-            int64_t length, int64_t kv_begin, int64_t kv_end, float scale, Scratch& scratch,
-            T* out, float* partial) {
+void attend(const Layout& l, const T* q, const Rows& rows, const T* cache, const int32_t* table,
+            int64_t kv_begin, int64_t kv_end, float scale, Scratch& scratch, T* out,
+            float* partial, int64_t partial_row) {
   const int64_t d = l.head_dim, group = l.group;
   const int64_t token_values = l.kv_heads * d;
   const int64_t heads = (kv_end - kv_begin) * group, first_head = kv_begin * group;
-  const int64_t span = length - begin;
-  float* scores = scratch.scores.data();  // [heads][span]: position t's score at t - begin
-  const float* qs = scratch.q.data();
-  to_floats(q + first_head * d, heads * d, scratch.q.data());
+  const int64_t begin = rows.begin, length = rows.end(rows.count - 1);  // the longest row's
+  // Row r's scores: [heads][its span] from r * row_scores (position t's score at t - begin).
+  const int64_t row_scores = heads * (length - begin);
+  for (int64_t r = 0; r < rows.count; ++r)
+    to_floats(q + r * l.q_row + first_head * d, heads * d, scratch.q.data() + r * heads * d);
   const __m256 scale8 = _mm256_set1_ps(scale);
   // Scores eight positions of a block at a time, the rest one by one. Meanwhile the next
   // block's keys come into L1 and this block's values into L2, eight positions' with each
-  // eight scored: a request's blocks lie anywhere in the pool, where the hardware prefetchers
-  // cannot see the next one coming, and a whole block's lines asked for at once overflow the
-  // queue of misses in flight (a 16-row step over 1,000 scattered positions each, 30 layers of
-  // KV in DRAM: 800-850 us a layer asking at the block's start, 684-708 spread).
+  // eight scored (of the first row): a request's blocks lie anywhere in the pool, where the
+  // hardware prefetchers cannot see the next one coming, and a whole block's lines asked for at
+  // once overflow the queue of misses in flight (a 16-row step over 1,000 scattered positions
+  // each, 30 layers of KV in DRAM: 800-850 us a layer asking at the block's start, 684-708
+  // spread).
   const int64_t slice_bytes = (kv_end - kv_begin) * d * sizeof(T);
   const int64_t first_block = begin / l.block_size;
   for (int64_t i = first_block, first = i * l.block_size; first < length;
        first += l.block_size, ++i) {
     const T* block = cache + table[i] * l.block_values;
-    const int64_t end = std::min(l.block_size, length - first);
-    int64_t o = std::max<int64_t>(0, begin - first);
+    const T* values = block + l.value_offset;
+    const int64_t block_end = std::min(l.block_size, length - first);
     const int64_t next_first = first + l.block_size;
     const int64_t next_count =
         next_first < length ? std::min(l.block_size, length - next_first) : 0;
     const T* next_keys = cache + table[next_count > 0 ? i + 1 : i] * l.block_values;
-    const T* values = block + l.value_offset;
-    // The next block's keys before a window's first position, then with each eight positions
-    // scored the next block's keys and this block's values there; then the rest.
-    prefetch_rows<_MM_HINT_T0>(next_keys + kv_begin * d, std::min(o, next_count), token_values,
-                               slice_bytes);
-    for (; o + 8 <= end; o += 8) {
-      if (o < next_count)
-        prefetch_rows<_MM_HINT_T0>(next_keys + o * token_values + kv_begin * d,
-                                   std::min<int64_t>(8, next_count - o), token_values,
-                                   slice_bytes);
-      prefetch_rows<_MM_HINT_T1>(values + o * token_values + kv_begin * d, 8, token_values,
-                                 slice_bytes);
-      for (int64_t kv = kv_begin; kv < kv_end; ++kv)
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t h = (kv - kv_begin) * group + g;
-          const __m256 dots = dot_8_keys(qs + h * d, block + o * token_values + kv * d,
-                                         token_values, d);
-          _mm256_storeu_ps(scores + h * span + (first + o - begin),
-                           _mm256_mul_ps(dots, scale8));
+    const int64_t seen = std::max<int64_t>(0, begin - first);
+    prefetch_rows<_MM_HINT_T0>(next_keys + kv_begin * d, std::min(seen, next_count),
+                               token_values, slice_bytes);  // before a window's first position
+    for (int64_t r = 0; r < rows.count; ++r) {
+      const int64_t row_length = rows.end(r), span = row_length - begin;
+      if (first >= row_length) continue;
+      const int64_t end = std::min(l.block_size, row_length - first);
+      const bool asks = r == 0;  // the first row asks for the next lines as it scores
+      float* scores = scratch.scores.data() + r * row_scores;
+      const float* qs = scratch.q.data() + r * heads * d;
+      int64_t o = seen;
+      for (; o + 8 <= end; o += 8) {
+        if (asks) {
+          if (o < next_count)
+            prefetch_rows<_MM_HINT_T0>(next_keys + o * token_values + kv_begin * d,
+                                       std::min<int64_t>(8, next_count - o), token_values,
+                                       slice_bytes);
+          prefetch_rows<_MM_HINT_T1>(values + o * token_values + kv_begin * d, 8, token_values,
+                                     slice_bytes);
         }
+        for (int64_t kv = kv_begin; kv < kv_end; ++kv)
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = (kv - kv_begin) * group + g;
+            const __m256 dots = dot_8_keys(qs + h * d, block + o * token_values + kv * d,
+                                           token_values, d);
+            _mm256_storeu_ps(scores + h * span + (first + o - begin),
+                             _mm256_mul_ps(dots, scale8));
+          }
+      }
+      if (asks) {
+        prefetch_rows<_MM_HINT_T0>(next_keys + o * token_values + kv_begin * d, next_count - o,
+                                   token_values, slice_bytes);
+        prefetch_rows<_MM_HINT_T1>(values + o * token_values + kv_begin * d, block_end - o,
+                                   token_values, slice_bytes);
+      }
+      for (; o < end; ++o)
+        for (int64_t kv = kv_begin; kv < kv_end; ++kv)
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = (kv - kv_begin) * group + g;
+            scores[h * span + (first + o - begin)] =
+                dot(qs + h * d, block + o * token_values + kv * d, d) * scale;
+          }
     }
-    prefetch_rows<_MM_HINT_T0>(next_keys + o * token_values + kv_begin * d, next_count - o,
-                               token_values, slice_bytes);
-    prefetch_rows<_MM_HINT_T1>(values + o * token_values + kv_begin * d, end - o, token_values,
-                               slice_bytes);
-    for (; o < end; ++o)
-      for (int64_t kv = kv_begin; kv < kv_end; ++kv)
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t h = (kv - kv_begin) * group + g;
-          scores[h * span + (first + o - begin)] =
-              dot(qs + h * d, block + o * token_values + kv * d, d) * scale;
-        }
   }
-  for (int64_t h = 0; h < heads; ++h) {
-    float* head_scores = scores + h * span;
-    if (partial == nullptr) {
-      softmax(head_scores, span, sink_of(l, first_head + h));
-      continue;
+  for (int64_t r = 0; r < rows.count; ++r) {
+    const int64_t span = rows.end(r) - begin;
+    float* row_partial = partial == nullptr ? nullptr : partial + r * partial_row;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* head_scores = scratch.scores.data() + r * row_scores + h * span;
+      if (row_partial == nullptr) {
+        softmax(head_scores, span, sink_of(l, first_head + h));
+        continue;
+      }
+      const float top = largest(head_scores, span);
+      row_partial[h * partial_floats(l)] = top;
+      row_partial[h * partial_floats(l) + 1] = exponentiate(head_scores, span, top, 0.0f);
     }
-    const float top = largest(head_scores, span);
-    partial[h * partial_floats(l)] = top;
-    partial[h * partial_floats(l) + 1] = exponentiate(head_scores, span, top, 0.0f);
   }
   // out = probabilities . V, a block at a time: up to three heads and four vectors of features
   // together.
-  float* mixed = scratch.out.data();
-  std::fill(mixed, mixed + heads * d, 0.0f);
+  float* mixed = scratch.out.data();  // row r's heads from r * heads * d
+  std::fill(mixed, mixed + rows.count * heads * d, 0.0f);
   for (int64_t i = first_block, first = i * l.block_size; first < length;
        first += l.block_size, ++i) {
     const int64_t skip = std::max<int64_t>(0, begin - first);
     const T* block = cache + l.value_offset + table[i] * l.block_values + skip * token_values;
-    const int64_t end = std::min(l.block_size, length - first);
-    for (int64_t kv = kv_begin; kv < kv_end; ++kv)
-      for (int64_t g0 = 0; g0 < group; g0 += 3) {
-        const int64_t h = (kv - kv_begin) * group + g0;
-        for (int64_t d0 = 0; d0 < d; d0 += 4 * kLanes)
-          mix_slab(std::min<int64_t>(3, group - g0), std::min<int64_t>(4, (d - d0) / kLanes),
-                   block + kv * d + d0, end - skip, token_values,
-                   scores + h * span + (first + skip - begin), span, mixed + h * d + d0, d);
-      }
+    for (int64_t r = 0; r < rows.count; ++r) {
+      const int64_t row_length = rows.end(r), span = row_length - begin;
+      if (first >= row_length) continue;
+      const int64_t end = std::min(l.block_size, row_length - first);
+      const float* scores = scratch.scores.data() + r * row_scores;
+      float* row_mixed = mixed + r * heads * d;
+      for (int64_t kv = kv_begin; kv < kv_end; ++kv)
+        for (int64_t g0 = 0; g0 < group; g0 += 3) {
+          const int64_t h = (kv - kv_begin) * group + g0;
+          for (int64_t d0 = 0; d0 < d; d0 += 4 * kLanes)
+            mix_slab(std::min<int64_t>(3, group - g0), std::min<int64_t>(4, (d - d0) / kLanes),
+                     block + kv * d + d0, end - skip, token_values,
+                     scores + h * span + (first + skip - begin), span, row_mixed + h * d + d0,
+                     d);
+        }
+    }
   }
-  if (partial == nullptr) {
-    from_floats(mixed, heads * d, out + first_head * d);
-    return;
+  for (int64_t r = 0; r < rows.count; ++r) {
+    const float* row_mixed = mixed + r * heads * d;
+    if (partial == nullptr) {
+      from_floats(row_mixed, heads * d, out + r * l.heads * d + first_head * d);
+      continue;
+    }
+    for (int64_t h = 0; h < heads; ++h)
+      std::memcpy(partial + r * partial_row + h * partial_floats(l) + 2, row_mixed + h * d,
+                  d * sizeof(float));
   }
-  for (int64_t h = 0; h < heads; ++h)
-    std::memcpy(partial + h * partial_floats(l) + 2, mixed + h * d, d * sizeof(float));
 }

@@ -409,6 +409,56 @@ def _tables(meta):
     return meta.slot_mapping, meta.block_tables, meta.seq_lens
 
 
+@pytest.mark.parametrize("folio_kernels", KERNEL_PATHS[:2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_requests_rows_attend_as_groups_with_the_bits_each_has_alone(
+    dtype, folio_kernels, monkeypatch
+):
+    """A verification step's rows (one request's consecutive positions through one table) and a
+    float32 extend's tokens attend in groups that read the context once: each row's output has
+    the bits it has decoded alone, across a chunk's end, over several chunks, in groups of
+    several sizes (two threads: groups form where there are chunks enough for them)."""
+    if folio_kernels == "avx2":
+        monkeypatch.setenv("FOLIO_CPU_ISA", "avx2")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        block_size, num_blocks = 16, 400
+        pool = BlockPool(num_blocks, seed=6)
+        torch.manual_seed(7)
+        cache = torch.randn(2, num_blocks, block_size, 3, 64).to(dtype)
+        decode = torch.ops.folio_cpu_attention.paged_decode_attention
+        for first, rows in ((250, 9), (1020, 7), (3, 5), (512, 16)):
+            table = pool.grow([], first + rows - 1, block_size)
+            q, k, v = (torch.randn(rows, heads, 64).to(dtype) for heads in (9, 3, 3))
+            lengths = [first + r for r in range(rows)]
+            step = build_metadata([1] * rows, lengths, [table] * rows, block_size)
+            together = decode(q, k, v, cache, *_tables(step), 0.125)
+            for r, length in enumerate(lengths):
+                alone = build_metadata([1], [length], [table], block_size)
+                one = decode(
+                    q[r : r + 1], k[r : r + 1], v[r : r + 1], cache, *_tables(alone), 0.125
+                )
+                assert torch.equal(one[0], together[r]), (first, r)
+            if dtype != torch.float32:
+                continue  # bfloat16 extends go through the prefill blocks' tiles
+            extend = build_metadata([rows], [lengths[-1]], [table], block_size)
+            out = torch.ops.folio_cpu_attention.paged_attention(
+                q,
+                k,
+                v,
+                cache,
+                extend.slot_mapping,
+                extend.block_tables,
+                extend.query_start_loc,
+                extend.seq_lens,
+                0.125,
+            )
+            assert torch.equal(out, together), first
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.skipif(
     not (cpu_capabilities().folio_kernels and AVX512), reason="this CPU has no AVX-512"
 )
