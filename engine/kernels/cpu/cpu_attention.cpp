@@ -20,6 +20,9 @@
 //   chunk an item of its own (its largest score, its exponentials' sum and the values they mix),
 //   merged in order after all items: one long row keeps both threads busy. The chunks follow
 //   from the token's own context, never from its step, so its output's bits do not either.
+// - A request's consecutive rows (a verification step's drafts, rows whose tables match and
+//   whose contexts grow by one; an extend's tokens) attend in groups of up to kGroupRows that
+//   read each block once for all of them, each row's arithmetic what it is alone.
 // - A sliding window (`window` > 0, Mistral's and Gemma 3's local layers): a token sees only its
 //   last `window` positions, itself included, and only those are read; a windowed prefill takes
 //   the per-token path.
