@@ -462,10 +462,14 @@ constexpr int64_t kRowsForWholeItems = 4;
 // (never of the batch), so that its output's bits are the same in any step.
 constexpr int64_t kChunkPositions = 256;
 
+// The first position a token seeing `length` positions attends: its sliding window's start.
+inline int64_t first_seen(const Layout& l, int64_t length) {
+  return l.window > 0 ? std::max<int64_t>(0, length - l.window) : 0;
+}
+
 // The chunks of a token seeing `length` positions.
 inline int64_t chunks_of(const Layout& l, int64_t length) {
-  const int64_t begin = l.window > 0 ? std::max<int64_t>(0, length - l.window) : 0;
-  return (length - begin + kChunkPositions - 1) / kChunkPositions;
+  return (length - first_seen(l, length) + kChunkPositions - 1) / kChunkPositions;
 }
 
 // A group of `count` consecutive tokens of one request (the first at flat index `token`,
@@ -474,7 +478,7 @@ inline int64_t chunks_of(const Layout& l, int64_t length) {
 // item, or one each; a long context's in chunks, each chunk an item of the whole group.
 void add_rows(Work& work, const Layout& l, bool split_heads, int64_t request, int64_t token,
               int64_t count, int64_t length) {
-  const int64_t begin = l.window > 0 ? std::max<int64_t>(0, length - l.window) : 0;
+  const int64_t begin = first_seen(l, length);
   const int64_t chunks = chunks_of(l, length);
   const int64_t step = split_heads ? 1 : l.kv_heads;
   work.group_rows = std::max(work.group_rows, count);

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import weakref
 
 import pytest
@@ -134,15 +133,9 @@ AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
 def kernels_isa(isa: str):
     """FOLIO_CPU_ISA for the kernel calls inside (the kernels read it at every call): "avx2"
     holds a CPU with AVX-512 to the AVX2 code."""
-    before = os.environ.get("FOLIO_CPU_ISA")
-    os.environ["FOLIO_CPU_ISA"] = isa
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FOLIO_CPU_ISA", isa)
         yield
-    finally:
-        if before is None:
-            del os.environ["FOLIO_CPU_ISA"]
-        else:
-            os.environ["FOLIO_CPU_ISA"] = before
 
 
 # Decodes through Folio's paged decode kernel (in AVX-512 vectors where the CPU has them, and
