@@ -25,6 +25,7 @@ from common.speculative import SpeculativeConfig
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "bfloat16")
 DECODE_COMPILE = ("auto", "startup", "background")
 KV_OFFLOAD_FORMATS = ("auto", "int8", "native")
 QUANTIZATIONS = ("int8", "int4")
@@ -98,6 +99,14 @@ class EngineConfig:
     )
     block_size: int = flag(16, "tokens per KV cache block (a power of two)")
     kv_cache_memory_bytes: int = flag(2 * 1024**3, "memory budget of the KV cache pool")
+    kv_cache_dtype: str = flag(
+        "auto",
+        "the KV cache's dtype; auto = the activations' (--dtype); bfloat16 under float32 "
+        "activations (CPU only) halves the pool's bytes a token (twice the tokens in "
+        "--kv-cache-memory-bytes, half the bytes a decode step's attention reads), its K and V "
+        "rounded to bfloat16 (docs/kv_tiers.md)",
+        choices=KV_CACHE_DTYPES,
+    )
     num_kv_blocks: int | None = flag(
         None, "KV pool size in blocks (default: as many as --kv-cache-memory-bytes holds)"
     )

@@ -41,7 +41,7 @@ from engine.layers.parallel import (
 )
 from engine.lora.host import LoraHost
 from engine.lora.registry import LoraBackend
-from engine.model_runner import ModelRunner, resolve_dtype
+from engine.model_runner import ModelRunner, resolve_dtype, resolve_kv_dtype
 from engine.models.config import ModelConfig
 from engine.models.gguf_metadata import file_quantization
 from engine.pooler import Pooler, PoolingConfig, finish
@@ -81,6 +81,7 @@ class ModelExecutor:
             self.runner_kind = "pooling" if self.pooling.sentence_transformers else "generate"
         quantization = config.quantization or file_quantization(self.model_path)
         dtype = resolve_dtype(config.dtype, config.device, quantization)
+        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, config.device)
         tp_size = config.tensor_parallel_size
         spec = config.speculative
         if spec is not None and spec.method == "draft_model" and tp_size > 1:
@@ -100,7 +101,7 @@ class ModelExecutor:
             kv_heads_slice(model_config.num_key_value_heads, TensorParallel(0, tp_size)).count,
             model_config.head_dim,
             config.block_size,
-            torch.empty((), dtype=dtype).element_size(),
+            kv_dtype.itemsize,
         )
         self.max_model_len = self._max_model_len(
             config,
@@ -134,7 +135,12 @@ class ModelExecutor:
         if self.group is not None:
             self.runner.broadcast_plan = self.group.broadcast_plan
         self.kv_tiers = KVTierStore.create(
-            config, self.runner.kv_slots, self.kv_groups, self.model_path, quantization
+            config,
+            self.runner.kv_slots,
+            self.kv_groups,
+            self.model_path,
+            quantization,
+            activations=self.runner.dtype,
         )
         if self.kv_tiers is not None and self.group is not None:
             # The book stays here; every rank moves its own shard of the blocks it names.

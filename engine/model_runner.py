@@ -69,6 +69,23 @@ def resolve_dtype(
     return torch.bfloat16
 
 
+def resolve_kv_dtype(name: str, dtype: torch.dtype, device: str | torch.device) -> torch.dtype:
+    """--kv-cache-dtype against the activations' `dtype`: "auto" is theirs; a narrower cache
+    under float32 activations runs on the CPU, whose attention (Folio's kernels, or torch's ops)
+    widens the cached values as it reads them; the Triton kernels read the cache in the
+    activations' dtype, so a GPU takes only that."""
+    if name == "auto":
+        return dtype
+    kv_dtype = _DTYPES[name]
+    if kv_dtype != dtype and torch.device(device).type != "cpu":
+        raise ValueError(
+            f"kv_cache_dtype {name} under {str(dtype).removeprefix('torch.')} activations runs "
+            f"on the CPU only (the GPU's attention reads the cache in the activations' dtype); "
+            f"use kv_cache_dtype auto on {device}, or dtype {name}"
+        )
+    return kv_dtype
+
+
 def kv_pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero KV cache tensor. On the CPU its memory is an anonymous mapping, which the kernel
     zeroes page by page on first touch: a pool of gigabytes costs nothing at start-up (writing
@@ -143,6 +160,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         quantization = config.quantization or file_quantization(model_path)
         self.dtype = resolve_dtype(config.dtype, config.device, quantization)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, config.device)
         self.block_size = config.block_size
         self.model, self.model_config = load_model(
             model_path,
@@ -162,7 +180,7 @@ class ModelRunner:
         self.kv_slots = [
             kv_pool_zeros(
                 (2, num_blocks, self.block_size, self.model.num_kv_heads, cfg.head_dim),
-                self.dtype,
+                self.kv_dtype,
                 self.device,
             )  # num_kv_heads: this rank's share
             for _ in range(groups.num_slots)

@@ -87,6 +87,7 @@ def serve_engine(rank: int, world_size: int, master_addr: str, master_port: int)
             model_path,
             config.quantization or file_quantization(model_path),
             rank,
+            runner.dtype,
         )
         del loading
         loras = (

@@ -11,7 +11,9 @@ gathered into one workspace and put through two batched matmuls; prefills and ex
 request at a time through scaled_dot_product_attention. A sliding window (a layer's `window`) reads
 only the blocks that hold a token's last `window` positions and masks the rest. Attention sinks
 (gpt-oss) go to Folio's kernel as they are; in plain torch each sink is one more logit in its
-head's softmax (one more key, of zero value, for scaled_dot_product_attention). It must never
+head's softmax (one more key, of zero value, for scaled_dot_product_attention). A cache in
+bfloat16 under float32 activations (--kv-cache-dtype) goes to the kernel as it is; plain torch
+converts what it gathers, and the new K/V as the cache keeps them. It must never
 keep per-request K/V between steps; the gather workspace is scratch, overwritten every layer.
 """
 
@@ -109,9 +111,14 @@ class TorchAttentionBackend(AttentionBackend):
                 sinks,
             )
 
+        cached_k, cached_v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
         slots = kv_cache.view(2, -1, k.shape[1], head_dim)
-        slots[0].index_copy_(0, meta.slot_mapping, k)
-        slots[1].index_copy_(0, meta.slot_mapping, v)
+        slots[0].index_copy_(0, meta.slot_mapping, cached_k)
+        slots[1].index_copy_(0, meta.slot_mapping, cached_v)
+        if kv_cache.dtype != k.dtype:
+            # A cache narrower than the activations (--kv-cache-dtype): the new tokens attend
+            # to the values it keeps of them, as every later token does.
+            k, v = cached_k.to(q.dtype), cached_v.to(q.dtype)
         plan = self._plans.get((id(meta), window))
         if plan is None or plan.meta is not meta:
             plan = self._plans[id(meta), window] = _make_plan(meta, q, k.shape[1], window)
@@ -178,7 +185,7 @@ class TorchAttentionBackend(AttentionBackend):
             workspace = self._workspace = torch.empty(
                 size, dtype=kv_cache.dtype, device=kv_cache.device
             )
-        kv = _gather_blocks(kv_cache, plan.block_ids, workspace[:size])
+        kv = _gather_blocks(kv_cache, plan.block_ids, workspace[:size]).to(q.dtype)
         kv = kv.view(2, batch, ctx, num_kv_heads * head_dim)
 
         q_bd = plan.q_blockdiag
@@ -246,7 +253,7 @@ def _prefill(
             enable_gqa=True,
         )
     else:
-        ctx = _context(kv_cache, plan)
+        ctx = _context(kv_cache, plan, q.dtype)
         result = F.scaled_dot_product_attention(
             q4,
             ctx[0].unsqueeze(0),
@@ -258,12 +265,13 @@ def _prefill(
     out.copy_(result[0].transpose(0, 1))
 
 
-def _context(kv_cache: torch.Tensor, plan: _PrefillPlan) -> torch.Tensor:
-    """K and V of positions plan.first .. plan.seq_len from the cache: [2, KVH, ctx, D]."""
+def _context(kv_cache: torch.Tensor, plan: _PrefillPlan, dtype: torch.dtype) -> torch.Tensor:
+    """K and V of positions plan.first .. plan.seq_len from the cache, in `dtype` (the
+    activations'): [2, KVH, ctx, D]."""
     assert plan.block_ids is not None
     num_kv_heads, head_dim = kv_cache.shape[3:]
     block_size = kv_cache.shape[2]
-    ctx = _gather_blocks(kv_cache, plan.block_ids)
+    ctx = _gather_blocks(kv_cache, plan.block_ids).to(dtype)
     skip = plan.first % block_size  # the gather starts at the first position's block
     ctx = ctx.view(2, -1, num_kv_heads, head_dim)[:, skip : skip + plan.seq_len - plan.first]
     return ctx.transpose(1, 2)
@@ -283,7 +291,7 @@ def _attend_with_sinks(
     if plan.block_ids is None:
         keys, values = k.transpose(0, 1), v.transpose(0, 1)
     else:
-        keys, values = _context(kv_cache, plan)
+        keys, values = _context(kv_cache, plan, q4.dtype)
     num_heads, query_len = q4.shape[1], q4.shape[2]
     mask = plan.mask
     if mask is None:  # plainly causal over the new K/V

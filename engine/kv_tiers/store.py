@@ -251,11 +251,14 @@ class KVTierStore:
         model_path: Path,
         quantization: str | None,
         rank: int = 0,
+        activations: torch.dtype | None = None,
     ) -> KVTierStore | None:
         """The store of tensor-parallel rank `rank` (rank 0's with the book), or None when no
         tier is asked for; ValueError in one line naming the flag when the tiers cannot serve
         this engine. The flags bound the tiers of all ranks together: each rank holds 1/N of
-        every block (its KV heads) in 1/N of the bytes. An entry of a tier is one block id of
+        every block (its KV heads) in 1/N of the bytes. `activations`: the model's dtype where
+        the pool's is narrower (--kv-cache-dtype): its K and V, rounded, are other values than
+        a pool of that dtype's own model holds. An entry of a tier is one block id of
         the pool (every cache slot's block: one KV group's layers), whatever `groups` say."""
         if not config.kv_offload_gib and config.kv_cache_dir is None:
             return None
@@ -285,6 +288,8 @@ class KVTierStore:
                 "quantization": quantization,
                 "kv_shape": list(shape),  # one rank's
             }
+            if activations not in (None, dtype):
+                identity["activations"] = str(activations)
             if groups.num_groups > 1:
                 # Which layers a group's block holds in which cache slot (a one-group model's
                 # identity has none, as before groups had tiers).

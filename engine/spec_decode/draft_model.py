@@ -41,7 +41,7 @@ from engine.core.kv_cache_manager import NULL_BLOCK, kv_groups
 from engine.core.request import Request
 from engine.layers.lora import LoraSlots
 from engine.layers.parallel import SINGLE
-from engine.model_runner import kv_pool_zeros
+from engine.model_runner import kv_pool_zeros, resolve_kv_dtype
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
 
@@ -120,7 +120,7 @@ class DraftModel:
         caches = [
             kv_pool_zeros(
                 (2, num_blocks, block_size, self.model.num_kv_heads, model_config.head_dim),
-                dtype,
+                resolve_kv_dtype(config.kv_cache_dtype, dtype, device),
                 device,
             )
             for _ in range(groups.num_slots)

@@ -1,7 +1,9 @@
 // Paged attention on x86 CPUs with AVX2 and FMA, over the paged KV cache in place: one call does
 // a layer's work for a step. It writes each new token's K and V into its cache slot, then
 // attends each token to its context up to itself. q, k, v and the cache are float32 or bfloat16
-// (all the same); the arithmetic is float32, bfloat16 values widened as they are loaded and the
+// (all the same), or the cache bfloat16 under float32 q, k and v (--kv-cache-dtype bfloat16: new
+// K and V rounded to nearest even as they are written, half float32's bytes read); the
+// arithmetic is float32, bfloat16 values widened exactly as they are loaded and a bfloat16
 // output rounded to nearest even once at the end.
 //
 // - paged_decode_attention: one query token a request (a decode-only step). A row's query heads
@@ -151,15 +153,26 @@ inline float sink_of(const Layout& l, int64_t h) {
   return l.sinks == nullptr ? -std::numeric_limits<float>::infinity() : l.sinks[h];
 }
 
-// Writes K and V of `rows` decode rows into their slots.
-template <typename T>
+// to[0 .. n) = from[0 .. n), in the cache's type C (bfloat16 from float32: rounded to nearest
+// even).
+template <typename T, typename C>
+inline void copy_values(const T* from, int64_t n, C* to) {
+  if constexpr (std::is_same_v<T, C>) {
+    std::memcpy(to, from, n * sizeof(T));
+  } else {
+    for (int64_t i = 0; i < n; ++i) to[i] = C(from[i]);
+  }
+}
+
+// Writes K and V of `rows` tokens into their slots.
+template <typename T, typename C>
 void write_new_tokens(const Layout& l, const T* k, const T* v, const int64_t* slots, int64_t rows,
-                      T* cache) {
+                      C* cache) {
   const int64_t token_values = l.kv_heads * l.head_dim;
   for (int64_t b = 0; b < rows; ++b) {
-    T* key = cache + slots[b] * token_values;
-    std::memcpy(key, k + b * l.k_row, token_values * sizeof(T));
-    std::memcpy(key + l.value_offset, v + b * l.v_row, token_values * sizeof(T));
+    C* key = cache + slots[b] * token_values;
+    copy_values(k + b * l.k_row, token_values, key);
+    copy_values(v + b * l.v_row, token_values, key + l.value_offset);
   }
 }
 
@@ -279,8 +292,8 @@ inline __m256 sum_8(const Vec v[8]) { return folio::sum_each(v); }
 }  // namespace avx2
 
 // A group's attention (cpu_attention_body.h's attend) in the layout's instruction set.
-template <typename T>
-inline void attend(const Layout& l, const T* q, const Rows& rows, const T* cache,
+template <typename T, typename C>
+inline void attend(const Layout& l, const T* q, const Rows& rows, const C* cache,
                    const int32_t* table, int64_t kv_begin, int64_t kv_end, float scale,
                    Scratch& scratch, T* out, float* partial, int64_t partial_row) {
   if (l.wide)
@@ -556,12 +569,12 @@ void merge_chunks(const Layout& l, const Merge& merge, const float* partials, T*
   from_floats(mixed, heads * d, out + (merge.token * l.heads + first_head) * d);
 }
 
-// Does every item, the tokens' new K/V already in the cache.
-template <typename T>
+// Does every item, the tokens' new K/V already in the cache (of type C).
+template <typename T, typename C>
 void attend_items(const Layout& l, const at::Tensor& q, const at::Tensor& kv_cache,
                   const int32_t* tables, const Work& work, int64_t longest, int64_t total,
                   float scale, at::Tensor& out) {
-  const T* cache = kv_cache.data_ptr<T>();
+  const C* cache = kv_cache.data_ptr<C>();
   const T* qs = q.data_ptr<T>();
   T* os = out.data_ptr<T>();
   const std::vector<Item>& items = work.items;
@@ -583,7 +596,7 @@ void attend_items(const Layout& l, const at::Tensor& q, const at::Tensor& kv_cac
                Rows{item.tokens, item.begin, item.first_length, item.chunk_end}, cache, table,
                item.kv_begin, item.kv_end, scale, scratch, os + b * l.heads * l.head_dim,
                item.partial < 0 ? nullptr : partials.data() + item.partial, item.partial_row);
-      } else if constexpr (std::is_same_v<T, bf16>) {
+      } else if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16>) {
         if (!blocks) blocks.emplace(l, longest);
         attend_block(l, qs, item.first_token, item.tokens, item.first_length, *item.context,
                      item.kv_begin, scale, *blocks, os);
@@ -604,15 +617,19 @@ namespace {
 
 // The layout of a call's tensors, checked: q [N, H, D], k and v [N, KVH, D] (rows may be
 // strided, each row contiguous); kv_cache [2, num_blocks, block_size, KVH, D]; all float32 or
-// all bfloat16; slot_mapping [N] int64; block_tables [requests, max_blocks] int32.
+// all bfloat16, or the cache bfloat16 under float32 q, k and v; slot_mapping [N] int64;
+// block_tables [requests, max_blocks] int32.
 Layout check_layout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                     const at::Tensor& block_tables, int64_t window) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window), got ", window);
   const at::ScalarType dtype = q.scalar_type();
+  const at::ScalarType cache = kv_cache.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k.scalar_type() == dtype &&
-                  v.scalar_type() == dtype && kv_cache.scalar_type() == dtype,
-              "paged attention runs on float32 or bfloat16, the same for q, k, v and the cache");
+                  v.scalar_type() == dtype && (cache == dtype || cache == at::kBFloat16),
+              "paged attention runs on float32 or bfloat16, the same for q, k and v, the cache in "
+              "their dtype or in bfloat16; got q ", dtype, ", k ", k.scalar_type(), ", v ",
+              v.scalar_type(), ", the cache ", cache);
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && kv_cache.dim() == 5,
               "q, k, v must be [rows, heads, head_dim], the cache 5-dimensional");
   const int64_t rows = q.size(0), d = q.size(2);
@@ -661,15 +678,26 @@ at::Tensor attach_sinks(Layout& l, const at::Tensor& q, const std::optional<at::
   return floats;
 }
 
+// f(T{}, C{}) with T the rows' type (float or bf16) and C the cache's, as check_layout allows.
+template <typename F>
+void with_types(const at::Tensor& rows, const at::Tensor& kv_cache, const F& f) {
+  if (rows.scalar_type() == at::kBFloat16)
+    f(bf16{}, bf16{});
+  else if (kv_cache.scalar_type() == at::kBFloat16)
+    f(float{}, bf16{});
+  else
+    f(float{}, float{});
+}
+
 void write_tokens(const Layout& l, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& slot_mapping, at::Tensor& kv_cache) {
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  if (kv_cache.scalar_type() == at::kFloat)
-    write_new_tokens(l, k.data_ptr<float>(), v.data_ptr<float>(), slots, k.size(0),
-                     kv_cache.data_ptr<float>());
-  else
-    write_new_tokens(l, k.data_ptr<bf16>(), v.data_ptr<bf16>(), slots, k.size(0),
-                     kv_cache.data_ptr<bf16>());
+  with_types(k, kv_cache, [&](auto row, auto cached) {
+    using T = decltype(row);
+    using C = decltype(cached);
+    write_new_tokens(l, k.data_ptr<T>(), v.data_ptr<T>(), slots, k.size(0),
+                     kv_cache.data_ptr<C>());
+  });
 }
 
 at::Tensor run_items(const Layout& l, const at::Tensor& q, const at::Tensor& kv_cache,
@@ -678,10 +706,10 @@ at::Tensor run_items(const Layout& l, const at::Tensor& q, const at::Tensor& kv_
   at::Tensor out = at::empty({q.size(0), l.heads, l.head_dim}, q.options());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const float scale_f = static_cast<float>(scale);
-  if (q.scalar_type() == at::kFloat)
-    attend_items<float>(l, q, kv_cache, tables, work, longest, total, scale_f, out);
-  else
-    attend_items<bf16>(l, q, kv_cache, tables, work, longest, total, scale_f, out);
+  with_types(q, kv_cache, [&](auto row, auto cached) {
+    attend_items<decltype(row), decltype(cached)>(l, q, kv_cache, tables, work, longest, total,
+                                                  scale_f, out);
+  });
   return out;
 }
 

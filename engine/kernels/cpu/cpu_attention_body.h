@@ -75,8 +75,9 @@ inline __m256 dot_8_keys(const float* q, const T* key, int64_t stride, int64_t d
 }
 
 // Attention of a group's rows' query heads of KV heads kv_begin .. kv_end (q, out: the first
-// row's heads; the rows follow one another in both) over their cached positions (begin > 0: a
-// sliding window, or a later chunk). With `partial`, only a chunk's share of it, into
+// row's heads, of type T; the rows follow one another in both) over their cached positions
+// (begin > 0: a sliding window, or a later chunk), the cache of type C (T, or bfloat16 under
+// float32 rows: --kv-cache-dtype bfloat16). With `partial`, only a chunk's share of it, into
 // partial[r * partial_row + h * partial_floats ..] for row r and the item's heads h (merged by
 // merge_chunks). Each pass goes through the context a block at a time and reads, for every
 // position, all those KV heads' K (or V) together: a cache row's 2 * KVH * D bytes in one place,
@@ -85,8 +86,8 @@ inline __m256 dot_8_keys(const float* q, const T* key, int64_t stride, int64_t d
 // it is in L1, so the group reads the context once, not once a row; each row's arithmetic (which
 // positions score eight at a time, the order of every sum) is what it would be alone, so its
 // output's bits do not depend on its group.
-template <typename T>
-void attend(const Layout& l, const T* q, const Rows& rows, const T* cache, const int32_t* table,
+template <typename T, typename C>
+void attend(const Layout& l, const T* q, const Rows& rows, const C* cache, const int32_t* table,
             int64_t kv_begin, int64_t kv_end, float scale, Scratch& scratch, T* out,
             float* partial, int64_t partial_row) {
   const int64_t d = l.head_dim, group = l.group;
@@ -105,17 +106,17 @@ void attend(const Layout& l, const T* q, const Rows& rows, const T* cache, const
   // once overflow the queue of misses in flight (a 16-row step over 1,000 scattered positions
   // each, 30 layers of KV in DRAM: 800-850 us a layer asking at the block's start, 684-708
   // spread).
-  const int64_t slice_bytes = (kv_end - kv_begin) * d * sizeof(T);
+  const int64_t slice_bytes = (kv_end - kv_begin) * d * sizeof(C);
   const int64_t first_block = begin / l.block_size;
   for (int64_t i = first_block, first = i * l.block_size; first < length;
        first += l.block_size, ++i) {
-    const T* block = cache + table[i] * l.block_values;
-    const T* values = block + l.value_offset;
+    const C* block = cache + table[i] * l.block_values;
+    const C* values = block + l.value_offset;
     const int64_t block_end = std::min(l.block_size, length - first);
     const int64_t next_first = first + l.block_size;
     const int64_t next_count =
         next_first < length ? std::min(l.block_size, length - next_first) : 0;
-    const T* next_keys = cache + table[next_count > 0 ? i + 1 : i] * l.block_values;
+    const C* next_keys = cache + table[next_count > 0 ? i + 1 : i] * l.block_values;
     const int64_t seen = std::max<int64_t>(0, begin - first);
     prefetch_rows<_MM_HINT_T0>(next_keys + kv_begin * d, std::min(seen, next_count),
                                token_values, slice_bytes);  // before a window's first position
@@ -181,7 +182,7 @@ void attend(const Layout& l, const T* q, const Rows& rows, const T* cache, const
   for (int64_t i = first_block, first = i * l.block_size; first < length;
        first += l.block_size, ++i) {
     const int64_t skip = std::max<int64_t>(0, begin - first);
-    const T* block = cache + l.value_offset + table[i] * l.block_values + skip * token_values;
+    const C* block = cache + l.value_offset + table[i] * l.block_values + skip * token_values;
     for (int64_t r = 0; r < rows.count; ++r) {
       const int64_t row_length = rows.end(r), span = row_length - begin;
       if (first >= row_length) continue;

@@ -271,6 +271,26 @@ def test_eviction_goes_pool_then_host_least_recent_first():
     assert sorted(block for _, block in loads) == sorted(again.block_table[:2])
 
 
+def test_a_bfloat16_pool_under_float32_activations_moves_through_the_tiers(llama, tmp_path):
+    """--kv-cache-dtype bfloat16: the host tier keeps the pool's bfloat16 blocks as they are
+    (native: the same tokens and logprobs as without the tier), and the disk tier files them
+    under a fingerprint of their own, apart from a float32 pool's and from a bfloat16 model's
+    (whose K and V are other values)."""
+    directory, _ = llama
+    narrow = dict(kv_cache_dtype="bfloat16")
+    engine = make_engine(directory, kv_offload_gib=0.01, kv_offload_format="native", **narrow)
+    assert engine.executor.runner.kv_slots[0].dtype == torch.bfloat16
+    tokens, logprobs = through_the_host_tier(engine)
+    plain = make_engine(directory, num_kv_blocks=64, **narrow)
+    expected, expected_logprobs, _ = generate(plain, "alone", FOLLOW_UP)
+    assert tokens == expected and logprobs == expected_logprobs
+    fingerprints = {
+        make_engine(directory, kv_cache_dir=str(tmp_path), **config).kv_cache.tiers.disk.fingerprint
+        for config in (narrow, {}, {"dtype": "bfloat16"})
+    }
+    assert len(fingerprints) == 3
+
+
 def test_disk_tier_serves_a_new_engine_and_skips_bad_files(llama, tmp_path, caplog):
     directory, reference = llama
     first = make_engine(directory, kv_cache_dir=str(tmp_path))

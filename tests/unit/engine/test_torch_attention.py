@@ -53,13 +53,16 @@ def run_case(
     folio_kernels: bool | str = True,
     window=None,
     sinks=None,
+    cache_dtype=None,
 ):
     """Builds a pool with prefixes already cached, runs two layers through one backend, checks
     both. q, k and v are views of one fused tensor, as the model's projections hand them over.
     Under a sliding window, the blocks before each request's window are a NaN-filled block in
     its table (the last of the pool), which must never be read. `sinks`: each head's
     attention-sink logit (gpt-oss). `folio_kernels`: Folio's kernels (True), held to their AVX2
-    code ("avx2"), or torch's ops (False)."""
+    code ("avx2"), or torch's ops (False). `cache_dtype`: the cache's, where it is not `dtype`
+    (--kv-cache-dtype bfloat16): K and V then hold values it represents, so the reference's
+    tolerance stays float32's."""
     torch.manual_seed(seed)
     num_blocks = sum(math.ceil(s / block_size) for s in seq_lens) + 7
     pool = BlockPool(num_blocks - 1, seed=seed)
@@ -77,10 +80,11 @@ def run_case(
 
     for _layer in range(2):
         # Finite garbage everywhere, so padded and stale slots must really be masked.
-        cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+        cached = cache_dtype or dtype
+        cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(cached)
         cache[:, -1] = float("nan")
-        keys = [torch.randn(s, num_kv_heads, head_dim).to(dtype) for s in seq_lens]
-        values = [torch.randn(s, num_kv_heads, head_dim).to(dtype) for s in seq_lens]
+        keys = [torch.randn(s, num_kv_heads, head_dim).to(cached).to(dtype) for s in seq_lens]
+        values = [torch.randn(s, num_kv_heads, head_dim).to(cached).to(dtype) for s in seq_lens]
         for k, v, q_len, s_len, table in zip(
             keys, values, query_lens, seq_lens, tables, strict=False
         ):
@@ -100,8 +104,8 @@ def run_case(
             out = backend.forward(q, new_k, new_v, cache, meta, scale, window, sinks)
 
         flat = cache.view(2, -1, num_kv_heads, head_dim)
-        assert torch.equal(flat[0, meta.slot_mapping], new_k)
-        assert torch.equal(flat[1, meta.slot_mapping], new_v)
+        assert torch.equal(flat[0, meta.slot_mapping], new_k.to(cached))
+        assert torch.equal(flat[1, meta.slot_mapping], new_v.to(cached))
         untouched = torch.ones(flat.shape[1], dtype=torch.bool)
         untouched[meta.slot_mapping] = False
         torch.testing.assert_close(
@@ -356,6 +360,67 @@ def test_long_contexts_attend_in_chunks_with_sinks_and_windows(dtype, window, fo
         sinks=sinks,
         folio_kernels=folio_kernels,
     )
+
+
+@pytest.mark.parametrize("folio_kernels", KERNEL_PATHS)
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
+def test_a_bfloat16_cache_under_float32_rows(window, folio_kernels):
+    """--kv-cache-dtype bfloat16 with float32 activations: the new K/V are written rounded to
+    bfloat16, and every kind of row (decodes, a fresh prefill, extends; GQA, sinks, a window)
+    attends over the cache against the float64 reference, on Folio's kernels and torch's ops."""
+    sinks = (1 + torch.randn(8, generator=torch.Generator().manual_seed(3))).float()
+    for case_sinks in (None, sinks):
+        run_case(
+            **MIXED,
+            num_heads=8,
+            num_kv_heads=2,
+            head_dim=64,
+            block_size=16,
+            window=window,
+            sinks=case_sinks,
+            folio_kernels=folio_kernels,
+            cache_dtype=torch.bfloat16,
+        )
+
+
+@pytest.mark.parametrize("folio_kernels", KERNEL_PATHS[:2])
+def test_a_bfloat16_cache_is_the_float32_kernel_on_its_values(folio_kernels, monkeypatch):
+    """Float32 rows over a bfloat16 cache widen each cached value exactly: their outputs have
+    the bits of the float32 kernel over a float32 cache holding the same values, for decodes
+    (alone, chunked, a verification step's groups) and an extend's tokens, with the new K/V
+    rounded to nearest even as they are written."""
+    if folio_kernels == "avx2":
+        monkeypatch.setenv("FOLIO_CPU_ISA", "avx2")
+    block_size, num_blocks = 16, 300
+    pool = BlockPool(num_blocks, seed=8)
+    torch.manual_seed(9)
+    narrow = torch.randn(2, num_blocks, block_size, 3, 64).bfloat16()
+    wide = narrow.float()
+    ops = torch.ops.folio_cpu_attention
+    seq_lens = [5, 300, 1000, 1001, 1002, 1003, 40]  # 1000..1003: one request's draft rows
+    tables = [pool.grow([], s, block_size) for s in seq_lens[:3]]
+    tables += [tables[2]] * 3 + [pool.grow([], seq_lens[-1], block_size)]
+    decodes = build_metadata([1] * len(seq_lens), seq_lens, tables, block_size)
+    q, k, v = (torch.randn(len(seq_lens), heads, 64) for heads in (9, 3, 3))
+    # The float32 side's new K/V: what the bfloat16 cache keeps of them.
+    k16, v16 = k.bfloat16().float(), v.bfloat16().float()
+    out = ops.paged_decode_attention(q, k, v, narrow, *_tables(decodes), 0.125)
+    expected = ops.paged_decode_attention(q, k16, v16, wide, *_tables(decodes), 0.125)
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
+    assert torch.equal(narrow.float(), wide)  # the same values written, bit for bit
+    extend = build_metadata([4], [seq_lens[1] + 3], [pool.grow(tables[1], 303, block_size)], 16)
+    q, k, v = (torch.randn(4, heads, 64) for heads in (9, 3, 3))
+    args = (extend.slot_mapping, extend.block_tables, extend.query_start_loc, extend.seq_lens)
+    out = ops.paged_attention(q, k, v, narrow, *args, 0.125)
+    expected = ops.paged_attention(
+        q, k.bfloat16().float(), v.bfloat16().float(), wide, *args, 0.125
+    )
+    assert torch.equal(out, expected)
+    assert torch.equal(narrow.float(), wide)
+    with pytest.raises(RuntimeError, match="the cache in their dtype or in bfloat16"):
+        ops.paged_decode_attention(
+            q.bfloat16(), k.bfloat16(), v.bfloat16(), wide, *_tables(extend), 0.125
+        )
 
 
 @pytest.mark.parametrize("folio_kernels", KERNEL_PATHS[:2])
