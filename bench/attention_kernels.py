@@ -1,11 +1,13 @@
 """Microbenchmark of the CPU paged decode attention on the default model's shapes:
 `python -m bench.attention_kernels [--shapes 16x1000,1x4000,5x1000] [--isa native,avx2]
-[--dtype bfloat16] [--layers 30] [--block-size 16] [--repeats 10] [--same-request] [--cached]`.
+[--dtype bfloat16] [--cache-dtype bfloat16] [--layers 30] [--block-size 16] [--repeats 10]
+[--same-request] [--cached]`.
 
 Each shape is ROWSxCONTEXT: decode rows (different requests, unless `--same-request`: a
 verification step's rows, one request's consecutive positions through one table) seeing CONTEXT
 positions of a paged KV cache of SmolLM2-135M's heads (9 query heads, 3 KV heads of 64, blocks of
-16 positions, or --block-size). As in a served decode step, every layer has its own cache and
+16 positions, or --block-size), the cache in --dtype or in --cache-dtype (bfloat16 under float32
+rows: `--kv-cache-dtype bfloat16`). As in a served decode step, every layer has its own cache and
 each request's blocks lie scattered over a pool twice as large as the contexts need, so that a
 pass over all the layers reads their KV from memory, not from cache (with `--cached`, one
 layer's cache called again and again instead: what the kernels' arithmetic alone costs). One
@@ -31,14 +33,22 @@ from engine.kernels.cpu import extension
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
 
-def build(rows: int, context: int, layers: int, dtype: torch.dtype, same_request: bool, block: int):
+def build(
+    rows: int,
+    context: int,
+    layers: int,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    same_request: bool,
+    block: int,
+):
     """(the op's arguments without the cache, the layers' caches, the KV bytes a call reads)."""
     generator = torch.Generator().manual_seed(0)
     longest = context + (rows - 1 if same_request else 0)
     blocks = -(-longest // block)
     requests = 1 if same_request else rows
     pool = 2 * blocks * requests
-    caches = [torch.randn(2, pool, block, KV_HEADS, HEAD_DIM, generator=generator).to(dtype)]
+    caches = [torch.randn(2, pool, block, KV_HEADS, HEAD_DIM, generator=generator).to(cache_dtype)]
     caches += [torch.empty_like(caches[0]).copy_(caches[0]) for _ in range(layers - 1)]
     scattered = torch.randperm(pool, generator=generator)[: blocks * requests]
     tables = scattered.to(torch.int32).view(requests, blocks)
@@ -63,6 +73,9 @@ def main() -> None:
     parser.add_argument("--shapes", default="16x1000,1x4000,5x1000", help="ROWSxCONTEXT, ...")
     parser.add_argument("--isa", default="native,avx2", help="FOLIO_CPU_ISA values to alternate")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument(
+        "--cache-dtype", default=None, choices=["bfloat16", "float32"], help="default: --dtype"
+    )
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--block-size", type=int, default=16, help="positions a KV block holds")
     parser.add_argument("--repeats", type=int, default=10, help="passes per shape and ISA")
@@ -84,10 +97,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     decode = torch.ops.folio_cpu_attention.paged_decode_attention
     dtype = getattr(torch, args.dtype)
+    cache_dtype = getattr(torch, args.cache_dtype or args.dtype)
     isas = args.isa.split(",")
     before = os.environ.get("FOLIO_CPU_ISA")
     print(
-        f"paged decode attention, {args.dtype}, {HEADS} heads / {KV_HEADS} KV heads of "
+        f"paged decode attention, {args.dtype} rows, a {args.cache_dtype or args.dtype} cache, "
+        f"{HEADS} heads / {KV_HEADS} KV heads of "
         f"{HEAD_DIM}, blocks of {args.block_size}, {args.layers} layers "
         f"{'(one cache, cached)' if args.cached else '(scattered blocks, KV from memory)'}, "
         f"{torch.get_num_threads()} threads, CPU {torch.backends.cpu.get_cpu_capability()}"
@@ -95,7 +110,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         rows, context = (int(x) for x in shape.split("x"))
         (q, k, v, slots, tables, lengths), caches, read = build(
-            rows, context, args.layers, dtype, args.same_request, args.block_size
+            rows, context, args.layers, dtype, cache_dtype, args.same_request, args.block_size
         )
         calls = [caches[0]] * args.layers if args.cached else caches
         times: dict[str, list[float]] = {isa: [] for isa in isas}
