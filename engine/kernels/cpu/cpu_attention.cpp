@@ -153,29 +153,6 @@ inline float sink_of(const Layout& l, int64_t h) {
   return l.sinks == nullptr ? -std::numeric_limits<float>::infinity() : l.sinks[h];
 }
 
-// to[0 .. n) = from[0 .. n), in the cache's type C (bfloat16 from float32: rounded to nearest
-// even).
-template <typename T, typename C>
-inline void copy_values(const T* from, int64_t n, C* to) {
-  if constexpr (std::is_same_v<T, C>) {
-    std::memcpy(to, from, n * sizeof(T));
-  } else {
-    for (int64_t i = 0; i < n; ++i) to[i] = C(from[i]);
-  }
-}
-
-// Writes K and V of `rows` tokens into their slots.
-template <typename T, typename C>
-void write_new_tokens(const Layout& l, const T* k, const T* v, const int64_t* slots, int64_t rows,
-                      C* cache) {
-  const int64_t token_values = l.kv_heads * l.head_dim;
-  for (int64_t b = 0; b < rows; ++b) {
-    C* key = cache + slots[b] * token_values;
-    copy_values(k + b * l.k_row, token_values, key);
-    copy_values(v + b * l.v_row, token_values, key + l.value_offset);
-  }
-}
-
 // Calls visit(t, row) for t < length, row pointing at position t's K (or V, from
 // cache + value_offset) of KV head kv, a block of the table at a time.
 template <typename T, typename Visit>
@@ -220,8 +197,26 @@ inline void to_floats(const bf16* from, int64_t n, float* to) {
 inline void from_floats(const float* from, int64_t n, float* to) {
   std::memcpy(to, from, n * sizeof(float));
 }
+// n a multiple of 8 (head_dim is), each rounded to nearest even as c10::BFloat16 rounds.
 inline void from_floats(const float* from, int64_t n, bf16* to) {
-  for (int64_t i = 0; i < n; ++i) to[i] = bf16(from[i]);  // round to nearest even
+  for (int64_t i = 0; i < n; i += 8) folio::store8_bf16(to + i, _mm256_loadu_ps(from + i));
+}
+
+// Writes K and V of `rows` tokens into their slots.
+template <typename T, typename C>
+void write_new_tokens(const Layout& l, const T* k, const T* v, const int64_t* slots, int64_t rows,
+                      C* cache) {
+  const int64_t token_values = l.kv_heads * l.head_dim;
+  for (int64_t b = 0; b < rows; ++b) {
+    C* key = cache + slots[b] * token_values;
+    if constexpr (std::is_same_v<T, C>) {
+      std::memcpy(key, k + b * l.k_row, token_values * sizeof(T));
+      std::memcpy(key + l.value_offset, v + b * l.v_row, token_values * sizeof(T));
+    } else {  // float32 rows into a bfloat16 cache
+      from_floats(k + b * l.k_row, token_values, key);
+      from_floats(v + b * l.v_row, token_values, key + l.value_offset);
+    }
+  }
 }
 
 // Asks for `bytes` bytes at each of `count` rows `stride` values apart to be loaded into the
