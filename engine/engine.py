@@ -252,6 +252,11 @@ class LLMEngine:
         """The weights' and activations' dtype, e.g. "float32" ("simulated" without a model)."""
         return self.executor.dtype_name
 
+    @property
+    def kv_cache_dtype_name(self) -> str:
+        """The KV pool's dtype, e.g. "bfloat16"."""
+        return self.executor.kv_cache_dtype_name
+
     def stats(self) -> EngineStats:
         stats = self.scheduler.stats()
         if self.drafter is not None:

@@ -78,6 +78,11 @@ class Executor(Protocol):
         """The weights' and activations' dtype as the engine reports it, e.g. "float32"."""
         ...
 
+    @property
+    def kv_cache_dtype_name(self) -> str:
+        """The KV pool's dtype, e.g. "bfloat16" (--kv-cache-dtype)."""
+        ...
+
     def validate_params(self, params: SamplingParams, vocab_size: int) -> None:
         """ValueError naming the first parameter this executor cannot serve."""
         ...

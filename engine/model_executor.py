@@ -224,6 +224,10 @@ class ModelExecutor:
     def dtype_name(self) -> str:
         return str(self.runner.dtype).removeprefix("torch.")
 
+    @property
+    def kv_cache_dtype_name(self) -> str:
+        return str(self.runner.kv_dtype).removeprefix("torch.")
+
     def validate_params(self, params: SamplingParams, vocab_size: int) -> None:
         validate_sampling_params(params, vocab_size)
 

@@ -48,6 +48,7 @@ class SimulatedExecutor:
     and samples the placeholder token on every row."""
 
     dtype_name = "simulated"
+    kv_cache_dtype_name = "bfloat16"  # the engine it stands for (kv_block_bytes)
     lora_backend: LoraBackend | None = None  # no model, no adapters
     draft_proposer: DraftProposer | None = None  # no model, no draft model
     max_invariant_rows: int | None = None  # no arithmetic to keep the same

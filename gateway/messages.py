@@ -45,6 +45,7 @@ class EngineStats:
     num_steps: int = 0
     step_seconds: dict[str, float] = field(default_factory=dict)  # by step phase
     block_size: int = 0
+    kv_cache_dtype: str = ""
     # What a new request would wait for there (one replica's answer; not summed).
     queued_prefill_tokens: int = 0
     prefill_token_seconds: float = 0.0

@@ -83,6 +83,7 @@ def engine_stats(stats: engine_pb2.GetStatsResponse) -> EngineStats:
         num_steps=stats.num_steps,
         step_seconds=dict(stats.step_seconds),
         block_size=stats.block_size,
+        kv_cache_dtype=stats.kv_cache_dtype,
         queued_prefill_tokens=stats.queued_prefill_tokens,
         prefill_token_seconds=stats.prefill_token_seconds,
         decode_step_seconds=stats.decode_step_seconds,

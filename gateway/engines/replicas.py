@@ -235,7 +235,9 @@ class EnginePool:
             total.num_running += answer.num_running
             total.num_waiting += answer.num_waiting
             total.num_kv_blocks += answer.num_kv_blocks
-            total.block_size = answer.block_size  # the replicas of one gateway share it
+            # The replicas of one gateway share their pools' layout.
+            total.block_size = answer.block_size
+            total.kv_cache_dtype = answer.kv_cache_dtype
             usage_blocks += answer.kv_cache_usage * answer.num_kv_blocks
             total.prefix_cache_queries += answer.prefix_cache_queries
             total.prefix_cache_hits += answer.prefix_cache_hits

@@ -38,9 +38,9 @@ def vllm_families(stats: EngineStats) -> Iterator[Metric]:
     config = GaugeMetricFamily(
         "vllm:cache_config_info",
         "The KV cache's configuration in its labels (vLLM name).",
-        labels=["block_size", "num_gpu_blocks"],
+        labels=["block_size", "cache_dtype", "num_gpu_blocks"],
     )
-    config.add_metric([str(stats.block_size), str(stats.num_kv_blocks)], 1.0)
+    config.add_metric([str(stats.block_size), stats.kv_cache_dtype, str(stats.num_kv_blocks)], 1.0)
     yield config
     # Speculative decoding (engine/spec_decode), summed over the engines.
     for name, text, value in (

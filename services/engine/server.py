@@ -137,6 +137,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             generate_socket_port=(
                 self._service.generate_socket.port if self._service.generate_socket else 0
             ),
+            kv_cache_dtype=llm.kv_cache_dtype_name,
         )
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
@@ -149,6 +150,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             kv_cache_usage=stats.kv_cache_usage,
             num_kv_blocks=stats.num_kv_blocks,
             block_size=running.engine.config.block_size,
+            kv_cache_dtype=running.engine.kv_cache_dtype_name,
             prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prefix_cache_hits,
             num_preemptions=stats.num_preemptions,

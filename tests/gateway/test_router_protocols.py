@@ -113,6 +113,7 @@ def test_vllm_named_series_pool_the_replicas_that_folio_series_detail(two_replic
     [config] = idle["vllm:cache_config_info"]
     assert config.labels == {
         "block_size": str(BLOCK_SIZE),
+        "cache_dtype": "bfloat16",  # the engine the simulated one stands for
         "num_gpu_blocks": str(sum(POOL_BLOCKS)),
     }
     assert config.value == 1

@@ -282,12 +282,13 @@ def test_model_info(server, stub, model_dir):
     assert (info.model, info.model_path) == (model_dir.name, str(model_dir))
     assert (info.vocab_size, info.max_model_len) == (160, 4096)
     assert list(info.eos_token_ids) == sorted(llm.eos_token_ids)
-    assert (info.dtype, info.device, info.block_size, info.num_kv_blocks) == (
+    assert (info.dtype, info.kv_cache_dtype, info.device, info.block_size) == (
+        "float32",
         "float32",
         "cpu",
         4,
-        1024,
     )
+    assert info.num_kv_blocks == 1024
 
 
 def test_health_and_reflection(server):

@@ -65,6 +65,7 @@ def test_a_bfloat16_pool_holds_twice_the_tokens_and_scores_prompts_as_transforme
     assert {slot.dtype for slot in wide.executor.runner.kv_slots} == {torch.float32}
     assert narrow.executor.num_blocks == 2 * wide.executor.num_blocks
     assert narrow.executor.kv_block_bytes * 2 == wide.executor.kv_block_bytes
+    assert (narrow.kv_cache_dtype_name, wide.kv_cache_dtype_name) == ("bfloat16", "float32")
 
     ids = prompt(30, 1)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
