@@ -36,6 +36,7 @@ from gateway.batch.protocol import (
     LineError,
     OutputLine,
 )
+from gateway.json_lines import one_line
 
 DATABASE_NAME = "batches.sqlite3"
 # The statuses of a job some process still has to carry on.
@@ -467,7 +468,7 @@ class BatchStore:
                     batch.request_counts.failed += 1
             for lines, attribute in ((outputs, "output_file_id"), (errors, "error_file_id")):
                 if lines:
-                    content = "".join(line + "\n" for line in lines).encode()
+                    content = b"".join(one_line(line.encode()) + b"\n" for line in lines)
                     name = f"{batch_id}_{attribute.split('_')[0]}.jsonl"
                     file = self._add_file(db, owner, name, OUTPUT_PURPOSE, content)
                     setattr(batch, attribute, file.id)

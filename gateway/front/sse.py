@@ -14,15 +14,17 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from gateway.json_lines import one_line
+
 DONE = b"data: [DONE]\n\n"
 
 
 def event(body: BaseModel) -> bytes:
-    return b"data: " + body.model_dump_json().encode() + b"\n\n"
+    return b"data: " + one_line(body.model_dump_json().encode()) + b"\n\n"
 
 
 def named_event(name: str, body: BaseModel) -> bytes:
-    return f"event: {name}\ndata: ".encode() + body.model_dump_json().encode() + b"\n\n"
+    return f"event: {name}\ndata: ".encode() + one_line(body.model_dump_json().encode()) + b"\n\n"
 
 
 class EventStreamResponse(StreamingResponse):

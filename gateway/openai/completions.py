@@ -22,6 +22,7 @@ from common.sampling_params import SamplingParams
 from gateway.engines.pinning import set_pin
 from gateway.front.http_errors import error_body, log_failure
 from gateway.front.sse import DONE, event
+from gateway.json_lines import one_line
 from gateway.messages import ChatTurn, Tokenized
 from gateway.openai import protocol as api
 from gateway.openai.reasoning.grammar import after_reasoning
@@ -481,7 +482,7 @@ class _TextEvents:
         parts = self._parts[index]
         if parts is None:
             return self._make(index, text)
-        return parts[0] + pydantic_core.to_json(text) + parts[1]
+        return parts[0] + one_line(pydantic_core.to_json(text)) + parts[1]
 
 
 async def respond(

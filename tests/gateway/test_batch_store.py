@@ -1,10 +1,12 @@
 """The batch store's leases, as several gateway processes (workers, a restarted gateway) meet
 them on one database: one holder runs a job at a time; a line is started and answered under the
 lease only; a lease that ran out, or whose holder's process died, passes to another holder, its
-running lines waiting again and its late answers refused."""
+running lines waiting again and its late answers refused. The files it writes are JSON Lines any
+line reader splits right."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import subprocess
 import time
@@ -38,8 +40,8 @@ def new_job(store: BatchStore) -> str:
     return batch.id
 
 
-def answer(line: int) -> OutputLine:
-    response = LineResponse(status_code=200, request_id=f"req_{line}", body={})
+def answer(line: int, body: dict | None = None) -> OutputLine:
+    response = LineResponse(status_code=200, request_id=f"req_{line}", body=body or {})
     return OutputLine(id=f"batch_req_{line}", custom_id=f"c{line}", response=response)
 
 
@@ -111,3 +113,16 @@ def test_a_released_job_is_claimed_again_where_it_was(store):
     assert store.file_content(OWNER, done.error_file_id).count(b"\n") == 1
     assert store.file_content("someone-else", done.output_file_id) is None
     assert store.claim(first) is None  # nothing left to run
+
+
+def test_an_output_file_is_one_line_an_answer_to_any_line_reader(store):
+    # U+0085, U+2028 and U+2029 end lines for str.splitlines (JSON leaves them as they are).
+    text = "a\x85b\u2028c\u2029d"
+    holder = Holder()
+    batch_id = start_job(store, holder, 2)
+    for line in (1, 2):
+        assert store.start_line(batch_id, holder, line)
+        store.finish_line(batch_id, holder, line, True, answer(line, {"text": text * line}))
+    done = store.finish(batch_id, holder, "completed", None)
+    lines = store.file_content(OWNER, done.output_file_id).decode().splitlines()
+    assert [json.loads(line)["response"]["body"]["text"] for line in lines] == [text, text * 2]

@@ -1,7 +1,9 @@
 """Streamed events that carry only text are spliced from a per-choice template
 (gateway/openai/completions.py `_TextEvents`): they must be byte for byte what serializing the whole
 event gives, whatever the text (quotes, escapes, control characters, non-ASCII, the placeholder
-itself), for chat and text completions, and events with more than text still come whole."""
+itself), for chat and text completions, and events with more than text still come whole. Every
+event is one line to readers that break lines where `str.splitlines` does (httpx's `aiter_lines`):
+the line separators JSON leaves as they are come escaped."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from collections.abc import AsyncGenerator
 import pytest
 
 from common.sampling_params import SamplingParams
-from gateway.front.sse import DONE, event
+from gateway.front.sse import DONE, event, named_event
 from gateway.openai import protocol as api
 from gateway.openai.completions import Plan, _TextEvents, events
 from gateway.pipeline.text import TextDelta, TextRequest, Usage
@@ -25,7 +27,7 @@ TEXTS = [
     "line\nbreak\ttab\r",
     "\x00\x01\x1f\x7f",
     "é中文🙂",
-    "\u2028\u2029",
+    "\u2028\u2029\x85",
     "</script>",
     "\ufffd",
     _TextEvents._SLOT,
@@ -137,3 +139,31 @@ def test_streamed_events_are_the_whole_events(chat):
     usage_event = json.loads(got[len(want)].removeprefix(b"data: "))
     assert usage_event["choices"] == [] and usage_event["usage"]["completion_tokens"] == 8
     assert got[len(want) + 1 :] == [DONE]
+
+
+# Characters str.splitlines breaks lines at that JSON need not escape (U+000B, U+000C and
+# U+001C-U+001E are control characters JSON escapes anyway).
+LINE_SEPARATORS = "a\x85b\u2028c\u2029d\x0be\x1cf"
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_every_event_is_one_line_to_a_line_reader(chat):
+    texts = [LINE_SEPARATORS, "\u2028", "x\x85"]
+    items = [(0, TextDelta(t)) for t in texts]
+    items += [(0, TextDelta(LINE_SEPARATORS, finish_reason="length", usage=Usage(2, 4)))]
+    got = _run(_plan(chat), items)
+    lines = [line for line in b"".join(got).decode().splitlines() if line]
+    assert len(lines) == len(got)  # each event one data line, whole
+    read = []
+    # Past the chat's opening event, before the usage event and [DONE].
+    for line in lines[1:-2] if chat else lines[:-2]:
+        choice = json.loads(line.removeprefix("data: "))["choices"][0]
+        read.append(choice["delta"]["content"] if chat else choice["text"])
+    assert read == [*texts, LINE_SEPARATORS]
+
+
+def test_a_named_event_is_one_line_to_a_line_reader():
+    body = api.CompletionChoice(index=0, text=LINE_SEPARATORS)
+    lines = named_event("message_delta", body).decode().splitlines()
+    assert lines[0] == "event: message_delta" and lines[2:] == [""]
+    assert json.loads(lines[1].removeprefix("data: "))["text"] == LINE_SEPARATORS
