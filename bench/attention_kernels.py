@@ -1,16 +1,17 @@
 """Microbenchmark of the CPU paged decode attention on the default model's shapes:
 `python -m bench.attention_kernels [--shapes 16x1000,1x4000,5x1000] [--isa native,avx2]
-[--dtype bfloat16] [--cache-dtype bfloat16] [--layers 30] [--block-size 16] [--repeats 10]
-[--same-request] [--cached]`.
+[--dtype bfloat16] [--cache-dtype bfloat16|float8_e4m3fn|float8_e5m2] [--layers 30]
+[--block-size 16] [--repeats 10] [--same-request] [--cached]`.
 
 Each shape is ROWSxCONTEXT: decode rows (different requests, unless `--same-request`: a
 verification step's rows, one request's consecutive positions through one table) seeing CONTEXT
 positions of a paged KV cache of SmolLM2-135M's heads (9 query heads, 3 KV heads of 64, blocks of
 16 positions, or --block-size), the cache in --dtype or in --cache-dtype (bfloat16 under float32
-rows: `--kv-cache-dtype bfloat16`). As in a served decode step, every layer has its own cache and
-each request's blocks lie scattered over a pool twice as large as the contexts need, so that a
-pass over all the layers reads their KV from memory, not from cache (with `--cached`, one
-layer's cache called again and again instead: what the kernels' arithmetic alone costs). One
+rows: `--kv-cache-dtype bfloat16`; float8_e4m3fn or float8_e5m2 under either: fp8, fp8_e5m2).
+As in a served decode step, every layer has its own cache and each request's blocks lie
+scattered over a pool twice as large as the contexts need, so that a pass over all the layers
+reads their KV from memory, not from cache (with `--cached`, one layer's cache called again and
+again instead: what the kernels' arithmetic alone costs). One
 pass calls torch.ops.folio_cpu_attention.paged_decode_attention once per layer; it prints the
 median and fastest microseconds per layer call, and the KV bytes per second at the median (each
 request's positions counted once). With several `--isa` values (FOLIO_CPU_ISA, which the
@@ -74,7 +75,10 @@ def main() -> None:
     parser.add_argument("--isa", default="native,avx2", help="FOLIO_CPU_ISA values to alternate")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument(
-        "--cache-dtype", default=None, choices=["bfloat16", "float32"], help="default: --dtype"
+        "--cache-dtype",
+        default=None,
+        choices=["bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"],
+        help="default: --dtype",
     )
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--block-size", type=int, default=16, help="positions a KV block holds")

@@ -1,7 +1,8 @@
 """Perplexity of a model served by the offline engine on a text, window by window: how much
 accuracy a setting (a quantization, a dtype) costs, measured rather than assumed.
 
-`python -m bench.perplexity [--quantization int8|int4] [--dtype D] [--scheme S] [FILE]` prints
+`python -m bench.perplexity [--quantization int8|int4] [--dtype D] [--kv-cache-dtype K]
+[--scheme S] [FILE]` prints
 the token count and perplexity; tests call `perplexity` directly. `--scheme llama.cpp` scores as
 llama.cpp's `llama-perplexity -c 512` does, so the two can be compared on the same file. Measures
 only: never changes a model.
@@ -14,6 +15,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from common.config import KV_CACHE_DTYPES
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
 
@@ -67,6 +69,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default=None, choices=("int8", "int4"))
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument(
         "--scheme",
         default="windows",
@@ -74,13 +77,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="windows: every token in windows of 512; llama.cpp: llama-perplexity -c 512's",
     )
     args = parser.parse_args(argv)
-    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     ids = llm.tokenizer.encode(args.file.read_text())
     score = llama_cpp_token_logprobs if args.scheme == "llama.cpp" else token_logprobs
     scores = score(llm, ids)
     print(
         f"{args.file.name}: {len(ids)} tokens, {len(scores)} scored ({args.scheme}), "
-        f"quantization={args.quantization}, perplexity {perplexity(scores):.4f}"
+        f"quantization={args.quantization}, kv_cache_dtype={args.kv_cache_dtype}, "
+        f"perplexity {perplexity(scores):.4f}"
     )
 
 

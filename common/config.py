@@ -25,7 +25,8 @@ from common.speculative import SpeculativeConfig
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "bfloat16")
+# vLLM's names; fp8 is e4m3 (e4m3fn: no infinities), as in vLLM, with no scale (vLLM's 1.0).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 DECODE_COMPILE = ("auto", "startup", "background")
 KV_OFFLOAD_FORMATS = ("auto", "int8", "native")
 QUANTIZATIONS = ("int8", "int4")
@@ -104,7 +105,9 @@ class EngineConfig:
         "the KV cache's dtype; auto = the activations' (--dtype); bfloat16 under float32 "
         "activations (CPU only) halves the pool's bytes a token (twice the tokens in "
         "--kv-cache-memory-bytes, half the bytes a decode step's attention reads), its K and V "
-        "rounded to bfloat16 (docs/kv_tiers.md)",
+        "rounded to bfloat16; fp8 (= fp8_e4m3) or fp8_e5m2 (CPU only) a quarter of float32's "
+        "bytes, K and V rounded to 8-bit floats, saturating at their largest finite value "
+        "(docs/kv_tiers.md)",
         choices=KV_CACHE_DTYPES,
     )
     num_kv_blocks: int | None = flag(

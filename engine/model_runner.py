@@ -45,6 +45,13 @@ from engine.pooler import Pooler, PoolSlice
 from engine.spec_decode.verify import sampled_rows, verifies_only, write_drafts
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --kv-cache-dtype's names beyond the activations' (common.config.KV_CACHE_DTYPES).
+_KV_DTYPES = {
+    **_DTYPES,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 
 
 def resolve_dtype(
@@ -71,17 +78,18 @@ def resolve_dtype(
 
 def resolve_kv_dtype(name: str, dtype: torch.dtype, device: str | torch.device) -> torch.dtype:
     """--kv-cache-dtype against the activations' `dtype`: "auto" is theirs; a narrower cache
-    under float32 activations runs on the CPU, whose attention (Folio's kernels, or torch's ops)
-    widens the cached values as it reads them; the Triton kernels read the cache in the
-    activations' dtype, so a GPU takes only that."""
+    (bfloat16 under float32 activations, an 8-bit float under either) runs on the CPU, whose
+    attention (Folio's kernels, or torch's ops) widens the cached values as it reads them; the
+    Triton kernels read the cache in the activations' dtype, so a GPU takes only that."""
     if name == "auto":
         return dtype
-    kv_dtype = _DTYPES[name]
+    kv_dtype = _KV_DTYPES[name]
     if kv_dtype != dtype and torch.device(device).type != "cpu":
+        instead = "" if name.startswith("fp8") else f", or dtype {name}"
         raise ValueError(
             f"kv_cache_dtype {name} under {str(dtype).removeprefix('torch.')} activations runs "
             f"on the CPU only (the GPU's attention reads the cache in the activations' dtype); "
-            f"use kv_cache_dtype auto on {device}, or dtype {name}"
+            f"use kv_cache_dtype auto on {device}{instead}"
         )
     return kv_dtype
 

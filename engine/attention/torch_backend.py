@@ -12,8 +12,9 @@ request at a time through scaled_dot_product_attention. A sliding window (a laye
 only the blocks that hold a token's last `window` positions and masks the rest. Attention sinks
 (gpt-oss) go to Folio's kernel as they are; in plain torch each sink is one more logit in its
 head's softmax (one more key, of zero value, for scaled_dot_product_attention). A cache in
-bfloat16 under float32 activations (--kv-cache-dtype) goes to the kernel as it is; plain torch
-converts what it gathers, and the new K/V as the cache keeps them. It must never
+bfloat16 under float32 activations, or in an 8-bit float under either (--kv-cache-dtype), goes to
+the kernel as it is; plain torch converts what it gathers, and the new K/V as the cache keeps them
+(to_cache_dtype: the kernel's rounding and saturation). It must never
 keep per-request K/V between steps; the gather workspace is scratch, overwritten every layer.
 """
 
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.kv_dtype import copyable, to_cache_dtype
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu.capabilities import cpu_capabilities
 
@@ -111,10 +113,10 @@ class TorchAttentionBackend(AttentionBackend):
                 sinks,
             )
 
-        cached_k, cached_v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
-        slots = kv_cache.view(2, -1, k.shape[1], head_dim)
-        slots[0].index_copy_(0, meta.slot_mapping, cached_k)
-        slots[1].index_copy_(0, meta.slot_mapping, cached_v)
+        cached_k, cached_v = to_cache_dtype(k, kv_cache.dtype), to_cache_dtype(v, kv_cache.dtype)
+        slots = copyable(kv_cache.view(2, -1, k.shape[1], head_dim))
+        slots[0].index_copy_(0, meta.slot_mapping, copyable(cached_k))
+        slots[1].index_copy_(0, meta.slot_mapping, copyable(cached_v))
         if kv_cache.dtype != k.dtype:
             # A cache narrower than the activations (--kv-cache-dtype): the new tokens attend
             # to the values it keeps of them, as every later token does.

@@ -19,11 +19,21 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention.kv_dtype import copyable
+
 FORMATS = ("auto", "int8", "native")
 
 
-def resolve_format(fmt: str, device: torch.device) -> str:
-    """auto: int8 on the CPU, native (pinned host memory) on a GPU."""
+def resolve_format(fmt: str, device: torch.device, dtype: torch.dtype) -> str:
+    """auto: int8 on the CPU, native (pinned host memory) on a GPU; native for a pool of one
+    byte a value (--kv-cache-dtype fp8*), which int8 would only make lossier."""
+    if dtype.itemsize == 1:
+        if fmt == "int8":
+            raise ValueError(
+                f"kv_offload_format int8 over a {str(dtype).removeprefix('torch.')} KV pool "
+                "(one byte a value already): use kv_offload_format native or auto"
+            )
+        return "native"
     if fmt == "auto":
         return "int8" if device.type == "cpu" else "native"
     return fmt
@@ -81,7 +91,7 @@ class HostTier:
             self.data.index_copy_(2, slots, q.view(blocks.shape))
             self.scales.index_copy_(2, slots, scales)
         else:
-            self.data.index_copy_(2, slots, blocks.to(self.dtype))
+            copyable(self.data).index_copy_(2, slots, copyable(blocks.to(self.dtype)))
 
     def fetch(self, slots: torch.Tensor) -> torch.Tensor:
         """The blocks of `slots`, [layers, 2, n, block_size, heads, head_dim], in the pool's

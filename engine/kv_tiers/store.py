@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from common.config import EngineConfig
+from engine.attention.kv_dtype import copyable
 from engine.core.kv_cache_manager import KVGroups
 from engine.kv_tiers import ranks
 from engine.kv_tiers.book import TierBook, TierTransfers, key_hash
@@ -268,7 +269,7 @@ class KVTierStore:
         dtype, device = kv_slots[0].dtype, kv_slots[0].device
         host = None
         if config.kv_offload_gib:
-            fmt = resolve_format(config.kv_offload_format, device)
+            fmt = resolve_format(config.kv_offload_format, device, dtype)
             per_block = bytes_per_block(shape, dtype, fmt) * tp_size
             num_slots = int(config.kv_offload_gib * GIB) // per_block
             if num_slots < 1:
@@ -366,7 +367,7 @@ class KVTierStore:
         index = torch.tensor(blocks, device=self.device)
         data = data.to(self.device, non_blocking=True)
         for layer, kv in enumerate(self.kv_slots):
-            kv.index_copy_(1, index, data[layer])
+            copyable(kv).index_copy_(1, index, copyable(data[layer]))
 
     def apply(self, transfers: TierTransfers) -> None:
         """The step's saves, then its loads (a block evicted this step may be loaded into);

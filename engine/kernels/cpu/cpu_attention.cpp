@@ -2,9 +2,12 @@
 // a layer's work for a step. It writes each new token's K and V into its cache slot, then
 // attends each token to its context up to itself. q, k, v and the cache are float32 or bfloat16
 // (all the same), or the cache bfloat16 under float32 q, k and v (--kv-cache-dtype bfloat16: new
-// K and V rounded to nearest even as they are written, half float32's bytes read); the
-// arithmetic is float32, bfloat16 values widened exactly as they are loaded and a bfloat16
-// output rounded to nearest even once at the end.
+// K and V rounded to nearest even as they are written, half float32's bytes read), or an 8-bit
+// float cache (fp8 e4m3 or e5m2, --kv-cache-dtype fp8*) under either (new K and V rounded to
+// nearest even, saturating at the format's largest finite value, a quarter of float32's bytes
+// read); the arithmetic is float32, narrower values widened exactly as they are loaded (an fp8
+// value through float16's converter: e5m2 is float16's upper byte, e4m3 one after a shift and a
+// power of two) and a bfloat16 output rounded to nearest even once at the end.
 //
 // - paged_decode_attention: one query token a request (a decode-only step). A row's query heads
 //   are scored against the cached keys, read through the block table a block at a time with
@@ -43,6 +46,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -59,6 +64,33 @@ namespace {
 using folio::horizontal_sum;
 
 using bf16 = c10::BFloat16;
+using e4m3 = c10::Float8_e4m3fn;
+using e5m2 = c10::Float8_e5m2;
+
+// The 8-bit float caches' sixteen (eight) codes, their bytes, as float16 bits: e5m2 is float16's
+// upper byte; e4m3's exponent and mantissa go under float16's (bias 15 for 7: the value times
+// 2^-8, subnormals included, undone by fp8_scale after widening): the code sign-extended and
+// shifted by 7 puts its sign at bit 15 and its other bits at 13 .. 7, and a copy of the sign at
+// bit 14, which the mask clears.
+inline __m256i half_bits(__m128i codes, e5m2) {
+  return _mm256_slli_epi16(_mm256_cvtepu8_epi16(codes), 8);
+}
+inline __m256i half_bits(__m128i codes, e4m3) {
+  const __m256i shifted = _mm256_slli_epi16(_mm256_cvtepi8_epi16(codes), 7);
+  return _mm256_and_si256(shifted, _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+}
+inline __m128i half_bits8(__m128i codes, e5m2) {
+  return _mm_slli_epi16(_mm_cvtepu8_epi16(codes), 8);
+}
+inline __m128i half_bits8(__m128i codes, e4m3) {
+  const __m128i shifted = _mm_slli_epi16(_mm_cvtepi8_epi16(codes), 7);
+  return _mm_and_si128(shifted, _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
+}
+// What a widened code is multiplied by: 1 for e5m2, 2^8 for e4m3.
+constexpr float fp8_scale(e5m2) { return 1.0f; }
+constexpr float fp8_scale(e4m3) { return 256.0f; }
+template <typename C>
+constexpr bool kFp8 = std::is_same_v<C, e4m3> || std::is_same_v<C, e5m2>;
 
 // Below this many (context position x query head) scores a call stays on the calling thread.
 constexpr int64_t kParallelScores = 4096;
@@ -201,6 +233,14 @@ inline void from_floats(const float* from, int64_t n, float* to) {
 inline void from_floats(const float* from, int64_t n, bf16* to) {
   for (int64_t i = 0; i < n; i += 8) folio::store8_bf16(to + i, _mm256_loadu_ps(from + i));
 }
+// Into an 8-bit float cache: c10's rounding (to nearest even), values past the format's largest
+// finite one saturating to it (c10 gives e5m2 infinity there; e4m3 saturates by itself).
+template <typename T, typename C, std::enable_if_t<kFp8<C>, int> = 0>
+inline void from_floats(const T* from, int64_t n, C* to) {
+  const float largest = static_cast<float>(std::numeric_limits<C>::max());
+  for (int64_t i = 0; i < n; ++i)
+    to[i] = C(std::clamp(static_cast<float>(from[i]), -largest, largest));
+}
 
 // Writes K and V of `rows` tokens into their slots.
 template <typename T, typename C>
@@ -212,7 +252,7 @@ void write_new_tokens(const Layout& l, const T* k, const T* v, const int64_t* sl
     if constexpr (std::is_same_v<T, C>) {
       std::memcpy(key, k + b * l.k_row, token_values * sizeof(T));
       std::memcpy(key + l.value_offset, v + b * l.v_row, token_values * sizeof(T));
-    } else {  // float32 rows into a bfloat16 cache
+    } else {  // float32 rows into a bfloat16 cache, or any rows into an fp8 one
       from_floats(k + b * l.k_row, token_values, key);
       from_floats(v + b * l.v_row, token_values, key + l.value_offset);
     }
@@ -250,6 +290,12 @@ inline Vec load(const bf16* p) {  // sixteen bfloat16 values: the upper halves o
   const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
 }
+template <typename C, std::enable_if_t<kFp8<C>, int> = 0>
+inline Vec load(const C* p) {  // sixteen 8-bit floats
+  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const Vec v = _mm512_cvtph_ps(half_bits(codes, C{}));
+  return fp8_scale(C{}) == 1.0f ? v : _mm512_mul_ps(v, _mm512_set1_ps(fp8_scale(C{})));
+}
 inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 // v's upper eight lanes added to its lower eight.
 inline __m256 fold(Vec v) {
@@ -278,6 +324,12 @@ inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec broadcast(float v) { return _mm256_set1_ps(v); }
 inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec load(const bf16* p) { return folio::load8_bf16(p); }
+template <typename C, std::enable_if_t<kFp8<C>, int> = 0>
+inline Vec load(const C* p) {  // eight 8-bit floats
+  const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const Vec v = _mm256_cvtph_ps(half_bits8(codes, C{}));
+  return fp8_scale(C{}) == 1.0f ? v : _mm256_mul_ps(v, _mm256_set1_ps(fp8_scale(C{})));
+}
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline float sum(Vec v) { return horizontal_sum(v); }
 inline __m256 sum_8(const Vec v[8]) { return folio::sum_each(v); }
@@ -621,10 +673,12 @@ Layout check_layout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const at::ScalarType dtype = q.scalar_type();
   const at::ScalarType cache = kv_cache.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k.scalar_type() == dtype &&
-                  v.scalar_type() == dtype && (cache == dtype || cache == at::kBFloat16),
+                  v.scalar_type() == dtype &&
+                  (cache == dtype || cache == at::kBFloat16 || cache == at::kFloat8_e4m3fn ||
+                   cache == at::kFloat8_e5m2),
               "paged attention runs on float32 or bfloat16, the same for q, k and v, the cache in "
-              "their dtype or in bfloat16; got q ", dtype, ", k ", k.scalar_type(), ", v ",
-              v.scalar_type(), ", the cache ", cache);
+              "their dtype, in bfloat16 or in float8 (e4m3fn, e5m2); got q ", dtype, ", k ",
+              k.scalar_type(), ", v ", v.scalar_type(), ", the cache ", cache);
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && kv_cache.dim() == 5,
               "q, k, v must be [rows, heads, head_dim], the cache 5-dimensional");
   const int64_t rows = q.size(0), d = q.size(2);
@@ -676,7 +730,17 @@ at::Tensor attach_sinks(Layout& l, const at::Tensor& q, const std::optional<at::
 // f(T{}, C{}) with T the rows' type (float or bf16) and C the cache's, as check_layout allows.
 template <typename F>
 void with_types(const at::Tensor& rows, const at::Tensor& kv_cache, const F& f) {
-  if (rows.scalar_type() == at::kBFloat16)
+  const auto with_rows = [&](auto cached) {
+    if (rows.scalar_type() == at::kBFloat16)
+      f(bf16{}, cached);
+    else
+      f(float{}, cached);
+  };
+  if (kv_cache.scalar_type() == at::kFloat8_e4m3fn)
+    with_rows(e4m3{});
+  else if (kv_cache.scalar_type() == at::kFloat8_e5m2)
+    with_rows(e5m2{});
+  else if (rows.scalar_type() == at::kBFloat16)
     f(bf16{}, bf16{});
   else if (kv_cache.scalar_type() == at::kBFloat16)
     f(float{}, bf16{});
@@ -780,7 +844,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
               "query_start_loc must run from 0 to the number of query tokens");
   // Prefill blocks pack a request's whole context: with a window, each token reads only its
   // own part of it instead.
-  const bool blocks = q.scalar_type() == at::kBFloat16 && folio::cpu_has_avx512_bf16() &&
+  const bool blocks = q.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16 &&
+                      folio::cpu_has_avx512_bf16() &&
                       l.head_dim % folio::kTileRows == 0 && window == 0;
   // Where each prefill request's packed contexts go.
   std::vector<int64_t> packed_at(requests, -1);

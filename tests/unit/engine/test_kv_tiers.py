@@ -291,6 +291,32 @@ def test_a_bfloat16_pool_under_float32_activations_moves_through_the_tiers(llama
     assert len(fingerprints) == 3
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_an_fp8_pool_moves_through_the_tiers_as_it_is(llama, tmp_path, kv_cache_dtype):
+    """--kv-cache-dtype fp8*: the host tier keeps the pool's one-byte blocks as they are (auto
+    picks native there; int8 is refused naming both keys), and the disk tier's files serve a
+    new engine: the same tokens and logprobs as without tiers."""
+    directory, _ = llama
+    narrow = dict(kv_cache_dtype=kv_cache_dtype)
+    engine = make_engine(directory, kv_offload_gib=0.01, **narrow)
+    assert engine.kv_cache.tiers is not None
+    host = engine.executor.kv_tiers.host
+    assert host.format == "native" and host.data.dtype == engine.executor.runner.kv_slots[0].dtype
+    tokens, logprobs = through_the_host_tier(engine)
+    plain = make_engine(directory, num_kv_blocks=64, **narrow)
+    expected, expected_logprobs, _ = generate(plain, "alone", FOLLOW_UP)
+    assert tokens == expected and logprobs == expected_logprobs
+    first = make_engine(directory, kv_cache_dir=str(tmp_path), **narrow)
+    generate(first, "first", SHARED)
+    first.kv_cache.tiers.disk.drain()
+    second = make_engine(directory, kv_cache_dir=str(tmp_path), **narrow)
+    tokens, logprobs, cached = generate(second, "again", FOLLOW_UP)
+    assert cached == 24 and second.kv_cache.tiers.hits["disk"] == 6
+    assert tokens == expected and logprobs == expected_logprobs
+    with pytest.raises(ValueError, match=r"kv_offload_format int8 over a float8_\w+ KV pool"):
+        make_engine(directory, kv_offload_gib=0.01, kv_offload_format="int8", **narrow)
+
+
 def test_disk_tier_serves_a_new_engine_and_skips_bad_files(llama, tmp_path, caplog):
     directory, reference = llama
     first = make_engine(directory, kv_cache_dir=str(tmp_path))

@@ -152,16 +152,21 @@ def test_greedy_tokens_equal_without_drafts_and_the_draft_pool_is_freed(models, 
     assert pool.num_free_blocks == pool.num_blocks - 1  # all but the null block
 
 
-def test_over_bfloat16_kv_caches_greedy_tokens_equal_without_drafts(models):
-    """--kv-cache-dtype bfloat16: the target's pool and the draft model's are bfloat16, and the
-    greedy tokens are those of the same engine without speculation (verification rows read the
-    cache as decodes do)."""
-    narrow = dict(kv_cache_dtype="bfloat16")
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "kv_dtype"), [("bfloat16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)]
+)
+def test_over_narrower_kv_caches_greedy_tokens_equal_without_drafts(
+    models, kv_cache_dtype, kv_dtype
+):
+    """--kv-cache-dtype bfloat16 or fp8: the target's pool and the draft model's are in it, and
+    the greedy tokens are those of the same engine without speculation (verification rows read
+    the cache as decodes do)."""
+    narrow = dict(kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     expected, _ = run(engine_on(models, None, **narrow), prompts(3), params)
     engine = engine_on(models, "same", **narrow)
-    assert {c.dtype for c in draft_model(engine).kv_caches} == {torch.bfloat16}
-    assert engine.executor.runner.kv_slots[0].dtype == torch.bfloat16
+    assert {c.dtype for c in draft_model(engine).kv_caches} == {kv_dtype}
+    assert engine.executor.runner.kv_slots[0].dtype == kv_dtype
     got, _ = run(engine, prompts(3), params)
     assert got == expected
     stats = engine.stats()

@@ -9,6 +9,7 @@ import weakref
 import pytest
 import torch
 
+from engine.attention.kv_dtype import to_cache_dtype
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.cpu.capabilities import cpu_capabilities
 from engine.layers.attention import get_attention_backend
@@ -61,8 +62,8 @@ def run_case(
     its table (the last of the pool), which must never be read. `sinks`: each head's
     attention-sink logit (gpt-oss). `folio_kernels`: Folio's kernels (True), held to their AVX2
     code ("avx2"), or torch's ops (False). `cache_dtype`: the cache's, where it is not `dtype`
-    (--kv-cache-dtype bfloat16): K and V then hold values it represents, so the reference's
-    tolerance stays float32's."""
+    (--kv-cache-dtype bfloat16, fp8*): K and V then hold values it represents, so the
+    reference's tolerance stays the activations' dtype's."""
     torch.manual_seed(seed)
     num_blocks = sum(math.ceil(s / block_size) for s in seq_lens) + 7
     pool = BlockPool(num_blocks - 1, seed=seed)
@@ -362,12 +363,24 @@ def test_long_contexts_attend_in_chunks_with_sinks_and_windows(dtype, window, fo
     )
 
 
+# (activations, the cache's dtype) --kv-cache-dtype allows beyond the activations' own.
+NARROWER_CACHES = [
+    (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float8_e4m3fn),
+    (torch.float32, torch.float8_e5m2),
+    (torch.bfloat16, torch.float8_e4m3fn),
+    (torch.bfloat16, torch.float8_e5m2),
+]
+
+
 @pytest.mark.parametrize("folio_kernels", KERNEL_PATHS)
 @pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
-def test_a_bfloat16_cache_under_float32_rows(window, folio_kernels):
-    """--kv-cache-dtype bfloat16 with float32 activations: the new K/V are written rounded to
-    bfloat16, and every kind of row (decodes, a fresh prefill, extends; GQA, sinks, a window)
-    attends over the cache against the float64 reference, on Folio's kernels and torch's ops."""
+@pytest.mark.parametrize(("dtype", "cache_dtype"), NARROWER_CACHES, ids=str)
+def test_a_narrower_cache_than_the_rows(dtype, cache_dtype, window, folio_kernels):
+    """--kv-cache-dtype bfloat16 under float32 activations, fp8 (e4m3, e5m2) under float32 or
+    bfloat16: the new K/V are written as the cache keeps them, and every kind of row (decodes,
+    a fresh prefill, extends; GQA, sinks, a window) attends over the cache against the float64
+    reference, on Folio's kernels and torch's ops."""
     sinks = (1 + torch.randn(8, generator=torch.Generator().manual_seed(3))).float()
     for case_sinks in (None, sinks):
         run_case(
@@ -376,48 +389,68 @@ def test_a_bfloat16_cache_under_float32_rows(window, folio_kernels):
             num_kv_heads=2,
             head_dim=64,
             block_size=16,
+            dtype=dtype,
             window=window,
             sinks=case_sinks,
             folio_kernels=folio_kernels,
-            cache_dtype=torch.bfloat16,
+            cache_dtype=cache_dtype,
         )
 
 
 @pytest.mark.parametrize("folio_kernels", KERNEL_PATHS[:2])
-def test_a_bfloat16_cache_is_the_float32_kernel_on_its_values(folio_kernels, monkeypatch):
-    """Float32 rows over a bfloat16 cache widen each cached value exactly: their outputs have
-    the bits of the float32 kernel over a float32 cache holding the same values, for decodes
+@pytest.mark.parametrize("cache_dtype", [c for d, c in NARROWER_CACHES if d == torch.float32])
+def test_a_narrower_cache_is_the_float32_kernel_on_its_values(
+    cache_dtype, folio_kernels, monkeypatch
+):
+    """Float32 rows over a bfloat16 or fp8 cache widen each cached value exactly: their outputs
+    have the bits of the float32 kernel over a float32 cache holding the same values, for decodes
     (alone, chunked, a verification step's groups) and an extend's tokens, with the new K/V
-    rounded to nearest even as they are written."""
+    rounded to nearest even as they are written (fp8's largest finite value where they are past
+    it, as to_cache_dtype, torch's ops' path, gives them). Bfloat16 rows over an fp8 cache are
+    bfloat16 rows over a bfloat16 cache of the same values."""
     if folio_kernels == "avx2":
         monkeypatch.setenv("FOLIO_CPU_ISA", "avx2")
     block_size, num_blocks = 16, 300
     pool = BlockPool(num_blocks, seed=8)
     torch.manual_seed(9)
-    narrow = torch.randn(2, num_blocks, block_size, 3, 64).bfloat16()
+    narrow = torch.randn(2, num_blocks, block_size, 3, 64).to(cache_dtype)
     wide = narrow.float()
     ops = torch.ops.folio_cpu_attention
     seq_lens = [5, 300, 1000, 1001, 1002, 1003, 40]  # 1000..1003: one request's draft rows
     tables = [pool.grow([], s, block_size) for s in seq_lens[:3]]
     tables += [tables[2]] * 3 + [pool.grow([], seq_lens[-1], block_size)]
     decodes = build_metadata([1] * len(seq_lens), seq_lens, tables, block_size)
-    q, k, v = (torch.randn(len(seq_lens), heads, 64) for heads in (9, 3, 3))
-    # The float32 side's new K/V: what the bfloat16 cache keeps of them.
-    k16, v16 = k.bfloat16().float(), v.bfloat16().float()
+
+    def new_rows(count: int) -> tuple[torch.Tensor, ...]:
+        q, k, v = (torch.randn(count, heads, 64) for heads in (9, 3, 3))
+        if cache_dtype.itemsize == 1:  # past fp8's range
+            k[0, 0, :4] = torch.tensor([1e5, -1e5, 500.0, float("inf")])
+        return q, k, v
+
+    def kept(x: torch.Tensor) -> torch.Tensor:  # what the cache keeps of x, widened
+        return to_cache_dtype(x, cache_dtype).to(x.dtype)
+
+    q, k, v = new_rows(len(seq_lens))
     out = ops.paged_decode_attention(q, k, v, narrow, *_tables(decodes), 0.125)
-    expected = ops.paged_decode_attention(q, k16, v16, wide, *_tables(decodes), 0.125)
-    assert out.dtype == torch.float32 and torch.equal(out, expected)
+    expected = ops.paged_decode_attention(q, kept(k), kept(v), wide, *_tables(decodes), 0.125)
+    assert out.dtype == torch.float32 and torch.equal(out, expected) and out.isfinite().all()
     assert torch.equal(narrow.float(), wide)  # the same values written, bit for bit
+    if cache_dtype != torch.bfloat16:
+        halves = narrow.bfloat16()
+        q, k, v = (x.bfloat16() for x in new_rows(len(seq_lens)))
+        out = ops.paged_decode_attention(q, k, v, narrow, *_tables(decodes), 0.125)
+        expected = ops.paged_decode_attention(q, kept(k), kept(v), halves, *_tables(decodes), 0.125)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+        assert torch.equal(narrow.bfloat16(), halves)
+        wide = narrow.float()
     extend = build_metadata([4], [seq_lens[1] + 3], [pool.grow(tables[1], 303, block_size)], 16)
-    q, k, v = (torch.randn(4, heads, 64) for heads in (9, 3, 3))
+    q, k, v = new_rows(4)
     args = (extend.slot_mapping, extend.block_tables, extend.query_start_loc, extend.seq_lens)
     out = ops.paged_attention(q, k, v, narrow, *args, 0.125)
-    expected = ops.paged_attention(
-        q, k.bfloat16().float(), v.bfloat16().float(), wide, *args, 0.125
-    )
+    expected = ops.paged_attention(q, kept(k), kept(v), wide, *args, 0.125)
     assert torch.equal(out, expected)
     assert torch.equal(narrow.float(), wide)
-    with pytest.raises(RuntimeError, match="the cache in their dtype or in bfloat16"):
+    with pytest.raises(RuntimeError, match="the cache in their dtype, in bfloat16 or in float8"):
         ops.paged_decode_attention(
             q.bfloat16(), k.bfloat16(), v.bfloat16(), wide, *_tables(extend), 0.125
         )
