@@ -201,10 +201,11 @@ inline void for_each_position(const Layout& l, const T* cache, const int32_t* ta
 // Per-thread scratch of attend: the scores of a group's rows' query heads over the longest span
 // an item sees, and those heads' queries and outputs as floats (for groups of up to `rows`).
 struct Scratch {
-  std::vector<float> scores, q, out;
+  // block: one block's K or V of all KV heads, widened to float32 (a narrower cache's).
+  std::vector<float> scores, q, out, block;
   Scratch(const Layout& l, int64_t longest, int64_t rows)
       : scores(rows * l.heads * longest), q(rows * l.heads * l.head_dim),
-        out(rows * l.heads * l.head_dim) {}
+        out(rows * l.heads * l.head_dim), block(l.block_size * l.kv_heads * l.head_dim) {}
 };
 
 // The most rows of one request that attend as a group (attend): their scores stay in L2 beside

@@ -2,7 +2,7 @@
 // positions at a time, and the values they mix. cpu_attention.cpp includes this file twice, once
 // inside a namespace compiled for AVX-512 and once inside one for AVX2, each defining first what
 // the loops are written in: Vec (kLanes float32), zero, fma, broadcast, load (kLanes float32, or
-// bfloat16 widened exactly to float32), store, sum (a vector's lanes added) and sum_8 (eight
+// bfloat16 or fp8 widened exactly to float32), store, sum (a vector's lanes added) and sum_8 (eight
 // vectors' lanes added, each into one lane of an AVX2 vector). So no guard: each inclusion is its
 // own code. head_dim is a multiple of kLanes. Each instruction set sums in its own order, so a
 // token's output bits depend on which one ran (never on its step or its batch).
@@ -74,10 +74,21 @@ inline __m256 dot_8_keys(const float* q, const T* key, int64_t stride, int64_t d
   return sum_8(acc);
 }
 
+// Positions from .. to of a block's cache rows (`stride` values apart), `width` values from each,
+// widened into `out` (float32, `width` apart, position o at o * width): a cached value read by
+// several query heads or rows is widened once, not once by each.
+template <typename C>
+inline void widen_rows(const C* rows, int64_t from, int64_t to, int64_t stride, int64_t width,
+                       float* out) {
+  for (int64_t o = from; o < to; ++o)
+    for (int64_t i = 0; i < width; i += kLanes)
+      store(out + o * width + i, load(rows + o * stride + i));
+}
+
 // Attention of a group's rows' query heads of KV heads kv_begin .. kv_end (q, out: the first
 // row's heads, of type T; the rows follow one another in both) over their cached positions
 // (begin > 0: a sliding window, or a later chunk), the cache of type C (T, or bfloat16 under
-// float32 rows: --kv-cache-dtype bfloat16). With `partial`, only a chunk's share of it, into
+// float32 rows, or fp8 under either: --kv-cache-dtype). With `partial`, only a chunk's share of it, into
 // partial[r * partial_row + h * partial_floats ..] for row r and the item's heads h (merged by
 // merge_chunks). Each pass goes through the context a block at a time and reads, for every
 // position, all those KV heads' K (or V) together: a cache row's 2 * KVH * D bytes in one place,
@@ -120,45 +131,60 @@ void attend(const Layout& l, const T* q, const Rows& rows, const C* cache, const
     const int64_t seen = std::max<int64_t>(0, begin - first);
     prefetch_rows<_MM_HINT_T0>(next_keys + kv_begin * d, std::min(seen, next_count),
                                token_values, slice_bytes);  // before a window's first position
-    for (int64_t r = 0; r < rows.count; ++r) {
-      const int64_t row_length = rows.end(r), span = row_length - begin;
-      if (first >= row_length) continue;
-      const int64_t end = std::min(l.block_size, row_length - first);
-      const bool asks = r == 0;  // the first row asks for the next lines as it scores
-      float* scores = scratch.scores.data() + r * row_scores;
-      const float* qs = scratch.q.data() + r * heads * d;
-      int64_t o = seen;
-      for (; o + 8 <= end; o += 8) {
-        if (asks) {
-          if (o < next_count)
-            prefetch_rows<_MM_HINT_T0>(next_keys + o * token_values + kv_begin * d,
-                                       std::min<int64_t>(8, next_count - o), token_values,
+    // Keys at `keys`, position o's KV head kv at keys + o * key_row + (kv - kv_begin) * d.
+    const auto score_rows = [&](const auto* keys, int64_t key_row) {
+      for (int64_t r = 0; r < rows.count; ++r) {
+        const int64_t row_length = rows.end(r), span = row_length - begin;
+        if (first >= row_length) continue;
+        const int64_t end = std::min(l.block_size, row_length - first);
+        const bool asks = r == 0;  // the first row asks for the next lines as it scores
+        float* scores = scratch.scores.data() + r * row_scores;
+        const float* qs = scratch.q.data() + r * heads * d;
+        int64_t o = seen;
+        for (; o + 8 <= end; o += 8) {
+          if (asks) {
+            if (o < next_count)
+              prefetch_rows<_MM_HINT_T0>(next_keys + o * token_values + kv_begin * d,
+                                         std::min<int64_t>(8, next_count - o), token_values,
+                                         slice_bytes);
+            prefetch_rows<_MM_HINT_T1>(values + o * token_values + kv_begin * d, 8, token_values,
                                        slice_bytes);
-          prefetch_rows<_MM_HINT_T1>(values + o * token_values + kv_begin * d, 8, token_values,
-                                     slice_bytes);
+          }
+          for (int64_t kv = kv_begin; kv < kv_end; ++kv)
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t h = (kv - kv_begin) * group + g;
+              const __m256 dots = dot_8_keys(qs + h * d, keys + o * key_row + (kv - kv_begin) * d,
+                                             key_row, d);
+              _mm256_storeu_ps(scores + h * span + (first + o - begin),
+                               _mm256_mul_ps(dots, scale8));
+            }
         }
-        for (int64_t kv = kv_begin; kv < kv_end; ++kv)
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t h = (kv - kv_begin) * group + g;
-            const __m256 dots = dot_8_keys(qs + h * d, block + o * token_values + kv * d,
-                                           token_values, d);
-            _mm256_storeu_ps(scores + h * span + (first + o - begin),
-                             _mm256_mul_ps(dots, scale8));
-          }
+        if (asks) {
+          prefetch_rows<_MM_HINT_T0>(next_keys + o * token_values + kv_begin * d, next_count - o,
+                                     token_values, slice_bytes);
+          prefetch_rows<_MM_HINT_T1>(values + o * token_values + kv_begin * d, block_end - o,
+                                     token_values, slice_bytes);
+        }
+        for (; o < end; ++o)
+          for (int64_t kv = kv_begin; kv < kv_end; ++kv)
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t h = (kv - kv_begin) * group + g;
+              scores[h * span + (first + o - begin)] =
+                  dot(qs + h * d, keys + o * key_row + (kv - kv_begin) * d, d) * scale;
+            }
       }
-      if (asks) {
-        prefetch_rows<_MM_HINT_T0>(next_keys + o * token_values + kv_begin * d, next_count - o,
-                                   token_values, slice_bytes);
-        prefetch_rows<_MM_HINT_T1>(values + o * token_values + kv_begin * d, block_end - o,
-                                   token_values, slice_bytes);
-      }
-      for (; o < end; ++o)
-        for (int64_t kv = kv_begin; kv < kv_end; ++kv)
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t h = (kv - kv_begin) * group + g;
-            scores[h * span + (first + o - begin)] =
-                dot(qs + h * d, block + o * token_values + kv * d, d) * scale;
-          }
+    };
+    // Widened once where several rows read a key; for one row's query heads only in e4m3,
+    // whose widening (five instructions) costs more than a trip through L1 (bfloat16's and
+    // e5m2's, two and three, do not: python -m bench.attention_kernels, 1 x 4,000).
+    const bool widen_keys =
+        !std::is_same_v<C, float> && (rows.count > 1 || (std::is_same_v<C, e4m3> && group > 1));
+    if (!widen_keys) {
+      score_rows(block + kv_begin * d, token_values);
+    } else {
+      const int64_t width = (kv_end - kv_begin) * d;
+      widen_rows(block + kv_begin * d, seen, block_end, token_values, width, scratch.block.data());
+      score_rows(scratch.block.data(), width);
     }
   }
   for (int64_t r = 0; r < rows.count; ++r) {
@@ -183,21 +209,34 @@ void attend(const Layout& l, const T* q, const Rows& rows, const C* cache, const
        first += l.block_size, ++i) {
     const int64_t skip = std::max<int64_t>(0, begin - first);
     const C* block = cache + l.value_offset + table[i] * l.block_values + skip * token_values;
-    for (int64_t r = 0; r < rows.count; ++r) {
-      const int64_t row_length = rows.end(r), span = row_length - begin;
-      if (first >= row_length) continue;
-      const int64_t end = std::min(l.block_size, row_length - first);
-      const float* scores = scratch.scores.data() + r * row_scores;
-      float* row_mixed = mixed + r * heads * d;
-      for (int64_t kv = kv_begin; kv < kv_end; ++kv)
-        for (int64_t g0 = 0; g0 < group; g0 += 3) {
-          const int64_t h = (kv - kv_begin) * group + g0;
-          for (int64_t d0 = 0; d0 < d; d0 += 4 * kLanes)
-            mix_slab(std::min<int64_t>(3, group - g0), std::min<int64_t>(4, (d - d0) / kLanes),
-                     block + kv * d + d0, end - skip, token_values,
-                     scores + h * span + (first + skip - begin), span, row_mixed + h * d + d0,
-                     d);
-        }
+    // Values at `values`, position skip + t's KV head kv at values + t * value_row +
+    // (kv - kv_begin) * d.
+    const auto mix_rows = [&](const auto* values, int64_t value_row) {
+      for (int64_t r = 0; r < rows.count; ++r) {
+        const int64_t row_length = rows.end(r), span = row_length - begin;
+        if (first >= row_length) continue;
+        const int64_t end = std::min(l.block_size, row_length - first);
+        const float* scores = scratch.scores.data() + r * row_scores;
+        float* row_mixed = mixed + r * heads * d;
+        for (int64_t kv = kv_begin; kv < kv_end; ++kv)
+          for (int64_t g0 = 0; g0 < group; g0 += 3) {
+            const int64_t h = (kv - kv_begin) * group + g0;
+            for (int64_t d0 = 0; d0 < d; d0 += 4 * kLanes)
+              mix_slab(std::min<int64_t>(3, group - g0), std::min<int64_t>(4, (d - d0) / kLanes),
+                       values + (kv - kv_begin) * d + d0, end - skip, value_row,
+                       scores + h * span + (first + skip - begin), span, row_mixed + h * d + d0,
+                       d);
+          }
+      }
+    };
+    // mix_slab loads a value once for up to three query heads of a row.
+    if (std::is_same_v<C, float> || (rows.count == 1 && group <= 3)) {
+      mix_rows(block + kv_begin * d, token_values);
+    } else {
+      const int64_t width = (kv_end - kv_begin) * d;
+      widen_rows(block + kv_begin * d, 0, std::min(l.block_size, length - first) - skip,
+                 token_values, width, scratch.block.data());
+      mix_rows(scratch.block.data(), width);
     }
   }
   for (int64_t r = 0; r < rows.count; ++r) {
