@@ -110,6 +110,19 @@ class ModelExecutor:
                 self.num_blocks, config.block_size, config.max_num_batched_tokens
             ),
         )
+        narrower = (
+            ""
+            if kv_dtype == dtype
+            else f" under {str(dtype).removeprefix('torch.')} activations (--kv-cache-dtype "
+            f"{config.kv_cache_dtype}: K and V rounded to it as they are written)"
+        )
+        logger.info(
+            "KV pool: %d blocks of %d tokens in %s%s",
+            self.num_blocks,
+            config.block_size,
+            str(kv_dtype).removeprefix("torch."),
+            narrower,
+        )
         self.group: EngineGroup | None = None
         self.kv_tiers: KVTierStore | None = None  # set below; close() may run before
         if tp_size > 1:

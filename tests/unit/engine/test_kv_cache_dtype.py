@@ -8,6 +8,7 @@ preemption); where it cannot run it is refused naming the key."""
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import pytest
 import torch
@@ -98,16 +99,20 @@ def attention_over_rounded_kv(model, kv_dtype: torch.dtype):
 
 @pytest.mark.parametrize(("name", "kv_dtype", "per_float", "tolerance"), NARROWER, ids=str)
 def test_a_narrower_pool_holds_more_tokens_and_scores_prompts_as_transformers(
-    llama, name, kv_dtype, per_float, tolerance
+    llama, name, kv_dtype, per_float, tolerance, caplog
 ):
     directory, reference = llama
-    narrow = engine(directory, kv_cache_dtype=name)
+    with caplog.at_level(logging.INFO, logger="engine.model_executor"):
+        narrow = engine(directory, kv_cache_dtype=name)
+    torch_name = str(kv_dtype).removeprefix("torch.")
+    said = f"in {torch_name} under float32 activations (--kv-cache-dtype {name}: K and V rounded"
+    assert any(said in record.getMessage() for record in caplog.records)
     wide = engine(directory, kv_cache_dtype="auto")
     assert {slot.dtype for slot in narrow.executor.runner.kv_slots} == {kv_dtype}
     assert {slot.dtype for slot in wide.executor.runner.kv_slots} == {torch.float32}
     assert narrow.executor.num_blocks == per_float * wide.executor.num_blocks
     assert narrow.executor.kv_block_bytes * per_float == wide.executor.kv_block_bytes
-    assert narrow.kv_cache_dtype_name == str(kv_dtype).removeprefix("torch.")
+    assert narrow.kv_cache_dtype_name == torch_name
     assert wide.kv_cache_dtype_name == "float32"
 
     ids = prompt(30, 1)
