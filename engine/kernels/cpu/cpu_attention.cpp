@@ -665,8 +665,8 @@ namespace {
 
 // The layout of a call's tensors, checked: q [N, H, D], k and v [N, KVH, D] (rows may be
 // strided, each row contiguous); kv_cache [2, num_blocks, block_size, KVH, D]; all float32 or
-// all bfloat16, or the cache bfloat16 under float32 q, k and v; slot_mapping [N] int64;
-// block_tables [requests, max_blocks] int32.
+// all bfloat16, or the cache bfloat16 under float32 q, k and v, or float8 (e4m3fn, e5m2) under
+// either; slot_mapping [N] int64; block_tables [requests, max_blocks] int32.
 Layout check_layout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                     const at::Tensor& block_tables, int64_t window) {

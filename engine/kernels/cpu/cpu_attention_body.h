@@ -85,18 +85,18 @@ inline void widen_rows(const C* rows, int64_t from, int64_t to, int64_t stride, 
       store(out + o * width + i, load(rows + o * stride + i));
 }
 
-// Attention of a group's rows' query heads of KV heads kv_begin .. kv_end (q, out: the first
-// row's heads, of type T; the rows follow one another in both) over their cached positions
-// (begin > 0: a sliding window, or a later chunk), the cache of type C (T, or bfloat16 under
-// float32 rows, or fp8 under either: --kv-cache-dtype). With `partial`, only a chunk's share of it, into
+// Attention of a group's rows' query heads of KV heads kv_begin .. kv_end (q, out: the first row's
+// heads, of type T; the rows follow one another in both) over their cached positions (begin > 0: a
+// sliding window, or a later chunk), the cache of type C (T, or bfloat16 under float32 rows, or fp8
+// under either: --kv-cache-dtype). With `partial`, only a chunk's share of it, into
 // partial[r * partial_row + h * partial_floats ..] for row r and the item's heads h (merged by
 // merge_chunks). Each pass goes through the context a block at a time and reads, for every
-// position, all those KV heads' K (or V) together: a cache row's 2 * KVH * D bytes in one place,
-// so the hardware prefetchers follow it (a pass per KV head, reading each position's slices
-// apart, ran at about a third of the memory bandwidth). Every row of the group uses a block while
-// it is in L1, so the group reads the context once, not once a row; each row's arithmetic (which
-// positions score eight at a time, the order of every sum) is what it would be alone, so its
-// output's bits do not depend on its group.
+// position, all those KV heads' K (or V) together: a cache row's 2 * KVH * D bytes in one place, so
+// the hardware prefetchers follow it (a pass per KV head, reading each position's slices apart, ran
+// at about a third of the memory bandwidth). Every row of the group uses a block while it is in L1,
+// so the group reads the context once, not once a row; each row's arithmetic (which positions score
+// eight at a time, the order of every sum) is what it would be alone, so its output's bits do not
+// depend on its group.
 template <typename T, typename C>
 void attend(const Layout& l, const T* q, const Rows& rows, const C* cache, const int32_t* table,
             int64_t kv_begin, int64_t kv_end, float scale, Scratch& scratch, T* out,
