@@ -140,6 +140,9 @@ class SamplingParams:
 
     MAX_LOGPROBS = 20
     MAX_N = 64
+    # OpenAI's documented range (-100 bans a token, 100 all but forces it); a bias past
+    # float32's range made the row's probabilities NaN and sampled arbitrary tokens.
+    MAX_LOGIT_BIAS = 100.0
     # Below this a temperature only overflows the division; such rows are greedy.
     MIN_TEMPERATURE = 1e-5
 
@@ -234,6 +237,11 @@ class SamplingParams:
             token_lists.append(("logit_bias", list(self.logit_bias)))
             for token_id, bias in self.logit_bias.items():
                 finite(f"logit_bias[{token_id}]", bias)
+                if abs(bias) > self.MAX_LOGIT_BIAS:
+                    limit = self.MAX_LOGIT_BIAS
+                    raise ValueError(
+                        f"logit_bias[{token_id}] must be in [{-limit:g}, {limit:g}], got {bias}"
+                    )
         for name, ids in token_lists:
             for token_id in ids:
                 integer(name, token_id)

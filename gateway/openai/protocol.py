@@ -152,7 +152,9 @@ class SamplingFields(RequestBody):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(1, ge=1, le=64)
-    logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) -> bias.")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> bias, in [-100, 100]."
+    )
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=2**31 - 1)
     stream: bool = False

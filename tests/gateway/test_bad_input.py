@@ -120,6 +120,14 @@ CASES = [
         "logit_bias",
         ["999999"],
     ),
+    (
+        "logit-bias-past-openais-range",
+        "/v1/completions",
+        completion(b'"logit_bias": {"5": 1e308}'),
+        400,
+        "logit_bias",
+        ["-100, 100", "1e+308"],
+    ),
     ("nan", "/v1/completions", completion(b'"top_p": NaN'), 400, "top_p", ["finite"]),
     (
         "infinity",

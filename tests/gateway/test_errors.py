@@ -36,6 +36,7 @@ CASES = [
     ("/v1/chat/completions", chat(stop=[""]), 400, "stop"),
     ("/v1/chat/completions", chat(stop_token_ids=[10**9]), 400, "stop_token_ids"),
     ("/v1/chat/completions", chat(logit_bias={"abc": 1}), 400, "logit_bias"),
+    ("/v1/chat/completions", chat(logit_bias={"5": -101}), 400, "logit_bias"),
     ("/v1/chat/completions", chat(tools=[{"type": "function"}]), 400, "tools"),
     ("/v1/chat/completions", chat(model="gpt-4"), 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),

@@ -32,6 +32,13 @@ def test_shape_errors_are_caught_without_the_engine():
     assert error.value.param == "response_format"
 
 
+def test_a_logit_bias_is_within_openais_range():
+    SamplingParams(logit_bias={3: -100.0, 4: 100, 5: 0.5}).validate()
+    for bias in (100.5, -101, 1e308):
+        with pytest.raises(ValueError, match=r"logit_bias\[4\] must be in \[-100, 100\]"):
+            SamplingParams(logit_bias={3: 1.0, 4: bias}).validate()
+
+
 def test_a_grammar_that_does_not_compile_passes_the_shape_check_but_not_the_engine():
     params = SamplingParams(structured_output=StructuredOutput(regex="a(b"))
     params.validate()  # well formed: a string regex
