@@ -143,6 +143,8 @@ class SamplingParams:
     # OpenAI's documented range (-100 bans a token, 100 all but forces it); a bias past
     # float32's range made the row's probabilities NaN and sampled arbitrary tokens.
     MAX_LOGIT_BIAS = 100.0
+    # Below this a penalty's division overflows float32 and the row's probabilities turn NaN.
+    MIN_REPETITION_PENALTY = 1e-5
     # Below this a temperature only overflows the division; such rows are greedy.
     MIN_TEMPERATURE = 1e-5
 
@@ -196,8 +198,11 @@ class SamplingParams:
         integer("top_k", self.top_k)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.repetition_penalty < self.MIN_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be >= {self.MIN_REPETITION_PENALTY:g}, "
+                f"got {self.repetition_penalty}"
+            )
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:

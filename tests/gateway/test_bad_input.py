@@ -128,6 +128,14 @@ CASES = [
         "logit_bias",
         ["-100, 100", "1e+308"],
     ),
+    (
+        "vanishing-repetition-penalty",
+        "/v1/completions",
+        completion(b'"repetition_penalty": 1e-300'),
+        400,
+        "repetition_penalty",
+        ["1e-05", "1e-300"],
+    ),
     ("nan", "/v1/completions", completion(b'"top_p": NaN'), 400, "top_p", ["finite"]),
     (
         "infinity",

@@ -39,6 +39,14 @@ def test_a_logit_bias_is_within_openais_range():
             SamplingParams(logit_bias={3: 1.0, 4: bias}).validate()
 
 
+def test_a_repetition_penalty_is_one_float32_can_divide_by():
+    SamplingParams(repetition_penalty=1e-5).validate()
+    SamplingParams(repetition_penalty=1e300).validate()  # negative logits go to -inf: a ban
+    for penalty in (0.0, -1.0, 1e-300, 9e-6):
+        with pytest.raises(ValueError, match="repetition_penalty must be >= 1e-05"):
+            SamplingParams(repetition_penalty=penalty).validate()
+
+
 def test_a_grammar_that_does_not_compile_passes_the_shape_check_but_not_the_engine():
     params = SamplingParams(structured_output=StructuredOutput(regex="a(b"))
     params.validate()  # well formed: a string regex

@@ -119,6 +119,7 @@ def test_bad_input_is_refused_by_name_and_disturbs_nothing(llama):
         ("stop_token_ids", [1, 2], SamplingParams(stop_token_ids=[999])),
         ("logit_bias", [1, 2], SamplingParams(logit_bias={500: 1.0})),
         ("logit_bias", [1, 2], SamplingParams(logit_bias={5: 1e308})),  # inf in float32
+        ("repetition_penalty", [1, 2], SamplingParams(repetition_penalty=1e-300)),
         ("logprobs", [1, 2], SamplingParams(logprobs=21)),
     ]
     for i, (name, ids, params) in enumerate(bad):
