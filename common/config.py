@@ -73,6 +73,23 @@ def _model_flag() -> Any:
     )
 
 
+def check_chat_template(value: str | None) -> None:
+    """--chat-template names a file or holds a template, and it compiles: refused at start-up,
+    before any service runs, not at the first chat request."""
+    if value is not None:
+        from common.tokenizer import read_chat_template
+
+        read_chat_template(value)
+
+
+def chat_template_flag() -> Any:
+    return flag(
+        None,
+        "a Jinja chat template, or a file holding one, for chat requests (vLLM's "
+        "--chat-template; default: the model's own)",
+    )
+
+
 @dataclass
 class EngineConfig:
     """Everything that shapes one engine instance."""
@@ -346,6 +363,10 @@ class TokenizerServiceConfig:
 
     model: str | None = _model_flag()
     listen: ListenConfig = field(default_factory=lambda: ListenConfig(port=TOKENIZER_PORT))
+    chat_template: str | None = chat_template_flag()
+
+    def __post_init__(self) -> None:
+        check_chat_template(self.chat_template)
 
 
 @dataclass

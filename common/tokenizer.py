@@ -65,6 +65,26 @@ def _load_chat_template(path: Path, tokenizer_config: dict[str, Any]) -> str | N
     return template
 
 
+def read_chat_template(value: str) -> str:
+    """--chat-template's value as Jinja source: the file it names, else the value itself where
+    it reads as a template (vLLM's rule); ValueError naming the flag otherwise, or where the
+    template does not compile."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        source = path.read_text()
+    elif any(mark in value for mark in ("{{", "{%", "\n")):
+        source = value
+    else:
+        raise ValueError(
+            f"chat_template {value!r} is neither a file nor a Jinja template (no {{{{ or {{%)"
+        )
+    try:
+        _compile_chat_template(source)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ValueError(f"chat_template does not compile: {exc} (line {exc.lineno})") from None
+    return source
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -205,12 +225,19 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> Tokenizer:
-        """The tokenizer of a model directory, or of a GGUF file (from its metadata)."""
+    def from_dir(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """The tokenizer of a model directory, or of a GGUF file (from its metadata);
+        `chat_template` (Jinja source, read_chat_template's) in place of the model's own."""
         path = Path(path)
         if path.suffix == ".gguf":
             gguf = read_gguf_tokenizer(path)
-            return cls(gguf.fast, gguf.tokenizer_config, gguf.model_config, {}, gguf.chat_template)
+            return cls(
+                gguf.fast,
+                gguf.tokenizer_config,
+                gguf.model_config,
+                {},
+                chat_template or gguf.chat_template,
+            )
         if not (path / "tokenizer.json").is_file():
             raise ValueError(f"{str(path)!r} has no tokenizer.json")
         tokenizer_config = _read_json(path / "tokenizer_config.json")
@@ -219,7 +246,7 @@ class Tokenizer:
             tokenizer_config,
             _read_json(path / "config.json"),
             _read_json(path / "generation_config.json"),
-            _load_chat_template(path, tokenizer_config),
+            chat_template or _load_chat_template(path, tokenizer_config),
         )
 
     def to_json(self) -> str:

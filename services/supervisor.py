@@ -46,6 +46,8 @@ from common.config import (
     GatewayServerConfig,
     ListenConfig,
     TokenizerServiceConfig,
+    chat_template_flag,
+    check_chat_template,
 )
 from common.flags import CONFIG_JSON_FLAG, flag, to_json
 from common.parent_death import child_env
@@ -92,9 +94,11 @@ class ServeConfig:
     gateway_workers: int = flag(
         1, "gateway processes sharing the HTTP and gRPC ports (folio gateway --workers)"
     )
+    chat_template: str | None = chat_template_flag()
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
+        check_chat_template(self.chat_template)
         if self.engine_replicas < 1:
             raise ValueError(f"engine_replicas must be >= 1, got {self.engine_replicas}")
         if self.gateway_workers < 1:
@@ -287,7 +291,11 @@ class Supervisor:
             "tokenizer",
             _service_args(
                 "tokenizer",
-                TokenizerServiceConfig(config.engine.model, internal(self.tokenizer_address)),
+                TokenizerServiceConfig(
+                    config.engine.model,
+                    internal(self.tokenizer_address),
+                    config.chat_template,
+                ),
             ),
             lambda: _grpc_serving(self.tokenizer_address),
             drain,

@@ -23,7 +23,7 @@ from common.default_model import resolve_model_path
 from common.detokenizer import IncrementalDetokenizer, bad_token_id
 from common.errors import InvalidRequestError, status_code_for
 from common.grpc_server import GrpcService
-from common.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer, read_chat_template
 
 # GetTokenizerJson's chunks: well inside the message limit (common.config.GRPC_MAX_MESSAGE_BYTES).
 TOKENIZER_JSON_CHUNK_BYTES = 1 << 20
@@ -274,9 +274,14 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
 class TokenizerService(GrpcService):
     service_names = (pb.DESCRIPTOR.services_by_name["TokenizerService"].full_name,)
 
-    def __init__(self, model: str | None, host: str, port: int) -> None:
+    def __init__(
+        self, model: str | None, host: str, port: int, chat_template: str | None = None
+    ) -> None:
         super().__init__(host, port)
         self.model = model
+        # Jinja source in place of the model's template (--chat-template, read now: a bad one
+        # stops the service before it serves).
+        self.chat_template = read_chat_template(chat_template) if chat_template else None
         self.tokenizer: Tokenizer | None = None
         self.tokenizer_json: bytes | None = None  # GetTokenizerJson's answer, made once
 
@@ -286,7 +291,7 @@ class TokenizerService(GrpcService):
     async def warm_up(self) -> None:
         # The default model may need converting first (once, minutes): off the event loop.
         tokenizer = await asyncio.to_thread(
-            lambda: Tokenizer.from_dir(resolve_model_path(self.model))
+            lambda: Tokenizer.from_dir(resolve_model_path(self.model), self.chat_template)
         )
         self.tokenizer_json = await asyncio.to_thread(lambda: tokenizer.to_json().encode())
         self.tokenizer = tokenizer

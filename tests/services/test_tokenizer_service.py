@@ -16,7 +16,7 @@ import grpc
 import pytest
 from common.grpc_stubs.folio.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
-from common.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer, read_chat_template
 from grpc_helpers import TIMEOUT, ServerThread, assert_health_and_reflection
 from services.tokenizer.server import TokenizerService
 
@@ -365,3 +365,29 @@ def test_tools_and_calls_reach_a_template_that_knows_tools(qwen_template_server)
     assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in expected
     assert "<tool_response>\n21 C\n</tool_response>" in expected
     assert list(answer.token_ids) == library.encode(expected, add_special_tokens=False)
+
+
+def test_a_chat_template_given_to_the_service_replaces_the_models(default_model_dir):
+    """--chat-template: a file's template (here Qwen2.5's, which knows tools and adds its own
+    system prompt) renders the conversations and decides the tool-call format; an inline
+    template renders as given."""
+    path = Path(__file__).parent.parent / "fixtures" / "chat_templates" / "qwen2_5.jinja"
+    inline = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    question = CONVERSATION[1:]  # no system message
+    models_own = Tokenizer.from_dir(default_model_dir).apply_chat_template(question)
+    for given, tool_call_format, start in (
+        (str(path), "hermes", "<|im_start|>system\nYou are Qwen"),
+        (inline, "", "[user] Say hi in Japanese"),
+    ):
+        server = ServerThread(TokenizerService(str(default_model_dir), "127.0.0.1", 0, given))
+        try:
+            stub = tokenizer_pb2_grpc.TokenizerServiceStub(server.channel)
+            info = stub.GetInfo(tokenizer_pb2.GetInfoRequest(), timeout=TIMEOUT)
+            request = tokenizer_pb2.TokenizeRequest(chat=chat(question))
+            answer = stub.Tokenize(request, timeout=TIMEOUT)
+        finally:
+            server.close()
+        assert info.has_chat_template and info.tool_call_format == tool_call_format
+        library = Tokenizer.from_dir(default_model_dir, read_chat_template(given))
+        assert answer.prompt == library.apply_chat_template(question)
+        assert answer.prompt.startswith(start) and answer.prompt != models_own

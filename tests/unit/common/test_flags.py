@@ -90,7 +90,10 @@ def test_serve_has_every_engine_and_gateway_flag():
 
 # Flags whose value has a form of its own: a valid one that is not the default. The LoRA
 # flags stay at theirs (LoRA is refused with tensor parallelism, which changed() turns on).
-FORMED = {"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'}
+FORMED = {
+    "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}',
+    "chat_template": "{{ messages[0].content }}",
+}
 KEPT = {"lora_modules", "lora_root"}
 
 

@@ -6,8 +6,12 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from common.config import TokenizerServiceConfig
 from common.errors import InvalidRequestError
-from common.tokenizer import Tokenizer
+from common.flags import from_args
+from common.tokenizer import Tokenizer, read_chat_template
+from folio.cli import build_parser
+from services.supervisor import ServeConfig
 
 TEXTS = [
     "",
@@ -173,3 +177,19 @@ def test_sentencepiece_style_tokenizer_equals_transformers(
         ids = tokenizer.encode(text)
         assert ids == reference(text).input_ids, text
         assert tokenizer.decode(ids) == reference.decode(ids, skip_special_tokens=True), text
+
+
+def test_a_chat_template_flag_is_a_file_or_a_template_that_compiles(tmp_path: Path) -> None:
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    assert read_chat_template(str(tmp_path / "t.jinja")) == template
+    assert read_chat_template(template) == template
+    with pytest.raises(ValueError, match=r"chat_template '/no/such\.jinja' is neither a file"):
+        read_chat_template("/no/such.jinja")
+    with pytest.raises(ValueError, match=r"chat_template does not compile: .*\(line 2\)"):
+        read_chat_template("ok\n{% for m in messages %}{{ m.content }}")
+    # folio serve and folio tokenizer refuse it before any service starts.
+    for command in ("serve", "tokenizer"):
+        args = build_parser().parse_args([command, "--chat-template", "/no/such.jinja"])
+        with pytest.raises(ValueError, match="neither a file"):
+            from_args(ServeConfig if command == "serve" else TokenizerServiceConfig, args)

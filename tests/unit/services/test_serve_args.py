@@ -72,6 +72,8 @@ def test_serve_flags_reach_each_child():
         "folio-x",
         "--routing-policy",
         "round_robin",
+        "--chat-template",
+        "{{ messages[0].content }}",
     )
     assert [c.args[0] for c in serve.children] == ["tokenizer", "engine", "gateway"]
     tokenizer = child_config(TokenizerServiceConfig, serve.tokenizer.args)
@@ -82,6 +84,7 @@ def test_serve_flags_reach_each_child():
         "127.0.0.1",
         50152,
     )
+    assert tokenizer.chat_template == "{{ messages[0].content }}"
     assert (engine.listen.host, engine.listen.port) == ("127.0.0.1", 50151)
     assert engine.engine == EngineConfig(
         model="/models/x", max_num_seqs=7, enable_prefix_caching=False
