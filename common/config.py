@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from common.flags import check_choices, command_line, flag, from_args
+from common.generation_config import check_setting
 from common.speculative import SpeculativeConfig
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -80,6 +81,16 @@ def check_chat_template(value: str | None) -> None:
         from common.tokenizer import read_chat_template
 
         read_chat_template(value)
+
+
+def generation_config_flag() -> Any:
+    return flag(
+        "auto",
+        "the sampling defaults of the OpenAI APIs (vLLM's --generation-config): auto = the "
+        "model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty "
+        "where a request leaves them unset; max_new_tokens caps every request), folio (or vllm) "
+        "= none, or a directory holding a generation_config.json",
+    )
 
 
 def chat_template_flag() -> Any:
@@ -364,9 +375,11 @@ class TokenizerServiceConfig:
     model: str | None = _model_flag()
     listen: ListenConfig = field(default_factory=lambda: ListenConfig(port=TOKENIZER_PORT))
     chat_template: str | None = chat_template_flag()
+    generation_config: str = generation_config_flag()
 
     def __post_init__(self) -> None:
         check_chat_template(self.chat_template)
+        check_setting(self.generation_config)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from common.finish_reason import FinishReason
+from common.generation_config import SamplingDefaults
 from common.sampling_params import SamplingParams
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -167,6 +168,15 @@ class ChatFormats:
 
     tool_call: str
     reasoning: str
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What the tokenizer service says of the model once: its chat template's formats and the
+    sampling defaults it recommends (--generation-config)."""
+
+    formats: ChatFormats
+    sampling: SamplingDefaults
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from common.grpc_stubs.folio.v1 import tokenizer_pb2 as tok_pb2
 from grpc_health.v1 import health_pb2
 
 from common.finish_reason import finish_reason_from_proto, finish_reason_to_proto
+from common.generation_config import SamplingDefaults
 from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from common.sampling_proto import sampling_params_from_proto, sampling_params_to_proto
@@ -36,6 +37,7 @@ from gateway.messages import (
     StepOutput,
     TextCall,
     Tokenized,
+    TokenizerInfo,
     ToolCall,
     ToolSpec,
 )
@@ -316,8 +318,13 @@ def info_request() -> tok_pb2.GetInfoRequest:
     return tok_pb2.GetInfoRequest()
 
 
-def chat_formats(info: tok_pb2.GetInfoResponse) -> ChatFormats:
-    return ChatFormats(tool_call=info.tool_call_format, reasoning=info.reasoning_format)
+def tokenizer_info(info: tok_pb2.GetInfoResponse) -> TokenizerInfo:
+    # The message's fields are SamplingDefaults' own; only those set are listed.
+    defaults = {field.name: value for field, value in info.sampling_defaults.ListFields()}
+    return TokenizerInfo(
+        ChatFormats(tool_call=info.tool_call_format, reasoning=info.reasoning_format),
+        SamplingDefaults(**defaults),
+    )
 
 
 def tokenizer_json_request() -> tok_pb2.GetTokenizerJsonRequest:

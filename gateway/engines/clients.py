@@ -47,13 +47,13 @@ from gateway.engines.pinning import current_pin
 from gateway.limits.deadlines import call_timeout
 from gateway.limits.service_level import current_service_level
 from gateway.messages import (
-    ChatFormats,
     ChatTurn,
     EngineModel,
     EngineStats,
     KvEventBatch,
     StepOutput,
     Tokenized,
+    TokenizerInfo,
     ToolSpec,
 )
 
@@ -355,9 +355,9 @@ class TokenizerClient(_ServiceClient):
         request = wire.detokenize_request(token_ids, skip_special_tokens)
         return wire.detokenized(await self._unary(self._stub.Detokenize, request))
 
-    async def chat_formats(self) -> ChatFormats:
-        """The tool-call and reasoning formats the model's chat template teaches."""
-        return wire.chat_formats(await self._unary(self._stub.GetInfo, wire.info_request()))
+    async def info(self) -> TokenizerInfo:
+        """The formats the model's chat template teaches and the sampling it recommends."""
+        return wire.tokenizer_info(await self._unary(self._stub.GetInfo, wire.info_request()))
 
     async def tokenizer_json(self) -> str:
         """The tokenizer itself as its JSON text (GetTokenizerJson), for detokenizing in this

@@ -18,6 +18,7 @@ from typing import TypeVar
 import pydantic_core
 
 from common.errors import InvalidRequestError
+from common.generation_config import SamplingDefaults
 from common.sampling_params import SamplingParams
 from gateway.engines.pinning import set_pin
 from gateway.front.http_errors import error_body, log_failure
@@ -100,8 +101,14 @@ def _sampling_params(
     body: api.SamplingFields,
     max_tokens: int | None,
     logprobs: int | None,
+    model: SamplingDefaults,
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
+    """The request's sampling: what it sets, else what the model recommends (`model`,
+    --generation-config), else the library's defaults; the model's max_tokens caps the
+    request's (vLLM's rule for max_new_tokens)."""
+    if model.max_tokens is not None:
+        max_tokens = model.max_tokens if max_tokens is None else min(max_tokens, model.max_tokens)
     logit_bias = None
     if body.logit_bias:
         try:
@@ -114,13 +121,15 @@ def _sampling_params(
         max_tokens=max_tokens,
         min_tokens=body.min_tokens,
         ignore_eos=body.ignore_eos,
-        temperature=_or_default(body.temperature, default.temperature),
-        top_p=_or_default(body.top_p, default.top_p),
-        top_k=_or_default(body.top_k, default.top_k),
-        min_p=_or_default(body.min_p, default.min_p),
+        temperature=_or_default(body.temperature, model.temperature, default.temperature),
+        top_p=_or_default(body.top_p, model.top_p, default.top_p),
+        top_k=_or_default(body.top_k, model.top_k, default.top_k),
+        min_p=_or_default(body.min_p, model.min_p, default.min_p),
         presence_penalty=_or_default(body.presence_penalty, default.presence_penalty),
         frequency_penalty=_or_default(body.frequency_penalty, default.frequency_penalty),
-        repetition_penalty=_or_default(body.repetition_penalty, default.repetition_penalty),
+        repetition_penalty=_or_default(
+            body.repetition_penalty, model.repetition_penalty, default.repetition_penalty
+        ),
         seed=body.seed,
         logit_bias=logit_bias,
         stop_token_ids=_or_default(body.stop_token_ids, []),
@@ -130,8 +139,9 @@ def _sampling_params(
     )
 
 
-def _or_default(value: T | None, default: T) -> T:
-    return default if value is None else value
+def _or_default(value: T | None, *defaults: T | None) -> T:
+    """The first of the value and its defaults that is set (the last default always is)."""
+    return next(v for v in (value, *defaults) if v is not None)
 
 
 def _text_requests(
@@ -235,6 +245,7 @@ async def plan_chat(
         body,
         body.max_completion_tokens or body.max_tokens,
         (body.top_logprobs or 0) if body.logprobs else None,
+        await gateway.sampling_defaults(),
     )
     params = _with_tools(params, chat)
     reasoning = reasoning_plan(
@@ -296,7 +307,9 @@ async def plan_completion(gateway: Gateway, body: api.CompletionRequest) -> Plan
     prompt_logprobs = body.logprobs if body.echo else None
     if body.max_tokens == 0 and prompt_logprobs is None:
         prompt_logprobs = 0
-    params = _sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
+    params = _sampling_params(
+        body, body.max_tokens, body.logprobs, await gateway.sampling_defaults(), prompt_logprobs
+    )
     requests = _text_requests(info, ids, body, params, "prompt", "max_tokens")
     echo = None
     if body.echo:

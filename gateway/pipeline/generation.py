@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import DeadlineExceededError, FolioError, ModelNotFound, UnavailableError
+from common.generation_config import SamplingDefaults
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from gateway.engines.clients import EngineClient, TokenizerClient
@@ -31,7 +32,14 @@ from gateway.engines.lora import set_lora
 from gateway.engines.replicas import EnginePool
 from gateway.engines.routing import make_policy
 from gateway.limits.deadlines import at_deadline
-from gateway.messages import ChatFormats, ChatTurn, EngineStats, Tokenized, ToolSpec
+from gateway.messages import (
+    ChatFormats,
+    ChatTurn,
+    EngineStats,
+    Tokenized,
+    TokenizerInfo,
+    ToolSpec,
+)
 from gateway.metrics import Metrics
 from gateway.pipeline.model_text import ModelText
 from gateway.pipeline.output_processor import ChoiceItem, TrackedRequest
@@ -78,7 +86,7 @@ class Gateway:
         self.draining = False
         self._info: ModelInfo | None = None
         self._info_broken_streams = 0  # engine.broken_streams when _info was read
-        self._chat_formats: ChatFormats | None = None  # the chat template's, once asked
+        self._tokenizer_info: TokenizerInfo | None = None  # the model's, once asked
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -153,12 +161,19 @@ class Gateway:
         except FolioError:
             return None
 
+    async def _tokenizer_says(self) -> TokenizerInfo:
+        """What the tokenizer says of the model, asked once."""
+        if self._tokenizer_info is None:
+            self._tokenizer_info = await self.tokenizer.info()
+        return self._tokenizer_info
+
     async def chat_formats(self) -> ChatFormats:
-        """The tool-call and reasoning formats the model's chat template teaches, asked of the
-        tokenizer once."""
-        if self._chat_formats is None:
-            self._chat_formats = await self.tokenizer.chat_formats()
-        return self._chat_formats
+        """The tool-call and reasoning formats the model's chat template teaches."""
+        return (await self._tokenizer_says()).formats
+
+    async def sampling_defaults(self) -> SamplingDefaults:
+        """The sampling the model recommends where a request leaves a field unset."""
+        return (await self._tokenizer_says()).sampling
 
     def check_available(self) -> None:
         if self.draining and not _admitted_before_drain.get():

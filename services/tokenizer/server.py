@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -22,8 +23,16 @@ from common.grpc_stubs.folio.v1 import tokenizer_pb2_grpc
 from common.default_model import resolve_model_path
 from common.detokenizer import IncrementalDetokenizer, bad_token_id
 from common.errors import InvalidRequestError, status_code_for
+from common.generation_config import (
+    MODEL_SETTING,
+    SamplingDefaults,
+    check_setting,
+    read_sampling_defaults,
+)
 from common.grpc_server import GrpcService
 from common.tokenizer import Tokenizer, read_chat_template
+
+logger = logging.getLogger(__name__)
 
 # GetTokenizerJson's chunks: well inside the message limit (common.config.GRPC_MAX_MESSAGE_BYTES).
 TOKENIZER_JSON_CHUNK_BYTES = 1 << 20
@@ -268,6 +277,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             has_chat_template=tokenizer.chat_template is not None,
             tool_call_format=tokenizer.tool_call_format,
             reasoning_format=tokenizer.reasoning_format,
+            sampling_defaults=pb.SamplingDefaults(**self._service.sampling_defaults.given()),
         )
 
 
@@ -275,13 +285,21 @@ class TokenizerService(GrpcService):
     service_names = (pb.DESCRIPTOR.services_by_name["TokenizerService"].full_name,)
 
     def __init__(
-        self, model: str | None, host: str, port: int, chat_template: str | None = None
+        self,
+        model: str | None,
+        host: str,
+        port: int,
+        chat_template: str | None = None,
+        generation_config: str = MODEL_SETTING,
     ) -> None:
         super().__init__(host, port)
         self.model = model
         # Jinja source in place of the model's template (--chat-template, read now: a bad one
         # stops the service before it serves).
         self.chat_template = read_chat_template(chat_template) if chat_template else None
+        check_setting(generation_config)
+        self.generation_config = generation_config
+        self.sampling_defaults = SamplingDefaults()  # read with the tokenizer
         self.tokenizer: Tokenizer | None = None
         self.tokenizer_json: bytes | None = None  # GetTokenizerJson's answer, made once
 
@@ -290,8 +308,14 @@ class TokenizerService(GrpcService):
 
     async def warm_up(self) -> None:
         # The default model may need converting first (once, minutes): off the event loop.
-        tokenizer = await asyncio.to_thread(
-            lambda: Tokenizer.from_dir(resolve_model_path(self.model), self.chat_template)
-        )
+        path = await asyncio.to_thread(resolve_model_path, self.model)
+        tokenizer = await asyncio.to_thread(Tokenizer.from_dir, path, self.chat_template)
+        self.sampling_defaults = read_sampling_defaults(path, self.generation_config)
+        if given := self.sampling_defaults.given():
+            logger.info(
+                "sampling defaults for requests that leave them unset (--generation-config %s): %s",
+                self.generation_config,
+                given,
+            )
         self.tokenizer_json = await asyncio.to_thread(lambda: tokenizer.to_json().encode())
         self.tokenizer = tokenizer

@@ -93,6 +93,7 @@ def test_serve_has_every_engine_and_gateway_flag():
 FORMED = {
     "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}',
     "chat_template": "{{ messages[0].content }}",
+    "generation_config": "folio",
 }
 KEPT = {"lora_modules", "lora_root"}
 
