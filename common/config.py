@@ -13,6 +13,7 @@ device.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import math
 import os
 from dataclasses import dataclass, field
@@ -22,6 +23,9 @@ from typing import Any
 from common.flags import check_choices, command_line, flag, from_args
 from common.generation_config import check_setting
 from common.speculative import SpeculativeConfig
+
+# The installed package's version (pyproject.toml's): GET /version and the OpenAPI document.
+FOLIO_VERSION = importlib.metadata.version("folio")
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
@@ -533,6 +537,11 @@ class GatewayConfig:
         4,
         "lines of batch jobs one gateway process runs at once, each in the engine's batch "
         "lane (behind every interactive request)",
+    )
+    allowed_origins: tuple[str, ...] = flag(
+        (),
+        "browser origins allowed to call the HTTP API (CORS), e.g. https://app.example.com, "
+        "or * for any; repeat the flag for several; default: none (same-origin pages only)",
     )
 
     def __post_init__(self) -> None:

@@ -27,11 +27,18 @@ from typing import TypeVar
 from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from common.config import DASHBOARD_FEED_INTERVAL_SECONDS, MAX_REQUEST_BODY_BYTES, GatewayConfig
+from common.config import (
+    DASHBOARD_FEED_INTERVAL_SECONDS,
+    FOLIO_VERSION,
+    MAX_REQUEST_BODY_BYTES,
+    GatewayConfig,
+)
 from gateway.anthropic import events as message_events
 from gateway.anthropic import protocol as aapi
 from gateway.anthropic import translate as anthropic
@@ -435,6 +442,10 @@ async def metrics(request: Request) -> Response:
     return Response(gateway.metrics.render(await gateway.engine_stats()), media_type=CONTENT_TYPE)
 
 
+async def version(request: Request) -> Response:
+    return ModelResponse(api.VersionResponse(version=FOLIO_VERSION))
+
+
 async def server_info(request: Request) -> Response:
     return ModelResponse(await smg.server_info(_context(request).gateway), exclude_none=True)
 
@@ -649,6 +660,15 @@ ENDPOINTS = [
         errors=ANY_ROUTE_ERRORS,
     ),
     Endpoint(
+        "/version",
+        "GET",
+        "Folio's version (vLLM)",
+        version,
+        None,
+        api.VersionResponse,
+        errors=ANY_ROUTE_ERRORS,
+    ),
+    Endpoint(
         "/server_info",
         "GET",
         "The served model and the engines' capacity, as SGLang answers it (for SMG)",
@@ -846,12 +866,26 @@ def build_app(
         for e in endpoints
         if e.handler is not None
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    # Browsers on the allowed origins may call the API; preflights are answered before any
+    # route (they carry no key). None: same-origin only.
+    cors = (
+        [
+            Middleware(
+                CORSMiddleware,
+                allow_origins=config.allowed_origins,
+                allow_methods=["*"],
+                allow_headers=["*"],
+            )
+        ]
+        if config.allowed_origins
+        else []
+    )
+    app = Starlette(routes=routes, middleware=cors, exception_handlers={HTTPException: http_error})
     app.state.context = AppContext(
         gateway,
         config,
         access or Access(config),
         batches,
-        json.dumps(openapi_document(endpoints, "Folio", "0.1.0")),
+        json.dumps(openapi_document(endpoints, "Folio", FOLIO_VERSION)),
     )
     return app

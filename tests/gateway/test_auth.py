@@ -6,6 +6,7 @@ environment or a file, and no key ever shows in a log line, an error message or 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import logging
 import os
 import re
@@ -247,3 +248,47 @@ def test_keys_are_never_logged(services, caplog, capfd):
     )
     for key in (*KEYS, WRONG):
         assert key not in text
+
+
+def test_the_version_is_a_probe_route(keyed):
+    with httpx.Client(base_url=keyed.url, timeout=TIMEOUT) as http:
+        response = http.get("/version")
+    assert response.status_code == 200, response.text
+    assert response.json() == {"version": importlib.metadata.version("folio")}
+
+
+def test_browsers_on_allowed_origins_may_call_the_api(keyed, services):
+    """CORS: none by default; with --allowed-origins a preflight from an allowed origin is
+    answered before any key is asked for, and every answer to it (an error too) names it."""
+    origin, other = "https://app.example.com", "https://evil.example.net"
+
+    def preflight(http: httpx.Client, from_origin: str) -> httpx.Response:
+        return http.options(
+            "/v1/chat/completions",
+            headers={
+                "origin": from_origin,
+                "access-control-request-method": "POST",
+                "access-control-request-headers": "authorization, content-type",
+            },
+        )
+
+    with httpx.Client(base_url=keyed.url, timeout=TIMEOUT) as http:
+        assert "access-control-allow-origin" not in preflight(http, origin).headers
+        answer = http.get("/v1/models", headers={"origin": origin, **dict(bearer(KEYS[0]))})
+        assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
+    server = start_gateway(services, api_keys=KEYS, allowed_origins=(origin,))
+    try:
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
+            allowed = preflight(http, origin)
+            assert allowed.status_code == 200, allowed.text
+            assert allowed.headers["access-control-allow-origin"] == origin
+            assert "authorization" in allowed.headers["access-control-allow-headers"].lower()
+            refused = preflight(http, other)
+            assert refused.status_code == 400
+            assert "access-control-allow-origin" not in refused.headers
+            for key, status in ((KEYS[0], 200), (WRONG, 401)):
+                answer = http.get("/v1/models", headers={"origin": origin, **dict(bearer(key))})
+                assert answer.status_code == status
+                assert answer.headers["access-control-allow-origin"] == origin
+    finally:
+        server.close()
