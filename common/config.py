@@ -538,11 +538,23 @@ class GatewayConfig:
         "lines of batch jobs one gateway process runs at once, each in the engine's batch "
         "lane (behind every interactive request)",
     )
+    ssl_keyfile: str | None = flag(
+        None,
+        "TLS: the private key (PEM) the HTTP API and the gRPC text API serve with, beside "
+        "--ssl-certfile; default: plaintext",
+    )
+    ssl_certfile: str | None = flag(
+        None, "TLS: the certificate chain (PEM) for --ssl-keyfile's key; default: plaintext"
+    )
     allowed_origins: tuple[str, ...] = flag(
         (),
         "browser origins allowed to call the HTTP API (CORS), e.g. https://app.example.com, "
         "or * for any; repeat the flag for several; default: none (same-origin pages only)",
     )
+
+    @property
+    def tls(self) -> bool:
+        return self.ssl_certfile is not None
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -550,6 +562,12 @@ class GatewayConfig:
             raise ValueError(f"max_upload_mib must be > 0, got {self.max_upload_mib}")
         if self.batch_concurrency < 1:
             raise ValueError(f"batch_concurrency must be >= 1, got {self.batch_concurrency}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile go together: set both, or neither")
+        for name in ("ssl_keyfile", "ssl_certfile"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{name} {path!r} is not a file")
         for name in ("rate_limit_rps", "rate_limit_tpm"):
             value = getattr(self, name)
             if value is not None and not value > 0:

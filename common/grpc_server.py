@@ -58,10 +58,17 @@ class GrpcService:
         self.keys = KeySet()  # what callers must present (require_keys); empty: open
         self.key_name = ""
         self._options: list[tuple[str, Any]] = list(GRPC_MESSAGE_OPTIONS)
+        self._credentials: grpc.ServerCredentials | None = None  # serve_tls's
 
     def share_port(self) -> None:
         """From `start` on, listen with SO_REUSEPORT: processes of one group serve one port."""
         self._options.append(("grpc.so_reuseport", 1))
+
+    def serve_tls(self, keyfile: str, certfile: str) -> None:
+        """From `start` on, listen with TLS: the private key and certificate chain (PEM
+        files)."""
+        with open(keyfile, "rb") as key, open(certfile, "rb") as chain:
+            self._credentials = grpc.ssl_server_credentials([(key.read(), chain.read())])
 
     def require_keys(self, keys: KeySet, what: str, open_health: bool = True) -> None:
         """From `start` on, every call must present one of `keys` (authorization: Bearer),
@@ -115,7 +122,11 @@ class GrpcService:
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
         )
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = server.add_insecure_port(self.address)
+        self.port = (
+            server.add_insecure_port(self.address)
+            if self._credentials is None
+            else server.add_secure_port(self.address, self._credentials)
+        )
         await server.start()
         self._server = server
         self._warm_up_task = asyncio.create_task(self._warm_up())

@@ -57,8 +57,14 @@ class GatewayThread(LoopThread):
             internal_token=internal_token,
         )
         self.call(self.server.start())
-        self.url = f"http://127.0.0.1:{self.server.port}"
-        self.grpc_channel = grpc.insecure_channel(f"127.0.0.1:{self.server.grpc_port}")
+        self.url = f"{self.server.scheme}://127.0.0.1:{self.server.port}"
+        grpc_address = f"127.0.0.1:{self.server.grpc_port}"
+        if config.ssl_certfile is None:
+            self.grpc_channel = grpc.insecure_channel(grpc_address)
+        else:  # a certificate of its own, trusted as its own authority
+            with open(config.ssl_certfile, "rb") as chain:
+                credentials = grpc.ssl_channel_credentials(root_certificates=chain.read())
+            self.grpc_channel = grpc.secure_channel(grpc_address, credentials)
 
     def close(self) -> None:
         self.grpc_channel.close()

@@ -150,6 +150,8 @@ class GatewayGrpcService(GrpcService):
         self.require_keys(
             self.access.keys, "API key", open_health=not self.access.protect_health_metrics
         )
+        if self.config.ssl_keyfile is not None and self.config.ssl_certfile is not None:
+            self.serve_tls(self.config.ssl_keyfile, self.config.ssl_certfile)
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(self), server)

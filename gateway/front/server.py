@@ -140,6 +140,10 @@ class GatewayServer:
         self._http_task: asyncio.Task[None] | None = None
         self.batches: BatchService | None = None  # the batch jobs, once started
 
+    @property
+    def scheme(self) -> str:
+        return "https" if self.config.tls else "http"
+
     async def start(self) -> None:
         """Listen on both ports (0 picks free ones; self.port and self.grpc_port say which)."""
         # gRPC channels belong to the running loop: create the clients here, not in __init__.
@@ -180,6 +184,8 @@ class GatewayServer:
             access_log=False,
             log_level="warning",
             timeout_keep_alive=30,
+            ssl_keyfile=self.config.ssl_keyfile,
+            ssl_certfile=self.config.ssl_certfile,
         )
         self._http = http = _Uvicorn(config)
         self._http_task = http_task = asyncio.create_task(http.serve(sockets=[sock]))
@@ -230,7 +236,7 @@ class GatewayServer:
         await self.start()
         if self.worker is None:
             print(
-                f"folio: gateway listening on http://{self.host}:{self.port} "
+                f"folio: gateway listening on {self.scheme}://{self.host}:{self.port} "
                 f"(gRPC {self.host}:{self.grpc_port})",
                 flush=True,
             )

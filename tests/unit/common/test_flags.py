@@ -89,13 +89,14 @@ def test_serve_has_every_engine_and_gateway_flag():
 
 
 # Flags whose value has a form of its own: a valid one that is not the default. The LoRA
-# flags stay at theirs (LoRA is refused with tensor parallelism, which changed() turns on).
+# flags stay at theirs (LoRA is refused with tensor parallelism, which changed() turns on), and
+# so do the TLS files (they must exist, and come as a pair).
 FORMED = {
     "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}',
     "chat_template": "{{ messages[0].content }}",
     "generation_config": "folio",
 }
-KEPT = {"lora_modules", "lora_root"}
+KEPT = {"lora_modules", "lora_root", "ssl_keyfile", "ssl_certfile"}
 
 
 def changed(config_type):
