@@ -12,8 +12,9 @@ When: at start-up (`--decode-compile startup`, the offline LLM's default: the en
 with its programs ready), or in the background (`background`, a served engine's default): the
 engine serves eagerly at once while a thread loads the stored programs, or has a process of its
 own build them, and decode steps switch to the programs between two steps once all are ready.
-A step reads the programs once, so it runs wholly eagerly or wholly compiled, and both give the
-same greedy tokens. An engine with LoRA slots (engine.layers.lora) has two sets: one for steps
+A step reads the programs once, so it runs wholly eagerly or wholly compiled; both give the
+same greedy tokens for float32 weights, and over kernels that round activations to 8 bits (a
+GGUF's int4) may part at a near-tie. An engine with LoRA slots (engine.layers.lora) has two sets: one for steps
 whose rows use no adapter (the base model's program) and one for steps with adapters, which
 reads the step's token slots and weights, persistent tensors updated in place (an adapter loaded
 into a slot is seen by the next step's program). Compiling is a speed-up, never a condition

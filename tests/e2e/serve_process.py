@@ -20,6 +20,8 @@ STARTUP_TIMEOUT = 180
 COMPILED_STARTUP_TIMEOUT = 600
 STARTING = re.compile(r"starting tokenizer \((\S+)\), engine \((\S+)\) and gateway")
 SERVING = re.compile(r"serving on (http://\S+) \(OpenAI API under /v1; gateway gRPC (\S+)\)")
+# What an engine logs once its compiled decode steps are ready (engine.compiled_decode).
+PROGRAMS_READY = r"compiled decode steps \(batches of [\d, ]+ rows\) (loaded|compiled) in"
 # Small engine settings: quick to start, and checked to reach the engine process.
 ENGINE_ARGS = ("--num-kv-blocks", "512", "--max-num-seqs", "32")
 

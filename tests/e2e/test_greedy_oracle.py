@@ -24,6 +24,7 @@ import pytest
 import torch
 from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from serve_process import PROGRAMS_READY
 
 from engine import LLM, SamplingParams
 from engine.kernels.cpu.capabilities import ISA_ENV, cpu_capabilities
@@ -31,10 +32,6 @@ from engine.layers.linear import Bf16Tiles
 from polling import wait_until
 
 NEW_TOKENS = 32
-# What an engine logs once its compiled decode steps are ready (engine.compiled_decode).
-PROGRAMS_READY = re.compile(
-    r"compiled decode steps \(batches of [\d, ]+ rows\) (loaded|compiled) in"
-)
 SYSTEM = (
     "You are a meticulous assistant. Answer briefly, cite no sources, and prefer plain words "
     "over jargon. Never invent facts you are unsure about."
@@ -270,7 +267,7 @@ def test_restarted_engine_loads_its_programs(default_model_dir, prompts, referen
     assert stored.engine.executor.runner.compiled_decode.ready
     stderr = tmp_path / "stderr"
     with served_engine(default_model_dir, stderr, dict(os.environ)) as port:
-        wait_until(lambda: PROGRAMS_READY.search(stderr.read_text()), "the programs", 600)
+        wait_until(lambda: re.search(PROGRAMS_READY, stderr.read_text()), "the programs", 600)
         assert generate_served(port, prompts) == reference
     log = stderr.read_text()
     assert re.search(r"compiled decode steps \(batches of 2, 1 rows\) loaded in", log), log[-3000:]
