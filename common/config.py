@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from common.flags import check_choices, command_line, flag, from_args
-from common.generation_config import check_setting
+from common.generation_config import check_setting, parse_override
 from common.speculative import SpeculativeConfig
 
 # The installed package's version (pyproject.toml's): GET /version and the OpenAPI document.
@@ -94,6 +94,15 @@ def generation_config_flag() -> Any:
         "model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty "
         "where a request leaves them unset; max_new_tokens caps every request), folio (or vllm) "
         "= none, or a directory holding a generation_config.json",
+    )
+
+
+def override_generation_config_flag() -> Any:
+    return flag(
+        None,
+        "a JSON object of sampling defaults laid over --generation-config's (vLLM's flag), "
+        'e.g. \'{"temperature": 0.7, "max_new_tokens": 512}\'; keys: temperature, top_p, '
+        "top_k, min_p, repetition_penalty, max_new_tokens; default: none",
     )
 
 
@@ -380,10 +389,12 @@ class TokenizerServiceConfig:
     listen: ListenConfig = field(default_factory=lambda: ListenConfig(port=TOKENIZER_PORT))
     chat_template: str | None = chat_template_flag()
     generation_config: str = generation_config_flag()
+    override_generation_config: str | None = override_generation_config_flag()
 
     def __post_init__(self) -> None:
         check_chat_template(self.chat_template)
         check_setting(self.generation_config)
+        parse_override(self.override_generation_config)
 
 
 @dataclass

@@ -13,6 +13,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from common.sampling_params import SamplingParams
+
 # --generation-config's values besides a directory: the model's own file, or none at all
 # (Folio's defaults; vLLM names that setting "vllm", which means the same here).
 MODEL_SETTING = "auto"
@@ -37,6 +39,18 @@ class SamplingDefaults:
         return {name: value for name, value in values.items() if value is not None}
 
 
+# The generation_config.json key of each SamplingDefaults field.
+FILE_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_tokens": "max_new_tokens",
+}
+INTEGER_FIELDS = ("top_k", "max_tokens")
+
+
 def check_setting(setting: str) -> None:
     """ValueError naming --generation-config unless it is auto, folio (or vllm), or a
     directory that holds a generation_config.json."""
@@ -49,34 +63,48 @@ def check_setting(setting: str) -> None:
         )
 
 
-def read_sampling_defaults(model_path: Path, setting: str) -> SamplingDefaults:
-    """The defaults --generation-config `setting` gives for the model at `model_path` (a
-    directory, or a GGUF file, which carries none)."""
-    check_setting(setting)
-    if setting in NO_DEFAULTS_SETTINGS:
-        return SamplingDefaults()
-    directory = model_path if setting == MODEL_SETTING else Path(setting).expanduser()
-    path = directory / FILE_NAME
-    if not path.is_file():
-        return SamplingDefaults()
-    config = json.loads(path.read_text())
+def parse_override(text: str | None) -> dict[str, Any]:
+    """--override-generation-config's JSON object, by generation_config.json key; ValueError
+    naming the flag and the key for anything else."""
+    if text is None:
+        return {}
+    try:
+        override = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"override_generation_config is not JSON: {exc}") from None
+    if not isinstance(override, dict):
+        raise ValueError("override_generation_config must be a JSON object")
+    for key, value in override.items():
+        if key not in FILE_KEYS.values():
+            known = ", ".join(FILE_KEYS.values())
+            raise ValueError(f"override_generation_config: unknown key {key!r} (known: {known})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"override_generation_config: {key} must be a number, got {value!r}")
+    return override
 
-    def number(key: str) -> float | None:
+
+def read_sampling_defaults(
+    model_path: Path, setting: str, override: str | None = None
+) -> SamplingDefaults:
+    """The defaults --generation-config `setting` gives for the model at `model_path` (a
+    directory, or a GGUF file, which carries none), with --override-generation-config's on
+    top; ValueError where the result is no valid sampling (naming the field)."""
+    check_setting(setting)
+    config: dict[str, Any] = {}
+    directory = model_path if setting == MODEL_SETTING else Path(setting).expanduser()
+    if setting not in NO_DEFAULTS_SETTINGS and (directory / FILE_NAME).is_file():
+        config = json.loads((directory / FILE_NAME).read_text())
+    config.update(parse_override(override))
+    values: dict[str, Any] = {}
+    for name, key in FILE_KEYS.items():
         value = config.get(key)
         # bool is an int to Python; a file's true is no temperature.
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return None
-        return float(value)
-
-    def integer(key: str) -> int | None:
-        value = number(key)
-        return None if value is None else int(value)
-
-    return SamplingDefaults(
-        temperature=number("temperature"),
-        top_p=number("top_p"),
-        top_k=integer("top_k"),
-        min_p=number("min_p"),
-        repetition_penalty=number("repetition_penalty"),
-        max_tokens=integer("max_new_tokens"),
-    )
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            values[name] = int(value) if name in INTEGER_FIELDS else float(value)
+    defaults = SamplingDefaults(**values)
+    sampling = {k: v for k, v in defaults.given().items() if k != "max_tokens"}
+    try:
+        SamplingParams(**sampling, max_tokens=defaults.max_tokens).validate()
+    except ValueError as exc:
+        raise ValueError(f"generation_config's sampling defaults: {exc}") from None
+    return defaults

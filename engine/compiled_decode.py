@@ -11,18 +11,18 @@ engine with the same model, dtype, kernels, torch and CPU (engine.decode_program
 When: at start-up (`--decode-compile startup`, the offline LLM's default: the engine is built
 with its programs ready), or in the background (`background`, a served engine's default): the
 engine serves eagerly at once while a thread loads the stored programs, or has a process of its
-own build them, and decode steps switch to the programs between two steps once all are ready.
-A step reads the programs once, so it runs wholly eagerly or wholly compiled; both give the
-same greedy tokens for float32 weights, and over kernels that round activations to 8 bits (a
-GGUF's int4) may part at a near-tie. An engine with LoRA slots (engine.layers.lora) has two sets: one for steps
-whose rows use no adapter (the base model's program) and one for steps with adapters, which
-reads the step's token slots and weights, persistent tensors updated in place (an adapter loaded
-into a slot is seen by the next step's program). Compiling is a speed-up, never a condition
-of serving: if it fails (no C++ compiler, an inductor error), at start-up, in the background
-or in a later step, one warning says why and decode steps run eagerly from then on. A step that
-only verifies speculative drafts (engine.spec_decode) runs its tokens as one-token rows, each the
-decode of a context ending at itself, through the same programs and under the same rules.
-Prefill and mixed steps run eagerly.
+own build them, and decode steps switch to the programs between two steps once all are ready. A
+step reads the programs once, so it runs wholly eagerly or wholly compiled; both give the same
+greedy tokens for float32 weights, and over kernels that round activations to 8 bits (a GGUF's
+int4) may part at a near-tie. An engine with LoRA slots (engine.layers.lora) has two sets: one
+for steps whose rows use no adapter (the base model's program) and one for steps with adapters,
+which reads the step's token slots and weights, persistent tensors updated in place (an adapter
+loaded into a slot is seen by the next step's program). Compiling is a speed-up, never a
+condition of serving: if it fails (no C++ compiler, an inductor error), at start-up, in the
+background or in a later step, one warning says why and decode steps run eagerly from then on.
+A step that only verifies speculative drafts (engine.spec_decode) runs its tokens as one-token
+rows, each the decode of a context ending at itself, through the same programs and under the
+same rules. Prefill and mixed steps run eagerly.
 
 A row's bits do not depend on its company: the programs round every bfloat16 (float16) value
 where eager decoding does (inductor's emulate_precision_casts, engine.decode_programs), so the

@@ -27,6 +27,7 @@ from common.generation_config import (
     MODEL_SETTING,
     SamplingDefaults,
     check_setting,
+    parse_override,
     read_sampling_defaults,
 )
 from common.grpc_server import GrpcService
@@ -291,6 +292,7 @@ class TokenizerService(GrpcService):
         port: int,
         chat_template: str | None = None,
         generation_config: str = MODEL_SETTING,
+        override_generation_config: str | None = None,
     ) -> None:
         super().__init__(host, port)
         self.model = model
@@ -298,7 +300,9 @@ class TokenizerService(GrpcService):
         # stops the service before it serves).
         self.chat_template = read_chat_template(chat_template) if chat_template else None
         check_setting(generation_config)
+        parse_override(override_generation_config)
         self.generation_config = generation_config
+        self.override_generation_config = override_generation_config
         self.sampling_defaults = SamplingDefaults()  # read with the tokenizer
         self.tokenizer: Tokenizer | None = None
         self.tokenizer_json: bytes | None = None  # GetTokenizerJson's answer, made once
@@ -310,7 +314,9 @@ class TokenizerService(GrpcService):
         # The default model may need converting first (once, minutes): off the event loop.
         path = await asyncio.to_thread(resolve_model_path, self.model)
         tokenizer = await asyncio.to_thread(Tokenizer.from_dir, path, self.chat_template)
-        self.sampling_defaults = read_sampling_defaults(path, self.generation_config)
+        self.sampling_defaults = read_sampling_defaults(
+            path, self.generation_config, self.override_generation_config
+        )
         if given := self.sampling_defaults.given():
             logger.info(
                 "sampling defaults for requests that leave them unset (--generation-config %s): %s",

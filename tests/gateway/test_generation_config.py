@@ -1,8 +1,9 @@
 """--generation-config through the served path: what a model's generation_config.json
 recommends (here top_k 1, temperature 0.9, max_new_tokens 5) samples what a request leaves
 unset, its max_new_tokens caps every request, and what a request sets wins; with `folio` the
-file is ignored. Real tokenizer and engine services on a tiny random-weight model with SmolLM2's
-tokenizer, two gateways over the one engine, the real openai client."""
+file is ignored, and --override-generation-config lays its own over either. Real tokenizer and
+engine services on a tiny random-weight model with SmolLM2's tokenizer, three gateways over the
+one engine, the real openai client."""
 
 from __future__ import annotations
 
@@ -22,12 +23,13 @@ from tiny_models import make_tiny_smollm2
 RECOMMENDED = {"top_k": 1, "temperature": 0.9, "max_new_tokens": 5, "do_sample": True}
 MESSAGES = [{"role": "user", "content": "Count to ten"}]
 NO_EOS = {"ignore_eos": True}
+OVERRIDE = '{"top_k": 1, "max_new_tokens": 7}'
 
 
 @pytest.fixture(scope="module")
 def clients(tmp_path_factory, default_model_dir):
-    """An openai client of a gateway whose tokenizer reads the model's file (auto), and of one
-    whose tokenizer ignores it (folio)."""
+    """An openai client of a gateway whose tokenizer reads the model's file (auto), of one
+    whose tokenizer ignores it (folio), and of one that ignores it but for an override."""
     model_dir = make_tiny_smollm2(tmp_path_factory.mktemp("tiny-generation"), default_model_dir)
     (model_dir / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, **RECOMMENDED})
@@ -40,9 +42,9 @@ def clients(tmp_path_factory, default_model_dir):
         )
     )
     stacks = []
-    for setting in ("auto", "folio"):
+    for setting, override in (("auto", None), ("folio", None), ("folio", OVERRIDE)):
         tokenizer = ServerThread(
-            TokenizerService(str(model_dir), "127.0.0.1", 0, generation_config=setting)
+            TokenizerService(str(model_dir), "127.0.0.1", 0, None, setting, override)
         )
         gateway = GatewayThread(f"127.0.0.1:{engine.port}", f"127.0.0.1:{tokenizer.port}")
         stacks.append((tokenizer, gateway))
@@ -69,7 +71,7 @@ def chat(client: openai.OpenAI, **kwargs) -> tuple[str, int, str]:
 
 
 def test_the_models_file_samples_what_a_request_leaves_unset(clients):
-    model_defaults, folio_defaults = clients
+    model_defaults, folio_defaults, overridden = clients
     greedy, count, finish = chat(model_defaults, temperature=0.0, max_tokens=5)
     assert (count, finish) == (5, "length")
     # top_k 1 from the file: any temperature, any seed, the greedy answer; no max_tokens: 5.
@@ -91,6 +93,9 @@ def test_the_models_file_samples_what_a_request_leaves_unset(clients):
     # folio: no cap (max_tokens 12 runs 12) and no top_k (a seeded sample is no greedy one).
     assert chat(folio_defaults, temperature=0.0, max_tokens=12)[1:] == (12, "length")
     assert chat(folio_defaults, seed=1, max_tokens=5)[0] != greedy
+    # The override's top_k 1 and cap of 7: any seed, the greedy answer, 7 tokens long.
+    longer, count, _ = chat(overridden, seed=3, max_tokens=12)
+    assert count == 7 and longer.startswith(greedy)
 
 
 def test_the_settings_read_the_model_a_directory_or_nothing(tmp_path, default_model_dir):
@@ -107,3 +112,16 @@ def test_the_settings_read_the_model_a_directory_or_nothing(tmp_path, default_mo
     assert read_sampling_defaults(tmp_path / "model.gguf", "auto") == SamplingDefaults()
     with pytest.raises(ValueError, match="generation_config must be auto, folio"):
         read_sampling_defaults(tmp_path, str(tmp_path / "missing"))
+    # An override lays its keys over the file's; a bad one is named before anything serves.
+    assert read_sampling_defaults(tmp_path, "auto", '{"top_k": 5, "max_new_tokens": 9}') == (
+        SamplingDefaults(temperature=0.6, top_p=0.95, top_k=5, max_tokens=9)
+    )
+    for override, problem in (
+        ('{"temp": 1}', "unknown key 'temp'"),
+        ('{"top_p": "high"}', "top_p must be a number"),
+        ('{"top_p": 0}', r"top_p must be in \(0, 1\]"),
+        ("[1]", "must be a JSON object"),
+        ("{", "is not JSON"),
+    ):
+        with pytest.raises(ValueError, match=problem):
+            read_sampling_defaults(tmp_path, "auto", override)

@@ -95,6 +95,7 @@ FORMED = {
     "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}',
     "chat_template": "{{ messages[0].content }}",
     "generation_config": "folio",
+    "override_generation_config": '{"temperature": 0.5}',
 }
 KEPT = {"lora_modules", "lora_root", "ssl_keyfile", "ssl_certfile"}
 
