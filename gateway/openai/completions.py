@@ -105,10 +105,8 @@ def _sampling_params(
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The request's sampling: what it sets, else what the model recommends (`model`,
-    --generation-config), else the library's defaults; the model's max_tokens caps the
-    request's (vLLM's rule for max_new_tokens)."""
-    if model.max_tokens is not None:
-        max_tokens = model.max_tokens if max_tokens is None else min(max_tokens, model.max_tokens)
+    --generation-config), else the library's defaults (the model's max_tokens caps the request's
+    where its prompt's length is known: _text_requests)."""
     logit_bias = None
     if body.logit_bias:
         try:
@@ -151,6 +149,7 @@ def _text_requests(
     params: SamplingParams,
     prompt_param: str,
     max_tokens_param: str,
+    model: SamplingDefaults,
 ) -> list[TextRequest]:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return [
@@ -164,6 +163,7 @@ def _text_requests(
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
             priority=body.priority,
+            max_tokens_cap=model.max_tokens,
         )
         for ids in prompts
     ]
@@ -241,11 +241,12 @@ async def plan_chat(
     info, chat, prompt = await chat_prompt(gateway, body, tool_call_parser)
     set_pin(body.cache.ttl_seconds if body.cache is not None and body.cache.pin_prefix else 0.0)
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    model = await gateway.sampling_defaults()
     params = _sampling_params(
         body,
         body.max_completion_tokens or body.max_tokens,
         (body.top_logprobs or 0) if body.logprobs else None,
-        await gateway.sampling_defaults(),
+        model,
     )
     params = _with_tools(params, chat)
     reasoning = reasoning_plan(
@@ -264,7 +265,9 @@ async def plan_chat(
     harmony_calls = chat.plan is not None and chat.plan.parser.name == HARMONY
     if harmony_calls or (reasoning is not None and reasoning.needs_special_tokens):
         body = body.model_copy(update={"skip_special_tokens": False})
-    requests = _text_requests(info, [prompt.token_ids], body, params, "messages", max_tokens_param)
+    requests = _text_requests(
+        info, [prompt.token_ids], body, params, "messages", max_tokens_param, model
+    )
     return Plan(
         True,
         new_request_id("chatcmpl"),
@@ -307,10 +310,9 @@ async def plan_completion(gateway: Gateway, body: api.CompletionRequest) -> Plan
     prompt_logprobs = body.logprobs if body.echo else None
     if body.max_tokens == 0 and prompt_logprobs is None:
         prompt_logprobs = 0
-    params = _sampling_params(
-        body, body.max_tokens, body.logprobs, await gateway.sampling_defaults(), prompt_logprobs
-    )
-    requests = _text_requests(info, ids, body, params, "prompt", "max_tokens")
+    model = await gateway.sampling_defaults()
+    params = _sampling_params(body, body.max_tokens, body.logprobs, model, prompt_logprobs)
+    requests = _text_requests(info, ids, body, params, "prompt", "max_tokens", model)
     echo = None
     if body.echo:
         prompt_texts = await asyncio.gather(*(_prompt_text(gateway, p) for p in prompts))

@@ -73,8 +73,11 @@ def text_request(
     priority: int = 0,
     prompt_param: str = "prompt",
     max_tokens_param: str = "max_tokens",
+    max_tokens_cap: int | None = None,
 ) -> TextRequest:
-    """Validate a sequence against the model; unset max_tokens fills the context.
+    """Validate a sequence against the model; unset max_tokens fills the context, up to
+    `max_tokens_cap` (the model's max_new_tokens, --generation-config), which caps a set one
+    too.
 
     Raises InvalidParameter naming the prompt, max_tokens or the sampling parameter.
     """
@@ -91,6 +94,10 @@ def text_request(
             f"{prompt_param} has {len(prompt_ids)} tokens, which leaves no room to generate",
             prompt_param,
         )
+    if max_tokens_cap is not None:
+        asked = room if params.max_tokens is None else params.max_tokens
+        capped = min(max_tokens_cap, asked)
+        params = dataclasses.replace(params, max_tokens=capped)
     if params.max_tokens is None:
         params = dataclasses.replace(params, max_tokens=room)
     elif isinstance(params.max_tokens, int) and params.max_tokens > room:

@@ -14,7 +14,7 @@ import pytest
 
 from common.config import EngineConfig
 from common.generation_config import SamplingDefaults, read_sampling_defaults
-from gateway_helpers import ENGINE_ARGS, GatewayThread
+from gateway_helpers import ENGINE_ARGS, MAX_MODEL_LEN, GatewayThread
 from grpc_helpers import ServerThread
 from services.engine.server import EngineService
 from services.tokenizer.server import TokenizerService
@@ -87,6 +87,23 @@ def test_the_models_file_samples_what_a_request_leaves_unset(clients):
         extra_body=NO_EOS,
     )
     assert completion.usage.completion_tokens == 5
+    # A prompt that leaves less room than the cap gets the room (max_tokens null: until the
+    # context is full), not a 400 for a max_tokens it never set; echo with max_tokens 0 still
+    # only scores the prompt.
+    short = model_defaults.completions.create(
+        model=model_defaults.models.list().data[0].id,
+        prompt=[5] * (MAX_MODEL_LEN - 2),
+        extra_body=NO_EOS | {"max_tokens": None},
+    )
+    assert (short.usage.completion_tokens, short.choices[0].finish_reason) == (2, "length")
+    scored = model_defaults.completions.create(
+        model=model_defaults.models.list().data[0].id,
+        prompt="Count to ten",
+        max_tokens=0,
+        echo=True,
+        logprobs=0,
+    )
+    assert scored.usage.completion_tokens == 0
     # What the request sets wins: top_k off samples a random model's near-uniform tokens.
     sampled = {chat(model_defaults, seed=s, extra_body={"top_k": 0})[0] for s in (1, 2)}
     assert greedy not in sampled and len(sampled) == 2
