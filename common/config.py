@@ -24,7 +24,7 @@ from common.flags import check_choices, command_line, flag, from_args
 from common.generation_config import check_setting, parse_override
 from common.speculative import SpeculativeConfig
 
-# The installed package's version (pyproject.toml's): GET /version and the OpenAPI document.
+# The installed package's version (pyproject.toml's), as the OpenAPI document gives it.
 FOLIO_VERSION = importlib.metadata.version("folio")
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")

@@ -442,10 +442,6 @@ async def metrics(request: Request) -> Response:
     return Response(gateway.metrics.render(await gateway.engine_stats()), media_type=CONTENT_TYPE)
 
 
-async def version(request: Request) -> Response:
-    return ModelResponse(api.VersionResponse(version=FOLIO_VERSION))
-
-
 async def server_info(request: Request) -> Response:
     return ModelResponse(await smg.server_info(_context(request).gateway), exclude_none=True)
 
@@ -657,15 +653,6 @@ ENDPOINTS = [
         "Prometheus metrics (text format 0.0.4)",
         metrics,
         media_type="text/plain",
-        errors=ANY_ROUTE_ERRORS,
-    ),
-    Endpoint(
-        "/version",
-        "GET",
-        "Folio's version (vLLM)",
-        version,
-        None,
-        api.VersionResponse,
         errors=ANY_ROUTE_ERRORS,
     ),
     Endpoint(

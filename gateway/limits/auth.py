@@ -33,15 +33,7 @@ from gateway.limits.shared_buckets import SharedBuckets
 # Routes that probes, scrapers, dashboards and routers in front (SMG) reach without a key unless
 # --protect-health-metrics. They show what /metrics shows.
 PROBE_PATHS = frozenset(
-    {
-        "/health",
-        "/metrics",
-        "/dashboard/feed",
-        "/server_info",
-        "/model_info",
-        "/v1/loads",
-        "/version",
-    }
+    {"/health", "/metrics", "/dashboard/feed", "/server_info", "/model_info", "/v1/loads"}
 )
 # Where a key may also come as a query parameter or a cookie (read by EventSource).
 BROWSER_KEY_PATHS = frozenset({"/dashboard/feed"})

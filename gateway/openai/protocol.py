@@ -478,10 +478,6 @@ class DetokenizeResponse(ResponseBody):
     prompt: str
 
 
-class VersionResponse(ResponseBody):
-    version: str
-
-
 class HealthResponse(ResponseBody):
     status: Literal["ok", "unavailable"]
     detail: str | None = None

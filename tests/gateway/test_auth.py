@@ -6,7 +6,6 @@ environment or a file, and no key ever shows in a log line, an error message or 
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import logging
 import os
 import re
@@ -248,13 +247,6 @@ def test_keys_are_never_logged(services, caplog, capfd):
     )
     for key in (*KEYS, WRONG):
         assert key not in text
-
-
-def test_the_version_is_a_probe_route(keyed):
-    with httpx.Client(base_url=keyed.url, timeout=TIMEOUT) as http:
-        response = http.get("/version")
-    assert response.status_code == 200, response.text
-    assert response.json() == {"version": importlib.metadata.version("folio")}
 
 
 def test_browsers_on_allowed_origins_may_call_the_api(keyed, services):
