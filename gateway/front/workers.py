@@ -98,6 +98,7 @@ class WorkerGroup:
     grpc_port: int
     workers: int
     drain_seconds: float
+    scheme: str = "http"  # https where the workers serve TLS
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> int:
@@ -175,7 +176,7 @@ class WorkerGroup:
                 )
             if all(w.serving for w in workers):
                 print(
-                    f"folio: gateway listening on http://{self.host}:{port} "
+                    f"folio: gateway listening on {self.scheme}://{self.host}:{port} "
                     f"(gRPC {self.host}:{grpc_port})",
                     flush=True,
                 )

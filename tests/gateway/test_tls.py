@@ -1,10 +1,11 @@
 """--ssl-keyfile / --ssl-certfile: the gateway serves its HTTP API and its gRPC text API over
 TLS with the given key and certificate (made here with openssl, for 127.0.0.1), plaintext
-clients get nowhere on either port, `folio serve`'s health probe reaches an https gateway, and
-the flags are checked before anything listens."""
+clients get nowhere on either port, a group of gateway workers serves it too, `folio serve`'s
+health probe reaches an https gateway, and the flags are checked before anything listens."""
 
 from __future__ import annotations
 
+import re
 import ssl
 import subprocess
 from pathlib import Path
@@ -17,7 +18,7 @@ from common.grpc_stubs.folio.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import GatewayConfig
-from gateway_helpers import start_gateway
+from gateway_helpers import spawn_gateway, start_gateway
 from grpc_helpers import TIMEOUT
 from services.supervisor import _http_ok
 
@@ -87,3 +88,31 @@ def test_the_key_and_certificate_are_checked_before_anything_listens(key_and_cer
     assert GatewayConfig(ssl_keyfile=str(key), ssl_certfile=str(certificate)).tls
     with pytest.raises(ValueError, match=r"ssl_certfile '/no/cert\.pem' is not a file"):
         GatewayConfig(ssl_keyfile=str(key), ssl_certfile="/no/cert.pem")
+
+
+def test_a_group_of_gateway_workers_serves_tls(services, key_and_certificate):
+    """`folio gateway --workers 2` with the flags: each worker serves https on the shared
+    socket, and the group says so."""
+    engine, tokenizer = services
+    key, certificate = key_and_certificate
+    process = spawn_gateway(
+        engine.port,
+        tokenizer.port,
+        "--workers",
+        "2",
+        "--ssl-keyfile",
+        str(key),
+        "--ssl-certfile",
+        str(certificate),
+    )
+    try:
+        line = process.stdout.readline()
+        match = re.search(r"listening on https://127\.0\.0\.1:(\d+)", line)
+        assert match, line
+        trusting = ssl.create_default_context(cafile=str(certificate))
+        for _ in range(4):  # connections land on either worker
+            answer = httpx.get(f"https://127.0.0.1:{match[1]}/health", verify=trusting)
+            assert answer.status_code == 200, answer.text
+    finally:
+        process.terminate()
+        process.communicate(timeout=60)
