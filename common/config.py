@@ -16,6 +16,7 @@ import argparse
 import importlib.metadata
 import math
 import os
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -579,6 +580,22 @@ class GatewayConfig:
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"{name} {path!r} is not a file")
+        if self.ssl_certfile is not None:
+            # Loaded here as the servers will load them: a bad PEM or a key that is not the
+            # certificate's is named now, not by the gRPC server failing to bind.
+            try:
+                # No passphrase: an encrypted key fails here instead of prompting a terminal
+                # (the gRPC server takes no passphrase either).
+                ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
+                    self.ssl_certfile, self.ssl_keyfile, password=""
+                )
+            except ssl.SSLError as exc:
+                # OpenSSL names a mismatch, not a bad (or encrypted) file.
+                reason = exc.reason or "not PEM, or a key with a passphrase"
+                raise ValueError(
+                    f"ssl_keyfile and ssl_certfile do not load as a key and its certificate "
+                    f"chain: {reason}"
+                ) from None
         for name in ("rate_limit_rps", "rate_limit_tpm"):
             value = getattr(self, name)
             if value is not None and not value > 0:

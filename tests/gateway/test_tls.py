@@ -81,13 +81,29 @@ def test_folio_serves_health_probe_reaches_an_https_gateway(tls_gateway):
     assert not _http_ok(server.url.replace("https://", "http://") + "/health", {})()
 
 
-def test_the_key_and_certificate_are_checked_before_anything_listens(key_and_certificate):
+def test_the_key_and_certificate_are_checked_before_anything_listens(key_and_certificate, tmp_path):
     key, certificate = key_and_certificate
     with pytest.raises(ValueError, match="ssl_keyfile and ssl_certfile go together"):
         GatewayConfig(ssl_keyfile=str(key))
     assert GatewayConfig(ssl_keyfile=str(key), ssl_certfile=str(certificate)).tls
     with pytest.raises(ValueError, match=r"ssl_certfile '/no/cert\.pem' is not a file"):
         GatewayConfig(ssl_keyfile=str(key), ssl_certfile="/no/cert.pem")
+    # A file that is no PEM key, a key with a passphrase (no terminal prompt), and a key that
+    # is not the certificate's.
+    not_a_key = tmp_path / "not-a-key.pem"
+    not_a_key.write_text("not a key\n")
+    other_key, encrypted = tmp_path / "other-key.pem", tmp_path / "encrypted.pem"
+    command = ["openssl", "genpkey", "-algorithm", "RSA", "-out"]
+    subprocess.run([*command, str(other_key)], check=True, capture_output=True)
+    secret = ["-aes256", "-pass", "pass:secret"]
+    subprocess.run([*command, str(encrypted), *secret], check=True, capture_output=True)
+    for wrong, reason in (
+        (not_a_key, "not PEM"),
+        (encrypted, "a key with a passphrase"),
+        (other_key, "KEY_VALUES_MISMATCH"),
+    ):
+        with pytest.raises(ValueError, match=f"do not load as a key .*{reason}"):
+            GatewayConfig(ssl_keyfile=str(wrong), ssl_certfile=str(certificate))
 
 
 def test_a_group_of_gateway_workers_serves_tls(services, key_and_certificate):
