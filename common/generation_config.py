@@ -34,7 +34,7 @@ class SamplingDefaults:
     max_tokens: int | None = None  # the file's max_new_tokens: a cap on every request
 
     def given(self) -> dict[str, Any]:
-        """The defaults that are set, by name (for logs and tests)."""
+        """The defaults that are set, by name (the log line, GetInfo's message)."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return {name: value for name, value in values.items() if value is not None}
 
