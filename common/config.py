@@ -79,42 +79,6 @@ def _model_flag() -> Any:
     )
 
 
-def check_chat_template(value: str | None) -> None:
-    """--chat-template names a file or holds a template, and it compiles: refused at start-up,
-    before any service runs, not at the first chat request."""
-    if value is not None:
-        from common.tokenizer import read_chat_template
-
-        read_chat_template(value)
-
-
-def generation_config_flag() -> Any:
-    return flag(
-        "auto",
-        "the sampling defaults of the OpenAI APIs (vLLM's --generation-config): auto = the "
-        "model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty "
-        "where a request leaves them unset; max_new_tokens caps every request), folio (or vllm) "
-        "= none, or a directory holding a generation_config.json",
-    )
-
-
-def override_generation_config_flag() -> Any:
-    return flag(
-        None,
-        "a JSON object of sampling defaults laid over --generation-config's (vLLM's flag), "
-        'e.g. \'{"temperature": 0.7, "max_new_tokens": 512}\'; keys: temperature, top_p, '
-        "top_k, min_p, repetition_penalty, max_new_tokens; default: none",
-    )
-
-
-def chat_template_flag() -> Any:
-    return flag(
-        None,
-        "a Jinja chat template, or a file holding one, for chat requests (vLLM's "
-        "--chat-template; default: the model's own)",
-    )
-
-
 @dataclass
 class EngineConfig:
     """Everything that shapes one engine instance."""
@@ -383,19 +347,46 @@ class ListenConfig:
 
 
 @dataclass
+class TokenizerOptions:
+    """What the tokenizer service lays over the model's own files: the chat template, and the
+    sampling defaults of the OpenAI APIs. Checked when made, so that a bad one stops `folio
+    serve` before any service starts, not the first chat request."""
+
+    chat_template: str | None = flag(
+        None,
+        "a Jinja chat template, or a file holding one, for chat requests (vLLM's "
+        "--chat-template; default: the model's own)",
+    )
+    generation_config: str = flag(
+        "auto",
+        "the sampling defaults of the OpenAI APIs (vLLM's --generation-config): auto = the "
+        "model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty "
+        "where a request leaves them unset; max_new_tokens caps every request), folio (or vllm) "
+        "= none, or a directory holding a generation_config.json",
+    )
+    override_generation_config: str | None = flag(
+        None,
+        "a JSON object of sampling defaults laid over --generation-config's (vLLM's flag), "
+        'e.g. \'{"temperature": 0.7, "max_new_tokens": 512}\'; keys: temperature, top_p, '
+        "top_k, min_p, repetition_penalty, max_new_tokens; default: none",
+    )
+
+    def __post_init__(self) -> None:
+        if self.chat_template is not None:
+            from common.tokenizer import read_chat_template  # jinja2: only when one is given
+
+            read_chat_template(self.chat_template)
+        check_setting(self.generation_config)
+        parse_override(self.override_generation_config)
+
+
+@dataclass
 class TokenizerServiceConfig:
     """`folio tokenizer`: the tokenizer gRPC service."""
 
     model: str | None = _model_flag()
     listen: ListenConfig = field(default_factory=lambda: ListenConfig(port=TOKENIZER_PORT))
-    chat_template: str | None = chat_template_flag()
-    generation_config: str = generation_config_flag()
-    override_generation_config: str | None = override_generation_config_flag()
-
-    def __post_init__(self) -> None:
-        check_chat_template(self.chat_template)
-        check_setting(self.generation_config)
-        parse_override(self.override_generation_config)
+    options: TokenizerOptions = field(default_factory=TokenizerOptions)
 
 
 @dataclass

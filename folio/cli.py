@@ -176,14 +176,7 @@ def _tokenizer(args: argparse.Namespace) -> int:
 
     config = from_args(TokenizerServiceConfig, args)
     listen = config.listen
-    service = TokenizerService(
-        config.model,
-        listen.host,
-        listen.port,
-        config.chat_template,
-        config.generation_config,
-        config.override_generation_config,
-    )
+    service = TokenizerService(config.model, listen.host, listen.port, config.options)
     return _run_service(_require_internal_token(service), listen.drain_seconds)
 
 

@@ -46,14 +46,10 @@ from common.config import (
     GatewayFrontConfig,
     GatewayServerConfig,
     ListenConfig,
+    TokenizerOptions,
     TokenizerServiceConfig,
-    chat_template_flag,
-    check_chat_template,
-    generation_config_flag,
-    override_generation_config_flag,
 )
 from common.flags import CONFIG_JSON_FLAG, flag, to_json
-from common.generation_config import check_setting, parse_override
 from common.parent_death import child_env
 
 # The engine and the tokenizer are internal: only the gateway listens beyond loopback.
@@ -98,15 +94,10 @@ class ServeConfig:
     gateway_workers: int = flag(
         1, "gateway processes sharing the HTTP and gRPC ports (folio gateway --workers)"
     )
-    chat_template: str | None = chat_template_flag()
-    generation_config: str = generation_config_flag()
-    override_generation_config: str | None = override_generation_config_flag()
+    tokenizer_options: TokenizerOptions = field(default_factory=TokenizerOptions)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
-        check_chat_template(self.chat_template)
-        check_setting(self.generation_config)
-        parse_override(self.override_generation_config)
         if self.engine_replicas < 1:
             raise ValueError(f"engine_replicas must be >= 1, got {self.engine_replicas}")
         if self.gateway_workers < 1:
@@ -308,9 +299,7 @@ class Supervisor:
                 TokenizerServiceConfig(
                     config.engine.model,
                     internal(self.tokenizer_address),
-                    config.chat_template,
-                    config.generation_config,
-                    config.override_generation_config,
+                    config.tokenizer_options,
                 ),
             ),
             lambda: _grpc_serving(self.tokenizer_address),

@@ -20,16 +20,11 @@ import grpc
 from common.grpc_stubs.folio.v1 import tokenizer_pb2 as pb
 from common.grpc_stubs.folio.v1 import tokenizer_pb2_grpc
 
+from common.config import TokenizerOptions
 from common.default_model import resolve_model_path
 from common.detokenizer import IncrementalDetokenizer, bad_token_id
 from common.errors import InvalidRequestError, status_code_for
-from common.generation_config import (
-    MODEL_SETTING,
-    SamplingDefaults,
-    check_setting,
-    parse_override,
-    read_sampling_defaults,
-)
+from common.generation_config import SamplingDefaults, read_sampling_defaults
 from common.grpc_server import GrpcService
 from common.tokenizer import Tokenizer, read_chat_template
 
@@ -290,19 +285,15 @@ class TokenizerService(GrpcService):
         model: str | None,
         host: str,
         port: int,
-        chat_template: str | None = None,
-        generation_config: str = MODEL_SETTING,
-        override_generation_config: str | None = None,
+        options: TokenizerOptions | None = None,
     ) -> None:
         super().__init__(host, port)
         self.model = model
-        # Jinja source in place of the model's template (--chat-template, read now: a bad one
-        # stops the service before it serves).
-        self.chat_template = read_chat_template(chat_template) if chat_template else None
-        check_setting(generation_config)
-        parse_override(override_generation_config)
-        self.generation_config = generation_config
-        self.override_generation_config = override_generation_config
+        self.options = options = options or TokenizerOptions()
+        # Jinja source in place of the model's template (--chat-template).
+        self.chat_template = (
+            read_chat_template(options.chat_template) if options.chat_template else None
+        )
         self.sampling_defaults = SamplingDefaults()  # read with the tokenizer
         self.tokenizer: Tokenizer | None = None
         self.tokenizer_json: bytes | None = None  # GetTokenizerJson's answer, made once
@@ -314,13 +305,14 @@ class TokenizerService(GrpcService):
         # The default model may need converting first (once, minutes): off the event loop.
         path = await asyncio.to_thread(resolve_model_path, self.model)
         tokenizer = await asyncio.to_thread(Tokenizer.from_dir, path, self.chat_template)
+        options = self.options
         self.sampling_defaults = read_sampling_defaults(
-            path, self.generation_config, self.override_generation_config
+            path, options.generation_config, options.override_generation_config
         )
         if given := self.sampling_defaults.given():
             logger.info(
                 "sampling defaults for requests that leave them unset (--generation-config %s): %s",
-                self.generation_config,
+                options.generation_config,
                 given,
             )
         self.tokenizer_json = await asyncio.to_thread(lambda: tokenizer.to_json().encode())

@@ -12,7 +12,7 @@ import json
 import openai
 import pytest
 
-from common.config import EngineConfig
+from common.config import EngineConfig, TokenizerOptions
 from common.generation_config import SamplingDefaults, read_sampling_defaults
 from gateway_helpers import ENGINE_ARGS, MAX_MODEL_LEN, GatewayThread
 from grpc_helpers import ServerThread
@@ -44,7 +44,9 @@ def clients(tmp_path_factory, default_model_dir):
     stacks = []
     for setting, override in (("auto", None), ("folio", None), ("folio", OVERRIDE)):
         tokenizer = ServerThread(
-            TokenizerService(str(model_dir), "127.0.0.1", 0, None, setting, override)
+            TokenizerService(
+                str(model_dir), "127.0.0.1", 0, TokenizerOptions(None, setting, override)
+            )
         )
         gateway = GatewayThread(f"127.0.0.1:{engine.port}", f"127.0.0.1:{tokenizer.port}")
         stacks.append((tokenizer, gateway))

@@ -16,6 +16,7 @@ import grpc
 import pytest
 from common.grpc_stubs.folio.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
+from common.config import TokenizerOptions
 from common.tokenizer import Tokenizer, read_chat_template
 from grpc_helpers import TIMEOUT, ServerThread, assert_health_and_reflection
 from services.tokenizer.server import TokenizerService
@@ -379,7 +380,8 @@ def test_a_chat_template_given_to_the_service_replaces_the_models(default_model_
         (str(path), "hermes", "<|im_start|>system\nYou are Qwen"),
         (inline, "", "[user] Say hi in Japanese"),
     ):
-        server = ServerThread(TokenizerService(str(default_model_dir), "127.0.0.1", 0, given))
+        options = TokenizerOptions(chat_template=given)
+        server = ServerThread(TokenizerService(str(default_model_dir), "127.0.0.1", 0, options))
         try:
             stub = tokenizer_pb2_grpc.TokenizerServiceStub(server.channel)
             info = stub.GetInfo(tokenizer_pb2.GetInfoRequest(), timeout=TIMEOUT)

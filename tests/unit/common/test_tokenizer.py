@@ -189,7 +189,7 @@ def test_a_chat_template_flag_is_a_file_or_a_template_that_compiles(tmp_path: Pa
     with pytest.raises(ValueError, match=r"chat_template does not compile: .*\(line 2\)"):
         read_chat_template("ok\n{% for m in messages %}{{ m.content }}")
     # folio serve and folio tokenizer refuse it before any service starts.
-    for command in ("serve", "tokenizer"):
+    for command, config in (("serve", ServeConfig), ("tokenizer", TokenizerServiceConfig)):
         args = build_parser().parse_args([command, "--chat-template", "/no/such.jinja"])
         with pytest.raises(ValueError, match="neither a file"):
-            from_args(ServeConfig if command == "serve" else TokenizerServiceConfig, args)
+            from_args(config, args)

@@ -84,7 +84,7 @@ def test_serve_flags_reach_each_child():
         "127.0.0.1",
         50152,
     )
-    assert tokenizer.chat_template == "{{ messages[0].content }}"
+    assert tokenizer.options.chat_template == "{{ messages[0].content }}"
     assert (engine.listen.host, engine.listen.port) == ("127.0.0.1", 50151)
     assert engine.engine == EngineConfig(
         model="/models/x", max_num_seqs=7, enable_prefix_caching=False
