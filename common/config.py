@@ -13,10 +13,8 @@ device.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import math
 import os
-import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,9 +22,6 @@ from typing import Any
 from common.flags import check_choices, command_line, flag, from_args
 from common.generation_config import check_setting, parse_override
 from common.speculative import SpeculativeConfig
-
-# The installed package's version (pyproject.toml's), as the OpenAPI document gives it.
-FOLIO_VERSION = importlib.metadata.version("folio")
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
@@ -556,8 +551,9 @@ class GatewayConfig:
     )
 
     @property
-    def tls(self) -> bool:
-        return self.ssl_certfile is not None
+    def scheme(self) -> str:
+        """The HTTP API's: https where it serves TLS."""
+        return "http" if self.ssl_certfile is None else "https"
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -573,7 +569,10 @@ class GatewayConfig:
                 raise ValueError(f"{name} {path!r} is not a file")
         if self.ssl_certfile is not None:
             # Loaded here as the servers will load them: a bad PEM or a key that is not the
-            # certificate's is named now, not by the gRPC server failing to bind.
+            # certificate's is named now, not by the gRPC server failing to bind. (ssl only
+            # then: every `folio` command imports this module.)
+            import ssl
+
             try:
                 # No passphrase: an encrypted key fails here instead of prompting a terminal
                 # (the gRPC server takes no passphrase either).

@@ -13,8 +13,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from common.sampling_params import SamplingParams
-
 # --generation-config's values besides a directory: the model's own file, or none at all
 # (Folio's defaults; vLLM names that setting "vllm", which means the same here).
 MODEL_SETTING = "auto"
@@ -102,6 +100,10 @@ def read_sampling_defaults(
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             values[name] = int(value) if name in INTEGER_FIELDS else float(value)
     defaults = SamplingDefaults(**values)
+    # Imported here: common.config imports this module, and sampling_params brings grpc (its
+    # errors), ~45 ms at every `folio` command's start for a check only the tokenizer makes.
+    from common.sampling_params import SamplingParams
+
     sampling = {k: v for k, v in defaults.given().items() if k != "max_tokens"}
     try:
         SamplingParams(**sampling, max_tokens=defaults.max_tokens).validate()

@@ -244,7 +244,7 @@ def _gateway(args: argparse.Namespace) -> int:
             front.grpc_port,
             config.workers,
             front.listen.drain_seconds,
-            "https" if front.policy.tls else "http",
+            front.policy.scheme,
         )
         return group.run()
     from gateway.front.server import GatewayServer

@@ -364,8 +364,7 @@ class Supervisor:
 
     @property
     def url(self) -> str:
-        scheme = "https" if self.config.front.policy.tls else "http"
-        return f"{scheme}://{_hostport(_local(self.host), self.port)}"
+        return f"{self.config.front.policy.scheme}://{_hostport(_local(self.host), self.port)}"
 
     @property
     def grpc_address(self) -> str:

@@ -57,7 +57,7 @@ class GatewayThread(LoopThread):
             internal_token=internal_token,
         )
         self.call(self.server.start())
-        self.url = f"{self.server.scheme}://127.0.0.1:{self.server.port}"
+        self.url = f"{config.scheme}://127.0.0.1:{self.server.port}"
         grpc_address = f"127.0.0.1:{self.server.grpc_port}"
         if config.ssl_certfile is None:
             self.grpc_channel = grpc.insecure_channel(grpc_address)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
@@ -33,12 +34,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from common.config import (
-    DASHBOARD_FEED_INTERVAL_SECONDS,
-    FOLIO_VERSION,
-    MAX_REQUEST_BODY_BYTES,
-    GatewayConfig,
-)
+from common.config import DASHBOARD_FEED_INTERVAL_SECONDS, MAX_REQUEST_BODY_BYTES, GatewayConfig
 from gateway.anthropic import events as message_events
 from gateway.anthropic import protocol as aapi
 from gateway.anthropic import translate as anthropic
@@ -873,6 +869,8 @@ def build_app(
         config,
         access or Access(config),
         batches,
-        json.dumps(openapi_document(endpoints, "Folio", FOLIO_VERSION)),
+        # The installed package's version (pyproject.toml's): read here, once a gateway
+        # builds its app, not at every process's import of the config (~30 ms).
+        json.dumps(openapi_document(endpoints, "Folio", importlib.metadata.version("folio"))),
     )
     return app

@@ -140,10 +140,6 @@ class GatewayServer:
         self._http_task: asyncio.Task[None] | None = None
         self.batches: BatchService | None = None  # the batch jobs, once started
 
-    @property
-    def scheme(self) -> str:
-        return "https" if self.config.tls else "http"
-
     async def start(self) -> None:
         """Listen on both ports (0 picks free ones; self.port and self.grpc_port say which)."""
         # gRPC channels belong to the running loop: create the clients here, not in __init__.
@@ -236,7 +232,7 @@ class GatewayServer:
         await self.start()
         if self.worker is None:
             print(
-                f"folio: gateway listening on {self.scheme}://{self.host}:{self.port} "
+                f"folio: gateway listening on {self.config.scheme}://{self.host}:{self.port} "
                 f"(gRPC {self.host}:{self.grpc_port})",
                 flush=True,
             )

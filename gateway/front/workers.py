@@ -98,7 +98,7 @@ class WorkerGroup:
     grpc_port: int
     workers: int
     drain_seconds: float
-    scheme: str = "http"  # https where the workers serve TLS
+    scheme: str = "http"  # the workers' (GatewayConfig.scheme)
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> int:

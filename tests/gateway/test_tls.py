@@ -85,7 +85,7 @@ def test_the_key_and_certificate_are_checked_before_anything_listens(key_and_cer
     key, certificate = key_and_certificate
     with pytest.raises(ValueError, match="ssl_keyfile and ssl_certfile go together"):
         GatewayConfig(ssl_keyfile=str(key))
-    assert GatewayConfig(ssl_keyfile=str(key), ssl_certfile=str(certificate)).tls
+    assert GatewayConfig(ssl_keyfile=str(key), ssl_certfile=str(certificate)).scheme == "https"
     with pytest.raises(ValueError, match=r"ssl_certfile '/no/cert\.pem' is not a file"):
         GatewayConfig(ssl_keyfile=str(key), ssl_certfile="/no/cert.pem")
     # A file that is no PEM key, a key with a passphrase (no terminal prompt), and a key that
