@@ -183,6 +183,31 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     return cleaned
 
 
+def _open_final_message(rendered: str, content: str) -> str:
+    """`rendered` cut right after the final message's content: what the template writes after
+    it (the end of its turn) goes. Templates that trim a message's surrounding whitespace are
+    met where they are: the cut falls after the content's trimmed text, and after its trailing
+    whitespace only where the template kept it."""
+    text = content.strip()
+    if not text:
+        raise InvalidRequestError(
+            "continue_final_message needs a final message with text to continue",
+            "continue_final_message",
+        )
+    start = rendered.rfind(text)
+    if start < 0:
+        raise InvalidRequestError(
+            "continue_final_message: the chat template does not write the final message's "
+            "text as sent, so it cannot be continued",
+            "continue_final_message",
+        )
+    end = start + len(text)
+    trailing = content[len(content.rstrip()) :]
+    if trailing and rendered.startswith(trailing, end):
+        end += len(trailing)
+    return rendered[:end]
+
+
 class Tokenizer:
     """One model's tokenizer: a fast tokenizer, its special tokens and its chat template."""
 
@@ -292,18 +317,27 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The conversation as the template writes it; `tools` (OpenAI's tool definitions,
         {"type": "function", "function": {...}}) go to templates that know tools;
         `template_kwargs`, extra variables (e.g. enable_thinking), never replace the ones set
-        here."""
+        here. `continue_final_message` leaves the final message open (the text ends with its
+        content, not with the end of its turn), so that the model continues it: an assistant
+        reply started by the caller (vLLM's flag; Anthropic's prefill)."""
         if self._template is None:
             raise InvalidRequestError(
                 "this model has no chat template; send a plain prompt instead"
             )
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message and add_generation_prompt cannot both be true: "
+                "continuing the final message opens no new turn",
+                "continue_final_message",
+            )
         messages = validate_messages(messages)
         try:
-            return self._template.render(
+            rendered = self._template.render(
                 {
                     **(template_kwargs or {}),
                     "messages": messages,
@@ -318,16 +352,24 @@ class Tokenizer:
             raise InvalidRequestError(
                 f"the chat template rejected the messages: {error}"
             ) from error
+        if continue_final_message:
+            return _open_final_message(rendered, messages[-1]["content"])
+        return rendered
 
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
+        """apply_chat_template's text as token ids."""
         # The template writes its own BOS and control tokens; adding special tokens would double
         # them.
         return self.encode(
-            self.apply_chat_template(messages, add_generation_prompt, tools),
+            self.apply_chat_template(
+                messages, add_generation_prompt, tools, template_kwargs, continue_final_message
+            ),
             add_special_tokens=False,
         )

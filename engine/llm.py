@@ -11,7 +11,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 from common.config import EngineConfig
 from common.detokenizer import IncrementalDetokenizer
@@ -133,13 +133,28 @@ class LLM:
         self,
         messages: list[dict] | Sequence[list[dict]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[CompletionOutput]:
-        """Generate replies to one conversation or a list of them, through the chat template."""
+        """Generate replies to one conversation or a list of them, through the chat template;
+        with continue_final_message (and add_generation_prompt false) each reply continues its
+        conversation's final message instead."""
         conversations = cast(
             list[list[dict]],
             [messages] if messages and isinstance(messages[0], dict) else list(messages),
         )
-        return self.generate([self.tokenizer.encode_chat(c) for c in conversations], params)
+        prompts = [
+            self.tokenizer.encode_chat(
+                c,
+                add_generation_prompt,
+                template_kwargs=chat_template_kwargs,
+                continue_final_message=continue_final_message,
+            )
+            for c in conversations
+        ]
+        return self.generate(prompts, params)
 
     def embed(
         self, prompts: PromptInput | Sequence[PromptInput], dimensions: int | None = None

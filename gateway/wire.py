@@ -285,6 +285,7 @@ def tokenize_chat_request(
     add_generation_prompt: bool,
     return_token_strs: bool,
     template_kwargs: Mapping[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> tok_pb2.TokenizeRequest:
     return tok_pb2.TokenizeRequest(
         chat=tok_pb2.Conversation(
@@ -297,6 +298,7 @@ def tokenize_chat_request(
         ),
         add_generation_prompt=add_generation_prompt,
         return_token_strs=return_token_strs,
+        continue_final_message=continue_final_message,
     )
 
 

@@ -1,8 +1,9 @@
 """A Messages request mapped onto the chat path: `system` and the messages' blocks become chat
-messages (tool_use blocks an assistant's tool calls, tool_result blocks tool messages), tools,
-tool_choice, stop_sequences and the sampling fields their chat equivalents; and a chat answer
-(content and calls, the engine's finish reason, usage) becomes the Message, its stop reason and
-usage. Failures become Anthropic's error body.
+messages (tool_use blocks an assistant's tool calls, tool_result blocks tool messages; a final
+assistant message is continued, not answered: Anthropic's prefill), tools, tool_choice,
+stop_sequences and the sampling fields their chat equivalents; and a chat answer (content and
+calls, the engine's finish reason, usage) becomes the Message, its stop reason and usage.
+Failures become Anthropic's error body.
 
 Translation only: never talks to a service and never touches an HTTP connection.
 """
@@ -120,6 +121,9 @@ def chat_request(body: aapi.CountTokensRequest) -> api.ChatCompletionRequest:
         else:
             messages.append(_assistant(message, where))
     chat: dict[str, Any] = {"messages": messages}
+    if body.messages and body.messages[-1].role == "assistant":
+        # Anthropic's prefill: the answer continues the assistant's final message.
+        chat.update(add_generation_prompt=False, continue_final_message=True)
     if isinstance(body, aapi.MessagesRequest):
         chat.update(max_tokens=body.max_tokens, stream=body.stream)
         for name, value in (

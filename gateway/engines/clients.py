@@ -345,9 +345,15 @@ class TokenizerClient(_ServiceClient):
         add_generation_prompt: bool = True,
         return_token_strs: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> Tokenized:
         request = wire.tokenize_chat_request(
-            messages, tools, add_generation_prompt, return_token_strs, template_kwargs
+            messages,
+            tools,
+            add_generation_prompt,
+            return_token_strs,
+            template_kwargs,
+            continue_final_message,
         )
         return wire.tokenized(await self._unary(self._stub.Tokenize, request))
 

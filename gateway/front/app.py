@@ -392,7 +392,10 @@ async def tokenize(request: Request) -> Response:
     if body.messages is not None and body.prompt is None:
         messages = [ChatTurn(role=m.role, content=m.text, name=m.name) for m in body.messages]
         result = await gateway.tokenize_chat(
-            messages, body.add_generation_prompt, body.return_token_strs
+            messages,
+            body.add_generation_prompt,
+            body.return_token_strs,
+            continue_final_message=body.continue_final_message,
         )
     elif body.prompt is not None and body.messages is None:
         result = await gateway.tokenize_text(

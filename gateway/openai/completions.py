@@ -227,6 +227,7 @@ async def chat_prompt(
         body.add_generation_prompt,
         tools=chat.tools,
         template_kwargs=body.chat_template_kwargs,
+        continue_final_message=body.continue_final_message,
     )
     return info, chat, prompt
 

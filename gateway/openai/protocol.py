@@ -254,6 +254,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # vLLM's: the final message is left open and the answer continues it (an assistant reply
+    # the caller started); needs add_generation_prompt false.
+    continue_final_message: bool = False
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="none, auto, required, or a named function."
@@ -285,6 +288,7 @@ class TokenizeRequest(RequestBody):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 

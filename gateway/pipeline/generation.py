@@ -193,9 +193,15 @@ class Gateway:
         return_token_strs: bool = False,
         tools: Sequence[ToolSpec] = (),
         template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> Tokenized:
         return await self.tokenizer.tokenize_chat(
-            messages, tools, add_generation_prompt, return_token_strs, template_kwargs
+            messages,
+            tools,
+            add_generation_prompt,
+            return_token_strs,
+            template_kwargs,
+            continue_final_message,
         )
 
     # -- generation ---------------------------------------------------------------------------

@@ -182,6 +182,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                     _flag(request, "add_generation_prompt", True),
                     _chat_tools(request.chat),
                     _template_kwargs(request.chat),
+                    request.continue_final_message,
                 )
                 # As Tokenizer.encode_chat: the template writes its own special tokens.
                 ids = tokenizer.encode(prompt, add_special_tokens=False)

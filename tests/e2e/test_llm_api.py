@@ -75,6 +75,20 @@ def test_chat_uses_the_template(llm):
     assert out.prompt_token_ids == llm.tokenizer.encode_chat(messages)
 
 
+def test_chat_continues_a_final_message(llm):
+    started = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is"},
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    (out,) = llm.chat(started, params, add_generation_prompt=False, continue_final_message=True)
+    prompt = llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+    assert prompt.endswith("<|im_start|>assistant\nThe capital of France is")
+    assert "Paris" in out.text
+    with pytest.raises(InvalidRequestError, match="continue_final_message"):
+        llm.chat(started, params, continue_final_message=True)
+
+
 def test_cli_prepare_model_prints_the_directory_last(default_model_dir):
     result = subprocess.run([FOLIO, "prepare-model"], capture_output=True, text=True, check=True)
     assert result.stdout.strip().splitlines()[-1] == str(default_model_dir)

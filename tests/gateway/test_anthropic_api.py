@@ -155,6 +155,26 @@ def test_tool_use_round_trip(client):
     assert counted.input_tokens > asked.input_tokens + 10
 
 
+def test_a_final_assistant_message_is_continued(gateway, client):
+    """Anthropic's prefill: the answer continues the assistant's text, as a completion of the
+    conversation cut after that text does."""
+    started = [ASK, {"role": "assistant", "content": "My favourite colour is"}]
+    message = client.messages.create(model=MODEL, messages=started, max_tokens=6, extra_body=GREEDY)
+    tokens = httpx.post(
+        gateway.url + "/tokenize",
+        json={"messages": started, "add_generation_prompt": False, "continue_final_message": True},
+        timeout=TIMEOUT,
+    ).json()["tokens"]
+    text = httpx.post(gateway.url + "/detokenize", json={"tokens": tokens}, timeout=TIMEOUT)
+    assert text.json()["prompt"].endswith("<|im_start|>assistant\nMy favourite colour is")
+    completion = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused").completions.create(
+        model=MODEL, prompt=tokens, max_tokens=6, temperature=0.0
+    )
+    assert message.content[0].text == completion.choices[0].text
+    assert message.usage.input_tokens == len(tokens)
+    assert client.messages.count_tokens(model=MODEL, messages=started).input_tokens == len(tokens)
+
+
 def test_count_tokens_is_the_chat_templates_prompt_length(gateway, client):
     counted = client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=[ASK])
     tokenized = httpx.post(

@@ -72,6 +72,33 @@ def test_chat_equals_the_engines_greedy_tokens_decoded(client, engine_stub, toke
     assert response.model == MODEL and response.object == "chat.completion"
 
 
+def test_continue_final_message_continues_the_assistants_text(
+    client, gateway, engine_stub, tokenizer
+):
+    started = [*CHAT, {"role": "assistant", "content": "The sea is"}]
+    open_ended = {"add_generation_prompt": False, "continue_final_message": True}
+    response = client.chat.completions.create(
+        model=MODEL, messages=started, max_tokens=8, temperature=0, extra_body=open_ended
+    )
+    prompt_ids = tokenizer.encode_chat(started, **open_ended)
+    prompt = tokenizer.decode(prompt_ids, skip_special_tokens=False)
+    assert prompt.endswith("<|im_start|>assistant\nThe sea is")
+    expected_ids = engine_tokens(engine_stub, prompt_ids, temperature=0.0, max_tokens=8)
+    assert response.choices[0].message.content == tokenizer.decode(expected_ids)
+    assert response.usage.prompt_tokens == len(prompt_ids)
+    with httpx.Client(base_url=gateway.url, timeout=TIMEOUT) as http:
+        counted = http.post("/tokenize", json={"messages": started, **open_ended}).json()
+        assert counted["tokens"] == prompt_ids
+        both = {**open_ended, "add_generation_prompt": True}
+        for path, body in (
+            ("/v1/chat/completions", {"messages": started, **both}),
+            ("/tokenize", {"messages": started, **both}),
+        ):
+            refused = http.post(path, json=body)
+            assert refused.status_code == 400, path
+            assert "continue_final_message and add_generation_prompt" in refused.text
+
+
 def test_a_pinned_chat_answers_as_an_unpinned_one(client):
     """The `cache` extension reaches the engine (which would fail a TTL it refuses) and changes
     nothing in the answer; tests/services/test_kv_pins.py shows the pin keeping the prefix."""

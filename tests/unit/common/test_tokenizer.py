@@ -89,6 +89,70 @@ def test_chat_template_equals_transformers(
     assert ids.count(tokenizer.bos_token_id) == text.count("<|im_start|>")
 
 
+# A Llama 3 style template: it trims each message's content, so a continued message ends at its
+# trimmed text.
+TRIMMING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", [None, TRIMMING_TEMPLATE], ids=["model's", "trimming"])
+@pytest.mark.parametrize("content", ["The answer is", "The answer is ", "  Sure:\n", "x"])
+def test_continue_final_message_equals_transformers(
+    tmp_path: Path, default_model_dir: Path, template: str | None, content: str
+) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (tmp_path / name).write_bytes((default_model_dir / name).read_bytes())
+    if template is not None:
+        (tmp_path / "chat_template.jinja").write_text(template)
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    reference = AutoTokenizer.from_pretrained(tmp_path)
+    messages = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": content}]
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True
+    )
+    assert text == reference.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert text.rstrip().endswith(content.strip()) and not text.endswith("<|im_end|>\n")
+    ids = tokenizer.encode_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    assert ids == tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize(
+    ("messages", "add_generation_prompt", "problem"),
+    [
+        ([{"role": "assistant", "content": "a"}], True, "cannot both be true"),
+        ([{"role": "assistant", "content": "  "}], False, "needs a final message with text"),
+        ([{"role": "user", "content": "hi"}], False, None),
+    ],
+)
+def test_continue_final_message_refusals(
+    tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool, problem: str | None
+) -> None:
+    if problem is None:  # any role may be continued, as in transformers
+        assert tokenizer.apply_chat_template(
+            messages, add_generation_prompt, continue_final_message=True
+        ).endswith("<|im_start|>user\nhi")
+        return
+    with pytest.raises(InvalidRequestError, match=problem) as error:
+        tokenizer.apply_chat_template(messages, add_generation_prompt, continue_final_message=True)
+    assert error.value.param == "continue_final_message"
+
+
+def test_continue_final_message_needs_the_text_as_sent(tmp_path: Path, default_model_dir: Path):
+    (tmp_path / "tokenizer.json").write_bytes((default_model_dir / "tokenizer.json").read_bytes())
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    )
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    with pytest.raises(InvalidRequestError, match="does not write the final message's text"):
+        tokenizer.apply_chat_template(
+            [{"role": "assistant", "content": "lower"}], False, continue_final_message=True
+        )
+
+
 def test_special_ids_and_lengths_equal_transformers(tokenizer: Tokenizer, reference) -> None:
     assert tokenizer.vocab_size == len(reference)
     assert tokenizer.bos_token_id == reference.bos_token_id
