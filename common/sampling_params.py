@@ -115,7 +115,9 @@ class SamplingParams:
     max_tokens None means "until the context is full". logprobs None returns none; k >= 0
     returns the chosen token's logprob and the top k alternatives. structured_output limits
     every token to what its grammar allows, EOS only where the grammar is complete; the request
-    ends when the grammar can go no further.
+    ends when the grammar can go no further. allowed_token_ids (None: all) limits every token to
+    those ids. bad_words_token_ids bans token sequences from the output: a sequence's last token
+    wherever the output ends with the rest of it (a one-token sequence everywhere).
     """
 
     temperature: float = 1.0
@@ -137,6 +139,8 @@ class SamplingParams:
     logprobs: int | None = None
     structured_output: StructuredOutput | None = None
     prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     MAX_LOGPROBS = 20
     MAX_N = 64
@@ -238,6 +242,14 @@ class SamplingParams:
                 )
             self.structured_output.validate()
         token_lists = [("stop_token_ids", list(self.stop_token_ids))]
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+            token_lists.append(("allowed_token_ids", list(self.allowed_token_ids)))
+        for i, word in enumerate(self.bad_words_token_ids):
+            if not isinstance(word, (list, tuple)) or not word:
+                raise ValueError(f"bad_words_token_ids[{i}] must be a non-empty list of token ids")
+            token_lists.append((f"bad_words_token_ids[{i}]", list(word)))
         if self.logit_bias:
             token_lists.append(("logit_bias", list(self.logit_bias)))
             for token_id, bias in self.logit_bias.items():

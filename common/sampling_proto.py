@@ -29,6 +29,10 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
             getattr(message, field.name).update(value)
         elif field.name == "structured_output":
             message.structured_output.CopyFrom(structured_output_to_proto(value))
+        elif field.name == "bad_words_token_ids":
+            message.bad_words_token_ids.extend(
+                common_pb2.TokenIds(token_ids=word) for word in value
+            )
         elif field.is_repeated:
             getattr(message, field.name).extend(value)
         else:
@@ -47,6 +51,10 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
             value = dict(value) or None
         elif field.name == "structured_output":
             value = structured_output_from_proto(value)
+        elif field.name == "bad_words_token_ids":
+            value = [list(word.token_ids) for word in value]
+        elif field.name == "allowed_token_ids":
+            value = list(value) or None  # empty on the wire: every token
         elif field.is_repeated:
             value = list(value)
         kwargs[field.name] = value

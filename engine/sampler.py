@@ -3,11 +3,13 @@
 Row i of the logits belongs to requests[i] and follows that request's SamplingParams. Columns
 at or past `vocab_size` (padding some models add) are ignored. Per row, in this order:
 
-0. structured output: the tokens `disallowed` marks (a constrained row's grammar forbids) get -inf.
+0. structured output: the tokens `disallowed` marks (a constrained row's grammar forbids) get -inf;
+   so do the tokens outside allowed_token_ids, when set.
 1. logit_bias is added.
 2. min_tokens: while the request has fewer than min_tokens output tokens, its stop_token_ids
    and the EOS ids (unless ignore_eos, or a grammar constrains the row: it alone decides where
-   the text may end, and may allow nothing but EOS) get -inf.
+   the text may end, and may allow nothing but EOS) get -inf. Bad words: the last token of each
+   bad_words_token_ids sequence whose other tokens end the output so far gets -inf.
 3. repetition_penalty (Hugging Face style) on every token in the prompt or output: a positive
    logit is divided by the penalty, a negative one multiplied by it.
 4. presence / frequency penalties (OpenAI style) on output tokens only:
@@ -73,6 +75,8 @@ class SamplingRow:
     # Ids that get -inf while the request has fewer than min_tokens output tokens.
     min_tokens: int
     banned_ids: tuple[int, ...]
+    # Each bad word as (the tokens before its last, its last token).
+    bad_words: tuple[tuple[tuple[int, ...], int], ...]
     repetition_penalty: float
     presence_penalty: float
     frequency_penalty: float
@@ -81,14 +85,33 @@ class SamplingRow:
     # A seeded request's own generator (on the CPU): its draws then depend on its seed and its
     # own steps only, preemptions included.
     generator: torch.Generator | None = field(default=None, compare=False)
+    # With allowed_token_ids: bool [vocab_size] on the sampler's device, True outside them.
+    outside_allowed: torch.Tensor | None = field(default=None, compare=False)
+
+    def banned_now(self, output_token_ids: Sequence[int]) -> list[int]:
+        """The ids this row may not take at this step: min_tokens' while too short, and the
+        bad words' the output has led up to."""
+        banned = list(self.banned_ids) if len(output_token_ids) < self.min_tokens else []
+        for before, last in self.bad_words:
+            if not before or tuple(output_token_ids[-len(before) :]) == before:
+                banned.append(last)
+        return banned
 
     @classmethod
     def build(
-        cls, params: SamplingParams, vocab_size: int, eos_token_ids: Sequence[int]
+        cls,
+        params: SamplingParams,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        device: torch.device | None = None,
     ) -> SamplingRow:
         # A grammar alone decides where constrained text may end (it may allow only EOS).
         keeps_eos = params.ignore_eos or params.structured_output is not None
         bias = params.logit_bias or {}
+        outside_allowed = None
+        if params.allowed_token_ids is not None:
+            outside_allowed = torch.ones(vocab_size, dtype=torch.bool, device=device)
+            outside_allowed[torch.tensor(params.allowed_token_ids, device=device)] = False
         return cls(
             greedy=params.greedy,
             temperature=params.temperature,
@@ -99,12 +122,14 @@ class SamplingRow:
             bias_values=tuple(bias.values()),
             min_tokens=params.min_tokens,
             banned_ids=(*params.stop_token_ids, *(() if keeps_eos else eos_token_ids)),
+            bad_words=tuple((tuple(word[:-1]), word[-1]) for word in params.bad_words_token_ids),
             repetition_penalty=params.repetition_penalty,
             presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty,
             logprobs=params.logprobs,
             seed=params.seed,
             generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
+            outside_allowed=outside_allowed,
         )
 
 
@@ -138,7 +163,9 @@ class Sampler:
         """Build the request's row (and its samples' when n > 1) once, before it is sampled."""
         for sequence in (request, *request.samples):
             params = sequence.sampling_params
-            self._rows[sequence] = SamplingRow.build(params, self.vocab_size, self.eos_token_ids)
+            self._rows[sequence] = SamplingRow.build(
+                params, self.vocab_size, self.eos_token_ids, self.device
+            )
 
     def leave(self, request: Request) -> None:
         self._rows.pop(request, None)
@@ -222,8 +249,8 @@ class Sampler:
         disallowed: torch.Tensor | None,
     ) -> torch.Tensor:
         """The rows' logits as float32 over the vocabulary, `disallowed` masked out, adjusted
-        (steps 1-4 of the module docstring); cutting and widening logits that already are so
-        costs nothing (views)."""
+        (allowed_token_ids and steps 1-4 of the module docstring); cutting and widening logits
+        that already are so costs nothing (views)."""
         logits = logits[:, : self.vocab_size].float()
         if disallowed is not None:
             logits = logits.masked_fill(disallowed, -math.inf)
@@ -243,12 +270,17 @@ class Sampler:
     def _adjust_logits(
         self, logits: torch.Tensor, requests: Sequence[Request], rows: Sequence[SamplingRow]
     ) -> torch.Tensor:
-        """Steps 1-4 of the module docstring; returns `logits` itself when no row needs them."""
+        """allowed_token_ids and steps 1-4 of the module docstring; returns `logits` itself when
+        no row needs them."""
         biased = [i for i, row in enumerate(rows) if row.bias_ids]
+        limited = {
+            i: row.outside_allowed for i, row in enumerate(rows) if row.outside_allowed is not None
+        }
         banned = {
-            i: row.banned_ids
+            i: banned_ids
             for i, (row, r) in enumerate(zip(rows, requests, strict=True))
-            if row.banned_ids and r.num_output_tokens < row.min_tokens
+            if (row.bad_words or (row.banned_ids and r.num_output_tokens < row.min_tokens))
+            and (banned_ids := row.banned_now(r.output_token_ids))
         }
         repeated = [i for i, row in enumerate(rows) if row.repetition_penalty != 1.0]
         counted = [
@@ -256,9 +288,14 @@ class Sampler:
             for i, (row, r) in enumerate(zip(rows, requests, strict=True))
             if r.output_token_ids and (row.presence_penalty or row.frequency_penalty)
         ]
-        if not (biased or banned or repeated or counted):
+        if not (biased or limited or banned or repeated or counted):
             return logits
         logits = logits.clone()
+
+        if limited:
+            index = self._index(list(limited))
+            outside = torch.stack(list(limited.values()))
+            logits[index] = logits[index].masked_fill(outside, -math.inf)
 
         if biased:
             local, ids = self._scatter_index([rows[i].bias_ids for i in biased])

@@ -55,7 +55,7 @@ class Plan:
     requests: list[TextRequest]  # one per prompt; choice i of prompt p is p * n + i
     n: int
     logprobs: bool
-    include_usage: bool
+    include_usage: bool  # a usage chunk ends the stream
     created: int
     # With echo (text completions): per choice, the prompt's text, which leads its output.
     echo: list[str] | None = None
@@ -63,6 +63,8 @@ class Plan:
     tools: ToolPlan | None = None
     # With a reasoning parser (chat): how each answer's reasoning is split from it.
     reasoning: ReasoningPlan | None = None
+    # Every chunk carries its choice's usage so far (stream_options.continuous_usage_stats).
+    continuous_usage: bool = False
 
     @property
     def reads_answers(self) -> bool:
@@ -97,16 +99,39 @@ async def _naming_tools(
         await stream.aclose()
 
 
+async def _bad_words_token_ids(gateway: Gateway, words: list[str] | None) -> list[list[int]]:
+    """vLLM's bad_words as the token sequences the sampler bans: each word as written (leading
+    spaces dropped), and after a space where that spells the same number of tokens (a word's
+    form inside the text for most tokenizers; SentencePiece ones would spell an extra token
+    for the space instead)."""
+    if not words:
+        return []
+    texts = [text for word in words for text in (word.lstrip(), " " + word.lstrip())]
+    tokenized = await asyncio.gather(
+        *(gateway.tokenize_text(text, add_special_tokens=False) for text in texts)
+    )
+    sequences: dict[tuple[int, ...], None] = {}
+    for written, spaced in zip(tokenized[::2], tokenized[1::2], strict=True):
+        if not written.token_ids:
+            raise api.InvalidParameter("bad_words must not hold blank words", "bad_words")
+        sequences[tuple(written.token_ids)] = None
+        if len(spaced.token_ids) == len(written.token_ids):
+            sequences[tuple(spaced.token_ids)] = None
+    return [list(sequence) for sequence in sequences]
+
+
 def _sampling_params(
     body: api.SamplingFields,
     max_tokens: int | None,
     logprobs: int | None,
     model: SamplingDefaults,
     prompt_logprobs: int | None = None,
+    bad_words_token_ids: list[list[int]] | None = None,
 ) -> SamplingParams:
     """The request's sampling: what it sets, else what the model recommends (`model`,
     --generation-config), else the library's defaults (the model's max_tokens caps the request's
-    where its prompt's length is known: _text_requests)."""
+    where its prompt's length is known: _text_requests). `bad_words_token_ids`: body.bad_words
+    tokenized (_bad_words_token_ids)."""
     logit_bias = None
     if body.logit_bias:
         try:
@@ -131,6 +156,8 @@ def _sampling_params(
         seed=body.seed,
         logit_bias=logit_bias,
         stop_token_ids=_or_default(body.stop_token_ids, []),
+        allowed_token_ids=body.allowed_token_ids,
+        bad_words_token_ids=bad_words_token_ids or [],
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         structured_output=structured_output(body),
@@ -164,6 +191,7 @@ def _text_requests(
             skip_special_tokens=body.skip_special_tokens,
             priority=body.priority,
             max_tokens_cap=model.max_tokens,
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
         )
         for ids in prompts
     ]
@@ -248,6 +276,7 @@ async def plan_chat(
         body.max_completion_tokens or body.max_tokens,
         (body.top_logprobs or 0) if body.logprobs else None,
         model,
+        bad_words_token_ids=await _bad_words_token_ids(gateway, body.bad_words),
     )
     params = _with_tools(params, chat)
     reasoning = reasoning_plan(
@@ -280,6 +309,7 @@ async def plan_chat(
         int(time.time()),
         tools=chat.plan,
         reasoning=reasoning,
+        continuous_usage=_continuous_usage(body),
     )
 
 
@@ -312,11 +342,16 @@ async def plan_completion(gateway: Gateway, body: api.CompletionRequest) -> Plan
     if body.max_tokens == 0 and prompt_logprobs is None:
         prompt_logprobs = 0
     model = await gateway.sampling_defaults()
-    params = _sampling_params(body, body.max_tokens, body.logprobs, model, prompt_logprobs)
+    bad_words = await _bad_words_token_ids(gateway, body.bad_words)
+    params = _sampling_params(
+        body, body.max_tokens, body.logprobs, model, prompt_logprobs, bad_words
+    )
     requests = _text_requests(info, ids, body, params, "prompt", "max_tokens", model)
     echo = None
-    if body.echo:
-        prompt_texts = await asyncio.gather(*(_prompt_text(gateway, p) for p in prompts))
+    if body.echo:  # the prompts as run: truncated ones as their ids
+        truncated = body.truncate_prompt_tokens is not None
+        echoed = [r.prompt_ids for r in requests] if truncated else prompts
+        prompt_texts = await asyncio.gather(*(_prompt_text(gateway, p) for p in echoed))
         echo = [text for text in prompt_texts for _ in range(body.n)]
     return Plan(
         False,
@@ -328,6 +363,7 @@ async def plan_completion(gateway: Gateway, body: api.CompletionRequest) -> Plan
         _include_usage(body),
         int(time.time()),
         echo,
+        continuous_usage=_continuous_usage(body),
     )
 
 
@@ -339,7 +375,23 @@ async def _prompt_text(gateway: Gateway, prompt: str | list[int]) -> str:
 
 
 def _include_usage(body: api.SamplingFields) -> bool:
-    return body.stream_options is not None and body.stream_options.include_usage
+    return body.stream_options is not None and (
+        body.stream_options.include_usage or body.stream_options.continuous_usage_stats
+    )
+
+
+def _continuous_usage(body: api.SamplingFields) -> bool:
+    return body.stream_options is not None and body.stream_options.continuous_usage_stats
+
+
+def _usage_so_far(plan: Plan, index: int, completion_tokens: int) -> api.Usage:
+    """Choice `index`'s usage after `completion_tokens` tokens (continuous usage stats)."""
+    prompt = len(plan.requests[index // plan.n].prompt_ids)
+    return api.Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt + completion_tokens,
+    )
 
 
 def _usage(plan: Plan, usages: list[Usage | None]) -> api.Usage:
@@ -572,9 +624,12 @@ async def events(
     def completion_text_chunk(index: int, text: str) -> bytes:
         return completion_chunk([api.CompletionChoice(index=index, text=text)])
 
-    # Deltas of text alone (no finish reason, logprobs or tool calls to read).
+    # Deltas of text alone (no finish reason, logprobs, tool calls to read or usage to add).
     text_chunk = _TextEvents(chat_text_chunk if plan.chat else completion_text_chunk)
-    text_only = not plan.logprobs and readers is None
+    text_only = not plan.logprobs and readers is None and not plan.continuous_usage
+
+    def usage_so_far(index: int, completion_tokens: int) -> api.Usage | None:
+        return _usage_so_far(plan, index, completion_tokens) if plan.continuous_usage else None
 
     def delta_chunk(index: int, delta: TextDelta) -> bytes | None:
         if text_only and delta.finish_reason is None:
@@ -601,7 +656,8 @@ async def events(
                         logprobs=_chat_logprobs(delta.logprobs) if plan.logprobs else None,
                         finish_reason=reason,
                     )
-                ]
+                ],
+                usage_so_far(index, delta.completion_tokens),
             )
         text, token_logprobs = _echoed(plan, index, delta, first=not started[index])
         started[index] = True
@@ -614,7 +670,8 @@ async def events(
                 api.CompletionChoice(
                     index=index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason
                 )
-            ]
+            ],
+            usage_so_far(index, delta.completion_tokens),
         )
 
     try:
@@ -625,7 +682,8 @@ async def events(
                         index=i, delta=api.DeltaMessage(role="assistant", content="")
                     )
                     for i in range(count)
-                ]
+                ],
+                usage_so_far(0, 0),
             )
         index, delta = first
         while True:

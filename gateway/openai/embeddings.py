@@ -60,6 +60,7 @@ async def _requests(
     param: str,
     pooling: PoolingParams,
     priority: int,
+    truncate_prompt_tokens: int | None = None,
 ) -> list[TextRequest]:
     """One embedding request per input (a text, tokenized with the model's special tokens, or
     token ids); InvalidParameter naming `param` (with the input's index) for a bad one."""
@@ -74,10 +75,17 @@ async def _requests(
         where = param if len(inputs) == 1 else f"{param}[{i}]"
         try:
             requests.append(
-                embedding_request(info, ids, pooling, priority=priority, prompt_param=where)
+                embedding_request(
+                    info,
+                    ids,
+                    pooling,
+                    priority=priority,
+                    prompt_param=where,
+                    truncate_prompt_tokens=truncate_prompt_tokens,
+                )
             )
         except InvalidParameter as exc:
-            raise InvalidParameter(str(exc), param) from None
+            raise InvalidParameter(str(exc), param if exc.param == where else exc.param) from None
     return requests
 
 
@@ -112,7 +120,9 @@ async def plan_embeddings(
         inputs = _counted([v for v in raw if not isinstance(v, int)], "input")
     pooling = PoolingParams(body.dimensions)
     pooling.validate()
-    requests = await _requests(gateway, info, inputs, "input", pooling, priority)
+    requests = await _requests(
+        gateway, info, inputs, "input", pooling, priority, body.truncate_prompt_tokens
+    )
 
     def respond(vectors: list[list[float]], prompt_tokens: int) -> BaseModel:
         return eapi.EmbeddingResponse(

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from gateway.openai.protocol import INT32_MAX, RequestBody, ResponseBody
+from gateway.openai.protocol import INT32_MAX, INT32_MIN, RequestBody, ResponseBody
 
 # OpenAI's own bound on the inputs of one request.
 MAX_INPUTS = 2048
@@ -28,6 +28,8 @@ class EmbeddingRequest(RequestBody):
     # int32 on the wire to the engine).
     dimensions: int | None = Field(None, le=INT32_MAX)
     user: str | None = None
+    # vLLM's: embed each input's last N tokens (-1: as many as the context holds).
+    truncate_prompt_tokens: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
 
 
 class Embedding(ResponseBody):

@@ -46,6 +46,8 @@ NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+# Each bad word is checked against the output at every step.
+MAX_BAD_WORDS = 256
 TokenIds = list[int]
 # Bounds of the protobuf fields these travel in.
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -107,6 +109,8 @@ def _invalid(model: type[RequestBody], exc: ValidationError) -> InvalidParameter
 
 class StreamOptions(RequestBody):
     include_usage: bool = False
+    # vLLM's: every chunk carries the usage so far too (the final usage chunk comes as well).
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaSpec(RequestBody):
@@ -151,6 +155,10 @@ class SamplingFields(RequestBody):
     )
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    # vLLM's: every token one of these ids.
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)
+    # vLLM's: words the output never contains (each as written and after a space).
+    bad_words: list[NonEmptyStr] | None = Field(None, max_length=MAX_BAD_WORDS)
     n: int = Field(1, ge=1, le=64)
     logit_bias: dict[str, float] | None = Field(
         None, description="Token id (as a string) -> bias, in [-100, 100]."
@@ -163,6 +171,8 @@ class SamplingFields(RequestBody):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=INT32_MIN, le=INT32_MAX)
+    # vLLM's: keep the prompt's last N tokens (-1: as many as the context holds).
+    truncate_prompt_tokens: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
     # Structured output (gateway/openai/structured.py): at most one of these.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

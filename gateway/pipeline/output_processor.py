@@ -195,6 +195,7 @@ class OutputProcessor:
             if count:
                 self._observe_tokens(request, sequence, count, now)
                 step_tokens += count
+            delta.completion_tokens = sequence.num_tokens
             if delta.stop_matched:
                 delta.finish_reason = "stop"
                 if output.finished:

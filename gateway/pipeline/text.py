@@ -66,3 +66,5 @@ class TextDelta:
     stop_matched: str | None = None
     # An embedding request's only delta: its vector.
     embedding: list[float] | None = None
+    # The sequence's tokens so far, this delta's included.
+    completion_tokens: int = 0

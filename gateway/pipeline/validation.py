@@ -1,8 +1,8 @@
 """What a request must satisfy of the served model, whatever front end it came through: token
-ids inside the vocabulary, a prompt that leaves room in the context (an embedding's input fits
-it), max_tokens that fits it, and sampling parameters the library's own SamplingParams.validate
-accepts (so the gateway and the engine agree). Raises InvalidParameter naming the field; never
-talks to a service.
+ids inside the vocabulary, a prompt (truncated first where asked) that leaves room in the
+context (an embedding's input fits it), max_tokens that fits it, and sampling parameters the
+library's own SamplingParams.validate accepts (so the gateway and the engine agree). Raises
+InvalidParameter naming the field; never talks to a service.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from common.errors import InvalidParameter
 from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from gateway.pipeline.text import TextRequest
+
+TRUNCATE_PARAM = "truncate_prompt_tokens"
 
 
 @dataclass
@@ -38,6 +40,28 @@ def check_token_ids(info: ModelInfo, token_ids: Sequence[int], param: str) -> No
             )
 
 
+def truncated_prompt(info: ModelInfo, prompt_ids: Sequence[int], keep: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the context
+    holds), the whole prompt when `keep` is None or the prompt is no longer. InvalidParameter
+    for a `keep` of 0, below -1, or over the context."""
+    prompt_ids = list(prompt_ids)
+    if keep is None:
+        return prompt_ids
+    if keep == -1:
+        keep = info.max_model_len
+    if keep < 1:
+        raise InvalidParameter(
+            f"truncate_prompt_tokens must be -1 or at least 1, got {keep}", TRUNCATE_PARAM
+        )
+    if keep > info.max_model_len:
+        raise InvalidParameter(
+            f"truncate_prompt_tokens is {keep}, over this model's maximum context length "
+            f"(max_model_len) of {info.max_model_len} tokens",
+            TRUNCATE_PARAM,
+        )
+    return prompt_ids[-keep:]
+
+
 def embedding_request(
     info: ModelInfo,
     prompt_ids: Sequence[int],
@@ -45,10 +69,12 @@ def embedding_request(
     *,
     priority: int = 0,
     prompt_param: str = "input",
+    truncate_prompt_tokens: int | None = None,
 ) -> TextRequest:
     """Validate one input to embed: non-empty, in the vocabulary, within the context (it
-    generates nothing, so it may fill it). Raises InvalidParameter naming `prompt_param`."""
-    prompt_ids = list(prompt_ids)
+    generates nothing, so it may fill it) once truncated (truncated_prompt). Raises
+    InvalidParameter naming `prompt_param` or the truncation."""
+    prompt_ids = truncated_prompt(info, prompt_ids, truncate_prompt_tokens)
     if not prompt_ids:
         raise InvalidParameter(f"{prompt_param} must not be empty", prompt_param)
     check_token_ids(info, prompt_ids, prompt_param)
@@ -74,16 +100,18 @@ def text_request(
     prompt_param: str = "prompt",
     max_tokens_param: str = "max_tokens",
     max_tokens_cap: int | None = None,
+    truncate_prompt_tokens: int | None = None,
 ) -> TextRequest:
-    """Validate a sequence against the model; unset max_tokens fills the context, up to
-    `max_tokens_cap` (the model's max_new_tokens, --generation-config), which caps a set one
-    too.
+    """Validate a sequence against the model, its prompt truncated first (truncated_prompt);
+    unset max_tokens fills the context, up to `max_tokens_cap` (the model's max_new_tokens,
+    --generation-config), which caps a set one too.
 
-    Raises InvalidParameter naming the prompt, max_tokens or the sampling parameter.
+    Raises InvalidParameter naming the prompt, max_tokens, the truncation or the sampling
+    parameter.
     """
     if any(not s for s in stop):
         raise InvalidParameter("stop strings must not be empty", "stop")
-    prompt_ids = list(prompt_ids)
+    prompt_ids = truncated_prompt(info, prompt_ids, truncate_prompt_tokens)
     if not prompt_ids:
         raise InvalidParameter(f"{prompt_param} must not be empty", prompt_param)
     check_token_ids(info, prompt_ids, prompt_param)

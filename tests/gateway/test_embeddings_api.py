@@ -188,6 +188,9 @@ def test_the_pooling_runner_refuses_generation(tiny):
     assert "embeddings only" in response.json()["error"]["message"]
 
 
+TRUNCATE = "truncate_prompt_tokens"
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
@@ -203,6 +206,8 @@ def test_the_pooling_runner_refuses_generation(tiny):
         ("/v1/embeddings", {"input": "a", "dimensions": 0}, "dimensions"),
         ("/v1/embeddings", {"input": "a", "dimensions": 159983695950407}, "dimensions"),
         ("/v1/embeddings", {}, "input"),
+        ("/v1/embeddings", {"input": "a", "truncate_prompt_tokens": -2}, TRUNCATE),
+        ("/v1/embeddings", {"input": "a", "truncate_prompt_tokens": 10**6}, TRUNCATE),
         ("/v1/score", {"text_1": "a", "text_2": []}, "text_2"),
         ("/v1/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_2"),
         ("/v1/score", {"text_1": 3, "text_2": "a"}, "text_1"),
@@ -223,6 +228,15 @@ def test_an_input_over_the_context_names_max_model_len(tiny):
     assert "max_model_len" in error["message"]
     full = httpx.post(tiny.url + "/v1/embeddings", json={"input": too_long[:-1]})
     assert full.status_code == 200, full.text  # an input may fill the context
+    # Truncated (vLLM's truncate_prompt_tokens), it is its last tokens' embedding.
+    for keep, tail in ((-1, too_long[1:]), (5, too_long[-5:])):
+        body = {"input": too_long, "truncate_prompt_tokens": keep, "encoding_format": "float"}
+        truncated = httpx.post(tiny.url + "/v1/embeddings", json=body).json()
+        whole = httpx.post(
+            tiny.url + "/v1/embeddings", json={"input": tail, "encoding_format": "float"}
+        ).json()
+        assert truncated["usage"]["prompt_tokens"] == len(tail)
+        assert truncated["data"][0]["embedding"] == whole["data"][0]["embedding"]
 
 
 def test_default_model_embeddings_beside_generation(default):

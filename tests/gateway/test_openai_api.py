@@ -123,6 +123,64 @@ def test_completion_equals_the_engines_greedy_tokens_decoded(client, engine_stub
     assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(prompt_ids), 16)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client, engine_stub, tokenizer):
+    long_prompt = "Some words to drop first, whatever they say. " * 3 + PROMPT
+    prompt_ids = tokenizer.encode(long_prompt)
+    kept = prompt_ids[-6:]
+    response = client.completions.create(
+        model=MODEL,
+        prompt=long_prompt,
+        max_tokens=8,
+        temperature=0,
+        echo=True,
+        extra_body={"truncate_prompt_tokens": 6},
+    )
+    expected_ids = engine_tokens(engine_stub, kept, temperature=0.0, max_tokens=8)
+    echoed = tokenizer.decode(kept, skip_special_tokens=False)
+    assert response.choices[0].text == echoed + tokenizer.decode(expected_ids)
+    assert response.usage.prompt_tokens == 6
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=1,
+        extra_body={"truncate_prompt_tokens": 5},
+    )
+    assert chat.usage.prompt_tokens == 5 < len(tokenizer.encode_chat(CHAT))
+
+
+def contains(tokens: list[int], sequence: list[int]) -> bool:
+    return any(tokens[i : i + len(sequence)] == sequence for i in range(len(tokens)))
+
+
+def test_allowed_token_ids_and_bad_words_limit_the_tokens(client, engine_stub, tokenizer):
+    yes_no = [tokenizer.encode(word, add_special_tokens=False)[0] for word in (" yes", " no")]
+    limited = client.completions.create(
+        model=MODEL,
+        prompt="Is the sky blue? Answer:",
+        max_tokens=6,
+        seed=3,
+        logprobs=0,
+        extra_body={"allowed_token_ids": yes_no, "ignore_eos": True},
+    )
+    assert set(limited.choices[0].logprobs.tokens) <= {" yes", " no"}
+    assert limited.usage.completion_tokens == 6
+
+    prompt_ids = tokenizer.encode(PROMPT)
+    plain = engine_tokens(engine_stub, prompt_ids, temperature=0.0, max_tokens=12)
+    word = tokenizer.decode(plain).split()[1]  # a word the greedy answer says, then banned
+    spellings = [tokenizer.encode(w, add_special_tokens=False) for w in (word, " " + word)]
+    assert any(contains(plain, ids) for ids in spellings)
+    banned = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"bad_words": [word]}
+    )
+    words = [common_pb2.TokenIds(token_ids=ids) for ids in spellings]
+    expected = engine_tokens(
+        engine_stub, prompt_ids, temperature=0.0, max_tokens=12, bad_words_token_ids=words
+    )
+    assert banned.choices[0].text == tokenizer.decode(expected)
+    assert not any(contains(expected, ids) for ids in spellings) and expected != plain
+
+
 def test_streamed_text_equals_non_streamed_for_the_same_seed(client):
     args = dict(model=MODEL, messages=CHAT, max_tokens=32, temperature=0.9, seed=1234)
     whole = client.chat.completions.create(**args)
@@ -199,6 +257,44 @@ def test_n2_streams_both_choices_and_prompt_lists(client, tokenizer):
         assert response.usage.completion_tokens == 16
         for choice in response.choices:
             assert choice.text == "".join(choice.logprobs.tokens)
+
+
+def test_continuous_usage_stats_count_each_choices_tokens_so_far(client, tokenizer):
+    """vLLM's stream_options.continuous_usage_stats: every chunk has its choice's usage so far,
+    the last usage chunk follows; chat, and completions of two prompts with n=2."""
+    options = {"continuous_usage_stats": True}
+    chat = list(
+        client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=6, stream=True, stream_options=options
+        )
+    )
+    prompt = len(tokenizer.encode_chat(CHAT))
+    assert all(c.usage is not None and c.usage.prompt_tokens == prompt for c in chat)
+    counts = [c.usage.completion_tokens for c in chat[:-1]]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 6
+    assert not chat[-1].choices and chat[-1].usage.completion_tokens == 6
+
+    prompts = [PROMPT, "Once upon a time, in a small village,"]
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompts,
+            max_tokens=5,
+            n=2,
+            stream=True,
+            stream_options=options,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    seen: dict[int, list[int]] = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        prompt_ids = tokenizer.encode(prompts[choice.index // 2])
+        assert chunk.usage.prompt_tokens == len(prompt_ids)
+        seen.setdefault(choice.index, []).append(chunk.usage.completion_tokens)
+    assert sorted(seen) == [0, 1, 2, 3]
+    assert all(counts == sorted(counts) and counts[-1] == 5 for counts in seen.values())
+    assert chunks[-1].usage.completion_tokens == 20
 
 
 @pytest.mark.parametrize("stream", [False, True])

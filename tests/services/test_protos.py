@@ -15,7 +15,7 @@ from common.grpc_stubs.folio.v1 import common_pb2
 from common.errors import InternalError, UnavailableError, error_for, status_code_for
 from common.grpc_stubs import generate
 from common.sampling_params import SamplingParams
-from common.sampling_proto import sampling_params_from_proto
+from common.sampling_proto import sampling_params_from_proto, sampling_params_to_proto
 from engine.errors import InvalidRequestError, QueueFullError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,6 +75,16 @@ def test_set_sampling_params_arrive_unchanged():
     )
     message = common_pb2.SamplingParams(**dataclasses.asdict(expected))
     assert sampling_params_from_proto(message) == expected
+
+
+def test_token_limits_travel_both_ways():
+    limited = SamplingParams(allowed_token_ids=[5, 2], bad_words_token_ids=[[7], [3, 4, 5]])
+    wire = sampling_params_to_proto(limited)
+    assert sampling_params_from_proto(wire) == limited
+    # Unset on the wire: no limit (an empty allowed list would allow nothing).
+    assert sampling_params_from_proto(sampling_params_to_proto(SamplingParams())) == (
+        SamplingParams()
+    )
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,18 @@ def test_a_logit_bias_is_within_openais_range():
             SamplingParams(logit_bias={3: 1.0, 4: bias}).validate()
 
 
+def test_token_limits_are_checked_by_name():
+    SamplingParams(allowed_token_ids=[1, 2], bad_words_token_ids=[[3], [4, 5]]).validate(10)
+    for params, problem in (
+        (dict(allowed_token_ids=[]), "allowed_token_ids must not be empty"),
+        (dict(allowed_token_ids=[1, 10]), "allowed_token_ids contains token id 10"),
+        (dict(bad_words_token_ids=[[3], []]), r"bad_words_token_ids\[1\] must be a non-empty"),
+        (dict(bad_words_token_ids=[[3, -1]]), r"bad_words_token_ids\[0\] contains token id -1"),
+    ):
+        with pytest.raises(ValueError, match=problem):
+            SamplingParams(**params).validate(10)
+
+
 def test_a_repetition_penalty_is_one_float32_can_divide_by():
     SamplingParams(repetition_penalty=1e-5).validate()
     SamplingParams(repetition_penalty=1e300).validate()  # negative logits go to -inf: a ban

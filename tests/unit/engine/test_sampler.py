@@ -35,11 +35,19 @@ def reference_probs(row, request: Request, vocab_size: int, eos=EOS) -> np.ndarr
     """The distribution a row is drawn from, one token at a time, in float64."""
     p = request.sampling_params
     logits = np.array(row[:vocab_size], dtype=np.float64)
+    if p.allowed_token_ids is not None:
+        outside = np.ones(vocab_size, dtype=bool)
+        outside[p.allowed_token_ids] = False
+        logits[outside] = -np.inf
     for token, bias in (p.logit_bias or {}).items():
         logits[token] += bias
     if len(request.output_token_ids) < p.min_tokens:
         for token in list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos)):
             logits[token] = -np.inf
+    output = list(request.output_token_ids)
+    for *before, last in p.bad_words_token_ids:
+        if not before or output[len(output) - len(before) :] == before:
+            logits[last] = -np.inf
     if p.repetition_penalty != 1.0:
         for token in set(request.prompt_token_ids) | set(request.output_token_ids):
             if logits[token] > 0:
@@ -306,6 +314,31 @@ def test_min_tokens_masks_eos_and_stop_tokens():
     assert zero[0, [0, 3, 7]].all() and zero[0].sum() == 3
     assert zero[1, 3] and zero[1].sum() == 1
     assert not zero[2].any() and not zero[3].any()
+
+
+def test_allowed_token_ids_and_bad_words_follow_reference():
+    vocab = 16
+    logits = random_logits(6, vocab, seed=5)
+    allowed = [2, 5, 6, 11]
+    words = [[4], [8, 9], [1, 8, 12]]
+    configs = [
+        (SamplingParams(temperature=0.0, allowed_token_ids=allowed), ()),
+        (SamplingParams(temperature=0.9, allowed_token_ids=allowed, logit_bias={5: 3.0}), ()),
+        # Greedy: each banned token made the argmax first, so a ban that did not apply shows.
+        (SamplingParams(temperature=0.0, bad_words_token_ids=words), (3, 8)),
+        (SamplingParams(temperature=0.7, top_k=5, bad_words_token_ids=words), (1, 8)),
+        (SamplingParams(min_tokens=3, max_tokens=9, bad_words_token_ids=words), (8,)),
+        (SamplingParams(temperature=0.0, bad_words_token_ids=[[3, 3]], allowed_token_ids=[3]), ()),
+    ]
+    logits[2, 9] = logits[3, 12] = logits[4, 9] = 50.0
+    requests = [make_request(p, output=o) for p, o in configs]
+    probs = assert_matches_reference(Sampler(vocab, EOS), logits, requests)
+    outside = [t for t in range(vocab) if t not in allowed]
+    assert (probs[:2, outside] == 0).all() and (probs[:2, allowed].sum(-1) > 0.999).all()
+    assert (probs[2:5, 4] == 0).all()  # a one-token bad word: everywhere
+    assert probs[2, 9] == 0 and probs[4, 9] == 0  # [8, 9] after an 8
+    assert probs[3, 12] == 0 and probs[3, 9] == 0  # [1, 8, 12] after 1, 8
+    assert probs[5, 3] == 1  # [3, 3] bans 3 only after a 3
 
 
 def test_caller_logits_are_not_modified():
