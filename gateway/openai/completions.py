@@ -65,6 +65,8 @@ class Plan:
     reasoning: ReasoningPlan | None = None
     # Every chunk carries its choice's usage so far (stream_options.continuous_usage_stats).
     continuous_usage: bool = False
+    # Logprobs name tokens "token_id:N" (return_tokens_as_token_ids).
+    tokens_as_ids: bool = False
 
     @property
     def reads_answers(self) -> bool:
@@ -310,6 +312,7 @@ async def plan_chat(
         tools=chat.plan,
         reasoning=reasoning,
         continuous_usage=_continuous_usage(body),
+        tokens_as_ids=body.return_tokens_as_token_ids,
     )
 
 
@@ -364,6 +367,7 @@ async def plan_completion(gateway: Gateway, body: api.CompletionRequest) -> Plan
         int(time.time()),
         echo,
         continuous_usage=_continuous_usage(body),
+        tokens_as_ids=body.return_tokens_as_token_ids,
     )
 
 
@@ -421,35 +425,52 @@ def _utf8(text: str) -> list[int] | None:
     return None if "\ufffd" in text else list(text.encode())
 
 
-def _chat_logprobs(logprobs: list[TokenLogprob]) -> api.ChatLogprobs:
-    return api.ChatLogprobs(content=[_chat_token_logprob(lp) for lp in logprobs])
+def _token_name(plan: Plan) -> Callable[[int, str], str]:
+    """How the plan's logprobs name a token: its text, or with return_tokens_as_token_ids
+    "token_id:N" (vLLM's: every token told apart, whatever its text)."""
+    if plan.tokens_as_ids:
+        return lambda token_id, _text: f"token_id:{token_id}"
+    return lambda _token_id, text: text
 
 
-def _chat_token_logprob(lp: TokenLogprob) -> api.ChatTokenLogprob:
+def _chat_logprobs(plan: Plan, logprobs: list[TokenLogprob]) -> api.ChatLogprobs:
+    name = _token_name(plan)
+    return api.ChatLogprobs(content=[_chat_token_logprob(lp, name) for lp in logprobs])
+
+
+def _chat_token_logprob(lp: TokenLogprob, name: Callable[[int, str], str]) -> api.ChatTokenLogprob:
     # A chat answer never echoes its prompt: its tokens are generated ones, which all have a
     # logprob (only a prompt's first token has none).
     if lp.logprob is None:
         raise ValueError(
             f"token {lp.token_id} has no logprob: only a prompt's first token lacks one"
         )
+    token = name(lp.token_id, lp.token)
     return api.ChatTokenLogprob(
-        token=lp.token,
+        token=token,
         logprob=lp.logprob,
-        bytes=_utf8(lp.token),
+        bytes=_utf8(token),
         top_logprobs=[
-            api.TopLogprob(token=text, logprob=value, bytes=_utf8(text))
-            for _, text, value in lp.top
+            api.TopLogprob(token=(top := name(token_id, text)), logprob=value, bytes=_utf8(top))
+            for token_id, text, value in lp.top
         ],
     )
 
 
-def _completion_logprobs(logprobs: list[TokenLogprob], offset: int) -> api.CompletionLogprobs:
+def _completion_logprobs(
+    plan: Plan, logprobs: list[TokenLogprob], offset: int
+) -> api.CompletionLogprobs:
+    """Completions' logprobs; text_offset counts the text's characters, however tokens are
+    named."""
+    name = _token_name(plan)
     out = api.CompletionLogprobs()
     for lp in logprobs:
-        out.tokens.append(lp.token)
+        out.tokens.append(name(lp.token_id, lp.token))
         out.token_logprobs.append(lp.logprob)
         out.top_logprobs.append(
-            None if lp.logprob is None else {text: value for _, text, value in lp.top}
+            None
+            if lp.logprob is None
+            else {name(token_id, text): value for token_id, text, value in lp.top}
         )
         out.text_offset.append(offset)
         offset += len(lp.token)
@@ -489,7 +510,7 @@ def _chat_choice(
     return api.ChatChoice(
         index=index,
         message=message,
-        logprobs=_chat_logprobs(logprobs) if plan.logprobs else None,
+        logprobs=_chat_logprobs(plan, logprobs) if plan.logprobs else None,
         finish_reason=reason,
     )
 
@@ -580,7 +601,7 @@ async def respond(
         api.CompletionChoice(
             index=i,
             text="".join(texts[i]),
-            logprobs=_completion_logprobs(logprobs[i], 0) if plan.logprobs else None,
+            logprobs=_completion_logprobs(plan, logprobs[i], 0) if plan.logprobs else None,
             finish_reason=reasons[i],
         )
         for i in range(count)
@@ -653,7 +674,7 @@ async def events(
                     api.ChatChunkChoice(
                         index=index,
                         delta=message,
-                        logprobs=_chat_logprobs(delta.logprobs) if plan.logprobs else None,
+                        logprobs=_chat_logprobs(plan, delta.logprobs) if plan.logprobs else None,
                         finish_reason=reason,
                     )
                 ],
@@ -663,7 +684,7 @@ async def events(
         started[index] = True
         logprobs = None
         if plan.logprobs:
-            logprobs = _completion_logprobs(token_logprobs, offsets[index])
+            logprobs = _completion_logprobs(plan, token_logprobs, offsets[index])
             offsets[index] += sum(len(lp.token) for lp in token_logprobs)
         return completion_chunk(
             [

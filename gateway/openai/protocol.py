@@ -171,6 +171,8 @@ class SamplingFields(RequestBody):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=INT32_MIN, le=INT32_MAX)
+    # vLLM's: logprobs name each token "token_id:N" instead of by its text.
+    return_tokens_as_token_ids: bool = False
     # vLLM's: keep the prompt's last N tokens (-1: as many as the context holds).
     truncate_prompt_tokens: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
     # Structured output (gateway/openai/structured.py): at most one of these.

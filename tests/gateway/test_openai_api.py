@@ -382,6 +382,39 @@ def test_completion_logprobs_are_sane(client):
     assert "".join(logprobs.tokens) == response.choices[0].text
 
 
+def test_return_tokens_as_token_ids_names_tokens_by_id(client, engine_stub, tokenizer):
+    ids = engine_tokens(
+        engine_stub, tokenizer.encode(PROMPT), temperature=0.0, max_tokens=6, ignore_eos=True
+    )
+    by_id = {"return_tokens_as_token_ids": True, "ignore_eos": True}
+    completion = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, extra_body=by_id
+    ).choices[0]
+    assert completion.logprobs.tokens == [f"token_id:{i}" for i in ids]
+    assert all(
+        name.startswith("token_id:") for top in completion.logprobs.top_logprobs for name in top
+    )
+    # The offsets still count the text's characters.
+    pieces = [tokenizer.decode([i]) for i in ids]
+    assert completion.logprobs.text_offset == [sum(map(len, pieces[:k])) for k in range(6)]
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=by_id,
+    )
+    chat_ids = engine_tokens(
+        engine_stub, tokenizer.encode_chat(CHAT), temperature=0.0, max_tokens=4, ignore_eos=True
+    )
+    content = chat.choices[0].logprobs.content
+    assert [entry.token for entry in content] == [f"token_id:{i}" for i in chat_ids]
+    assert content[0].bytes == list(f"token_id:{chat_ids[0]}".encode())
+    assert content[0].top_logprobs[0].token.startswith("token_id:")
+
+
 def test_multibyte_text_streams_whole_characters(client, tokenizer):
     # The output is held to emoji that this model's byte-level vocabulary has no single token
     # for (🌟 is three tokens, ✨ two, whatever the tokenization), so characters are split
