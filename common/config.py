@@ -621,8 +621,11 @@ class GatewayFrontConfig:
     grpc_port: int = flag(
         GATEWAY_GRPC_PORT, "port of the gateway's gRPC text API (0 picks a free one)"
     )
-    served_model_name: str | None = flag(
-        None, "the model name clients use (default: the model directory's name)"
+    served_model_name: tuple[str, ...] = flag(
+        (),
+        "the model name clients use (default: the model directory's name); repeat it for "
+        "other names of the same model: a request may use any, its answer says the one it used, "
+        "and the first is the default",
     )
     keys: ApiKeySources = field(default_factory=ApiKeySources)
     policy: GatewayConfig = field(default_factory=GatewayConfig)

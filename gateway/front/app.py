@@ -363,11 +363,12 @@ async def models(request: Request) -> Response:
     base = api.ModelCard(
         id=info.name, created=info.created, root=info.path, max_model_len=info.max_model_len
     )
+    aliases = [base.model_copy(update=dict(id=name)) for name in info.names[1:]]
     adapters = [
         base.model_copy(update=dict(id=name, root=name, parent=info.name))
         for name in await gateway.engine.lora_adapters()
     ]
-    return ModelResponse(api.ModelList(data=[base, *adapters]))
+    return ModelResponse(api.ModelList(data=[base, *aliases, *adapters]))
 
 
 async def load_lora_adapter(request: Request) -> Response:

@@ -114,7 +114,7 @@ class GatewayServer:
         grpc_port: int,
         engine_address: str | Sequence[str],
         tokenizer_address: str,
-        served_model_name: str | None = None,
+        served_model_names: Sequence[str] = (),
         config: GatewayConfig | None = None,
         internal_token: str | None = None,
         worker: WorkerSetup | None = None,
@@ -129,7 +129,7 @@ class GatewayServer:
             [engine_address] if isinstance(engine_address, str) else list(engine_address)
         )
         self._tokenizer_address = tokenizer_address
-        self._served_model_name = served_model_name
+        self._served_model_names = served_model_names
         self.config = config or GatewayConfig()
         self._internal_token = internal_token
         self.worker = worker
@@ -149,7 +149,7 @@ class GatewayServer:
             [EngineClient(address, self._internal_token) for address in self._engine_addresses],
             TokenizerClient(self._tokenizer_address, self._internal_token),
             metrics,
-            self._served_model_name,
+            self._served_model_names,
             self.config.routing_policy,
         )
         pool = self.gateway.engine

@@ -72,17 +72,18 @@ class Gateway:
         engines: Sequence[EngineClient],
         tokenizer: TokenizerClient,
         metrics: Metrics,
-        served_model_name: str | None = None,
+        served_model_names: Sequence[str] = (),
         routing_policy: str = "cache_aware",
     ) -> None:
-        """`engines`: one client per engine replica; `routing_policy` picks among them."""
+        """`engines`: one client per engine replica; `routing_policy` picks among them;
+        `served_model_names`: what clients call the model (none: the engine's name for it)."""
         self.engine = EnginePool(engines, make_policy(routing_policy), metrics)
         self.tokenizer = tokenizer
         # The model's tokenizer in this process, fetched from the tokenizer service once.
         self._model_text: ModelText | None = None
         self._model_text_lock = asyncio.Lock()
         self.metrics = metrics
-        self.served_model_name = served_model_name
+        self.served_model_names = tuple(served_model_names)
         self.draining = False
         self._info: ModelInfo | None = None
         self._info_broken_streams = 0  # engine.broken_streams when _info was read
@@ -99,8 +100,10 @@ class Gateway:
         broken_streams = self.engine.broken_streams
         if self._info is None or self._info_broken_streams != broken_streams:
             info = await self.engine.model_info()
+            names = self.served_model_names or (info.model or Path(info.model_path).name,)
             fresh = ModelInfo(
-                name=self.served_model_name or info.model or Path(info.model_path).name,
+                name=names[0],
+                names=names,
                 path=info.model_path,
                 max_model_len=info.max_model_len,
                 vocab_size=info.vocab_size,
@@ -116,16 +119,21 @@ class Gateway:
         return self._info
 
     async def check_model(self, name: str | None) -> ModelInfo:
-        """The served model, if `name` is unset or names it; else ModelNotFound."""
+        """The served model, if `name` is unset or one of its names (then named so, for the
+        answer to say the name the request used); else ModelNotFound."""
         self.check_available()
         info = await self.model()
-        if name and name != info.name and name in await self.engine.lora_adapters():
+        if not name or name == info.name:
+            return info
+        if name in info.names:
+            return dataclasses.replace(info, name=name)
+        if name in await self.engine.lora_adapters():
             set_lora(name)  # a LoRA adapter of the served model (gateway.engines.lora)
-        elif name and name != info.name:
-            raise ModelNotFound(
-                f"the model {name!r} does not exist; this server serves {info.name!r}", "model"
-            )
-        return info
+            return info
+        served = " or ".join(repr(n) for n in info.names)
+        raise ModelNotFound(
+            f"the model {name!r} does not exist; this server serves {served}", "model"
+        )
 
     async def model_text(self) -> ModelText:
         """The model's tokenizer in this process, for the token path: fetched from the tokenizer

@@ -22,6 +22,7 @@ TRUNCATE_PARAM = "truncate_prompt_tokens"
 @dataclass
 class ModelInfo:
     name: str  # the served name: --served-model-name or the model directory's name
+    names: tuple[str, ...]  # every name it is served under (--served-model-name), name first
     path: str
     max_model_len: int
     vocab_size: int

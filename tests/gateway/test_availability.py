@@ -34,6 +34,8 @@ def test_folio_gateway_serves_then_drains_on_sigterm(services):
         tokenizer.port,
         "--served-model-name",
         "folio-test",
+        "--served-model-name",
+        "folio-alias",
         # A generous drain: on a loaded 2-core machine the tokens below can take a minute.
         "--drain-seconds",
         str(DRAIN_SECONDS),
@@ -48,7 +50,17 @@ def test_folio_gateway_serves_then_drains_on_sigterm(services):
         url = f"http://127.0.0.1:{match[1]}"
         assert httpx.get(url + "/health", timeout=TIMEOUT).json() == {"status": "ok"}
         models = httpx.get(url + "/v1/models", timeout=TIMEOUT).json()
-        assert [m["id"] for m in models["data"]] == ["folio-test"]
+        assert [m["id"] for m in models["data"]] == ["folio-test", "folio-alias"]
+        # Either name serves the model; the answer says the one the request used.
+        for name, said in ((None, "folio-test"), ("folio-alias", "folio-alias")):
+            body = {"prompt": "Hi", "max_tokens": 1, **({"model": name} if name else {})}
+            answer = httpx.post(url + "/v1/completions", json=body, timeout=TIMEOUT).json()
+            assert answer["model"] == said, answer
+        unknown = httpx.post(
+            url + "/v1/completions", json={"prompt": "Hi", "model": "other"}, timeout=TIMEOUT
+        )
+        assert unknown.status_code == 404
+        assert "serves 'folio-test' or 'folio-alias'" in unknown.json()["error"]["message"]
 
         # A streamed request in flight when SIGTERM comes must still finish.
         events: list[str] = []

@@ -92,7 +92,7 @@ def test_serve_flags_reach_each_child():
     assert not engine.simulation.simulate
     front = gateway.front
     assert (front.listen.host, front.listen.port, front.grpc_port) == ("0.0.0.0", 8100, 50153)
-    assert (front.served_model_name, front.policy.routing_policy) == ("folio-x", "round_robin")
+    assert (front.served_model_name, front.policy.routing_policy) == (("folio-x",), "round_robin")
     assert (gateway.engine_address, gateway.tokenizer_address) == (
         ("127.0.0.1:50151",),
         "127.0.0.1:50152",
