@@ -144,6 +144,8 @@ class SamplingParams:
 
     MAX_LOGPROBS = 20
     MAX_N = 64
+    # Each bad word is checked against the output at every step of the request.
+    MAX_BAD_WORDS = 512
     # OpenAI's documented range (-100 bans a token, 100 all but forces it); a bias past
     # float32's range made the row's probabilities NaN and sampled arbitrary tokens.
     MAX_LOGIT_BIAS = 100.0
@@ -246,6 +248,11 @@ class SamplingParams:
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty (None allows every token)")
             token_lists.append(("allowed_token_ids", list(self.allowed_token_ids)))
+        if len(self.bad_words_token_ids) > self.MAX_BAD_WORDS:
+            raise ValueError(
+                f"bad_words_token_ids holds {len(self.bad_words_token_ids)} sequences, over the "
+                f"limit of {self.MAX_BAD_WORDS}"
+            )
         for i, word in enumerate(self.bad_words_token_ids):
             if not isinstance(word, (list, tuple)) or not word:
                 raise ValueError(f"bad_words_token_ids[{i}] must be a non-empty list of token ids")

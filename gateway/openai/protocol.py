@@ -22,6 +22,7 @@ from common.errors import RateLimitExceeded as RateLimitExceeded
 from common.errors import RequestTooLarge as RequestTooLarge
 from common.errors import Unauthenticated as Unauthenticated
 from common.errors import UnsupportedMediaType as UnsupportedMediaType
+from common.sampling_params import SamplingParams
 
 
 class RequestBody(BaseModel):
@@ -46,8 +47,8 @@ NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-# Each bad word is checked against the output at every step.
-MAX_BAD_WORDS = 256
+# Each word becomes up to two token sequences (as written, and after a space).
+MAX_BAD_WORDS = SamplingParams.MAX_BAD_WORDS // 2
 TokenIds = list[int]
 # Bounds of the protobuf fields these travel in.
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1

@@ -247,6 +247,14 @@ CASES = [
     ("blank-bad-word", "/v1/completions", completion(b'"bad_words": ["  "]'), 400, "bad_words", []),
     ("empty-bad-word", "/v1/completions", completion(b'"bad_words": [""]'), 400, "bad_words", []),
     (
+        "too-many-bad-words",
+        "/v1/completions",
+        completion(b'"bad_words": [' + b", ".join([b'"w"'] * 257) + b"]"),
+        400,
+        "bad_words",
+        ["256"],
+    ),
+    (
         "zero-truncation",
         "/v1/completions",
         completion(b'"truncate_prompt_tokens": 0'),

@@ -46,6 +46,7 @@ def test_token_limits_are_checked_by_name():
         (dict(allowed_token_ids=[1, 10]), "allowed_token_ids contains token id 10"),
         (dict(bad_words_token_ids=[[3], []]), r"bad_words_token_ids\[1\] must be a non-empty"),
         (dict(bad_words_token_ids=[[3, -1]]), r"bad_words_token_ids\[0\] contains token id -1"),
+        (dict(bad_words_token_ids=[[3]] * 513), "holds 513 sequences, over the limit of 512"),
     ):
         with pytest.raises(ValueError, match=problem):
             SamplingParams(**params).validate(10)
