@@ -252,11 +252,14 @@ async def chat_prompt(
     if body.top_logprobs and not body.logprobs:
         raise api.InvalidParameter("top_logprobs needs logprobs set to true", "top_logprobs")
     chat = await _chat_input(gateway, body, tool_call_parser)
+    template_kwargs = body.chat_template_kwargs
+    if body.reasoning_effort is not None:
+        template_kwargs = {"reasoning_effort": body.reasoning_effort, **(template_kwargs or {})}
     prompt = await gateway.tokenize_chat(
         chat.messages,
         body.add_generation_prompt,
         tools=chat.tools,
-        template_kwargs=body.chat_template_kwargs,
+        template_kwargs=template_kwargs,
         continue_final_message=body.continue_final_message,
     )
     return info, chat, prompt

@@ -189,6 +189,8 @@ class ContentPart(RequestBody):
     text: str
 
 
+ReasoningEffort = Literal["low", "medium", "high"]
+
 # The roles OpenAI accepts ("function" is the legacy form of "tool").
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
@@ -278,6 +280,9 @@ class ChatCompletionRequest(SamplingFields):
     # Extra variables for the chat template (e.g. {"enable_thinking": false}); they never
     # replace the ones the server sets (messages, tools, add_generation_prompt, special tokens).
     chat_template_kwargs: dict[str, Any] | None = None
+    # How hard a reasoning model thinks: the template's variable reasoning_effort (gpt-oss's
+    # template writes it into the system message), unless chat_template_kwargs sets it.
+    reasoning_effort: ReasoningEffort | None = None
     cache: CacheOptions | None = None
 
 

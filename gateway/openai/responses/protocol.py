@@ -46,6 +46,15 @@ class TextConfig(api.RequestBody):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
+class ReasoningConfig(api.RequestBody):
+    """OpenAI's `reasoning`: the effort goes to the chat template (as chat's reasoning_effort);
+    the reasoning comes back whole (a reasoning item's text), so a summary is the server's
+    choice (`auto`) or none."""
+
+    effort: api.ReasoningEffort | None = None
+    summary: Literal["auto"] | None = None
+
+
 class ResponsesRequest(api.RequestBody):
     model: str | None = Field(None, description="Must name the served model when set.")
     input: str | list[dict[str, Any]] = Field(
@@ -61,6 +70,7 @@ class ResponsesRequest(api.RequestBody):
     )
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
     stream: bool = False
     # Nothing is stored: store is accepted and the response says store: false.
     store: bool | None = None
@@ -154,6 +164,7 @@ class Response(api.ResponseBody):
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice
     tools: list[FunctionTool]
     text: TextConfig
+    reasoning: ReasoningConfig = Field(default_factory=ReasoningConfig)
     store: Literal[False] = False
     metadata: dict[str, str] = Field(default_factory=dict)
     previous_response_id: None = None

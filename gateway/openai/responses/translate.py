@@ -130,6 +130,8 @@ def chat_request(body: rapi.ResponsesRequest) -> api.ChatCompletionRequest:
     ):
         if value is not None:
             chat[name] = value
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        chat["reasoning_effort"] = body.reasoning.effort
     if body.tools:
         chat["tools"] = [
             {
@@ -205,6 +207,7 @@ class ResponseHead:
                 "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
                 "tools": body.tools or [],
                 "text": body.text or {"format": {"type": "text"}},
+                "reasoning": body.reasoning or {},
                 "metadata": body.metadata or {},
                 "user": body.user,
                 "usage": response_usage(usage) if usage is not None else None,
