@@ -8,8 +8,9 @@ reads and writes these and never a protobuf message. Data only: no behaviour bey
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from common.finish_reason import FinishReason
 from common.generation_config import SamplingDefaults
@@ -159,6 +160,19 @@ class ToolSpec:
     name: str
     parameters: str  # JSON Schema text
     description: str | None = None
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation for the chat template to render, and how the prompt ends: with the
+    assistant's header (add_generation_prompt), with nothing, or inside the final message
+    (continue_final_message); `template_kwargs` are the template's extra variables."""
+
+    messages: Sequence[ChatTurn]
+    tools: Sequence[ToolSpec] = ()
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)

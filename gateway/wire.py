@@ -10,7 +10,7 @@ decides, validates or talks to a service.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, TypedDict
 
 from common.grpc_stubs.folio.v1 import common_pb2, engine_pb2, gateway_pb2
@@ -27,6 +27,7 @@ from gateway.engines.pinning import NO_PIN, Pin
 from gateway.messages import (
     AskedLevel,
     ChatFormats,
+    ChatPrompt,
     ChatTurn,
     EngineModel,
     EngineStats,
@@ -39,7 +40,6 @@ from gateway.messages import (
     Tokenized,
     TokenizerInfo,
     ToolCall,
-    ToolSpec,
 )
 from gateway.pipeline.text import TextDelta, TokenLogprob
 
@@ -279,26 +279,19 @@ def tokenize_text_request(
     )
 
 
-def tokenize_chat_request(
-    messages: Sequence[ChatTurn],
-    tools: Sequence[ToolSpec],
-    add_generation_prompt: bool,
-    return_token_strs: bool,
-    template_kwargs: Mapping[str, Any] | None = None,
-    continue_final_message: bool = False,
-) -> tok_pb2.TokenizeRequest:
+def tokenize_chat_request(chat: ChatPrompt, return_token_strs: bool) -> tok_pb2.TokenizeRequest:
     return tok_pb2.TokenizeRequest(
         chat=tok_pb2.Conversation(
-            messages=[_chat_message(m) for m in messages],
+            messages=[_chat_message(m) for m in chat.messages],
             tools=[
                 common_pb2.Tool(name=t.name, description=t.description, parameters=t.parameters)
-                for t in tools
+                for t in chat.tools
             ],
-            template_kwargs=json.dumps(template_kwargs) if template_kwargs else "",
+            template_kwargs=json.dumps(chat.template_kwargs) if chat.template_kwargs else "",
         ),
-        add_generation_prompt=add_generation_prompt,
+        add_generation_prompt=chat.add_generation_prompt,
         return_token_strs=return_token_strs,
-        continue_final_message=continue_final_message,
+        continue_final_message=chat.continue_final_message,
     )
 
 

@@ -20,7 +20,6 @@ from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
-    Mapping,
     Sequence,
 )
 from typing import Any, TypeVar
@@ -47,14 +46,13 @@ from gateway.engines.pinning import current_pin
 from gateway.limits.deadlines import call_timeout
 from gateway.limits.service_level import current_service_level
 from gateway.messages import (
-    ChatTurn,
+    ChatPrompt,
     EngineModel,
     EngineStats,
     KvEventBatch,
     StepOutput,
     Tokenized,
     TokenizerInfo,
-    ToolSpec,
 )
 
 # Unary calls are quick (tokenize, stats); a stuck service must not hang an HTTP request.
@@ -338,23 +336,8 @@ class TokenizerClient(_ServiceClient):
         request = wire.tokenize_text_request(text, add_special_tokens, return_token_strs)
         return wire.tokenized(await self._unary(self._stub.Tokenize, request))
 
-    async def tokenize_chat(
-        self,
-        messages: Sequence[ChatTurn],
-        tools: Sequence[ToolSpec] = (),
-        add_generation_prompt: bool = True,
-        return_token_strs: bool = False,
-        template_kwargs: Mapping[str, Any] | None = None,
-        continue_final_message: bool = False,
-    ) -> Tokenized:
-        request = wire.tokenize_chat_request(
-            messages,
-            tools,
-            add_generation_prompt,
-            return_token_strs,
-            template_kwargs,
-            continue_final_message,
-        )
+    async def tokenize_chat(self, chat: ChatPrompt, return_token_strs: bool = False) -> Tokenized:
+        request = wire.tokenize_chat_request(chat, return_token_strs)
         return wire.tokenized(await self._unary(self._stub.Tokenize, request))
 
     async def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str:

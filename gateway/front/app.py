@@ -51,7 +51,7 @@ from gateway.front.uploads import MULTIPART, MULTIPART_OVERHEAD_BYTES, parse_upl
 from gateway.limits.auth import Access
 from gateway.limits.deadlines import set_deadline
 from gateway.limits.service_level import set_service_level
-from gateway.messages import ChatTurn
+from gateway.messages import ChatPrompt, ChatTurn
 from gateway.metrics import CONTENT_TYPE
 from gateway.openai import completions, embeddings
 from gateway.openai import embeddings_protocol as eapi
@@ -392,12 +392,12 @@ async def tokenize(request: Request) -> Response:
     info = await gateway.check_model(body.model)
     if body.messages is not None and body.prompt is None:
         messages = [ChatTurn(role=m.role, content=m.text, name=m.name) for m in body.messages]
-        result = await gateway.tokenize_chat(
+        chat = ChatPrompt(
             messages,
-            body.add_generation_prompt,
-            body.return_token_strs,
+            add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
         )
+        result = await gateway.tokenize_chat(chat, body.return_token_strs)
     elif body.prompt is not None and body.messages is None:
         result = await gateway.tokenize_text(
             body.prompt, body.add_special_tokens, body.return_token_strs

@@ -32,7 +32,7 @@ from gateway.front.serving import serve
 from gateway.limits.auth import Access
 from gateway.limits.deadlines import set_deadline
 from gateway.limits.service_level import set_service_level
-from gateway.messages import TextCall
+from gateway.messages import ChatPrompt, TextCall
 from gateway.pipeline.generation import Gateway, new_request_id
 from gateway.pipeline.text import TextDelta, TextRequest
 from gateway.pipeline.validation import ModelInfo, text_request
@@ -65,7 +65,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     ) -> AsyncIterator[wire.ChatAnswer]:
         async def plan(call: TextCall) -> TextRequest:
             info = await self._gateway.check_model(call.model)
-            prompt = await self._gateway.tokenize_chat(call.messages)
+            prompt = await self._gateway.tokenize_chat(ChatPrompt(call.messages))
             return self._text_request(info, prompt.token_ids, call, "messages")
 
         async for delta in self._stream(request, plan, context):

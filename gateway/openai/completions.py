@@ -24,7 +24,7 @@ from gateway.engines.pinning import set_pin
 from gateway.front.http_errors import error_body, log_failure
 from gateway.front.sse import DONE, event
 from gateway.json_lines import one_line
-from gateway.messages import ChatTurn, Tokenized
+from gateway.messages import ChatPrompt, ChatTurn, Tokenized
 from gateway.openai import protocol as api
 from gateway.openai.reasoning.grammar import after_reasoning
 from gateway.openai.reasoning.parsers import ReasoningDelta
@@ -256,11 +256,13 @@ async def chat_prompt(
     if body.reasoning_effort is not None:
         template_kwargs = {"reasoning_effort": body.reasoning_effort, **(template_kwargs or {})}
     prompt = await gateway.tokenize_chat(
-        chat.messages,
-        body.add_generation_prompt,
-        tools=chat.tools,
-        template_kwargs=template_kwargs,
-        continue_final_message=body.continue_final_message,
+        ChatPrompt(
+            chat.messages,
+            chat.tools,
+            body.add_generation_prompt,
+            body.continue_final_message,
+            template_kwargs,
+        )
     )
     return info, chat, prompt
 

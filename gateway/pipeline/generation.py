@@ -18,10 +18,9 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
 
 from common.errors import DeadlineExceededError, FolioError, ModelNotFound, UnavailableError
 from common.generation_config import SamplingDefaults
@@ -34,11 +33,10 @@ from gateway.engines.routing import make_policy
 from gateway.limits.deadlines import at_deadline
 from gateway.messages import (
     ChatFormats,
-    ChatTurn,
+    ChatPrompt,
     EngineStats,
     Tokenized,
     TokenizerInfo,
-    ToolSpec,
 )
 from gateway.metrics import Metrics
 from gateway.pipeline.model_text import ModelText
@@ -194,23 +192,8 @@ class Gateway:
     ) -> Tokenized:
         return await self.tokenizer.tokenize_text(text, add_special_tokens, return_token_strs)
 
-    async def tokenize_chat(
-        self,
-        messages: Sequence[ChatTurn],
-        add_generation_prompt: bool = True,
-        return_token_strs: bool = False,
-        tools: Sequence[ToolSpec] = (),
-        template_kwargs: Mapping[str, Any] | None = None,
-        continue_final_message: bool = False,
-    ) -> Tokenized:
-        return await self.tokenizer.tokenize_chat(
-            messages,
-            tools,
-            add_generation_prompt,
-            return_token_strs,
-            template_kwargs,
-            continue_final_message,
-        )
+    async def tokenize_chat(self, chat: ChatPrompt, return_token_strs: bool = False) -> Tokenized:
+        return await self.tokenizer.tokenize_chat(chat, return_token_strs)
 
     # -- generation ---------------------------------------------------------------------------
 
