@@ -357,8 +357,8 @@ async def rerank(request: Request) -> Response:
     return await _pooling(request, eapi.RerankRequest, embeddings.plan_rerank)
 
 
-async def models(request: Request) -> Response:
-    gateway = _context(request).gateway
+async def _model_cards(gateway: Gateway) -> list[api.ModelCard]:
+    """The served model under each of its names, then its LoRA adapters."""
     info = await gateway.check_model(None)
     base = api.ModelCard(
         id=info.name, created=info.created, root=info.path, max_model_len=info.max_model_len
@@ -368,7 +368,25 @@ async def models(request: Request) -> Response:
         base.model_copy(update=dict(id=name, root=name, parent=info.name))
         for name in await gateway.engine.lora_adapters()
     ]
-    return ModelResponse(api.ModelList(data=[base, *aliases, *adapters]))
+    return [base, *aliases, *adapters]
+
+
+async def models(request: Request) -> Response:
+    return ModelResponse(api.ModelList(data=await _model_cards(_context(request).gateway)))
+
+
+async def model(request: Request) -> Response:
+    """OpenAI's retrieve: one of /v1/models' cards by its id."""
+    gateway = _context(request).gateway
+    name = request.path_params["model"]
+    cards = await _model_cards(gateway)
+    card = next((card for card in cards if card.id == name), None)
+    if card is None:
+        served = ", ".join(repr(card.id) for card in cards)
+        raise api.ModelNotFound(
+            f"the model {name!r} does not exist; this server serves {served}", "model"
+        )
+    return ModelResponse(card)
 
 
 async def load_lora_adapter(request: Request) -> Response:
@@ -600,6 +618,16 @@ ENDPOINTS = [
         None,
         api.ModelList,
         errors=SERVICE_ERRORS,
+    ),
+    Endpoint(
+        # A model id may hold slashes ("Qwen/Qwen3-0.6B").
+        "/v1/models/{model:path}",
+        "GET",
+        "One of /v1/models' entries, by its id (OpenAI's retrieve)",
+        model,
+        None,
+        api.ModelCard,
+        errors=(404, *SERVICE_ERRORS),
     ),
     Endpoint(
         "/v1/load_lora_adapter",

@@ -85,7 +85,7 @@ def _parameters(path: str, query: type[BaseModel] | None) -> list[JsonObject]:
     field is one left out)."""
     parameters: list[JsonObject] = [
         {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
-        for name in re.findall(r"{(\w+)}", path)
+        for name in re.findall(r"{(\w+)(?::\w+)?}", path)
     ]
     if query is not None:
         schema = query.model_json_schema()
@@ -155,7 +155,8 @@ def openapi_document(endpoints: list[Any], title: str, version: str) -> JsonObje
                 "required": True,
                 "content": {e.request_media_type: {"schema": ref(e.request)}},
             }
-        paths.setdefault(e.path, {})[e.method.lower()] = operation
+        # Starlette's converters ({name:path}) are not OpenAPI's: the parameter's name alone.
+        paths.setdefault(re.sub(r"{(\w+):\w+}", r"{\1}", e.path), {})[e.method.lower()] = operation
     return {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version},
