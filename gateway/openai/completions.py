@@ -57,7 +57,8 @@ class Plan:
     logprobs: bool
     include_usage: bool  # a usage chunk ends the stream
     created: int
-    # With echo (text completions): per choice, the prompt's text, which leads its output.
+    # With echo: per choice, the text that leads its output: a completion's prompt, or a
+    # chat's final assistant message (which the answer continues).
     echo: list[str] | None = None
     # With tools (chat): how each answer is read into content and calls.
     tools: ToolPlan | None = None
@@ -314,11 +315,21 @@ async def plan_chat(
         body.logprobs,
         _include_usage(body),
         int(time.time()),
+        echo=_chat_echo(body),
         tools=chat.plan,
         reasoning=reasoning,
         continuous_usage=_continuous_usage(body),
         tokens_as_ids=body.return_tokens_as_token_ids,
     )
+
+
+def _chat_echo(body: api.ChatCompletionRequest) -> list[str] | None:
+    """vLLM's chat echo: a final assistant message leads each choice's content (with
+    continue_final_message, the whole message); None without echo or such a message."""
+    last = body.messages[-1]
+    if not body.echo or last.role != "assistant":
+        return None
+    return [last.text] * body.n
 
 
 async def _marker_tokens(gateway: Gateway, markers: tuple[str, ...]) -> MarkerTokens:
@@ -658,35 +669,31 @@ async def events(
         return _usage_so_far(plan, index, completion_tokens) if plan.continuous_usage else None
 
     def delta_chunk(index: int, delta: TextDelta) -> bytes | None:
-        if text_only and delta.finish_reason is None:
-            if plan.chat:
-                return text_chunk(index, delta.text)
-            if plan.echo is None or started[index]:
-                started[index] = True
-                return text_chunk(index, delta.text)
+        if text_only and delta.finish_reason is None and (plan.echo is None or started[index]):
+            return text_chunk(index, delta.text)
+        text, token_logprobs = _echoed(plan, index, delta, first=not started[index])
+        started[index] = True
         if plan.chat:
-            message = api.DeltaMessage(content=delta.text)
+            message = api.DeltaMessage(content=text)
             reason = delta.finish_reason
             if readers is not None:
                 reader = readers[index]
-                message = _delta_message(reader.read(delta.text, reason is not None))
+                message = _delta_message(reader.read(text, reason is not None))
                 if reason is not None:
                     reason = reader.finish_reason(reason)
-                elif message == api.DeltaMessage() and not delta.logprobs:
+                elif message == api.DeltaMessage() and not token_logprobs:
                     return None  # text held back: nothing to say yet
             return chat_chunk(
                 [
                     api.ChatChunkChoice(
                         index=index,
                         delta=message,
-                        logprobs=_chat_logprobs(plan, delta.logprobs) if plan.logprobs else None,
+                        logprobs=_chat_logprobs(plan, token_logprobs) if plan.logprobs else None,
                         finish_reason=reason,
                     )
                 ],
                 usage_so_far(index, delta.completion_tokens),
             )
-        text, token_logprobs = _echoed(plan, index, delta, first=not started[index])
-        started[index] = True
         logprobs = None
         if plan.logprobs:
             logprobs = _completion_logprobs(plan, token_logprobs, offsets[index])

@@ -272,6 +272,8 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's: the final message is left open and the answer continues it (an assistant reply
     # the caller started); needs add_generation_prompt false.
     continue_final_message: bool = False
+    # vLLM's: a final assistant message leads the answer's content.
+    echo: bool = False
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="none, auto, required, or a named function."

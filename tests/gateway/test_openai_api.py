@@ -87,6 +87,24 @@ def test_continue_final_message_continues_the_assistants_text(
     expected_ids = engine_tokens(engine_stub, prompt_ids, temperature=0.0, max_tokens=8)
     assert response.choices[0].message.content == tokenizer.decode(expected_ids)
     assert response.usage.prompt_tokens == len(prompt_ids)
+    # With echo (vLLM's), the answer is the whole message, whole or streamed.
+    echoed = {**open_ended, "echo": True}
+    whole = client.chat.completions.create(
+        model=MODEL, messages=started, max_tokens=8, temperature=0, n=2, extra_body=echoed
+    )
+    message = "The sea is" + tokenizer.decode(expected_ids)
+    assert [c.message.content for c in whole.choices] == [message, message]
+    streamed, _ = stream_text(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=started,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            extra_body=echoed,
+        )
+    )
+    assert streamed == message
     with httpx.Client(base_url=gateway.url, timeout=TIMEOUT) as http:
         counted = http.post("/tokenize", json={"messages": started, **open_ended}).json()
         assert counted["tokens"] == prompt_ids
