@@ -11,6 +11,7 @@ one caller drives it (the offline API or the engine service's loop thread).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +23,14 @@ from common.sampling_params import SamplingParams
 from common.service_level import NO_SERVICE_LEVEL, ServiceLevel
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_events import KVEventPublisher
-from engine.core.outputs import EngineStats, Logprobs, RequestOutput, SamplerOutput, StepTimings
+from engine.core.outputs import (
+    NO_TOKEN,
+    EngineStats,
+    Logprobs,
+    RequestOutput,
+    SamplerOutput,
+    StepTimings,
+)
 from engine.core.request import Request, check_new_request, ended_output
 from engine.core.scheduler import Scheduler
 from engine.core.step_cost import LiveStepCost, StepCostModel
@@ -32,6 +40,8 @@ from engine.executor import Executor
 from engine.kv_tiers.pins import MAX_PIN_TTL_SECONDS
 from engine.lora.registry import LoraRegistry, find_adapter, runtime_lora
 from engine.spec_decode.drafter import Drafter
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -371,6 +381,16 @@ class LLMEngine:
                     self._settle_drafts(request, len(accepted[row]) if accepted else 0)
                 reason = None
                 for count, token_id in enumerate(new_token_ids, 1):
+                    if token_id == NO_TOKEN:
+                        logger.warning(
+                            "request %s ends: its allowed_token_ids or bad_words, with its "
+                            "structured output, leave no token to choose",
+                            request.caller_id,
+                        )
+                        reason = FinishReason.STOP
+                        del new_token_ids[count - 1 :]
+                        del new_logprobs[count - 1 :]
+                        break
                     request.append_output(token_id)
                     reason = check_stop(request, self.eos_token_ids, self.max_model_len)
                     # Asked even when the request stops anyway: the executor's constraint

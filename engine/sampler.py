@@ -30,6 +30,10 @@ at or past `vocab_size` (padding some models add) are ignored. Per row, in this 
 Logprobs are log_softmax of the raw model logits, before any of the steps above; prompt
 logprobs (`record_prompt_logprobs`) are the same records for prompt tokens.
 
+A row whose allowed_token_ids or bad words leave it no token (with its grammar's mask, the
+vocabulary is all -inf) samples NO_TOKEN: the engine ends that request there, not with a token
+its constraints forbid.
+
 On a GPU, step 5 runs as one Triton kernel (engine.kernels.triton.sampling): the same filters and
 the exponential race (argmax(probs / q), q ~ Exp(1): the same distribution), with noise from a
 counter-based generator keyed by a per-row seed. A seeded request's row seed is derived from its
@@ -56,7 +60,7 @@ import numpy as np
 import torch
 
 from common.sampling_params import SamplingParams
-from engine.core.outputs import Logprobs, SamplerOutput
+from engine.core.outputs import NO_TOKEN, Logprobs, SamplerOutput
 from engine.core.request import Request
 from engine.core.step_plan import PromptLogprobSpan
 
@@ -209,7 +213,21 @@ class Sampler:
                 sampled_rows = [rows[i] for i in sampled]
                 tokens[index] = self._draw(self._probs(adjusted[index], sampled_rows), sampled_rows)
         token_ids = tokens.tolist()
-        return SamplerOutput(token_ids, self._logprobs(logits, token_ids, rows))
+        output = SamplerOutput(token_ids, self._logprobs(logits, token_ids, rows))
+        for i in self._stuck(adjusted, rows):
+            output.token_ids[i] = NO_TOKEN
+        return output
+
+    def _stuck(self, adjusted: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
+        """The rows that may take no token: only token limits (allowed ids, bad words) can
+        empty a row, with its grammar's mask; rows without them are not looked at."""
+        limited = [
+            i for i, row in enumerate(rows) if row.outside_allowed is not None or row.bad_words
+        ]
+        if not limited:
+            return []
+        empty = (adjusted[self._index(limited)] == -math.inf).all(dim=-1).tolist()
+        return [i for i, is_empty in zip(limited, empty, strict=True) if is_empty]
 
     @torch.inference_mode()
     def processed_probs(

@@ -15,6 +15,11 @@ from common.finish_reason import FinishReason
 Logprobs = tuple[float, list[tuple[int, float]]]
 
 
+# What a row samples when its constraints leave it no token (never a token id): the request
+# ends before it.
+NO_TOKEN = -1
+
+
 @dataclass
 class SamplerOutput:
     """One token per sampled row of a step."""

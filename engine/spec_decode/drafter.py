@@ -18,10 +18,11 @@ yielded (those may have met other text).
 
 After the step, `settle` records how many of a request's drafts were accepted. Requests whose
 tokens depend on their own output in ways a draft would change (penalties, min_tokens not yet
-reached, bad words of several tokens) never draft: one log line says so, once per reason. A
-request with a structured-output grammar drafts only what its grammar accepts: its drafts are
-cut at the first token the grammar refuses (the executor's grammar_allows), and verification
-draws each position under the mask the grammar gives after the drafts before it
+reached, bad words), and those limited to allowed_token_ids (only a plain step notices a row its
+limits leave no token), never draft: one log line says so, once per reason. A request with a
+structured-output grammar drafts only what its grammar accepts: its drafts are cut at the first
+token the grammar refuses (the executor's grammar_allows), and verification draws each
+position under the mask the grammar gives after the drafts before it
 (engine.structured_output).
 
 Torch-free: it never sees the model or the logits (verification is engine.spec_decode.verify's)
@@ -507,8 +508,10 @@ class Drafter:
         params = request.sampling_params
         if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
             return self._skip("repetition, presence or frequency penalties")
-        if any(len(word) > 1 for word in params.bad_words_token_ids):
-            return self._skip("bad words of more than one token")
+        if params.allowed_token_ids is not None or params.bad_words_token_ids:
+            # A multi-token bad word bans by the output, drafts included; and only a step's
+            # plain sampling notices a row its limits leave no token (Sampler.NO_TOKEN).
+            return self._skip("allowed_token_ids or bad_words")
         return request.num_output_tokens >= params.min_tokens
 
     def _skip(self, reason: str) -> bool:

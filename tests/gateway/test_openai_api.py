@@ -183,6 +183,16 @@ def test_allowed_token_ids_and_bad_words_limit_the_tokens(client, engine_stub, t
     )
     assert set(limited.choices[0].logprobs.tokens) <= {" yes", " no"}
     assert limited.usage.completion_tokens == 6
+    # Limits a grammar leaves nothing of end the answer there, with no token they forbid.
+    for temperature in (0.0, 1.0):
+        stuck = client.completions.create(
+            model=MODEL,
+            prompt="Is the sky blue? Answer:",
+            max_tokens=6,
+            temperature=temperature,
+            extra_body={"allowed_token_ids": yes_no, "guided_regex": "[0-9]+"},
+        ).choices[0]
+        assert (stuck.text, stuck.finish_reason) == ("", "stop")
 
     prompt_ids = tokenizer.encode(PROMPT)
     plain = engine_tokens(engine_stub, prompt_ids, temperature=0.0, max_tokens=12)

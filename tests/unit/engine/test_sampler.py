@@ -11,6 +11,7 @@ import torch
 
 from common.sampling_params import SamplingParams
 from engine import sampler as sampler_module
+from engine.core.outputs import NO_TOKEN
 from engine.core.request import Request
 from engine.sampler import Sampler, SamplingRow, row_argmax
 
@@ -339,6 +340,22 @@ def test_allowed_token_ids_and_bad_words_follow_reference():
     assert probs[2, 9] == 0 and probs[4, 9] == 0  # [8, 9] after an 8
     assert probs[3, 12] == 0 and probs[3, 9] == 0  # [1, 8, 12] after 1, 8
     assert probs[5, 3] == 1  # [3, 3] bans 3 only after a 3
+
+
+def test_a_row_its_limits_leave_no_token_samples_no_token():
+    vocab = 16
+    logits = random_logits(4, vocab, seed=8)
+    grammar = torch.zeros(4, vocab, dtype=torch.bool)
+    grammar[:, 5] = True  # each row's grammar forbids token 5
+    configs = [
+        SamplingParams(temperature=0.0, allowed_token_ids=[5]),  # only what the grammar forbids
+        SamplingParams(temperature=0.9, seed=2, allowed_token_ids=[5]),
+        SamplingParams(temperature=0.0, allowed_token_ids=[5, 6], bad_words_token_ids=[[6]]),
+        SamplingParams(temperature=0.0, allowed_token_ids=[5, 6]),  # 6 is left
+    ]
+    requests = [make_request(p, request_id=f"r{i}") for i, p in enumerate(configs)]
+    out = Sampler(vocab, EOS).sample(logits, requests, grammar)
+    assert out.token_ids == [NO_TOKEN, NO_TOKEN, NO_TOKEN, 6]
 
 
 def test_caller_logits_are_not_modified():
