@@ -1,7 +1,8 @@
 """The lines of a batch job: an input file read into lines (each malformed one answered at once
 with its own error), and one line run through the same library functions the HTTP route of its
-url calls (gateway/openai/completions.py and embeddings.py, front/serving.py), answered as a
-line of the output file (200) or of the error file (any other status, in OpenAI's error body).
+url calls (gateway/openai/completions.py, embeddings.py and responses/, front/serving.py),
+answered as a line of the output file (200) or of the error file (any other status, in OpenAI's
+error body).
 
 A line runs in the engine's batch lane (priority BATCH_PRIORITY, whatever it asks: it gives way
 to every interactive request), is never streamed and is charged to no rate limit (the job's
@@ -17,7 +18,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from common.config import GatewayConfig
 from common.errors import QueueFullError, UnavailableError
@@ -32,6 +33,9 @@ from gateway.limits.rate_limit import RateLimiter
 from gateway.openai import completions, embeddings
 from gateway.openai import embeddings_protocol as eapi
 from gateway.openai import protocol as api
+from gateway.openai.responses import events as response_events
+from gateway.openai.responses import protocol as rapi
+from gateway.openai.responses import translate as responses
 from gateway.pipeline.generation import Gateway, mark_in_flight
 from gateway.pipeline.text import TextDelta, TextRequest
 
@@ -48,6 +52,8 @@ class LineContext:
 
 # A route's answer to a line's body: the response body, as JSON-ready data.
 Route = Callable[[LineContext, str, bytes], Awaitable[dict[str, Any]]]
+# A plan's deltas, as it runs: (choice, delta).
+Deltas = AsyncGenerator[tuple[int, TextDelta], None]
 
 
 def _batch_body(body: api.SamplingFields) -> None:
@@ -79,21 +85,47 @@ def _serve(context: LineContext, caller: str) -> embeddings.Serve:
     return run
 
 
-async def _served(context: LineContext, caller: str, plan: completions.Plan) -> dict[str, Any]:
+async def _served(
+    context: LineContext,
+    caller: str,
+    plan: completions.Plan,
+    answer: Callable[[Deltas], Awaitable[BaseModel]] | None = None,
+) -> dict[str, Any]:
+    """The plan run to its end; `answer` makes the response of its deltas (a completion's or
+    a chat completion's by default)."""
     stream = plan.outputs(_serve(context, caller)(plan.requests, plan.id))
     async with contextlib.aclosing(stream):
-        response = await completions.respond(plan, stream)
+        if answer is None:
+            response: BaseModel = await completions.respond(plan, stream)
+        else:
+            response = await answer(stream)
     return response.model_dump(mode="json")
+
+
+async def _planned_chat(context: LineContext, body: api.ChatCompletionRequest) -> completions.Plan:
+    _batch_body(body)
+    config = context.config
+    return await completions.plan_chat(
+        context.gateway, body, config.tool_call_parser, config.reasoning_parser
+    )
 
 
 async def _chat(context: LineContext, caller: str, raw: bytes) -> dict[str, Any]:
     body = api.parse_request(api.ChatCompletionRequest, raw)
-    _batch_body(body)
-    config = context.config
-    plan = await completions.plan_chat(
-        context.gateway, body, config.tool_call_parser, config.reasoning_parser
+    return await _served(context, caller, await _planned_chat(context, body))
+
+
+async def _response(context: LineContext, caller: str, raw: bytes) -> dict[str, Any]:
+    """A Responses API line, run on the chat path as the HTTP route runs it."""
+    body = api.parse_request(rapi.ResponsesRequest, raw)
+    plan = await _planned_chat(context, responses.chat_request(body))
+    head = responses.ResponseHead.of(body, plan.model)
+    return await _served(
+        context,
+        caller,
+        plan,
+        lambda stream: response_events.respond(head, plan.tools, plan.reasoning, stream),
     )
-    return await _served(context, caller, plan)
 
 
 async def _completion(context: LineContext, caller: str, raw: bytes) -> dict[str, Any]:
@@ -115,6 +147,7 @@ ROUTES: dict[str, Route] = {
     "/v1/chat/completions": _chat,
     "/v1/completions": _completion,
     "/v1/embeddings": _embedding,
+    "/v1/responses": _response,
 }
 
 

@@ -16,7 +16,9 @@ from gateway.openai.protocol import NonEmptyStr, RequestBody, ResponseBody
 # The purpose of the files a batch job writes.
 OUTPUT_PURPOSE = "batch_output"
 # The urls a batch (and each of its lines) may name: those lines.py runs.
-BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+BatchEndpoint = Literal[
+    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"
+]
 COMPLETION_WINDOW_SECONDS = 24 * 3600
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64

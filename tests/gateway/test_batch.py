@@ -89,6 +89,7 @@ def keyed_client(keyed, key: str) -> openai.OpenAI:
 def test_a_job_answers_each_line_as_its_endpoint_does(client):
     chat_greedy = {**CHAT, "temperature": 0}
     text_greedy = {**TEXT, "temperature": 0}
+    responses_greedy = {"input": "Name a colour.", "max_output_tokens": 6, "temperature": 0}
     lines = [
         request_line("chat-1", "/v1/chat/completions", chat_greedy),
         request_line("text-1", "/v1/completions", text_greedy),
@@ -99,16 +100,17 @@ def test_a_job_answers_each_line_as_its_endpoint_does(client):
         {"custom_id": "no-body", "method": "POST", "url": "/v1/completions"},
         request_line("chat-1", "/v1/chat/completions", chat_greedy),  # a used custom_id
         request_line("embed-1", "/v1/embeddings", {"input": ["a red fox", "a blue whale"]}),
+        request_line("resp-1", "/v1/responses", responses_greedy),
     ]
     batch = run_job(client, lines)
     assert batch.status == "completed", batch
-    assert batch.request_counts.total == 9
-    assert batch.request_counts.completed == 4
+    assert batch.request_counts.total == 10
+    assert batch.request_counts.completed == 5
     assert batch.request_counts.failed == 5
     assert batch.completed_at is not None and batch.in_progress_at is not None
 
     outputs = read_lines(client, batch.output_file_id)
-    assert set(outputs) == {"chat-1", "text-1", "chat-2", "embed-1"}
+    assert set(outputs) == {"chat-1", "text-1", "chat-2", "embed-1", "resp-1"}
     for line in outputs.values():
         assert line["error"] is None and line["id"].startswith("batch_req_")
         assert line["response"]["status_code"] == 200
@@ -122,6 +124,11 @@ def test_a_job_answers_each_line_as_its_endpoint_does(client):
     assert outputs["text-1"]["response"]["body"]["choices"][0]["text"] == text.choices[0].text
     chat_2 = outputs["chat-2"]["response"]["body"]["choices"][0]["message"]["content"]
     assert chat_2 == short.choices[0].message.content
+    response = outputs["resp-1"]["response"]["body"]
+    asked = client.responses.create(model=MODEL, **responses_greedy)
+    assert response["object"] == "response" and response["status"] == asked.status
+    assert response["output"][0]["content"][0]["text"] == asked.output_text
+    assert response["usage"]["output_tokens"] == asked.usage.output_tokens
     embedded = client.embeddings.create(model=MODEL, input=["a red fox", "a blue whale"])
     vectors = outputs["embed-1"]["response"]["body"]["data"]
     assert [v["index"] for v in vectors] == [0, 1]
