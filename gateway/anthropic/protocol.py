@@ -192,3 +192,81 @@ class StreamEvent(api.ResponseBody):
     delta: EventDelta | None = Field(default=None, exclude_if=api.is_unset)
     usage: DeltaUsage | None = Field(default=None, exclude_if=api.is_unset)
     error: MessagesError | None = Field(default=None, exclude_if=api.is_unset)
+
+
+# -- Message Batches (/v1/messages/batches) -----------------------------------------------------
+
+# Anthropic's limit on a batch's requests.
+MAX_BATCH_REQUESTS = 100_000
+DEFAULT_BATCH_LIST = 20
+MAX_BATCH_LIST = 1000
+
+
+class BatchRequest(api.RequestBody):
+    """One request of a batch: its id within the batch and a Messages request's body (checked
+    when it runs: a bad one is that request's `errored` result)."""
+
+    custom_id: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    params: dict[str, Any]
+
+
+class MessageBatchCreateRequest(api.RequestBody):
+    requests: list[BatchRequest] = Field(min_length=1, max_length=MAX_BATCH_REQUESTS)
+
+
+class MessageBatchListQuery(api.RequestBody):
+    """GET /v1/messages/batches' query parameters: newest first, from the one after after_id."""
+
+    limit: int = Field(DEFAULT_BATCH_LIST, ge=1, le=MAX_BATCH_LIST)
+    after_id: str | None = None
+
+
+class MessageBatchRequestCounts(api.ResponseBody):
+    processing: int = 0
+    succeeded: int = 0
+    errored: int = 0
+    canceled: int = 0
+    expired: int = 0
+
+
+class MessageBatch(api.ResponseBody):
+    id: str
+    type: Literal["message_batch"] = "message_batch"
+    processing_status: Literal["in_progress", "canceling", "ended"]
+    request_counts: MessageBatchRequestCounts
+    # RFC 3339 times, as Anthropic writes them.
+    created_at: str
+    expires_at: str
+    ended_at: str | None = None
+    cancel_initiated_at: str | None = None
+    archived_at: str | None = None
+    # Where the results are, once the batch has ended.
+    results_url: str | None = None
+
+
+class MessageBatchList(api.ResponseBody):
+    data: list[MessageBatch]
+    has_more: bool
+    first_id: str | None = None
+    last_id: str | None = None
+
+
+class DeletedMessageBatch(api.ResponseBody):
+    id: str
+    type: Literal["message_batch_deleted"] = "message_batch_deleted"
+
+
+class BatchResult(api.ResponseBody):
+    """One request's outcome: its Message (succeeded), its error (errored), or neither
+    (canceled, expired)."""
+
+    type: Literal["succeeded", "errored", "canceled", "expired"]
+    message: dict[str, Any] | None = Field(default=None, exclude_if=api.is_unset)
+    error: MessagesErrorResponse | None = Field(default=None, exclude_if=api.is_unset)
+
+
+class BatchResultLine(api.ResponseBody):
+    """A line of the results file."""
+
+    custom_id: str
+    result: BatchResult

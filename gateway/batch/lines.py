@@ -1,8 +1,8 @@
 """The lines of a batch job: an input file read into lines (each malformed one answered at once
 with its own error), and one line run through the same library functions the HTTP route of its
-url calls (gateway/openai/completions.py, embeddings.py and responses/, front/serving.py),
-answered as a line of the output file (200) or of the error file (any other status, in OpenAI's
-error body).
+url calls (gateway/openai/completions.py, embeddings.py and responses/, gateway/anthropic/,
+front/serving.py), answered as a line of the output file (200) or of the error file (any other
+status, in OpenAI's error body).
 
 A line runs in the engine's batch lane (priority BATCH_PRIORITY, whatever it asks: it gives way
 to every interactive request), is never streamed and is charged to no rate limit (the job's
@@ -23,6 +23,9 @@ from pydantic import BaseModel, ValidationError
 from common.config import GatewayConfig
 from common.errors import QueueFullError, UnavailableError
 from common.sampling_params import BATCH_PRIORITY
+from gateway.anthropic import events as message_events
+from gateway.anthropic import protocol as aapi
+from gateway.anthropic import translate as anthropic
 from gateway.batch.protocol import InputLine, LineError, LineResponse, OutputLine
 from gateway.batch.store import Line, ReadLine, new_id
 from gateway.engines.pinning import set_pin_owner
@@ -128,6 +131,22 @@ async def _response(context: LineContext, caller: str, raw: bytes) -> dict[str, 
     )
 
 
+async def _message(context: LineContext, caller: str, raw: bytes) -> dict[str, Any]:
+    """An Anthropic Messages line (a message batch's request), run on the chat path as the
+    HTTP route runs it, answered with the whole Message."""
+    body = api.parse_request(aapi.MessagesRequest, raw)
+    plan = await _planned_chat(context, anthropic.chat_request(body))
+    head = anthropic.MessageHead.of(
+        plan.model, len(plan.requests[0].prompt_ids), anthropic.shows_thinking(body)
+    )
+    return await _served(
+        context,
+        caller,
+        plan,
+        lambda stream: message_events.respond(head, plan.tools, plan.reasoning, stream),
+    )
+
+
 async def _completion(context: LineContext, caller: str, raw: bytes) -> dict[str, Any]:
     body = api.parse_request(api.CompletionRequest, raw)
     _batch_body(body)
@@ -148,6 +167,7 @@ ROUTES: dict[str, Route] = {
     "/v1/completions": _completion,
     "/v1/embeddings": _embedding,
     "/v1/responses": _response,
+    "/v1/messages": _message,
 }
 
 

@@ -40,6 +40,8 @@ from gateway.batch.runner import BatchRunner
 from gateway.batch.store import BatchStore, Line, new_id
 from gateway.pipeline.generation import Gateway
 
+# The ids of the OpenAI Batch API's jobs (the Message Batches API's have their own).
+OPENAI_BATCH_PREFIX = "batch_"
 QueryT = TypeVar("QueryT", bound=BaseModel)
 PageT = TypeVar("PageT", FileList, BatchList)
 MIB = 1024 * 1024
@@ -124,16 +126,29 @@ class BatchService:
                 "not 'batch'",
                 "input_file_id",
             )
+        batch_id = new_id(OPENAI_BATCH_PREFIX)
+        return await self.add_job(owner, batch_id, body.endpoint, file.id, body.metadata)
+
+    async def add_job(
+        self,
+        owner: str,
+        batch_id: str,
+        endpoint: str,
+        input_file_id: str,
+        metadata: dict[str, str] | None = None,
+    ) -> Batch:
+        """A job over a stored input file: validating until a runner (woken now) claims it;
+        24 hours to finish."""
         now = int(time.time())
         batch = Batch(
-            id=new_id("batch_"),
-            endpoint=body.endpoint,
-            input_file_id=file.id,
-            completion_window=body.completion_window,
+            id=batch_id,
+            endpoint=endpoint,
+            input_file_id=input_file_id,
+            completion_window="24h",
             status="validating",
             created_at=now,
             expires_at=now + COMPLETION_WINDOW_SECONDS,
-            metadata=body.metadata,
+            metadata=metadata,
         )
         await asyncio.to_thread(self.store.add_batch, owner, batch)
         self.runner.wake()
@@ -146,7 +161,9 @@ class BatchService:
         return batch
 
     async def batches(self, owner: str, query: BatchListQuery) -> BatchList:
-        batches, more = await asyncio.to_thread(self.store.batches, owner, query.limit, query.after)
+        batches, more = await asyncio.to_thread(
+            self.store.batches, owner, query.limit, query.after, OPENAI_BATCH_PREFIX
+        )
         return _page(BatchList, batches, more)
 
     async def cancel_batch(self, owner: str, batch_id: str) -> Batch:

@@ -254,8 +254,12 @@ class BatchStore:
             ).fetchone()
         return None if row is None else Batch.model_validate_json(row[0])
 
-    def batches(self, owner: str, limit: int, after: str | None) -> tuple[list[Batch], bool]:
-        where, args = "owner = ?", [owner]
+    def batches(
+        self, owner: str, limit: int, after: str | None, id_prefix: str
+    ) -> tuple[list[Batch], bool]:
+        """The owner's jobs whose ids start with `id_prefix` (each API's own), newest first,
+        from the one after `after`; and whether more follow."""
+        where, args = "owner = ? AND substr(id, 1, ?) = ?", [owner, len(id_prefix), id_prefix]
         if after is not None:
             where += " AND seq < (SELECT seq FROM batches WHERE id = ? AND owner = ?)"
             args += [after, owner]
@@ -265,6 +269,21 @@ class BatchStore:
                 (*args, limit + 1),
             ).fetchall()
         return [Batch.model_validate_json(row[0]) for row in rows[:limit]], len(rows) > limit
+
+    def delete_batch(self, owner: str, batch_id: str) -> bool:
+        """Forget an ended job: its lines, its input, output and error files and itself."""
+        with self._transaction() as db:
+            batch = _owned_batch(db, owner, batch_id)
+            if batch is None:
+                return False
+            files = (batch.input_file_id, batch.output_file_id, batch.error_file_id)
+            db.executemany(
+                "DELETE FROM files WHERE id = ? AND owner = ?",
+                [(file_id, owner) for file_id in files if file_id is not None],
+            )
+            db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))
+            db.execute("DELETE FROM batches WHERE id = ?", (batch_id,))
+        return True
 
     def cancel(self, owner: str, batch_id: str) -> Batch | None:
         """Mark a validating or in-progress job cancelling (its runner ends it); a job past

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.metadata
 import json
 import time
@@ -38,6 +39,7 @@ from common.config import DASHBOARD_FEED_INTERVAL_SECONDS, MAX_REQUEST_BODY_BYTE
 from gateway.anthropic import events as message_events
 from gateway.anthropic import protocol as aapi
 from gateway.anthropic import translate as anthropic
+from gateway.anthropic.batches import MessageBatches
 from gateway.batch import protocol as bapi
 from gateway.batch.service import BatchService, parse_query
 from gateway.engines.pinning import set_pin_owner
@@ -500,6 +502,20 @@ async def create_batch(request: Request) -> Response:
     return ModelResponse(await context.batches.create_batch(context.access.owner(request), body))
 
 
+async def create_message_batch(request: Request) -> Response:
+    context = _context(request)
+    body = await read_body(request, aapi.MessageBatchCreateRequest)
+    batches = MessageBatches(context.batches)
+    return ModelResponse(await batches.create(context.access.owner(request), body))
+
+
+async def message_batch_results(request: Request) -> Response:
+    context = _context(request)
+    batch_id = request.path_params["message_batch_id"]
+    content = await MessageBatches(context.batches).results(context.access.owner(request), batch_id)
+    return Response(content, media_type="application/x-jsonl")
+
+
 OwnedCall = Callable[[BatchService, str, Request], Awaitable[BaseModel]]
 
 
@@ -527,6 +543,11 @@ def web_file(file: WebFile) -> Handler:
     return serve_file
 
 
+# A route of Anthropic's APIs: its errors in Anthropic's shape.
+anthropic_endpoint = functools.partial(
+    Endpoint, error_model=aapi.MessagesErrorResponse, error_body=anthropic.error_body
+)
+
 ENDPOINTS = [
     Endpoint(
         "/v1/chat/completions",
@@ -549,7 +570,7 @@ ENDPOINTS = [
         stream_done=False,
         errors=BODY_ERRORS,
     ),
-    Endpoint(
+    anthropic_endpoint(
         "/v1/messages",
         "POST",
         "Message (Anthropic Messages API, stateless)",
@@ -559,10 +580,8 @@ ENDPOINTS = [
         aapi.StreamEvent,
         stream_done=False,
         errors=BODY_ERRORS,
-        error_model=aapi.MessagesErrorResponse,
-        error_body=anthropic.error_body,
     ),
-    Endpoint(
+    anthropic_endpoint(
         "/v1/messages/count_tokens",
         "POST",
         "The prompt's length in tokens (Anthropic Messages API)",
@@ -570,8 +589,6 @@ ENDPOINTS = [
         aapi.CountTokensRequest,
         aapi.TokenCount,
         errors=BODY_ERRORS,
-        error_model=aapi.MessagesErrorResponse,
-        error_body=anthropic.error_body,
     ),
     Endpoint(
         "/v1/completions",
@@ -795,6 +812,75 @@ ENDPOINTS = [
         None,
         bapi.Batch,
         errors=(404, *ANY_ROUTE_ERRORS),
+    ),
+    anthropic_endpoint(
+        "/v1/messages/batches",
+        "POST",
+        "Create a message batch (Anthropic Message Batches API); it runs in the background, "
+        "in the engine's batch lane",
+        create_message_batch,
+        aapi.MessageBatchCreateRequest,
+        aapi.MessageBatch,
+        errors=(400, 413, 415, *ANY_ROUTE_ERRORS),
+    ),
+    anthropic_endpoint(
+        "/v1/messages/batches",
+        "GET",
+        "The caller's message batches, newest first",
+        owned(
+            lambda b, owner, r: MessageBatches(b).list_batches(
+                owner, parse_query(aapi.MessageBatchListQuery, r.query_params), str(r.base_url)
+            )
+        ),
+        None,
+        aapi.MessageBatchList,
+        query=aapi.MessageBatchListQuery,
+        errors=(400, *ANY_ROUTE_ERRORS),
+    ),
+    anthropic_endpoint(
+        "/v1/messages/batches/{message_batch_id}",
+        "GET",
+        "One of the caller's message batches",
+        owned(
+            lambda b, owner, r: MessageBatches(b).retrieve(
+                owner, r.path_params["message_batch_id"], str(r.base_url)
+            )
+        ),
+        None,
+        aapi.MessageBatch,
+        errors=(404, *ANY_ROUTE_ERRORS),
+    ),
+    anthropic_endpoint(
+        "/v1/messages/batches/{message_batch_id}",
+        "DELETE",
+        "Delete an ended message batch and its results",
+        owned(
+            lambda b, owner, r: MessageBatches(b).delete(owner, r.path_params["message_batch_id"])
+        ),
+        None,
+        aapi.DeletedMessageBatch,
+        errors=(400, 404, *ANY_ROUTE_ERRORS),
+    ),
+    anthropic_endpoint(
+        "/v1/messages/batches/{message_batch_id}/cancel",
+        "POST",
+        "Cancel a message batch: what runs is aborted, what waits is canceled",
+        owned(
+            lambda b, owner, r: MessageBatches(b).cancel(
+                owner, r.path_params["message_batch_id"], str(r.base_url)
+            )
+        ),
+        None,
+        aapi.MessageBatch,
+        errors=(404, *ANY_ROUTE_ERRORS),
+    ),
+    anthropic_endpoint(
+        "/v1/messages/batches/{message_batch_id}/results",
+        "GET",
+        "An ended message batch's results, a JSON line per request",
+        message_batch_results,
+        media_type="application/x-jsonl",
+        errors=(400, 404, *ANY_ROUTE_ERRORS),
     ),
     Endpoint("/openapi.json", "GET", "This document", openapi, errors=ANY_ROUTE_ERRORS),
 ]
