@@ -183,6 +183,7 @@ def test_function_call_round_trip(client):
         ({"input": [{"type": "image", "url": "x"}]}, "input"),
         ({"input": [{"role": "wizard", "content": "hi"}]}, "input"),
         ({"input": "hi", "background": True}, "background"),
+        ({"input": "hi", "truncation": "auto"}, "truncation"),
     ],
 )
 def test_bad_responses_requests_are_400s(gateway, body, param):

@@ -71,6 +71,8 @@ class ResponsesRequest(api.RequestBody):
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
+    # A prompt over the context is a 400, never cut ("auto", dropping items, is not served).
+    truncation: Literal["disabled"] = "disabled"
     stream: bool = False
     # Nothing is stored: store is accepted and the response says store: false.
     store: bool | None = None
@@ -165,6 +167,7 @@ class Response(api.ResponseBody):
     tools: list[FunctionTool]
     text: TextConfig
     reasoning: ReasoningConfig = Field(default_factory=ReasoningConfig)
+    truncation: Literal["disabled"] = "disabled"
     store: Literal[False] = False
     metadata: dict[str, str] = Field(default_factory=dict)
     previous_response_id: None = None
