@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from datetime import UTC, datetime
 
 from common.errors import InvalidParameter, NotFound
 from gateway.anthropic import protocol as aapi
-from gateway.anthropic.translate import ERROR_TYPES
+from gateway.anthropic.translate import ERROR_TYPES, rfc3339
 from gateway.batch.protocol import Batch, OutputLine
 from gateway.batch.service import BatchService
 from gateway.batch.store import new_id
@@ -202,10 +201,10 @@ def _view(
         id=batch.id,
         processing_status=PROCESSING_STATUS.get(batch.status, "ended"),  # type: ignore[arg-type]
         request_counts=counts,
-        created_at=_time(batch.created_at),
-        expires_at=_time(batch.expires_at or batch.created_at),
-        ended_at=_time(ended) if batch.status not in PROCESSING_STATUS and ended else None,
-        cancel_initiated_at=_time(batch.cancelling_at) if batch.cancelling_at else None,
+        created_at=rfc3339(batch.created_at),
+        expires_at=rfc3339(batch.expires_at or batch.created_at),
+        ended_at=rfc3339(ended) if batch.status not in PROCESSING_STATUS and ended else None,
+        cancel_initiated_at=rfc3339(batch.cancelling_at) if batch.cancelling_at else None,
         results_url=results_url,
     )
 
@@ -214,8 +213,3 @@ def _results_url(batch: Batch, base_url: str) -> str | None:
     if batch.status in PROCESSING_STATUS:
         return None
     return f"{base_url.rstrip('/')}{MESSAGES_URL}/batches/{batch.id}/results"
-
-
-def _time(seconds: int) -> str:
-    """RFC 3339, as Anthropic writes times."""
-    return datetime.fromtimestamp(seconds, UTC).isoformat().replace("+00:00", "Z")

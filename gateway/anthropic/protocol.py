@@ -194,6 +194,26 @@ class StreamEvent(api.ResponseBody):
     error: MessagesError | None = Field(default=None, exclude_if=api.is_unset)
 
 
+# -- Models (/v1/models, as the anthropic client asks it) ---------------------------------------
+
+
+class ModelInfo(api.ResponseBody):
+    type: Literal["model"] = "model"
+    id: str
+    display_name: str
+    created_at: str  # RFC 3339
+    # The context: what a prompt may hold, and what prompt and answer together may.
+    max_input_tokens: int
+    max_tokens: int
+
+
+class ModelList(api.ResponseBody):
+    data: list[ModelInfo]
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
+
+
 # -- Message Batches (/v1/messages/batches) -----------------------------------------------------
 
 # Anthropic's limit on a batch's requests.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from gateway.anthropic import protocol as aapi
@@ -40,6 +41,22 @@ def error_body(exc: BaseException) -> tuple[int, aapi.MessagesErrorResponse]:
     kind = ERROR_TYPES.get(status, "api_error")
     return status, aapi.MessagesErrorResponse(
         error=aapi.MessagesError(type=kind, message=body.error.message)
+    )
+
+
+def rfc3339(seconds: int) -> str:
+    """A Unix time as Anthropic writes times."""
+    return datetime.fromtimestamp(seconds, UTC).isoformat().replace("+00:00", "Z")
+
+
+def model_info(card: api.ModelCard) -> aapi.ModelInfo:
+    """A /v1/models entry as the anthropic client reads it (it sends anthropic-version)."""
+    return aapi.ModelInfo(
+        id=card.id,
+        display_name=card.id,
+        created_at=rfc3339(card.created),
+        max_input_tokens=card.max_model_len,
+        max_tokens=card.max_model_len,
     )
 
 

@@ -114,6 +114,8 @@ class Endpoint:
 ANY_ROUTE_ERRORS = (401, 429, 500)
 SERVICE_ERRORS = (*ANY_ROUTE_ERRORS, 503, 504)
 BODY_ERRORS = (400, 404, 413, 415, *SERVICE_ERRORS)
+# Sent by the anthropic client with every request: /v1/models then answers in Anthropic's shape.
+ANTHROPIC_VERSION_HEADER = "anthropic-version"
 
 
 async def read_body(request: Request, model: type[api.RequestT]) -> api.RequestT:
@@ -373,12 +375,28 @@ async def _model_cards(gateway: Gateway) -> list[api.ModelCard]:
     return [base, *aliases, *adapters]
 
 
+def _asks_anthropic(request: Request) -> bool:
+    """The anthropic client sends anthropic-version with every request; OpenAI's never do."""
+    return ANTHROPIC_VERSION_HEADER in request.headers
+
+
 async def models(request: Request) -> Response:
-    return ModelResponse(api.ModelList(data=await _model_cards(_context(request).gateway)))
+    cards = await _model_cards(_context(request).gateway)
+    if _asks_anthropic(request):
+        infos = [anthropic.model_info(card) for card in cards]
+        return ModelResponse(
+            aapi.ModelList(
+                data=infos,
+                first_id=infos[0].id if infos else None,
+                last_id=infos[-1].id if infos else None,
+            )
+        )
+    return ModelResponse(api.ModelList(data=cards))
 
 
 async def model(request: Request) -> Response:
-    """OpenAI's retrieve: one of /v1/models' cards by its id."""
+    """OpenAI's retrieve (Anthropic's, for the anthropic client): one of /v1/models' entries
+    by its id."""
     gateway = _context(request).gateway
     name = request.path_params["model"]
     cards = await _model_cards(gateway)
@@ -388,7 +406,7 @@ async def model(request: Request) -> Response:
         raise api.ModelNotFound(
             f"the model {name!r} does not exist; this server serves {served}", "model"
         )
-    return ModelResponse(card)
+    return ModelResponse(anthropic.model_info(card) if _asks_anthropic(request) else card)
 
 
 async def load_lora_adapter(request: Request) -> Response:
@@ -630,7 +648,8 @@ ENDPOINTS = [
     Endpoint(
         "/v1/models",
         "GET",
-        "The served model, and its LoRA adapters (parent: the base model)",
+        "The served model, and its LoRA adapters (parent: the base model); in Anthropic's shape "
+        "when the request carries anthropic-version",
         models,
         None,
         api.ModelList,
@@ -640,7 +659,8 @@ ENDPOINTS = [
         # A model id may hold slashes ("Qwen/Qwen3-0.6B").
         "/v1/models/{model:path}",
         "GET",
-        "One of /v1/models' entries, by its id (OpenAI's retrieve)",
+        "One of /v1/models' entries, by its id (OpenAI's retrieve; Anthropic's with "
+        "anthropic-version)",
         model,
         None,
         api.ModelCard,

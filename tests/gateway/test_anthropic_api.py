@@ -175,6 +175,18 @@ def test_a_final_assistant_message_is_continued(gateway, client):
     assert client.messages.count_tokens(model=MODEL, messages=started).input_tokens == len(tokens)
 
 
+def test_the_models_list_in_anthropics_shape(gateway, client):
+    (listed,) = client.models.list().data
+    assert (listed.id, listed.type, listed.display_name) == (MODEL, "model", MODEL)
+    assert listed.max_input_tokens == MAX_MODEL_LEN and listed.created_at.year >= 2025
+    assert client.models.retrieve(MODEL) == listed
+    # OpenAI's clients (no anthropic-version) get OpenAI's shape from the same routes.
+    openai_shape = httpx.get(gateway.url + "/v1/models", timeout=TIMEOUT).json()
+    assert openai_shape["object"] == "list" and openai_shape["data"][0]["object"] == "model"
+    with pytest.raises(anthropic.NotFoundError):
+        client.models.retrieve("claude-nothing")
+
+
 def test_count_tokens_is_the_chat_templates_prompt_length(gateway, client):
     counted = client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=[ASK])
     tokenized = httpx.post(
