@@ -13,6 +13,7 @@ device.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -72,6 +73,27 @@ def _model_flag() -> Any:
         None,
         "a local Hugging Face model directory or Llama GGUF file (default: SmolLM2-135M-Instruct)",
     )
+
+
+def lora_module(spec: str) -> tuple[str, str]:
+    """One --lora-modules value, NAME=PATH or vLLM's JSON {"name": ..., "path": ...,
+    "base_model_name": ...} (the base model's name is only said: an adapter's parent is the
+    served model): its name and path. ValueError naming the forms it takes."""
+    forms = 'lora_modules takes NAME=PATH or {"name": NAME, "path": PATH}'
+    if spec.lstrip().startswith("{"):
+        try:
+            value = json.loads(spec)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{forms}; {spec!r} is not JSON: {exc}") from None
+        keys = {"name", "path", "base_model_name"}
+        if not isinstance(value, dict) or set(value) - keys:
+            raise ValueError(f"{forms} (keys: {', '.join(sorted(keys))}), got {spec!r}")
+        name, path = value.get("name"), value.get("path")
+    else:
+        name, _, path = spec.partition("=")
+    if not (isinstance(name, str) and name and isinstance(path, str) and path):
+        raise ValueError(f"{forms}, got {spec!r}")
+    return name, path
 
 
 @dataclass
@@ -186,8 +208,9 @@ class EngineConfig:
     )
     lora_modules: tuple[str, ...] = flag(
         (),
-        "a LoRA adapter in PEFT's format served beside the base model, as NAME=PATH (a request "
-        'picks it by "model": NAME); repeatable (docs/lora.md)',
+        "a LoRA adapter in PEFT's format served beside the base model, as NAME=PATH or vLLM's "
+        'JSON {"name": ..., "path": ...} (a request picks it by "model": NAME); several '
+        "(docs/lora.md)",
     )
     max_loras: int = flag(
         4, "LoRA adapters resident in the model's slots at once; more are swapped from host memory"
@@ -251,8 +274,7 @@ class EngineConfig:
         )
         require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         for module in self.lora_modules:
-            name, _, path = module.partition("=")
-            require(bool(name and path), f"lora_modules takes NAME=PATH, got {module!r}")
+            lora_module(module)
         require(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
         require(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         require(

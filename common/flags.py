@@ -125,8 +125,9 @@ def _dashed(name: str) -> str:
 
 
 class _Repeat(argparse.Action):
-    """A repeatable flag: the first use replaces the default (or what --config-json gave, both
-    tuples), later uses add to the list the first one started."""
+    """A flag of several values, given as vLLM takes them (`--flag a b`), by repeating it
+    (`--flag a --flag b`), or both: the first use replaces the default (or what --config-json
+    gave, both tuples), later uses add to the list the first one started."""
 
     def __call__(
         self,
@@ -136,7 +137,7 @@ class _Repeat(argparse.Action):
         option_string: str | None = None,
     ) -> None:
         given = getattr(namespace, self.dest)
-        setattr(namespace, self.dest, [*([] if isinstance(given, tuple) else given), values])
+        setattr(namespace, self.dest, [*([] if isinstance(given, tuple) else given), *values])
 
 
 class _SerializedConfig(argparse.Action):
@@ -188,6 +189,7 @@ def add_flags(parser: argparse.ArgumentParser, config_type: type, serialized: bo
                 default=leaf.value,
                 choices=leaf.spec.choices,
                 action=_Repeat if leaf.repeated else "store",
+                nargs="+" if leaf.repeated else None,
                 help=_help(leaf),
             )
     if serialized:

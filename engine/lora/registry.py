@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Protocol
 
 from common.block_hash import ROOT_HASH
-from common.config import EngineConfig
+from common.config import EngineConfig, lora_module
 from common.errors import InvalidRequestError, ModelNotFound, NotFound
 from engine.core.outputs import EngineStats
 from engine.core.request import Request
@@ -93,7 +93,7 @@ class LoraRegistry:
             raise ValueError("this executor serves no LoRA adapters (lora_modules, lora_root)")
         registry = cls(config.max_loras, backend)
         for module in config.lora_modules:
-            name, _, path = module.partition("=")
+            name, path = lora_module(module)
             try:
                 registry.add(name, path)
             except ValueError as exc:

@@ -32,9 +32,8 @@ def test_folio_gateway_serves_then_drains_on_sigterm(services):
     process = spawn_gateway(
         engine.port,
         tokenizer.port,
-        "--served-model-name",
+        "--served-model-name",  # vLLM's form: the names after one flag
         "folio-test",
-        "--served-model-name",
         "folio-alias",
         # A generous drain: on a loaded 2-core machine the tokens below can take a minute.
         "--drain-seconds",

@@ -163,6 +163,9 @@ def test_repeated_flags_replace_their_default():
     )
     args = parser.parse_args(["--engine-address", "a:1", "--engine-address", "b:2"])
     assert from_args(GatewayServerConfig, args).engine_address == ("a:1", "b:2")
+    # vLLM's form (several values after one flag), and both forms together.
+    args = parser.parse_args(["--engine-address", "a:1", "b:2", "--engine-address", "c:3"])
+    assert from_args(GatewayServerConfig, args).engine_address == ("a:1", "b:2", "c:3")
 
 
 def test_a_value_not_among_the_choices_is_named():

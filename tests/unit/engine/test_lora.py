@@ -258,6 +258,23 @@ def test_bad_adapters_are_refused_naming_the_problem(models, served):
         assert path not in served.lora.adapters
 
 
+@pytest.mark.parametrize(
+    "module",
+    [
+        "chat",
+        "=path",
+        "chat=",
+        '{"name": "chat"}',
+        '{"name": "chat", "path": 3}',
+        '{"nme": 1}',
+        "{bad",
+    ],
+)
+def test_a_lora_module_is_name_and_path_in_either_form(module):
+    with pytest.raises(ValueError, match=r'lora_modules takes NAME=PATH or \{"name"'):
+        EngineConfig(lora_modules=(module,))
+
+
 def test_runtime_paths_must_resolve_inside_the_lora_root(models, served, tmp_path):
     root, _, _, _ = models
     outside = tmp_path / "outside"
@@ -422,7 +439,16 @@ def test_an_adapter_on_the_default_model_matches_transformers_with_peft(
             model=str(default_model_dir),
             dtype="float32",
             num_kv_blocks=64,
-            lora_modules=(f"chat={tmp_path / 'chat'}",),
+            # vLLM's JSON form of --lora-modules (NAME=PATH is used above).
+            lora_modules=(
+                json.dumps(
+                    {
+                        "name": "chat",
+                        "path": str(tmp_path / "chat"),
+                        "base_model_name": "SmolLM2-135M-Instruct",
+                    }
+                ),
+            ),
             max_loras=1,
             max_lora_rank=8,
             enforce_eager=True,
