@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -569,7 +570,7 @@ class GatewayConfig:
     allowed_origins: tuple[str, ...] = flag(
         (),
         "browser origins allowed to call the HTTP API (CORS), e.g. https://app.example.com, "
-        "or * for any; repeat the flag for several; default: none (same-origin pages only)",
+        "or * for any; several values for several; default: none (same-origin pages only)",
     )
 
     @property
@@ -617,6 +618,15 @@ class GatewayConfig:
         pinned = self.max_pinned_gib_per_key
         if pinned is not None and not (pinned >= 0 and math.isfinite(pinned)):
             raise ValueError(f"--max-pinned-gib-per-key must be a number >= 0, got {pinned}")
+        for origin in self.allowed_origins:
+            # A browser's Origin header: scheme and host (and port), no path. A value that is not
+            # one would never match, and CORS would fail without a word.
+            if origin != "*" and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s]+", origin):
+                hint = " (vLLM's JSON list: give each origin as a value of its own)"
+                raise ValueError(
+                    f"allowed_origins takes * or origins like https://app.example.com, got "
+                    f"{origin!r}{hint if origin.startswith('[') else ''}"
+                )
 
 
 @dataclass

@@ -249,6 +249,23 @@ def test_keys_are_never_logged(services, caplog, capfd):
         assert key not in text
 
 
+@pytest.mark.parametrize(
+    ("origins", "problem"),
+    [
+        (("*", "http://localhost:3000", "https://app.example.com"), None),
+        (('["*"]',), "vLLM's JSON list"),
+        (("https://app.example.com/",), "got 'https://app.example.com/'"),
+        (("app.example.com",), "origins like"),
+    ],
+)
+def test_an_allowed_origin_is_one_a_browser_sends(origins, problem):
+    if problem is None:
+        assert GatewayConfig(allowed_origins=origins).allowed_origins == origins
+        return
+    with pytest.raises(ValueError, match=problem):
+        GatewayConfig(allowed_origins=origins)
+
+
 def test_browsers_on_allowed_origins_may_call_the_api(keyed, services):
     """CORS: none by default; with --allowed-origins a preflight from an allowed origin is
     answered before any key is asked for, and every answer to it (an error too) names it."""
