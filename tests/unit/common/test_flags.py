@@ -96,6 +96,7 @@ FORMED = {
     "chat_template": "{{ messages[0].content }}",
     "generation_config": "folio",
     "override_generation_config": '{"temperature": 0.5}',
+    "allowed_origins": ("https://app.example.com", "http://localhost:3000"),
 }
 KEPT = {"lora_modules", "lora_root", "ssl_keyfile", "ssl_certfile"}
 
