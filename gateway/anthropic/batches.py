@@ -75,8 +75,10 @@ class MessageBatches:
     async def list_batches(
         self, owner: str, query: aapi.MessageBatchListQuery, base_url: str
     ) -> aapi.MessageBatchList:
+        if query.after_id is not None and query.before_id is not None:
+            raise InvalidParameter("set at most one of after_id and before_id", "before_id")
         batches, more = await asyncio.to_thread(
-            self._store.batches, owner, query.limit, query.after_id, ID_PREFIX
+            self._store.batches, owner, query.limit, query.after_id, ID_PREFIX, query.before_id
         )
         views = [
             _view(batch, await self._counts(owner, batch), _results_url(batch, base_url))

@@ -235,10 +235,12 @@ class MessageBatchCreateRequest(api.RequestBody):
 
 
 class MessageBatchListQuery(api.RequestBody):
-    """GET /v1/messages/batches' query parameters: newest first, from the one after after_id."""
+    """GET /v1/messages/batches' query parameters: newest first, the page older than after_id
+    or the one just newer than before_id."""
 
     limit: int = Field(DEFAULT_BATCH_LIST, ge=1, le=MAX_BATCH_LIST)
     after_id: str | None = None
+    before_id: str | None = None
 
 
 class MessageBatchRequestCounts(api.ResponseBody):

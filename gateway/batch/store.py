@@ -255,20 +255,30 @@ class BatchStore:
         return None if row is None else Batch.model_validate_json(row[0])
 
     def batches(
-        self, owner: str, limit: int, after: str | None, id_prefix: str
+        self,
+        owner: str,
+        limit: int,
+        after: str | None,
+        id_prefix: str,
+        before: str | None = None,
     ) -> tuple[list[Batch], bool]:
-        """The owner's jobs whose ids start with `id_prefix` (each API's own), newest first,
-        from the one after `after`; and whether more follow."""
+        """A page of the owner's jobs whose ids start with `id_prefix` (each API's own), newest
+        first: the `limit` older than `after`, or the `limit` just newer than `before`; and
+        whether more follow in that direction."""
         where, args = "owner = ? AND substr(id, 1, ?) = ?", [owner, len(id_prefix), id_prefix]
-        if after is not None:
-            where += " AND seq < (SELECT seq FROM batches WHERE id = ? AND owner = ?)"
-            args += [after, owner]
+        cursor, newer = (before, True) if before is not None else (after, False)
+        if cursor is not None:
+            where += f" AND seq {'>' if newer else '<'} "
+            where += "(SELECT seq FROM batches WHERE id = ? AND owner = ?)"
+            args += [cursor, owner]
         with self._lock:
             rows = self._db.execute(
-                f"SELECT object FROM batches WHERE {where} ORDER BY seq DESC LIMIT ?",
+                f"SELECT object FROM batches WHERE {where} "
+                f"ORDER BY seq {'ASC' if newer else 'DESC'} LIMIT ?",
                 (*args, limit + 1),
             ).fetchall()
-        return [Batch.model_validate_json(row[0]) for row in rows[:limit]], len(rows) > limit
+        page = [Batch.model_validate_json(row[0]) for row in rows[:limit]]
+        return (page[::-1] if newer else page), len(rows) > limit
 
     def delete_batch(self, owner: str, batch_id: str) -> bool:
         """Forget an ended job: its lines, its input, output and error files and itself."""
