@@ -105,20 +105,20 @@ def test_a_cancelled_batch_ends_with_what_it_answered(client):
 
 def test_the_list_pages_newest_first_both_ways(client, gateway):
     one = [{"custom_id": "one", "params": params(max_tokens=1)}]
-    a, b, c = (client.messages.batches.create(requests=one).id for _ in range(3))
+    a, b, c, d = (client.messages.batches.create(requests=one).id for _ in range(4))
     first = client.messages.batches.list(limit=2)
-    assert [batch.id for batch in first.data] == [c, b] and first.has_more
-    older = client.messages.batches.list(limit=2, after_id=b)
-    assert older.data[0].id == a
-    newer = client.messages.batches.list(limit=2, before_id=a)
-    assert [batch.id for batch in newer.data] == [c, b] and not newer.has_more
+    assert [batch.id for batch in first.data] == [d, c] and first.has_more
+    older = client.messages.batches.list(limit=2, after_id=c)
+    assert [batch.id for batch in older.data] == [b, a]
+    newer = client.messages.batches.list(limit=2, before_id=b)
+    assert [batch.id for batch in newer.data] == [d, c] and not newer.has_more
     both = httpx.get(
         gateway.url + "/v1/messages/batches",
         params={"after_id": a, "before_id": c},
         timeout=TIMEOUT,
     )
     assert both.status_code == 400 and "at most one" in both.json()["error"]["message"]
-    for batch_id in (a, b, c):
+    for batch_id in (a, b, c, d):
         wait_ended(client, batch_id)
 
 
