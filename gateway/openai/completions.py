@@ -19,7 +19,7 @@ import pydantic_core
 
 from common.errors import InvalidRequestError
 from common.generation_config import SamplingDefaults
-from common.sampling_params import SamplingParams
+from common.sampling_params import BATCH_PRIORITY, SamplingParams
 from gateway.engines.pinning import set_pin
 from gateway.front.http_errors import error_body, log_failure
 from gateway.front.sse import DONE, event
@@ -68,6 +68,8 @@ class Plan:
     continuous_usage: bool = False
     # Logprobs name tokens "token_id:N" (return_tokens_as_token_ids).
     tokens_as_ids: bool = False
+    # The service tier the request ran in, said when it asked for one (service_tier).
+    service_tier: str | None = None
 
     @property
     def reads_answers(self) -> bool:
@@ -192,7 +194,7 @@ def _text_requests(
             stop=stop,
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
-            priority=body.priority,
+            priority=_priority(body),
             max_tokens_cap=model.max_tokens,
             truncate_prompt_tokens=body.truncate_prompt_tokens,
         )
@@ -320,6 +322,7 @@ async def plan_chat(
         reasoning=reasoning,
         continuous_usage=_continuous_usage(body),
         tokens_as_ids=body.return_tokens_as_token_ids,
+        service_tier=_service_tier(body),
     )
 
 
@@ -384,6 +387,7 @@ async def plan_completion(gateway: Gateway, body: api.CompletionRequest) -> Plan
         echo,
         continuous_usage=_continuous_usage(body),
         tokens_as_ids=body.return_tokens_as_token_ids,
+        service_tier=_service_tier(body),
     )
 
 
@@ -398,6 +402,21 @@ def _include_usage(body: api.SamplingFields) -> bool:
     return body.stream_options is not None and (
         body.stream_options.include_usage or body.stream_options.continuous_usage_stats
     )
+
+
+def _priority(body: api.SamplingFields) -> int:
+    """The request's priority: OpenAI's flex tier (slower, for work that can wait) runs in the
+    engine's batch lane, behind every interactive request."""
+    if body.service_tier == "flex":
+        return max(body.priority, BATCH_PRIORITY)
+    return body.priority
+
+
+def _service_tier(body: api.SamplingFields) -> str | None:
+    """The tier an answer says it ran in: flex, or default (which auto and priority get)."""
+    if body.service_tier is None:
+        return None
+    return "flex" if body.service_tier == "flex" else "default"
 
 
 def _continuous_usage(body: api.SamplingFields) -> bool:
@@ -611,7 +630,12 @@ async def respond(
             _chat_choice(plan, i, "".join(texts[i]), reasons[i], logprobs[i]) for i in range(count)
         ]
         return api.ChatCompletionResponse(
-            id=plan.id, created=plan.created, model=plan.model, choices=chat_choices, usage=usage
+            id=plan.id,
+            created=plan.created,
+            model=plan.model,
+            choices=chat_choices,
+            usage=usage,
+            service_tier=plan.service_tier,
         )
     choices = [
         api.CompletionChoice(
@@ -623,7 +647,12 @@ async def respond(
         for i in range(count)
     ]
     return api.CompletionResponse(
-        id=plan.id, created=plan.created, model=plan.model, choices=choices, usage=usage
+        id=plan.id,
+        created=plan.created,
+        model=plan.model,
+        choices=choices,
+        usage=usage,
+        service_tier=plan.service_tier,
     )
 
 
@@ -642,7 +671,12 @@ async def events(
     def chat_chunk(choices: list[api.ChatChunkChoice], usage: api.Usage | None = None) -> bytes:
         return event(
             api.ChatCompletionChunk(
-                id=plan.id, created=plan.created, model=plan.model, choices=choices, usage=usage
+                id=plan.id,
+                created=plan.created,
+                model=plan.model,
+                choices=choices,
+                usage=usage,
+                service_tier=plan.service_tier,
             )
         )
 
@@ -651,7 +685,12 @@ async def events(
     ) -> bytes:
         return event(
             api.CompletionResponse(
-                id=plan.id, created=plan.created, model=plan.model, choices=choices, usage=usage
+                id=plan.id,
+                created=plan.created,
+                model=plan.model,
+                choices=choices,
+                usage=usage,
+                service_tier=plan.service_tier,
             )
         )
 

@@ -172,6 +172,8 @@ class SamplingFields(RequestBody):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=INT32_MIN, le=INT32_MAX)
+    # OpenAI's: flex runs in the engine's batch lane; the others run as interactive requests.
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     # vLLM's: logprobs name each token "token_id:N" instead of by its text.
     return_tokens_as_token_ids: bool = False
     # vLLM's: keep the prompt's last N tokens (-1: as many as the context holds).
@@ -390,6 +392,7 @@ class ChatCompletionResponse(ResponseBody):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    service_tier: str | None = Field(default=None, exclude_if=is_unset)
 
 
 class DeltaFunctionCall(ResponseBody):
@@ -430,6 +433,7 @@ class ChatCompletionChunk(ResponseBody):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    service_tier: str | None = Field(default=None, exclude_if=is_unset)
 
 
 class CompletionLogprobs(ResponseBody):
@@ -456,6 +460,7 @@ class CompletionResponse(ResponseBody):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    service_tier: str | None = Field(default=None, exclude_if=is_unset)
 
 
 class ModelCard(ResponseBody):

@@ -1,11 +1,13 @@
 """Batch lines give way to interactive requests: on an engine with one sequence slot, an
 interactive request sent while a long batch line runs is answered whole before that line ends
 (it takes the slot at the next step). Were the line not in the engine's batch lane, the request
-would wait for the line's last token. A tiny random model with SmolLM2's tokenizer."""
+would wait for the line's last token. OpenAI's flex service tier runs in the same lane. A tiny
+random model with SmolLM2's tokenizer."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import openai
@@ -68,3 +70,38 @@ def test_an_interactive_request_passes_a_running_batch_line(one_slot):
     assert answer.usage.completion_tokens == 8
     assert client.batches.retrieve(batch.id).request_counts.completed == 0
     assert client.batches.cancel(batch.id).status == "cancelling"
+
+
+def test_a_flex_request_gives_way_as_a_batch_line_does(one_slot):
+    gateway, _ = one_slot
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    model = gateway_model(client)
+    flex = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Once"}],
+        max_tokens=BATCH_TOKENS - 100,  # the chat template's tokens come first
+        stream=True,
+        service_tier="flex",
+        extra_body={"ignore_eos": True},
+    )
+    first = next(iter(flex))  # the flex request holds the one slot
+    assert first.service_tier == "flex"
+    ended: dict[str, float] = {}
+
+    def read_to_the_end() -> None:
+        for _ in flex:
+            pass
+        ended["flex"] = time.monotonic()
+
+    reader = threading.Thread(target=read_to_the_end)
+    reader.start()
+    answer = client.completions.create(
+        model=model,
+        prompt="Hello",
+        max_tokens=8,
+        extra_body={"ignore_eos": True, "service_tier": "auto"},
+    )
+    ended["interactive"] = time.monotonic()
+    reader.join(WAIT_SECONDS)
+    assert answer.usage.completion_tokens == 8 and answer.model_extra["service_tier"] == "default"
+    assert ended["interactive"] < ended["flex"]
