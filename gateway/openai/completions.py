@@ -322,7 +322,7 @@ async def plan_chat(
         reasoning=reasoning,
         continuous_usage=_continuous_usage(body),
         tokens_as_ids=body.return_tokens_as_token_ids,
-        service_tier=_service_tier(body),
+        service_tier=api.TIER_RUN.get(body.service_tier or ""),
     )
 
 
@@ -387,7 +387,7 @@ async def plan_completion(gateway: Gateway, body: api.CompletionRequest) -> Plan
         echo,
         continuous_usage=_continuous_usage(body),
         tokens_as_ids=body.return_tokens_as_token_ids,
-        service_tier=_service_tier(body),
+        service_tier=api.TIER_RUN.get(body.service_tier or ""),
     )
 
 
@@ -410,13 +410,6 @@ def _priority(body: api.SamplingFields) -> int:
     if body.service_tier == "flex":
         return max(body.priority, BATCH_PRIORITY)
     return body.priority
-
-
-def _service_tier(body: api.SamplingFields) -> str | None:
-    """The tier an answer says it ran in: flex, or default (which auto and priority get)."""
-    if body.service_tier is None:
-        return None
-    return "flex" if body.service_tier == "flex" else "default"
 
 
 def _continuous_usage(body: api.SamplingFields) -> bool:

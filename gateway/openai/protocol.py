@@ -47,6 +47,15 @@ NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+# OpenAI's service tiers: the one a request runs in, by the one it asks for (flex is the engine's
+# batch lane; the rest run as interactive requests), which its answer says.
+ServiceTier = Literal["auto", "default", "flex", "priority"]
+TIER_RUN: dict[str, str] = {
+    "auto": "default",
+    "default": "default",
+    "priority": "default",
+    "flex": "flex",
+}
 # Each word becomes up to two token sequences (as written, and after a space).
 MAX_BAD_WORDS = SamplingParams.MAX_BAD_WORDS // 2
 TokenIds = list[int]
@@ -173,7 +182,7 @@ class SamplingFields(RequestBody):
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=INT32_MIN, le=INT32_MAX)
     # OpenAI's: flex runs in the engine's batch lane; the others run as interactive requests.
-    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    service_tier: ServiceTier | None = None
     # vLLM's: logprobs name each token "token_id:N" instead of by its text.
     return_tokens_as_token_ids: bool = False
     # vLLM's: keep the prompt's last N tokens (-1: as many as the context holds).

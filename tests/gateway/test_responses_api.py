@@ -59,6 +59,7 @@ def test_text_answer_equals_the_chat_completion(client):
         max_output_tokens=12,
         temperature=0.0,
         store=True,
+        service_tier="flex",  # the batch lane: on an idle engine, the same answer
     )
     chat = client.chat.completions.create(
         model=MODEL,
@@ -72,6 +73,7 @@ def test_text_answer_equals_the_chat_completion(client):
     assert response.output_text == chat.choices[0].message.content
     assert response.object == "response" and response.id.startswith("resp_")
     assert response.to_dict()["store"] is False  # accepted, and nothing is stored
+    assert response.service_tier == "flex" and chat.service_tier is None
     assert response.instructions == "You are terse." and response.max_output_tokens == 12
     (message,) = response.output
     assert message.type == "message" and message.role == "assistant"

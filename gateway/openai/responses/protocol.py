@@ -79,6 +79,8 @@ class ResponsesRequest(api.RequestBody):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    # flex: the engine's batch lane, as in chat completions.
+    service_tier: api.ServiceTier | None = None
     # Not OpenAI's: reproducible sampling, as in chat completions.
     seed: int | None = Field(None, ge=api.INT64_MIN, le=api.INT64_MAX)
 
@@ -170,6 +172,7 @@ class Response(api.ResponseBody):
     truncation: Literal["disabled"] = "disabled"
     store: Literal[False] = False
     metadata: dict[str, str] = Field(default_factory=dict)
+    service_tier: str | None = None
     previous_response_id: None = None
     user: str | None = None
     usage: ResponseUsage | None = None

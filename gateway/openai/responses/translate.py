@@ -127,6 +127,7 @@ def chat_request(body: rapi.ResponsesRequest) -> api.ChatCompletionRequest:
         ("top_p", body.top_p),
         ("seed", body.seed),
         ("user", body.user),
+        ("service_tier", body.service_tier),
     ):
         if value is not None:
             chat[name] = value
@@ -209,6 +210,7 @@ class ResponseHead:
                 "text": body.text or {"format": {"type": "text"}},
                 "reasoning": body.reasoning or {},
                 "metadata": body.metadata or {},
+                "service_tier": api.TIER_RUN.get(body.service_tier or ""),
                 "user": body.user,
                 "usage": response_usage(usage) if usage is not None else None,
             }
