@@ -13,7 +13,7 @@ import dataclasses
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pydantic_core
 
@@ -70,6 +70,16 @@ class Plan:
     tokens_as_ids: bool = False
     # The service tier the request ran in, said when it asked for one (service_tier).
     service_tier: str | None = None
+
+    @property
+    def envelope(self) -> dict[str, Any]:
+        """What every answer and chunk of the plan says besides its choices and usage."""
+        return {
+            "id": self.id,
+            "created": self.created,
+            "model": self.model,
+            "service_tier": self.service_tier,
+        }
 
     @property
     def reads_answers(self) -> bool:
@@ -622,14 +632,7 @@ async def respond(
         chat_choices = [
             _chat_choice(plan, i, "".join(texts[i]), reasons[i], logprobs[i]) for i in range(count)
         ]
-        return api.ChatCompletionResponse(
-            id=plan.id,
-            created=plan.created,
-            model=plan.model,
-            choices=chat_choices,
-            usage=usage,
-            service_tier=plan.service_tier,
-        )
+        return api.ChatCompletionResponse(**plan.envelope, choices=chat_choices, usage=usage)
     choices = [
         api.CompletionChoice(
             index=i,
@@ -639,14 +642,7 @@ async def respond(
         )
         for i in range(count)
     ]
-    return api.CompletionResponse(
-        id=plan.id,
-        created=plan.created,
-        model=plan.model,
-        choices=choices,
-        usage=usage,
-        service_tier=plan.service_tier,
-    )
+    return api.CompletionResponse(**plan.envelope, choices=choices, usage=usage)
 
 
 async def events(
@@ -662,30 +658,12 @@ async def events(
     readers = [plan.reader() for _ in range(count)] if plan.reads_answers else None
 
     def chat_chunk(choices: list[api.ChatChunkChoice], usage: api.Usage | None = None) -> bytes:
-        return event(
-            api.ChatCompletionChunk(
-                id=plan.id,
-                created=plan.created,
-                model=plan.model,
-                choices=choices,
-                usage=usage,
-                service_tier=plan.service_tier,
-            )
-        )
+        return event(api.ChatCompletionChunk(**plan.envelope, choices=choices, usage=usage))
 
     def completion_chunk(
         choices: list[api.CompletionChoice], usage: api.Usage | None = None
     ) -> bytes:
-        return event(
-            api.CompletionResponse(
-                id=plan.id,
-                created=plan.created,
-                model=plan.model,
-                choices=choices,
-                usage=usage,
-                service_tier=plan.service_tier,
-            )
-        )
+        return event(api.CompletionResponse(**plan.envelope, choices=choices, usage=usage))
 
     def chat_text_chunk(index: int, text: str) -> bytes:
         return chat_chunk([api.ChatChunkChoice(index=index, delta=api.DeltaMessage(content=text))])
