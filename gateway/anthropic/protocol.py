@@ -108,6 +108,8 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(None, ge=api.INT32_MIN, le=api.INT32_MAX)
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    # Anthropic's tiers: both run as Folio's one interactive tier (standard capacity).
+    service_tier: Literal["auto", "standard_only"] | None = None
 
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]

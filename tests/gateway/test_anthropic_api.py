@@ -96,6 +96,14 @@ def test_whole_and_streamed_answers_equal_the_chat_completion(gateway, client):
     assert datas[-2]["delta"]["stop_reason"] == whole.stop_reason
 
 
+def test_either_service_tier_runs_as_the_standard_one(client):
+    for tier in ("auto", "standard_only"):
+        message = client.messages.create(
+            model=MODEL, messages=[ASK], max_tokens=2, service_tier=tier, extra_body=GREEDY
+        )
+        assert message.usage.output_tokens == 2 or message.stop_reason == "end_turn"
+
+
 def test_a_stop_sequence_ends_the_answer_and_is_named(client):
     kwargs = dict(model=MODEL, messages=[ASK], max_tokens=6, extra_body=GREEDY)
     text = client.messages.create(**kwargs).content[0].text
@@ -246,6 +254,12 @@ def test_x_api_key_is_the_api_key(services):
             "tool_choice",
         ),
         ({"model": "nope", "messages": [ASK], "max_tokens": 2}, 404, "not_found_error", "nope"),
+        (
+            {"messages": [ASK], "max_tokens": 2, "service_tier": "priority"},
+            400,
+            "invalid_request_error",
+            "service_tier",
+        ),
         (
             {
                 "messages": [ASK],
