@@ -15,14 +15,12 @@ import json
 from common.errors import InvalidParameter, NotFound
 from gateway.anthropic import protocol as aapi
 from gateway.anthropic.translate import ERROR_TYPES, rfc3339
-from gateway.batch.protocol import Batch, OutputLine
+from gateway.batch.protocol import EXPIRED_LINE_CODE, Batch, OutputLine
 from gateway.batch.service import BatchService
 from gateway.batch.store import new_id
 
 ID_PREFIX = "msgbatch_"
 MESSAGES_URL = "/v1/messages"
-# The error code the runner gives the lines a job's 24 hours left unanswered.
-EXPIRED_CODE = "batch_expired"
 # The job's statuses as the batch's processing_status; every other one has ended.
 PROCESSING_STATUS = {
     "validating": "in_progress",
@@ -178,7 +176,7 @@ def _result(line: OutputLine) -> aapi.BatchResult:
     if line.response is not None and line.response.status_code == 200:
         return aapi.BatchResult(type="succeeded", message=line.response.body)
     if line.error is not None:
-        if line.error.code == EXPIRED_CODE:
+        if line.error.code == EXPIRED_LINE_CODE:
             return aapi.BatchResult(type="expired")
         return aapi.BatchResult(
             type="errored", error=_error("invalid_request_error", line.error.message)

@@ -20,6 +20,8 @@ BatchEndpoint = Literal[
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"
 ]
 COMPLETION_WINDOW_SECONDS = 24 * 3600
+# The error of the lines a job's completion window left unanswered (OpenAI's code).
+EXPIRED_LINE_CODE = "batch_expired"
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512

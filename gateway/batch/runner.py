@@ -26,7 +26,13 @@ from typing import Literal, ParamSpec, TypeVar
 
 from common.errors import QueueFullError, UnavailableError
 from gateway.batch import lines as batch_lines
-from gateway.batch.protocol import BatchError, BatchErrors, LineError, OutputLine
+from gateway.batch.protocol import (
+    EXPIRED_LINE_CODE,
+    BatchError,
+    BatchErrors,
+    LineError,
+    OutputLine,
+)
 from gateway.batch.store import BatchStore, Holder, LeaseLost, Line
 
 logger = logging.getLogger(__name__)
@@ -145,7 +151,7 @@ class BatchRunner:
             await _db(store.finish, batch_id, holder, "cancelled", None)
         elif stop == "expired":
             expired = LineError(
-                code="batch_expired", message="the batch's completion window ended first"
+                code=EXPIRED_LINE_CODE, message="the batch's completion window ended first"
             )
             await _db(store.finish, batch_id, holder, "expired", expired)
         else:
